@@ -1,0 +1,1 @@
+"""The ``mta`` command line: a thin Typer layer over the ``mta`` library."""

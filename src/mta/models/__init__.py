@@ -1,0 +1,1 @@
+"""Model and tokenizer helpers shared by every stage."""

@@ -1,0 +1,78 @@
+"""Tiny random causal LMs and tokenizers, built offline, for the tiny recipe and the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
+
+
+def corpus_texts(jsonl_path: str | Path) -> list[str]:
+    """Every string field of every row of a JSONL file: enough text to train a small BPE."""
+    texts: list[str] = []
+    with open(jsonl_path, encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                texts.extend(v for v in json.loads(line).values() if isinstance(v, str))
+    return texts
+
+
+def build_tiny_tokenizer(corpus_jsonl: str | Path, out_dir: str | Path, vocab_size: int = 512):
+    """Train (once) a byte-level BPE on a JSONL corpus; reuse the directory when it exists."""
+    out_dir = Path(out_dir)
+    if (out_dir / "tokenizer.json").exists():
+        return load_tokenizer(out_dir)
+    return train_byte_level_tokenizer(corpus_texts(corpus_jsonl), vocab_size, out_dir)
+
+
+def build_tiny_model(
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    model_type: str = "llama",
+    num_layers: int = 4,
+    hidden_size: int = 32,
+    num_heads: int = 4,
+    seed: int = 0,
+) -> Path:
+    """Save a random ``model_type`` causal LM sized to the tokenizer, with the tokenizer beside it."""
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        return out_dir
+    tokenizer = load_tokenizer(tokenizer_dir)
+    sizes = {
+        "llama": dict(
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            max_position_embeddings=1024,
+        ),
+        "gpt2": dict(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=1024),
+        "qwen2": dict(
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            max_position_embeddings=1024,
+        ),
+    }[model_type]
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **sizes,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
