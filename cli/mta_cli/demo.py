@@ -1,8 +1,58 @@
-"""`mta demo` (placeholder: being written)."""
+"""`mta demo`: the whole pipeline on a real instruction model, in one process."""
 
-from mta.errors import MtaError
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mta_cli.evaluate import RichProgress
 
 
-def demo() -> None:
-    """Not written yet."""
-    raise MtaError("`mta demo` is not written yet")
+def demo(
+    quick: bool = typer.Option(False, "--quick", help="fewer steps, 16 rows per set, 1 seed (~6 min)"),
+    out_dir: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="where every stage writes"),
+    data_dir: Optional[Path] = typer.Option(
+        None, "--data-dir", help="instruction sets (dolly/, self-inst/, ...); default $MTA_DATA_DIR, else ./data"
+    ),
+) -> None:
+    """Distill SmolLM2-135M-Instruct into a 10-layer student three ways and compare them.
+
+    Converts the teacher (once, into the model cache), prunes it to 10 layers, annotates Dolly
+    rows, trains SFT, skew-reverse-KL and skew-reverse-KL + MTA students from the same start,
+    evaluates all five models (ROUGE-L and Dolly-dev perplexity) and writes results.md and
+    summary.png. Re-running reuses every finished stage; --quick and full overwrite each other.
+    """
+    from mta.demo.pipeline import DemoHooks, run_demo
+    from mta.demo.report import table, write_report
+    from mta.demo.settings import DemoSettings
+    from mta.training.metrics import RichReporter
+
+    console = Console(stderr=True)
+    settings = DemoSettings.quick() if quick else DemoSettings.full()
+    console.print(
+        f"[bold]mta demo ({settings.name})[/]: about {settings.estimated_seconds() / 60:.0f} min on a "
+        f"2-core CPU; output in {out_dir}/"
+    )
+    started = time.perf_counter()
+    with RichProgress(console) as progress:
+        hooks = DemoHooks(
+            message=lambda text: console.print(f"[cyan]▸[/] {text}", highlight=False),
+            training_reporter=lambda variant: RichReporter(console),
+            evaluation_progress=progress,
+        )
+        results = run_demo(settings, out_dir, data_dir=data_dir, hooks=hooks)
+    markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
+
+    header, body = table(results)
+    rich = Table(title=f"mta demo ({settings.name})")
+    for index, column in enumerate(header):
+        rich.add_column(column, justify="left" if index == 0 else "right")
+    for row in body:
+        rich.add_row(*row)
+    Console().print(rich)
+    console.print(f"[green]table:[/] {markdown}\n[green]picture:[/] {picture}")

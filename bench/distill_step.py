@@ -1,0 +1,416 @@
+"""Benchmark: the cost of MTA in one `mta distill` training step.
+
+Three variants run side by side on the same tiny teacher and student and the same micro
+batches, read from an annotate artefact built here with `mta.data.annotate.annotate_file`:
+
+    base          the base loss (srkl) alone; the teacher returns logits only
+    mta_parquet   base + 2·DSA + 0.2·HRA with the spans read from the Parquet artefact
+    mta_reparse   the same, but spaCy re-parses the batch's texts and the spans are re-aligned
+                  to the tokens at every step, as the published code does
+
+Each step is the training objective `mta.training.objective` computes (teacher forward,
+student forward, losses, backward, gradient clipping, AdamW step). It runs with two
+vocabularies: a ~3k byte-level BPE trained here, where MTA's own cost shows, and the 50k
+GPT-2 vocabulary, where the logit loss dominates. Variants are interleaved over rounds (the
+order rotates every round), and the JSON reports per-variant median seconds per step and the
+ratios to `base` (target: mta_parquet ≤ 1.15×).
+
+    python bench/distill_step.py                     # CPU -> bench/results/distill_step.json
+    python bench/distill_step.py --device cuda --output bench/results/distill_step_gpu.json
+
+Rows come from ../shared's Dolly training set when present (else the repo's examples), the
+GPT-2 tokenizer from ../shared/tokenizers/gpt2; without it the 50k case is simulated with the
+small tokenizer and models whose vocabulary is padded to 50,257 rows, compared in full (the
+JSON says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import itertools
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from mta.data.alignment import token_ranges
+from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.data.artefact import read_annotations
+from mta.data.encoding import TokenizerSide
+from mta.data.spans import SpanExtractor, load_spacy
+from mta.losses.spans import SpanBatch
+from mta.models.tiny import corpus_texts
+from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
+from mta.training.batching import AnnotatedExamples, TrainBatch
+from mta.training.layers import resolve_layer_map
+from mta.training.models import FrozenTeacher
+from mta.training.objective import DistillationModel, DistillationObjective
+from mta.training.recipe import LossSpec
+
+REPO = Path(__file__).resolve().parents[1]
+GPT2_VOCAB = 50257
+MTA_TARGET = 1.15
+
+
+@dataclass(frozen=True)
+class Sizes:
+    micro_batch: int = 8
+    max_length: int = 256
+    max_prompt_length: int = 128
+    teacher_layers: int = 8
+    teacher_hidden: int = 128
+    student_layers: int = 4
+    student_hidden: int = 64
+    heads: int = 4
+    small_vocab: int = 3000
+
+
+PRESETS = {
+    "tiny": Sizes(),
+    # For a GPU, where tiny models only measure kernel launches: GPT-2-medium-like widths.
+    "medium": Sizes(teacher_layers=12, teacher_hidden=1024, student_layers=6, student_hidden=512, heads=8),
+}
+
+
+@dataclass
+class Vocabulary:
+    """A tokenizer and how many embedding rows the models get (more only when simulating)."""
+
+    name: str
+    tokenizer_dir: Path
+    model_rows: int
+    description: str
+
+
+@dataclass
+class Variant:
+    name: str
+    model: DistillationModel
+    teacher: FrozenTeacher
+    optimizer: torch.optim.Optimizer
+    spans: Callable[[int], Optional[dict[str, SpanBatch]]]  # batch index -> spans to use
+    seconds: list[float] = field(default_factory=list)  # mean s/step, one value per round
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def shared_dir() -> Path:
+    return Path(os.environ.get("MTA_SHARED_DIR", REPO.parent / "shared"))
+
+
+def write_rows(work: Path, count: int) -> tuple[Path, str]:
+    """The first ``count`` rows of Dolly train (or of the repo's examples) as a JSONL file."""
+    dolly = shared_dir() / "data" / "instruct" / "dolly" / "train.jsonl"
+    source = dolly if dolly.exists() else REPO / "examples" / "tiny.jsonl"
+    with open(source, encoding="utf-8") as handle:
+        lines = [line for line in handle if line.strip()]
+    # The 36 example rows are repeated when Dolly is absent.
+    chosen = list(itertools.islice(itertools.cycle(lines), count))
+    path = work / "rows.jsonl"
+    path.write_text("".join(chosen), encoding="utf-8")
+    return path, str(source)
+
+
+def small_tokenizer(work: Path, vocab_size: int) -> Path:
+    dolly = shared_dir() / "data" / "instruct" / "dolly" / "train.jsonl"
+    corpus = dolly if dolly.exists() else REPO / "examples" / "tiny.jsonl"
+    out = work / f"bpe{vocab_size}"
+    if not (out / "tokenizer.json").exists():
+        train_byte_level_tokenizer(corpus_texts(corpus), vocab_size, out)
+    return out
+
+
+def vocabularies(work: Path, sizes: Sizes, wanted: list[str]) -> list[Vocabulary]:
+    small = small_tokenizer(work, sizes.small_vocab)
+    small_rows = len(load_tokenizer(small))
+    found: list[Vocabulary] = []
+    if "small" in wanted:
+        found.append(Vocabulary("small", small, small_rows, f"byte-level BPE, {small_rows} tokens, trained here"))
+    if "gpt2" in wanted:
+        gpt2 = shared_dir() / "tokenizers" / "gpt2"
+        if (gpt2 / "tokenizer.json").exists():
+            found.append(Vocabulary("gpt2", gpt2, len(load_tokenizer(gpt2)), "the real GPT-2 tokenizer"))
+        else:
+            found.append(Vocabulary(
+                "gpt2", small, GPT2_VOCAB,
+                f"simulated: {small_rows}-token BPE, models padded to {GPT2_VOCAB} rows compared in full "
+                "(../shared/tokenizers/gpt2 absent)",
+            ))
+    return found
+
+
+def build_batches(rows: Path, vocab: Vocabulary, sizes: Sizes, work: Path, count: int):
+    """``count`` micro batches from the artefact, with each batch's texts (for re-parsing)."""
+    settings = AnnotateSettings(
+        teacher=str(vocab.tokenizer_dir), student=str(vocab.tokenizer_dir),
+        max_length=sizes.max_length, max_prompt_length=sizes.max_prompt_length,
+        on_error="skip", workers=1,
+    )
+    annotations = read_annotations(annotate_file(rows, work / f"annotations-{vocab.name}", settings))
+    eos = load_tokenizer(vocab.tokenizer_dir).eos_token_id
+    examples = AnnotatedExamples(annotations.table, student_pad_id=eos, teacher_pad_id=eos)
+    if len(examples) < count * sizes.micro_batch:
+        raise SystemExit(f"only {len(examples)} annotated rows; need {count * sizes.micro_batch}")
+    texts = annotations.table.column("text").to_pylist()
+    batches, batch_texts = [], []
+    for index in range(count):
+        rows_of_batch = np.arange(index * sizes.micro_batch, (index + 1) * sizes.micro_batch)
+        batches.append(examples.batch(rows_of_batch))
+        batch_texts.append([texts[row] for row in rows_of_batch])
+    return batches, batch_texts
+
+
+# --------------------------------------------------------------------------- re-parsing
+
+
+class SpanReparser:
+    """The published code's per-step work: parse texts with spaCy, map spans onto tokens."""
+
+    def __init__(self, tokenizer_dir: Path):
+        self.side = TokenizerSide.load(tokenizer_dir)
+        self.extractor = SpanExtractor(load_spacy("en_core_web_sm").nlp, "phrase")
+
+    def __call__(self, texts: list[str]) -> dict[str, SpanBatch]:
+        ranges: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"phrase": [], "word": []}
+        for text, spans in zip(texts, self.extractor.pipe(texts)):
+            offsets = self.side.encode(text).offsets
+            for name, chars in (("phrase", spans.phrases), ("word", spans.words)):
+                start, end, found = token_ranges(text, offsets, chars)
+                ranges[name].append((start[found], end[found]))
+        return {name: _span_batch(rows) for name, rows in ranges.items()}
+
+
+def _span_batch(rows: list[tuple[np.ndarray, np.ndarray]]) -> SpanBatch:
+    """Same tokenizer on both sides: the student's ranges are the teacher's."""
+    width = max(1, max(len(start) for start, _ in rows))
+    start = np.zeros((len(rows), width), dtype=np.int64)
+    end = np.zeros_like(start)
+    mask = np.zeros((len(rows), width), dtype=bool)
+    for row, (row_start, row_end) in enumerate(rows):
+        start[row, : len(row_start)], end[row, : len(row_end)] = row_start, row_end
+        mask[row, : len(row_start)] = True
+    start_t, end_t = torch.from_numpy(start), torch.from_numpy(end)
+    return SpanBatch(start_t, end_t, start_t, end_t, torch.from_numpy(mask))
+
+
+def spans_agreement(parquet: dict[str, SpanBatch], reparsed: dict[str, SpanBatch]) -> dict[str, float]:
+    """Fraction of spans the re-parse reproduces exactly (a sanity check, not a timing)."""
+    agreement = {}
+    for name in parquet:
+        def as_set(spans: SpanBatch) -> set[tuple[int, int, int]]:
+            rows, cols = torch.nonzero(spans.mask, as_tuple=True)
+            return set(zip(rows.tolist(), spans.student_start[rows, cols].tolist(), spans.student_end[rows, cols].tolist()))
+        ours, theirs = as_set(parquet[name]), as_set(reparsed[name])
+        agreement[name] = len(ours & theirs) / max(1, len(ours | theirs))
+    return agreement
+
+
+# --------------------------------------------------------------------------- models and steps
+
+
+def tiny_llama(rows: int, layers: int, hidden: int, heads: int, seed: int) -> torch.nn.Module:
+    config = AutoConfig.for_model(
+        "llama", vocab_size=rows, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=1024,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_variants(
+    vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], batch_texts: list[list[str]], device
+) -> tuple[list[Variant], list[dict], dict[str, float]]:
+    teacher_model = tiny_llama(vocab.model_rows, sizes.teacher_layers, sizes.teacher_hidden, sizes.heads, 1).to(device)
+    student_model = tiny_llama(vocab.model_rows, sizes.student_layers, sizes.student_hidden, sizes.heads, 2)
+    pairs = resolve_layer_map("auto", sizes.student_layers, sizes.teacher_layers)
+    reparser = SpanReparser(vocab.tokenizer_dir)
+
+    def variant(name: str, spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]]) -> Variant:
+        objective = DistillationObjective(
+            spec, pairs, student_hidden_size=sizes.student_hidden, teacher_hidden_size=sizes.teacher_hidden,
+            same_tokenizer=True, vocab_size=vocab.model_rows,
+        )
+        model = DistillationModel(copy.deepcopy(student_model), objective).to(device)
+        projectors = model.projector_parameters()
+        projector_ids = {id(p) for p in projectors}
+        groups = [{"params": [p for p in model.parameters() if id(p) not in projector_ids], "lr": 1e-4}]
+        if projectors:
+            groups.append({"params": projectors, "lr": 5e-4})
+        # FrozenTeacher with logits runs the whole model: the variants share its weights.
+        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, need_logits=True)
+        optimizer = torch.optim.AdamW(groups, weight_decay=0.01)
+        return Variant(name, model, teacher, optimizer, spans)
+
+    base = LossSpec(base="srkl", dsa_weight=0.0, hra_weight=0.0)
+    mta = LossSpec(base="srkl", dsa_weight=2.0, hra_weight=0.2)
+    variants = [
+        variant("base", base, lambda index: None),
+        variant("mta_parquet", mta, lambda index: None),
+        variant("mta_reparse", mta, lambda index: reparser(batch_texts[index])),
+    ]
+    layer_map = [pair.model_dump() for pair in pairs]
+    return variants, layer_map, spans_agreement(batches[0].spans, reparser(batch_texts[0]))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(
+    variant: Variant, batch: TrainBatch, index: int, device: torch.device, autocast: Optional[torch.dtype]
+) -> None:
+    spans = variant.spans(index)  # timed: the re-parse variant parses here
+    if spans is not None:
+        batch = TrainBatch(batch.row_ids, batch.student, batch.teacher, spans)
+    batch = batch.to(device)
+    mixed = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+    with mixed:
+        teacher_out = variant.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+        losses = variant.model(batch, teacher_out)
+    losses["total"].backward()
+    torch.nn.utils.clip_grad_norm_(variant.model.parameters(), 1.0)
+    variant.optimizer.step()
+    variant.optimizer.zero_grad(set_to_none=True)
+
+
+def run_round(variant: Variant, batches: list[TrainBatch], device: torch.device, autocast) -> float:
+    """Mean seconds per step over the batches."""
+    synchronize(device)
+    started = time.perf_counter()
+    for index, batch in enumerate(batches):
+        train_step(variant, batch, index, device, autocast)
+    synchronize(device)
+    return (time.perf_counter() - started) / len(batches)
+
+
+def measure(variants: list[Variant], batches: list[TrainBatch], rounds: int, device, autocast) -> None:
+    for variant in variants:  # warm-up: allocator, kernels, spaCy caches
+        run_round(variant, batches[:1], device, autocast)
+    for round_index in range(rounds):
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            variant.seconds.append(run_round(variant, batches, device, autocast))
+        summary = ", ".join(f"{v.name} {v.seconds[-1]:.3f}s" for v in variants)
+        print(f"  round {round_index + 1}/{rounds}: {summary}", flush=True)
+
+
+def summarise(variants: list[Variant]) -> dict:
+    base = next(v for v in variants if v.name == "base")
+    medians = {v.name: statistics.median(v.seconds) for v in variants}
+    return {
+        "seconds_per_step_median": medians,
+        "seconds_per_step_rounds": {v.name: v.seconds for v in variants},
+        # Ratio of medians, and the median of per-round ratios (robust to slow drifts in load).
+        "ratio_to_base": {name: value / medians["base"] for name, value in medians.items() if name != "base"},
+        "ratio_to_base_paired": {
+            v.name: statistics.median(s / b for s, b in zip(v.seconds, base.seconds))
+            for v in variants if v.name != "base"
+        },
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (at least 5)")
+    parser.add_argument("--batches", type=int, default=3, help="micro batches per variant per round")
+    parser.add_argument("--vocab", nargs="+", default=["small", "gpt2"], choices=["small", "gpt2"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model sizes")
+    parser.add_argument("--autocast", default=None, choices=["bf16"], help="mixed precision (GPU)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (1 keeps a shared, oversubscribed CPU from stalling)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="tokenizers and artefacts (default: a temp dir)")
+    parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "distill_step.json")
+    args = parser.parse_args()
+    if args.rounds < 5:
+        parser.error("--rounds must be at least 5 (the machine's noise is about ±15 %)")
+    device = torch.device(args.device)
+    sizes = PRESETS[args.preset]
+    autocast = torch.bfloat16 if args.autocast == "bf16" else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory(prefix="mta-bench-") as temporary:
+        work = args.work_dir or Path(temporary)
+        work.mkdir(parents=True, exist_ok=True)
+        # Rows to spare: a row whose prompt is over the limit is skipped by annotate.
+        rows, rows_source = write_rows(work, 2 * args.batches * sizes.micro_batch)
+        results = {}
+        for vocab in vocabularies(work, sizes, args.vocab):
+            print(f"{vocab.name}: {vocab.description}", flush=True)
+            batches, texts = build_batches(rows, vocab, sizes, work, args.batches)
+            variants, layer_map, agreement = build_variants(vocab, sizes, batches, texts, device)
+            measure(variants, batches, args.rounds, device, autocast)
+            results[vocab.name] = {
+                "vocabulary": vocab.description,
+                "model_vocab_rows": vocab.model_rows,
+                "tokens_per_step_mean": statistics.mean(b.num_tokens for b in batches),
+                "response_tokens_per_step_mean": statistics.mean(
+                    int((b.student.labels != -100).sum()) for b in batches
+                ),
+                "layer_map": layer_map,
+                "reparse_span_agreement": agreement,
+                **summarise(variants),
+            }
+            ratio = results[vocab.name]["ratio_to_base"]
+            print(f"  ratios to base: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
+
+    payload = {
+        "benchmark": "bench/distill_step.py",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_at_end": os.getloadavg(),
+        },
+        "setup": {
+            "rows": rows_source,
+            "rounds": args.rounds,
+            "micro_batches_per_round": args.batches,
+            "step": "teacher forward, student forward, losses, backward, clip 1.0, AdamW (plain torch, no DeepSpeed)",
+            "preset": args.preset,
+            "autocast": args.autocast,
+            "base_loss": "srkl (skew 0.1)",
+            "mta_weights": {"dsa": 2.0, "hra": 0.2},
+            **asdict(sizes),
+        },
+        "target": {"mta_parquet_ratio_at_most": MTA_TARGET},
+        "results": results,
+        "target_met": {
+            name: result["ratio_to_base"]["mta_parquet"] <= MTA_TARGET for name, result in results.items()
+        },
+    }
+    write_json_atomic(args.output, payload)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

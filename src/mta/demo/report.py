@@ -1,0 +1,133 @@
+"""The demo's table (``results.md``, the terminal) and picture (``summary.png``)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+from safetensors import safe_open
+
+from mta.evaluation.datasets import BENCHMARKS
+from mta.evaluation.results import averages
+
+PERPLEXITY_NOTE = (
+    "At this scale every student still writes poor text, so ROUGE-L separates the runs poorly; "
+    "the teacher-forced response perplexity on Dolly dev is the column that shows whether KD and "
+    "MTA move the student."
+)
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters stored in a checkpoint's safetensors files, read from their headers only."""
+    total = 0
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as handle:
+            for name in handle.keys():
+                shape = handle.get_slice(name).get_shape()
+                count = 1
+                for size in shape:
+                    count *= size
+                total += count
+    return total
+
+
+def table(results: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: model, parameters, perplexity, each set's mean ± std, average, time."""
+    first = next(iter(results["checkpoints"].values()))
+    set_names = list(first["sets"])
+    header = ["model", "parameters", "ppl Dolly dev", *(BENCHMARKS[s].title for s in set_names), "avg", "train time"]
+    body = []
+    for label, run in results["checkpoints"].items():
+        perplexity = (run.get("perplexity") or {}).get("perplexity")
+        seconds = results.get("training_seconds", {}).get(label)
+        one_seed = len(next(iter(run["sets"].values()))["rougeL"]["per_seed"]) == 1
+        cells = [
+            label,
+            f"{parameter_count(run['checkpoint']) / 1e6:.1f}M",
+            "-" if perplexity is None else f"{perplexity:.2f}",
+        ]
+        for name in set_names:
+            score = run["sets"][name]["rougeL"]
+            cells.append(f"{score['mean']:.2f} ± {'—' if one_seed else format(score['std'], '.2f')}")
+        cells.append(f"{averages({n: s['rougeL']['mean'] for n, s in run['sets'].items()})['avg']:.2f}")
+        cells.append("-" if seconds is None else f"{seconds / 60:.1f} min")
+        body.append(cells)
+    return header, body
+
+
+def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> tuple[Path, Path]:
+    """results.json, results.md and summary.png in ``out_dir``; returns the two last paths."""
+    out_dir = Path(out_dir)
+    header, body = table(results)
+    demo = results["settings"]["demo"]
+    lines = [
+        f"# mta demo ({demo['name']})",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {platform.machine()}, "
+        f"{_cores()} cores, fp32 · whole demo {elapsed_seconds / 60:.1f} min",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+        *("| " + " | ".join(row) + " |" for row in body),
+        "",
+        f"ROUGE-L: F x 100, max over references, mean ± population std over seeds "
+        f"{', '.join(str(s) for s in demo['seeds'])}; rows per set: "
+        + ", ".join(f"{BENCHMARKS[s].title} {n}" for s, n in demo["eval_limits"].items())
+        + f"; at most {demo['max_new_tokens']} new tokens. Perplexity: teacher-forced, response "
+        f"tokens incl. EOS, first {demo['perplexity_rows']} Dolly dev rows.",
+        "",
+        PERPLEXITY_NOTE,
+        "",
+    ]
+    markdown = out_dir / "results.md"
+    _atomic_text(markdown, "\n".join(lines))
+    _atomic_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    picture = out_dir / "summary.png"
+    plot_summary(results, picture)
+    return markdown, picture
+
+
+def plot_summary(results: dict, path: Path) -> None:
+    """Left: training loss of the three runs. Right: ROUGE-L per model and set, with std bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for label, metrics in results["metrics"].items():
+        records = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+        train = [r for r in records if r.get("split", "train") == "train"]
+        curves.plot([r["step"] for r in train], [r["loss"] for r in train], marker=".", label=label)
+    curves.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss")
+    curves.legend(fontsize=8)
+
+    labels = list(results["checkpoints"])
+    set_names = list(next(iter(results["checkpoints"].values()))["sets"])
+    width = 0.8 / max(len(labels), 1)
+    for i, label in enumerate(labels):
+        scores = [results["checkpoints"][label]["sets"][s]["rougeL"] for s in set_names]
+        positions = [x + (i - (len(labels) - 1) / 2) * width for x in range(len(set_names))]
+        bars.bar(positions, [s["mean"] for s in scores], width, yerr=[s["std"] for s in scores], label=label, capsize=2)
+    bars.set_xticks(range(len(set_names)), [BENCHMARKS[s].title for s in set_names])
+    bars.set(title="ROUGE-L (mean ± std over seeds)", ylabel="ROUGE-L")
+    bars.legend(fontsize=8)
+    figure.tight_layout()
+    partial = path.with_suffix(".tmp.png")
+    figure.savefig(partial, dpi=110)
+    plt.close(figure)
+    partial.replace(path)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    partial = path.with_suffix(path.suffix + ".tmp")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,187 @@
+"""The evaluation sets of the MiniLLM protocol: names, where they live, and reading them.
+
+A data directory has the layout of the public MiniLLM release, ``DIR/<set>/valid.jsonl``; S-NI and
+UnNI may also sit in their ``11_`` bucket (``DIR/sinst/11_/valid.jsonl``), which wins when both
+exist because it is the file the published scripts read. Every row becomes an ``EvalRow``
+whose ``index`` (its position in the file) keys the sampling noise and the resume journal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from mta.data.prompts import alpaca_prompt
+from mta.errors import MtaError
+
+log = logging.getLogger(__name__)
+
+DATA_DIR_ENV = "MTA_DATA_DIR"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # the name on the command line and in every output path
+    title: str  # the column header of the published tables
+    bucketed: bool = False  # also accepted under DIR/<name>/11_/
+    cap: int | None = None  # the protocol evaluates at most this many rows
+    in_avg4: bool = False  # one of the four sets of the published average
+    in_distribution: bool = False  # the training distribution (Dolly)
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("dolly", "Dolly", in_avg4=True, in_distribution=True),
+        Benchmark("self-inst", "SelfInst", in_avg4=True),
+        Benchmark("vicuna", "Vicuna", in_avg4=True),
+        Benchmark("sinst", "S-NI", bucketed=True, in_avg4=True),
+        Benchmark("uinst", "UnNI", bucketed=True, cap=10_000),
+    )
+}
+DEFAULT_BENCHMARKS: tuple[str, ...] = tuple(BENCHMARKS)
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One prompt and its references, as read from line ``line`` of a set file."""
+
+    index: int
+    line: int
+    prompt: str
+    references: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    benchmark: Benchmark
+    path: Path
+    rows: list[EvalRow]
+    rows_in_file: int
+
+    @property
+    def name(self) -> str:
+        return self.benchmark.name
+
+
+def default_data_dir() -> Path:
+    """``$MTA_DATA_DIR``, else ``./data``."""
+    return Path(os.environ.get(DATA_DIR_ENV, "data"))
+
+
+def candidate_paths(data_dir: Path, benchmark: Benchmark, split: str = "valid") -> list[Path]:
+    """The files looked for, in order of preference."""
+    base = Path(data_dir) / benchmark.name
+    plain = base / f"{split}.jsonl"
+    return [base / "11_" / f"{split}.jsonl", plain] if benchmark.bucketed else [plain]
+
+
+def find_set_file(data_dir: Path, benchmark: Benchmark, split: str = "valid") -> Path | None:
+    return next((p for p in candidate_paths(data_dir, benchmark, split) if p.is_file()), None)
+
+
+def resolve_benchmarks(data_dir: Path, requested: Sequence[str] | None) -> list[tuple[Benchmark, Path]]:
+    """The (set, file) pairs to evaluate.
+
+    ``requested=None`` means the default sets: a missing one is logged with the paths looked for
+    and skipped. A set the user named is an error when its file is missing.
+    """
+    names = list(requested) if requested is not None else list(DEFAULT_BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise MtaError(
+            f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}"
+        )
+    found: list[tuple[Benchmark, Path]] = []
+    for name in dict.fromkeys(names):
+        benchmark = BENCHMARKS[name]
+        path = find_set_file(data_dir, benchmark)
+        if path is not None:
+            found.append((benchmark, path))
+            continue
+        looked = " or ".join(str(p) for p in candidate_paths(data_dir, benchmark))
+        if requested is not None:
+            raise MtaError(
+                f"benchmark '{name}' is missing: looked for {looked}. "
+                f"Fetch it with `mta data download --data-dir {data_dir}`, or point --data-dir "
+                f"(or ${DATA_DIR_ENV}) at a directory that has it."
+            )
+        log.warning("skipping %s: looked for %s", name, looked)
+    if not found:
+        raise MtaError(
+            f"no evaluation set found under {data_dir}: expected e.g. {data_dir}/dolly/valid.jsonl. "
+            f"Fetch the sets with `mta data download --data-dir {data_dir}` or set --data-dir / "
+            f"${DATA_DIR_ENV}."
+        )
+    return found
+
+
+def resolve_split_file(data_dir: Path, spec: str) -> Path:
+    """A file for teacher-forced scoring: a set name (its test file), ``<set>-<split>`` such as
+    ``dolly-dev`` (``DIR/dolly/dev.jsonl``), or a path to a JSONL file."""
+    candidates: list[Path] = []
+    if spec in BENCHMARKS:
+        candidates = candidate_paths(data_dir, BENCHMARKS[spec])
+    elif "-" in spec and spec.rsplit("-", 1)[0] in BENCHMARKS:
+        name, split = spec.rsplit("-", 1)
+        candidates = candidate_paths(data_dir, BENCHMARKS[name], split)
+    candidates.append(Path(spec))
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise MtaError(
+        f"cannot find the perplexity set '{spec}': looked for "
+        f"{' or '.join(str(p) for p in candidates)}. Give a set name (dolly), <set>-<split> "
+        "(dolly-dev) or a JSONL path."
+    )
+
+
+def _parse_row(path: Path, line_number: int, text: str, index: int) -> EvalRow:
+    where = f"{path}:{line_number}"
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise MtaError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); fix or delete the line") from error
+    if not isinstance(row, dict):
+        raise MtaError(f"{where}: expected a JSON object with 'prompt'/'instruction' and 'output'")
+    prompt = row.get("prompt")
+    if prompt is None:
+        instruction = row.get("instruction")
+        if not isinstance(instruction, str):
+            raise MtaError(f"{where}: the row has neither a 'prompt' nor an 'instruction' string")
+        prompt = alpaca_prompt(instruction, row.get("input") or row.get("context"))
+    if not isinstance(prompt, str):
+        raise MtaError(f"{where}: 'prompt' must be a string, not {type(prompt).__name__}")
+    output = row.get("output")
+    references = [output] if isinstance(output, str) else output
+    if not isinstance(references, list) or not references or not all(isinstance(r, str) for r in references):
+        raise MtaError(
+            f"{where}: 'output' must be the reference answer (a string) or a non-empty list of "
+            f"strings, got {json.dumps(output)[:80]}"
+        )
+    return EvalRow(index=index, line=line_number, prompt=prompt, references=tuple(references))
+
+
+def load_rows(path: str | Path, *, cap: int | None = None, limit: int | None = None) -> tuple[list[EvalRow], int]:
+    """Rows of a JSONL set file (blank lines ignored), the first ``min(cap, limit)`` of them,
+    and the number of rows the file holds. Every row is validated, so a bad line far down the
+    file fails now rather than after hours of generation."""
+    path = Path(path)
+    rows: list[EvalRow] = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, text in enumerate(handle, start=1):
+            if text.strip():
+                rows.append(_parse_row(path, line_number, text, len(rows)))
+    if not rows:
+        raise MtaError(f"{path} holds no rows; re-fetch it (`mta data download`) or remove it")
+    keep = min(n for n in (cap, limit, len(rows)) if n is not None)
+    return rows[:keep], len(rows)
+
+
+def load_eval_set(benchmark: Benchmark, path: Path, limit: int | None = None) -> EvalSet:
+    rows, in_file = load_rows(path, cap=benchmark.cap, limit=limit)
+    return EvalSet(benchmark=benchmark, path=path, rows=rows, rows_in_file=in_file)

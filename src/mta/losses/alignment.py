@@ -1,0 +1,169 @@
+"""The MTA loss module: DSA and HRA over the aligned layer pairs, with one projector per pair.
+
+METHOD §2–4. Lower pairs align word spans, higher pairs phrase spans. Importance is computed
+once per (model, layer) and span masks once per granularity, then shared by DSA and HRA.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence, Union
+
+import torch
+from torch import nn
+
+from mta.errors import MtaError
+from mta.losses.dsa import dynamic_structural_alignment
+from mta.losses.hra import hidden_representation_alignment
+from mta.losses.importance import IMPORTANCE, ImportanceMode
+from mta.losses.pooling import pool_spans
+from mta.losses.spans import SpanBatch
+
+# The HF ``output_hidden_states`` tuple, or only the layers the loss uses as {index: tensor}.
+HiddenStates = Union[Sequence[torch.Tensor], Mapping[int, torch.Tensor]]
+
+
+class LayerPairLike(Protocol):
+    """A ``mta.training.recipe.LayerPair`` or anything shaped like it."""
+
+    student: int
+    teacher: int
+    granularity: str
+
+
+class TrajectoryAlignmentLoss(nn.Module):
+    """DSA and HRA averaged over aligned (student layer, teacher layer, granularity) pairs.
+
+    Layers are ``hidden_states`` indices (0 = embeddings). ``same_tokenizer`` selects
+    token-level HRA over the union of the layer's span tokens (weights: teacher importance);
+    otherwise HRA compares span representations, each model pooling its own tokens (weights:
+    span salience). DSA is the same in both cases. ``self.projectors[i]`` maps the student
+    width to the teacher width for pair i; give them their own learning rate.
+    """
+
+    def __init__(
+        self,
+        layer_pairs: Sequence[LayerPairLike],
+        student_hidden_size: int,
+        teacher_hidden_size: int,
+        *,
+        same_tokenizer: bool,
+        importance: ImportanceMode = "attention",
+    ) -> None:
+        super().__init__()
+        if not layer_pairs:
+            raise MtaError("the alignment loss needs at least one (student, teacher, granularity) layer pair")
+        for pair in layer_pairs:
+            if pair.granularity not in ("word", "phrase"):
+                raise MtaError(
+                    f"layer pair {pair.student}->{pair.teacher}: granularity "
+                    f"'{pair.granularity}' is not one of 'word', 'phrase'"
+                )
+        if importance not in IMPORTANCE:
+            raise MtaError(f"importance '{importance}' is not one of {', '.join(IMPORTANCE)}")
+        self.layer_pairs = [(p.student, p.teacher, p.granularity) for p in layer_pairs]
+        self.same_tokenizer = same_tokenizer
+        self.importance_mode = importance
+        self._importance = IMPORTANCE[importance]
+        self.projectors = nn.ModuleList(
+            nn.Linear(student_hidden_size, teacher_hidden_size) for _ in self.layer_pairs
+        )
+
+    @property
+    def student_layers(self) -> list[int]:
+        """The student ``hidden_states`` indices the loss reads (ask the model for these only)."""
+        return sorted({student for student, _, _ in self.layer_pairs})
+
+    @property
+    def teacher_layers(self) -> list[int]:
+        """The teacher ``hidden_states`` indices the loss reads."""
+        return sorted({teacher for _, teacher, _ in self.layer_pairs})
+
+    @property
+    def granularities(self) -> list[str]:
+        """The span granularities the batch must provide in ``spans``."""
+        return sorted({granularity for _, _, granularity in self.layer_pairs})
+
+    def forward(
+        self,
+        student_hidden_states: HiddenStates,
+        teacher_hidden_states: HiddenStates,
+        student_attention_mask: torch.Tensor,
+        teacher_attention_mask: torch.Tensor,
+        spans: Mapping[str, SpanBatch],
+    ) -> dict[str, torch.Tensor]:
+        """Layer-mean DSA and HRA for one batch.
+
+        student_hidden_states: indexable by layer, each ``[batch, seq_s, d_student]``.
+        teacher_hidden_states: indexable by layer, each ``[batch, seq_t, d_teacher]``.
+        student_attention_mask ``[batch, seq_s]``, teacher_attention_mask ``[batch, seq_t]``.
+        spans: ``{"word": SpanBatch, "phrase": SpanBatch}`` (the granularities in use).
+        Returns ``{"dsa": scalar, "hra": scalar}`` in fp32.
+        """
+        student_len = student_attention_mask.shape[1]
+        teacher_len = teacher_attention_mask.shape[1]
+        if self.same_tokenizer and student_len != teacher_len:
+            raise MtaError(
+                f"same_tokenizer is set but the student sees {student_len} tokens and the teacher "
+                f"{teacher_len}; the batches must be built from the same ids"
+            )
+        # Built once per granularity and shared by every pair: [B, K, T] as 0/1 floats.
+        student_masks, teacher_masks, span_tokens = {}, {}, {}
+        for granularity in self.granularities:
+            if granularity not in spans:
+                raise MtaError(f"the batch has no '{granularity}' spans (it has {sorted(spans)})")
+            teacher_masks[granularity] = spans[granularity].teacher_token_mask(teacher_len).float()
+            student_masks[granularity] = spans[granularity].student_token_mask(student_len).float()
+            if self.same_tokenizer:
+                span_tokens[granularity] = spans[granularity].teacher_token_union(teacher_len)
+
+        student_weights = {
+            layer: self._importance(_layer(student_hidden_states, layer, "student"), student_attention_mask)
+            for layer in self.student_layers
+        }
+        teacher_weights = {
+            layer: self._importance(_layer(teacher_hidden_states, layer, "teacher"), teacher_attention_mask)
+            for layer in self.teacher_layers
+        }
+
+        dsa_terms, hra_terms = [], []
+        for projector, (student_layer, teacher_layer, granularity) in zip(self.projectors, self.layer_pairs):
+            student_hidden = _layer(student_hidden_states, student_layer, "student")
+            teacher_hidden = _layer(teacher_hidden_states, teacher_layer, "teacher").detach()
+            span_mask = spans[granularity].mask
+            student_spans, _ = pool_spans(
+                student_hidden, student_weights[student_layer], student_masks[granularity]
+            )
+            teacher_spans, salience = pool_spans(
+                teacher_hidden, teacher_weights[teacher_layer], teacher_masks[granularity]
+            )
+            dsa_terms.append(dynamic_structural_alignment(student_spans, teacher_spans, salience, span_mask))
+
+            if self.same_tokenizer:
+                hra_terms.append(hidden_representation_alignment(
+                    _project(projector, student_hidden), teacher_hidden,
+                    teacher_weights[teacher_layer], span_tokens[granularity],
+                ))
+            else:
+                hra_terms.append(hidden_representation_alignment(
+                    _project(projector, student_spans), teacher_spans, salience, span_mask,
+                ))
+        return {"dsa": torch.stack(dsa_terms).mean(), "hra": torch.stack(hra_terms).mean()}
+
+
+def _layer(hidden_states: HiddenStates, index: int, side: str) -> torch.Tensor:
+    try:
+        return hidden_states[index]
+    except (IndexError, KeyError) as error:
+        available = (
+            sorted(hidden_states) if isinstance(hidden_states, Mapping)
+            else f"0..{len(hidden_states) - 1}"
+        )
+        raise MtaError(
+            f"aligned layer {index} is not among the {side}'s hidden states ({available}); "
+            f"fix loss.layers in the recipe"
+        ) from error
+
+
+def _project(projector: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+    """Apply a projector in its own dtype (the engine may hold it in bf16); result in fp32."""
+    return projector(states.to(projector.weight.dtype)).float()

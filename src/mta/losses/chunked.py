@@ -1,0 +1,82 @@
+"""Token losses over huge vocabularies, a chunk of positions at a time.
+
+A plain autograd graph would keep fp32 softmax intermediates for every response position
+until backward: ``[tokens, vocab]`` fp32, several GiB at a 150k vocabulary. Here the forward
+pass visits the response positions in chunks, computes each chunk's loss *and* its gradient
+in fp32, and keeps only the gradient, in the logits' own dtype; backward just scales it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+IGNORE_INDEX = -100
+
+# (student [n, vocab] fp32, teacher [n, vocab] fp32 or None, labels [n]) -> [n] per-token loss
+TokenLossFn = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+class _ChunkedTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size):
+        student_rows = student_logits.reshape(-1, student_logits.shape[-1])
+        teacher_rows = None if teacher_logits is None else teacher_logits.reshape(-1, teacher_logits.shape[-1])
+        flat_labels = labels.reshape(-1)
+        positions = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+        num_tokens = positions.numel()
+        wants_grad = ctx.needs_input_grad[0]
+
+        total = torch.zeros((), dtype=torch.float32, device=student_logits.device)
+        grad_rows = (
+            torch.empty(num_tokens, vocab_size, dtype=student_logits.dtype, device=student_logits.device)
+            if wants_grad else None
+        )
+        for begin in range(0, num_tokens, chunk_size):
+            chunk = positions[begin:begin + chunk_size]
+            # Indexing copies only this chunk; the fp32 cast happens per chunk.
+            student = student_rows[chunk, :vocab_size].float().requires_grad_(wants_grad)
+            teacher = None if teacher_rows is None else teacher_rows[chunk, :vocab_size].float()
+            with torch.enable_grad():
+                loss = token_loss(student, teacher, flat_labels[chunk]).sum()
+            if wants_grad:
+                (grad,) = torch.autograd.grad(loss, student)
+                grad_rows[begin:begin + chunk_size] = grad
+            total += loss.detach()
+
+        ctx.save_for_backward(positions, grad_rows if wants_grad else None)
+        ctx.logits_shape = student_logits.shape
+        ctx.vocab_size = vocab_size
+        ctx.num_tokens = num_tokens
+        return total / max(num_tokens, 1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        positions, grad_rows = ctx.saved_tensors
+        if grad_rows is None:
+            return (None,) * 6
+        grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)
+        scale = grad_output / max(ctx.num_tokens, 1)
+        grad.view(-1, ctx.logits_shape[-1])[positions, :ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)
+        # The teacher is a constant of the loss: no gradient flows to it.
+        return grad, None, None, None, None, None
+
+
+def chunked_token_loss(
+    token_loss: TokenLossFn,
+    student_logits: torch.Tensor,
+    teacher_logits: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    vocab_size: int,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Mean of ``token_loss`` over the positions whose label is not ``-100``.
+
+    student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` or None,
+    labels ``[batch, seq]`` (already aligned with the logits). Only the first ``vocab_size``
+    logits of each row are used. Returns an fp32 scalar (0 with a zero gradient when the
+    batch has no response token).
+    """
+    return _ChunkedTokenLoss.apply(student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size)

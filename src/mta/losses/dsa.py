@@ -1,0 +1,50 @@
+"""Dynamic Structural Alignment: match the geometry of spans inside one layer (METHOD §3).
+
+Compares span-to-span cosine similarity matrices, so student and teacher may differ in width
+and in tokenizer; no projection is involved.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+COS_EPS = 1e-8
+
+
+def _cosine_matrix(spans: torch.Tensor) -> torch.Tensor:
+    """``[batch, spans, dim]`` -> ``[batch, spans, spans]`` pairwise cosine similarities."""
+    unit = F.normalize(spans.float(), dim=-1, eps=COS_EPS)
+    return torch.bmm(unit, unit.transpose(1, 2))
+
+
+def dynamic_structural_alignment(
+    student_spans: torch.Tensor,
+    teacher_spans: torch.Tensor,
+    salience: torch.Tensor,
+    span_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Salience-weighted squared difference of the two span similarity matrices.
+
+    student_spans: ``[batch, spans, d_student]``; teacher_spans: ``[batch, spans, d_teacher]``
+    (the same spans, in the same order). salience: ``[batch, spans]`` non-negative span weights
+    from the teacher (normalised here over each sequence's spans). span_mask: ``[batch, spans]``.
+
+    Per sequence: ``Σ_{i≠j} w_ij (cos S_ij − cos T_ij)² / Σ_{i≠j} w_ij`` with
+    ``w_ij = w̃_i w̃_j``. Returns the mean over sequences with at least two spans (and positive
+    pair weight), or a zero that still carries the graph when no sequence contributes.
+    """
+    mask = span_mask.bool()
+    salience = salience.float() * mask
+    normalised = salience / salience.sum(dim=-1, keepdim=True).clamp(min=COS_EPS)
+    num_spans = mask.shape[1]
+    off_diagonal = ~torch.eye(num_spans, dtype=torch.bool, device=mask.device)
+    pair_weights = normalised.unsqueeze(2) * normalised.unsqueeze(1) * off_diagonal  # [B, K, K]
+
+    gap = _cosine_matrix(student_spans) - _cosine_matrix(teacher_spans.detach())
+    weight_sum = pair_weights.sum(dim=(1, 2))
+    per_sequence = (pair_weights * gap.square()).sum(dim=(1, 2)) / weight_sum.clamp(min=COS_EPS)
+
+    contributes = (mask.sum(dim=-1) >= 2) & (weight_sum > 0)
+    # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.
+    return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)

@@ -1,0 +1,37 @@
+"""Hidden Representation Alignment: pull projected student states onto the teacher's (METHOD §3)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+COS_EPS = 1e-8
+WEIGHT_EPS = 1e-12
+
+
+def hidden_representation_alignment(
+    projected_student: torch.Tensor,
+    teacher: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted cosine distance between aligned positions.
+
+    projected_student: ``[batch, items, d_teacher]`` student states already mapped to the
+    teacher's width; teacher: ``[batch, items, d_teacher]``; items are tokens (same tokenizer)
+    or spans (different tokenizers). weights: ``[batch, items]`` teacher importance or span
+    salience. mask: ``[batch, items]`` which items take part.
+
+    Per sequence ``Σ w (1 − cos) / Σ w`` over its masked items; returns the mean over sequences
+    with at least one item (and positive weight), or a graph-carrying zero when there is none.
+    """
+    mask = mask.bool()
+    weights = weights.float() * mask
+    distance = 1.0 - F.cosine_similarity(
+        projected_student.float(), teacher.detach().float(), dim=-1, eps=COS_EPS
+    )
+    weight_sum = weights.sum(dim=-1)
+    per_sequence = (weights * distance).sum(dim=-1) / weight_sum.clamp(min=WEIGHT_EPS)
+    contributes = mask.any(dim=-1) & (weight_sum > 0)
+    # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.
+    return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)

@@ -1,0 +1,224 @@
+"""Base losses over response tokens: SFT cross-entropy and the token-level KD divergences.
+
+METHOD §5, with p the teacher and q the student distribution at temperature τ (no τ² factor):
+each loss is the sum over the vocabulary per token, then the mean over every response token
+of the batch, the DistiLLM/torchtune convention (so ``ce`` is the usual causal-LM loss).
+
+Inputs are aligned: ``student_logits[b, t]`` predicts ``labels[b, t]`` (the caller shifts),
+``-100`` marks a position that is not a response token. Only the first ``vocab_size`` logits
+are compared, so embedding rows a checkpoint pads beyond its tokenizer never count. All maths
+is fp32 and in log space, a chunk of positions at a time (see ``mta.losses.chunked``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mta.errors import MtaError
+from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
+
+
+def _log(weight: float) -> float:
+    return math.log(weight) if weight > 0 else float("-inf")
+
+
+def _log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
+    """``log(weight_a · a + (1 − weight_a) · b)`` from log-probabilities, without underflow."""
+    return torch.logaddexp(log_a + _log(weight_a), log_b + _log(1.0 - weight_a))
+
+
+def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``KL(p ‖ q)`` per row: ``[n, vocab]`` log-probabilities -> ``[n]``."""
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+class BaseLoss(nn.Module):
+    """Shared plumbing: vocabulary range, chunking, reduction. Subclasses define ``token_loss``.
+
+    vocab_size: compare logits on ``[0, vocab_size)``, the tokenizer's real vocabulary
+    (default: the smaller of the two logits widths). chunk_size: response positions per fp32
+    chunk.
+    """
+
+    needs_teacher = True
+
+    def __init__(self, *, vocab_size: Optional[int] = None, chunk_size: int = 128) -> None:
+        super().__init__()
+        if chunk_size < 1:
+            raise MtaError(f"chunk_size must be at least 1, got {chunk_size}")
+        self.vocab_size = vocab_size
+        self.chunk_size = chunk_size
+
+    def token_loss(
+        self, student: torch.Tensor, teacher: Optional[torch.Tensor], labels: torch.Tensor
+    ) -> torch.Tensor:
+        """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``labels [n]`` -> ``[n]``."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: Optional[torch.Tensor],
+        labels: torch.Tensor,
+    ) -> torch.Tensor:
+        """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (None for
+        ``ce``), labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens."""
+        if self.needs_teacher and teacher_logits is None:
+            raise MtaError(f"{type(self).__name__} compares with a teacher; teacher_logits is None")
+        widths = [student_logits.shape[-1]]
+        if self.needs_teacher:
+            if teacher_logits.shape[:-1] != student_logits.shape[:-1]:
+                raise MtaError(
+                    f"teacher logits {tuple(teacher_logits.shape)} and student logits "
+                    f"{tuple(student_logits.shape)} do not cover the same positions"
+                )
+            widths.append(teacher_logits.shape[-1])
+        else:
+            teacher_logits = None
+        vocab_size = self.vocab_size or min(widths)
+        if vocab_size > min(widths):
+            raise MtaError(
+                f"vocab_size {vocab_size} exceeds the logits width {min(widths)}; pass the "
+                f"tokenizer's real vocabulary size"
+            )
+        return chunked_token_loss(
+            self.token_loss, student_logits, teacher_logits, labels,
+            vocab_size=vocab_size, chunk_size=self.chunk_size,
+        )
+
+
+class CrossEntropy(BaseLoss):
+    """SFT on the reference: ``−log q(y)`` (no temperature; the standard causal-LM loss)."""
+
+    needs_teacher = False
+
+    def token_loss(self, student, teacher, labels):
+        return F.cross_entropy(student, labels, reduction="none")
+
+
+class DistributionLoss(BaseLoss):
+    """A divergence between teacher and student distributions at temperature τ."""
+
+    def __init__(self, *, temperature: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if temperature <= 0:
+            raise MtaError(f"temperature must be positive, got {temperature}")
+        self.temperature = temperature
+
+    def token_loss(self, student, teacher, labels):
+        log_q = F.log_softmax(student / self.temperature, dim=-1)
+        log_p = F.log_softmax(teacher / self.temperature, dim=-1)
+        return self.divergence(log_p, log_q)
+
+    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """Teacher ``log_p`` and student ``log_q``, ``[n, vocab]`` -> ``[n]``."""
+        raise NotImplementedError
+
+
+class ForwardKL(DistributionLoss):
+    """``KL(p ‖ q)``: the student covers the teacher's mass (mean-seeking)."""
+
+    def divergence(self, log_p, log_q):
+        return _kl(log_p, log_q)
+
+
+class ReverseKL(DistributionLoss):
+    """``KL(q ‖ p)``: the student commits to the teacher's modes (MiniLLM)."""
+
+    def divergence(self, log_p, log_q):
+        return _kl(log_q, log_p)
+
+
+class SkewForwardKL(DistributionLoss):
+    """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
+
+    def __init__(self, *, skew_alpha: float = 0.1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        _check_unit_interval("skew_alpha", skew_alpha)
+        self.skew_alpha = skew_alpha
+
+    def divergence(self, log_p, log_q):
+        return _kl(log_p, _log_mixture(log_p, log_q, self.skew_alpha))
+
+
+class SkewReverseKL(DistributionLoss):
+    """``KL(q ‖ αq + (1−α)p)`` (DistiLLM's skew reverse KL, α = 0.1)."""
+
+    def __init__(self, *, skew_alpha: float = 0.1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        _check_unit_interval("skew_alpha", skew_alpha)
+        self.skew_alpha = skew_alpha
+
+    def divergence(self, log_p, log_q):
+        return _kl(log_q, _log_mixture(log_q, log_p, self.skew_alpha))
+
+
+class JensenShannon(DistributionLoss):
+    """Generalised JSD: ``β KL(p ‖ m) + (1−β) KL(q ‖ m)`` with ``m = βp + (1−β)q`` (β = 0.5)."""
+
+    def __init__(self, *, jsd_beta: float = 0.5, **kwargs) -> None:
+        super().__init__(**kwargs)
+        _check_unit_interval("jsd_beta", jsd_beta)
+        self.jsd_beta = jsd_beta
+
+    def divergence(self, log_p, log_q):
+        log_m = _log_mixture(log_p, log_q, self.jsd_beta)
+        return self.jsd_beta * _kl(log_p, log_m) + (1.0 - self.jsd_beta) * _kl(log_q, log_m)
+
+
+class TotalVariation(DistributionLoss):
+    """``½ Σ |p − q|``."""
+
+    def divergence(self, log_p, log_q):
+        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=-1)
+
+
+def _check_unit_interval(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise MtaError(f"{name} must lie in [0, 1], got {value}")
+
+
+BASE_LOSSES: dict[str, type[BaseLoss]] = {
+    "ce": CrossEntropy,
+    "fkl": ForwardKL,
+    "rkl": ReverseKL,
+    "skl": SkewForwardKL,
+    "srkl": SkewReverseKL,
+    "jsd": JensenShannon,
+    "tvd": TotalVariation,
+}
+
+
+def build_base_loss(
+    name: str,
+    *,
+    temperature: float = 1.0,
+    skew_alpha: float = 0.1,
+    jsd_beta: float = 0.5,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = 128,
+) -> BaseLoss:
+    """The base loss a recipe names (``loss.base``), with the options that loss uses."""
+    if name not in BASE_LOSSES:
+        raise MtaError(f"unknown base loss '{name}'; choose one of {', '.join(BASE_LOSSES)}")
+    cls = BASE_LOSSES[name]
+    kwargs: dict = {"vocab_size": vocab_size, "chunk_size": chunk_size}
+    if issubclass(cls, DistributionLoss):
+        kwargs["temperature"] = temperature
+    if cls in (SkewForwardKL, SkewReverseKL):
+        kwargs["skew_alpha"] = skew_alpha
+    if cls is JensenShannon:
+        kwargs["jsd_beta"] = jsd_beta
+    return cls(**kwargs)
+
+
+__all__ = [
+    "BASE_LOSSES", "BaseLoss", "CrossEntropy", "DistributionLoss", "ForwardKL", "IGNORE_INDEX",
+    "JensenShannon", "ReverseKL", "SkewForwardKL", "SkewReverseKL", "TotalVariation",
+    "build_base_loss",
+]

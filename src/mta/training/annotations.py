@@ -1,0 +1,102 @@
+"""The recipe's ``data.train`` / ``data.dev`` as annotate artefacts checked against the run.
+
+A JSONL file is annotated on first use (through ``mta.data.annotate.annotate_file``, the code
+behind ``mta annotate``) into ``OUTPUT_DIR/data/<split>``, reused while its input and settings
+are unchanged. A directory is read as it is. Either way the artefact must have been built for
+the recipe's tokenizers and lengths, or the run stops and names the command that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Callable, Optional
+
+from mta.data.artefact import Annotations, read_annotations
+from mta.errors import MtaError
+from mta.training.recipe import Recipe
+
+
+def load_split(
+    recipe: Recipe,
+    split: str,
+    *,
+    teacher_tokenizer: str,
+    student_tokenizer: str,
+    fingerprints: dict[str, str],
+    progress: Optional[Callable[..., None]] = None,
+) -> Optional[Annotations]:
+    """The checked artefact for ``data.<split>`` (None when the recipe has no such split).
+
+    teacher_tokenizer / student_tokenizer: directories or names the tokenizers load from (for
+    SFT both are the student's). fingerprints: ``{"teacher": ..., "student": ...}`` of the
+    tokenizers the run loaded.
+    """
+    written = getattr(recipe.data, split)
+    if written is None:
+        return None
+    key = f"data.{split}"
+    source = recipe.resolve(written, key)
+    if source.is_file():
+        from mta.data.annotate import AnnotateSettings, annotate_file
+
+        settings = AnnotateSettings(
+            teacher=teacher_tokenizer,
+            student=student_tokenizer,
+            max_length=recipe.data.max_length,
+            max_prompt_length=recipe.data.max_prompt_length,
+            spacy_model=recipe.data.spacy_model,
+            word_spans=recipe.data.word_spans,
+            truncate_prompt=recipe.data.truncate_prompt,
+        )
+        cache = recipe.resolve(recipe.output_dir, "output_dir") / "data" / split
+        annotate_file(source, cache, settings, progress=progress)
+        directory = cache
+    elif source.is_dir():
+        directory = source
+    else:
+        raise MtaError(f"{key}: {source} is neither a JSONL file nor an annotate output directory")
+    annotations = read_annotations(directory)
+    check_manifest(annotations, recipe, key, teacher_tokenizer, student_tokenizer, fingerprints)
+    return annotations
+
+
+def check_manifest(
+    annotations: Annotations,
+    recipe: Recipe,
+    key: str,
+    teacher_tokenizer: str,
+    student_tokenizer: str,
+    fingerprints: dict[str, str],
+) -> None:
+    """Refuse an artefact built for other tokenizers or other length limits."""
+    manifest = annotations.manifest
+    problems = []
+    for side, tokenizer in (("teacher", teacher_tokenizer), ("student", student_tokenizer)):
+        built = manifest.get(side) or {}
+        if built.get("fingerprint") != fingerprints[side]:
+            problems.append(
+                f"its {side} tokenizer is '{built.get('name', '?')}' ({_short(built.get('fingerprint'))}) "
+                f"but the recipe's is '{tokenizer}' ({_short(fingerprints[side])})"
+            )
+    for length in ("max_length", "max_prompt_length"):
+        wanted = getattr(recipe.data, length)
+        if manifest.get(length) != wanted:
+            problems.append(f"its {length} is {manifest.get(length)} but data.{length} is {wanted}")
+    if problems:
+        command = shlex.join([
+            "mta", "annotate", str(manifest.get("input", {}).get("path", "DATA.jsonl"))
+            if isinstance(manifest.get("input"), dict) else "DATA.jsonl",
+            "--teacher", teacher_tokenizer, "--student", student_tokenizer,
+            "--max-length", str(recipe.data.max_length),
+            "--max-prompt-length", str(recipe.data.max_prompt_length),
+            "-o", str(annotations.directory), "--force",
+        ])
+        raise MtaError(
+            f"{key}: the annotations in {annotations.directory} do not fit this recipe: "
+            + "; ".join(problems) + f". Rebuild them with `{command}`, or point {key} at the JSONL file"
+        )
+
+
+def _short(fingerprint: Optional[str]) -> str:
+    return fingerprint[:19] if fingerprint else "no fingerprint"

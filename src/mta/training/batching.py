@@ -1,0 +1,246 @@
+"""From annotate rows to padded tensors, and the order in which a run visits them.
+
+``AnnotatedExamples`` turns the Parquet table into flat numpy arrays once (values + row offsets
+per list column), so building a batch is a handful of vectorised gathers and scatters: no
+Python loop over rows, tokens or spans. ``micro_batch_order`` is a pure function of
+``(seed, epoch)``, so a resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from mta.errors import MtaError
+from mta.losses.spans import SpanBatch
+
+IGNORE_INDEX = -100
+GRANULARITY_COLUMNS = {"phrase": "phrase_spans", "word": "word_spans"}
+SPAN_FIELDS = ("student_start", "student_end", "teacher_start", "teacher_end")
+
+
+@dataclass
+class TokenBatch:
+    """One model's view of a batch, right-padded.
+
+    input_ids, attention_mask, labels: ``[batch, seq]``; labels repeat ``input_ids`` on response
+    tokens and hold ``-100`` on the prompt and on padding (not shifted: position t is token t).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "TokenBatch":
+        return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
+
+
+@dataclass
+class TrainBatch:
+    """A micro batch: the row ids it holds, both models' tokens and the spans per granularity."""
+
+    row_ids: list[str]
+    student: TokenBatch
+    teacher: Optional[TokenBatch]
+    spans: dict[str, SpanBatch]
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(
+            self.row_ids,
+            self.student.to(device),
+            None if self.teacher is None else self.teacher.to(device),
+            {name: spans.to(device) for name, spans in self.spans.items()},
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) student tokens: what tokens/s counts."""
+        return int(self.student.attention_mask.sum())
+
+
+class _Ragged:
+    """A list column as flat ``values`` and ``offsets`` (row i is ``values[offsets[i]:offsets[i+1]]``)."""
+
+    def __init__(self, column: pa.ChunkedArray | pa.Array):
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        self.lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.values = pc.list_flatten(column)
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Flat indices of the elements of ``rows``, with each element's row and position in it."""
+        lengths = self.lengths[rows]
+        starts = np.repeat(self.offsets[rows], lengths)
+        row_of = np.repeat(np.arange(len(rows)), lengths)
+        first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        position = np.arange(int(lengths.sum())) - first
+        return starts + position, row_of, position
+
+
+def _padded(values: np.ndarray, rows: int, width: int, row_of, position, fill) -> np.ndarray:
+    out = np.full((rows, width), fill, dtype=values.dtype)
+    out[row_of, position] = values
+    return out
+
+
+class AnnotatedExamples:
+    """The rows of an annotate artefact, ready to be gathered into ``TrainBatch``es.
+
+    table: the artefact's Parquet table (columns of ``mta annotate``).
+    student_pad_id / teacher_pad_id: the id written into padding (masked out everywhere).
+    with_teacher: False for SFT, where the teacher's columns are not turned into tensors.
+    granularities: the span kinds the loss reads (``"word"``, ``"phrase"``).
+    """
+
+    def __init__(
+        self,
+        table: pa.Table,
+        *,
+        student_pad_id: int,
+        teacher_pad_id: int = 0,
+        with_teacher: bool = True,
+        granularities: tuple[str, ...] = ("word", "phrase"),
+    ):
+        missing = {
+            "id", "student_input_ids", "student_prompt_len",
+            *(("teacher_input_ids", "teacher_prompt_len") if with_teacher else ()),
+            *(GRANULARITY_COLUMNS[name] for name in granularities),
+        } - set(table.column_names)
+        if missing:
+            raise MtaError(
+                f"the annotations lack the column(s) {sorted(missing)}; re-run `mta annotate` "
+                "with this version of mta"
+            )
+        self.row_ids = [str(value) for value in table.column("id").to_pylist()]
+        self.with_teacher = with_teacher
+        self.pad_ids = {"student": student_pad_id, "teacher": teacher_pad_id}
+        sides = ("student", "teacher") if with_teacher else ("student",)
+        self.ids = {side: _Ragged(table.column(f"{side}_input_ids")) for side in sides}
+        for ragged in self.ids.values():
+            ragged.values = ragged.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        self.prompt_len = {
+            side: table.column(f"{side}_prompt_len").to_numpy().astype(np.int64) for side in sides
+        }
+        self.spans: dict[str, tuple[_Ragged, dict[str, np.ndarray]]] = {}
+        for name in granularities:
+            ragged = _Ragged(table.column(GRANULARITY_COLUMNS[name]))
+            fields = {
+                field: ragged.values.field(field).to_numpy(zero_copy_only=False).astype(np.int64)
+                for field in SPAN_FIELDS
+            }
+            self.spans[name] = (ragged, fields)
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def student_lengths(self) -> np.ndarray:
+        """``[rows]`` token count of each row on the student side."""
+        return self.ids["student"].lengths
+
+    def batch(self, rows: np.ndarray | list[int]) -> TrainBatch:
+        """Gather ``rows`` (positions in the table) into a right-padded ``TrainBatch``."""
+        rows = np.asarray(rows, dtype=np.int64)
+        tokens = {side: self._tokens(side, rows) for side in self.ids}
+        spans = {name: self._spans(name, rows) for name in self.spans}
+        return TrainBatch(
+            [self.row_ids[row] for row in rows], tokens["student"], tokens.get("teacher"), spans
+        )
+
+    def _tokens(self, side: str, rows: np.ndarray) -> TokenBatch:
+        ragged = self.ids[side]
+        flat, row_of, position = ragged.gather(rows)
+        lengths = ragged.lengths[rows]
+        width = max(int(lengths.max(initial=0)), 1)
+        input_ids = _padded(ragged.values[flat], len(rows), width, row_of, position, self.pad_ids[side])
+        columns = np.arange(width)[None, :]
+        real = columns < lengths[:, None]
+        response = real & (columns >= self.prompt_len[side][rows][:, None])
+        labels = np.where(response, input_ids, IGNORE_INDEX)
+        return TokenBatch(
+            torch.from_numpy(input_ids), torch.from_numpy(real.astype(np.int64)), torch.from_numpy(labels)
+        )
+
+    def _spans(self, name: str, rows: np.ndarray) -> SpanBatch:
+        ragged, fields = self.spans[name]
+        flat, row_of, position = ragged.gather(rows)
+        width = int(ragged.lengths[rows].max(initial=0))
+        # Padding spans are empty ranges [0, 0): they cover no token on either side.
+        tensors = {
+            field: torch.from_numpy(_padded(values[flat], len(rows), width, row_of, position, 0))
+            for field, values in fields.items()
+        }
+        mask = np.zeros((len(rows), width), dtype=bool)
+        mask[row_of, position] = True
+        return SpanBatch(**tensors, mask=torch.from_numpy(mask))
+
+
+def micro_batch_order(
+    lengths: np.ndarray, micro_batch_size: int, *, seed: int, epoch: int, group_factor: int = 32
+) -> list[np.ndarray]:
+    """One epoch's micro batches (row positions), length-aware and reproducible.
+
+    Rows are shuffled by ``(seed, epoch)``, cut into pools of ``group_factor`` micro batches,
+    sorted by length inside each pool (so a micro batch pads little) and the micro batches are
+    shuffled again, so long and short batches are interleaved over the epoch. The rows left over
+    after the last full micro batch (a different few each epoch) are skipped.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    pool = micro_batch_size * group_factor
+    batches: list[np.ndarray] = []
+    for begin in range(0, len(order), pool):
+        members = order[begin : begin + pool]
+        members = members[np.argsort(-lengths[members], kind="stable")]
+        full = len(members) - len(members) % micro_batch_size
+        if full:
+            batches.extend(np.split(members[:full], range(micro_batch_size, full, micro_batch_size)))
+    return [batches[index] for index in rng.permutation(len(batches))]
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """Which micro batches each process runs at each optimizer step.
+
+    A global step takes ``accumulation * world_size`` consecutive micro batches of the epoch's
+    order; process ``rank`` takes every ``world_size``-th of them. Incomplete trailing steps of
+    an epoch are dropped so every step has the recipe's global batch.
+    """
+
+    num_rows: int
+    micro_batch_size: int
+    accumulation: int
+    world_size: int
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.accumulation * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full_micro_batches = self.num_rows // self.micro_batch_size
+        steps = full_micro_batches // self.micro_batches_per_step
+        if steps == 0:
+            raise MtaError(
+                f"the training data has {self.num_rows} rows, fewer than one global batch of "
+                f"{self.micro_batch_size * self.micro_batches_per_step}; lower train.batch_size"
+            )
+        return steps
+
+    def total_steps(self, epochs: Optional[float], max_steps: Optional[int]) -> int:
+        if max_steps is not None:
+            return max_steps
+        return max(1, int(round(epochs * self.steps_per_epoch)))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """``(epoch, step within the epoch)`` of global step ``step`` (0-based)."""
+        return divmod(step, self.steps_per_epoch)
+
+    def micro_batch_indices(self, step_in_epoch: int, rank: int) -> list[int]:
+        first = step_in_epoch * self.micro_batches_per_step
+        return [first + micro * self.world_size + rank for micro in range(self.accumulation)]

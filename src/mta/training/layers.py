@@ -1,0 +1,84 @@
+"""Which student layer is aligned with which teacher layer, and at which granularity.
+
+Layers are counted as ``output_hidden_states`` indices: 0 is the embedding output and ``L`` the
+last block of an ``L``-layer model, so valid indices run from 0 to ``L`` inclusive.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence, Union
+
+from mta.errors import MtaError
+from mta.training.recipe import LayerPair
+
+__all__ = ["LayerPair", "auto_layer_map", "resolve_layer_map"]
+
+
+def auto_layer_map(student_layers: int, teacher_layers: int) -> list[LayerPair]:
+    """METHOD §4 ``auto`` rule: one word-level pair below two phrase-level pairs.
+
+    ``s = max(1, L_S // 4)``; the student layers are ``L_S - 2s`` (word), ``L_S - s`` and ``L_S``
+    (phrase); each maps to teacher layer ``round(l_S * L_T / L_S)``, halves rounded up. A
+    12-layer student of a 48-layer teacher gives 6→24 word, 9→36 and 12→48 phrase (the
+    published GPT-2 map).
+    """
+    if student_layers < 1 or teacher_layers < 1:
+        raise MtaError(
+            f"the auto layer map needs models with at least one layer "
+            f"(student {student_layers}, teacher {teacher_layers})"
+        )
+    step = max(1, student_layers // 4)
+    picks = [
+        (student_layers - 2 * step, "word"),
+        (student_layers - step, "phrase"),
+        (student_layers, "phrase"),
+    ]
+    # A 1-layer student gives -1, 0, 1: only the layers that exist are kept.
+    return [
+        LayerPair(
+            student=student,
+            teacher=_round_half_up(student * teacher_layers, student_layers),
+            granularity=granularity,
+        )
+        for student, granularity in picks
+        if student >= 0
+    ]
+
+
+def _round_half_up(numerator: int, denominator: int) -> int:
+    # Exact integer arithmetic: Python's round() would send 4.5 to 4 (banker's rounding).
+    return (2 * numerator + denominator) // (2 * denominator)
+
+
+def resolve_layer_map(
+    layers: Union[Literal["auto"], Sequence[LayerPair]],
+    student_layers: int,
+    teacher_layers: int,
+) -> list[LayerPair]:
+    """The recipe's ``loss.layers`` as concrete pairs, checked against both models' depths.
+
+    Raises ``MtaError`` naming ``loss.layers[i]``, the offending index and the valid range when a
+    pair points past a model's last layer, and when the same pair is listed twice.
+    """
+    if layers == "auto":
+        return auto_layer_map(student_layers, teacher_layers)
+    resolved: list[LayerPair] = []
+    for index, pair in enumerate(layers):
+        key = f"loss.layers[{index}]"
+        for side, layer, depth in (
+            ("student", pair.student, student_layers),
+            ("teacher", pair.teacher, teacher_layers),
+        ):
+            if not 0 <= layer <= depth:
+                raise MtaError(
+                    f"{key}: {side} layer {layer} does not exist; the {side} has {depth} "
+                    f"layers, so hidden-state indices run from 0 (embeddings) to {depth}. "
+                    f"Fix the pair or write `layers: auto`."
+                )
+        if pair in resolved:
+            raise MtaError(
+                f"{key}: the pair [{pair.student}, {pair.teacher}, {pair.granularity}] is listed "
+                f"twice; remove one"
+            )
+        resolved.append(pair)
+    return resolved

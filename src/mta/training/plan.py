@@ -1,0 +1,406 @@
+"""What ``mta distill --dry-run`` shows: the run a recipe describes, without loading a weight.
+
+Both models are built on the meta device from their architecture configs (a JSON file named by
+the recipe, a tiny model's description, a local model directory or the Hugging Face cache), so
+planning works offline and in seconds even for a 6.7B teacher. ``plan_run`` returns a
+``RunPlan``; ``render_plan`` turns it into rich tables for the CLI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from mta.errors import MtaError
+from mta.training.layers import LayerPair, resolve_layer_map
+from mta.training.recipe import ModelSpec, Recipe, TinyModel, unset_variables
+
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model as the run will build it (counts from a meta-device instance)."""
+
+    role: str
+    name: str
+    config_source: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_rows: int
+    parameters: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device for one training step; a rough guide, not a guarantee.
+
+    Leaves out the CUDA context, allocator fragmentation and DeepSpeed's communication buffers
+    (together typically 1 to 3 GiB).
+    """
+
+    student_weights: int
+    student_gradients: int
+    optimizer_states: int
+    teacher_weights: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.student_weights
+            + self.student_gradients
+            + self.optimizer_states
+            + self.teacher_weights
+            + self.activations
+        )
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    name: str
+    student: ModelPlan
+    teacher: ModelPlan | None
+    layers: list[LayerPair]
+    projector_parameters: int
+    world_size: int
+    micro_batch_size: int
+    accumulation_steps: int
+    global_batch: int
+    zero_stage: int
+    teacher_zero3: bool
+    precision: str
+    memory: MemoryEstimate
+    notes: list[str] = field(default_factory=list)
+
+
+def load_model_config(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[PretrainedConfig, str]:
+    """The architecture config of ``recipe.<role>``, found offline, and where it came from.
+
+    Order: ``<role>.config`` (a JSON file or directory, relative to the recipe), ``<role>.tiny``,
+    a local model directory at ``<role>.path``, then the Hugging Face cache (no network).
+    """
+    if spec.config is not None:
+        path = recipe.resolve(spec.config, key=f"{role}.config")
+        if not path.exists():
+            raise MtaError(
+                f"{recipe.source}: {role}.config={spec.config!r} does not exist (looked for "
+                f"{path}); give a config.json path relative to the recipe file"
+            )
+        return _config_from(path, f"{role}.config"), str(path)
+    if spec.tiny is not None:
+        return tiny_config(spec.tiny), "tiny: built at first use"
+    local = recipe.resolve(spec.path, key=f"{role}.path")
+    if (local / "config.json").exists():
+        return _config_from(local, f"{role}.path"), str(local)
+    cached = _cached_config(spec.path)
+    if cached is None:
+        raise MtaError(
+            f"{recipe.source}: {role}.path={spec.path!r}: no architecture config offline (not a "
+            f"local model directory, not in the Hugging Face cache). Add `{role}.config: "
+            f"configs/<model>.json` to the recipe, or download the model first."
+        )
+    return _config_from(cached, f"{role}.path"), f"Hugging Face cache ({spec.path})"
+
+
+def _cached_config(repo_id: str) -> Path | None:
+    """The snapshot directory holding ``repo_id``'s config.json in the hub cache, if any.
+
+    A file lookup only: ``from_pretrained(..., local_files_only=True)`` would still contact
+    the hub for its own bookkeeping unless HF_HUB_OFFLINE is set.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id, so it cannot be cached
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def tiny_config(tiny: TinyModel) -> PretrainedConfig:
+    """The config of the random model ``mta.models.tiny.build_tiny_model`` builds for ``tiny``.
+
+    The vocabulary is the one the tokenizer is trained to; the trained one can be a little
+    smaller, which changes the counts by a few embedding rows at most.
+    """
+    if tiny.model_type == "gpt2":
+        sizes = dict(n_embd=tiny.hidden_size, n_layer=tiny.num_layers, n_head=tiny.num_heads)
+    else:
+        sizes = dict(
+            hidden_size=tiny.hidden_size,
+            intermediate_size=tiny.hidden_size * 2,
+            num_hidden_layers=tiny.num_layers,
+            num_attention_heads=tiny.num_heads,
+            num_key_value_heads=tiny.num_heads,
+        )
+    return AutoConfig.for_model(tiny.model_type, vocab_size=tiny.vocab_size, **sizes)
+
+
+def _config_from(path: Path, key: str) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise MtaError(
+            f"{key}: {path} is not a Hugging Face model config ({error}); it needs at least "
+            f"a model_type and the model's sizes"
+        ) from error
+
+
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """The causal LM for ``config`` with every tensor on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Distinct parameters: tied input/output embeddings are counted once."""
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def plan_model(spec: ModelSpec, recipe: Recipe, role: str) -> ModelPlan:
+    config, source = load_model_config(spec, recipe, role)
+    model = meta_model(config)
+    return ModelPlan(
+        role=role,
+        name=spec.path,
+        config_source=source,
+        architecture=type(model).__name__,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        vocab_rows=model.get_input_embeddings().num_embeddings,
+        parameters=parameter_count(model),
+        dtype=spec.dtype,
+    )
+
+
+def estimate_memory(
+    student: ModelPlan,
+    teacher: ModelPlan | None,
+    *,
+    trainable_extra: int,
+    aligned_teacher_layers: int,
+    precision: str,
+    zero_stage: int,
+    teacher_zero3: bool,
+    world_size: int,
+    micro_batch_size: int,
+    sequence_length: int,
+) -> MemoryEstimate:
+    """Per-device bytes after the ZeRO paper's accounting (Rajbhandari et al., 2020).
+
+    Mixed precision (bf16/fp16) keeps 16-bit weights and gradients plus fp32 master weights,
+    momentum and variance: 2 + 2 + 12 bytes per trainable parameter; fp32 keeps 4 + 4 + 8.
+    ZeRO-1 partitions the optimizer states over the ``world_size`` devices, ZeRO-2 also the
+    gradients, ZeRO-3 also the weights. The frozen teacher holds only its weights (partitioned
+    when ``teacher_zero3``). Activations follow Korthikanti et al. (2022) without recomputation,
+    ``s·b·h·(34 + 5·a·s/h)`` bytes per 16-bit layer, plus the student's logits (16-bit and an
+    fp32 copy for the loss, with gradients), the teacher's logits and the teacher hidden states
+    kept for the aligned layers.
+    """
+    trainable = student.parameters + trainable_extra
+    mixed = precision != "fp32"
+    weight_bytes = 2 if mixed else 4
+    optimizer_bytes = 12 if mixed else 8
+    weights = trainable * weight_bytes
+    gradients = trainable * weight_bytes
+    optimizer = trainable * optimizer_bytes
+    if zero_stage >= 1:
+        optimizer //= world_size
+    if zero_stage >= 2:
+        gradients //= world_size
+    if zero_stage >= 3:
+        weights //= world_size
+
+    tokens = micro_batch_size * sequence_length
+    per_layer = tokens * student.hidden_size * (
+        34 + 5 * student.num_heads * sequence_length / student.hidden_size
+    )
+    activations = per_layer * student.num_layers * (1 if mixed else 2)
+    activations += tokens * student.vocab_rows * (weight_bytes + 4) * 2
+
+    teacher_weights = 0
+    if teacher is not None:
+        teacher_bytes = BYTES_PER_ELEMENT[teacher.dtype]
+        teacher_weights = teacher.parameters * teacher_bytes
+        if teacher_zero3:
+            teacher_weights //= world_size
+        activations += tokens * teacher.vocab_rows * teacher_bytes
+        activations += tokens * teacher.hidden_size * teacher_bytes * (aligned_teacher_layers + 1)
+    return MemoryEstimate(
+        student_weights=weights,
+        student_gradients=gradients,
+        optimizer_states=optimizer,
+        teacher_weights=teacher_weights,
+        activations=int(activations),
+    )
+
+
+def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
+    """Everything ``--dry-run`` reports for ``recipe`` on ``world_size`` devices; no weights.
+
+    Raises ``MtaError`` when a config cannot be found offline, a layer pair points past a model's
+    depth, or the global batch cannot be split over ``world_size`` devices.
+    """
+    if world_size < 1:
+        raise MtaError(f"world size must be at least 1, got {world_size}")
+    train = recipe.train
+    accumulation = train.accumulation_steps(world_size)
+    student = plan_model(recipe.student, recipe, "student")
+    teacher = plan_model(recipe.teacher, recipe, "teacher") if recipe.teacher else None
+    notes: list[str] = []
+
+    layers: list[LayerPair] = []
+    projector_parameters = 0
+    if teacher is not None and (recipe.loss.dsa_weight or recipe.loss.hra_weight):
+        layers = resolve_layer_map(recipe.loss.layers, student.num_layers, teacher.num_layers)
+        # The alignment loss holds one nn.Linear(d_S, d_T) with bias per aligned pair.
+        projector_parameters = len(layers) * (student.hidden_size + 1) * teacher.hidden_size
+    logit_loss = recipe.loss.base != "ce"
+    if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
+        notes.append(
+            f"embedding rows differ (teacher {teacher.vocab_rows:,}, student "
+            f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
+            f"common real vocabulary, checked when the tokenizers load"
+        )
+    notes.extend(_data_notes(recipe))
+
+    memory = estimate_memory(
+        student,
+        teacher,
+        trainable_extra=projector_parameters,
+        aligned_teacher_layers=len({pair.teacher for pair in layers}),
+        precision=train.precision,
+        zero_stage=train.zero_stage,
+        teacher_zero3=train.teacher_zero3,
+        world_size=world_size,
+        micro_batch_size=train.micro_batch_size,
+        sequence_length=recipe.data.max_length,
+    )
+    return RunPlan(
+        name=recipe.name,
+        student=student,
+        teacher=teacher,
+        layers=layers,
+        projector_parameters=projector_parameters,
+        world_size=world_size,
+        micro_batch_size=train.micro_batch_size,
+        accumulation_steps=accumulation,
+        global_batch=train.micro_batch_size * accumulation * world_size,
+        zero_stage=train.zero_stage,
+        teacher_zero3=train.teacher_zero3,
+        precision=train.precision,
+        memory=memory,
+        notes=notes,
+    )
+
+
+def _data_notes(recipe: Recipe) -> list[str]:
+    # A dry run reports missing data instead of failing: planning is useful before the download.
+    notes, unset = [], {}
+    for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
+        if written is None:
+            continue
+        if missing := unset_variables(written):
+            for name in missing:
+                unset.setdefault(name, []).append(key)
+        elif not (path := recipe.resolve(written, key)).exists():
+            notes.append(f"{key}: {path} does not exist yet")
+    for name, keys in unset.items():
+        notes.append(
+            f"{' and '.join(keys)} use ${name}, which is not set: export {name}=... before training"
+        )
+    return notes
+
+
+def render_plan(plan: RunPlan) -> Group:
+    """The plan as rich tables: models, aligned layers, batch, memory per device, notes."""
+    present = [model for model in (plan.teacher, plan.student) if model is not None]
+    models = _table(("", *(model.role for model in present)), numeric=())
+    for label, value in (
+        ("model", lambda m: m.name),
+        ("architecture", lambda m: m.architecture),
+        ("layers", lambda m: str(m.num_layers)),
+        ("hidden size", lambda m: str(m.hidden_size)),
+        ("embedding rows", lambda m: f"{m.vocab_rows:,}"),
+        ("parameters", lambda m: _count(m.parameters)),
+        ("dtype", lambda m: m.dtype),
+        ("config from", lambda m: m.config_source),
+    ):
+        models.add_row(label, *(value(model) for model in present))
+    parts: list[Table | Text] = [_heading(f"{plan.name}: models (meta device, no weights)"), models]
+
+    if plan.layers:
+        layers = _table(("student", "teacher", "granularity"), numeric=("student", "teacher"))
+        for pair in plan.layers:
+            layers.add_row(str(pair.student), str(pair.teacher), pair.granularity)
+        parts += [_heading("aligned layers (hidden_states indices, 0 = embeddings)"), layers]
+
+    batch = _table(("setting", "value"), numeric=())
+    batch.add_row(
+        "global batch",
+        f"{plan.global_batch} = {plan.micro_batch_size} per device × "
+        f"{plan.accumulation_steps} accumulation × {_devices(plan.world_size)}",
+    )
+    batch.add_row("precision", plan.precision)
+    teacher_sharding = " (teacher partitioned with ZeRO-3)" if plan.teacher_zero3 else ""
+    batch.add_row("ZeRO stage", f"{plan.zero_stage}{teacher_sharding}")
+    if plan.projector_parameters:
+        batch.add_row("HRA projector parameters", _count(plan.projector_parameters))
+    parts += [_heading("batch and parallelism"), batch]
+
+    memory = _table(("component", "size"), numeric=("size",))
+    estimate = plan.memory
+    for label, value in (
+        ("student weights", estimate.student_weights),
+        ("student gradients", estimate.student_gradients),
+        ("optimizer states", estimate.optimizer_states),
+        ("teacher weights", estimate.teacher_weights),
+        ("activations (rough)", estimate.activations),
+    ):
+        memory.add_row(label, _bytes(value))
+    memory.add_row("total", _bytes(estimate.total), style="bold")
+    parts += [
+        _heading(
+            f"estimated memory per device (ZeRO-{plan.zero_stage}, {_devices(plan.world_size)}; "
+            "without CUDA context and buffers)"
+        ),
+        memory,
+    ]
+    # Text, not markup: notes quote recipe keys such as loss.layers[0].
+    parts.extend(Text.assemble(("note: ", "yellow"), note) for note in plan.notes)
+    return Group(*parts)
+
+
+def _heading(title: str) -> Text:
+    return Text(title, style="bold")
+
+
+def _table(columns: tuple[str, ...], numeric: tuple[str, ...]) -> Table:
+    table = Table()
+    for column in columns:
+        table.add_column(column, justify="right" if column in numeric else "left")
+    return table
+
+
+def _count(count: int) -> str:
+    return f"{count:,} ({count / 1e6:,.1f}M)" if count >= 10**6 else f"{count:,}"
+
+
+def _bytes(count: int) -> str:
+    return f"{count / GIB:.2f} GiB" if count >= GIB // 10 else f"{count / 2**20:.1f} MiB"
+
+
+def _devices(world_size: int) -> str:
+    return f"{world_size} device" + ("s" if world_size > 1 else "")

@@ -1,0 +1,256 @@
+"""`mta evaluate` end to end on tiny random models: outputs, resume, several checkpoints, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rouge_score import rouge_scorer
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from mta.errors import MtaError
+from mta.evaluation import EvalSettings, evaluate_checkpoints
+from mta.evaluation import runner as runner_module
+from mta.evaluation.checkpoints import checkpoint_label
+from mta.models.tiny import build_tiny_model
+from tests.conftest import EXAMPLES, REPO
+
+FAST = ["--seeds", "10,20", "--max-new-tokens", "6", "--max-prompt-length", "48", "--limit", "3"]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    """Dolly rows built from the example file (prompt from instruction/input) after one whose
+    reference is Chinese only, S-NI in its 11_ bucket with list references; no Vicuna, SelfInst or UnNI."""
+    rows = [json.loads(line) for line in EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
+    cjk = {"instruction": "说一句关于茶的话。", "input": "", "output": "茶是中国的传统饮品。"}
+    write_jsonl(tmp_path / "data" / "dolly" / "valid.jsonl", [cjk] + rows[:4])
+    write_jsonl(tmp_path / "data" / "dolly" / "dev.jsonl", rows[4:10])
+    write_jsonl(
+        tmp_path / "data" / "sinst" / "11_" / "valid.jsonl",
+        [{"instruction": r["instruction"], "input": r["input"], "output": [r["output"], "yes"]} for r in rows[10:14]],
+    )
+    return tmp_path / "data"
+
+
+def run_cli(args: list[str]):
+    from mta_cli.main import app
+
+    result = CliRunner().invoke(app, ["evaluate", *args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    out = tmp_path / "eval"
+    result = run_cli([str(tiny_model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])
+    label = checkpoint_label(str(tiny_model_dir))
+    assert "Dolly" in result.output and "S-NI" in result.output
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["sets"]) == ["dolly", "sinst"]  # vicuna etc. absent: skipped
+    run = results["checkpoints"][label]
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    for set_name in ("dolly", "sinst"):
+        seed_means = []
+        for seed in (10, 20):
+            records = read_jsonl(out / "predictions" / label / set_name / f"seed-{seed}.jsonl")
+            assert [r["index"] for r in records] == [0, 1, 2]
+            # Re-score from the file alone, as someone without mta would.
+            rescored = [
+                100 * max(scorer.score(ref, r["prediction"])["rougeL"].fmeasure for ref in r["references"])
+                for r in records
+            ]
+            assert [r["rougeL"] for r in records] == pytest.approx(rescored)
+            seed_means.append(sum(rescored) / len(rescored))
+            assert run["sets"][set_name]["rougeL"]["per_seed"][str(seed)] == pytest.approx(seed_means[-1])
+            assert all(r["prompt_truncated"] for r in records)  # every Alpaca prompt is over 48 tokens
+            assert all(1 <= r["new_tokens"] <= 6 for r in records)
+        mean = sum(seed_means) / 2
+        assert run["sets"][set_name]["rougeL"]["mean"] == pytest.approx(mean)
+        assert run["sets"][set_name]["rougeL"]["std"] == pytest.approx(abs(seed_means[0] - seed_means[1]) / 2)
+        assert run["sets"][set_name]["prompts_truncated"] == 3
+    assert records[0]["references"][1] == "yes"  # S-NI keeps its list of references
+    assert run["avg4"] is None  # SelfInst and Vicuna did not run
+    assert run["avg"] == pytest.approx((run["sets"]["dolly"]["rougeL"]["mean"] + run["sets"]["sinst"]["rougeL"]["mean"]) / 2)
+    assert run["avg_ood"] == pytest.approx(run["sets"]["sinst"]["rougeL"]["mean"])
+    assert results["sets"]["dolly"]["references_without_rouge_tokens"] == 1  # the CJK row
+    assert run["perplexity"]["rows"] == 6 and run["perplexity"]["perplexity"] > 1
+    assert results["settings"]["seeds"] == [10, 20] and results["versions"]["torch"]
+    markdown = (out / "results.md").read_text()
+    assert f"| {label} |" in markdown and "ppl (dolly-dev)" in markdown
+
+    # Second run: everything is complete, so no model may even be loaded.
+    before = {p: p.read_bytes() for p in (out / "predictions").rglob("*.jsonl")}
+    monkeypatch.setattr(runner_module, "loaded_checkpoint", _must_not_load)
+    run_cli([str(tiny_model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])
+    assert {p: p.read_bytes() for p in (out / "predictions").rglob("*.jsonl")} == before
+    again = json.loads((out / "results.json").read_text())
+    assert again["checkpoints"] == results["checkpoints"]
+
+
+def _must_not_load(*args, **kwargs):
+    raise AssertionError("a complete run loaded a model again")
+
+
+def test_an_interrupted_set_resumes_from_its_journal(tiny_model_dir, data_dir, tmp_path):
+    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=8, max_prompt_length=64, limit=5, batch_size=2)
+    out = tmp_path / "eval"
+    evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, out, settings)
+    final = out / "predictions" / "tiny" / "dolly" / "seed-10.jsonl"
+    complete = read_jsonl(final)
+
+    # A crash after two rows: the file was never written, the journal has two rows and a torn line.
+    final.unlink()
+    journal = final.with_name("seed-10.rank0.journal.jsonl")
+    kept = [{k: r[k] for k in ("index", "prompt", "prediction", "prompt_truncated", "new_tokens", "finished")} for r in complete[3:5]]
+    kept[0]["prediction"] = "from the journal"  # proves the row is reused, not regenerated
+    journal.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"index": 0, "pre', encoding="utf-8")
+
+    evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, out, settings)
+    resumed = read_jsonl(final)
+    assert not journal.exists()
+    assert resumed[3]["prediction"] == "from the journal"
+    # Rows 0-2 and 4 are regenerated in other batches with the same per-row noise: same text.
+    assert [r["prediction"] for i, r in enumerate(resumed) if i != 3] == [
+        r["prediction"] for i, r in enumerate(complete) if i != 3
+    ]
+
+
+def test_several_checkpoints_with_the_same_basename_side_by_side(tiny_tokenizer_dir, data_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = build_tiny_model(tiny_tokenizer_dir, tmp_path / "runs" / "a" / "final", seed=1)
+    second = build_tiny_model(tiny_tokenizer_dir, tmp_path / "runs" / "b" / "final", seed=2)
+    settings = EvalSettings(benchmarks=["sinst"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=2)
+    results = evaluate_checkpoints([first, second], None, data_dir, tmp_path / "eval", settings)
+    assert list(results["checkpoints"]) == ["runs--a--final", "runs--b--final"]
+    predictions = [
+        read_jsonl(tmp_path / "eval" / "predictions" / label / "sinst" / "seed-10.jsonl")
+        for label in results["checkpoints"]
+    ]
+    assert [r["prediction"] for r in predictions[0]] != [r["prediction"] for r in predictions[1]]
+    markdown = (tmp_path / "eval" / "results.md").read_text()
+    assert "| runs--a--final |" in markdown and "| runs--b--final |" in markdown
+
+
+def test_a_model_that_only_says_eos_scores_zero(tiny_model_dir, data_dir, tmp_path):
+    """Empty predictions are scored 0 and counted, not a crash."""
+    silent = tmp_path / "silent"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        # Blocks add nothing and every embedding is 1, so the final hidden state is the norm
+        # weight; only the EOS row of the head sees it.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[eos] = 10.0
+    model.save_pretrained(silent)
+    for name in os.listdir(tiny_model_dir):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(tiny_model_dir / name, silent / name)
+    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, limit=3)
+    results = evaluate_checkpoints([silent], ["silent"], data_dir, tmp_path / "eval", settings)
+    stats = results["checkpoints"]["silent"]["sets"]["dolly"]
+    assert stats["rougeL"]["mean"] == 0.0
+    assert stats["per_seed"]["10"]["empty_predictions"] == 3
+    records = read_jsonl(tmp_path / "eval" / "predictions" / "silent" / "dolly" / "seed-10.jsonl")
+    assert all(r["prediction"] == "" and r["finished"] and r["new_tokens"] == 1 for r in records)
+
+
+@pytest.fixture
+def broken_checkpoints(tiny_model_dir, tmp_path):
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in os.listdir(tiny_model_dir):
+        if not name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(tiny_model_dir / name, no_tokenizer / name)
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    (not_a_model / "notes.txt").write_text("hello")
+    return {"no_tokenizer": no_tokenizer, "not_a_model": not_a_model}
+
+
+@pytest.mark.parametrize(
+    "which, message",
+    [("no_tokenizer", r"no-tokenizer has no tokenizer"), ("not_a_model", r"not-a-model is not a model directory")],
+)
+def test_bad_checkpoints_fail_before_anything_runs(tiny_model_dir, broken_checkpoints, data_dir, tmp_path, which, message):
+    with pytest.raises(MtaError, match=message):
+        # The good checkpoint comes first: the check must still happen before it is evaluated.
+        evaluate_checkpoints([tiny_model_dir, broken_checkpoints[which]], None, data_dir, tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_bad_arguments_are_one_clear_error(tiny_model_dir, data_dir, tmp_path):
+    with pytest.raises(MtaError, match="does not exist"):
+        evaluate_checkpoints([tmp_path / "runs" / "x" / "final"], None, data_dir, tmp_path / "eval")
+    with pytest.raises(MtaError, match="2 labels for 1 checkpoints"):
+        evaluate_checkpoints([tiny_model_dir], ["a", "b"], data_dir, tmp_path / "eval")
+    with pytest.raises(MtaError, match="share the label"):
+        evaluate_checkpoints([tiny_model_dir, tiny_model_dir], None, data_dir, tmp_path / "eval")
+    with pytest.raises(MtaError, match="cannot name a directory"):
+        evaluate_checkpoints([tiny_model_dir], ["a/b"], data_dir, tmp_path / "eval")
+    with pytest.raises(MtaError, match="benchmark 'vicuna' is missing"):
+        evaluate_checkpoints([tiny_model_dir], None, data_dir, tmp_path / "eval", EvalSettings(benchmarks=["vicuna"]))
+    (data_dir / "dolly" / "valid.jsonl").write_text('{"prompt": "p", "output": "o"}\n{"prompt": \n')
+    with pytest.raises(MtaError, match=r"dolly/valid\.jsonl:2: not valid JSON"):
+        evaluate_checkpoints([tiny_model_dir], None, data_dir, tmp_path / "eval")
+
+
+def test_rerunning_with_other_settings_into_the_same_directory_is_refused(tiny_model_dir, data_dir, tmp_path):
+    settings = EvalSettings(benchmarks=["sinst"], seeds=[10], max_new_tokens=3, limit=1)
+    evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "eval", settings)
+    changed = settings.model_copy(update={"max_new_tokens": 5})
+    with pytest.raises(MtaError, match=r"max_new_tokens: 3 -> 5"):
+        evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "eval", changed)
+
+
+@pytest.mark.slow
+def test_the_shared_instruction_sets(tiny_model_dir, shared, tmp_path):
+    out = tmp_path / "eval"
+    settings = EvalSettings(seeds=[10], max_new_tokens=4, limit=2)
+    results = evaluate_checkpoints([tiny_model_dir], ["tiny"], shared / "data" / "instruct", out, settings)
+    assert list(results["sets"]) == ["dolly", "self-inst", "vicuna", "sinst"]  # UnNI is absent
+    run = results["checkpoints"]["tiny"]
+    assert run["avg4"] == pytest.approx(sum(run["sets"][s]["rougeL"]["mean"] for s in results["sets"]) / 4)
+    sinst = read_jsonl(out / "predictions" / "tiny" / "sinst" / "seed-10.jsonl")
+    assert all(isinstance(r["references"], list) and r["references"] for r in sinst)
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_share_the_rows_and_match_one_process(tiny_model_dir, data_dir, tmp_path):
+    args = [str(tiny_model_dir), "--names", "tiny", "--data-dir", str(data_dir), "--benchmarks", "dolly",
+            "--seeds", "10", "--max-new-tokens", "5", "--max-prompt-length", "64", "--limit", "5", "--batch-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "cli") + os.pathsep + str(REPO / "src")}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
+    done = subprocess.run([*torchrun, "-m", "mta_cli.main", "evaluate", *args, "-o", str(tmp_path / "two")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "one",
+                         EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=5, max_prompt_length=64, limit=5, batch_size=2))
+    two = read_jsonl(tmp_path / "two" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
+    one = read_jsonl(tmp_path / "one" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
+    assert [r["prediction"] for r in two] == [r["prediction"] for r in one]
+    assert not list((tmp_path / "two").rglob("*.journal.jsonl"))

@@ -1,0 +1,200 @@
+"""Base losses against loop-based references over tokens and vocabulary entries (METHOD §5)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mta.errors import MtaError
+from mta.losses import BASE_LOSSES, build_base_loss
+
+ALPHA, BETA = 0.1, 0.5
+
+
+def ref_token_loss(name: str, s_row: list[float], t_row: list[float], label: int, tau: float) -> float:
+    """One position, looping over vocabulary entries with python floats."""
+    def softmax(row):
+        top = max(row)
+        exps = [math.exp((x - top) / tau) for x in row]
+        total = sum(exps)
+        return [e / total for e in exps]
+
+    if name == "ce":
+        top = max(s_row)
+        return -(s_row[label] - top - math.log(sum(math.exp(x - top) for x in s_row)))
+    q, p = softmax(s_row), softmax(t_row)
+
+    def kl(a, b):
+        return sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b) if x > 0)
+
+    if name == "fkl":
+        return kl(p, q)
+    if name == "rkl":
+        return kl(q, p)
+    if name == "skl":
+        return kl(p, [ALPHA * x + (1 - ALPHA) * y for x, y in zip(p, q)])
+    if name == "srkl":
+        return kl(q, [ALPHA * y + (1 - ALPHA) * x for x, y in zip(p, q)])
+    if name == "jsd":
+        m = [BETA * x + (1 - BETA) * y for x, y in zip(p, q)]
+        return BETA * kl(p, m) + (1 - BETA) * kl(q, m)
+    if name == "tvd":
+        return 0.5 * sum(abs(x - y) for x, y in zip(p, q))
+    raise AssertionError(name)
+
+
+def ref_batch_loss(name, student, teacher, labels, vocab_size, tau=1.0) -> float:
+    """Sum over the vocabulary per token, mean over every response token of the batch."""
+    values = []
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1]):
+            label = int(labels[b, t])
+            if label == -100:
+                continue
+            s_row = [float(x) for x in student[b, t, :vocab_size]]
+            t_row = [float(x) for x in teacher[b, t, :vocab_size]]
+            values.append(ref_token_loss(name, s_row, t_row, label, tau))
+    return sum(values) / len(values)
+
+
+def random_batch(seed: int, vocab: int = 13, padded_vocab: int = 0, scale: float = 2.0):
+    generator = torch.Generator().manual_seed(seed)
+    student = torch.randn(3, 6, vocab + padded_vocab, generator=generator) * scale
+    teacher = torch.randn(3, 6, vocab + padded_vocab + 2, generator=generator) * scale
+    labels = torch.randint(0, vocab, (3, 6), generator=generator)
+    labels[0, :4] = -100  # prompt
+    labels[1, :] = -100  # a sequence with no response token
+    labels[2, 5] = -100  # padding
+    return student, teacher, labels
+
+
+@pytest.mark.parametrize("name", sorted(BASE_LOSSES))
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_base_loss_matches_loop_reference_on_the_real_vocabulary(name, tau):
+    vocab = 13
+    student, teacher, labels = random_batch(0, vocab, padded_vocab=3)
+    # Padded embedding rows hold garbage that must never count.
+    student[..., vocab:] = 50.0
+    teacher[..., vocab:] = -50.0
+    loss_fn = build_base_loss(name, temperature=tau, vocab_size=vocab, chunk_size=4)
+    student.requires_grad_()
+    got = loss_fn(student, teacher, labels)
+    tau_used = 1.0 if name == "ce" else tau
+    expected = ref_batch_loss(name, student.detach(), teacher, labels, vocab, tau_used)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    got.backward()
+    assert torch.all(student.grad[..., vocab:] == 0)
+    assert torch.all(student.grad[labels == -100] == 0)
+    assert student.grad[labels != -100].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", sorted(BASE_LOSSES))
+def test_chunked_equals_unchunked_in_value_and_gradient(name):
+    student, teacher, labels = random_batch(1)
+    results = []
+    for chunk_size in (1, 5, 1000):
+        leaf = student.clone().requires_grad_()
+        teacher_leaf = teacher.clone().requires_grad_()
+        loss = build_base_loss(name, chunk_size=chunk_size)(leaf, teacher_leaf, labels)
+        (3.0 * loss).backward()
+        assert teacher_leaf.grad is None  # the teacher is a constant of the loss
+        results.append((loss.detach(), leaf.grad))
+    for loss, grad in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        torch.testing.assert_close(grad, results[0][1])
+
+
+@pytest.mark.parametrize("name", sorted(set(BASE_LOSSES) - {"ce"}))
+def test_gradient_matches_plain_autograd(name):
+    """The chunked loss stores its gradient in the forward pass; it must equal autograd's."""
+    student, teacher, labels = random_batch(2)
+    vocab = 13
+    leaf = student.clone().requires_grad_()
+    build_base_loss(name, chunk_size=3, vocab_size=vocab)(leaf, teacher, labels).backward()
+
+    reference = student.double().clone().requires_grad_()
+    keep = labels != -100
+    log_q = F.log_softmax(reference[keep][:, :vocab], -1)
+    log_p = F.log_softmax(teacher.double()[keep][:, :vocab], -1)
+    p, q = log_p.exp(), log_q.exp()
+    per_token = {
+        "fkl": (p * (log_p - log_q)).sum(-1),
+        "rkl": (q * (log_q - log_p)).sum(-1),
+        "skl": (p * (log_p - (ALPHA * p + (1 - ALPHA) * q).log())).sum(-1),
+        "srkl": (q * (log_q - (ALPHA * q + (1 - ALPHA) * p).log())).sum(-1),
+        "jsd": BETA * (p * (log_p - (BETA * p + (1 - BETA) * q).log())).sum(-1)
+        + (1 - BETA) * (q * (log_q - (BETA * p + (1 - BETA) * q).log())).sum(-1),
+        "tvd": 0.5 * (p - q).abs().sum(-1),
+    }[name]
+    per_token.mean().backward()
+    torch.testing.assert_close(leaf.grad.double(), reference.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_forward_kl_scale_matches_torch_kl_div():
+    student, teacher, labels = random_batch(3)
+    keep = labels != -100
+    log_q = F.log_softmax(student[keep][:, :13], -1)
+    log_p = F.log_softmax(teacher[keep][:, :13], -1)
+    # kl_div(input=log q, target=log p) = p (log p − log q); sum over vocabulary, mean over tokens.
+    expected = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).mean()
+    got = build_base_loss("fkl", vocab_size=13)(student, teacher, labels)
+    torch.testing.assert_close(got, expected)
+    # The same number as "batchmean" over the response tokens: not divided by the vocabulary.
+    torch.testing.assert_close(got, F.kl_div(log_q, log_p, log_target=True, reduction="batchmean"))
+
+
+@pytest.mark.parametrize("name", sorted(set(BASE_LOSSES) - {"ce"}))
+def test_identical_distributions_give_zero(name):
+    student, _, labels = random_batch(4)
+    # Shifting every logit by a constant leaves the distribution unchanged.
+    loss = build_base_loss(name)(student, student[..., :13] + 5.0, labels)
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_ce_equals_the_causal_lm_loss_of_a_tiny_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :5] = -100  # prompt tokens
+    labels[1, 10:] = -100  # padding
+    output = model(input_ids=input_ids, labels=labels)
+    ours = build_base_loss("ce", chunk_size=7)(output.logits[:, :-1], None, labels[:, 1:])
+    torch.testing.assert_close(ours, output.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(BASE_LOSSES))
+def test_large_low_precision_logits_stay_finite(name, dtype):
+    generator = torch.Generator().manual_seed(6)
+    vocab = 50
+    # Near the fp16 maximum: a softmax in fp16 overflows; ours runs in fp32 and log space.
+    student = (torch.randn(2, 4, vocab, generator=generator) * 3e4).clamp(-6e4, 6e4).to(dtype)
+    teacher = (torch.randn(2, 4, vocab, generator=generator) * 3e4).clamp(-6e4, 6e4).to(dtype)
+    labels = torch.randint(0, vocab, (2, 4), generator=generator)
+    student.requires_grad_()
+    loss = build_base_loss(name, chunk_size=3)(student, teacher, labels)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(student.grad).all()
+    assert student.grad.dtype == dtype
+
+
+def test_no_response_token_gives_zero_and_bad_input_is_named():
+    student, teacher, labels = random_batch(7)
+    student.requires_grad_()
+    loss = build_base_loss("srkl")(student, teacher, torch.full_like(labels, -100))
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.all(student.grad == 0)
+    with pytest.raises(MtaError, match="unknown base loss 'kl'"):
+        build_base_loss("kl")
+    with pytest.raises(MtaError, match="teacher_logits is None"):
+        build_base_loss("fkl")(student, None, labels)
+    with pytest.raises(MtaError, match="vocab_size 99 exceeds"):
+        build_base_loss("fkl", vocab_size=99)(student, teacher, labels)

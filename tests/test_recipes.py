@@ -1,0 +1,331 @@
+"""Recipes: every shipped file validates, overrides behave like the file, bad recipes say why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mta.errors import MtaError
+from mta.training.recipe import LayerPair, load_recipe, recipe_to_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+MINIMAL = """\
+name: minimal
+output_dir: runs/minimal
+teacher:
+  path: teacher-model
+student:
+  path: student-model
+data:
+  train: train.jsonl
+loss:
+  base: fkl
+train:
+  max_steps: 10
+  batch_size: 4
+  micro_batch_size: 2
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
+    with pytest.raises(MtaError) as caught:
+        load_recipe(path, overrides)
+    return str(caught.value)
+
+
+def test_the_repository_ships_the_paper_recipes():
+    names = {path.name for path in RECIPES}
+    assert {"gpt2.yaml", "qwen.yaml", "opt.yaml", "cross-tokenizer.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
+def test_every_recipe_loads_validates_and_round_trips(path, tmp_path):
+    recipe = load_recipe(path)
+    assert recipe.source == str(path)
+    assert recipe.train.batch_size % recipe.train.micro_batch_size == 0
+    # The resolved recipe saved beside checkpoints loads back to the same recipe.
+    saved = write(tmp_path, recipe_to_yaml(recipe), path.name)
+    assert load_recipe(saved).model_dump(exclude={"source"}) == recipe.model_dump(
+        exclude={"source"}
+    )
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
+def test_every_recipe_starts_with_a_header_comment(path):
+    assert path.read_text(encoding="utf-8").startswith("# ")
+
+
+PUBLISHED = {
+    # file: (teacher, student, base, dsa, hra, (student, teacher, granularity) triples)
+    "gpt2.yaml": (
+        "MiniLLM/teacher-gpt2-1.5B", "gpt2", "srkl", 2.0, 0.2,
+        [(6, 24, "word"), (9, 36, "phrase"), (12, 48, "phrase")],
+    ),
+    "qwen.yaml": (
+        "VoCuc/Qwen1.5_1.8B_SFT", "Qwen/Qwen1.5-0.5B", "srkl", 2.0, 0.2,
+        [(14, 14, "word")] + [(layer, layer, "phrase") for layer in (16, 18, 20, 22, 24)],
+    ),
+    "opt.yaml": (
+        "MiniLLM/SFT-OPT-6.7B", "facebook/opt-1.3b", "srkl", 3.0, 0.3,
+        [(16, 20, "word"), (18, 23, "phrase"), (20, 26, "phrase"), (22, 29, "phrase"),
+         (24, 32, "phrase")],
+    ),
+    "cross-tokenizer.yaml": ("VoCuc/Qwen1.5_1.8B_SFT", "gpt2", "ce", 2.0, 0.2, "auto"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_paper_recipes_carry_the_published_setting(name):
+    teacher, student, base, dsa, hra, layers = PUBLISHED[name]
+    recipe = load_recipe(REPO / "recipes" / name)
+    assert (recipe.teacher.path, recipe.student.path) == (teacher, student)
+    assert (recipe.loss.base, recipe.loss.dsa_weight, recipe.loss.hra_weight) == (base, dsa, hra)
+    expected = layers if layers == "auto" else [
+        LayerPair(student=s, teacher=t, granularity=g) for s, t, g in layers
+    ]
+    assert recipe.loss.layers == expected
+    # DistiLLM-base hyper-parameters (METHOD section 5).
+    train = recipe.train
+    assert (train.epochs, train.lr, train.batch_size, train.schedule) == (5, 1e-4, 16, "cosine")
+    assert (train.weight_decay, train.grad_clip, train.projector_lr) == (0.01, 1.0, 5e-4)
+    assert (train.precision, train.zero_stage, recipe.seed) == ("bf16", 1, 42)
+    assert (recipe.data.max_length, recipe.data.max_prompt_length) == (256, 128)
+    assert "${MTA_DATA_DIR}" in recipe.data.train and recipe.data.dev.endswith("dev.jsonl")
+    assert recipe.resolve(recipe.student.config).is_file()
+    assert recipe.resolve(recipe.teacher.config).is_file()
+
+
+# --- overrides ---------------------------------------------------------------------------
+
+
+def test_override_sets_a_value_parsed_as_yaml(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL), ["train.lr=5e-5", "loss.base=rkl"])
+    assert recipe.train.lr == 5e-5 and isinstance(recipe.train.lr, float)
+    assert recipe.loss.base == "rkl"
+
+
+def test_override_creates_nested_keys_and_indexes_lists(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, MINIMAL),
+        [
+            "deepspeed.zero_optimization.offload_optimizer.device=cpu",
+            "loss.layers=[[2, 4, word], [4, 8, phrase]]",
+            "loss.layers.1=[4, 7, phrase]",
+        ],
+    )
+    assert recipe.deepspeed == {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    assert recipe.loss.layers == [
+        LayerPair(student=2, teacher=4, granularity="word"),
+        LayerPair(student=4, teacher=7, granularity="phrase"),
+    ]
+
+
+def test_override_indexes_into_the_layer_list_of_a_file():
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["loss.layers.2.1=47"])
+    assert recipe.loss.layers[2] == LayerPair(student=12, teacher=47, granularity="phrase")
+
+
+def test_later_override_wins_and_null_removes_the_teacher(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, MINIMAL),
+        ["train.lr=1e-3", "train.lr=2e-3", "teacher=null", "loss.base=ce", "loss.dsa_weight=0",
+         "loss.hra_weight=0"],
+    )
+    assert recipe.train.lr == 2e-3 and recipe.teacher is None
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr", "not of the form key.path=value"),
+        ("=5", "not of the form key.path=value"),
+        ("train..lr=5", "not of the form key.path=value"),
+        ("train.lr=[1,", "not valid YAML"),
+        ("train.max_steps.value=1", "train.max_steps is a value, not a mapping"),
+        ("loss.layers=[[1, 2, word]]", None),
+    ],
+)
+def test_bad_override_syntax_is_an_error(tmp_path, override, message):
+    if message is None:  # a list that exists, indexed past its end
+        override, message = "loss.layers.3.0=1", "loss.layers.3 indexes a list of 3 items"
+        assert message in error_of(REPO / "recipes" / "gpt2.yaml", (override,))
+        return
+    assert message in error_of(write(tmp_path, MINIMAL), (override,))
+
+
+def test_override_of_an_unknown_key_is_named_as_coming_from_the_override(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ("train.lrr=1",))
+    assert "train.lrr: unknown key" in message
+    assert "from override 'train.lrr=1'" in message
+    assert "lr, projector_lr" in message  # the allowed keys of train:
+
+
+# --- bad recipes -------------------------------------------------------------------------
+
+
+def test_unknown_key_names_the_line_the_key_and_the_allowed_keys(tmp_path):
+    text = MINIMAL.replace("  base: fkl\n", "  base: fkl\n  dsa_wieght: 1.0\n")
+    message = error_of(write(tmp_path, text))
+    line = text.splitlines().index("  dsa_wieght: 1.0") + 1
+    assert str(tmp_path / "recipe.yaml") in message
+    assert f"line {line}: loss.dsa_wieght: unknown key" in message
+    assert "dsa_weight" in message and "hra_weight" in message
+
+
+def test_unknown_top_level_section_lists_the_sections(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "optimiser:\n  lr: 1\n"))
+    assert "optimiser: unknown key" in message
+    for section in ("teacher", "student", "data", "loss", "train", "deepspeed"):
+        assert section in message
+
+
+def test_wrong_literal_lists_the_allowed_values(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL.replace("base: fkl", "base: kl")))
+    assert "loss.base: 'kl' is not allowed" in message
+    for name in ("'ce'", "'fkl'", "'rkl'", "'skl'", "'srkl'", "'jsd'", "'tvd'"):
+        assert name in message
+
+
+def test_bad_layer_triples_are_named_by_index(tmp_path):
+    layers = "  layers:\n    - [6, 24, word]\n    - [9, 36, phrases]\n    - [12, 48]\n"
+    text = MINIMAL.replace("  base: fkl\n", "  base: fkl\n" + layers)
+    message = error_of(write(tmp_path, text))
+    assert "loss.layers.1.granularity: 'phrases' is not allowed; use one of 'word' or 'phrase'" \
+        in message
+    assert "loss.layers.2: write a layer pair as [student, teacher, word|phrase]" in message
+    assert "'auto'" not in message  # the other branch of the union is not reported
+
+
+def test_layers_other_than_auto_or_a_list(tmp_path):
+    text = MINIMAL.replace("  base: fkl\n", "  base: fkl\n  layers: automatic\n")
+    message = error_of(write(tmp_path, text))
+    assert "loss.layers: 'automatic' is not allowed; use one of 'auto'" in message
+
+
+def test_missing_training_length_names_both_keys(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL.replace("  max_steps: 10\n", "")))
+    assert "train.epochs" in message and "train.max_steps" in message
+
+
+def test_both_training_lengths_is_an_error(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ("train.epochs=2",))
+    assert "exactly one of train.epochs and train.max_steps" in message
+
+
+def test_batch_not_divisible_by_the_micro_batch(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ("train.micro_batch_size=3",))
+    assert "batch_size 4 is not a multiple of micro_batch_size 3" in message
+
+
+def test_global_batch_that_cannot_be_split_over_the_world(tmp_path):
+    recipe = load_recipe(write(tmp_path, MINIMAL))
+    assert recipe.train.accumulation_steps(1) == 2
+    assert recipe.train.accumulation_steps(2) == 1
+    with pytest.raises(MtaError, match="micro_batch_size to a divisor of 1"):
+        recipe.train.accumulation_steps(4)
+    with pytest.raises(MtaError, match="train.batch_size that is a multiple of 3"):
+        recipe.train.accumulation_steps(3)
+
+
+def test_missing_required_key_and_wrong_type(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL.replace("  train: train.jsonl\n", "  dev: d\n")))
+    assert "data.train: required key is missing" in message
+    message = error_of(write(tmp_path, MINIMAL), ("train.lr=fast",))
+    assert "train.lr:" in message and "'fast'" in message
+
+
+def test_logit_loss_without_a_teacher(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ("teacher=null",))
+    assert "loss.base=fkl needs a teacher" in message
+
+
+def test_student_dtype_must_fit_the_training_precision(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    message = error_of(path, ("student.dtype=bf16", "train.precision=fp32"))
+    assert "student.dtype=bf16 cannot train with train.precision=fp32" in message
+    assert load_recipe(path, ["student.dtype=fp32", "train.precision=bf16"]).student.dtype == "fp32"
+
+
+def test_not_a_mapping_and_not_yaml(tmp_path):
+    assert "a recipe is a YAML mapping" in error_of(write(tmp_path, "- just\n- a list\n"))
+    assert "not valid YAML" in error_of(write(tmp_path, "name: [unclosed\n"))
+    assert "recipe file not found" in error_of(tmp_path / "absent.yaml")
+
+
+# --- deepspeed passthrough ---------------------------------------------------------------
+
+
+def test_deepspeed_settings_the_schema_does_not_model_pass_through_verbatim(tmp_path):
+    settings = {
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "overlap_comm": True},
+        "activation_checkpointing": {"partition_activations": True},
+        "wall_clock_breakdown": False,
+    }
+    text = MINIMAL + yaml.safe_dump({"deepspeed": settings})
+    assert load_recipe(write(tmp_path, text)).deepspeed == settings
+
+
+@pytest.mark.parametrize(
+    "override, recipe_key",
+    [
+        ("deepspeed.train_batch_size=32", "train.batch_size"),
+        ("deepspeed.gradient_accumulation_steps=4", "train.batch_size"),
+        ("deepspeed.zero_optimization.stage=3", "train.zero_stage"),
+        ("deepspeed.bf16.enabled=true", "train.precision"),
+        ("deepspeed.gradient_clipping=0.5", "train.grad_clip"),
+    ],
+)
+def test_deepspeed_keys_the_recipe_owns_are_refused(tmp_path, override, recipe_key):
+    message = error_of(write(tmp_path, MINIMAL), (override,))
+    key = override.split("=")[0]
+    assert key.removesuffix(".enabled") + " is set by the recipe" in message
+    assert recipe_key in message
+
+
+# --- paths -------------------------------------------------------------------------------
+
+
+def test_environment_variables_in_paths_are_expanded(tmp_path, monkeypatch):
+    data = tmp_path / "instruct"
+    (data / "dolly").mkdir(parents=True)
+    (data / "dolly" / "train.jsonl").write_text("{}\n")
+    monkeypatch.setenv("MTA_DATA_DIR", str(data))
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
+    assert recipe.resolve(recipe.data.train) == data / "dolly" / "train.jsonl"
+
+
+def test_unset_environment_variable_is_named(monkeypatch):
+    monkeypatch.delenv("MTA_DATA_DIR", raising=False)
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
+    with pytest.raises(MtaError) as caught:
+        recipe.resolve(recipe.data.train, key="data.train")
+    assert "data.train" in str(caught.value) and "export MTA_DATA_DIR=" in str(caught.value)
+
+
+def test_relative_paths_resolve_beside_the_recipe_when_they_exist_there(tmp_path, monkeypatch):
+    (tmp_path / "recipes" / "configs").mkdir(parents=True)
+    (tmp_path / "recipes" / "configs" / "m.json").write_text("{}")
+    recipe = load_recipe(write(tmp_path / "recipes", MINIMAL))
+    monkeypatch.chdir(tmp_path)
+    assert recipe.resolve("configs/m.json") == tmp_path / "recipes" / "configs" / "m.json"
+    # Not beside the recipe either (an output directory to create): kept as written.
+    assert recipe.resolve("runs/new") == Path("runs/new")
+    assert recipe.resolve("~/x") == Path.home() / "x"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_paper_data_paths_match_the_shared_instruct_layout(name, shared, monkeypatch):
+    monkeypatch.setenv("MTA_DATA_DIR", str(shared / "data" / "instruct"))
+    recipe = load_recipe(REPO / "recipes" / name)
+    assert recipe.resolve(recipe.data.train, "data.train").is_file()
+    assert recipe.resolve(recipe.data.dev, "data.dev").is_file()
