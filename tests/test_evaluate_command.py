@@ -20,8 +20,9 @@ from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
 from mta.evaluation.checkpoints import checkpoint_label
 from mta.models.tiny import build_tiny_model
-from tests.conftest import EXAMPLES, REPO
 
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "tiny.jsonl"
 FAST = ["--seeds", "10,20", "--max-new-tokens", "6", "--max-prompt-length", "48", "--limit", "3"]
 
 
@@ -113,7 +114,7 @@ def _must_not_load(*args, **kwargs):
 
 
 def test_an_interrupted_set_resumes_from_its_journal(tiny_model_dir, data_dir, tmp_path):
-    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=8, max_prompt_length=64, limit=5, batch_size=2)
+    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=6, max_prompt_length=48, limit=5, batch_size=2)
     out = tmp_path / "eval"
     evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, out, settings)
     final = out / "predictions" / "tiny" / "dolly" / "seed-10.jsonl"
@@ -170,7 +171,7 @@ def test_a_model_that_only_says_eos_scores_zero(tiny_model_dir, data_dir, tmp_pa
     for name in os.listdir(tiny_model_dir):
         if name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(tiny_model_dir / name, silent / name)
-    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, limit=3)
+    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=3)
     results = evaluate_checkpoints([silent], ["silent"], data_dir, tmp_path / "eval", settings)
     stats = results["checkpoints"]["silent"]["sets"]["dolly"]
     assert stats["rougeL"]["mean"] == 0.0
@@ -220,7 +221,7 @@ def test_bad_arguments_are_one_clear_error(tiny_model_dir, data_dir, tmp_path):
 
 
 def test_rerunning_with_other_settings_into_the_same_directory_is_refused(tiny_model_dir, data_dir, tmp_path):
-    settings = EvalSettings(benchmarks=["sinst"], seeds=[10], max_new_tokens=3, limit=1)
+    settings = EvalSettings(benchmarks=["sinst"], seeds=[10], max_new_tokens=3, max_prompt_length=48, limit=1)
     evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "eval", settings)
     changed = settings.model_copy(update={"max_new_tokens": 5})
     with pytest.raises(MtaError, match=r"max_new_tokens: 3 -> 5"):
@@ -230,7 +231,7 @@ def test_rerunning_with_other_settings_into_the_same_directory_is_refused(tiny_m
 @pytest.mark.slow
 def test_the_shared_instruction_sets(tiny_model_dir, shared, tmp_path):
     out = tmp_path / "eval"
-    settings = EvalSettings(seeds=[10], max_new_tokens=4, limit=2)
+    settings = EvalSettings(seeds=[10], max_new_tokens=4, max_prompt_length=64, limit=2)
     results = evaluate_checkpoints([tiny_model_dir], ["tiny"], shared / "data" / "instruct", out, settings)
     assert list(results["sets"]) == ["dolly", "self-inst", "vicuna", "sinst"]  # UnNI is absent
     run = results["checkpoints"]["tiny"]
@@ -242,14 +243,14 @@ def test_the_shared_instruction_sets(tiny_model_dir, shared, tmp_path):
 @pytest.mark.slow
 def test_torchrun_ranks_share_the_rows_and_match_one_process(tiny_model_dir, data_dir, tmp_path):
     args = [str(tiny_model_dir), "--names", "tiny", "--data-dir", str(data_dir), "--benchmarks", "dolly",
-            "--seeds", "10", "--max-new-tokens", "5", "--max-prompt-length", "64", "--limit", "5", "--batch-size", "2"]
+            "--seeds", "10", "--max-new-tokens", "4", "--max-prompt-length", "48", "--limit", "4", "--batch-size", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "cli") + os.pathsep + str(REPO / "src")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
     done = subprocess.run([*torchrun, "-m", "mta_cli.main", "evaluate", *args, "-o", str(tmp_path / "two")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "one",
-                         EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=5, max_prompt_length=64, limit=5, batch_size=2))
+                         EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=4, batch_size=2))
     two = read_jsonl(tmp_path / "two" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
     one = read_jsonl(tmp_path / "one" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
     assert [r["prediction"] for r in two] == [r["prediction"] for r in one]

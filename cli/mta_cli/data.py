@@ -15,7 +15,7 @@ app = typer.Typer(help="Fetch the evaluation sets.", no_args_is_help=True)
 @app.command("download")
 def download(
     data_dir: Optional[Path] = typer.Option(
-        None, "--data-dir", help="Where the sets go, as DIR/<set>/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
+        None, "--data-dir", help="Where the sets go, as DIR/SET/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
     ),
     sets: str = typer.Option("dolly,self-inst,vicuna,sinst,uinst", "--sets", help="Comma-separated sets."),
     force: bool = typer.Option(False, "--force", help="Download again even where the set's file exists."),

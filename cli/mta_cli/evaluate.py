@@ -72,7 +72,7 @@ def evaluate(
     checkpoints: List[str] = typer.Argument(..., help="Model directories (with their tokenizer) or hub names."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory: predictions/, results.json, results.md."),
     data_dir: Optional[Path] = typer.Option(
-        None, "--data-dir", help="Evaluation sets, DIR/<set>/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
+        None, "--data-dir", help="Evaluation sets, as DIR/SET/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
     ),
     names: Optional[str] = typer.Option(
         None, "--names", help="Comma-separated labels, one per checkpoint. Default: derived from each whole path."
@@ -102,6 +102,9 @@ def evaluate(
     from mta.evaluation import EvalSettings, evaluate_checkpoints
     from mta.evaluation.report import rich_table
 
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # our bars only: no per-checkpoint weight-loading bar
     console = Console()
     logger = logging.getLogger("mta.evaluation")
     if not logger.handlers:

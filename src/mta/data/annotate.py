@@ -101,8 +101,11 @@ class AnnotateSettings:
 
         Without a teacher (plain SFT) the student's tokenizer stands on both sides.
         """
-        student = str(recipe.resolve(recipe.student.tokenizer_path))
-        teacher = str(recipe.resolve(recipe.teacher.tokenizer_path)) if recipe.teacher else student
+        student = str(recipe.resolve(recipe.student.tokenizer_path, "student.tokenizer"))
+        teacher = (
+            str(recipe.resolve(recipe.teacher.tokenizer_path, "teacher.tokenizer"))
+            if recipe.teacher else student
+        )
         values = dict(
             teacher=teacher,
             student=student,

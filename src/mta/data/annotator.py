@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from mta.data.alignment import prompt_token_count, token_ranges
+from mta.data.alignment import member_ranges, prompt_token_count, visible_ranges
 from mta.data.artefact import SCHEMA, SPAN
 from mta.data.encoding import TokenizerSide
 from mta.data.rows import PROMPT_TOO_LONG, Example, RowProblem
@@ -44,14 +44,18 @@ class AlignedSpans:
 
 
 def align_spans(
-    fitted: FittedText, chars: np.ndarray, labels: Sequence[str]
+    text: str, visible: Sequence[np.ndarray], chars: np.ndarray, labels: Sequence[str]
 ) -> AlignedSpans:
-    """Map character spans to both token sequences; drop any span one side cannot represent."""
+    """Map character spans to the teacher's and the student's tokens; drop any span that one
+    side cannot represent or that the cut removed.
+
+    visible: per side, ``[tokens, 2]`` token ranges without leading whitespace
+    (:func:`mta.data.alignment.visible_ranges`); chars: ``[spans, 2]``.
+    """
     chars = np.asarray(chars, dtype=np.int64).reshape(-1, 2)
-    teacher, student = fitted.encodings
-    t_start, t_end, t_found = token_ranges(fitted.text, teacher.offsets, chars)
-    s_start, s_end, s_found = token_ranges(fitted.text, student.offsets, chars)
-    keep = t_found & s_found & (chars[:, 1] <= len(fitted.text))
+    t_start, t_end, t_found = member_ranges(visible[0], chars)
+    s_start, s_end, s_found = member_ranges(visible[1], chars)
+    keep = t_found & s_found & (chars[:, 1] <= len(text))
     return AlignedSpans(
         chars=chars[keep],
         labels=[label for label, kept in zip(labels, keep) if kept],
@@ -135,8 +139,9 @@ class ExampleAnnotator:
                 eos = [side.eos_id] if fitted.complete else []  # METHOD §1: EOS ends a whole response
                 ids[name].append(np.concatenate([encoding.ids, np.asarray(eos, np.int32)]))
                 prompt_lens[name].append(prompt_token_count(encoding.offsets, fitted.prompt_chars))
-            phrase_spans = align_spans(fitted, spans.phrases, spans.phrase_labels)
-            word_spans = align_spans(fitted, spans.words, [WORD] * len(spans.words))
+            visible = [visible_ranges(fitted.text, encoding.offsets) for encoding in fitted.encodings]
+            phrase_spans = align_spans(fitted.text, visible, spans.phrases, spans.phrase_labels)
+            word_spans = align_spans(fitted.text, visible, spans.words, [WORD] * len(spans.words))
             counts["phrase_spans"] += len(phrase_spans.labels)
             counts["phrase_spans_dropped"] += phrase_spans.dropped
             counts["word_spans"] += len(word_spans.labels)

@@ -12,7 +12,9 @@ so a crash never leaves a half-written file under a real name. ``manifest.json``
 it describes by name; a re-run writes parts under a new ``<run>`` name and deletes the old ones
 only after the new manifest is in place, so until then the previous artefact stays whole.
 ``manifest.json`` appears only when every shard of a set (same run key, same shard count) has
-written its shard manifest; readers refuse a directory without it.
+written its shard manifest; readers refuse a directory without it. A killed process may leave a
+hidden ``.*.tmp`` file behind: nothing reads it (Parquet readers skip dot files), and it is not
+removed automatically because a concurrent shard could be writing it.
 """
 
 from __future__ import annotations

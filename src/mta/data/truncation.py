@@ -77,6 +77,15 @@ def last_fitting_cut(text: str, lowest: int, estimate: int, fits: Callable[[int]
     return low
 
 
+def encode_all(sides: Sequence[TokenizerSide], text: str) -> list[Encoding]:
+    """Each side's encoding of ``text``; a tokenizer that stands on both sides encodes once."""
+    done: dict[int, Encoding] = {}
+    for side in sides:
+        if id(side) not in done:
+            done[id(side)] = side.encode(text)
+    return [done[id(side)] for side in sides]
+
+
 def _estimate(encodings: Sequence[Encoding], limit: int, default: int) -> int:
     """Where the ``limit``-th token ends on the side that reaches it first."""
     ends = [int(encoding.offsets[limit - 1, 1]) for encoding in encodings if len(encoding) > limit]
@@ -98,7 +107,7 @@ def fit_to_limits(
     ``roles`` names the sides in messages.
     """
     text = prompt + response
-    encodings = [side.encode(text) for side in sides]
+    encodings = encode_all(sides, text)
     prompt_cut = False
     prompt_lengths = [prompt_token_count(encoding.offsets, len(prompt)) for encoding in encodings]
     if max(prompt_lengths) > max_prompt_length:
@@ -107,10 +116,9 @@ def fit_to_limits(
             return PromptTooLong(prompt_lengths[worst], roles[worst], max_prompt_length)
 
         def prompt_fits(cut: int) -> bool:
-            candidate = prompt[:cut] + response
             return all(
-                prompt_token_count(side.encode(candidate).offsets, cut) <= max_prompt_length
-                for side in sides
+                prompt_token_count(encoding.offsets, cut) <= max_prompt_length
+                for encoding in encode_all(sides, prompt[:cut] + response)
             )
 
         cut = last_fitting_cut(
@@ -118,7 +126,7 @@ def fit_to_limits(
         )
         prompt, prompt_cut = prompt[:cut], True
         text = prompt + response
-        encodings = [side.encode(text) for side in sides]
+        encodings = encode_all(sides, text)
 
     if all(len(encoding) + 1 <= max_length for encoding in encodings):  # + 1: EOS
         return FittedText(text, len(prompt), True, prompt_cut, tuple(encodings), text)
@@ -126,7 +134,7 @@ def fit_to_limits(
     cache: dict[int, list[Encoding]] = {}
 
     def whole_fits(cut: int) -> bool:
-        cache[cut] = [side.encode(text[:cut]) for side in sides]
+        cache[cut] = encode_all(sides, text[:cut])
         return all(len(encoding) <= max_length for encoding in cache[cut])
 
     cut = last_fitting_cut(text, len(prompt), _estimate(encodings, max_length, len(text)), whole_fits)

@@ -151,7 +151,7 @@ def _sample_dolly(data_dir: Path, paths: DemoPaths, settings: DemoSettings, reci
 
 
 def _distill(recipe: Recipe, variant: Variant, hooks: DemoHooks) -> tuple[Path, float]:
-    output_dir = Path(recipe.output_dir)
+    output_dir = recipe.resolve(recipe.output_dir, "output_dir")
     final, timing = output_dir / "final", output_dir / "demo-timing.json"
     if (final / "config.json").exists() and timing.exists():
         hooks.message(f"{variant.label}: already trained ({final})")

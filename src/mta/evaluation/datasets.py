@@ -154,8 +154,8 @@ def _parse_row(path: Path, line_number: int, text: str, index: int) -> EvalRow:
         if not isinstance(instruction, str):
             raise MtaError(f"{where}: the row has neither a 'prompt' nor an 'instruction' string")
         prompt = alpaca_prompt(instruction, row.get("input") or row.get("context"))
-    if not isinstance(prompt, str):
-        raise MtaError(f"{where}: 'prompt' must be a string, not {type(prompt).__name__}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise MtaError(f"{where}: 'prompt' must be a non-empty string, got {json.dumps(prompt)[:80]}")
     output = row.get("output")
     references = [output] if isinstance(output, str) else output
     if not isinstance(references, list) or not references or not all(isinstance(r, str) for r in references):

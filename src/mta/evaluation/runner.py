@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -70,7 +70,7 @@ class EvalSettings(BaseModel):
     max_new_tokens: int = Field(256, ge=1)
     batch_size: int = Field(16, ge=1)
     limit: int | None = Field(None, ge=1, description="first N rows of every set")
-    dtype: str = "auto"
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     device: str = "auto"
     perplexity: str | None = Field(None, description="set for teacher-forced perplexity, e.g. dolly-dev")
     perplexity_limit: int | None = Field(None, ge=1)
@@ -151,10 +151,10 @@ def evaluate_checkpoints(
     for checkpoint in checkpoints:
         check_checkpoint(checkpoint)
     eval_sets = [load_eval_set(b, p, settings.limit) for b, p in resolve_benchmarks(data_dir, settings.benchmarks)]
-    perplexity_rows, perplexity_path = None, None
+    perplexity = None
     if settings.perplexity:
-        perplexity_path = resolve_split_file(data_dir, settings.perplexity)
-        perplexity_rows, _ = load_rows(perplexity_path, limit=settings.perplexity_limit)
+        path = resolve_split_file(data_dir, settings.perplexity)
+        perplexity = PerplexitySet(settings.perplexity, path, load_rows(path, limit=settings.perplexity_limit)[0])
 
     ranks = init_ranks()
     device = resolve_device(settings.device)
@@ -163,31 +163,54 @@ def evaluate_checkpoints(
         for checkpoint, label in zip(checkpoints, labels):
             paths = CheckpointPaths(out_dir / "predictions" / label)
             _claim_directory(paths, checkpoint, settings, dtype, ranks)
-            todo = [(s, seed) for s in eval_sets for seed in settings.seeds if not _is_complete(paths, s, seed)]
-            wants_perplexity = perplexity_rows is not None and not _perplexity_is_current(
-                paths, perplexity_path, perplexity_rows, settings
-            )
-            if not todo and not wants_perplexity:
-                log.info("%s: every predictions file is complete, nothing to generate", label)
-                continue
-            with loaded_checkpoint(checkpoint, device, dtype) as (model, tokenizer):
-                generator = HFGenerator(
-                    model, tokenizer, batch_size=settings.batch_size, max_new_tokens=settings.max_new_tokens
-                )
-                for eval_set, seed in todo:
-                    _generate_set(generator, tokenizer, eval_set, seed, paths, settings, ranks, progress, label)
-                if wants_perplexity:
-                    _write_perplexity(model, tokenizer, perplexity_rows, perplexity_path, paths, settings, ranks, progress, label)
-                del model, generator  # the context manager frees the memory only without other references
+            _evaluate_checkpoint(checkpoint, label, paths, eval_sets, perplexity, settings, device, dtype, ranks, progress)
         ranks.barrier()
         results = collect_results(out_dir, checkpoints, labels, eval_sets, settings, data_dir, str(dtype).removeprefix("torch."))
         if ranks.is_main:
+            _log_truncated_prompts(results, settings.max_prompt_length)
             atomic_write_json(out_dir / "results.json", results)
             atomic_write_text(out_dir / "results.md", markdown_table(results))
         ranks.barrier()
         return results
     finally:
         ranks.close()
+
+
+def _evaluate_checkpoint(
+    checkpoint: str,
+    label: str,
+    paths: CheckpointPaths,
+    eval_sets: Sequence[EvalSet],
+    perplexity: PerplexitySet | None,
+    settings: EvalSettings,
+    device: torch.device,
+    dtype: torch.dtype,
+    ranks: Ranks,
+    progress: Progress,
+) -> None:
+    """Generate what this checkpoint's directory lacks; load the model only when something does."""
+    todo = [(s, seed) for s in eval_sets for seed in settings.seeds if not _is_complete(paths, s, seed)]
+    wants_perplexity = perplexity is not None and not _perplexity_is_current(paths, perplexity, settings)
+    if not todo and not wants_perplexity:
+        log.info("%s: every predictions file is complete, nothing to generate", label)
+        return
+    with loaded_checkpoint(checkpoint, device, dtype) as (model, tokenizer):
+        generator = HFGenerator(model, tokenizer, batch_size=settings.batch_size, max_new_tokens=settings.max_new_tokens)
+        for eval_set, seed in todo:
+            _generate_set(generator, tokenizer, eval_set, seed, paths, settings, ranks, progress, label)
+        if wants_perplexity:
+            _write_perplexity(model, tokenizer, perplexity, paths, settings, ranks, progress, label)
+        del model, generator  # so that leaving the context really frees the weights
+
+
+def _log_truncated_prompts(results: dict, limit: int) -> None:
+    for label, run in results["checkpoints"].items():
+        for name, summary in run["sets"].items():
+            if summary["prompts_truncated"]:
+                log.warning(
+                    "%s: %d of %d %s prompts exceed %d tokens and keep their first %d, as the protocol does",
+                    label, summary["prompts_truncated"], summary["rows"], name, limit, limit,
+                )
 
 
 def _claim_directory(paths: CheckpointPaths, checkpoint: str, settings: EvalSettings, dtype: torch.dtype, ranks: Ranks) -> None:
@@ -253,6 +276,7 @@ def _generate_set(
 ) -> None:
     done = _finished_rows(paths, eval_set, seed)
     pending = [row for row in eval_set.rows if row.index not in done]
+    ranks.barrier()  # every rank splits the same pending list before any journal grows
     mine = pending[ranks.rank :: ranks.world]
     prompts = [tokenizer(row.prompt, add_special_tokens=False)["input_ids"] for row in mine]
     truncated = [len(p) > settings.max_prompt_length for p in prompts]
@@ -308,25 +332,34 @@ def _write_predictions(paths: CheckpointPaths, eval_set: EvalSet, seed: int) -> 
         journal.unlink(missing_ok=True)
 
 
-def _perplexity_key(path: Path, rows: Sequence[EvalRow], settings: EvalSettings) -> dict:
+@dataclass(frozen=True)
+class PerplexitySet:
+    spec: str  # as the user wrote it, e.g. dolly-dev
+    path: Path
+    rows: list[EvalRow]
+
+
+def _perplexity_key(perplexity: PerplexitySet, settings: EvalSettings) -> dict:
+    """What a stored perplexity depends on: reuse it only when all of this matches."""
     return {
-        "set": settings.perplexity,
-        "path": str(path.resolve()),
-        "rows": len(rows),
+        "set": perplexity.spec,
+        "path": str(perplexity.path.resolve()),
+        "rows": len(perplexity.rows),
         "max_prompt_length": settings.max_prompt_length,
         "max_response_length": settings.max_new_tokens,
     }
 
 
-def _perplexity_is_current(paths: CheckpointPaths, path: Path, rows: Sequence[EvalRow], settings: EvalSettings) -> bool:
+def _perplexity_is_current(paths: CheckpointPaths, perplexity: PerplexitySet, settings: EvalSettings) -> bool:
     if not paths.perplexity.exists():
         return False
     stored = json.loads(paths.perplexity.read_text(encoding="utf-8"))
-    return all(stored.get(k) == v for k, v in _perplexity_key(path, rows, settings).items())
+    return all(stored.get(k) == v for k, v in _perplexity_key(perplexity, settings).items())
 
 
-def _write_perplexity(model, tokenizer, rows, path, paths, settings, ranks, progress, label) -> None:
-    mine = rows[ranks.rank :: ranks.world]
+def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settings, ranks, progress, label) -> None:
+    """Each rank scores its share; the sums are reduced and rank 0 writes perplexity.json."""
+    mine = perplexity.rows[ranks.rank :: ranks.world]
     encoded = [
         encode_for_scoring(
             tokenizer, row.prompt, row.references[0],
@@ -335,7 +368,7 @@ def _write_perplexity(model, tokenizer, rows, path, paths, settings, ranks, prog
         for row in mine
     ]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    progress.start(f"{label} · perplexity {settings.perplexity}", len(mine))
+    progress.start(f"{label} · perplexity {perplexity.spec}", len(mine))
     total, tokens = response_nll(
         model, [e[0] for e in encoded], pad_id, settings.perplexity_batch_size,
         on_batch=lambda n: progress.advance(n, 0),
@@ -344,9 +377,9 @@ def _write_perplexity(model, tokenizer, rows, path, paths, settings, ranks, prog
     total, tokens, prompts_cut, responses_cut = ranks.sum(
         [total, tokens, sum(e[1] for e in encoded), sum(e[2] for e in encoded)]
     )
-    result = perplexity_result(total, int(tokens), len(rows), int(prompts_cut), int(responses_cut))
+    result = perplexity_result(total, int(tokens), len(perplexity.rows), int(prompts_cut), int(responses_cut))
     if ranks.is_main:
-        atomic_write_json(paths.perplexity, {**_perplexity_key(path, rows, settings), **result.to_dict()})
+        atomic_write_json(paths.perplexity, {**_perplexity_key(perplexity, settings), **result.to_dict()})
     ranks.barrier()
 
 
@@ -371,11 +404,6 @@ def collect_results(
                 per_seed[seed] = seed_statistics(records)
                 truncated = sum(1 for r in records if r["prompt_truncated"])
             set_results[eval_set.name] = set_summary(per_seed, truncated, len(eval_set.rows))
-            if truncated:
-                log.warning(
-                    "%s: %d of %d %s prompts exceed %d tokens and keep their first %d (as the protocol does)",
-                    label, truncated, len(eval_set.rows), eval_set.name, settings.max_prompt_length, settings.max_prompt_length,
-                )
         perplexity = None
         if settings.perplexity and paths.perplexity.exists():
             perplexity = json.loads(paths.perplexity.read_text(encoding="utf-8"))

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 COS_EPS = 1e-8
+WEIGHT_EPS = 1e-12
 
 
 def _cosine_matrix(spans: torch.Tensor) -> torch.Tensor:
@@ -36,14 +37,14 @@ def dynamic_structural_alignment(
     """
     mask = span_mask.bool()
     salience = salience.float() * mask
-    normalised = salience / salience.sum(dim=-1, keepdim=True).clamp(min=COS_EPS)
+    normalised = salience / salience.sum(dim=-1, keepdim=True).clamp(min=WEIGHT_EPS)
     num_spans = mask.shape[1]
     off_diagonal = ~torch.eye(num_spans, dtype=torch.bool, device=mask.device)
     pair_weights = normalised.unsqueeze(2) * normalised.unsqueeze(1) * off_diagonal  # [B, K, K]
 
     gap = _cosine_matrix(student_spans) - _cosine_matrix(teacher_spans.detach())
     weight_sum = pair_weights.sum(dim=(1, 2))
-    per_sequence = (pair_weights * gap.square()).sum(dim=(1, 2)) / weight_sum.clamp(min=COS_EPS)
+    per_sequence = (pair_weights * gap.square()).sum(dim=(1, 2)) / weight_sum.clamp(min=WEIGHT_EPS)
 
     contributes = (mask.sum(dim=-1) >= 2) & (weight_sum > 0)
     # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.

@@ -28,6 +28,7 @@ def token_importance(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torc
     """
     hidden = hidden.float()
     real = attention_mask.bool()
+    queries = real.float()  # [B, T]: 1 on the real tokens, which both ask and are attended
     dim = hidden.shape[-1]
     # Ĥ = H / std(H): H itself is not centred (METHOD §2). The unbiased std through a norm of
     # the centred values is several times faster on CPU than torch.std.
@@ -35,15 +36,15 @@ def token_importance(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torc
     normed = hidden / (centred_norm / math.sqrt(max(dim - 1, 1)) + STD_EPS)
     # Padding states may hold anything (even NaN after a fully masked attention row).
     normed = torch.where(real.unsqueeze(-1), normed, 0.0)
-    # The 1/sqrt(d) goes on one [B, T, D] operand and the masks are filled in place: every
-    # extra pass over the [B, T, T] scores costs as much as the matmul on CPU.
+    # The 1/sqrt(d) goes on one [B, T, D] operand and the key mask is an in-place additive
+    # bias: on CPU a broadcast masked_fill over [B, T, T] costs half as much as the matmul.
     scores = torch.bmm(normed / math.sqrt(dim), normed.transpose(1, 2))  # [B, query, key]
-    scores.masked_fill_(~real.unsqueeze(1), float("-inf"))  # padding keys
+    key_bias = torch.zeros_like(queries).masked_fill_(~real, float("-inf"))
+    scores.add_(key_bias.unsqueeze(1))  # padding keys
     scores.diagonal(dim1=1, dim2=2).fill_(float("-inf"))
     # Rows without any allowed key are NaN; they only occur in sequences with at most one
     # real token, whose weights are replaced below.
     attention = torch.softmax(scores, dim=-1)  # [B, query, key]
-    queries = real.float()
     received = torch.bmm(queries.unsqueeze(1), attention).squeeze(1)  # sum over real queries
     num_real = queries.sum(dim=-1, keepdim=True)
     weights = received / num_real.clamp(min=1.0)

@@ -32,7 +32,7 @@ class LayerPick(str, Enum):
 
 
 def evenly_spaced(n: int, k: int) -> list[int]:
-    """``k`` of ``range(n)``, evenly spaced, always including the first and the last.
+    """``k`` of ``range(n)``, evenly spaced, including the first and the last (k = 1: the first).
 
     Position i sits at i·(n−1)/(k−1) rounded half up (integer arithmetic, so no float or
     banker's-rounding surprises): ``evenly_spaced(30, 10) == [0, 3, 6, 10, 13, 16, 19, 23, 26, 29]``.
@@ -50,9 +50,17 @@ def first_and_last(n: int, k: int) -> list[int]:
     return list(range(head)) + list(range(n - (k - head), n))
 
 
-def pick_layers(n: int, k: int, pick: LayerPick = LayerPick.evenly) -> list[int]:
+def pick_layers(n: int, k: int, pick: LayerPick | str = LayerPick.evenly) -> list[int]:
     """The block indices (0-based) to keep from a stack of ``n``."""
-    return evenly_spaced(n, k) if LayerPick(pick) is LayerPick.evenly else first_and_last(n, k)
+    return evenly_spaced(n, k) if _layer_pick(pick) is LayerPick.evenly else first_and_last(n, k)
+
+
+def _layer_pick(pick: LayerPick | str) -> LayerPick:
+    try:
+        return LayerPick(pick)
+    except ValueError:
+        choices = ", ".join(choice.value for choice in LayerPick)
+        raise MtaError(f"--pick must be one of {choices}; got '{pick}'") from None
 
 
 def _check_count(n: int, k: int) -> None:
@@ -146,7 +154,7 @@ def init_student(
     out_dir: str | Path,
     *,
     num_layers: int | None = None,
-    pick: LayerPick = LayerPick.evenly,
+    pick: LayerPick | str = LayerPick.evenly,
     keep: list[int] | None = None,
     force: bool = False,
 ) -> dict:
@@ -157,6 +165,9 @@ def init_student(
     An existing ``out_dir`` is replaced only with ``force``.
     """
     out_dir = Path(out_dir)
+    if (num_layers is None) == (keep is None):
+        raise MtaError("say how many layers to keep (--layers K) or which (--keep 0,5,9), not both")
+    pick = _layer_pick(pick)
     if out_dir.exists() and not force:
         raise MtaError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
     try:
@@ -167,19 +178,16 @@ def init_student(
             "Hugging Face checkpoint (config.json + weights) of a decoder-only model"
         ) from error
     tokenizer = load_tokenizer(teacher)
-    _, blocks = decoder_blocks(model)
-    if keep is None:
-        if num_layers is None:
-            raise MtaError("say how many layers to keep (--layers K) or which (--keep 0,5,9)")
-        keep = pick_layers(len(blocks), num_layers, pick)
-    student = prune_layers(model, list(keep))
+    source_layers = model.config.num_hidden_layers
+    chosen = list(keep) if keep is not None else pick_layers(source_layers, num_layers, pick)
+    student = prune_layers(model, chosen)
 
     record = {
         "source": str(Path(teacher).resolve()) if Path(teacher).exists() else str(teacher),
         "model_type": model.config.model_type,
-        "source_num_layers": len(blocks),
-        "kept_layers": list(keep),
-        "pick": LayerPick(pick).value if num_layers is not None else "explicit",
+        "source_num_layers": source_layers,
+        "kept_layers": chosen,
+        "pick": "explicit" if keep is not None else pick.value,
         "source_parameters": model.num_parameters(),
         "parameters": student.num_parameters(),
     }

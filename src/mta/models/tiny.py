@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
 
@@ -29,6 +31,24 @@ def build_tiny_tokenizer(corpus_jsonl: str | Path, out_dir: str | Path, vocab_si
     return train_byte_level_tokenizer(corpus_texts(corpus_jsonl), vocab_size, out_dir)
 
 
+def tiny_config(
+    model_type: str, vocab_size: int, *, num_layers: int, hidden_size: int, num_heads: int
+) -> PretrainedConfig:
+    """The architecture of a tiny ``model_type`` (llama, gpt2 or qwen2) causal LM."""
+    if model_type == "gpt2":
+        sizes = dict(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=1024)
+    else:
+        sizes = dict(
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            max_position_embeddings=1024,
+        )
+    return AutoConfig.for_model(model_type, vocab_size=vocab_size, **sizes)
+
+
 def build_tiny_model(
     tokenizer_dir: str | Path,
     out_dir: str | Path,
@@ -44,35 +64,18 @@ def build_tiny_model(
     if (out_dir / "config.json").exists():
         return out_dir
     tokenizer = load_tokenizer(tokenizer_dir)
-    sizes = {
-        "llama": dict(
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_heads,
-            max_position_embeddings=1024,
-        ),
-        "gpt2": dict(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=1024),
-        "qwen2": dict(
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_heads,
-            max_position_embeddings=1024,
-        ),
-    }[model_type]
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **sizes,
+    config = tiny_config(
+        model_type, len(tokenizer), num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads
     )
+    config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    # Built beside its final place and renamed, so an interrupted build leaves no half model.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, out_dir)
+        os.mkdir(staging)  # TemporaryDirectory cleans up the (now empty) name it created
     return out_dir

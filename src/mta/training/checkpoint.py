@@ -21,7 +21,7 @@ import os
 import platform
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
@@ -46,13 +46,13 @@ VERSIONED_PACKAGES = (
 class TrainerState:
     """What the loop needs beyond DeepSpeed's state to continue exactly where it stopped.
 
-    step: optimizer steps completed. rng: ``torch`` CPU generator state per rank (dropout).
+    step: optimizer steps completed; the batches to come follow from it (see
+    ``mta.training.batching``). rng: the ``torch`` CPU generator state of each rank (dropout).
     """
 
     step: int
     total_steps: int
-    tokens_seen: int
-    rng: list[list[int]]
+    rng: list[list[int]] = field(default_factory=list)
 
 
 def package_versions() -> dict[str, str]:

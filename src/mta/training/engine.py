@@ -18,9 +18,11 @@ import copy
 import math
 import os
 import socket
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from mta.training.recipe import Recipe
 
@@ -43,14 +45,27 @@ def init_distributed() -> tuple[int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
-    if not torch.cuda.is_available() and world_size == 1:
+    if not torch.cuda.is_available():
         # DeepSpeed JIT-compiles a shared-memory all-reduce kernel for CPU groups (minutes of
-        # g++ on first use); with one process there is nothing to reduce.
+        # g++ on first use). CPU runs are tests and tiny recipes: gloo's all-reduce is plenty.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return int(os.environ["RANK"]), world_size
+
+
+@contextmanager
+def main_process_first() -> Iterator[None]:
+    """Run the block on rank 0 first, then on the others (which then find its files cached)."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if distributed and dist.get_rank() != 0:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if distributed and dist.get_rank() == 0:
+            dist.barrier()
 
 
 def device() -> torch.device:

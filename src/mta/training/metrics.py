@@ -14,16 +14,56 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+def loss_record(split: str, step: int, losses: dict[str, float]) -> dict[str, Any]:
+    """``{"split", "step", "loss": total, "loss/<component>": ...}`` from ``{"total", ...}``."""
+    record: dict[str, Any] = {"split": split, "step": step, "loss": losses["total"]}
+    record.update({f"loss/{name}": value for name, value in losses.items() if name != "total"})
+    return record
+
+
+class LossWindow:
+    """Loss components and tokens since the last log line, averaged per step when logged."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+        self.tokens = 0
+        self.since = time.perf_counter()
+
+    def add(self, step_losses: dict[str, float]) -> None:
+        """One step's ``{"total", components..., "tokens"}``."""
+        self.tokens += step_losses["tokens"]
+        self.steps += 1
+        for name, value in step_losses.items():
+            if name != "tokens":
+                self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def record(
+        self, step: int, *, lr: float, sum_over_processes: Callable[[dict[str, float]], dict[str, float]] = dict,
+        world_size: int = 1,
+    ) -> dict[str, Any]:
+        """The train line for ``step``: losses averaged over steps and processes, tokens summed."""
+        elapsed = max(time.perf_counter() - self.since, 1e-9)
+        totals = sum_over_processes({**self.sums, "tokens": float(self.tokens)})
+        tokens = totals.pop("tokens")
+        record = loss_record("train", step, {k: v / (self.steps * world_size) for k, v in totals.items()})
+        record["lr"] = lr
+        record["tokens_per_s"] = tokens / elapsed
+        return record
+
+
 class Reporter(Protocol):
     """Where the loop sends what a person should see (the CLI passes ``RichReporter``)."""
 
+    def annotation_progress(self, split: str) -> Optional[Callable[[int, int], None]]: ...
     def start(self, total_steps: int, first_step: int) -> None: ...
     def message(self, text: str) -> None: ...
     def train_step(self, record: dict[str, Any]) -> None: ...
@@ -33,6 +73,9 @@ class Reporter(Protocol):
 
 class SilentReporter:
     """Reports nothing: library use, tests."""
+
+    def annotation_progress(self, split: str) -> None:
+        return None
 
     def start(self, total_steps: int, first_step: int) -> None: ...
     def message(self, text: str) -> None: ...
@@ -64,6 +107,21 @@ class RichReporter:
             console=self.console,
         )
         self.task = None
+
+    def annotation_progress(self, split: str) -> Callable[[int, int], None]:
+        """A bar for annotating ``data.<split>`` on first use (rows done, rows in all)."""
+        bar = Progress(TextColumn(f"annotating {split}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
+                       TimeRemainingColumn(), console=self.console, transient=True)
+        task = bar.add_task(split, total=None)
+
+        def update(done: int, total: int) -> None:
+            if not bar.live.is_started:
+                bar.start()
+            bar.update(task, completed=done, total=total)
+            if done >= total:
+                bar.stop()
+
+        return update
 
     def start(self, total_steps: int, first_step: int) -> None:
         self.progress.start()

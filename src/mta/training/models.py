@@ -62,7 +62,16 @@ def _existing_or_hub(resolved: Path, written: str) -> str:
     return str(resolved) if resolved.exists() else written
 
 
-def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer, and where that tokenizer loads from (what annotate is given)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    tokenizer_source: str
+
+
+def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
     """The model (weights in ``spec.dtype``) and its tokenizer; errors name the recipe key."""
     model_path, tokenizer_path = model_source(spec, recipe, role)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -85,7 +94,7 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[PreTrain
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return LoadedModel(model, tokenizer, tokenizer_path)
 
 
 def num_layers(model: PreTrainedModel) -> int:

@@ -134,17 +134,12 @@ def tiny_config(tiny: TinyModel) -> PretrainedConfig:
     The vocabulary is the one the tokenizer is trained to; the trained one can be a little
     smaller, which changes the counts by a few embedding rows at most.
     """
-    if tiny.model_type == "gpt2":
-        sizes = dict(n_embd=tiny.hidden_size, n_layer=tiny.num_layers, n_head=tiny.num_heads)
-    else:
-        sizes = dict(
-            hidden_size=tiny.hidden_size,
-            intermediate_size=tiny.hidden_size * 2,
-            num_hidden_layers=tiny.num_layers,
-            num_attention_heads=tiny.num_heads,
-            num_key_value_heads=tiny.num_heads,
-        )
-    return AutoConfig.for_model(tiny.model_type, vocab_size=tiny.vocab_size, **sizes)
+    from mta.models.tiny import tiny_config as build_config
+
+    return build_config(
+        tiny.model_type, tiny.vocab_size,
+        num_layers=tiny.num_layers, hidden_size=tiny.hidden_size, num_heads=tiny.num_heads,
+    )
 
 
 def _config_from(path: Path, key: str) -> PretrainedConfig:

@@ -8,7 +8,6 @@ finite check -> backward -> DeepSpeed step.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -23,8 +22,8 @@ from mta.training import checkpoint, engine as engines
 from mta.training.annotations import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
 from mta.training.layers import resolve_layer_map
-from mta.training.metrics import MetricsLog, Reporter, SilentReporter
-from mta.training.models import FrozenTeacher, hidden_size, load_causal_lm, model_source, num_layers
+from mta.training.metrics import LossWindow, MetricsLog, Reporter, SilentReporter, loss_record
+from mta.training.models import FrozenTeacher, hidden_size, load_causal_lm, num_layers
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import Recipe
 
@@ -63,14 +62,24 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    student, tokenizer = load_causal_lm(recipe.student, recipe, "student")
-    student_tokenizer_source = model_source(recipe.student, recipe, "student")[1]
-    fingerprints = {"student": tokenizer_fingerprint(tokenizer)}
-    teacher_model, teacher_tokenizer, teacher_tokenizer_source = None, tokenizer, student_tokenizer_source
-    if recipe.teacher is not None:
-        teacher_model, teacher_tokenizer = load_causal_lm(recipe.teacher, recipe, "teacher")
-        teacher_tokenizer_source = model_source(recipe.teacher, recipe, "teacher")[1]
-    fingerprints["teacher"] = tokenizer_fingerprint(teacher_tokenizer)
+    # Rank 0 builds tiny models and annotates data first; the others then find them cached.
+    with engines.main_process_first():
+        student_loaded = load_causal_lm(recipe.student, recipe, "student")
+        teacher_loaded = load_causal_lm(recipe.teacher, recipe, "teacher") if recipe.teacher else None
+        # SFT: the artefact's teacher side is the student's tokenizer.
+        sides = {"student": student_loaded, "teacher": teacher_loaded or student_loaded}
+        fingerprints = {side: tokenizer_fingerprint(loaded.tokenizer) for side, loaded in sides.items()}
+        splits = {
+            split: load_split(
+                recipe, split, teacher_tokenizer=sides["teacher"].tokenizer_source,
+                student_tokenizer=sides["student"].tokenizer_source, fingerprints=fingerprints,
+                progress=reporter.annotation_progress(split) if rank == 0 else None,
+            )
+            for split in ("train", "dev")
+        }
+    student, tokenizer = student_loaded.model, student_loaded.tokenizer
+    teacher_model = teacher_loaded.model if teacher_loaded else None
+    teacher_tokenizer = sides["teacher"].tokenizer
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
 
     layer_pairs = []
@@ -85,13 +94,6 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
         same_tokenizer=same_tokenizer, vocab_size=len(tokenizer),
     )
 
-    splits = {
-        split: load_split(
-            recipe, split, teacher_tokenizer=teacher_tokenizer_source,
-            student_tokenizer=student_tokenizer_source, fingerprints=fingerprints,
-        )
-        for split in ("train", "dev")
-    }
     granularities = tuple(sorted({pair.granularity for pair in layer_pairs}))
     examples = {
         split: AnnotatedExamples(
@@ -121,6 +123,9 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
         f"× {accumulation} accumulation × {world_size} process(es); {total_steps} steps, "
         f"{schedule.steps_per_epoch} per epoch over {len(examples['train'])} rows",
     ]
+    for split, annotations in splits.items():
+        if annotations is not None:
+            messages.append(_rows_note(split, annotations.manifest))
     if teacher_model is None:
         messages.append("no teacher: plain SFT on the reference responses")
     elif same_tokenizer:
@@ -203,7 +208,7 @@ class Trainer:
             batch = batch.to(run.device)
             for name, value in run.engine(batch, self.teacher_forward(batch)).items():
                 sums[name] = sums.get(name, 0.0) + value.item() * len(batch.row_ids)
-        record = _record("dev", step, {name: value / len(rows) for name, value in sums.items()})
+        record = loss_record("dev", step, {name: value / len(rows) for name, value in sums.items()})
         record["samples"] = self.sample_generations(step)
         run.engine.train()
         return record
@@ -244,26 +249,24 @@ class Trainer:
         metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if resume_from else None)
         main = run.rank == 0
         reporter.start(run.total_steps, start)
-        window = {"sums": {}, "steps": 0, "tokens": 0, "since": time.perf_counter()}
         try:
+            if run.dev is not None and start == 0:  # the baseline later dev losses compare with
+                self._evaluate_and_log(0, metrics)
+            window = LossWindow()
             for step in range(start, run.total_steps):
-                losses = self.step(step)
+                window.add(self.step(step))
                 done = step + 1
-                window["tokens"] += losses.pop("tokens")
-                window["steps"] += 1
-                for name, value in losses.items():
-                    window["sums"][name] = window["sums"].get(name, 0.0) + value
                 if done % recipe.train.log_interval == 0 or done == run.total_steps:
-                    record = self._train_record(done, window)
+                    record = window.record(
+                        done, lr=run.engine.get_lr()[0], sum_over_processes=_sum_over_processes,
+                        world_size=run.world_size,
+                    )
                     if main:
                         metrics.write(record)
                     reporter.train_step(record)
-                    window = {"sums": {}, "steps": 0, "tokens": 0, "since": time.perf_counter()}
+                    window = LossWindow()
                 if run.dev is not None and done % recipe.train.eval_interval == 0:
-                    record = self.evaluate(done)
-                    if main:
-                        metrics.write(record)
-                    reporter.dev(record)
+                    self._evaluate_and_log(done, metrics)
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)
             self.save(run.total_steps)
@@ -271,23 +274,23 @@ class Trainer:
         finally:
             reporter.stop()
 
+    def _evaluate_and_log(self, step: int, metrics: MetricsLog) -> None:
+        record = self.evaluate(step)
+        if self.run.rank == 0:
+            metrics.write(record)
+        self.reporter.dev(record)
+
     def save(self, step: int) -> Path:
-        state = checkpoint.TrainerState(step=step, total_steps=self.run.total_steps, tokens_seen=0, rng=[])
+        state = checkpoint.TrainerState(step=step, total_steps=self.run.total_steps)
         return checkpoint.save_checkpoint(self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state)
 
-    def _train_record(self, step: int, window: dict[str, Any]) -> dict[str, Any]:
-        elapsed = time.perf_counter() - window["since"]
-        tokens = _sum_over_processes(window["tokens"])
-        record = _record("train", step, {k: v / window["steps"] for k, v in window["sums"].items()})
-        record["lr"] = self.run.engine.get_lr()[0]
-        record["tokens_per_s"] = tokens / max(elapsed, 1e-9)
-        return record
-
-
-def _record(split: str, step: int, losses: dict[str, float]) -> dict[str, Any]:
-    record: dict[str, Any] = {"split": split, "step": step, "loss": losses["total"]}
-    record.update({f"loss/{name}": value for name, value in losses.items() if name != "total"})
-    return record
+def _rows_note(split: str, manifest: dict[str, Any]) -> str:
+    rows = manifest.get("rows", {})
+    note = f"{split}: {rows.get('written', '?')} annotated rows"
+    if rows.get("skipped"):
+        reasons = ", ".join(f"{count} {reason}" for reason, count in manifest.get("skipped", {}).items())
+        note += f" ({rows['skipped']} of {rows.get('read', '?')} skipped: {reasons})"
+    return note
 
 
 def _finite_everywhere(loss: torch.Tensor) -> bool:
@@ -297,12 +300,13 @@ def _finite_everywhere(loss: torch.Tensor) -> bool:
     return bool(finite.item())
 
 
-def _sum_over_processes(value: float) -> float:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        tensor = torch.tensor([value], dtype=torch.float64, device=engines.device())
-        dist.all_reduce(tensor)
-        return tensor.item()
-    return value
+def _sum_over_processes(values: dict[str, float]) -> dict[str, float]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return dict(values)
+    names = sorted(values)
+    tensor = torch.tensor([values[name] for name in names], dtype=torch.float64, device=engines.device())
+    dist.all_reduce(tensor)
+    return dict(zip(names, tensor.tolist()))
 
 
 def run_distillation(

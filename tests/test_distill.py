@@ -1,0 +1,305 @@
+"""`mta distill` end to end on tiny models: same and different tokenizers, ZeRO 1/2/3, SFT,
+metrics, a NaN stop, refusal of mismatched annotations, and SIGKILL + --resume auto."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from mta.errors import MtaError
+from mta.training.metrics import read_metrics
+from mta.training.objective import DistillationObjective
+from mta.training.recipe import load_recipe
+from mta.training.trainer import NonFiniteLoss, run_distillation
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples" / "tiny.jsonl"
+LENGTHS = {"max_length": 384, "max_prompt_length": 256}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Several test runs and engineers share two cores: OpenMP threads spinning against each
+    # other make a tiny model's step 20x slower, and one thread is what a subprocess gets too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_tokenizer_dir, tmp_path_factory):
+    from mta.models.tiny import build_tiny_model
+
+    return build_tiny_model(tiny_tokenizer_dir, tmp_path_factory.mktemp("teacher"), hidden_size=48, seed=1)
+
+
+@pytest.fixture(scope="module")
+def other_teacher_dir(other_tokenizer_dir, tmp_path_factory):
+    from mta.models.tiny import build_tiny_model
+
+    return build_tiny_model(other_tokenizer_dir, tmp_path_factory.mktemp("other-teacher"), hidden_size=48, seed=3)
+
+
+def _annotate(teacher_tokenizer, student_tokenizer, out_dir):
+    from mta.data.annotate import AnnotateSettings, annotate_file
+
+    settings = AnnotateSettings(teacher=str(teacher_tokenizer), student=str(student_tokenizer), workers=1, **LENGTHS)
+    return annotate_file(EXAMPLES, out_dir, settings)
+
+
+@pytest.fixture(scope="module")
+def same_data(tiny_tokenizer_dir, tmp_path_factory):
+    return _annotate(tiny_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory.mktemp("ann-same") / "a")
+
+
+@pytest.fixture(scope="module")
+def cross_data(other_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory):
+    return _annotate(other_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory.mktemp("ann-cross") / "a")
+
+
+def write_recipe(path: Path, *, teacher, student, annotations, output_dir, **sections) -> Path:
+    raw = {
+        "name": "test",
+        "seed": 3,
+        "output_dir": str(output_dir),
+        "teacher": {"path": str(teacher)} if teacher else None,
+        "student": {"path": str(student)},
+        "data": {"train": str(annotations), "dev": str(annotations), **LENGTHS},
+        "loss": {"base": "fkl", "dsa_weight": 2.0, "hra_weight": 0.2, "layers": "auto"},
+        "train": {
+            "lr": 5e-3, "projector_lr": 5e-3, "schedule": "constant", "max_steps": 6,
+            "batch_size": 4, "micro_batch_size": 2, "log_interval": 1, "eval_interval": 100,
+            "save_interval": 100, "num_sample_generations": 0,
+        },
+    }
+    for section, values in sections.items():
+        if values is None or not isinstance(raw.get(section), dict):
+            raw[section] = values
+        else:
+            raw[section] = {**raw[section], **values}
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
+def train_losses(output_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if r["split"] == "train"]
+
+
+def dev_losses(output_dir: Path) -> list[float]:
+    """The loss on the same dev rows at each evaluation: what "goes down" is judged on."""
+    return [r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if r["split"] == "dev"]
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_same_tokenizer_loss_goes_down_and_final_reloads(tmp_path, teacher_dir, tiny_model_dir, same_data):
+    out = tmp_path / "run"
+    recipe = load_recipe(write_recipe(
+        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out,
+        train={"max_steps": 8, "eval_interval": 4, "num_sample_generations": 2, "sample_max_new_tokens": 4},
+    ))
+    final = run_distillation(recipe)
+
+    assert len(train_losses(out)) == 8
+    assert dev_losses(out)[-1] < dev_losses(out)[0]
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if r["split"] == "train"]
+    assert {"step", "loss", "loss/base", "loss/dsa", "loss/hra", "lr", "tokens_per_s"} <= set(train[0])
+    assert [r["step"] for r in train] == list(range(1, 9))
+    for record in train:  # the total is the recipe's weighted sum of the components
+        expected = record["loss/base"] + 2.0 * record["loss/dsa"] + 0.2 * record["loss/hra"]
+        assert record["loss"] == pytest.approx(expected, rel=1e-5)
+    dev = [r for r in records if r["split"] == "dev"]
+    assert [r["step"] for r in dev] == [0, 4, 8]
+    assert len(dev[0]["samples"]) == 2 and {"prompt", "generation"} <= set(dev[0]["samples"][0])
+
+    # Plain transformers reads the result; it holds the trained weights, not the start.
+    model = AutoModelForCausalLM.from_pretrained(final)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trained = dict(model.named_parameters())
+    assert any(not torch.equal(p, trained[name]) for name, p in start.named_parameters())
+    assert (final / "tokenizer.json").exists()
+    assert yaml.safe_load((final / "recipe.yaml").read_text())["train"]["max_steps"] == 8
+    assert "deepspeed" in json.loads((final / "versions.json").read_text())
+    # The last step's checkpoint carries the resumable state beside the HF files.
+    assert (out / "checkpoints" / "step-8" / "deepspeed").is_dir()
+
+
+@pytest.mark.slow
+def test_different_tokenizers_align_spans_without_a_logit_loss(
+    tmp_path, other_teacher_dir, tiny_model_dir, cross_data
+):
+    out = tmp_path / "run"
+    recipe_path = write_recipe(
+        tmp_path / "r.yaml", teacher=other_teacher_dir, student=tiny_model_dir, annotations=cross_data,
+        output_dir=out, loss={"base": "ce"}, train={"eval_interval": 3},
+    )
+    final = run_distillation(load_recipe(recipe_path))
+    assert dev_losses(out)[-1] < dev_losses(out)[0]
+    record = read_metrics(out / "metrics.jsonl")[0]
+    assert record["loss/dsa"] > 0 and record["loss/hra"] > 0
+    AutoModelForCausalLM.from_pretrained(final)
+
+    with pytest.raises(MtaError, match="tokenizers differ.*loss.base=ce"):
+        run_distillation(load_recipe(recipe_path, ["loss.base=srkl"]))
+
+
+@pytest.mark.slow
+def test_zero_stages_1_2_3_and_a_zero3_teacher_train_the_same_model(tmp_path, teacher_dir, tiny_model_dir, same_data):
+    finals = {}
+    # The last one also partitions the teacher with ZeRO-3 (train.teacher_zero3).
+    for stage, teacher_zero3 in ((1, False), (2, False), (3, False), (3, True)):
+        name = f"zero{stage}" + ("-teacher" if teacher_zero3 else "")
+        recipe = load_recipe(write_recipe(
+            tmp_path / f"{name}.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
+            output_dir=tmp_path / name, data={"dev": None},
+            train={"zero_stage": stage, "teacher_zero3": teacher_zero3, "max_steps": 3},
+        ))
+        finals[name] = weights(run_distillation(recipe))
+    start = weights(tiny_model_dir)
+    reference = finals.pop("zero1")
+    assert any(not torch.equal(start[key], reference[key]) for key in start)
+    for name, final in finals.items():
+        assert final.keys() == reference.keys()
+        for key, tensor in final.items():
+            torch.testing.assert_close(tensor, reference[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_sft_loads_no_teacher(tmp_path, tiny_model_dir, same_data, monkeypatch):
+    import mta.training.trainer as trainer
+
+    loaded = []
+    real_load = trainer.load_causal_lm
+    monkeypatch.setattr(trainer, "load_causal_lm", lambda spec, recipe, role: loaded.append(role) or real_load(spec, recipe, role))
+    out = tmp_path / "sft"
+    recipe = load_recipe(write_recipe(
+        tmp_path / "r.yaml", teacher=None, student=tiny_model_dir, annotations=same_data, output_dir=out,
+        loss={"base": "ce", "dsa_weight": 0, "hra_weight": 0}, train={"eval_interval": 3},
+    ))
+    run_distillation(recipe)
+    assert loaded == ["student"]
+    record = read_metrics(out / "metrics.jsonl")[0]
+    assert set(k for k in record if k.startswith("loss/")) == {"loss/base"}
+    assert dev_losses(out)[-1] < dev_losses(out)[0]
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_naming_step_and_rows_and_keeps_the_last_checkpoint(
+    tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
+):
+    calls = {"n": 0}
+    real_forward = DistillationObjective.forward
+
+    def poisoned(self, *args, **kwargs):
+        losses = real_forward(self, *args, **kwargs)
+        calls["n"] += self.training
+        if self.training and calls["n"] == 9:  # step 5, first micro batch (2 micro batches per step)
+            losses["total"] = losses["total"] * float("nan")
+        return losses
+
+    monkeypatch.setattr(DistillationObjective, "forward", poisoned)
+    out = tmp_path / "run"
+    recipe = load_recipe(write_recipe(
+        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
+        output_dir=out, train={"save_interval": 2}, data={"dev": None},
+    ))
+    with pytest.raises(NonFiniteLoss, match=r"step 5 .*rows \['\d+', '\d+'\]"):
+        run_distillation(recipe)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert not (out / "final").exists()
+    # The run can be picked up again from the last good checkpoint.
+    monkeypatch.setattr(DistillationObjective, "forward", real_forward)
+    run_distillation(recipe, resume="auto")
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]  # no dev split
+
+
+def test_annotations_for_other_tokenizers_are_refused(tmp_path, teacher_dir, tiny_model_dir, cross_data):
+    recipe = load_recipe(write_recipe(
+        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=cross_data, output_dir=tmp_path / "o",
+    ))
+    with pytest.raises(MtaError) as error:
+        run_distillation(recipe)
+    message = str(error.value)
+    assert "teacher tokenizer" in message and str(teacher_dir) in message
+    assert "mta annotate" in message and "--max-length 384" in message
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
+    tmp_path, teacher_dir, tiny_model_dir, same_data
+):
+    train = {"max_steps": 8, "save_interval": 2, "schedule": "cosine", "warmup_steps": 1, "eval_interval": 3,
+             "num_sample_generations": 1, "sample_max_new_tokens": 3}
+    uninterrupted = run_distillation(load_recipe(write_recipe(
+        tmp_path / "a.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
+        output_dir=tmp_path / "a", train=train,
+    ), ["seed=5"]))
+
+    out = tmp_path / "b"
+    recipe_path = write_recipe(
+        tmp_path / "b.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out, train=train,
+    )
+    # A fresh single-process run: not the rendezvous this test process already holds.
+    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {key: value for key, value in os.environ.items() if key not in launcher}
+    env["OMP_NUM_THREADS"] = "1"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path), "seed=5"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "step-2").exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (out / "final").exists(), "the run finished before it was killed"
+
+    resumed = run_distillation(load_recipe(recipe_path, ["seed=5"]), resume="auto")
+    expected, got = weights(uninterrupted), weights(resumed)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["split"] == "train"]
+    assert steps == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_two_processes_keep_the_global_batch_and_train_the_same_model(
+    tmp_path, teacher_dir, tiny_model_dir, same_data
+):
+    """torchrun with 2 processes: half the accumulation each, the same steps and weights as 1."""
+    common = dict(teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, data={"dev": None},
+                  train={"max_steps": 3, "batch_size": 4, "micro_batch_size": 1})
+    single = run_distillation(load_recipe(write_recipe(tmp_path / "one.yaml", output_dir=tmp_path / "one", **common)))
+
+    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {key: value for key, value in os.environ.items() if key not in launcher}
+    env["OMP_NUM_THREADS"] = "1"
+    recipe_path = write_recipe(tmp_path / "two.yaml", output_dir=tmp_path / "two", **common)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+         "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 = 1 per device × 2 accumulation × 2 process(es)" in " ".join(result.stderr.split())
+    expected, got = weights(single), weights(tmp_path / "two" / "final")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

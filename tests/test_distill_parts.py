@@ -1,0 +1,113 @@
+"""The pieces of `mta distill` around the loop: the truncated teacher, the DeepSpeed config, the
+schedule, and the command itself on the shipped tiny recipe."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from mta.models.tiny import build_tiny_model
+from mta.training.engine import deepspeed_config, lr_multiplier
+from mta.training.models import FrozenTeacher
+from mta.training.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("layers", [[1, 2], [0, 4], [3], [2, 4]])
+def test_truncated_teacher_returns_what_the_full_model_does(tiny_tokenizer_dir, tmp_path_factory, model_type, layers):
+    directory = build_tiny_model(
+        tiny_tokenizer_dir, tmp_path_factory.getbasetemp() / f"teacher-{model_type}", model_type=model_type
+    )
+    full = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    teacher = FrozenTeacher(AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager"), layers, False)
+    ids = torch.randint(0, 500, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    expected = full(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    out = teacher(ids, mask)
+    assert out.logits is None and sorted(out.hidden_states) == layers
+    for layer in layers:
+        torch.testing.assert_close(out.hidden_states[layer], expected[layer], rtol=0, atol=1e-6)
+    # The blocks above the deepest aligned layer are gone, not just skipped.
+    kept_blocks = sum(1 for name, _ in teacher.named_modules() if name.count(".") == 3 and name.split(".")[-1].isdigit())
+    assert kept_blocks == max(layers)
+    assert not any(p.requires_grad for p in teacher.parameters())
+
+
+def test_teacher_with_a_logit_loss_runs_whole(tiny_model_dir):
+    teacher = FrozenTeacher(AutoModelForCausalLM.from_pretrained(tiny_model_dir), [2], need_logits=True)
+    out = teacher(torch.randint(0, 500, (1, 5)), torch.ones(1, 5, dtype=torch.long))
+    assert out.logits.shape == (1, 5, 512) and list(out.hidden_states) == [2]
+
+
+def _tiny(*overrides):
+    return load_recipe(REPO / "recipes" / "tiny.yaml", list(overrides))
+
+
+def test_deepspeed_config_keeps_the_global_batch_and_passes_extras_through():
+    recipe = _tiny("train.batch_size=16", "train.micro_batch_size=2", "train.zero_stage=3",
+                   "train.precision=bf16", "deepspeed.zero_optimization.overlap_comm=true",
+                   "deepspeed.communication_data_type=fp32")
+    for world_size, accumulation in ((1, 8), (2, 4), (8, 1)):
+        config = deepspeed_config(recipe, world_size)
+        assert config["gradient_accumulation_steps"] == accumulation
+        assert config["train_micro_batch_size_per_gpu"] * accumulation * world_size == config["train_batch_size"] == 16
+    assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert config["communication_data_type"] == "fp32"
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+
+
+def test_schedules():
+    assert lr_multiplier(0, 10, 0, "cosine") == 1.0
+    assert lr_multiplier(5, 10, 0, "cosine") == pytest.approx(0.5)
+    assert lr_multiplier(10, 10, 0, "cosine") == pytest.approx(0.0)
+    assert lr_multiplier(3, 10, 0, "linear") == pytest.approx(0.7)
+    assert lr_multiplier(7, 10, 0, "constant") == 1.0
+    assert [lr_multiplier(s, 10, 3, "constant") for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_multiplier(3 + 7 / 2, 10, 3, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi / 2)))
+
+
+def test_dry_run_and_bad_overrides_from_the_command_line():
+    from mta_cli.main import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"), "train.lrr=1"])
+    assert result.exit_code != 0 and "train.lrr" in str(result.exception)
+
+
+@pytest.mark.slow
+def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
+    """The shipped recipe builds its tokenizer and models, annotates its JSONL and trains."""
+    import subprocess
+    import sys
+
+    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {key: value for key, value in os.environ.items() if key not in launcher}
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "tiny"
+    result = subprocess.run(
+        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"),
+         f"output_dir={out}", "train.max_steps=4", "train.eval_interval=4", "train.save_interval=2"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "global batch 8 = 4 per device × 2 accumulation × 1 process" in " ".join(result.stderr.split())
+    for built in ("models/tokenizer-512/tokenizer.json", "models/teacher/config.json",
+                  "models/student/config.json", "data/train/manifest.json", "final/model.safetensors",
+                  "checkpoints/step-2/trainer_state.json", "checkpoints/step-4/trainer_state.json"):
+        assert (out / built).exists(), built
+    saved = yaml.safe_load((out / "final" / "recipe.yaml").read_text())
+    assert saved["train"]["max_steps"] == 4 and saved["output_dir"] == str(out)
+    AutoModelForCausalLM.from_pretrained(out / "final")
