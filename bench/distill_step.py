@@ -7,6 +7,8 @@ batches, read from an annotate artefact built here with `mta.data.annotate.annot
     mta_parquet   base + 2·DSA + 0.2·HRA with the spans read from the Parquet artefact
     mta_reparse   the same, but spaCy re-parses the batch's texts and the spans are re-aligned
                   to the tokens at every step, as the published code does
+    mta_terms_only  DSA + HRA forward and backward alone, on hidden states computed once: MTA's
+                  own added work, measured directly rather than as a difference of two steps
 
 Each step is the training objective `mta.training.objective` computes (teacher forward,
 student forward, losses, backward, gradient clipping, AdamW step). It runs with two
@@ -102,10 +104,7 @@ class Vocabulary:
 @dataclass
 class Variant:
     name: str
-    model: DistillationModel
-    teacher: FrozenTeacher
-    optimizer: torch.optim.Optimizer
-    spans: Callable[[int], Optional[dict[str, SpanBatch]]]  # batch index -> spans to use
+    step: Callable[[int], None]  # one step on micro batch ``index``
     wall: list[float] = field(default_factory=list)  # mean wall s/step, one value per round
     cpu: list[float] = field(default_factory=list)  # mean process CPU s/step, one per round
 
@@ -241,36 +240,101 @@ def tiny_llama(rows: int, layers: int, hidden: int, heads: int, seed: int) -> to
     return AutoModelForCausalLM.from_config(config)
 
 
+class TrainingStep:
+    """One optimizer step of ``mta distill``'s objective on a micro batch."""
+
+    def __init__(self, model: DistillationModel, teacher: FrozenTeacher, batches: list[TrainBatch],
+                 spans: Callable[[int], Optional[dict[str, SpanBatch]]], device, autocast):
+        self.model, self.teacher, self.batches, self.spans = model, teacher, batches, spans
+        self.device, self.autocast = device, autocast
+        projectors = model.projector_parameters()
+        projector_ids = {id(p) for p in projectors}
+        groups = [{"params": [p for p in model.parameters() if id(p) not in projector_ids], "lr": 1e-4}]
+        if projectors:
+            groups.append({"params": projectors, "lr": 5e-4})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.01)
+
+    def mixed(self):
+        """Autocast when asked for (GPU bf16), else nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def __call__(self, index: int) -> None:
+        batch = self.batches[index]
+        spans = self.spans(index)  # timed: the re-parse variant parses here
+        if spans is not None:
+            batch = TrainBatch(batch.row_ids, batch.student, batch.teacher, spans)
+        batch = batch.to(self.device)
+        with self.mixed():
+            teacher_out = self.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+            losses = self.model(batch, teacher_out)
+        losses["total"].backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class AlignmentTermsOnly:
+    """MTA's own work alone: DSA + HRA forward and backward on hidden states computed once.
+
+    Timed beside the full steps, it measures the added cost directly, without the noise of
+    subtracting two whole steps.
+    """
+
+    def __init__(self, training: TrainingStep, device):
+        self.alignment = training.model.objective.alignment
+        self.weights = training.model.objective.weights
+        self.mixed = training.mixed
+        self.inputs = []
+        for batch in training.batches:
+            batch = batch.to(device)
+            teacher_out = training.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+            with torch.no_grad(), self.mixed():
+                hidden = training.model.student(
+                    input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask,
+                    output_hidden_states=True,
+                ).hidden_states
+            self.inputs.append((batch, teacher_out, hidden))
+
+    def __call__(self, index: int) -> None:
+        batch, teacher_out, hidden = self.inputs[index]
+        student_hidden = tuple(h.detach().requires_grad_() for h in hidden)
+        with self.mixed():
+            terms = self.alignment(
+                student_hidden, teacher_out.hidden_states,
+                batch.student.attention_mask, batch.teacher.attention_mask, batch.spans,
+            )
+        (self.weights["dsa"] * terms["dsa"] + self.weights["hra"] * terms["hra"]).backward()
+        self.alignment.zero_grad(set_to_none=True)
+
+
 def build_variants(
-    vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], batch_texts: list[list[str]], device
+    vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], batch_texts: list[list[str]], device, autocast
 ) -> tuple[list[Variant], list[dict], dict[str, float]]:
     teacher_model = tiny_llama(vocab.model_rows, sizes.teacher_layers, sizes.teacher_hidden, sizes.heads, 1).to(device)
     student_model = tiny_llama(vocab.model_rows, sizes.student_layers, sizes.student_hidden, sizes.heads, 2)
     pairs = resolve_layer_map("auto", sizes.student_layers, sizes.teacher_layers)
     reparser = SpanReparser(vocab.tokenizer_dir)
 
-    def variant(name: str, spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]]) -> Variant:
+    def training(spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]]) -> TrainingStep:
         objective = DistillationObjective(
             spec, pairs, student_hidden_size=sizes.student_hidden, teacher_hidden_size=sizes.teacher_hidden,
             same_tokenizer=True, vocab_size=vocab.model_rows,
         )
         model = DistillationModel(copy.deepcopy(student_model), objective).to(device)
-        projectors = model.projector_parameters()
-        projector_ids = {id(p) for p in projectors}
-        groups = [{"params": [p for p in model.parameters() if id(p) not in projector_ids], "lr": 1e-4}]
-        if projectors:
-            groups.append({"params": projectors, "lr": 5e-4})
         # FrozenTeacher with logits runs the whole model: the variants share its weights.
         teacher = FrozenTeacher(teacher_model, objective.teacher_layers, need_logits=True)
-        optimizer = torch.optim.AdamW(groups, weight_decay=0.01)
-        return Variant(name, model, teacher, optimizer, spans)
+        return TrainingStep(model, teacher, batches, spans, device, autocast)
 
     base = LossSpec(base="srkl", dsa_weight=0.0, hra_weight=0.0)
     mta = LossSpec(base="srkl", dsa_weight=2.0, hra_weight=0.2)
+    mta_parquet = training(mta, lambda index: None)
     variants = [
-        variant("base", base, lambda index: None),
-        variant("mta_parquet", mta, lambda index: None),
-        variant("mta_reparse", mta, lambda index: reparser(batch_texts[index])),
+        Variant("base", training(base, lambda index: None)),
+        Variant("mta_parquet", mta_parquet),
+        Variant("mta_reparse", training(mta, lambda index: reparser(batch_texts[index]))),
+        Variant("mta_terms_only", AlignmentTermsOnly(mta_parquet, device)),
     ]
     layer_map = [pair.model_dump() for pair in pairs]
     return variants, layer_map, spans_agreement(batches[0].spans, reparser(batch_texts[0]))
@@ -281,40 +345,23 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(
-    variant: Variant, batch: TrainBatch, index: int, device: torch.device, autocast: Optional[torch.dtype]
-) -> None:
-    spans = variant.spans(index)  # timed: the re-parse variant parses here
-    if spans is not None:
-        batch = TrainBatch(batch.row_ids, batch.student, batch.teacher, spans)
-    batch = batch.to(device)
-    mixed = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
-    with mixed:
-        teacher_out = variant.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
-        losses = variant.model(batch, teacher_out)
-    losses["total"].backward()
-    torch.nn.utils.clip_grad_norm_(variant.model.parameters(), 1.0)
-    variant.optimizer.step()
-    variant.optimizer.zero_grad(set_to_none=True)
-
-
-def run_round(variant: Variant, batches: list[TrainBatch], device: torch.device, autocast) -> tuple[float, float]:
-    """Mean (wall, process CPU) seconds per step over the batches."""
+def run_round(variant: Variant, count: int, device: torch.device) -> tuple[float, float]:
+    """Mean (wall, process CPU) seconds per step over micro batches 0..count-1."""
     synchronize(device)
     wall, cpu = time.perf_counter(), time.process_time()
-    for index, batch in enumerate(batches):
-        train_step(variant, batch, index, device, autocast)
+    for index in range(count):
+        variant.step(index)
     synchronize(device)
-    return (time.perf_counter() - wall) / len(batches), (time.process_time() - cpu) / len(batches)
+    return (time.perf_counter() - wall) / count, (time.process_time() - cpu) / count
 
 
-def measure(variants: list[Variant], batches: list[TrainBatch], rounds: int, device, autocast) -> None:
+def measure(variants: list[Variant], count: int, rounds: int, device) -> None:
     for variant in variants:  # warm-up: allocator, kernels, spaCy caches
-        run_round(variant, batches[:1], device, autocast)
+        run_round(variant, 1, device)
     for round_index in range(rounds):
         shift = round_index % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            wall, cpu = run_round(variant, batches, device, autocast)
+            wall, cpu = run_round(variant, count, device)
             variant.wall.append(wall)
             variant.cpu.append(cpu)
         summary = ", ".join(f"{v.name} {v.wall[-1]:.3f}s (cpu {v.cpu[-1]:.3f}s)" for v in variants)
@@ -338,6 +385,8 @@ def summarise(variants: list[Variant], clock: str) -> dict:
             },
         }
     out["ratio_to_base"] = out[clock]["ratio_to_base"]
+    # What the MTA step should cost if nothing but the two terms were added.
+    out["expected_mta_ratio_from_terms"] = 1.0 + out[clock]["ratio_to_base"]["mta_terms_only"]
     return out
 
 
@@ -387,8 +436,8 @@ def main() -> None:
             print(f"{vocab.name}: {vocab.description}", flush=True)
             count = args.gpt2_batches if vocab.name == "gpt2" else args.batches
             batches, texts = build_batches(rows, vocab, sizes, work, count)
-            variants, layer_map, agreement = build_variants(vocab, sizes, batches, texts, device)
-            measure(variants, batches, args.rounds, device, autocast)
+            variants, layer_map, agreement = build_variants(vocab, sizes, batches, texts, device, autocast)
+            measure(variants, len(batches), args.rounds, device)
             results[vocab.name] = {
                 "vocabulary": vocab.description,
                 "model_vocab_rows": vocab.model_rows,

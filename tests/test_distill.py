@@ -293,13 +293,20 @@ def test_two_processes_keep_the_global_batch_and_train_the_same_model(
     env = {key: value for key, value in os.environ.items() if key not in launcher}
     env["OMP_NUM_THREADS"] = "1"
     recipe_path = write_recipe(tmp_path / "two.yaml", output_dir=tmp_path / "two", **common)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
-         "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path)],
-        env=env, capture_output=True, text=True, timeout=300,
+    from mta.training.engine import _free_port
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "4 = 1 per device × 2 accumulation × 2 process(es)" in " ".join(result.stderr.split())
+    try:
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:  # the launcher and both workers, not only the launcher
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "4 = 1 per device × 2 accumulation × 2 process(es)" in " ".join(stderr.split())
     expected, got = weights(single), weights(tmp_path / "two" / "final")
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

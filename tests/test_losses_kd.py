@@ -222,3 +222,11 @@ def test_backward_keeps_no_fp32_copy_of_the_logits():
     assert sum(t.numel() * t.element_size() for t in held) <= student.numel() * 2 + 1024
     loss.backward()
     assert torch.isfinite(student.grad.float()).all()
+
+
+def test_every_recipe_base_loss_is_built():
+    from typing import get_args
+
+    from mta.training.recipe import BaseLossName
+
+    assert set(BASE_LOSSES) == set(get_args(BaseLossName))

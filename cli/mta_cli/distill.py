@@ -27,7 +27,7 @@ def distill(
     """Distill a student from a teacher with DSA + HRA on top of a base loss (DeepSpeed).
 
     Single process: `mta distill --recipe R`. Several GPUs or nodes: launch the same command with
-    `deepspeed --num_gpus N $(which mta) distill ...` or `torchrun --nproc-per-node N $(which mta)
+    `deepspeed --no_local_rank --num_gpus N $(which mta) distill ...` or `torchrun --nproc-per-node N $(which mta)
     distill ...`; the global batch stays train.batch_size. Writes OUT/checkpoints/step-N/,
     OUT/final/ (Hugging Face format) and OUT/metrics.jsonl.
     """

@@ -21,11 +21,10 @@ TokenLossFn = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], tor
 class _ChunkedTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size):
-        student_rows = student_logits.reshape(-1, student_logits.shape[-1])
-        teacher_rows = None if teacher_logits is None else teacher_logits.reshape(-1, teacher_logits.shape[-1])
-        flat_labels = labels.reshape(-1)
-        positions = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
-        num_tokens = positions.numel()
+        # (row, position) of each response token. Indexing the 3-d logits directly keeps a
+        # sliced, non-contiguous view (``logits[:, :-1]``) from being copied whole by a reshape.
+        rows, columns = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
+        num_tokens = rows.numel()
         wants_grad = ctx.needs_input_grad[0]
 
         total = torch.zeros((), dtype=torch.float32, device=student_logits.device)
@@ -34,18 +33,19 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             if wants_grad else None
         )
         for begin in range(0, num_tokens, chunk_size):
-            chunk = positions[begin:begin + chunk_size]
+            chunk = slice(begin, begin + chunk_size)
+            where = (rows[chunk], columns[chunk])
             # Indexing copies only this chunk; the fp32 cast happens per chunk.
-            student = student_rows[chunk, :vocab_size].float().requires_grad_(wants_grad)
-            teacher = None if teacher_rows is None else teacher_rows[chunk, :vocab_size].float()
+            student = student_logits[where][:, :vocab_size].float().requires_grad_(wants_grad)
+            teacher = None if teacher_logits is None else teacher_logits[where][:, :vocab_size].float()
             with torch.enable_grad():
-                loss = token_loss(student, teacher, flat_labels[chunk]).sum()
+                loss = token_loss(student, teacher, labels[where]).sum()
             if wants_grad:
                 (grad,) = torch.autograd.grad(loss, student)
-                grad_rows[begin:begin + chunk_size] = grad
+                grad_rows[chunk] = grad
             total += loss.detach()
 
-        ctx.save_for_backward(positions, grad_rows if wants_grad else None)
+        ctx.save_for_backward(rows, columns, grad_rows if wants_grad else None)
         ctx.logits_shape = student_logits.shape
         ctx.vocab_size = vocab_size
         ctx.num_tokens = num_tokens
@@ -53,12 +53,12 @@ class _ChunkedTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        positions, grad_rows = ctx.saved_tensors
+        rows, columns, grad_rows = ctx.saved_tensors
         if grad_rows is None:
             return (None,) * 6
         grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)
         scale = grad_output / max(ctx.num_tokens, 1)
-        grad.view(-1, ctx.logits_shape[-1])[positions, :ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)
+        grad[rows, columns, :ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)
         # The teacher is a constant of the loss: no gradient flows to it.
         return grad, None, None, None, None, None
 

@@ -9,7 +9,6 @@ the recipe's tokenizers and lengths, or the run stops and names the command that
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 from typing import Callable, Optional
 
 from mta.data.artefact import Annotations, read_annotations

@@ -121,6 +121,8 @@ def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, direc
     """
     student = engine.module.student
     if engine.zero_optimization_partition_weights():
+        # Gathers one layer at a time onto rank 0's CPU (what accelerate's get_state_dict uses),
+        # so a model larger than one device still exports.
         state = engine._zero3_consolidated_16bit_state_dict()
         prefix = "student."
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if state else None

@@ -1,15 +1,16 @@
 """DeepSpeed around the student: process group, config from the recipe, optimizer and schedule.
 
-Launch modes (the same code path for all three):
+Launch modes (one code path for all):
 
 * single process: ``mta distill --recipe R``. When no launcher set ``RANK``/``WORLD_SIZE``,
   ``init_distributed`` sets the rendezvous variables itself (a free local port) and joins a
   one-process group (``gloo`` on CPU, ``nccl`` on GPU).
-* several GPUs or nodes: ``deepspeed --num_gpus 8 $(which mta) distill --recipe R`` or
-  ``torchrun --nproc-per-node 8 $(which mta) distill --recipe R`` (add ``--nnodes``/
-  ``--node-rank``/``--master-addr`` or a hostfile for several nodes). The launcher sets the
-  variables; the global batch stays ``train.batch_size`` because accumulation is derived from
-  the world size.
+* several GPUs or nodes: ``torchrun --nproc-per-node 8 $(which mta) distill --recipe R`` or
+  ``deepspeed --no_local_rank --num_gpus 8 $(which mta) distill --recipe R`` (``--no_local_rank``:
+  ``LOCAL_RANK`` comes from the environment, not an extra argument). Add ``--nnodes``/
+  ``--node-rank``/``--master-addr`` (torchrun) or a hostfile (deepspeed) for several nodes. The
+  launcher sets the variables; the global batch stays ``train.batch_size`` because accumulation
+  is derived from the world size.
 """
 
 from __future__ import annotations

@@ -118,30 +118,11 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
             if recipe.train.teacher_zero3 else teacher.to(device)
         )
 
-    messages = [
-        f"global batch {recipe.train.batch_size} = {recipe.train.micro_batch_size} per device "
-        f"× {accumulation} accumulation × {world_size} process(es); {total_steps} steps, "
-        f"{schedule.steps_per_epoch} per epoch over {len(examples['train'])} rows",
-    ]
-    for split, annotations in splits.items():
-        if annotations is not None:
-            messages.append(_rows_note(split, annotations.manifest))
-    if teacher_model is None:
-        messages.append("no teacher: plain SFT on the reference responses")
-    elif same_tokenizer:
-        messages.append(
-            f"teacher and student share a tokenizer: base loss {recipe.loss.base} on the "
-            f"{len(tokenizer)}-token vocabulary" + (", token-level HRA" if layer_pairs else "")
-        )
-    else:
-        messages.append(
-            "teacher and student tokenizers differ: no logit loss (base ce on the reference), "
-            "each model pools spans on its own tokens, DSA on span geometry, HRA on span representations"
-        )
-    if layer_pairs:
-        messages.append("aligned layers (student→teacher): " + ", ".join(
-            f"{p.student}→{p.teacher} {p.granularity}" for p in layer_pairs
-        ))
+    messages = _summary(
+        recipe, accumulation, world_size, schedule, total_steps, splits,
+        has_teacher=teacher_model is not None, same_tokenizer=same_tokenizer,
+        vocab_size=len(tokenizer), layer_pairs=layer_pairs,
+    )
     return Run(
         recipe, output_dir, engine, teacher, tokenizer, examples["train"], examples["dev"],
         schedule, total_steps, rank, world_size, device, messages,
@@ -283,6 +264,34 @@ class Trainer:
     def save(self, step: int) -> Path:
         state = checkpoint.TrainerState(step=step, total_steps=self.run.total_steps)
         return checkpoint.save_checkpoint(self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state)
+
+def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
+             has_teacher, same_tokenizer, vocab_size, layer_pairs) -> list[str]:
+    """What a person should know before the first step: batch, data, tokenizer mode, layers."""
+    lines = [
+        f"global batch {recipe.train.batch_size} = {recipe.train.micro_batch_size} per device "
+        f"× {accumulation} accumulation × {world_size} process(es); {total_steps} steps, "
+        f"{schedule.steps_per_epoch} per epoch over {schedule.num_rows} rows",
+    ]
+    lines += [_rows_note(split, annotations.manifest) for split, annotations in splits.items() if annotations is not None]
+    if not has_teacher:
+        lines.append("no teacher: plain SFT on the reference responses")
+    elif same_tokenizer:
+        lines.append(
+            f"teacher and student share a tokenizer: base loss {recipe.loss.base} on the "
+            f"{vocab_size}-token vocabulary" + (", token-level HRA" if layer_pairs else "")
+        )
+    else:
+        lines.append(
+            "teacher and student tokenizers differ: no logit loss (base ce on the reference), "
+            "each model pools spans on its own tokens, DSA on span geometry, HRA on span representations"
+        )
+    if layer_pairs:
+        lines.append("aligned layers (student→teacher): " + ", ".join(
+            f"{p.student}→{p.teacher} {p.granularity}" for p in layer_pairs
+        ))
+    return lines
+
 
 def _rows_note(split: str, manifest: dict[str, Any]) -> str:
     rows = manifest.get("rows", {})
