@@ -22,7 +22,7 @@ several multi-threaded processes stall each other), so the CPU run uses one torc
 takes its ratios from the process's CPU time; wall times are in the JSON too. On a GPU the
 ratios use the wall time, synchronised.
 
-    python bench/distill_step.py          # CPU (~15 min) -> bench/results/distill_step.json
+    python bench/distill_step.py          # CPU, ~4 min idle -> bench/results/distill_step.json
     bench/distill_step_gpu.sh             # one GPU -> bench/results/distill_step_gpu_*.json
 
 Rows come from ../shared's Dolly training set when present (else the repo's examples), the

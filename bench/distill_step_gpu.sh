@@ -10,9 +10,9 @@ cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible')"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 
-python bench/distill_step.py --device cuda --preset tiny --rounds 7 --batches 4 \
+python bench/distill_step.py --device cuda --preset tiny --rounds 7 --batches 4 --gpt2-batches 4 \
     --output bench/results/distill_step_gpu_tiny.json
-python bench/distill_step.py --device cuda --preset medium --autocast bf16 --rounds 7 --batches 4 \
+python bench/distill_step.py --device cuda --preset medium --autocast bf16 --rounds 7 --batches 4 --gpt2-batches 4 \
     --output bench/results/distill_step_gpu_medium.json
 
 if [[ -n "${OUT:-}" ]]; then
