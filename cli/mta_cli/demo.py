@@ -14,7 +14,7 @@ from mta_cli.evaluate import RichProgress
 
 
 def demo(
-    quick: bool = typer.Option(False, "--quick", help="fewer steps, 16 rows per set, 1 seed (~6 min)"),
+    quick: bool = typer.Option(False, "--quick", help="fewer steps, 8 rows per set, 1 seed (~6 min)"),
     out_dir: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="where every stage writes"),
     data_dir: Optional[Path] = typer.Option(
         None, "--data-dir", help="instruction sets (dolly/, self-inst/, ...); default $MTA_DATA_DIR, else ./data"
@@ -32,6 +32,9 @@ def demo(
     from mta.demo.settings import DemoSettings
     from mta.training.metrics import RichReporter
 
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the demo draws its own bars
     console = Console(stderr=True)
     settings = DemoSettings.quick() if quick else DemoSettings.full()
     console.print(

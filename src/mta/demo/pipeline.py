@@ -66,20 +66,29 @@ def run_demo(
     *,
     data_dir: str | Path | None = None,
     recipe_path: str | Path = DEMO_RECIPE,
+    teacher: str | Path | None = None,
+    recipe_overrides: tuple[str, ...] = (),
     hooks: DemoHooks | None = None,
 ) -> dict:
-    """Run (or finish) the whole demo; returns the combined results that the report shows."""
+    """Run (or finish) the whole demo; returns the combined results that the report shows.
+
+    teacher: a Hugging Face model directory to use instead of the converted SmolLM2 (tests use
+    a tiny random model); recipe_overrides: ``key=value`` strings applied to every run.
+    """
     hooks = hooks or DemoHooks()
     paths = DemoPaths(Path(out_dir))
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     _claim(paths, settings, hooks)
 
-    teacher = convert_smollm2(report=lambda line: hooks.message(f"teacher: {line}"))
+    if teacher is None:
+        teacher = convert_smollm2(report=lambda line: hooks.message(f"teacher: {line}"))
+    teacher = Path(teacher)
     if not (paths.student_init / "config.json").exists():
         hooks.message(f"student: keeping {settings.student_layers} of the teacher's layers")
         init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
 
-    base = load_recipe(recipe_path, _path_overrides(teacher, paths))
+    overrides = _path_overrides(teacher, paths) + list(recipe_overrides)
+    base = load_recipe(recipe_path, overrides)
     _sample_dolly(data_dir, paths, settings, base)
     annotate = AnnotateSettings.from_recipe(base)
     for split in ("train", "dev"):
@@ -90,13 +99,13 @@ def run_demo(
     for variant in VARIANTS:
         recipe = load_recipe(
             recipe_path,
-            _path_overrides(teacher, paths)
+            overrides
             + [f"output_dir={paths.run(variant)}", f"train.max_steps={settings.train_steps}"]
             + list(variant.overrides),
         )
         finals[variant.name], timings[variant.name] = _distill(recipe, variant, hooks)
 
-    checkpoints = {"teacher": teacher, "pruned start": paths.student_init}
+    checkpoints = {"teacher": teacher, "pruned-start": paths.student_init}
     checkpoints.update({variant.label: finals[variant.name] for variant in VARIANTS})
     results = _evaluate(checkpoints, data_dir, paths, settings, hooks)
     results["training_seconds"] = {v.label: timings[v.name] for v in VARIANTS}
@@ -143,6 +152,7 @@ def _sample_dolly(data_dir: Path, paths: DemoPaths, settings: DemoSettings, reci
                 "is reachable)"
             )
         lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+        count = min(count, len(lines))
         chosen = sorted(random.Random(0).sample(range(len(lines)), count)) if split == "train" else range(count)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".tmp")
@@ -180,7 +190,7 @@ def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, se
             max_new_tokens=settings.max_new_tokens,
             batch_size=settings.eval_batch_size,
             limit=limit,
-            dtype="float32",
+            dtype="fp32",
             perplexity="dolly-dev" if with_perplexity else None,
             perplexity_limit=settings.perplexity_rows if with_perplexity else None,
         )

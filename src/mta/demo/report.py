@@ -9,6 +9,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from mta.demo.settings import VARIANTS
 from mta.evaluation.datasets import BENCHMARKS
 from mta.evaluation.results import averages
 
@@ -77,6 +78,9 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
         + ", ".join(f"{BENCHMARKS[s].title} {n}" for s, n in demo["eval_limits"].items())
         + f"; at most {demo['max_new_tokens']} new tokens. Perplexity: teacher-forced, response "
         f"tokens incl. EOS, first {demo['perplexity_rows']} Dolly dev rows.",
+        "",
+        "teacher: the 30-layer model; pruned-start: its 10-layer copy every student starts from; "
+        + "; ".join(f"{v.label}: {v.description}" for v in VARIANTS) + ".",
         "",
         PERPLEXITY_NOTE,
         "",

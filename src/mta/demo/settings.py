@@ -4,28 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Seconds per unit, measured on the 2-core development machine (fp32), for the start-up estimate.
-SECONDS_PER_SFT_STEP = 4.0        # 10-layer student, batch 8 x 192 tokens, forward + backward
-SECONDS_PER_KD_STEP_EXTRA = 1.5   # + the 30-layer teacher's forward
-SECONDS_PER_GENERATED_TOKEN = 0.012  # one batched decoding step of a 135M model, batch 16, per row
-FIXED_SECONDS = 120               # conversion, pruning, annotation, model loading
+# Seconds per unit, measured with `make demo-quick` on the 2-core development machine (fp32),
+# for the estimate printed at the start.
+SECONDS_PER_SFT_STEP = 5.0        # 10-layer student, batch 8 x <=192 tokens, forward + backward
+SECONDS_PER_KD_STEP_EXTRA = 5.0   # + the 30-layer teacher's forward and the 49k-vocabulary loss
+SECONDS_PER_GENERATED_TOKEN = 0.024  # per row and new token, batch 16, loading and perplexity included
+FIXED_SECONDS = 90                # pruning, annotation, model loading (conversion: once, ~2 min more)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One of the three students: a name for tables and the recipe overrides that make it."""
+    """One of the three students: its directory name, its label in the tables (also a directory
+    name under eval/), the recipe overrides that make it and what it is, for the report."""
 
     name: str
     label: str
     overrides: tuple[str, ...]
-    uses_teacher: bool
+    description: str
 
 
 VARIANTS = (
-    Variant("sft", "SFT (cross-entropy, no teacher)",
-            ("teacher=null", "loss.base=ce", "loss.dsa_weight=0", "loss.hra_weight=0"), False),
-    Variant("kd", "KD: skew reverse KL", ("loss.dsa_weight=0", "loss.hra_weight=0"), True),
-    Variant("mta", "KD + MTA (DSA + HRA)", (), True),
+    Variant("sft", "sft",
+            ("teacher=null", "loss.base=ce", "loss.dsa_weight=0", "loss.hra_weight=0"),
+            "cross-entropy on the reference responses, no teacher"),
+    Variant("kd", "srkl", ("loss.dsa_weight=0", "loss.hra_weight=0"),
+            "DistiLLM's skew reverse KL (alpha 0.1) to the teacher"),
+    Variant("mta", "srkl+mta", (), "skew reverse KL + 2 x DSA + 0.2 x HRA, auto layers"),
 )
 
 
@@ -35,14 +39,14 @@ class DemoSettings:
 
     name: str
     student_layers: int = 10
-    train_steps: int = 60
+    train_steps: int = 32
     batch_size: int = 8
     max_length: int = 192
     max_prompt_length: int = 128
     lr: float = 2e-4
     dev_rows: int = 32            # dev loss during training
     eval_limits: dict[str, int] = field(default_factory=dict)
-    max_new_tokens: int = 64
+    max_new_tokens: int = 40
     seeds: tuple[int, ...] = (10, 20)
     perplexity_rows: int = 200
     eval_batch_size: int = 16
@@ -56,15 +60,16 @@ class DemoSettings:
     def full(cls) -> "DemoSettings":
         return cls(
             name="full",
-            eval_limits={"dolly": 64, "self-inst": 32, "vicuna": 32, "sinst": 32},
+            eval_limits={"dolly": 32, "self-inst": 16, "vicuna": 16, "sinst": 16},
+            max_new_tokens=40,
         )
 
     @classmethod
     def quick(cls) -> "DemoSettings":
         return cls(
             name="quick",
-            train_steps=12,
-            eval_limits={"dolly": 16, "self-inst": 16, "vicuna": 16, "sinst": 16},
+            train_steps=5,
+            eval_limits={"dolly": 8, "self-inst": 8, "vicuna": 8, "sinst": 8},
             max_new_tokens=32,
             seeds=(10,),
             perplexity_rows=50,

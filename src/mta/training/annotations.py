@@ -39,14 +39,10 @@ def load_split(
     if source.is_file():
         from mta.data.annotate import AnnotateSettings, annotate_file
 
-        settings = AnnotateSettings(
-            teacher=teacher_tokenizer,
-            student=student_tokenizer,
-            max_length=recipe.data.max_length,
-            max_prompt_length=recipe.data.max_prompt_length,
-            spacy_model=recipe.data.spacy_model,
-            word_spans=recipe.data.word_spans,
-            truncate_prompt=recipe.data.truncate_prompt,
+        # The tokenizers are the ones the models were loaded with (a `tiny:` model's is built
+        # under output_dir), the rest comes from the recipe's data section.
+        settings = AnnotateSettings.from_recipe(
+            recipe, teacher=teacher_tokenizer, student=student_tokenizer
         )
         cache = recipe.resolve(recipe.output_dir, "output_dir") / "data" / split
         annotate_file(source, cache, settings, progress=progress)

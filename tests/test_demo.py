@@ -1,0 +1,107 @@
+"""The demo chains every stage: run it end to end on a tiny teacher, then check its report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mta.demo.pipeline import run_demo
+from mta.demo.report import parameter_count, table, write_report
+from mta.demo.settings import VARIANTS, DemoSettings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _data_dir(root: Path) -> Path:
+    """A MiniLLM-layout directory made of the repo's example rows (no ../shared needed)."""
+    rows = (REPO / "examples" / "tiny.jsonl").read_text(encoding="utf-8").splitlines()
+    for relative, chosen in {
+        "dolly/train.jsonl": rows,
+        "dolly/dev.jsonl": rows[:8],
+        "dolly/valid.jsonl": rows[8:12],
+        "self-inst/valid.jsonl": rows[12:15],
+    }.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(chosen) + "\n", encoding="utf-8")
+    return root
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
+    torch.set_num_threads(1)
+    settings = DemoSettings(
+        name="test", student_layers=2, train_steps=2, dev_rows=4,
+        eval_limits={"dolly": 3, "self-inst": 2}, max_new_tokens=4, seeds=(10, 20),
+        perplexity_rows=4, eval_batch_size=4,
+    )
+    overrides = (
+        "data.max_length=384", "data.max_prompt_length=256", "train.batch_size=4",
+        "train.micro_batch_size=4", "train.warmup_steps=0", "train.num_sample_generations=0",
+    )
+    out = tmp_path / "demo"
+    data = _data_dir(tmp_path / "data")
+
+    results = run_demo(settings, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=overrides)
+
+    labels = ["teacher", "pruned-start", *(variant.label for variant in VARIANTS)]
+    assert list(results["checkpoints"]) == labels
+    for label in labels:
+        run = results["checkpoints"][label]
+        assert set(run["sets"]) == {"dolly", "self-inst"}
+        assert run["sets"]["dolly"]["rows"] == 3 and run["sets"]["self-inst"]["rows"] == 2
+        assert run["perplexity"]["perplexity"] > 1.0
+    # The three students start from the same pruned copy and differ in their objective only.
+    init = json.loads((out / "student-init" / "mta_init.json").read_text())
+    assert init["kept_layers"] == [0, 3]
+    sft_metrics = [json.loads(l) for l in (out / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    mta_metrics = [json.loads(l) for l in (out / "runs" / "mta" / "metrics.jsonl").read_text().splitlines()]
+    assert not any("loss/dsa" in record for record in sft_metrics)
+    assert any(record.get("loss/dsa", 0) > 0 for record in mta_metrics)
+
+    markdown, picture = write_report(results, out, elapsed_seconds=1.0)
+    text = markdown.read_text(encoding="utf-8")
+    for label in labels:
+        assert f"| {label} |" in text
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # A second run finds every stage complete and trains nothing again.
+    stamps = {v.name: (out / "runs" / v.name / "final" / "config.json").stat().st_mtime_ns for v in VARIANTS}
+    again = run_demo(settings, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=overrides)
+    assert again["training_seconds"] == results["training_seconds"]
+    assert stamps == {v.name: (out / "runs" / v.name / "final" / "config.json").stat().st_mtime_ns for v in VARIANTS}
+
+
+def test_parameter_count_reads_the_safetensors_headers(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert parameter_count(tiny_model_dir) == sum(p.numel() for p in model.parameters())
+
+
+def test_table_marks_a_single_seed_and_names_each_set(tiny_model_dir):
+    def run(mean: float) -> dict:
+        score = {"mean": mean, "std": 0.0, "per_seed": {"10": mean}}
+        return {
+            "checkpoint": str(tiny_model_dir),
+            "sets": {"dolly": {"rougeL": score}, "vicuna": {"rougeL": dict(score, mean=mean / 2)}},
+            "perplexity": {"perplexity": 12.345},
+        }
+
+    results = {"checkpoints": {"a": run(10.0), "b": run(20.0)}, "training_seconds": {"b": 90.0}}
+    header, body = table(results)
+    assert header[:3] == ["model", "parameters", "ppl Dolly dev"] and header[-1] == "train time"
+    assert body[0][3] == "10.00 ± —"        # one seed: no spread to show
+    assert body[1][-2] == "15.00"           # average over the two sets
+    assert body[1][-1] == "1.5 min" and body[0][-1] == "-"
+    assert body[0][2] == "12.35"
+
+
+def test_quick_is_smaller_than_full_and_both_fit_their_budget():
+    quick, full = DemoSettings.quick(), DemoSettings.full()
+    assert quick.train_steps < full.train_steps and len(quick.seeds) == 1
+    assert quick.estimated_seconds() < 6 * 60 < full.estimated_seconds() < 30 * 60
