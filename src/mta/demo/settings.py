@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 SECONDS_PER_SFT_STEP = 5.0        # 10-layer student, batch 8 x <=192 tokens, forward + backward
 SECONDS_PER_KD_STEP_EXTRA = 5.0   # + the 30-layer teacher's forward and the 49k-vocabulary loss
 SECONDS_PER_GENERATED_TOKEN = 0.024  # per row and new token, batch 16, loading and perplexity included
-FIXED_SECONDS = 90                # pruning, annotation, model loading (conversion: once, ~2 min more)
+FIXED_SECONDS = 120               # pruning, annotation, model loading (conversion: once, ~2 min more)
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,9 @@ class DemoSettings:
     def quick(cls) -> "DemoSettings":
         return cls(
             name="quick",
-            train_steps=5,
+            train_steps=4,
             eval_limits={"dolly": 8, "self-inst": 8, "vicuna": 8, "sinst": 8},
-            max_new_tokens=32,
+            max_new_tokens=24,
             seeds=(10,),
             perplexity_rows=50,
         )
