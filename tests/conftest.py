@@ -10,6 +10,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "tiny.jsonl"
 
+# The smallest valid recipe; tests fill in the model paths and add or break keys.
+MINIMAL_RECIPE = """\
+name: minimal
+output_dir: runs/minimal
+teacher:
+  path: {teacher}
+student:
+  path: {student}
+data:
+  train: train.jsonl
+loss:
+  base: fkl
+train:
+  max_steps: 10
+  batch_size: 4
+  micro_batch_size: 2
+"""
+
 
 def shared_dir() -> Path:
     return Path(os.environ.get("MTA_SHARED_DIR", REPO.parent / "shared"))

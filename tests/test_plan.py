@@ -21,25 +21,11 @@ from mta.training.plan import (
 )
 from mta.training.recipe import ModelSpec, TinyModel, load_recipe
 
+from conftest import MINIMAL_RECIPE
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
-MINIMAL = """\
-name: minimal
-output_dir: runs/minimal
-teacher:
-  path: {teacher}
-student:
-  path: {student}
-data:
-  train: train.jsonl
-loss:
-  base: fkl
-train:
-  max_steps: 10
-  batch_size: 4
-  micro_batch_size: 2
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +49,7 @@ def no_network(monkeypatch):
 
 def write_recipe(tmp_path: Path, teacher: str, student: str) -> Path:
     path = tmp_path / "recipe.yaml"
-    path.write_text(MINIMAL.format(teacher=teacher, student=student), encoding="utf-8")
+    path.write_text(MINIMAL_RECIPE.format(teacher=teacher, student=student), encoding="utf-8")
     return path
 
 

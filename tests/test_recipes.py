@@ -10,25 +10,12 @@ import yaml
 from mta.errors import MtaError
 from mta.training.recipe import LayerPair, load_recipe, recipe_to_yaml
 
+from conftest import MINIMAL_RECIPE
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
-MINIMAL = """\
-name: minimal
-output_dir: runs/minimal
-teacher:
-  path: teacher-model
-student:
-  path: student-model
-data:
-  train: train.jsonl
-loss:
-  base: fkl
-train:
-  max_steps: 10
-  batch_size: 4
-  micro_batch_size: 2
-"""
+MINIMAL = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model")
 
 
 def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> Path:

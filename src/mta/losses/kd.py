@@ -134,25 +134,24 @@ class ReverseKL(DistributionLoss):
         return _kl(log_q, log_p)
 
 
-class SkewForwardKL(DistributionLoss):
-    """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
+class _Skewed(DistributionLoss):
+    """A divergence towards a mixture that puts weight ``skew_alpha`` on one side (DistiLLM)."""
 
     def __init__(self, *, skew_alpha: float = 0.1, **kwargs) -> None:
         super().__init__(**kwargs)
         _check_unit_interval("skew_alpha", skew_alpha)
         self.skew_alpha = skew_alpha
+
+
+class SkewForwardKL(_Skewed):
+    """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
 
     def divergence(self, log_p, log_q):
         return _kl(log_p, _log_mixture(log_p, log_q, self.skew_alpha))
 
 
-class SkewReverseKL(DistributionLoss):
+class SkewReverseKL(_Skewed):
     """``KL(q ‖ αq + (1−α)p)`` (DistiLLM's skew reverse KL, α = 0.1)."""
-
-    def __init__(self, *, skew_alpha: float = 0.1, **kwargs) -> None:
-        super().__init__(**kwargs)
-        _check_unit_interval("skew_alpha", skew_alpha)
-        self.skew_alpha = skew_alpha
 
     def divergence(self, log_p, log_q):
         return _kl(log_q, _log_mixture(log_q, log_p, self.skew_alpha))
