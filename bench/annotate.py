@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mta.files import atomic_write_json
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MTA_SHARED_DIR", REPO.parent / "shared"))
 DEFAULT_DATA = SHARED / "data" / "instruct" / "dolly" / "train.jsonl"
@@ -117,10 +119,7 @@ def main() -> None:
         "python": platform.python_version(),
         "spacy_model": manifest["spacy"],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = args.out.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(temporary, args.out)
+    atomic_write_json(args.out, result)
     print(json.dumps({key: result[key] for key in ("median_bare_parse_s", "median_annotate_s", "ratio", "cpu_ratio")}))
 
 

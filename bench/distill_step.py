@@ -52,17 +52,17 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mta.data.alignment import token_ranges
+from mta.data.token_ranges import token_ranges
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.data.artefact import read_annotations
 from mta.data.encoding import TokenizerSide
-from mta.data.spans import SpanExtractor, load_spacy
-from mta.losses.spans import SpanBatch
+from mta.data.span_extraction import SpanExtractor, load_spacy
+from mta.losses.span_masks import SpanBatch
 from mta.models.tiny import corpus_texts
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
 from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
 from mta.training.layers import resolve_layer_map
-from mta.training.models import FrozenTeacher
+from mta.training.model_loading import FrozenTeacher
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import LossSpec
 

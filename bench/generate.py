@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from mta.evaluation.checkpoints import loaded_checkpoint
+from mta.evaluation.models_under_test import loaded_checkpoint
 from mta.evaluation.datasets import load_rows
-from mta.evaluation.files import atomic_write_json
-from mta.evaluation.generation import HFGenerator, eos_token_ids
-from mta.evaluation.sampling import row_seed
+from mta.files import atomic_write_json
+from mta.generation.generator import HFGenerator, eos_token_ids
+from mta.generation.sampling import row_seed
 from mta.models.smollm2 import convert_smollm2
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from mta.data import artefact
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.artefact import merge_shards, read_annotations
 from mta.data.prompts import alpaca_prompt
-from mta.data.spans import WORD, SpanExtractor, load_spacy
+from mta.data.span_extraction import WORD, SpanExtractor, load_spacy
 from mta.errors import MtaError
 from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
 

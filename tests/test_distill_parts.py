@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from mta.models.tiny import build_tiny_model
 from mta.training.engine import deepspeed_config, lr_multiplier
-from mta.training.models import FrozenTeacher
+from mta.training.teacher import FrozenTeacher
 from mta.training.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

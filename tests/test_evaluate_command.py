@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
-from mta.evaluation.checkpoints import checkpoint_label
+from mta.evaluation.models_under_test import checkpoint_label
 from mta.models.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mta.evaluation.datasets import EvalRow, load_rows
-from mta.evaluation.generation import HFGenerator, length_sorted_batches, left_pad
+from mta.generation.generator import HFGenerator, length_sorted_batches, left_pad
 from mta.evaluation.perplexity import response_perplexity
-from mta.evaluation.sampling import KeyedGumbelNoise, row_seed
+from mta.generation.sampling import KeyedGumbelNoise, row_seed
 from mta.models.tokenizers import load_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "tiny.jsonl"

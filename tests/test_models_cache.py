@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from mta.errors import MtaError
-from mta.models.cache import SOURCE_RECORD, already_built, atomic_directory, model_cache_dir
+from mta.files import atomic_directory
+from mta.models.cache import SOURCE_RECORD, already_built, model_cache_dir
 from mta.models.packaged import packaged_file
 
 

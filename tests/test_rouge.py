@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mta.evaluation.scoring import exact_match, has_rouge_tokens, normalize_answer, rouge_l
+from mta.scoring import exact_match, has_rouge_tokens, normalize_answer, rouge_l
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ def distill(
     loaded = load_recipe(recipe, overrides or [])
     console = Console(stderr=True)
     if dry_run:
-        from mta.training.plan import plan_run, render_plan
+        from mta.training.dry_run import plan_run, render_plan
 
         console.print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
         return

@@ -9,8 +9,6 @@ artefact built from the same input bytes with the same settings is reused unless
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import math
 import multiprocessing
 import os
@@ -23,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 import mta
-from mta.data.annotator import ChunkResult, ExampleAnnotator
+from mta.data.example_annotator import ChunkResult, ExampleAnnotator
 from mta.data.artefact import (
     MAX_SKIPPED_EXAMPLES,
     SCHEMA_VERSION,
@@ -43,8 +41,9 @@ from mta.data.rows import (
     read_rows,
     summarize_input,
 )
-from mta.data.spans import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
+from mta.data.span_extraction import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
 from mta.errors import MtaError
+from mta.hashing import json_sha256
 
 CHUNK_ROWS = 64  # examples per task sent to a worker; one spaCy batch
 Progress = Callable[[int, int], None]  # (rows done, rows in this shard)
@@ -243,8 +242,7 @@ def _run_key(description: dict[str, Any]) -> str:
     identity["input"] = description["input"]["sha256"]
     identity["teacher"] = description["teacher"]["fingerprint"]
     identity["student"] = description["student"]["fingerprint"]
-    payload = json.dumps(identity, sort_keys=True).encode("utf-8")
-    return "sha256:" + hashlib.sha256(payload).hexdigest()
+    return "sha256:" + json_sha256(identity)
 
 
 def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> AnnotateOutcome | None:

@@ -7,8 +7,8 @@ Layout of an output directory::
     part-00000-of-00002-<run>.parquet           the rows of shard 0 (ids 0, 2, 4, ...)
     part-00001-of-00002-<run>.parquet
 
-Every file is written to a hidden temporary name in the same directory and renamed into place,
-so a crash never leaves a half-written file under a real name. ``manifest.json`` lists the parts
+Every file is written atomically (``mta.files``: a hidden temporary name in the same directory,
+fsync, rename), so a crash never leaves a half-written file under a real name. ``manifest.json`` lists the parts
 it describes by name; a re-run writes parts under a new ``<run>`` name and deletes the old ones
 only after the new manifest is in place, so until then the previous artefact stays whole.
 ``manifest.json`` appears only when every shard of a set (same run key, same shard count) has
@@ -19,20 +19,18 @@ removed automatically because a concurrent shard could be writing it.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
-import secrets
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mta.errors import MtaError
+from mta.files import atomic_write_json, publish, temporary_beside
+from mta.hashing import file_sha256
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -71,51 +69,6 @@ def shard_manifest_name(shard: int, num_shards: int) -> str:
 
 def part_name(shard: int, num_shards: int, run: str) -> str:
     return f"part-{shard:05d}-of-{num_shards:05d}-{run}.parquet"
-
-
-# --------------------------------------------------------------------------- atomic writes
-
-
-def temporary_beside(path: Path) -> Path:
-    """A new hidden file in ``path``'s directory, so renaming it onto ``path`` is atomic.
-
-    Created with the umask's permissions (not mkstemp's 0600): the artefact is meant to be shared.
-    """
-    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    temporary.touch(exist_ok=False)
-    return temporary
-
-
-def publish(temporary: Path, path: Path) -> None:
-    """Flush ``temporary`` to disk, then rename it onto ``path`` (so a power cut cannot leave
-    an empty file under the real name)."""
-    with open(temporary, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` on success only."""
-    temporary = temporary_beside(path)
-    try:
-        yield temporary
-        publish(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    with atomic_path(path) as temporary:
-        temporary.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class PartWriter:
@@ -233,7 +186,7 @@ def commit_shard(out_dir: Path, shard_manifest: dict[str, Any]) -> dict[str, Any
     """
     path = out_dir / shard_manifest_name(shard_manifest["shard"], shard_manifest["num_shards"])
     previous = _read_json(path)
-    write_json_atomic(path, shard_manifest)
+    atomic_write_json(path, shard_manifest)
     published = read_manifest(out_dir)
     if previous is not None and previous["part"]["file"] != shard_manifest["part"]["file"]:
         # The replaced part can go at once unless the current manifest.json still lists it.
@@ -260,7 +213,7 @@ def try_merge(out_dir: Path, run_key: str, num_shards: int) -> dict[str, Any] | 
         return None
     manifest = merged_manifest(shards)
     previous = read_manifest(out_dir)
-    write_json_atomic(out_dir / MANIFEST, manifest)
+    atomic_write_json(out_dir / MANIFEST, manifest)
     _remove_superseded(out_dir, manifest, previous)
     return manifest
 

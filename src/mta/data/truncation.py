@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from mta.data.alignment import prompt_token_count
+from mta.data.token_ranges import prompt_token_count
 from mta.data.encoding import Encoding, TokenizerSide
 
 

@@ -18,11 +18,12 @@ from typing import Any, Callable, Optional
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.demo.settings import VARIANTS, DemoSettings, Variant
 from mta.errors import MtaError
+from mta.files import atomic_write_json, atomic_write_text
 from mta.evaluation.datasets import default_data_dir
 from mta.evaluation.runner import EvalSettings, evaluate_checkpoints
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
-from mta.training.checkpoint import latest_checkpoint
+from mta.training.checkpointing import latest_checkpoint
 from mta.training.recipe import Recipe, load_recipe
 from mta.training.trainer import run_distillation
 
@@ -122,7 +123,7 @@ def _claim(paths: DemoPaths, settings: DemoSettings, hooks: DemoHooks) -> None:
         hooks.message(f"{paths.root} holds a demo with other settings: starting it over")
         shutil.rmtree(paths.root)
     paths.root.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(wanted + "\n", encoding="utf-8")
+    atomic_write_text(stamp, wanted + "\n")
 
 
 def _path_overrides(teacher: Path, paths: DemoPaths) -> list[str]:
@@ -154,10 +155,7 @@ def _sample_dolly(data_dir: Path, paths: DemoPaths, settings: DemoSettings, reci
         lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
         count = min(count, len(lines))
         chosen = sorted(random.Random(0).sample(range(len(lines)), count)) if split == "train" else range(count)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".tmp")
-        partial.write_text("".join(lines[i] + "\n" for i in chosen), encoding="utf-8")
-        partial.replace(target)
+        atomic_write_text(target, "".join(lines[i] + "\n" for i in chosen))
 
 
 def _distill(recipe: Recipe, variant: Variant, hooks: DemoHooks) -> tuple[Path, float]:
@@ -171,7 +169,7 @@ def _distill(recipe: Recipe, variant: Variant, hooks: DemoHooks) -> tuple[Path, 
     started = time.perf_counter()
     final = run_distillation(recipe, resume=resume, reporter=hooks.training_reporter(variant))
     seconds = time.perf_counter() - started
-    timing.write_text(json.dumps({"seconds": seconds, "resumed": resume is not None}) + "\n")
+    atomic_write_json(timing, {"seconds": seconds, "resumed": resume is not None})
     return final, seconds
 
 

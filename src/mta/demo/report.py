@@ -10,6 +10,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from mta.demo.settings import VARIANTS
+from mta.files import atomic_path, atomic_write_text
 from mta.evaluation.datasets import BENCHMARKS
 from mta.evaluation.results import averages
 
@@ -86,8 +87,8 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
         "",
     ]
     markdown = out_dir / "results.md"
-    _atomic_text(markdown, "\n".join(lines))
-    _atomic_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
+    atomic_write_text(markdown, "\n".join(lines))
+    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
     picture = out_dir / "summary.png"
     plot_summary(results, picture)
     return markdown, picture
@@ -119,16 +120,9 @@ def plot_summary(results: dict, path: Path) -> None:
     bars.set(title="ROUGE-L (mean ± std over seeds)", ylabel="ROUGE-L")
     bars.legend(fontsize=8)
     figure.tight_layout()
-    partial = path.with_suffix(".tmp.png")
-    figure.savefig(partial, dpi=110)
+    with atomic_path(path) as partial:
+        figure.savefig(partial, dpi=110, format="png")
     plt.close(figure)
-    partial.replace(path)
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    partial = path.with_suffix(path.suffix + ".tmp")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
 
 
 def _cores() -> int:

@@ -9,7 +9,7 @@ resume (``files``) and torchrun sharding (``distributed``).
 
 from mta.evaluation.perplexity import PerplexityResult, response_perplexity
 from mta.evaluation.runner import EvalSettings, Progress, evaluate_checkpoints
-from mta.evaluation.scoring import exact_match, rouge_l
+from mta.scoring import exact_match, rouge_l
 
 __all__ = [
     "EvalSettings",

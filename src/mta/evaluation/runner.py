@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Literal, Protocol, Sequence
 
@@ -28,13 +26,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mta.errors import MtaError
-from mta.evaluation.checkpoints import (
+from mta.versions import package_versions
+from mta.evaluation.models_under_test import (
     check_checkpoint,
     checkpoint_names,
     loaded_checkpoint,
-    resolve_device,
-    resolve_dtype,
 )
+from mta.distributed import resolve_device
+from mta.dtypes import dtype_name, resolve_dtype
 from mta.evaluation.datasets import (
     DEFAULT_BENCHMARKS,
     EvalRow,
@@ -45,14 +44,14 @@ from mta.evaluation.datasets import (
     resolve_benchmarks,
     resolve_split_file,
 )
-from mta.evaluation.distributed import Ranks, init_ranks
-from mta.evaluation.files import Journal, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl_lenient
-from mta.evaluation.generation import Generator, HFGenerator
+from mta import distributed
+from mta.files import Journal, atomic_write_json, atomic_write_jsonl, atomic_write_text, read_jsonl_lenient
+from mta.generation.generator import Generator, HFGenerator
 from mta.evaluation.perplexity import encode_for_scoring, perplexity_result, response_nll
 from mta.evaluation.report import markdown_table
 from mta.evaluation.results import averages, seed_statistics, set_summary
-from mta.evaluation.sampling import row_seed
-from mta.evaluation.scoring import exact_match, has_rouge_tokens, rouge_l
+from mta.generation.sampling import row_seed
+from mta.scoring import exact_match, has_rouge_tokens, rouge_l
 
 log = logging.getLogger(__name__)
 
@@ -156,24 +155,21 @@ def evaluate_checkpoints(
         path = resolve_split_file(data_dir, settings.perplexity)
         perplexity = PerplexitySet(settings.perplexity, path, load_rows(path, limit=settings.perplexity_limit)[0])
 
-    ranks = init_ranks()
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    try:
+    with distributed.joined_process_group():
         for checkpoint, label in zip(checkpoints, labels):
             paths = CheckpointPaths(out_dir / "predictions" / label)
-            _claim_directory(paths, checkpoint, settings, dtype, ranks)
-            _evaluate_checkpoint(checkpoint, label, paths, eval_sets, perplexity, settings, device, dtype, ranks, progress)
-        ranks.barrier()
-        results = collect_results(out_dir, checkpoints, labels, eval_sets, settings, data_dir, str(dtype).removeprefix("torch."))
-        if ranks.is_main:
+            _claim_directory(paths, checkpoint, settings, dtype)
+            _evaluate_checkpoint(checkpoint, label, paths, eval_sets, perplexity, settings, device, dtype, progress)
+        distributed.barrier()
+        results = collect_results(out_dir, checkpoints, labels, eval_sets, settings, data_dir, dtype_name(dtype))
+        if distributed.is_main():
             _log_truncated_prompts(results, settings.max_prompt_length)
             atomic_write_json(out_dir / "results.json", results)
             atomic_write_text(out_dir / "results.md", markdown_table(results))
-        ranks.barrier()
+        distributed.barrier()
         return results
-    finally:
-        ranks.close()
 
 
 def _evaluate_checkpoint(
@@ -185,7 +181,6 @@ def _evaluate_checkpoint(
     settings: EvalSettings,
     device: torch.device,
     dtype: torch.dtype,
-    ranks: Ranks,
     progress: Progress,
 ) -> None:
     """Generate what this checkpoint's directory lacks; load the model only when something does."""
@@ -197,9 +192,9 @@ def _evaluate_checkpoint(
     with loaded_checkpoint(checkpoint, device, dtype) as (model, tokenizer):
         generator = HFGenerator(model, tokenizer, batch_size=settings.batch_size, max_new_tokens=settings.max_new_tokens)
         for eval_set, seed in todo:
-            _generate_set(generator, tokenizer, eval_set, seed, paths, settings, ranks, progress, label)
+            _generate_set(generator, tokenizer, eval_set, seed, paths, settings, progress, label)
         if wants_perplexity:
-            _write_perplexity(model, tokenizer, perplexity, paths, settings, ranks, progress, label)
+            _write_perplexity(model, tokenizer, perplexity, paths, settings, progress, label)
         del model, generator  # so that leaving the context really frees the weights
 
 
@@ -213,14 +208,14 @@ def _log_truncated_prompts(results: dict, limit: int) -> None:
                 )
 
 
-def _claim_directory(paths: CheckpointPaths, checkpoint: str, settings: EvalSettings, dtype: torch.dtype, ranks: Ranks) -> None:
+def _claim_directory(paths: CheckpointPaths, checkpoint: str, settings: EvalSettings, dtype: torch.dtype) -> None:
     """Record what generated this directory's predictions; refuse to mix in other settings."""
     source = Path(checkpoint)
     manifest = {
         "checkpoint": str(source.resolve()) if source.exists() else checkpoint,
         "max_prompt_length": settings.max_prompt_length,
         "max_new_tokens": settings.max_new_tokens,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "sampling": SAMPLING,
     }
     if paths.manifest.exists():
@@ -232,10 +227,10 @@ def _claim_directory(paths: CheckpointPaths, checkpoint: str, settings: EvalSett
                 "Write to another -o, give this checkpoint another --names label, or delete that directory."
             )
         return
-    ranks.barrier()  # every rank has read the absent manifest before rank 0 writes it
-    if ranks.is_main:
+    distributed.barrier()  # every rank has read the absent manifest before rank 0 writes it
+    if distributed.is_main():
         atomic_write_json(paths.manifest, manifest)
-    ranks.barrier()
+    distributed.barrier()
 
 
 def _matches(record: dict, row: EvalRow) -> bool:
@@ -270,21 +265,20 @@ def _generate_set(
     seed: int,
     paths: CheckpointPaths,
     settings: EvalSettings,
-    ranks: Ranks,
     progress: Progress,
     label: str,
 ) -> None:
     done = _finished_rows(paths, eval_set, seed)
     pending = [row for row in eval_set.rows if row.index not in done]
-    ranks.barrier()  # every rank splits the same pending list before any journal grows
-    mine = pending[ranks.rank :: ranks.world]
+    distributed.barrier()  # every rank splits the same pending list before any journal grows
+    mine = pending[distributed.rank() :: distributed.world_size()]
     prompts = [tokenizer(row.prompt, add_special_tokens=False)["input_ids"] for row in mine]
     truncated = [len(p) > settings.max_prompt_length for p in prompts]
     prompts = [p[: settings.max_prompt_length] for p in prompts]
     seeds = [row_seed(seed, eval_set.name, row.index) for row in mine]
     if mine:
         progress.start(f"{label} · {eval_set.name} · seed {seed}", len(mine))
-        with Journal(paths.journal(eval_set.name, seed, ranks.rank)) as journal:
+        with Journal(paths.journal(eval_set.name, seed, distributed.rank())) as journal:
             for completions in generator.generate(prompts, seeds):
                 journal.append(
                     {
@@ -299,10 +293,10 @@ def _generate_set(
                 )
                 progress.advance(len(completions), sum(c.num_tokens for c in completions))
         progress.stop()
-    ranks.barrier()
-    if ranks.is_main:
+    distributed.barrier()
+    if distributed.is_main():
         _write_predictions(paths, eval_set, seed)
-    ranks.barrier()
+    distributed.barrier()
 
 
 def _write_predictions(paths: CheckpointPaths, eval_set: EvalSet, seed: int) -> None:
@@ -357,9 +351,9 @@ def _perplexity_is_current(paths: CheckpointPaths, perplexity: PerplexitySet, se
     return all(stored.get(k) == v for k, v in _perplexity_key(perplexity, settings).items())
 
 
-def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settings, ranks, progress, label) -> None:
+def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settings, progress, label) -> None:
     """Each rank scores its share; the sums are reduced and rank 0 writes perplexity.json."""
-    mine = perplexity.rows[ranks.rank :: ranks.world]
+    mine = perplexity.rows[distributed.rank() :: distributed.world_size()]
     encoded = [
         encode_for_scoring(
             tokenizer, row.prompt, row.references[0],
@@ -374,13 +368,13 @@ def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settin
         on_batch=lambda n: progress.advance(n, 0),
     )
     progress.stop()
-    total, tokens, prompts_cut, responses_cut = ranks.sum(
+    total, tokens, prompts_cut, responses_cut = distributed.sum_over_ranks(
         [total, tokens, sum(e[1] for e in encoded), sum(e[2] for e in encoded)]
     )
     result = perplexity_result(total, int(tokens), len(perplexity.rows), int(prompts_cut), int(responses_cut))
-    if ranks.is_main:
+    if distributed.is_main():
         atomic_write_json(paths.perplexity, {**_perplexity_key(perplexity, settings), **result.to_dict()})
-    ranks.barrier()
+    distributed.barrier()
 
 
 def collect_results(
@@ -435,19 +429,9 @@ def collect_results(
             for s in eval_sets
         },
         "checkpoints": runs,
-        "versions": _versions(),
+        "versions": package_versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def _versions() -> dict:
-    versions = {"python": platform.python_version()}
-    for package in ("mta", "torch", "transformers", "tokenizers", "rouge-score", "nltk"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return versions
 
 
 __all__ = ["EvalSettings", "Progress", "evaluate_checkpoints", "collect_results", "DEFAULT_BENCHMARKS"]

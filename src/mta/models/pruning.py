@@ -10,7 +10,6 @@ slots, sliding-window flags) is derived anew and consistent, and the result relo
 from __future__ import annotations
 
 import copy
-import json
 from enum import Enum
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from mta.errors import MtaError
-from mta.models.cache import atomic_directory
+from mta.files import atomic_directory, atomic_write_json
 from mta.models.tokenizers import load_tokenizer
 
 INIT_RECORD = "mta_init.json"
@@ -194,5 +193,5 @@ def init_student(
     with atomic_directory(out_dir) as staging:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / INIT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        atomic_write_json(staging / INIT_RECORD, record)
     return record

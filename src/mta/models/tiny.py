@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from mta.files import atomic_directory
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
 
 
@@ -72,10 +71,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     # Built beside its final place and renamed, so an interrupted build leaves no half model.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as staging:
+    with atomic_directory(out_dir) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, out_dir)
-        os.mkdir(staging)  # TemporaryDirectory cleans up the (now empty) name it created
     return out_dir

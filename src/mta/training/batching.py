@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import torch
 
 from mta.errors import MtaError
-from mta.losses.spans import SpanBatch
+from mta.losses.span_masks import SpanBatch
 
 IGNORE_INDEX = -100
 GRANULARITY_COLUMNS = {"phrase": "phrase_spans", "word": "word_spans"}

@@ -19,11 +19,9 @@ import copy
 import math
 import os
 import socket
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from mta.training.recipe import Recipe
 
@@ -54,25 +52,6 @@ def init_distributed() -> tuple[int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return int(os.environ["RANK"]), world_size
-
-
-@contextmanager
-def main_process_first() -> Iterator[None]:
-    """Run the block on rank 0 first, then on the others (which then find its files cached)."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    if distributed and dist.get_rank() != 0:
-        dist.barrier()
-    try:
-        yield
-    finally:
-        if distributed and dist.get_rank() == 0:
-            dist.barrier()
-
-
-def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def deepspeed_config(recipe: Recipe, world_size: int) -> dict[str, Any]:

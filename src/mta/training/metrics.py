@@ -13,11 +13,11 @@ twice.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
+from mta.files import atomic_write_text
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -163,9 +163,7 @@ class MetricsLog:
             line for line in self.path.read_text(encoding="utf-8").splitlines()
             if line.strip() and _parse(line) is not None and _parse(line)["step"] <= step
         ]
-        partial = self.path.with_suffix(".jsonl.tmp")
-        partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(partial, self.path)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as handle:

@@ -14,10 +14,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from mta.errors import MtaError
-from mta.losses.alignment import TrajectoryAlignmentLoss
+from mta.losses.trajectory import TrajectoryAlignmentLoss
 from mta.losses.kd import build_base_loss
 from mta.training.batching import TrainBatch
-from mta.training.models import TeacherOutput
+from mta.training.teacher import TeacherOutput
 from mta.training.recipe import LayerPair, LossSpec
 
 log = logging.getLogger(__name__)

@@ -14,16 +14,17 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from mta import distributed
 from mta.errors import MtaError
 from mta.models.tokenizers import tokenizer_fingerprint
-from mta.training import checkpoint, engine as engines
-from mta.training.annotations import load_split
+from mta.training import checkpointing, engine as engines
+from mta.training.train_data import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
 from mta.training.layers import resolve_layer_map
 from mta.training.metrics import LossWindow, MetricsLog, Reporter, SilentReporter, loss_record
-from mta.training.models import FrozenTeacher, hidden_size, load_causal_lm, num_layers
+from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
+from mta.training.teacher import FrozenTeacher
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import Recipe
 
@@ -58,12 +59,12 @@ class Run:
 def build_run(recipe: Recipe, reporter: Reporter) -> Run:
     """Load models and data, check they fit together, and start the DeepSpeed engine."""
     rank, world_size = engines.init_distributed()
-    device = engines.device()
+    device = distributed.local_device()
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
     output_dir.mkdir(parents=True, exist_ok=True)
 
     # Rank 0 builds tiny models and annotates data first; the others then find them cached.
-    with engines.main_process_first():
+    with distributed.main_process_first():
         student_loaded = load_causal_lm(recipe.student, recipe, "student")
         teacher_loaded = load_causal_lm(recipe.teacher, recipe, "teacher") if recipe.teacher else None
         # SFT: the artefact's teacher side is the student's tokenizer.
@@ -160,12 +161,12 @@ class Trainer:
         for batch in self.micro_batches(step):
             batch = batch.to(self.run.device)
             losses = engine(batch, self.teacher_forward(batch))
-            if not _finite_everywhere(losses["total"]):
+            if not distributed.all_ranks_agree(bool(torch.isfinite(losses["total"].detach()))):
                 raise NonFiniteLoss(
                     f"non-finite loss at step {step + 1} (components: "
                     + ", ".join(f"{k}={v.item():.4g}" for k, v in losses.items())
                     + f"), micro batch rows {batch.row_ids}; the run stopped without applying it. "
-                    f"The last good checkpoint is kept under {checkpoint.checkpoints_dir(self.run.output_dir)}; "
+                    f"The last good checkpoint is kept under {checkpointing.checkpoints_dir(self.run.output_dir)}; "
                     "lower train.lr, or use bf16/fp32 instead of fp16, and resume with --resume auto"
                 )
             engine.backward(losses["total"])
@@ -225,7 +226,7 @@ class Trainer:
         run, recipe, reporter = self.run, self.run.recipe, self.reporter
         start = 0
         if resume_from is not None:
-            start = checkpoint.load_checkpoint(run.engine, resume_from).step
+            start = checkpointing.load_checkpoint(run.engine, resume_from).step
             reporter.message(f"resumed from {resume_from} at step {start}")
         metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if resume_from else None)
         main = run.rank == 0
@@ -251,7 +252,7 @@ class Trainer:
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)
             self.save(run.total_steps)
-            return checkpoint.save_final(run.engine, run.tokenizer, recipe, run.output_dir)
+            return checkpointing.save_final(run.engine, run.tokenizer, recipe, run.output_dir)
         finally:
             reporter.stop()
 
@@ -262,8 +263,8 @@ class Trainer:
         self.reporter.dev(record)
 
     def save(self, step: int) -> Path:
-        state = checkpoint.TrainerState(step=step, total_steps=self.run.total_steps)
-        return checkpoint.save_checkpoint(self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state)
+        state = checkpointing.TrainerState(step=step, total_steps=self.run.total_steps)
+        return checkpointing.save_checkpoint(self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state)
 
 def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
              has_teacher, same_tokenizer, vocab_size, layer_pairs) -> list[str]:
@@ -302,20 +303,9 @@ def _rows_note(split: str, manifest: dict[str, Any]) -> str:
     return note
 
 
-def _finite_everywhere(loss: torch.Tensor) -> bool:
-    finite = torch.isfinite(loss.detach()).float()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every process stops, none waits forever
-    return bool(finite.item())
-
-
 def _sum_over_processes(values: dict[str, float]) -> dict[str, float]:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return dict(values)
     names = sorted(values)
-    tensor = torch.tensor([values[name] for name in names], dtype=torch.float64, device=engines.device())
-    dist.all_reduce(tensor)
-    return dict(zip(names, tensor.tolist()))
+    return dict(zip(names, distributed.sum_over_ranks([values[name] for name in names])))
 
 
 def run_distillation(
@@ -333,6 +323,6 @@ def run_distillation(
         log.info(message)
         reporter.message(message)
     try:
-        return Trainer(run, reporter).train(checkpoint.resolve_resume(resume, run.output_dir))
+        return Trainer(run, reporter).train(checkpointing.resolve_resume(resume, run.output_dir))
     finally:
         run.engine.destroy()

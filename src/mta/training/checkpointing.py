@@ -17,29 +17,25 @@ directory that looks complete; ``latest_checkpoint`` ignores anything else.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
+from mta import distributed
 from mta.errors import MtaError
+from mta.files import atomic_write_json, atomic_write_text, publish_directory
+from mta.versions import package_versions
 from mta.training.recipe import Recipe, recipe_to_yaml
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
-VERSIONED_PACKAGES = (
-    "mta", "torch", "transformers", "tokenizers", "deepspeed", "safetensors", "spacy", "pyarrow",
-)
 
 
 @dataclass
@@ -53,16 +49,6 @@ class TrainerState:
     step: int
     total_steps: int
     rng: list[list[int]] = field(default_factory=list)
-
-
-def package_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in VERSIONED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
@@ -101,19 +87,6 @@ def resolve_resume(resume: Optional[str], output_dir: Path) -> Optional[Path]:
     return path
 
 
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _write_json(path: Path, payload: Any) -> None:
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-
-
 def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path) -> None:
     """The student in Hugging Face format (+ tokenizer, recipe, versions) into ``directory``.
 
@@ -128,12 +101,12 @@ def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, direc
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if state else None
     else:
         state = student.state_dict()
-    if _is_main():
+    if distributed.is_main():
         directory.mkdir(parents=True, exist_ok=True)
         student.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(str(directory))
-        (directory / "recipe.yaml").write_text(recipe_to_yaml(recipe), encoding="utf-8")
-        _write_json(directory / "versions.json", package_versions())
+        atomic_write_text(directory / "recipe.yaml", recipe_to_yaml(recipe))
+        atomic_write_json(directory / "versions.json", package_versions())
 
 
 def save_checkpoint(
@@ -143,24 +116,20 @@ def save_checkpoint(
     root = checkpoints_dir(output_dir)
     final = root / f"step-{state.step}"
     partial = root / f"step-{state.step}.partial"
-    if _is_main():
+    if distributed.is_main():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    _barrier()
+    distributed.barrier()
     _export_hf(engine, tokenizer, recipe, partial)
     engine.save_checkpoint(str(partial / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
-    rng = [None] * dist.get_world_size() if dist.is_initialized() else None
-    own = torch.get_rng_state().tolist()
-    if rng is not None:
-        dist.all_gather_object(rng, own)
-    if _is_main():
-        _write_json(partial / STATE_FILE, asdict(state) | {"rng": rng or [own]})
-        if final.exists():  # a checkpoint of the same step from an earlier, overtaken attempt
-            shutil.rmtree(final)
-        os.replace(partial, final)
+    rng = distributed.gather_objects(torch.get_rng_state().tolist())
+    if distributed.is_main():
+        atomic_write_json(partial / STATE_FILE, asdict(state) | {"rng": rng})
+        # Replaces a checkpoint of the same step from an earlier, overtaken attempt.
+        publish_directory(partial, final)
         for _, old in complete_checkpoints(output_dir)[: -recipe.train.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    distributed.barrier()
     return final
 
 
@@ -170,9 +139,8 @@ def load_checkpoint(engine, path: Path) -> TrainerState:
     if loaded is None:
         raise MtaError(f"{path}: the DeepSpeed state could not be loaded; resume from another checkpoint")
     state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank < len(state.rng):
-        torch.set_rng_state(torch.tensor(state.rng[rank], dtype=torch.uint8))
+    if distributed.rank() < len(state.rng):
+        torch.set_rng_state(torch.tensor(state.rng[distributed.rank()], dtype=torch.uint8))
     return state
 
 
@@ -180,16 +148,11 @@ def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, outpu
     """``final/`` in Hugging Face format, replacing an earlier one only once the new one is whole."""
     final = output_dir / "final"
     partial = output_dir / "final.partial"
-    if _is_main():
+    if distributed.is_main():
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
+    distributed.barrier()
     _export_hf(engine, tokenizer, recipe, partial)
-    if _is_main():
-        previous = output_dir / "final.previous"
-        shutil.rmtree(previous, ignore_errors=True)
-        if final.exists():
-            os.replace(final, previous)
-        os.replace(partial, final)
-        shutil.rmtree(previous, ignore_errors=True)
-    _barrier()
+    if distributed.is_main():
+        publish_directory(partial, final)
+    distributed.barrier()
     return final

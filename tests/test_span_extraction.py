@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from mta.data.spans import NOUN_PHRASE, VERB_PHRASE, SpanExtractor, keep_outermost, load_spacy
+from mta.data.span_extraction import NOUN_PHRASE, VERB_PHRASE, SpanExtractor, keep_outermost, load_spacy
 
 TEXTS = [
     "The quick brown fox has been quickly running away from the farmer's angry dogs.",

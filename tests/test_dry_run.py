@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from mta.errors import MtaError
 from mta.models.tiny import build_tiny_model
-from mta.training.plan import (
+from mta.training.dry_run import (
     estimate_memory,
     parameter_count,
     plan_model,

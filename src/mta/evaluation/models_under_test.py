@@ -8,7 +8,6 @@ surface after four hours of generation.
 from __future__ import annotations
 
 import gc
-import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +19,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from mta.errors import MtaError
 from mta.models.tokenizers import load_tokenizer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=@-]+")
 
 
@@ -86,26 +84,6 @@ def check_checkpoint(checkpoint: str) -> None:
             f".save_pretrained('{path}')"
         )
     load_tokenizer(checkpoint)
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """``auto``: this rank's GPU under torchrun (LOCAL_RANK), the first GPU, else the CPU."""
-    if device != "auto":
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a GPU that supports it, fp32 elsewhere (fp16 CPU kernels are slow)."""
-    if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    if dtype not in DTYPES:
-        raise MtaError(f"unknown dtype '{dtype}'; choose from auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 @contextmanager

@@ -13,11 +13,11 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from mta.data.alignment import member_ranges, prompt_token_count, visible_ranges
+from mta.data.token_ranges import member_ranges, prompt_token_count, visible_ranges
 from mta.data.artefact import SCHEMA, SPAN
 from mta.data.encoding import TokenizerSide
 from mta.data.rows import PROMPT_TOO_LONG, Example, RowProblem
-from mta.data.spans import WORD, SpanExtractor
+from mta.data.span_extraction import WORD, SpanExtractor
 from mta.data.truncation import FittedText, PromptTooLong, fit_to_limits
 
 SPACY_BATCH_SIZE = 64
@@ -50,7 +50,7 @@ def align_spans(
     side cannot represent or that the cut removed.
 
     visible: per side, ``[tokens, 2]`` token ranges without leading whitespace
-    (:func:`mta.data.alignment.visible_ranges`); chars: ``[spans, 2]``.
+    (:func:`mta.data.token_ranges.visible_ranges`); chars: ``[spans, 2]``.
     """
     chars = np.asarray(chars, dtype=np.int64).reshape(-1, 2)
     t_start, t_end, t_found = member_ranges(visible[0], chars)

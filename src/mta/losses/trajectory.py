@@ -16,7 +16,7 @@ from mta.losses.dsa import dynamic_structural_alignment
 from mta.losses.hra import hidden_representation_alignment
 from mta.losses.importance import IMPORTANCE, ImportanceMode
 from mta.losses.pooling import pool_spans
-from mta.losses.spans import SpanBatch
+from mta.losses.span_masks import SpanBatch
 
 # The HF ``output_hidden_states`` tuple, or only the layers the loss uses as {index: tensor}.
 HiddenStates = Union[Sequence[torch.Tensor], Mapping[int, torch.Tensor]]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mta.errors import MtaError
-from mta.training import checkpoint
-from mta.training.checkpoint import complete_checkpoints, latest_checkpoint, resolve_resume
+from mta.training import checkpointing as checkpoint
+from mta.training.checkpointing import complete_checkpoints, latest_checkpoint, resolve_resume
 from mta.training.metrics import MetricsLog, read_metrics
 from mta.training.recipe import load_recipe
 from mta.training.trainer import run_distillation

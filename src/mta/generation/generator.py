@@ -15,7 +15,7 @@ from typing import Iterator, Protocol, Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from mta.evaluation.sampling import KeyedGumbelNoise
+from mta.generation.sampling import KeyedGumbelNoise
 
 
 @dataclass(frozen=True)

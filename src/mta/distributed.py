@@ -1,0 +1,122 @@
+"""Ranks, devices and the few collective operations every stage needs.
+
+One process group per process, set up either by DeepSpeed (``mta distill``, see
+``mta.training.engine.init_distributed``) or by ``joined_process_group`` (``mta evaluate`` under
+torchrun). Without a launcher this is a world of one and every collective is a no-op, so the
+helpers below are safe to call anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """True inside a process group of more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Rank 0 writes every shared file."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+@contextmanager
+def main_process_first() -> Iterator[None]:
+    """Run the block on rank 0 first, then on the others (which then find its files cached)."""
+    if is_distributed() and not is_main():
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if is_distributed() and is_main():
+            dist.barrier()
+
+
+def local_device() -> torch.device:
+    """This process's GPU (``LOCAL_RANK`` under a launcher), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto``: :func:`local_device`; anything else as torch reads it (``cpu``, ``cuda:1``)."""
+    return local_device() if spec == "auto" else torch.device(spec)
+
+
+def _collective_device() -> torch.device:
+    return local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def sum_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise sum over every process (float64)."""
+    if not is_distributed():
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """True only when ``flag`` is True on every process (so all stop together, none waits)."""
+    if not is_distributed():
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return bool(tensor.item())
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` any process holds (e.g. batches to run, so all run as many)."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def gather_objects(value) -> list:
+    """``value`` of every rank, in rank order (picklable values only)."""
+    if not is_distributed():
+        return [value]
+    gathered = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+@contextmanager
+def joined_process_group() -> Iterator[None]:
+    """Join the launcher's process group (nccl on GPUs, gloo on CPUs) when ``WORLD_SIZE > 1``.
+
+    A group created here is destroyed on exit; one that already exists is left as it is.
+    """
+    owns = False
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        owns = True
+    try:
+        yield
+    finally:
+        if owns:
+            dist.destroy_process_group()

@@ -1,0 +1,194 @@
+"""Writing files and directories so a crash never leaves a half-written artefact.
+
+One policy for every stage:
+
+- A finished **file** is written to a hidden temporary name in its own directory, flushed and
+  ``fsync``-ed, then renamed onto its real name (``os.replace`` is atomic on one filesystem), and
+  the directory is ``fsync``-ed so the rename itself survives a power cut. Readers see the old
+  file or the new one, never a part.
+- A finished **directory** (a model, a checkpoint) is built in a hidden staging directory beside
+  it; every file in it is ``fsync``-ed, then the staging directory is renamed onto the real name.
+  An existing directory is moved aside first and removed only once the new one is in place.
+- Work in progress goes to an append-only **journal**: one JSON line per finished unit, flushed
+  as it is written. A crash can only truncate the last line, which reading skips.
+
+Temporary names start with ``.`` and end in ``.tmp`` / ``.partial``: nothing reads them, and a
+killed process may leave one behind (it is never taken for a finished file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make a rename or a new entry in ``directory`` durable (a no-op where unsupported)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def fsync_file(path: str | Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def fsync_tree(directory: str | Path) -> None:
+    """``fsync`` every file under ``directory`` and every directory in it."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = Path(root) / name
+            if path.is_file() and not path.is_symlink():
+                fsync_file(path)
+        fsync_directory(root)
+
+
+def temporary_beside(path: str | Path) -> Path:
+    """A new, empty hidden file in ``path``'s directory, so renaming it onto ``path`` is atomic.
+
+    Created with the umask's permissions (not mkstemp's 0600): artefacts are meant to be shared.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    temporary.touch(exist_ok=False)
+    return temporary
+
+
+def publish(temporary: str | Path, path: str | Path) -> None:
+    """``fsync`` ``temporary``, rename it onto ``path`` and make the rename durable."""
+    fsync_file(temporary)
+    os.replace(temporary, path)
+    fsync_directory(Path(path).parent)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write; it becomes ``path`` on success only."""
+    temporary = temporary_beside(path)
+    try:
+        yield temporary
+        publish(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as temporary:
+        temporary.write_bytes(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, payload: Any) -> None:
+    atomic_write_text(path, json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+
+
+def atomic_write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def staging_directory(final: str | Path, *, suffix: str = ".partial") -> Path:
+    """A new, empty hidden directory beside ``final`` (same filesystem, so renaming is atomic)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{final.name}.{secrets.token_hex(6)}{suffix}"
+    staging.mkdir(mode=0o755)
+    return staging
+
+
+def publish_directory(staging: str | Path, final: str | Path) -> None:
+    """``fsync`` everything in ``staging``, then make it ``final``.
+
+    An existing ``final`` is renamed aside and deleted only after the new one is in place, so at
+    every moment ``final`` is either the old directory or the new one.
+    """
+    staging, final = Path(staging), Path(final)
+    fsync_tree(staging)
+    if final.exists():
+        retired = staging_directory(final, suffix=".old")
+        os.replace(final, retired / final.name)
+        os.replace(staging, final)
+        fsync_directory(final.parent)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+        fsync_directory(final.parent)
+
+
+@contextmanager
+def atomic_directory(final: str | Path) -> Iterator[Path]:
+    """Yield an empty staging directory beside ``final``; on success it becomes ``final``.
+
+    On any error it is deleted and ``final`` keeps whatever it held before.
+    """
+    staging = staging_directory(final)
+    try:
+        yield staging
+        publish_directory(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def read_jsonl_lenient(path: str | Path) -> list[dict]:
+    """Every parseable object line of ``path``; an absent file and broken lines read as nothing."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict):
+                    rows.append(row)
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+class Journal:
+    """Append-only JSONL, one line per finished unit of work, flushed at once.
+
+    ``fresh=True`` starts an empty journal (the previous file, if any, is replaced).
+    """
+
+    def __init__(self, path: str | Path, *, fresh: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._handle = open(self.path, "w" if fresh else "a", encoding="utf-8")
+        # A crash may have left a partial last line: start ours on a fresh one.
+        if self._handle.tell() > 0:
+            with open(self.path, "rb") as check:
+                check.seek(-1, os.SEEK_END)
+                if check.read(1) != b"\n":
+                    self._handle.write("\n")
+
+    def append(self, rows: Iterable[dict]) -> None:
+        self._handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
