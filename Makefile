@@ -49,22 +49,23 @@ bench: $(STAMP)
 	$(PY) bench/distill_step.py
 	$(PY) bench/generate.py
 
-# --- The paper's setups (METHOD.md §4, §7): GPUs and the Hugging Face Hub needed. -----------
+# --- The paper's setups (docs/method.md §4, §7): GPUs and the Hugging Face Hub needed. -----------
 # Each: annotate Dolly once, distill the base loss and base + MTA from the same start, evaluate
 # both on all five sets with five seeds. `make -n reproduce-gpt2` prints the plan;
-# `mta distill --recipe recipes/gpt2.yaml --dry-run` validates the recipe offline.
+# `mta distill --recipe gpt2 --dry-run` validates the recipe offline (the recipes ship with mta:
+# `mta recipes list`; `mta recipes copy gpt2 DIR` makes an editable copy).
 # Launch on several GPUs with DISTILL="deepspeed --num_gpus 8 $(MTA)" (or torchrun).
 DISTILL ?= $(MTA)
 # The cross-tokenizer base has no logit loss (different vocabularies): it is plain SFT.
 BASE_cross-tokenizer := teacher=null
 REPRODUCE := reproduce-gpt2 reproduce-qwen reproduce-opt reproduce-cross-tokenizer
 $(REPRODUCE): reproduce-%: $(STAMP)
-	$(MTA) annotate $(MTA_DATA_DIR)/dolly/train.jsonl --recipe recipes/$*.yaml -o $(RUNS)/$*/annotations/train
-	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe recipes/$*.yaml -o $(RUNS)/$*/annotations/dev
-	$(DISTILL) distill --recipe recipes/$*.yaml --resume auto \
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/train.jsonl --recipe $* -o $(RUNS)/$*/annotations/train
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe $* -o $(RUNS)/$*/annotations/dev
+	$(DISTILL) distill --recipe $* --resume auto \
 	    data.train=$(RUNS)/$*/annotations/train data.dev=$(RUNS)/$*/annotations/dev \
 	    loss.dsa_weight=0 loss.hra_weight=0 $(BASE_$*) output_dir=$(RUNS)/$*/base
-	$(DISTILL) distill --recipe recipes/$*.yaml --resume auto \
+	$(DISTILL) distill --recipe $* --resume auto \
 	    data.train=$(RUNS)/$*/annotations/train data.dev=$(RUNS)/$*/annotations/dev \
 	    output_dir=$(RUNS)/$*/mta
 	$(MTA) evaluate $(RUNS)/$*/base/final $(RUNS)/$*/mta/final --names base,base+mta \

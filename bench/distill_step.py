@@ -38,7 +38,6 @@ import contextlib
 import copy
 import datetime
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -56,15 +55,17 @@ from mta.data.token_ranges import token_ranges
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.data.artefact import read_annotations
 from mta.data.encoding import TokenizerSide
+from mta.files import atomic_write_json
 from mta.data.span_extraction import SpanExtractor, load_spacy
 from mta.losses.span_masks import SpanBatch
 from mta.models.tiny import corpus_texts
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
 from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
 from mta.training.layers import resolve_layer_map
-from mta.training.model_loading import FrozenTeacher
+from mta.training.engine import build_optimizer
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.recipe import LossSpec
+from mta.training.recipe import LossSpec, TrainSpec
+from mta.training.teacher import FrozenTeacher
 
 REPO = Path(__file__).resolve().parents[1]
 GPT2_VOCAB = 50257
@@ -119,7 +120,7 @@ def shared_dir() -> Path:
 def write_rows(work: Path, count: int) -> tuple[Path, str]:
     """The first ``count`` rows of Dolly train (or of the repo's examples) as a JSONL file."""
     dolly = shared_dir() / "data" / "instruct" / "dolly" / "train.jsonl"
-    source = dolly if dolly.exists() else REPO / "examples" / "tiny.jsonl"
+    source = dolly if dolly.exists() else REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
     with open(source, encoding="utf-8") as handle:
         lines = [line for line in handle if line.strip()]
     # The 36 example rows are repeated when Dolly is absent.
@@ -131,7 +132,7 @@ def write_rows(work: Path, count: int) -> tuple[Path, str]:
 
 def small_tokenizer(work: Path, vocab_size: int) -> Path:
     dolly = shared_dir() / "data" / "instruct" / "dolly" / "train.jsonl"
-    corpus = dolly if dolly.exists() else REPO / "examples" / "tiny.jsonl"
+    corpus = dolly if dolly.exists() else REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
     out = work / f"bpe{vocab_size}"
     if not (out / "tokenizer.json").exists():
         train_byte_level_tokenizer(corpus_texts(corpus), vocab_size, out)
@@ -240,19 +241,19 @@ def tiny_llama(rows: int, layers: int, hidden: int, heads: int, seed: int) -> to
     return AutoModelForCausalLM.from_config(config)
 
 
+# The optimizer settings of the shipped recipes (train.lr, projector_lr, weight_decay, grad_clip).
+TRAIN = TrainSpec(max_steps=1, lr=1e-4, projector_lr=5e-4, weight_decay=0.01, grad_clip=1.0)
+
+
 class TrainingStep:
-    """One optimizer step of ``mta distill``'s objective on a micro batch."""
+    """One optimizer step of ``mta distill``'s objective on a micro batch: the real
+    ``DistillationModel`` and the real optimizer builder (``mta.training.engine``)."""
 
     def __init__(self, model: DistillationModel, teacher: FrozenTeacher, batches: list[TrainBatch],
                  spans: Callable[[int], Optional[dict[str, SpanBatch]]], device, autocast):
         self.model, self.teacher, self.batches, self.spans = model, teacher, batches, spans
         self.device, self.autocast = device, autocast
-        projectors = model.projector_parameters()
-        projector_ids = {id(p) for p in projectors}
-        groups = [{"params": [p for p in model.parameters() if id(p) not in projector_ids], "lr": 1e-4}]
-        if projectors:
-            groups.append({"params": projectors, "lr": 5e-4})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=0.01)
+        self.optimizer = build_optimizer(model, model.projector_parameters(), TRAIN)
 
     def mixed(self):
         """Autocast when asked for (GPU bf16), else nothing."""
@@ -270,7 +271,7 @@ class TrainingStep:
             teacher_out = self.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
             losses = self.model(batch, teacher_out)
         losses["total"].backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), TRAIN.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -305,7 +306,7 @@ class AlignmentTermsOnly:
                 student_hidden, teacher_out.hidden_states,
                 batch.student.attention_mask, batch.teacher.attention_mask, batch.spans,
             )
-        (self.weights["dsa"] * terms["dsa"] + self.weights["hra"] * terms["hra"]).backward()
+        sum(self.weights[name] * value for name, value in terms.items()).backward()
         self.alignment.zero_grad(set_to_none=True)
 
 
@@ -393,13 +394,6 @@ def summarise(variants: list[Variant], clock: str) -> dict:
 # --------------------------------------------------------------------------- main
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (at least 5)")
@@ -467,7 +461,7 @@ def main() -> None:
         "setup": {
             "rows": rows_source,
             "rounds": args.rounds,
-            "step": "teacher forward, student forward, losses, backward, clip 1.0, AdamW (plain torch, no DeepSpeed)",
+            "step": "teacher forward, student forward, losses, backward, clip 1.0, mta.training.engine.build_optimizer AdamW (no DeepSpeed)",
             "preset": args.preset,
             "autocast": args.autocast,
             "base_loss": "srkl (skew 0.1)",
@@ -480,7 +474,7 @@ def main() -> None:
             name: result["ratio_to_base"]["mta_parquet"] <= MTA_TARGET for name, result in results.items()
         },
     }
-    write_json_atomic(args.output, payload)
+    atomic_write_json(args.output, payload)
     print(f"wrote {args.output}")
 
 

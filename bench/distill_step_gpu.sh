@@ -3,7 +3,8 @@
 # and GPT-2-medium-like widths in bf16 autocast. A few minutes on one H100/H200.
 #
 # Needs a CUDA build of torch with mta installed (`pip install -e .`). On a machine without
-# ../shared the rows come from examples/ and the 50k case is simulated; the JSON says so.
+# ../shared the rows come from src/mta/recipes/examples/ and the 50k case is simulated; the JSON
+# says so.
 # Results go to bench/results/ (and to $OUT too when the runner sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -32,8 +32,8 @@ import torch
 from mta.evaluation.models_under_test import loaded_checkpoint
 from mta.evaluation.datasets import load_rows
 from mta.files import atomic_write_json
-from mta.generation.generator import HFGenerator, eos_token_ids
-from mta.generation.sampling import row_seed
+from mta.generation import HFGenerator, SamplingParams, eos_token_ids, sampling_seed
+from mta.generation.generator import cut_at_stop
 from mta.models.smollm2 import convert_smollm2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,17 +52,16 @@ def sampling_kwargs(model, tokenizer, max_new_tokens: int) -> dict:
 
 
 def new_token_count(output: torch.Tensor, prompt_width: int, eos: set[int]) -> int:
-    """Tokens generated up to and including each row's first EOS."""
-    count = 0
-    for row in output[:, prompt_width:].tolist():
-        ends = [i for i, token in enumerate(row) if token in eos]
-        count += ends[0] + 1 if ends else len(row)
-    return count
+    """Tokens generated up to and including each row's first EOS (as ``Completion.num_tokens``)."""
+    kept, finished = cut_at_stop(output[:, prompt_width:], sorted(eos))
+    return sum(len(ids) + int(done) for ids, done in zip(kept, finished))
 
 
 def run_mta(model, tokenizer, prompts, args) -> int:
-    generator = HFGenerator(model, tokenizer, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
-    seeds = [row_seed(10, "bench", i) for i in range(len(prompts))]
+    """The protocol's sampler (top_k 0, top_p 1, temperature 1) through ``HFGenerator``."""
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens)
+    generator = HFGenerator(model, tokenizer, params, batch_size=args.batch_size)
+    seeds = [sampling_seed(10, "bench", 0, row) for row in range(len(prompts))]
     return sum(c.num_tokens for batch in generator.generate(prompts, seeds) for c in batch)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples" / "tiny.jsonl"
+EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
 
 # The smallest valid recipe; tests fill in the model paths and add or break keys.
 MINIMAL_RECIPE = """\
@@ -76,3 +76,14 @@ def tiny_model_dir(tiny_tokenizer_dir, tmp_path_factory) -> Path:
     from mta.models.tiny import build_tiny_model
 
     return build_tiny_model(tiny_tokenizer_dir, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def two_tokenizer_settings(tiny_tokenizer_dir, other_tokenizer_dir):
+    """Annotate settings for two different tokenizers (512 and 300 tokens), one worker."""
+    from mta.data.annotate import AnnotateSettings
+
+    return AnnotateSettings(
+        teacher=str(tiny_tokenizer_dir), student=str(other_tokenizer_dir), workers=1,
+        max_length=256, max_prompt_length=160,
+    )

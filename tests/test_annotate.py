@@ -122,14 +122,6 @@ def input_file(tmp_path_factory, input_rows) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_tokenizer_settings(tiny_tokenizer_dir, other_tokenizer_dir) -> AnnotateSettings:
-    return AnnotateSettings(
-        teacher=str(tiny_tokenizer_dir), student=str(other_tokenizer_dir), workers=1,
-        max_length=256, max_prompt_length=160,
-    )
-
-
-@pytest.fixture(scope="module")
 def two_tokenizer_artefact(tmp_path_factory, input_file, two_tokenizer_settings) -> Path:
     out = tmp_path_factory.mktemp("pair") / "out"
     run_annotate(input_file, out, two_tokenizer_settings)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from mta.data.artefact import SCHEMA
+from mta.data.artefact_schema import SCHEMA
 from mta.errors import MtaError
 from mta.training.batching import AnnotatedExamples, StepSchedule, micro_batch_order
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _data_dir(root: Path) -> Path:
     """A MiniLLM-layout directory made of the repo's example rows (no ../shared needed)."""
-    rows = (REPO / "examples" / "tiny.jsonl").read_text(encoding="utf-8").splitlines()
+    examples = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+    rows = examples.read_text(encoding="utf-8").splitlines()
     for relative, chosen in {
         "dolly/train.jsonl": rows,
         "dolly/dev.jsonl": rows[:8],

@@ -24,7 +24,7 @@ from mta.training.recipe import load_recipe
 from mta.training.trainer import NonFiniteLoss, run_distillation
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples" / "tiny.jsonl"
+EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
 LENGTHS = {"max_length": 384, "max_prompt_length": 256}
 
 

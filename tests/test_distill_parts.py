@@ -50,7 +50,7 @@ def test_teacher_with_a_logit_loss_runs_whole(tiny_model_dir):
 
 
 def _tiny(*overrides):
-    return load_recipe(REPO / "recipes" / "tiny.yaml", list(overrides))
+    return load_recipe(REPO / "src" / "mta" / "recipes" / "tiny.yaml", list(overrides))
 
 
 def test_deepspeed_config_keeps_the_global_batch_and_passes_extras_through():
@@ -58,7 +58,7 @@ def test_deepspeed_config_keeps_the_global_batch_and_passes_extras_through():
                    "train.precision=bf16", "deepspeed.zero_optimization.overlap_comm=true",
                    "deepspeed.communication_data_type=fp32")
     for world_size, accumulation in ((1, 8), (2, 4), (8, 1)):
-        config = deepspeed_config(recipe, world_size)
+        config = deepspeed_config(recipe.train, recipe.deepspeed, world_size)
         assert config["gradient_accumulation_steps"] == accumulation
         assert config["train_micro_batch_size_per_gpu"] * accumulation * world_size == config["train_batch_size"] == 16
     assert config["zero_optimization"] == {"stage": 3, "overlap_comm": True}
@@ -80,9 +80,9 @@ def test_dry_run_and_bad_overrides_from_the_command_line():
     from mta_cli.main import app
 
     runner = CliRunner()
-    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"), "--dry-run"])
+    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "tiny.yaml"), "--dry-run"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"), "train.lrr=1"])
+    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "tiny.yaml"), "train.lrr=1"])
     assert result.exit_code != 0 and "train.lrr" in str(result.exception)
 
 
@@ -97,7 +97,7 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     out = tmp_path / "tiny"
     result = subprocess.run(
-        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"),
+        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "tiny.yaml"),
          f"output_dir={out}", "train.max_steps=4", "train.eval_interval=4", "train.save_interval=2"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
@@ -110,3 +110,30 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     saved = yaml.safe_load((out / "final" / "recipe.yaml").read_text())
     assert saved["train"]["max_steps"] == 4 and saved["output_dir"] == str(out)
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+@pytest.mark.parametrize(
+    ("weights", "terms", "projectors", "teacher_logits"),
+    [
+        ({}, {"base", "dsa", "hra"}, True, True),
+        ({"hra_weight": 0}, {"base", "dsa"}, False, True),
+        ({"dsa_weight": 0}, {"base", "hra"}, True, True),
+        ({"base_weight": 0}, {"dsa", "hra"}, True, False),
+        ({"dsa_weight": 0, "hra_weight": 0}, {"base"}, False, True),
+    ],
+)
+def test_a_term_with_weight_zero_is_neither_built_nor_computed(weights, terms, projectors, teacher_logits):
+    from mta.training.layers import auto_layer_map
+    from mta.training.objective import DistillationObjective
+    from mta.training.recipe import LossSpec
+
+    spec = LossSpec(base="fkl", **weights)
+    pairs = auto_layer_map(4, 4) if spec.alignment_terms else []
+    objective = DistillationObjective(
+        spec, pairs, student_hidden_size=8, teacher_hidden_size=12, same_tokenizer=True, vocab_size=50
+    )
+    built = objective.alignment is not None and objective.alignment.projectors is not None
+    assert built == projectors
+    assert objective.needs_teacher_logits == teacher_logits
+    assert set(spec.alignment_terms) == terms - {"base"}
+    assert (objective.base is not None) == ("base" in terms)

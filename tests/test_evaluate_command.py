@@ -19,10 +19,13 @@ from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
 from mta.evaluation.models_under_test import checkpoint_label
+from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tiny import build_tiny_model
+from mta.models.tokenizers import load_tokenizer
+from mta.scoring import completion_text
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples" / "tiny.jsonl"
+EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
 FAST = ["--seeds", "10,20", "--max-new-tokens", "6", "--max-prompt-length", "48", "--limit", "3"]
 
 
@@ -137,10 +140,20 @@ def test_an_interrupted_set_resumes_from_its_journal(tiny_model_dir, data_dir, t
     ]
 
 
+def sharpened(model_dir: Path, factor: float = 30.0) -> Path:
+    """The random model with its logits scaled up: a random init is so near uniform that two
+    of them sample the same tokens from the same noise."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
 def test_several_checkpoints_with_the_same_basename_side_by_side(tiny_tokenizer_dir, data_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    first = build_tiny_model(tiny_tokenizer_dir, tmp_path / "runs" / "a" / "final", seed=1)
-    second = build_tiny_model(tiny_tokenizer_dir, tmp_path / "runs" / "b" / "final", seed=2)
+    first = sharpened(build_tiny_model(tiny_tokenizer_dir, tmp_path / "runs" / "a" / "final", seed=1))
+    second = sharpened(build_tiny_model(tiny_tokenizer_dir, tmp_path / "runs" / "b" / "final", seed=2))
     settings = EvalSettings(benchmarks=["sinst"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=2)
     results = evaluate_checkpoints([first, second], None, data_dir, tmp_path / "eval", settings)
     assert list(results["checkpoints"]) == ["runs--a--final", "runs--b--final"]
@@ -226,6 +239,30 @@ def test_rerunning_with_other_settings_into_the_same_directory_is_refused(tiny_m
     changed = settings.model_copy(update={"max_new_tokens": 5})
     with pytest.raises(MtaError, match=r"max_new_tokens: 3 -> 5"):
         evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "eval", changed)
+    # Predictions of an earlier sampler (another seed key) are not mixed with new ones either.
+    manifest = tmp_path / "eval" / "predictions" / "tiny" / "generation.json"
+    earlier = "per-row Gumbel-max sampling: top_k 0, top_p 1.0, temperature 1.0"  # keyed by row_seed
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "sampling": earlier}))
+    with pytest.raises(MtaError, match=r"sampling: 'per-row Gumbel-max"):
+        evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "eval", settings)
+
+
+def test_each_row_is_sampled_from_its_documented_key(tiny_model_dir, data_dir, tmp_path):
+    """A prediction is the protocol's sampler on the row's prompt with
+    sampling_seed(seed, "evaluate/<set>", 0, index), decoded by completion_text."""
+    settings = EvalSettings(benchmarks=["dolly"], seeds=[20], max_new_tokens=5, max_prompt_length=48, limit=3)
+    evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "eval", settings)
+    records = read_jsonl(tmp_path / "eval" / "predictions" / "tiny" / "dolly" / "seed-20.jsonl")
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"][:48] for r in records]
+    seeds = [sampling_seed(20, "evaluate/dolly", 0, r["index"]) for r in records]
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=5)
+    generator = HFGenerator(model, tokenizer, params)
+    generated = {c.position: c for batch in generator.generate(prompts, seeds) for c in batch}
+    assert [r["prediction"] for r in records] == [completion_text(tokenizer, generated[i].token_ids) for i in range(3)]
+    assert [r["new_tokens"] for r in records] == [generated[i].num_tokens for i in range(3)]
 
 
 @pytest.mark.slow
@@ -243,15 +280,22 @@ def test_the_shared_instruction_sets(tiny_model_dir, shared, tmp_path):
 @pytest.mark.slow
 def test_torchrun_ranks_share_the_rows_and_match_one_process(tiny_model_dir, data_dir, tmp_path):
     args = [str(tiny_model_dir), "--names", "tiny", "--data-dir", str(data_dir), "--benchmarks", "dolly",
-            "--seeds", "10", "--max-new-tokens", "4", "--max-prompt-length", "48", "--limit", "4", "--batch-size", "2"]
+            "--seeds", "10", "--max-new-tokens", "4", "--max-prompt-length", "48", "--limit", "4", "--batch-size", "2",
+            "--perplexity", "dolly-dev", "--perplexity-limit", "5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "cli") + os.pathsep + str(REPO / "src")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
     done = subprocess.run([*torchrun, "-m", "mta_cli.main", "evaluate", *args, "-o", str(tmp_path / "two")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "one",
-                         EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=4, batch_size=2))
+                         EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=4,
+                                      batch_size=2, perplexity="dolly-dev", perplexity_limit=5))
     two = read_jsonl(tmp_path / "two" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
     one = read_jsonl(tmp_path / "one" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
     assert [r["prediction"] for r in two] == [r["prediction"] for r in one]
     assert not list((tmp_path / "two").rglob("*.journal.jsonl"))
+    # Perplexity: 5 rows over 2 ranks (3 + 2), the sums added up: the one-process numbers.
+    ppl_two = json.loads((tmp_path / "two" / "predictions" / "tiny" / "perplexity.json").read_text())
+    ppl_one = json.loads((tmp_path / "one" / "predictions" / "tiny" / "perplexity.json").read_text())
+    assert ppl_two["rows"] == ppl_one["rows"] == 5 and ppl_two["tokens"] == ppl_one["tokens"]
+    assert ppl_two["perplexity"] == pytest.approx(ppl_one["perplexity"], rel=1e-5)

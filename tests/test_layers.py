@@ -1,4 +1,4 @@
-"""The METHOD section 4 `auto` layer rule and the checks on explicit layer maps."""
+"""The docs/method.md §4 `auto` layer rule and the checks on explicit layer maps."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def triples(pairs: list[LayerPair]) -> list[tuple[int, int, str]]:
 
 
 def reference_auto(student_layers: int, teacher_layers: int) -> list[tuple[int, int, str]]:
-    """METHOD section 4 written out in floating point, one pair at a time."""
+    """docs/method.md §4 written out in floating point, one pair at a time."""
     s = max(1, student_layers // 4)
     out = []
     for layer, granularity in (
@@ -37,7 +37,7 @@ def reference_auto(student_layers: int, teacher_layers: int) -> list[tuple[int, 
     "student_layers, teacher_layers, expected",
     [
         (12, 48, [(6, 24, "word"), (9, 36, "phrase"), (12, 48, "phrase")]),  # GPT-2 DistiLLM
-        (10, 30, [(6, 18, "word"), (8, 24, "phrase"), (10, 30, "phrase")]),  # METHOD's example
+        (10, 30, [(6, 18, "word"), (8, 24, "phrase"), (10, 30, "phrase")]),  # the example of docs/method.md §4
         (24, 24, [(12, 12, "word"), (18, 18, "phrase"), (24, 24, "phrase")]),  # Qwen shapes
         (24, 32, [(12, 16, "word"), (18, 24, "phrase"), (24, 32, "phrase")]),  # OPT shapes
         (4, 30, [(2, 15, "word"), (3, 23, "phrase"), (4, 30, "phrase")]),  # 22.5 rounds up
@@ -63,7 +63,7 @@ def test_one_layer_student_keeps_only_existing_layers():
 
 
 def test_auto_reproduces_the_published_gpt2_map_in_the_recipe():
-    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml")
     assert resolve_layer_map("auto", 12, 48) == recipe.loss.layers
     assert resolve_layer_map(recipe.loss.layers, 12, 48) == recipe.loss.layers
 
@@ -93,7 +93,7 @@ def test_out_of_range_layers_are_named(pair, message):
 
 
 def test_qwen_map_does_not_fit_a_smaller_teacher():
-    recipe = load_recipe(REPO / "recipes" / "qwen.yaml")
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "qwen.yaml")
     with pytest.raises(MtaError, match=r"loss.layers\[5\]: teacher layer 24"):
         resolve_layer_map(recipe.loss.layers, 24, 22)
 

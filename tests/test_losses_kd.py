@@ -1,4 +1,4 @@
-"""Base losses against loop-based references over tokens and vocabulary entries (METHOD §5)."""
+"""Base losses against loop-based references over tokens and vocabulary entries (docs/method.md §5)."""
 
 from __future__ import annotations
 

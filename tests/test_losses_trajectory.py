@@ -1,4 +1,4 @@
-"""MTA's span losses against plain loop-based references (METHOD §2–4).
+"""MTA's span losses against plain loop-based references (docs/method.md §2–4).
 
 The references below loop over sequences, spans, pairs and tokens with scalar maths and share
 no code with ``mta.losses``; every case mixes padding, sequences with 0, 1 and several spans,
@@ -69,7 +69,7 @@ def to_span_batch(student_ranges, teacher_ranges) -> SpanBatch:
 
 
 def ref_importance(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """METHOD §2 for one sequence at a time, with python loops over query and key tokens."""
+    """docs/method.md §2 for one sequence at a time, with python loops over query and key tokens."""
     batch, seq, dim = hidden.shape
     out = torch.zeros(batch, seq, dtype=torch.float64)
     for b in range(batch):
@@ -416,3 +416,38 @@ def test_importance_is_computed_once_per_model_and_layer(monkeypatch):
     teacher = tuple(torch.randn(2, 6, 8, generator=generator) for _ in range(4))
     loss(student, teacher, mask, mask, spans)
     assert len(calls) == len(loss.student_layers) + len(loss.teacher_layers) == 5
+
+
+@pytest.mark.parametrize("same_tokenizer", [True, False])
+@pytest.mark.parametrize("terms", [("dsa",), ("hra",)])
+def test_one_term_alone_equals_that_term_of_both_and_builds_only_what_it_needs(terms, same_tokenizer, monkeypatch):
+    generator = torch.Generator().manual_seed(10)
+    lengths = [6, 4, 2]
+    ranges = random_ranges(lengths, [3, 2, 1], generator)
+    spans = {"word": to_span_batch(ranges, ranges), "phrase": to_span_batch(ranges, ranges)}
+    mask = make_mask(lengths, 6)
+    student = tuple(torch.randn(3, 6, 4, generator=generator) for _ in range(4))
+    teacher = tuple(torch.randn(3, 6, 8, generator=generator) for _ in range(4))
+    torch.manual_seed(0)
+    both = TrajectoryAlignmentLoss(PAIRS, 4, 8, same_tokenizer=same_tokenizer)
+    expected = both(student, teacher, mask, mask, spans)
+
+    calls = []
+
+    def counting(hidden, attention_mask):
+        calls.append(hidden.shape[-1])
+        return token_importance(hidden, attention_mask)
+
+    monkeypatch.setitem(IMPORTANCE, "attention", counting)
+    torch.manual_seed(0)
+    alone = TrajectoryAlignmentLoss(PAIRS, 4, 8, same_tokenizer=same_tokenizer, terms=terms)
+    got = alone(student, teacher, mask, mask, spans)
+    assert set(got) == set(terms)
+    for term in terms:
+        assert got[term].item() == pytest.approx(expected[term].item(), rel=1e-6)
+    # Without HRA no projector is built; token-level HRA alone pools nothing, so the student's
+    # importance (width 4) is never computed.
+    assert (alone.projectors is None) == ("hra" not in terms)
+    assert (4 in calls) == (terms == ("dsa",) or not same_tokenizer)
+    with pytest.raises(MtaError, match="subset of dsa, hra"):
+        TrajectoryAlignmentLoss(PAIRS, 4, 8, same_tokenizer=True, terms=("kd",))

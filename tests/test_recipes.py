@@ -13,7 +13,7 @@ from mta.training.recipe import LayerPair, load_recipe, recipe_to_yaml
 from conftest import MINIMAL_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+RECIPES = sorted((REPO / "src" / "mta" / "recipes").glob("*.yaml"))
 
 MINIMAL = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model")
 
@@ -74,14 +74,14 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_paper_recipes_carry_the_published_setting(name):
     teacher, student, base, dsa, hra, layers = PUBLISHED[name]
-    recipe = load_recipe(REPO / "recipes" / name)
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / name)
     assert (recipe.teacher.path, recipe.student.path) == (teacher, student)
     assert (recipe.loss.base, recipe.loss.dsa_weight, recipe.loss.hra_weight) == (base, dsa, hra)
     expected = layers if layers == "auto" else [
         LayerPair(student=s, teacher=t, granularity=g) for s, t, g in layers
     ]
     assert recipe.loss.layers == expected
-    # DistiLLM-base hyper-parameters (METHOD section 5).
+    # DistiLLM-base hyper-parameters (docs/method.md §5).
     train = recipe.train
     assert (train.epochs, train.lr, train.batch_size, train.schedule) == (5, 1e-4, 16, "cosine")
     assert (train.weight_decay, train.grad_clip, train.projector_lr) == (0.01, 1.0, 5e-4)
@@ -118,7 +118,7 @@ def test_override_creates_nested_keys_and_indexes_lists(tmp_path):
 
 
 def test_override_indexes_into_the_layer_list_of_a_file():
-    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["loss.layers.2.1=47"])
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml", ["loss.layers.2.1=47"])
     assert recipe.loss.layers[2] == LayerPair(student=12, teacher=47, granularity="phrase")
 
 
@@ -145,7 +145,7 @@ def test_later_override_wins_and_null_removes_the_teacher(tmp_path):
 def test_bad_override_syntax_is_an_error(tmp_path, override, message):
     if message is None:  # a list that exists, indexed past its end
         override, message = "loss.layers.3.0=1", "loss.layers.3 indexes a list of 3 items"
-        assert message in error_of(REPO / "recipes" / "gpt2.yaml", (override,))
+        assert message in error_of(REPO / "src" / "mta" / "recipes" / "gpt2.yaml", (override,))
         return
     assert message in error_of(write(tmp_path, MINIMAL), (override,))
 
@@ -287,13 +287,13 @@ def test_environment_variables_in_paths_are_expanded(tmp_path, monkeypatch):
     (data / "dolly").mkdir(parents=True)
     (data / "dolly" / "train.jsonl").write_text("{}\n")
     monkeypatch.setenv("MTA_DATA_DIR", str(data))
-    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml")
     assert recipe.resolve(recipe.data.train) == data / "dolly" / "train.jsonl"
 
 
 def test_unset_environment_variable_is_named(monkeypatch):
     monkeypatch.delenv("MTA_DATA_DIR", raising=False)
-    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml")
     with pytest.raises(MtaError) as caught:
         recipe.resolve(recipe.data.train, key="data.train")
     assert "data.train" in str(caught.value) and "export MTA_DATA_DIR=" in str(caught.value)
@@ -313,6 +313,6 @@ def test_relative_paths_resolve_beside_the_recipe_when_they_exist_there(tmp_path
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_paper_data_paths_match_the_shared_instruct_layout(name, shared, monkeypatch):
     monkeypatch.setenv("MTA_DATA_DIR", str(shared / "data" / "instruct"))
-    recipe = load_recipe(REPO / "recipes" / name)
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / name)
     assert recipe.resolve(recipe.data.train, "data.train").is_file()
     assert recipe.resolve(recipe.data.dev, "data.dev").is_file()

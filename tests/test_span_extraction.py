@@ -1,4 +1,4 @@
-"""Phrase and word spans against plain loop-based readings of METHOD.md section 1."""
+"""Phrase and word spans against plain loop-based readings of docs/method.md §1."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ TEXT = (
 
 
 def reference_range(offsets, text, start, end):
-    """METHOD.md §1 membership, token by token."""
+    """docs/method.md §1 membership, token by token."""
     members = []
     for index, (a, b) in enumerate(offsets):
         piece = text[a:b]

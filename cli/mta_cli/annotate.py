@@ -8,17 +8,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.reporting import RichReporter
 
 
 class WordSpansChoice(str, Enum):
@@ -52,8 +45,9 @@ def annotate(
     student: Optional[str] = typer.Option(
         None, help="Student tokenizer: hub name or local directory (may equal --teacher)."
     ),
-    recipe: Optional[Path] = typer.Option(
-        None, help="Take tokenizers, lengths, word spans and spaCy model from this recipe."
+    recipe: Optional[str] = typer.Option(
+        None, help="Take tokenizers, lengths, word spans and spaCy model from this recipe "
+        "(a YAML file, or the name of a shipped recipe: `mta recipes list`)."
     ),
     max_length: Optional[int] = typer.Option(
         None, help="Ids per sequence on each side, EOS included (default 512)."
@@ -106,8 +100,9 @@ def annotate(
     )
     if recipe is not None:
         from mta.training.recipe import load_recipe
+        from mta.training.recipe_catalog import find_recipe
 
-        loaded = load_recipe(recipe)
+        loaded = load_recipe(find_recipe(recipe).path)
         settings = AnnotateSettings.from_recipe(loaded, teacher=teacher, student=student, **options)
     else:
         if teacher is None or student is None:
@@ -118,20 +113,9 @@ def annotate(
         )
     shard_index, num_shards = _parse_shard(shard) if shard else (0, 1)
 
-    columns = (
-        TextColumn("[bold]annotate[/]"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("annotate", total=None, rate="")
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-            speed = bar.tasks[task].speed
-            bar.update(task, rate=f"{speed:,.1f} ex/s" if speed else "")
-
+    with RichReporter(console) as reporter:
         outcome = run_annotate(
-            data, out_dir, settings, force=force, progress=progress,
+            data, out_dir, settings, force=force, reporter=reporter,
             shard=shard_index, num_shards=num_shards,
         )
     if outcome.reused:

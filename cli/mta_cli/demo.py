@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mta_cli.evaluate import RichProgress
+from mta_cli.reporting import RichReporter
 
 
 def demo(
@@ -27,10 +27,9 @@ def demo(
     evaluates all five models (ROUGE-L and Dolly-dev perplexity) and writes results.md and
     summary.png. Re-running reuses every finished stage; --quick and full overwrite each other.
     """
-    from mta.demo.pipeline import DemoHooks, run_demo
+    from mta.demo.pipeline import run_demo
     from mta.demo.report import table, write_report
     from mta.demo.settings import DemoSettings
-    from mta.training.metrics import RichReporter
 
     from transformers.utils import logging as transformers_logging
 
@@ -42,13 +41,8 @@ def demo(
         f"2-core CPU; output in {out_dir}/"
     )
     started = time.perf_counter()
-    with RichProgress(console) as progress:
-        hooks = DemoHooks(
-            message=lambda text: console.print(f"[cyan]▸[/] {text}", highlight=False),
-            training_reporter=lambda variant: RichReporter(console),
-            evaluation_progress=progress,
-        )
-        results = run_demo(settings, out_dir, data_dir=data_dir, hooks=hooks)
+    with RichReporter(console) as reporter:
+        results = run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter)
     markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
 
     header, body = table(results)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.console import Console
 
 from mta.training.recipe import load_recipe
+from mta.training.recipe_catalog import find_recipe
 
 
 def distill(
-    recipe: Path = typer.Option(..., "--recipe", "-r", help="recipe YAML (see recipes/)"),
+    recipe: str = typer.Option(
+        ..., "--recipe", "-r", show_default=False,
+        help="recipe YAML file, or the name of a shipped recipe (`mta recipes list`); "
+        "an existing file (NAME, then NAME.yaml) wins over a shipped name",
+    ),
     overrides: Optional[List[str]] = typer.Argument(
         None, help="key=value overrides, e.g. train.lr=5e-5 train.zero_stage=3", show_default=False
     ),
@@ -31,18 +36,24 @@ def distill(
     distill ...`; the global batch stays train.batch_size. Writes OUT/checkpoints/step-N/,
     OUT/final/ (Hugging Face format) and OUT/metrics.jsonl.
     """
-    loaded = load_recipe(recipe, overrides or [])
     console = Console(stderr=True)
+    chosen = find_recipe(recipe)
+    if int(os.environ.get("RANK", "0")) == 0:
+        shipped = f"shipped {chosen.shipped.name} ({chosen.path})" if chosen.shipped else chosen.path
+        console.print(f"recipe: {shipped}", highlight=False, soft_wrap=True)
+    loaded = load_recipe(chosen.path, overrides or [])
     if dry_run:
-        from mta.training.dry_run import plan_run, render_plan
+        from mta.training.dry_run import plan_run
+        from mta_cli.dry_run_tables import render_plan
 
         console.print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
         return
-    from mta.training.metrics import RichReporter
+    from mta.reporting import SilentReporter
     from mta.training.trainer import run_distillation
+    from mta_cli.reporting import RichReporter
 
     is_main = int(os.environ.get("RANK", 0)) == 0
-    reporter = RichReporter(console) if is_main else None
-    final = run_distillation(loaded, resume=resume, reporter=reporter)
+    with RichReporter(console) if is_main else contextlib.nullcontext(SilentReporter()) as reporter:
+        final = run_distillation(loaded, resume=resume, reporter=reporter)
     if is_main:
         console.print(f"[green]done:[/] {final}  (load it with AutoModelForCausalLM.from_pretrained)")

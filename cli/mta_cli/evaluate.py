@@ -10,55 +10,26 @@ from typing import List, Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.text import Text
+from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.reporting import RichReporter
 
 
-class _RatesColumn(ProgressColumn):
-    """rows/s and generated tokens/s of the running task."""
+def rich_table(results: dict) -> Table:
+    """The comparison table of results.md (the same cells), for the terminal."""
+    from mta.evaluation.report import table_rows
 
-    def render(self, task: Task) -> Text:
-        elapsed = task.elapsed or 0.0
-        if elapsed <= 0:
-            return Text("")
-        tokens = task.fields.get("tokens", 0)
-        return Text(f"{task.completed / elapsed:.2f} rows/s · {tokens / elapsed:.0f} tok/s", style="cyan")
-
-
-class RichProgress:
-    """The library's ``Progress`` as rich bars, one per (checkpoint, set, seed); use it as a
-    context manager around the whole run so the bars share one live display."""
-
-    def __init__(self, console: Console):
-        self._bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            _RatesColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-        )
-        self._task = None
-
-    def __enter__(self) -> "RichProgress":
-        self._bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._bar.stop()
-
-    def start(self, description: str, total_rows: int) -> None:
-        self._task = self._bar.add_task(description, total=total_rows, tokens=0)
-
-    def advance(self, rows: int, tokens: int) -> None:
-        task = self._bar.tasks[self._task]
-        self._bar.update(self._task, advance=rows, tokens=task.fields["tokens"] + tokens)
-
-    def stop(self) -> None:
-        self._bar.stop_task(self._task)
+    header, body = table_rows(results)
+    table = Table(title="ROUGE-L (mean ± std over seeds)")
+    for i, column in enumerate(header):
+        if i == 0:
+            table.add_column(column, overflow="fold", min_width=12)
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
+    for row in body:
+        table.add_row(*row)
+    return table
 
 
 def _csv(value: str, what: str) -> list[str]:
@@ -100,7 +71,6 @@ def evaluate(
     Under torchrun each rank generates its share and rank 0 writes the results.
     """
     from mta.evaluation import EvalSettings, evaluate_checkpoints
-    from mta.evaluation.report import rich_table
 
     from transformers.utils import logging as transformers_logging
 
@@ -130,14 +100,14 @@ def evaluate(
         )
     except ValueError as error:  # pydantic's ValidationError names the option and the bound
         raise MtaError(f"invalid option: {error}") from error
-    with RichProgress(console) as progress:
+    with RichReporter(console) as reporter:
         results = evaluate_checkpoints(
             checkpoints,
             names=_csv(names, "--names") if names is not None else None,
             data_dir=data_dir,
             out_dir=out,
             settings=settings,
-            progress=progress,
+            reporter=reporter,
         )
     if int(os.environ.get("RANK", 0)) == 0:
         console.print(rich_table(results))

@@ -27,7 +27,7 @@ app = typer.Typer(
 def _register() -> None:
     # Imported here so `import mta_cli.main` stays cheap and a broken subcommand module
     # names itself in the traceback instead of hiding the others.
-    from mta_cli import annotate, data, demo, distill, evaluate, models, show
+    from mta_cli import annotate, data, demo, distill, evaluate, models, recipes, show
 
     app.command("annotate")(annotate.annotate)
     app.command("show")(show.show)
@@ -35,6 +35,7 @@ def _register() -> None:
     app.command("evaluate")(evaluate.evaluate)
     app.add_typer(models.app, name="models")
     app.add_typer(data.app, name="data")
+    app.add_typer(recipes.app, name="recipes")
     app.command("init-student")(models.init_student)
     app.command("demo")(demo.demo)
 

@@ -1,4 +1,5 @@
-"""Scores of the MiniLLM / DistiLLM / DSKD protocol: ROUGE-L and exact match, max over references.
+"""Scores of the MiniLLM / DistiLLM / DSKD protocol: ROUGE-L and exact match, max over references,
+and the text they score: a completion decoded with special tokens skipped, then stripped.
 
 ROUGE-L is ``rouge_score`` with its default tokenizer, which lower-cases and keeps only
 ``[a-z0-9]`` runs: a reference in Chinese, Arabic or emoji has no tokens and scores 0 against any
@@ -10,11 +11,20 @@ from __future__ import annotations
 
 import string
 from functools import lru_cache
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from rouge_score import rouge_scorer, tokenize
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 _PUNCTUATION = set(string.punctuation)
+
+
+def completion_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
+    """The prediction the protocol scores: the completion's ids (cut before their stop token)
+    decoded with special tokens skipped, leading and trailing whitespace stripped."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True).strip()
 
 
 @lru_cache(maxsize=1)

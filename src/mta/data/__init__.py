@@ -4,7 +4,7 @@
 - ``truncation``  length limits applied to the text, for both tokenizers at once
 - ``encoding``    a tokenizer's ids and character offsets (Rust backend, picklable)
 - ``spans``       spaCy noun chunks and verb phrases, the nesting rule, word spans
-- ``alignment``   character spans -> half-open token ranges (METHOD.md section 1)
+- ``alignment``   character spans -> half-open token ranges (docs/method.md §1)
 - ``annotator``   one chunk of examples -> one Arrow record batch
 - ``artefact``    Parquet schema, manifests, atomic writes, shards, ``read_annotations``
 - ``annotate``    the pipeline: ``AnnotateSettings``, ``annotate_file``, worker processes

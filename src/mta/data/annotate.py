@@ -24,7 +24,6 @@ import mta
 from mta.data.example_annotator import ChunkResult, ExampleAnnotator
 from mta.data.artefact import (
     MAX_SKIPPED_EXAMPLES,
-    SCHEMA_VERSION,
     PartWriter,
     commit_shard,
     part_name,
@@ -32,6 +31,7 @@ from mta.data.artefact import (
     read_shard_manifest,
     try_merge,
 )
+from mta.data.artefact_schema import SCHEMA_VERSION, VERSION_KEY
 from mta.data.encoding import TokenizerSide
 from mta.data.rows import (
     Example,
@@ -43,10 +43,10 @@ from mta.data.rows import (
 )
 from mta.data.span_extraction import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
 from mta.errors import MtaError
+from mta.reporting import Reporter, SilentReporter
 from mta.hashing import json_sha256
 
 CHUNK_ROWS = 64  # examples per task sent to a worker; one spaCy batch
-Progress = Callable[[int, int], None]  # (rows done, rows in this shard)
 
 
 def available_cores() -> int:
@@ -142,10 +142,10 @@ def annotate_file(
     settings: AnnotateSettings,
     *,
     force: bool = False,
-    progress: Optional[Progress] = None,
+    reporter: Optional[Reporter] = None,
 ) -> Path:
     """Annotate ``input_path`` into ``out_dir`` (or reuse a matching artefact); return ``out_dir``."""
-    return run_annotate(input_path, out_dir, settings, force=force, progress=progress).directory
+    return run_annotate(input_path, out_dir, settings, force=force, reporter=reporter).directory
 
 
 def run_annotate(
@@ -154,7 +154,7 @@ def run_annotate(
     settings: AnnotateSettings,
     *,
     force: bool = False,
-    progress: Optional[Progress] = None,
+    reporter: Optional[Reporter] = None,
     shard: int = 0,
     num_shards: int = 1,
 ) -> AnnotateOutcome:
@@ -190,14 +190,14 @@ def run_annotate(
         shard_manifest = _annotate_shard(
             input_path, out_dir, settings, teacher, student, spacy_name,
             shard=shard, num_shards=num_shards, total=len(range(shard, summary.rows, num_shards)),
-            progress=progress,
+            reporter=reporter or SilentReporter(),
         )
     except BaseException:
         if created:
             _remove_if_empty(out_dir)
         raise
     shard_manifest.update(
-        schema_version=SCHEMA_VERSION, run_key=run_key, shard=shard, num_shards=num_shards,
+        {VERSION_KEY: SCHEMA_VERSION}, run_key=run_key, shard=shard, num_shards=num_shards,
         description=description,
     )
     manifest = commit_shard(out_dir, shard_manifest)
@@ -238,7 +238,7 @@ def _run_key(description: dict[str, Any]) -> str:
 
     Paths and tokenizer names are left out: the same bytes elsewhere give the same artefact.
     """
-    identity = dict(description, schema_version=SCHEMA_VERSION)
+    identity = dict(description, **{VERSION_KEY: SCHEMA_VERSION})
     identity["input"] = description["input"]["sha256"]
     identity["teacher"] = description["teacher"]["fingerprint"]
     identity["student"] = description["student"]["fingerprint"]
@@ -281,7 +281,7 @@ def _annotate_shard(
     shard: int,
     num_shards: int,
     total: int,
-    progress: Optional[Progress],
+    reporter: Reporter,
 ) -> dict[str, Any]:
     """Stream the shard's rows through the workers into a part; return the shard manifest body."""
     rows = Counter(read=0, written=0, skipped=0, response_cut=0, prompt_cut=0)
@@ -306,8 +306,10 @@ def _annotate_shard(
             yield row
 
     workers = min(settings.worker_count, max(1, math.ceil(total / CHUNK_ROWS)))
+    done = 0
     build = functools.partial(build_annotator, settings, teacher, student, spacy_name)
     part = out_dir / part_name(shard, num_shards, secrets.token_hex(4))
+    reporter.start(f"annotate {input_path.name}", total)
     with PartWriter(part) as writer:
         for result in map_chunks(build, _chunks(examples(), CHUNK_ROWS), workers):
             writer.write(result.batch)
@@ -317,11 +319,10 @@ def _annotate_shard(
             for key in ("response_cut", "prompt_cut"):
                 rows[key] += result.counts[key]
             spans.update({key: result.counts[key] for key in spans})
-            if progress is not None:
-                progress(rows["read"], total)
+            reporter.advance(rows["read"] - done)
+            done = rows["read"]
         part_entry = writer.commit()
-    if progress is not None:
-        progress(rows["read"], total)
+    reporter.stop()
     return {
         "counts": {"rows": dict(rows), "skipped": dict(skipped), "spans": dict(spans)},
         "skipped_examples": messages,

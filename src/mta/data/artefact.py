@@ -15,6 +15,9 @@ only after the new manifest is in place, so until then the previous artefact sta
 written its shard manifest; readers refuse a directory without it. A killed process may leave a
 hidden ``.*.tmp`` file behind: nothing reads it (Parquet readers skip dot files), and it is not
 removed automatically because a concurrent shard could be writing it.
+
+The columns, the schema version and the reading of older versions live in
+:mod:`mta.data.artefact_schema`; this module writes the current version and lays out the files.
 """
 
 from __future__ import annotations
@@ -28,38 +31,27 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mta.data.artefact_schema import (
+    SCHEMA,
+    SCHEMAS,
+    SPAN,
+    VERSION_KEY,
+    conform,
+    stored_version,
+    upgrade_to_current,
+)
 from mta.errors import MtaError
 from mta.files import atomic_write_json, publish, temporary_beside
 from mta.hashing import file_sha256
 
-SCHEMA_VERSION = 1
+__all__ = [
+    "MANIFEST", "Annotations", "PartWriter", "commit_shard", "merge_shards",
+    "part_name", "read_annotations", "read_manifest", "read_shard_manifest", "try_merge",
+]
+
 MANIFEST = "manifest.json"
 MAX_SKIPPED_EXAMPLES = 20  # skipped-row messages kept in the manifest, so users can find them
 
-SPAN = pa.struct(
-    [
-        ("char_start", pa.int32()),
-        ("char_end", pa.int32()),
-        ("label", pa.string()),
-        ("teacher_start", pa.int32()),
-        ("teacher_end", pa.int32()),
-        ("student_start", pa.int32()),
-        ("student_end", pa.int32()),
-    ]
-)
-SCHEMA = pa.schema(
-    [
-        ("id", pa.int64()),
-        ("text", pa.string()),
-        ("prompt_chars", pa.int32()),
-        ("teacher_input_ids", pa.list_(pa.int32())),
-        ("student_input_ids", pa.list_(pa.int32())),
-        ("teacher_prompt_len", pa.int32()),
-        ("student_prompt_len", pa.int32()),
-        ("phrase_spans", pa.list_(SPAN)),
-        ("word_spans", pa.list_(SPAN)),
-    ]
-)
 _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
 
 
@@ -162,14 +154,18 @@ def _sum_counts(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
 
 
 def merged_manifest(shards: list[dict[str, Any]]) -> dict[str, Any]:
-    """``manifest.json`` of a complete shard set: the shared description plus summed counts."""
+    """``manifest.json`` of a complete shard set: the shared description plus summed counts.
+
+    The schema version is the shards' own: shards written by an older mta merge into an
+    artefact of that version (which reading then upgrades), never one labelled as today's.
+    """
     shards = sorted(shards, key=lambda shard: shard["shard"])
     counts: dict[str, Any] = {}
     for shard in shards:
         counts = _sum_counts(counts, shard["counts"])
     skipped_examples = [message for shard in shards for message in shard["skipped_examples"]]
     return {
-        "schema_version": SCHEMA_VERSION,
+        VERSION_KEY: shards[0].get(VERSION_KEY),
         **shards[0]["description"],
         "run_key": shards[0]["run_key"],
         **counts,
@@ -263,11 +259,16 @@ def _incomplete_message(out_dir: Path, by_set: dict[tuple[str, int], set[int]]) 
 
 @dataclass(frozen=True)
 class Annotations:
-    """A complete artefact: ``manifest`` (dict) and ``table`` (all parts, rows in input order)."""
+    """A complete artefact: ``manifest`` (dict) and ``table`` (all parts, rows in input order).
+
+    Both are at the current schema version, upgraded in memory when the directory holds an
+    older one; ``stored_version`` is the version on disk.
+    """
 
     directory: Path
     manifest: dict[str, Any]
     table: pa.Table
+    stored_version: int
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -280,7 +281,8 @@ class Annotations:
 
 
 def read_annotations(out_dir: str | Path) -> Annotations:
-    """Read a complete annotate artefact; raise ``MtaError`` naming the fix when it is not."""
+    """Read a complete annotate artefact of any version this mta reads, upgraded to the current
+    one (:mod:`mta.data.artefact_schema`); raise ``MtaError`` naming the fix when it is not."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise MtaError(f"{out_dir} does not exist; create it with `mta annotate DATA.jsonl -o {out_dir}`")
@@ -296,11 +298,7 @@ def read_annotations(out_dir: str | Path) -> Annotations:
             f"{out_dir} has no {MANIFEST}: it is not a finished `mta annotate` output (an "
             f"interrupted run leaves none). Run `mta annotate DATA.jsonl -o {out_dir}`"
         )
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise MtaError(
-            f"{out_dir / MANIFEST} has schema version {manifest.get('schema_version')}, this mta "
-            f"reads version {SCHEMA_VERSION}; re-run `mta annotate ... --force`"
-        )
+    version = stored_version(manifest, out_dir / MANIFEST)
     tables = []
     for part in manifest["parts"]:
         path = out_dir / part["file"]
@@ -308,14 +306,15 @@ def read_annotations(out_dir: str | Path) -> Annotations:
             raise MtaError(
                 f"{path} is listed in {MANIFEST} but missing; re-run `mta annotate ... --force`"
             )
-        table = pq.read_table(path, schema=SCHEMA)
+        table = conform(pq.read_table(path), version, str(path))
         if table.num_rows != part["rows"]:
             raise MtaError(
                 f"{path} has {table.num_rows} rows, {MANIFEST} says {part['rows']}; the directory "
                 "was changed by hand: re-run `mta annotate ... --force`"
             )
         tables.append(table)
-    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    table = pa.concat_tables(tables) if tables else SCHEMAS[version].empty_table()
     if len(tables) > 1:
         table = table.sort_by("id")
-    return Annotations(directory=out_dir, manifest=manifest, table=table)
+    upgraded, table = upgrade_to_current(manifest, table, out_dir)
+    return Annotations(directory=out_dir, manifest=upgraded, table=table, stored_version=version)

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from mta.data.token_ranges import member_ranges, prompt_token_count, visible_ranges
-from mta.data.artefact import SCHEMA, SPAN
+from mta.data.artefact_schema import SCHEMA, SPAN
 from mta.data.encoding import TokenizerSide
 from mta.data.rows import PROMPT_TOO_LONG, Example, RowProblem
 from mta.data.span_extraction import WORD, SpanExtractor
@@ -136,7 +136,7 @@ class ExampleAnnotator:
         phrases, words = [], []
         for (example, fitted), spans in zip(kept, parsed):
             for name, side, encoding in zip(("teacher", "student"), self.sides, fitted.encodings):
-                eos = [side.eos_id] if fitted.complete else []  # METHOD §1: EOS ends a whole response
+                eos = [side.eos_id] if fitted.complete else []  # docs/method.md §1: EOS ends a whole response
                 ids[name].append(np.concatenate([encoding.ids, np.asarray(eos, np.int32)]))
                 prompt_lens[name].append(prompt_token_count(encoding.offsets, fitted.prompt_chars))
             visible = [visible_ranges(fitted.text, encoding.offsets) for encoding in fitted.encodings]

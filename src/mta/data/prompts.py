@@ -1,4 +1,4 @@
-"""The Alpaca prompt template of the MiniLLM / DistiLLM data (METHOD.md section 1)."""
+"""The Alpaca prompt template of the MiniLLM / DistiLLM data (docs/method.md §1)."""
 
 from __future__ import annotations
 

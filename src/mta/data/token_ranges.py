@@ -1,4 +1,4 @@
-"""Character spans to token ranges, by the membership rule of METHOD.md section 1.
+"""Character spans to token ranges, by the membership rule of docs/method.md §1.
 
 A token belongs to span ``[a, b)`` when its character range, with leading whitespace stripped, is
 non-empty and lies inside ``[a, b)``; the span's token range is ``[first member, last member + 1)``.
@@ -63,7 +63,7 @@ def token_ranges(
 
 
 def prompt_token_count(offsets: np.ndarray, prompt_chars: int) -> int:
-    """Tokens whose character range starts before the end of the prompt (METHOD.md section 1).
+    """Tokens whose character range starts before the end of the prompt (docs/method.md §1).
 
     A token straddling the prompt/response boundary belongs to the prompt.
     """

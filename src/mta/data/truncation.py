@@ -1,4 +1,4 @@
-"""Length limits applied to the *text*, so both tokenizers see the same string (METHOD.md §1).
+"""Length limits applied to the *text*, so both tokenizers see the same string (docs/method.md §1).
 
 - The prompt may hold at most ``max_prompt_length`` tokens on each side (prompt tokens are those
   starting before the end of the prompt). A longer prompt is skipped, or with ``truncate_prompt``

@@ -13,21 +13,22 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.demo.settings import VARIANTS, DemoSettings, Variant
 from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text
+from mta.reporting import Reporter, SilentReporter
 from mta.evaluation.datasets import default_data_dir
-from mta.evaluation.runner import EvalSettings, evaluate_checkpoints
+from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
 from mta.training.checkpointing import latest_checkpoint
 from mta.training.recipe import Recipe, load_recipe
 from mta.training.trainer import run_distillation
 
-DEMO_RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "smollm2-demo.yaml"
+DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-demo.yaml"  # package data
 SETTINGS_FILE = "demo.json"
 
 
@@ -52,15 +53,6 @@ class DemoPaths:
         return self.root / "eval" / f"group-{group}"
 
 
-@dataclass
-class DemoHooks:
-    """How the demo talks to a person; the CLI fills these with rich output."""
-
-    message: Callable[[str], None] = lambda text: None
-    training_reporter: Callable[[Variant], Any] = lambda variant: None
-    evaluation_progress: Optional[Any] = None
-
-
 def run_demo(
     settings: DemoSettings,
     out_dir: str | Path = "runs/demo",
@@ -69,23 +61,23 @@ def run_demo(
     recipe_path: str | Path = DEMO_RECIPE,
     teacher: str | Path | None = None,
     recipe_overrides: tuple[str, ...] = (),
-    hooks: DemoHooks | None = None,
+    reporter: Reporter | None = None,
 ) -> dict:
     """Run (or finish) the whole demo; returns the combined results that the report shows.
 
     teacher: a Hugging Face model directory to use instead of the converted SmolLM2 (tests use
     a tiny random model); recipe_overrides: ``key=value`` strings applied to every run.
     """
-    hooks = hooks or DemoHooks()
+    reporter = reporter or SilentReporter()
     paths = DemoPaths(Path(out_dir))
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-    _claim(paths, settings, hooks)
+    _claim(paths, settings, reporter)
 
     if teacher is None:
-        teacher = convert_smollm2(report=lambda line: hooks.message(f"teacher: {line}"))
+        teacher = convert_smollm2(report=lambda line: reporter.message(f"teacher: {line}"))
     teacher = Path(teacher)
     if not (paths.student_init / "config.json").exists():
-        hooks.message(f"student: keeping {settings.student_layers} of the teacher's layers")
+        reporter.message(f"student: keeping {settings.student_layers} of the teacher's layers")
         init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
 
     overrides = _path_overrides(teacher, paths) + list(recipe_overrides)
@@ -93,7 +85,7 @@ def run_demo(
     _sample_dolly(data_dir, paths, settings, base)
     annotate = AnnotateSettings.from_recipe(base)
     for split in ("train", "dev"):
-        hooks.message(f"annotate: Dolly {split} rows")
+        reporter.message(f"annotate: Dolly {split} rows")
         annotate_file(paths.data(split), paths.annotations(split), annotate)
 
     finals, timings = {}, {}
@@ -104,23 +96,23 @@ def run_demo(
             + [f"output_dir={paths.run(variant)}", f"train.max_steps={settings.train_steps}"]
             + list(variant.overrides),
         )
-        finals[variant.name], timings[variant.name] = _distill(recipe, variant, hooks)
+        finals[variant.name], timings[variant.name] = _distill(recipe, variant, reporter)
 
     checkpoints = {"teacher": teacher, "pruned-start": paths.student_init}
     checkpoints.update({variant.label: finals[variant.name] for variant in VARIANTS})
-    results = _evaluate(checkpoints, data_dir, paths, settings, hooks)
+    results = _evaluate(checkpoints, data_dir, paths, settings, reporter)
     results["training_seconds"] = {v.label: timings[v.name] for v in VARIANTS}
     results["metrics"] = {v.label: str(paths.run(v) / "metrics.jsonl") for v in VARIANTS}
     results["settings"] = {"demo": asdict(settings), "recipe": str(recipe_path)}
     return results
 
 
-def _claim(paths: DemoPaths, settings: DemoSettings, hooks: DemoHooks) -> None:
+def _claim(paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> None:
     """Start over when the directory holds a demo of the other size (quick overwrites full)."""
     stamp = paths.root / SETTINGS_FILE
     wanted = json.dumps(asdict(settings), sort_keys=True)
     if stamp.exists() and json.dumps(json.loads(stamp.read_text()), sort_keys=True) != wanted:
-        hooks.message(f"{paths.root} holds a demo with other settings: starting it over")
+        reporter.message(f"{paths.root} holds a demo with other settings: starting it over")
         shutil.rmtree(paths.root)
     paths.root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(stamp, wanted + "\n")
@@ -158,22 +150,22 @@ def _sample_dolly(data_dir: Path, paths: DemoPaths, settings: DemoSettings, reci
         atomic_write_text(target, "".join(lines[i] + "\n" for i in chosen))
 
 
-def _distill(recipe: Recipe, variant: Variant, hooks: DemoHooks) -> tuple[Path, float]:
+def _distill(recipe: Recipe, variant: Variant, reporter: Reporter) -> tuple[Path, float]:
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
     final, timing = output_dir / "final", output_dir / "demo-timing.json"
     if (final / "config.json").exists() and timing.exists():
-        hooks.message(f"{variant.label}: already trained ({final})")
+        reporter.message(f"{variant.label}: already trained ({final})")
         return final, json.loads(timing.read_text())["seconds"]
-    hooks.message(f"distill: {variant.label}")
+    reporter.message(f"distill: {variant.label}")
     resume = "auto" if latest_checkpoint(output_dir) is not None else None
     started = time.perf_counter()
-    final = run_distillation(recipe, resume=resume, reporter=hooks.training_reporter(variant))
+    final = run_distillation(recipe, resume=resume, reporter=reporter)
     seconds = time.perf_counter() - started
     atomic_write_json(timing, {"seconds": seconds, "resumed": resume is not None})
     return final, seconds
 
 
-def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, settings: DemoSettings, hooks: DemoHooks) -> dict:
+def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> dict:
     """One `evaluate_checkpoints` call per distinct row limit, merged into one result."""
     groups: dict[int, list[str]] = {}
     for set_name, limit in settings.eval_limits.items():
@@ -181,7 +173,7 @@ def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, se
     merged: dict[str, Any] = {"checkpoints": {label: {"sets": {}} for label in checkpoints}, "perplexity": None}
     for index, (limit, set_names) in enumerate(sorted(groups.items(), key=lambda item: -item[0])):
         with_perplexity = index == 0
-        hooks.message(f"evaluate: {', '.join(set_names)} ({limit} rows, {len(settings.seeds)} seed(s))")
+        reporter.message(f"evaluate: {', '.join(set_names)} ({limit} rows, {len(settings.seeds)} seed(s))")
         eval_settings = EvalSettings(
             benchmarks=set_names,
             seeds=list(settings.seeds),
@@ -194,7 +186,7 @@ def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, se
         )
         results = evaluate_checkpoints(
             [str(path) for path in checkpoints.values()], list(checkpoints), data_dir,
-            paths.eval_dir(index), eval_settings, hooks.evaluation_progress,
+            paths.eval_dir(index), eval_settings, reporter,
         )
         for label, run in results["checkpoints"].items():
             merged["checkpoints"][label]["sets"].update(run["sets"])

@@ -35,26 +35,21 @@ VARIANTS = (
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Sizes of one demo run. ``full()`` is ``make demo``, ``quick()`` is ``make demo-quick``."""
+    """Sizes of one demo run. ``full()`` is ``make demo``, ``quick()`` is ``make demo-quick``.
+
+    The training settings (batch, lengths, learning rates) are the demo recipe's,
+    ``smollm2-demo.yaml``; these are the sizes the demo chooses on top of it.
+    """
 
     name: str
     student_layers: int = 10
     train_steps: int = 32
-    batch_size: int = 8
-    max_length: int = 192
-    max_prompt_length: int = 128
-    lr: float = 2e-4
     dev_rows: int = 32            # dev loss during training
     eval_limits: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int = 40
     seeds: tuple[int, ...] = (10, 20)
     perplexity_rows: int = 200
     eval_batch_size: int = 16
-
-    @property
-    def train_rows(self) -> int:
-        """One pass over a fixed Dolly subset: every step sees new rows."""
-        return self.train_steps * self.batch_size
 
     @classmethod
     def full(cls) -> "DemoSettings":

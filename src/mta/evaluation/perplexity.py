@@ -1,8 +1,8 @@
-"""Teacher-forced perplexity of a model on reference responses.
+"""Teacher-forced perplexity of a model on reference responses, sharded over ranks.
 
-Each row is tokenised as the models are trained (METHOD section 1): ``prompt + response`` in one
-call without special tokens, EOS appended, and a token belongs to the prompt when its character
-range starts before the prompt ends. Prompt tokens are masked; the perplexity is
+Each row is tokenised as the models are trained (docs/method.md §1): ``prompt + response`` in one
+call without special tokens, EOS appended, and a token belongs to the prompt by the rule of
+``mta.data.token_ranges.prompt_token_count``. Prompt tokens are masked; the perplexity is
 ``exp(sum of response-token NLL / number of response tokens)`` over the whole set, EOS
 included. It separates weak students that all score near zero ROUGE-L.
 """
@@ -11,21 +11,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from mta import distributed
+from mta.data.token_ranges import prompt_token_count
 from mta.evaluation.datasets import EvalRow
+from mta.reporting import Reporter, SilentReporter
 
 IGNORE = -100
 
 
 @dataclass(frozen=True)
 class ScoredSequence:
+    """One row as scored: ``labels`` repeat ``input_ids`` on the response, IGNORE on the prompt."""
+
     input_ids: list[int]
-    labels: list[int]  # IGNORE on prompt tokens
+    labels: list[int]
+    prompt_truncated: bool  # its first tokens kept, as in generation
+    response_truncated: bool  # no EOS then: the model is not asked to stop mid-answer
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,35 @@ class PerplexityResult:
     prompts_truncated: int
     responses_truncated: int
 
+    @classmethod
+    def from_sums(
+        cls, total_nll: float, tokens: int, rows: int, prompts_cut: int, responses_cut: int
+    ) -> "PerplexityResult":
+        """The result of ``rows`` rows whose ``tokens`` response tokens have ``total_nll`` nats."""
+        nll = total_nll / max(tokens, 1)
+        return cls(math.exp(nll), nll, tokens, rows, prompts_cut, responses_cut)
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class PerplexitySet:
+    """The rows perplexity is scored on, and the set as the user named it (e.g. dolly-dev)."""
+
+    spec: str
+    path: Path
+    rows: list[EvalRow]
+
+    def key(self, max_prompt_length: int, max_response_length: int) -> dict:
+        """What a stored perplexity depends on: reuse it only when all of this matches."""
+        return {
+            "set": self.spec,
+            "path": str(self.path.resolve()),
+            "rows": len(self.rows),
+            "max_prompt_length": max_prompt_length,
+            "max_response_length": max_response_length,
+        }
 
 
 def encode_for_scoring(
@@ -48,12 +84,11 @@ def encode_for_scoring(
     *,
     max_prompt_length: int,
     max_response_length: int,
-) -> tuple[ScoredSequence, bool, bool]:
-    """The sequence, whether its prompt was cut (its first tokens kept, as in generation) and
-    whether its response was cut (no EOS then: the model is not asked to stop mid-answer)."""
+) -> ScoredSequence:
+    """The scored sequence of one (prompt, reference response) pair."""
     encoded = tokenizer(prompt + response, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-    prompt_length = sum(1 for start, _ in offsets if start < len(prompt))
+    ids = encoded["input_ids"]
+    prompt_length = prompt_token_count(np.asarray(encoded["offset_mapping"]), len(prompt))
     prompt_ids, response_ids = ids[:prompt_length], ids[prompt_length:]
     prompt_cut = len(prompt_ids) > max_prompt_length
     prompt_ids = prompt_ids[:max_prompt_length]
@@ -63,11 +98,8 @@ def encode_for_scoring(
         response_ids = response_ids[:max_response_length]
     else:
         response_ids = response_ids + [tokenizer.eos_token_id]
-    return (
-        ScoredSequence(prompt_ids + response_ids, [IGNORE] * len(prompt_ids) + response_ids),
-        prompt_cut,
-        response_cut,
-    )
+    labels = [IGNORE] * len(prompt_ids) + response_ids
+    return ScoredSequence(prompt_ids + response_ids, labels, prompt_cut, response_cut)
 
 
 def _right_pad(sequences: Sequence[ScoredSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
@@ -86,8 +118,7 @@ def _right_pad(sequences: Sequence[ScoredSequence], pad_id: int, device) -> tupl
 
 @torch.inference_mode()
 def response_nll(
-    model: PreTrainedModel, sequences: Sequence[ScoredSequence], pad_id: int, batch_size: int = 8,
-    on_batch: Callable[[int], None] | None = None,
+    model: PreTrainedModel, sequences: Sequence[ScoredSequence], pad_id: int, batch_size: int, reporter: Reporter
 ) -> tuple[float, int]:
     """Summed NLL (nats, float64) and the number of scored tokens over ``sequences``."""
     total, tokens = 0.0, 0
@@ -101,8 +132,7 @@ def response_nll(
             logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         ).item()
         tokens += int((targets != IGNORE).sum())
-        if on_batch is not None:
-            on_batch(len(batch))
+        reporter.advance(len(batch))
     return total, tokens
 
 
@@ -114,20 +144,30 @@ def response_perplexity(
     max_prompt_length: int = 256,
     max_response_length: int = 256,
     batch_size: int = 8,
+    reporter: Reporter | None = None,
+    description: str = "perplexity",
 ) -> PerplexityResult:
-    """Perplexity of ``model`` on each row's first reference given its prompt."""
-    encoded = [
+    """Perplexity of ``model`` on each row's first reference given its prompt.
+
+    Under torchrun every rank calls it with the same ``rows``: rank r scores ``rows[r::world]``,
+    the sums are added over ranks, and every rank returns the result of the whole set.
+    """
+    reporter = reporter or SilentReporter()
+    mine = rows[distributed.rank() :: distributed.world_size()]
+    sequences = [
         encode_for_scoring(
             tokenizer, row.prompt, row.references[0],
             max_prompt_length=max_prompt_length, max_response_length=max_response_length,
         )
-        for row in rows
+        for row in mine
     ]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    total, tokens = response_nll(model, [e[0] for e in encoded], pad_id, batch_size)
-    return perplexity_result(total, tokens, len(rows), sum(e[1] for e in encoded), sum(e[2] for e in encoded))
-
-
-def perplexity_result(total_nll: float, tokens: int, rows: int, prompts_cut: int, responses_cut: int) -> PerplexityResult:
-    nll = total_nll / max(tokens, 1)
-    return PerplexityResult(math.exp(nll), nll, tokens, rows, prompts_cut, responses_cut)
+    reporter.start(description, len(sequences), unit="rows")
+    try:
+        total, tokens = response_nll(model, sequences, pad_id, batch_size, reporter)
+    finally:
+        reporter.stop()
+    total, tokens, prompts_cut, responses_cut = distributed.sum_over_ranks([
+        total, tokens, sum(s.prompt_truncated for s in sequences), sum(s.response_truncated for s in sequences),
+    ])
+    return PerplexityResult.from_sums(total, int(tokens), len(rows), int(prompts_cut), int(responses_cut))

@@ -1,14 +1,13 @@
 """The comparison table: checkpoints as rows, sets as columns, ``mean ± std`` ROUGE-L.
 
-One list of rows feeds both ``results.md`` and the rich table in the terminal, so they never
-disagree.
+``table_rows`` feeds both ``results.md`` (here) and the terminal table of ``mta evaluate``, so
+they never disagree.
 """
 
 from __future__ import annotations
 
-from rich.table import Table
-
 from mta.evaluation.datasets import BENCHMARKS
+from mta.tables import markdown_table
 
 
 def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
@@ -35,29 +34,11 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def markdown_table(results: dict) -> str:
-    header, body = table_rows(results)
-    lines = [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-        *("| " + " | ".join(row) + " |" for row in body),
-    ]
+def results_markdown(results: dict) -> str:
+    """results.md: a title, what the numbers are, and the table."""
     seeds = ", ".join(str(s) for s in results["settings"]["seeds"])
     note = (
         f"ROUGE-L (F x 100, max over references), mean ± population std over seeds {seeds}; "
         "avg4 = Dolly, SelfInst, Vicuna, S-NI."
     )
-    return "\n".join(["# Evaluation", "", note, "", *lines, ""])
-
-
-def rich_table(results: dict) -> Table:
-    header, body = table_rows(results)
-    table = Table(title="ROUGE-L (mean ± std over seeds)")
-    for i, column in enumerate(header):
-        if i == 0:
-            table.add_column(column, overflow="fold", min_width=12)
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
-    for row in body:
-        table.add_row(*row)
-    return table
+    return "\n".join(["# Evaluation", "", note, "", *markdown_table(*table_rows(results)), ""])

@@ -8,9 +8,16 @@ all four ran), ``avg`` over every set run, and ``avg_ood`` over every set but Do
 from __future__ import annotations
 
 import statistics
+import time
+from pathlib import Path
 from typing import Mapping, Sequence
 
-from mta.evaluation.datasets import BENCHMARKS
+from mta.evaluation.datasets import BENCHMARKS, EvalSet
+from mta.evaluation.layout import CheckpointPaths
+from mta.evaluation.settings import EvalSettings
+from mta.files import read_jsonl_lenient
+from mta.scoring import has_rouge_tokens
+from mta.versions import package_versions
 
 
 def seed_statistics(records: Sequence[dict]) -> dict:
@@ -55,4 +62,70 @@ def averages(set_means: Mapping[str, float]) -> dict:
         "avg4": statistics.fmean(set_means[n] for n in avg4_sets) if all(n in set_means for n in avg4_sets) else None,
         "avg": statistics.fmean(set_means.values()) if set_means else None,
         "avg_ood": statistics.fmean(ood) if ood else None,
+    }
+
+
+def checkpoint_results(
+    checkpoint: str, paths: CheckpointPaths, eval_sets: Sequence[EvalSet], settings: EvalSettings
+) -> dict:
+    """One checkpoint's entry of results.json: every set over its seeds, averages, perplexity."""
+    sets = {}
+    for eval_set in eval_sets:
+        records = {seed: read_jsonl_lenient(paths.predictions(eval_set.name, seed)) for seed in settings.seeds}
+        # Truncation depends on the prompt alone: every seed's file counts the same rows.
+        truncated = sum(1 for r in records[settings.seeds[0]] if r["prompt_truncated"])
+        per_seed = {seed: seed_statistics(rows) for seed, rows in records.items()}
+        sets[eval_set.name] = set_summary(per_seed, truncated, len(eval_set.rows))
+    return {
+        "checkpoint": checkpoint,
+        "sets": sets,
+        **averages({name: s["rougeL"]["mean"] for name, s in sets.items()}),
+        "perplexity": paths.stored_perplexity() if settings.perplexity else None,
+    }
+
+
+def protocol(settings: EvalSettings) -> dict:
+    """How the numbers were made, in words, for results.json."""
+    return {
+        "metric": "rouge_score RougeScorer(['rougeL'], use_stemmer=True) F x 100, max over references, mean over rows",
+        "exact_match": "SQuAD normalisation without article removal, max over references",
+        "sampling": settings.sampling_description(),
+        "std": "population (ddof 0) over seeds",
+        "avg4": "mean of Dolly, SelfInst, Vicuna, S-NI",
+        "avg_ood": "mean of every set but Dolly",
+    }
+
+
+def set_description(eval_set: EvalSet) -> dict:
+    """A set's entry of results.json: its file, its rows, and the rows ROUGE-L cannot score."""
+    return {
+        "path": str(eval_set.path),
+        "rows": len(eval_set.rows),
+        "rows_in_file": eval_set.rows_in_file,
+        "references_without_rouge_tokens": sum(
+            1 for row in eval_set.rows if not any(has_rouge_tokens(r) for r in row.references)
+        ),
+    }
+
+
+def collect_results(
+    out_dir: Path,
+    checkpoints: Sequence[str],
+    labels: Sequence[str],
+    eval_sets: Sequence[EvalSet],
+    settings: EvalSettings,
+    data_dir: Path,
+    dtype: str,
+) -> dict:
+    """results.json, computed from the predictions files alone."""
+    return {
+        "protocol": protocol(settings),
+        "settings": {**settings.model_dump(), "dtype": dtype, "data_dir": str(data_dir)},
+        "sets": {s.name: set_description(s) for s in eval_sets},
+        "checkpoints": {
+            label: checkpoint_results(checkpoint, CheckpointPaths.of(out_dir, label), eval_sets, settings)
+            for checkpoint, label in zip(checkpoints, labels)
+        },
+        "versions": package_versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -1,10 +1,11 @@
 """Prompt -> completion generation behind one small interface.
 
-``Generator`` is all the runner needs: give it prompts as token ids and one seed per prompt, get
-completions back batch by batch. ``HFGenerator`` implements it with ``transformers``'
-``generate`` (left padding, KV cache, prompts sorted by length so a batch wastes little padding).
-A faster engine (vLLM, whose ``SamplingParams(seed=...)`` is per request like ``row_seeds``) fits
-behind the same interface.
+``Generator`` is all a caller needs: give it prompts as token ids and one seed per prompt (see
+``sampling_seed``), get completions back batch by batch. ``HFGenerator`` implements it with
+``transformers``' ``generate`` (left padding, KV cache, prompts sorted by length so a batch wastes
+little padding) and works on a model in the middle of training (see ``model_state``). A faster
+engine (vLLM, whose ``SamplingParams(seed=...)`` is per request like ``row_seeds``) fits behind
+the same interface.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Iterator, Protocol, Sequence
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from mta.generation.sampling import KeyedGumbelNoise
+from mta import distributed
+from mta.generation.model_state import generation_mode, unwrap_engine, weights_partitioned
+from mta.generation.sampling import KeyedGumbelSampler, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,12 +26,12 @@ class Completion:
     """The sampled continuation of prompt number ``position`` (its place in the request)."""
 
     position: int
-    token_ids: list[int]  # generated ids up to, not including, the first EOS
-    finished: bool  # True when the model emitted EOS within the token budget
+    token_ids: list[int]  # generated ids up to, not including, the first stop token
+    finished: bool  # True when a stop token (EOS or a stop id) ended it within the budget
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the model produced, EOS included: what tokens/s counts."""
+        """Tokens the model produced, the stop token included: what tokens/s counts."""
         return len(self.token_ids) + int(self.finished)
 
 
@@ -68,64 +71,81 @@ def left_pad(prompts: Sequence[list[int]], pad_id: int, device: torch.device) ->
     return input_ids.to(device), attention_mask.to(device)
 
 
-def cut_at_eos(ids: list[int], eos_ids: set[int]) -> tuple[list[int], bool]:
-    for i, token in enumerate(ids):
-        if token in eos_ids:
-            return ids[:i], True
-    return ids, False
+def cut_at_stop(new_tokens: torch.Tensor, stop_ids: Sequence[int]) -> tuple[list[list[int]], list[bool]]:
+    """new_tokens ``[batch, new]`` -> each row's ids before its first stop id, and whether it
+    has one (padding after the stop is dropped with it)."""
+    is_stop = torch.isin(new_tokens, torch.tensor(list(stop_ids), device=new_tokens.device))
+    finished = is_stop.any(dim=1)
+    lengths = torch.where(finished, is_stop.int().argmax(dim=1), new_tokens.shape[1])
+    return [row[:n] for row, n in zip(new_tokens.tolist(), lengths.tolist())], finished.tolist()
 
 
 class HFGenerator:
-    """Batched sampling with ``model.generate``: left padding, KV cache, length-sorted batches."""
+    """Batched keyed sampling with ``model.generate``: left padding, KV cache, length-sorted
+    batches.
+
+    ``model``: a causal LM, or a DeepSpeed engine around one. Under ZeRO-3 with several ranks
+    every rank must call ``generate`` (and consume all it yields) together: each forward gathers
+    weights from all ranks, so every rank runs as many batches as the busiest one (padding its
+    share with one-token dummy batches) and keeps stepping until every rank's batch is done.
+    """
 
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        params: SamplingParams,
         *,
         batch_size: int = 16,
-        max_new_tokens: int = 256,
     ):
-        self.model = model
+        self.model = unwrap_engine(model)
+        self.params = params
         self.batch_size = batch_size
-        self.eos_ids = eos_token_ids(model, tokenizer)
-        pad_id = tokenizer.pad_token_id
-        self.pad_id = pad_id if pad_id is not None else self.eos_ids[0]
-        # Greedy search + KeyedGumbelNoise = sampling with top_k 0, top_p 1.0, temperature 1.0.
+        self.synced = weights_partitioned(model) and distributed.is_distributed()
+        eos_ids = eos_token_ids(self.model, tokenizer)
+        self.stop_ids = sorted({*eos_ids, *params.stop_token_ids})
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+        # Greedy search over KeyedGumbelSampler's scores = keyed sampling under ``params``.
         self.config = GenerationConfig(
             do_sample=False,
             num_beams=1,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_ids,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             use_cache=True,
         )
 
+    def generate(self, prompts: Sequence[list[int]], row_seeds: Sequence[int]) -> Iterator[list[Completion]]:
+        """One completion per prompt (``row_seeds[i]`` keys prompt i), a length-sorted batch at a time."""
+        if len(prompts) != len(row_seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(row_seeds)} seeds")
+        batches = length_sorted_batches([len(p) for p in prompts], self.batch_size)
+        # Agreed before the first forward: every later collective belongs to a forward.
+        dummies = distributed.max_over_ranks(len(batches)) - len(batches) if self.synced else 0
+        for batch in batches:
+            yield self._complete(batch, [prompts[i] for i in batch], [row_seeds[i] for i in batch])
+        for _ in range(dummies):
+            self._dummy_batch()
+
+    def _dummy_batch(self) -> None:
+        """A one-token prompt whose completion is dropped: this rank's part in the others' forwards."""
+        self._complete([0], [[self.pad_id]], [0])
+
+    def _complete(self, positions: list[int], prompts: list[list[int]], seeds: list[int]) -> list[Completion]:
+        """The completions of one batch; ``positions`` are the prompts' places in the request."""
+        input_ids, attention_mask = left_pad(prompts, self.pad_id, self.model.device)
+        new_tokens = self._sample(input_ids, attention_mask, seeds)[:, input_ids.shape[1] :]
+        kept, finished = cut_at_stop(new_tokens, self.stop_ids)
+        return [Completion(p, ids, done) for p, ids, done in zip(positions, kept, finished)]
+
     def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
-        """[batch, prompt] -> [batch, prompt + new]; padded with pad_id after EOS."""
-        # generate() fills every setting left unset from model.generation_config (a saved
-        # repetition_penalty would apply), so the model's own config is swapped out meanwhile.
-        saved, self.model.generation_config = self.model.generation_config, self.config
-        try:
+        """[batch, prompt] -> [batch, prompt + new]; padded with pad_id after the stop token."""
+        sampler = KeyedGumbelSampler(self.params, seeds, device=input_ids.device)
+        with generation_mode(self.model, self.config), torch.no_grad():
             return self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=self.config,
-                logits_processor=LogitsProcessorList([KeyedGumbelNoise(seeds, device=input_ids.device)]),
+                logits_processor=LogitsProcessorList([sampler]),
+                synced_gpus=self.synced,
             )
-        finally:
-            self.model.generation_config = saved
-
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[list[int]], row_seeds: Sequence[int]) -> Iterator[list[Completion]]:
-        device = self.model.device
-        eos = set(self.eos_ids)
-        for batch in length_sorted_batches([len(p) for p in prompts], self.batch_size):
-            input_ids, attention_mask = left_pad([prompts[i] for i in batch], self.pad_id, device)
-            seeds = [row_seeds[i] for i in batch]
-            new_tokens = self._sample(input_ids, attention_mask, seeds)[:, input_ids.shape[1] :].tolist()
-            completions = []
-            for position, ids in zip(batch, new_tokens):
-                kept, finished = cut_at_eos(ids, eos)
-                completions.append(Completion(position=position, token_ids=kept, finished=finished))
-            yield completions

@@ -2,52 +2,134 @@
 
 ``model.generate(do_sample=True)`` draws every token from one global random stream, so a row's
 sample changes with the batch size, the sort order, the number of ranks and whatever ran before.
-Here every row owns a random stream seeded from (seed, set, row index), and a token is drawn
-with the Gumbel-max trick: ``argmax(logits + Gumbel noise)`` is an exact sample of
-``softmax(logits)``, i.e. top_k 0, top_p 1.0, temperature 1.0 as the protocol asks. HF's greedy
-search takes the argmax after this processor has added the noise.
+Here every row owns a random stream seeded by ``sampling_seed(seed, purpose, step, row)``, and a
+token is drawn with the Gumbel-max trick: the logits are divided by the temperature, tokens
+outside the top-k and the top-p nucleus are masked out, the row's Gumbel noise is added and HF's
+greedy search takes the argmax. That argmax is an exact sample of the temperature softmax
+restricted to the kept tokens and renormalised (the order of HF's warpers: temperature, top_k,
+top_p). Temperature 0 is greedy decoding: no mask, no noise.
 
-Reproducible: the noise a row sees at step t is fixed by (seed, set, index, t), whatever the
-batch, its order, the rank or a resume. Not reproducible bit for bit: the logits themselves,
-which move in their last bits with the batch shape, the padding, the device and the dtype; a
-token whose two best noisy scores lie within that rounding can flip, after which the row
-diverges. Same batch size, device and dtype give identical files.
+Reproducible: the noise a row sees at step t is fixed by its seed and t, whatever the batch, its
+order, the rank or a resume. Not reproducible bit for bit: the logits themselves, which move in
+their last bits with the batch shape, the padding, the device and the dtype; a token whose two
+best noisy scores lie within that rounding can flip, after which the row diverges. Same batch
+size, device and dtype give identical files.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from transformers import LogitsProcessor
 
+SEED_KEY = "{seed}/{purpose}/{step}/{row}"
 
-def row_seed(seed: int, set_name: str, index: int) -> int:
-    """A 63-bit seed for one row's random stream; stable across Python runs and machines."""
-    digest = hashlib.sha256(f"{seed}/{set_name}/{index}".encode()).digest()
+
+def sampling_seed(seed: int, purpose: str, step: int, row: int) -> int:
+    """The 63-bit seed of one row's random stream; stable across Python runs and machines.
+
+    The first 8 bytes (little-endian) of SHA-256 of ``f"{seed}/{purpose}/{step}/{row}"``, top
+    bit cleared. ``purpose`` names the stream's user so no two share noise by accident:
+    ``evaluate/<set>`` (step 0), ``dev-samples`` (the training step), ``off-policy``, ... ``step``
+    and ``row`` are integers, so the key reads back unambiguously even when ``purpose`` holds
+    ``/``.
+    """
+    key = SEED_KEY.format(seed=seed, purpose=purpose, step=step, row=row)
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-class KeyedGumbelNoise(LogitsProcessor):
-    """Adds per-row Gumbel noise to the next-token scores; greedy decoding then samples.
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a completion is drawn.
 
-    Row ``b`` of every batch draws from ``torch.Generator`` seeded with ``row_seeds[b]``, one
+    temperature: the logits are divided by it; 0 means greedy decoding.
+    top_k: only the k most likely tokens can be drawn (0: no limit).
+    top_p: only the smallest set of most likely tokens whose probability reaches top_p can be
+        drawn, after top_k (1.0: no limit).
+    max_new_tokens: the most tokens a completion may have, its stop token included.
+    stop_token_ids: ids that end a completion besides the model's and tokenizer's EOS.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def describe(self) -> str:
+        """One line naming the sampler and its parameters, as artefacts record it."""
+        if self.greedy:
+            text = "greedy decoding"
+        else:
+            text = (
+                f"keyed Gumbel-max, seed key {SEED_KEY}: temperature {self.temperature}, "
+                f"top_k {self.top_k}, top_p {self.top_p}"
+            )
+        if self.stop_token_ids:
+            text += f", stop ids {list(self.stop_token_ids)}"
+        return text
+
+
+def restricted_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``[batch, vocab]`` logits -> float32 ``logits / temperature``, ``-inf`` outside each row's
+    top-k and top-p nucleus. A row always keeps its most likely token; ties at the k-th value
+    are all kept (as HF's top-k warper does)."""
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the most likely token
+        outside_sorted = mass_before >= params.top_p
+        outside = torch.empty_like(outside_sorted).scatter_(-1, order, outside_sorted)
+        scaled = scaled.masked_fill(outside, float("-inf"))
+    return scaled
+
+
+class KeyedGumbelSampler(LogitsProcessor):
+    """Next-token scores whose argmax is row ``b``'s keyed sample under ``params``.
+
+    Row ``b`` of every batch draws from a ``torch.Generator`` seeded with ``row_seeds[b]``, one
     vocabulary-sized draw per decoding step, so its noise is independent of the other rows.
     """
 
-    def __init__(self, row_seeds: Sequence[int], device: torch.device | str = "cpu"):
+    def __init__(self, params: SamplingParams, row_seeds: Sequence[int], device: torch.device | str = "cpu"):
+        self.params = params
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        """scores: [batch, vocab] -> scores + Gumbel noise, [batch, vocab] in float32."""
+        """scores: ``[batch, vocab]`` -> ``[batch, vocab]`` float32 (unchanged when greedy)."""
         batch, vocab = scores.shape
         if batch != len(self.generators):
-            raise ValueError(f"KeyedGumbelNoise got {batch} rows for {len(self.generators)} seeds")
+            raise ValueError(f"KeyedGumbelSampler got {batch} rows for {len(self.generators)} seeds")
+        if self.params.greedy:
+            return scores
+        return restricted_logits(scores, self.params) + self.gumbel_noise(vocab, scores.device)
+
+    def gumbel_noise(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """``[batch, vocab]`` standard Gumbel noise, row ``b`` from its own stream."""
         # One call per row (not per token): each row must advance only its own stream.
-        uniform = torch.stack(
-            [torch.rand(vocab, generator=g, device=scores.device) for g in self.generators]
-        )
+        uniform = torch.stack([torch.rand(vocab, generator=g, device=device) for g in self.generators])
         tiny = torch.finfo(torch.float32).tiny
-        gumbel = -torch.log(-torch.log(uniform.clamp_(min=tiny)))
-        return scores.float() + gumbel
+        return -torch.log(-torch.log(uniform.clamp_(min=tiny)))

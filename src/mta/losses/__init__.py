@@ -1,7 +1,7 @@
 """MTA's losses: token importance, span pooling, DSA, HRA and the base distillation losses.
 
 Shapes are named in every docstring: ``[batch, seq, dim]`` hidden states, ``[batch, spans]``
-span tensors. Nothing here loops over tokens or spans; see METHOD.md §2–5 for the formulas.
+span tensors. Nothing here loops over tokens or spans; see docs/method.md §2–5 for the formulas.
 """
 
 from mta.losses.trajectory import TrajectoryAlignmentLoss

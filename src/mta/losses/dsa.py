@@ -1,4 +1,4 @@
-"""Dynamic Structural Alignment: match the geometry of spans inside one layer (METHOD §3).
+"""Dynamic Structural Alignment: match the geometry of spans inside one layer (docs/method.md §3).
 
 Compares span-to-span cosine similarity matrices, so student and teacher may differ in width
 and in tokenizer; no projection is involved.

@@ -1,4 +1,4 @@
-"""Hidden Representation Alignment: pull projected student states onto the teacher's (METHOD §3)."""
+"""Hidden Representation Alignment: pull projected student states onto the teacher's (docs/method.md §3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Token importance: how much attention each token receives from the rest of its sequence.
 
-METHOD §2. The attention is recomputed from one layer's hidden states, bidirectionally and
+docs/method.md §2. The attention is recomputed from one layer's hidden states, bidirectionally and
 without any learned projection, because the model's own causal attention over-weights early
 tokens. The weights are a constant of the loss (detached) and always computed in fp32.
 """
@@ -30,7 +30,7 @@ def token_importance(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torc
     real = attention_mask.bool()
     queries = real.float()  # [B, T]: 1 on the real tokens, which both ask and are attended
     dim = hidden.shape[-1]
-    # Ĥ = H / std(H): H itself is not centred (METHOD §2). The unbiased std through a norm of
+    # Ĥ = H / std(H): H itself is not centred (docs/method.md §2). The unbiased std through a norm of
     # the centred values is several times faster on CPU than torch.std.
     centred_norm = torch.linalg.vector_norm(hidden - hidden.mean(dim=-1, keepdim=True), dim=-1, keepdim=True)
     normed = hidden / (centred_norm / math.sqrt(max(dim - 1, 1)) + STD_EPS)
@@ -48,7 +48,7 @@ def token_importance(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torc
     received = torch.bmm(queries.unsqueeze(1), attention).squeeze(1)  # sum over real queries
     num_real = queries.sum(dim=-1, keepdim=True)
     weights = received / num_real.clamp(min=1.0)
-    # One real token: weight 1 (METHOD §2); none: all zeros.
+    # One real token: weight 1 (docs/method.md §2); none: all zeros.
     return torch.where(num_real <= 1, queries, weights)
 
 

@@ -1,6 +1,6 @@
 """Base losses over response tokens: SFT cross-entropy and the token-level KD divergences.
 
-METHOD §5, with p the teacher and q the student distribution at temperature τ (no τ² factor):
+docs/method.md §5, with p the teacher and q the student distribution at temperature τ (no τ² factor):
 each loss is the sum over the vocabulary per token, then the mean over every response token
 of the batch, the DistiLLM/torchtune convention (so ``ce`` is the usual causal-LM loss).
 

@@ -1,4 +1,4 @@
-"""Span representations: importance-weighted means of a span's token states (METHOD §2)."""
+"""Span representations: importance-weighted means of a span's token states (docs/method.md §2)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """The MTA loss module: DSA and HRA over the aligned layer pairs, with one projector per pair.
 
-METHOD §2–4. Lower pairs align word spans, higher pairs phrase spans. Importance is computed
+docs/method.md §2–4. Lower pairs align word spans, higher pairs phrase spans. Importance is computed
 once per (model, layer) and span masks once per granularity, then shared by DSA and HRA.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence, Union
+from typing import Collection, Mapping, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ class TrajectoryAlignmentLoss(nn.Module):
     otherwise HRA compares span representations, each model pooling its own tokens (weights:
     span salience). DSA is the same in both cases. ``self.projectors[i]`` maps the student
     width to the teacher width for pair i; give them their own learning rate.
+
+    ``terms`` names the terms to compute (``"dsa"``, ``"hra"`` or both): a term not asked for
+    is never computed, and without HRA no projector exists.
     """
 
     def __init__(
@@ -48,8 +51,12 @@ class TrajectoryAlignmentLoss(nn.Module):
         *,
         same_tokenizer: bool,
         importance: ImportanceMode = "attention",
+        terms: Collection[str] = ("dsa", "hra"),
     ) -> None:
         super().__init__()
+        unknown = set(terms) - {"dsa", "hra"}
+        if unknown or not terms:
+            raise MtaError(f"alignment terms must be a non-empty subset of dsa, hra; got {sorted(terms)}")
         if not layer_pairs:
             raise MtaError("the alignment loss needs at least one (student, teacher, granularity) layer pair")
         for pair in layer_pairs:
@@ -64,9 +71,10 @@ class TrajectoryAlignmentLoss(nn.Module):
         self.same_tokenizer = same_tokenizer
         self.importance_mode = importance
         self._importance = IMPORTANCE[importance]
+        self.terms = tuple(term for term in ("dsa", "hra") if term in terms)
         self.projectors = nn.ModuleList(
             nn.Linear(student_hidden_size, teacher_hidden_size) for _ in self.layer_pairs
-        )
+        ) if "hra" in self.terms else None
 
     @property
     def student_layers(self) -> list[int]:
@@ -97,7 +105,7 @@ class TrajectoryAlignmentLoss(nn.Module):
         teacher_hidden_states: indexable by layer, each ``[batch, seq_t, d_teacher]``.
         student_attention_mask ``[batch, seq_s]``, teacher_attention_mask ``[batch, seq_t]``.
         spans: ``{"word": SpanBatch, "phrase": SpanBatch}`` (the granularities in use).
-        Returns ``{"dsa": scalar, "hra": scalar}`` in fp32.
+        Returns ``{"dsa": scalar, "hra": scalar}`` in fp32 (the terms asked for).
         """
         student_len = student_attention_mask.shape[1]
         teacher_len = teacher_attention_mask.shape[1]
@@ -106,48 +114,52 @@ class TrajectoryAlignmentLoss(nn.Module):
                 f"same_tokenizer is set but the student sees {student_len} tokens and the teacher "
                 f"{teacher_len}; the batches must be built from the same ids"
             )
+        # Spans are pooled for DSA, and for HRA across tokenizers; token-level HRA needs none.
+        pooled = "dsa" in self.terms or not self.same_tokenizer
         # Built once per granularity and shared by every pair: [B, K, T] as 0/1 floats.
         student_masks, teacher_masks, span_tokens = {}, {}, {}
         for granularity in self.granularities:
             if granularity not in spans:
                 raise MtaError(f"the batch has no '{granularity}' spans (it has {sorted(spans)})")
-            teacher_masks[granularity] = spans[granularity].teacher_token_mask(teacher_len).float()
-            student_masks[granularity] = spans[granularity].student_token_mask(student_len).float()
-            if self.same_tokenizer:
+            if pooled:
+                teacher_masks[granularity] = spans[granularity].teacher_token_mask(teacher_len).float()
+                student_masks[granularity] = spans[granularity].student_token_mask(student_len).float()
+            if self.same_tokenizer and "hra" in self.terms:
                 span_tokens[granularity] = spans[granularity].teacher_token_union(teacher_len)
 
         student_weights = {
             layer: self._importance(_layer(student_hidden_states, layer, "student"), student_attention_mask)
-            for layer in self.student_layers
+            for layer in (self.student_layers if pooled else ())
         }
         teacher_weights = {
             layer: self._importance(_layer(teacher_hidden_states, layer, "teacher"), teacher_attention_mask)
             for layer in self.teacher_layers
         }
 
-        dsa_terms, hra_terms = [], []
-        for projector, (student_layer, teacher_layer, granularity) in zip(self.projectors, self.layer_pairs):
+        terms: dict[str, list[torch.Tensor]] = {term: [] for term in self.terms}
+        for index, (student_layer, teacher_layer, granularity) in enumerate(self.layer_pairs):
             student_hidden = _layer(student_hidden_states, student_layer, "student")
             teacher_hidden = _layer(teacher_hidden_states, teacher_layer, "teacher").detach()
             span_mask = spans[granularity].mask
-            student_spans, _ = pool_spans(
-                student_hidden, student_weights[student_layer], student_masks[granularity]
-            )
-            teacher_spans, salience = pool_spans(
-                teacher_hidden, teacher_weights[teacher_layer], teacher_masks[granularity]
-            )
-            dsa_terms.append(dynamic_structural_alignment(student_spans, teacher_spans, salience, span_mask))
-
-            if self.same_tokenizer:
-                hra_terms.append(hidden_representation_alignment(
-                    _project(projector, student_hidden), teacher_hidden,
+            if pooled:
+                student_spans, _ = pool_spans(
+                    student_hidden, student_weights[student_layer], student_masks[granularity]
+                )
+                teacher_spans, salience = pool_spans(
+                    teacher_hidden, teacher_weights[teacher_layer], teacher_masks[granularity]
+                )
+            if "dsa" in terms:
+                terms["dsa"].append(dynamic_structural_alignment(student_spans, teacher_spans, salience, span_mask))
+            if "hra" in terms and self.same_tokenizer:
+                terms["hra"].append(hidden_representation_alignment(
+                    _project(self.projectors[index], student_hidden), teacher_hidden,
                     teacher_weights[teacher_layer], span_tokens[granularity],
                 ))
-            else:
-                hra_terms.append(hidden_representation_alignment(
-                    _project(projector, student_spans), teacher_spans, salience, span_mask,
+            elif "hra" in terms:
+                terms["hra"].append(hidden_representation_alignment(
+                    _project(self.projectors[index], student_spans), teacher_spans, salience, span_mask,
                 ))
-        return {"dsa": torch.stack(dsa_terms).mean(), "hra": torch.stack(hra_terms).mean()}
+        return {term: torch.stack(values).mean() for term, values in terms.items()}
 
 
 def _layer(hidden_states: HiddenStates, index: int, side: str) -> torch.Tensor:

@@ -16,12 +16,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from mta.data.artefact_schema import ID, INPUT_IDS, PROMPT_LEN, SPAN_COLUMNS, SPAN_TOKENS
 from mta.errors import MtaError
 from mta.losses.span_masks import SpanBatch
 
 IGNORE_INDEX = -100
-GRANULARITY_COLUMNS = {"phrase": "phrase_spans", "word": "word_spans"}
-SPAN_FIELDS = ("student_start", "student_end", "teacher_start", "teacher_end")
+SPAN_FIELDS = (*SPAN_TOKENS["student"], *SPAN_TOKENS["teacher"])
 
 
 @dataclass
@@ -106,29 +106,28 @@ class AnnotatedExamples:
         with_teacher: bool = True,
         granularities: tuple[str, ...] = ("word", "phrase"),
     ):
+        sides = ("student", "teacher") if with_teacher else ("student",)
         missing = {
-            "id", "student_input_ids", "student_prompt_len",
-            *(("teacher_input_ids", "teacher_prompt_len") if with_teacher else ()),
-            *(GRANULARITY_COLUMNS[name] for name in granularities),
+            ID, *(INPUT_IDS[side] for side in sides), *(PROMPT_LEN[side] for side in sides),
+            *(SPAN_COLUMNS[name] for name in granularities),
         } - set(table.column_names)
         if missing:
             raise MtaError(
-                f"the annotations lack the column(s) {sorted(missing)}; re-run `mta annotate` "
-                "with this version of mta"
+                f"the annotations lack the column(s) {sorted(missing)}; annotate the data again "
+                "with this version of mta into a new directory (`mta annotate DATA.jsonl -o NEW_DIR ...`)"
             )
-        self.row_ids = [str(value) for value in table.column("id").to_pylist()]
+        self.row_ids = [str(value) for value in table.column(ID).to_pylist()]
         self.with_teacher = with_teacher
         self.pad_ids = {"student": student_pad_id, "teacher": teacher_pad_id}
-        sides = ("student", "teacher") if with_teacher else ("student",)
-        self.ids = {side: _Ragged(table.column(f"{side}_input_ids")) for side in sides}
+        self.ids = {side: _Ragged(table.column(INPUT_IDS[side])) for side in sides}
         for ragged in self.ids.values():
             ragged.values = ragged.values.to_numpy(zero_copy_only=False).astype(np.int64)
         self.prompt_len = {
-            side: table.column(f"{side}_prompt_len").to_numpy().astype(np.int64) for side in sides
+            side: table.column(PROMPT_LEN[side]).to_numpy().astype(np.int64) for side in sides
         }
         self.spans: dict[str, tuple[_Ragged, dict[str, np.ndarray]]] = {}
         for name in granularities:
-            ragged = _Ragged(table.column(GRANULARITY_COLUMNS[name]))
+            ragged = _Ragged(table.column(SPAN_COLUMNS[name]))
             fields = {
                 field: ragged.values.field(field).to_numpy(zero_copy_only=False).astype(np.int64)
                 for field in SPAN_FIELDS

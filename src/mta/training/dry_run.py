@@ -3,7 +3,7 @@
 Both models are built on the meta device from their architecture configs (a JSON file named by
 the recipe, a tiny model's description, a local model directory or the Hugging Face cache), so
 planning works offline and in seconds even for a 6.7B teacher. ``plan_run`` returns a
-``RunPlan``; ``render_plan`` turns it into rich tables for the CLI.
+``RunPlan``; the CLI renders it (``mta_cli.dry_run_tables``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from rich.console import Group
-from rich.table import Table
-from rich.text import Text
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from mta.dtypes import BYTES_PER_ELEMENT
 from mta.errors import MtaError
 from mta.training.layers import LayerPair, resolve_layer_map
 from mta.training.recipe import ModelSpec, Recipe, TinyModel, unset_variables
 
-BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 1024**3
 
 
@@ -258,9 +255,10 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
 
     layers: list[LayerPair] = []
     projector_parameters = 0
-    if teacher is not None and (recipe.loss.dsa_weight or recipe.loss.hra_weight):
+    if teacher is not None and recipe.loss.alignment_terms:
         layers = resolve_layer_map(recipe.loss.layers, student.num_layers, teacher.num_layers)
-        # The alignment loss holds one nn.Linear(d_S, d_T) with bias per aligned pair.
+    if "hra" in recipe.loss.alignment_terms and layers:
+        # HRA holds one nn.Linear(d_S, d_T) with bias per aligned pair.
         projector_parameters = len(layers) * (student.hidden_size + 1) * teacher.hidden_size
     logit_loss = recipe.loss.base != "ce"
     if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
@@ -317,85 +315,3 @@ def _data_notes(recipe: Recipe) -> list[str]:
             f"{' and '.join(keys)} use ${name}, which is not set: export {name}=... before training"
         )
     return notes
-
-
-def render_plan(plan: RunPlan) -> Group:
-    """The plan as rich tables: models, aligned layers, batch, memory per device, notes."""
-    present = [model for model in (plan.teacher, plan.student) if model is not None]
-    models = _table(("", *(model.role for model in present)), numeric=())
-    for label, value in (
-        ("model", lambda m: m.name),
-        ("architecture", lambda m: m.architecture),
-        ("layers", lambda m: str(m.num_layers)),
-        ("hidden size", lambda m: str(m.hidden_size)),
-        ("embedding rows", lambda m: f"{m.vocab_rows:,}"),
-        ("parameters", lambda m: _count(m.parameters)),
-        ("dtype", lambda m: m.dtype),
-        ("config from", lambda m: m.config_source),
-    ):
-        models.add_row(label, *(value(model) for model in present))
-    parts: list[Table | Text] = [_heading(f"{plan.name}: models (meta device, no weights)"), models]
-
-    if plan.layers:
-        layers = _table(("student", "teacher", "granularity"), numeric=("student", "teacher"))
-        for pair in plan.layers:
-            layers.add_row(str(pair.student), str(pair.teacher), pair.granularity)
-        parts += [_heading("aligned layers (hidden_states indices, 0 = embeddings)"), layers]
-
-    batch = _table(("setting", "value"), numeric=())
-    batch.add_row(
-        "global batch",
-        f"{plan.global_batch} = {plan.micro_batch_size} per device × "
-        f"{plan.accumulation_steps} accumulation × {_devices(plan.world_size)}",
-    )
-    batch.add_row("precision", plan.precision)
-    teacher_sharding = " (teacher partitioned with ZeRO-3)" if plan.teacher_zero3 else ""
-    batch.add_row("ZeRO stage", f"{plan.zero_stage}{teacher_sharding}")
-    if plan.projector_parameters:
-        batch.add_row("HRA projector parameters", _count(plan.projector_parameters))
-    parts += [_heading("batch and parallelism"), batch]
-
-    memory = _table(("component", "size"), numeric=("size",))
-    estimate = plan.memory
-    for label, value in (
-        ("student weights", estimate.student_weights),
-        ("student gradients", estimate.student_gradients),
-        ("optimizer states", estimate.optimizer_states),
-        ("teacher weights", estimate.teacher_weights),
-        ("activations (rough)", estimate.activations),
-    ):
-        memory.add_row(label, _bytes(value))
-    memory.add_row("total", _bytes(estimate.total), style="bold")
-    parts += [
-        _heading(
-            f"estimated memory per device (ZeRO-{plan.zero_stage}, {_devices(plan.world_size)}; "
-            "without CUDA context and buffers)"
-        ),
-        memory,
-    ]
-    # Text, not markup: notes quote recipe keys such as loss.layers[0].
-    parts.extend(Text.assemble(("note: ", "yellow"), note) for note in plan.notes)
-    return Group(*parts)
-
-
-def _heading(title: str) -> Text:
-    return Text(title, style="bold")
-
-
-def _table(columns: tuple[str, ...], numeric: tuple[str, ...]) -> Table:
-    table = Table()
-    for column in columns:
-        table.add_column(column, justify="right" if column in numeric else "left")
-    return table
-
-
-def _count(count: int) -> str:
-    return f"{count:,} ({count / 1e6:,.1f}M)" if count >= 10**6 else f"{count:,}"
-
-
-def _bytes(count: int) -> str:
-    return f"{count / GIB:.2f} GiB" if count >= GIB // 10 else f"{count / 2**20:.1f} MiB"
-
-
-def _devices(world_size: int) -> str:
-    return f"{world_size} device" + ("s" if world_size > 1 else "")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mta.training.recipe import Recipe
+from mta.training.recipe import TrainSpec
 
 
 def _free_port() -> int:
@@ -54,13 +54,12 @@ def init_distributed() -> tuple[int, int]:
     return int(os.environ["RANK"]), world_size
 
 
-def deepspeed_config(recipe: Recipe, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config the recipe implies, with ``recipe.deepspeed`` merged over it.
+def deepspeed_config(train: TrainSpec, passthrough: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config ``train`` implies, with the recipe's ``deepspeed:`` mapping merged over it.
 
     The recipe owns batch sizes, precision, clipping and the ZeRO stage (the schema refuses
     those keys in the passthrough); everything else (offload, bucket sizes, ...) passes verbatim.
     """
-    train = recipe.train
     config: dict[str, Any] = {
         "train_batch_size": train.batch_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
@@ -74,7 +73,7 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    return _merge(config, recipe.deepspeed)
+    return _merge(config, passthrough)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -87,12 +86,11 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def build_optimizer(model: torch.nn.Module, projectors: list[torch.nn.Parameter], recipe: Recipe):
+def build_optimizer(model: torch.nn.Module, projectors: list[torch.nn.Parameter], train: TrainSpec):
     """Torch AdamW: the student at ``train.lr``, the HRA projectors at ``train.projector_lr``.
 
-    Both groups use ``train.weight_decay`` (METHOD §3: projectors decay like the student).
+    Both groups use ``train.weight_decay`` (docs/method.md §3: projectors decay like the student).
     """
-    train = recipe.train
     projector_ids = {id(param) for param in projectors}
     student = [p for p in model.parameters() if p.requires_grad and id(p) not in projector_ids]
     groups = [{"params": student, "lr": train.lr, "name": "student"}]
@@ -113,28 +111,27 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe, total_steps: int):
-    train = recipe.train
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, total_steps, train.warmup_steps, train.schedule)
     )
 
 
-def initialize(model: torch.nn.Module, projectors: list[torch.nn.Parameter], recipe: Recipe,
-               total_steps: int, world_size: int):
+def initialize(model: torch.nn.Module, projectors: list[torch.nn.Parameter], train: TrainSpec,
+               passthrough: dict[str, Any], total_steps: int, world_size: int):
     """The DeepSpeed engine over ``model`` (student + projectors) with optimizer and schedule."""
     import deepspeed
 
-    optimizer = build_optimizer(model, projectors, recipe)
-    scheduler = build_scheduler(optimizer, recipe, total_steps)
+    optimizer = build_optimizer(model, projectors, train)
+    scheduler = build_scheduler(optimizer, train, total_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(recipe, world_size),
+        config=deepspeed_config(train, passthrough, world_size),
     )
     return engine
 
 
-def teacher_zero3_engine(teacher: torch.nn.Module, recipe: Recipe, world_size: int):
+def teacher_zero3_engine(teacher: torch.nn.Module, micro_batch_size: int, world_size: int):
     """Partition a frozen teacher's weights over the processes with ZeRO-3 (inference only).
 
     For teachers larger than one device (``train.teacher_zero3``): DeepSpeed gathers each
@@ -144,8 +141,8 @@ def teacher_zero3_engine(teacher: torch.nn.Module, recipe: Recipe, world_size: i
 
     dtype = next(teacher.parameters()).dtype
     config = {
-        "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
-        "train_batch_size": recipe.train.micro_batch_size * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "train_batch_size": micro_batch_size * world_size,
         "zero_optimization": {"stage": 3},
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},

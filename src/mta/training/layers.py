@@ -15,7 +15,7 @@ __all__ = ["LayerPair", "auto_layer_map", "resolve_layer_map"]
 
 
 def auto_layer_map(student_layers: int, teacher_layers: int) -> list[LayerPair]:
-    """METHOD §4 ``auto`` rule: one word-level pair below two phrase-level pairs.
+    """docs/method.md §4 ``auto`` rule: one word-level pair below two phrase-level pairs.
 
     ``s = max(1, L_S // 4)``; the student layers are ``L_S - 2s`` (word), ``L_S - s`` and ``L_S``
     (phrase); each maps to teacher layer ``round(l_S * L_T / L_S)``, halves rounded up. A

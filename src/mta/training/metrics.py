@@ -1,4 +1,4 @@
-"""What a run reports: ``metrics.jsonl`` for tools, a rich progress bar for people.
+"""What a run records: ``metrics.jsonl``, one line per log step (people see it through a ``Reporter``).
 
 ``metrics.jsonl`` holds one JSON object per log step::
 
@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from mta.files import atomic_write_text
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 def loss_record(split: str, step: int, losses: dict[str, float]) -> dict[str, Any]:
@@ -58,93 +56,6 @@ class LossWindow:
         record["lr"] = lr
         record["tokens_per_s"] = tokens / elapsed
         return record
-
-
-class Reporter(Protocol):
-    """Where the loop sends what a person should see (the CLI passes ``RichReporter``)."""
-
-    def annotation_progress(self, split: str) -> Optional[Callable[[int, int], None]]: ...
-    def start(self, total_steps: int, first_step: int) -> None: ...
-    def message(self, text: str) -> None: ...
-    def train_step(self, record: dict[str, Any]) -> None: ...
-    def dev(self, record: dict[str, Any]) -> None: ...
-    def stop(self) -> None: ...
-
-
-class SilentReporter:
-    """Reports nothing: library use, tests."""
-
-    def annotation_progress(self, split: str) -> None:
-        return None
-
-    def start(self, total_steps: int, first_step: int) -> None: ...
-    def message(self, text: str) -> None: ...
-    def train_step(self, record: dict[str, Any]) -> None: ...
-    def dev(self, record: dict[str, Any]) -> None: ...
-    def stop(self) -> None: ...
-
-
-def _loss_summary(record: dict[str, Any]) -> str:
-    parts = [f"loss {record['loss']:.4f}"]
-    parts += [f"{key[5:]} {value:.4f}" for key, value in record.items() if key.startswith("loss/")]
-    return " · ".join(parts)
-
-
-class RichReporter:
-    """A progress bar (step, loss components, lr, tokens/s, ETA) and messages above it."""
-
-    def __init__(self, console: Optional[Console] = None):
-        self.console = console or Console(stderr=True)
-        self.progress = Progress(
-            TextColumn("[bold]step {task.completed}/{task.total}"),
-            BarColumn(),
-            TextColumn("{task.fields[losses]}"),
-            TextColumn("lr {task.fields[lr]}"),
-            TextColumn("{task.fields[speed]} tok/s"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=self.console,
-        )
-        self.task = None
-
-    def annotation_progress(self, split: str) -> Callable[[int, int], None]:
-        """A bar for annotating ``data.<split>`` on first use (rows done, rows in all)."""
-        bar = Progress(TextColumn(f"annotating {split}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
-                       TimeRemainingColumn(), console=self.console, transient=True)
-        task = bar.add_task(split, total=None)
-
-        def update(done: int, total: int) -> None:
-            if not bar.live.is_started:
-                bar.start()
-            bar.update(task, completed=done, total=total)
-            if done >= total:
-                bar.stop()
-
-        return update
-
-    def start(self, total_steps: int, first_step: int) -> None:
-        self.progress.start()
-        self.task = self.progress.add_task(
-            "distill", total=total_steps, completed=first_step, losses="", lr="-", speed="-"
-        )
-
-    def message(self, text: str) -> None:
-        self.console.print(text, highlight=False)
-
-    def train_step(self, record: dict[str, Any]) -> None:
-        self.progress.update(
-            self.task, completed=record["step"], losses=_loss_summary(record),
-            lr=f"{record['lr']:.2e}", speed=f"{record['tokens_per_s']:.0f}",
-        )
-
-    def dev(self, record: dict[str, Any]) -> None:
-        self.console.print(f"[cyan]dev @ step {record['step']}[/]: {_loss_summary(record)}", highlight=False)
-        for sample in record.get("samples", []):
-            self.console.print(f"  [dim]{sample['prompt'][-60:]!r}[/] → {sample['generation'][:120]!r}", highlight=False)
-
-    def stop(self) -> None:
-        self.progress.stop()
 
 
 class MetricsLog:

@@ -1,4 +1,4 @@
-"""The training objective: base loss + λ_DSA · DSA + λ_HRA · HRA (METHOD §3), as one module.
+"""The training objective: base loss + λ_DSA · DSA + λ_HRA · HRA (docs/method.md §3), as one module.
 
 ``DistillationModel`` holds the student and the objective (whose projectors train with it), so
 one DeepSpeed engine owns every trainable parameter; the frozen teacher stays outside.
@@ -28,7 +28,7 @@ class DistillationObjective(nn.Module):
 
     same_tokenizer: teacher and student share a vocabulary (same fingerprint). Then the base
     loss may compare logits and HRA aligns tokens; otherwise only ``ce`` is allowed as the
-    base loss and HRA aligns span representations (METHOD §3).
+    base loss and HRA aligns span representations (docs/method.md §3).
     vocab_size: the tokenizer's real vocabulary; padded embedding rows beyond it never count.
     """
 
@@ -43,11 +43,12 @@ class DistillationObjective(nn.Module):
         vocab_size: int,
     ):
         super().__init__()
+        # A term whose weight is 0 is neither built nor computed.
         self.base = build_base_loss(
             spec.base, temperature=spec.temperature, skew_alpha=spec.skew_alpha,
             jsd_beta=spec.jsd_beta, vocab_size=vocab_size, chunk_size=spec.chunk_size,
-        )
-        if self.base.needs_teacher and not same_tokenizer:
+        ) if spec.base_weight else None
+        if self.needs_teacher_logits and not same_tokenizer:
             raise MtaError(
                 f"loss.base={spec.base} compares teacher and student logits, but their tokenizers "
                 "differ (different vocabulary fingerprints); set loss.base=ce: across tokenizers "
@@ -55,15 +56,15 @@ class DistillationObjective(nn.Module):
             )
         self.weights = {"base": spec.base_weight, "dsa": spec.dsa_weight, "hra": spec.hra_weight}
         self.alignment: Optional[TrajectoryAlignmentLoss] = None
-        if spec.dsa_weight or spec.hra_weight:
+        if spec.alignment_terms:
             self.alignment = TrajectoryAlignmentLoss(
                 layer_pairs, student_hidden_size, teacher_hidden_size,
-                same_tokenizer=same_tokenizer, importance=spec.importance,
+                same_tokenizer=same_tokenizer, importance=spec.importance, terms=spec.alignment_terms,
             )
 
     @property
     def needs_teacher_logits(self) -> bool:
-        return self.base.needs_teacher
+        return self.base is not None and self.base.needs_teacher
 
     @property
     def student_layers(self) -> list[int]:
@@ -84,10 +85,11 @@ class DistillationObjective(nn.Module):
 
         Returns fp32 scalars ``{"base", "dsa", "hra", "total"}`` (only the terms in use).
         """
-        # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
-        labels = batch.student.labels[:, 1:]
-        teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
-        losses = {"base": self.base(student_logits[:, :-1], teacher_logits, labels)}
+        losses: dict[str, torch.Tensor] = {}
+        if self.base is not None:
+            # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
+            teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
+            losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:])
         if self.alignment is not None:
             losses.update(self.alignment(
                 student_hidden, teacher.hidden_states,
@@ -116,4 +118,6 @@ class DistillationModel(nn.Module):
 
     def projector_parameters(self) -> list[nn.Parameter]:
         alignment = self.objective.alignment
-        return list(alignment.projectors.parameters()) if alignment is not None else []
+        if alignment is None or alignment.projectors is None:
+            return []
+        return list(alignment.projectors.parameters())

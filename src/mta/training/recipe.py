@@ -9,9 +9,9 @@ Paths in a recipe (data, configs, tokenizers, models, output) are resolved when 
 variable is an error that names it, never a silently literal ``$VAR`` directory); an absolute
 path, or a relative one that exists from the working directory, is taken as written; otherwise
 a relative path that exists beside the recipe file is taken from there (so ``configs/gpt2.json``
-in ``recipes/gpt2.yaml`` means ``recipes/configs/gpt2.json``); anything else, such as an output
-directory still to be created or a hub name like ``gpt2``, stays relative to the working
-directory.
+in the shipped ``gpt2.yaml`` means ``src/mta/recipes/configs/gpt2.json``); anything else, such as
+an output directory still to be created or a hub name like ``gpt2``, stays relative to the working
+directory (also for a shipped recipe: its runs never land inside the installed package).
 """
 
 from __future__ import annotations
@@ -127,11 +127,17 @@ class LossSpec(Strict):
     hra_weight: float = Field(0.2, ge=0)
     layers: LayerMap = Field(
         "auto",
-        description="`auto` (the METHOD section 4 rule) or a list of "
+        description="`auto` (the docs/method.md §4 rule) or a list of "
         "[student, teacher, word|phrase] triples",
     )
     importance: Literal["attention", "uniform"] = "attention"
     chunk_size: int = Field(128, ge=1, description="sequence positions per logit-loss chunk")
+
+    @property
+    def alignment_terms(self) -> tuple[str, ...]:
+        """The MTA terms with a non-zero weight, of ``("dsa", "hra")``: the one place that decides
+        whether MTA is on. An empty tuple means no layer is aligned and no projector is built."""
+        return tuple(term for term in ("dsa", "hra") if getattr(self, f"{term}_weight"))
 
 
 class TrainSpec(Strict):
@@ -225,8 +231,10 @@ class Recipe(Strict):
     def _teacher_needed(self) -> "Recipe":
         if self.teacher is None and self.loss.base != "ce":
             raise ValueError(f"loss.base={self.loss.base} needs a teacher; use 'ce' for SFT")
-        if self.teacher is None and (self.loss.dsa_weight or self.loss.hra_weight):
+        if self.teacher is None and self.loss.alignment_terms:
             raise ValueError("dsa_weight and hra_weight must be 0 without a teacher")
+        if not self.loss.base_weight and not self.loss.alignment_terms:
+            raise ValueError("loss.base_weight, loss.dsa_weight and loss.hra_weight are all 0: nothing to train")
         return self
 
     @model_validator(mode="after")

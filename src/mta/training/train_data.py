@@ -9,10 +9,11 @@ the recipe's tokenizers and lengths, or the run stops and names the command that
 from __future__ import annotations
 
 import shlex
-from typing import Callable, Optional
+from typing import Optional
 
 from mta.data.artefact import Annotations, read_annotations
 from mta.errors import MtaError
+from mta.reporting import Reporter
 from mta.training.recipe import Recipe
 
 
@@ -23,7 +24,7 @@ def load_split(
     teacher_tokenizer: str,
     student_tokenizer: str,
     fingerprints: dict[str, str],
-    progress: Optional[Callable[..., None]] = None,
+    reporter: Optional[Reporter] = None,
 ) -> Optional[Annotations]:
     """The checked artefact for ``data.<split>`` (None when the recipe has no such split).
 
@@ -45,7 +46,7 @@ def load_split(
             recipe, teacher=teacher_tokenizer, student=student_tokenizer
         )
         cache = recipe.resolve(recipe.output_dir, "output_dir") / "data" / split
-        annotate_file(source, cache, settings, progress=progress)
+        annotate_file(source, cache, settings, reporter=reporter)
         directory = cache
     elif source.is_dir():
         directory = source

@@ -17,12 +17,15 @@ import torch
 
 from mta import distributed
 from mta.errors import MtaError
+from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.training import checkpointing, engine as engines
 from mta.training.train_data import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
 from mta.training.layers import resolve_layer_map
-from mta.training.metrics import LossWindow, MetricsLog, Reporter, SilentReporter, loss_record
+from mta.reporting import Reporter, SilentReporter
+from mta.scoring import completion_text
+from mta.training.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
 from mta.training.teacher import FrozenTeacher
 from mta.training.objective import DistillationModel, DistillationObjective
@@ -74,7 +77,7 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
             split: load_split(
                 recipe, split, teacher_tokenizer=sides["teacher"].tokenizer_source,
                 student_tokenizer=sides["student"].tokenizer_source, fingerprints=fingerprints,
-                progress=reporter.annotation_progress(split) if rank == 0 else None,
+                reporter=reporter if rank == 0 else None,
             )
             for split in ("train", "dev")
         }
@@ -84,7 +87,7 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
 
     layer_pairs = []
-    if recipe.loss.dsa_weight or recipe.loss.hra_weight:
+    if recipe.loss.alignment_terms:
         layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_model))
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
@@ -109,13 +112,15 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
     schedule = StepSchedule(len(examples["train"]), recipe.train.micro_batch_size, accumulation, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
     model = DistillationModel(student, objective)
-    engine = engines.initialize(model, model.projector_parameters(), recipe, total_steps, world_size)
+    engine = engines.initialize(
+        model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size
+    )
 
     teacher = None
     if teacher_model is not None:
         teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits)
         teacher = (
-            engines.teacher_zero3_engine(teacher, recipe, world_size)
+            engines.teacher_zero3_engine(teacher, recipe.train.micro_batch_size, world_size)
             if recipe.train.teacher_zero3 else teacher.to(device)
         )
 
@@ -196,31 +201,33 @@ class Trainer:
         return record
 
     def sample_generations(self, step: int) -> list[dict[str, str]]:
-        """Sampled continuations of the first dev prompts (METHOD §6 sampling: top_k 0, T 1)."""
+        """Sampled continuations of the first dev prompts (docs/method.md §6 sampling: top_k 0, T 1).
+
+        Row r draws from ``sampling_seed(recipe.seed, "dev-samples", step, r)``, never from the
+        global RNG, so a resumed run does not diverge. Every rank samples the same rows (under
+        ZeRO-3 all ranks must take part in each forward).
+        """
         run = self.run
         count = min(run.recipe.train.num_sample_generations, len(run.dev))
         if count == 0:
             return []
-        student = run.engine.module.student
-        samples = []
-        # Sampling must not move the training RNG, or a resumed run would diverge.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(run.recipe.seed + step)
-            for row in range(count):
-                batch = run.dev.batch([row])
-                prompt_len = int(run.dev.prompt_len["student"][row])
-                prompt = batch.student.input_ids[:, :prompt_len].to(run.device)
-                output = student.generate(
-                    prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0, top_p=1.0,
-                    temperature=1.0, max_new_tokens=run.recipe.train.sample_max_new_tokens,
-                    pad_token_id=run.tokenizer.pad_token_id,
-                    synced_gpus=run.world_size > 1 and run.engine.zero_optimization_partition_weights(),
-                )
-                samples.append({
-                    "prompt": run.tokenizer.decode(prompt[0], skip_special_tokens=True),
-                    "generation": run.tokenizer.decode(output[0, prompt_len:], skip_special_tokens=True).strip(),
-                })
-        return samples
+        rows = np.arange(count)
+        dev_batch = run.dev.batch(rows)
+        prompt_lengths = run.dev.prompt_len["student"][rows].tolist()
+        prompts = [ids[:n].tolist() for ids, n in zip(dev_batch.student.input_ids, prompt_lengths)]
+        params = SamplingParams(
+            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=run.recipe.train.sample_max_new_tokens
+        )
+        generator = HFGenerator(run.engine.module.student, run.tokenizer, params, batch_size=count)
+        seeds = [sampling_seed(run.recipe.seed, "dev-samples", step, row) for row in range(count)]
+        completions = {c.position: c for batch in generator.generate(prompts, seeds) for c in batch}
+        return [
+            {
+                "prompt": run.tokenizer.decode(prompts[row], skip_special_tokens=True),
+                "generation": completion_text(run.tokenizer, completions[row].token_ids),
+            }
+            for row in range(count)
+        ]
 
     def train(self, resume_from: Optional[Path]) -> Path:
         run, recipe, reporter = self.run, self.run.recipe, self.reporter
@@ -230,7 +237,7 @@ class Trainer:
             reporter.message(f"resumed from {resume_from} at step {start}")
         metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if resume_from else None)
         main = run.rank == 0
-        reporter.start(run.total_steps, start)
+        reporter.start("distill", run.total_steps, completed=start, unit="steps")
         try:
             if run.dev is not None and start == 0:  # the baseline later dev losses compare with
                 self._evaluate_and_log(0, metrics)
@@ -238,6 +245,7 @@ class Trainer:
             for step in range(start, run.total_steps):
                 window.add(self.step(step))
                 done = step + 1
+                reporter.advance(1)
                 if done % recipe.train.log_interval == 0 or done == run.total_steps:
                     record = window.record(
                         done, lr=run.engine.get_lr()[0], sum_over_processes=_sum_over_processes,
@@ -245,7 +253,7 @@ class Trainer:
                     )
                     if main:
                         metrics.write(record)
-                    reporter.train_step(record)
+                    reporter.record(record)
                     window = LossWindow()
                 if run.dev is not None and done % recipe.train.eval_interval == 0:
                     self._evaluate_and_log(done, metrics)
@@ -260,7 +268,7 @@ class Trainer:
         record = self.evaluate(step)
         if self.run.rank == 0:
             metrics.write(record)
-        self.reporter.dev(record)
+        self.reporter.record(record)
 
     def save(self, step: int) -> Path:
         state = checkpointing.TrainerState(step=step, total_steps=self.run.total_steps)

@@ -1,0 +1,244 @@
+"""The annotate artefact's schema, versioned in one place: the columns, the version, old versions.
+
+- ``SCHEMA_VERSION`` is the version ``mta annotate`` writes; ``SCHEMA`` / ``SPAN`` its Arrow
+  schema and span struct; the column-name constants below are what readers should index with.
+- ``SCHEMAS[n]`` is the Arrow schema of version ``n``, frozen once released: an old part is
+  checked against its own version's schema before anything reads it.
+- ``UPGRADES[n]`` turns the ``(manifest, table)`` of version ``n`` into those of version
+  ``n + 1``. Reading applies the steps from the stored version up to the current one, in memory
+  only (the files are never rewritten); the current version reads with no step at all. A
+  version reads only while every step from it to the current one is registered.
+
+Bumping the version (e.g. to add a column):
+
+1. write ``SCHEMA_V2`` (and its ``SPAN`` if it changes) out in full, add ``SCHEMAS[2]``, point
+   ``SCHEMA`` at it, set ``SCHEMA_VERSION = 2``, and make the writer
+   (:mod:`mta.data.example_annotator`) fill the new columns;
+2. register ``@upgrade_step(1)``: a function that returns the version-2 manifest and table.
+   Fill what version 1 lacks with a default documented in the step's docstring, or, when the
+   values cannot be derived from what version 1 stored, ``raise NotDerivable(column, reason)``:
+   the reader then names the ``mta annotate`` command that builds it into a *new* directory;
+3. keep ``tests/data/annotate-v1`` reading (tests/test_artefact_schema.py); describe the version
+   in the changelog.
+
+Version 1, one row per example (ARCHITECTURE.md, "annotate"): ``id`` int64, ``text`` string,
+``prompt_chars`` int32, ``teacher_input_ids`` / ``student_input_ids`` list<int32>,
+``teacher_prompt_len`` / ``student_prompt_len`` int32, ``phrase_spans`` / ``word_spans``
+list<``SPAN``>, a span being half-open character and token ranges plus a label ("NP", "VP", "W").
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+
+import mta
+from mta.errors import MtaError
+
+VERSION_KEY = "schema_version"  # the manifest key (shard manifests carry it too)
+
+# --------------------------------------------------------------------------- column names
+# The current version's names, for readers (mta.training.batching, mta show). Each one is
+# checked against SCHEMA by the tests, so they cannot drift from the schema.
+
+ID = "id"
+TEXT = "text"
+PROMPT_CHARS = "prompt_chars"
+SIDES = ("teacher", "student")
+INPUT_IDS = {"teacher": "teacher_input_ids", "student": "student_input_ids"}
+PROMPT_LEN = {"teacher": "teacher_prompt_len", "student": "student_prompt_len"}
+SPAN_COLUMNS = {"phrase": "phrase_spans", "word": "word_spans"}  # granularity -> column
+SPAN_CHARS = ("char_start", "char_end")  # half-open range into ``text``
+SPAN_LABEL = "label"
+SPAN_TOKENS = {  # half-open range into each side's ids
+    "teacher": ("teacher_start", "teacher_end"),
+    "student": ("student_start", "student_end"),
+}
+
+# --------------------------------------------------------------------------- versions
+# Released schemas are written out literally, never built from the names above: renaming a
+# column in a later version must not change what version 1 was.
+
+SPAN_V1 = pa.struct(
+    [
+        ("char_start", pa.int32()),
+        ("char_end", pa.int32()),
+        ("label", pa.string()),
+        ("teacher_start", pa.int32()),
+        ("teacher_end", pa.int32()),
+        ("student_start", pa.int32()),
+        ("student_end", pa.int32()),
+    ]
+)
+SCHEMA_V1 = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("text", pa.string()),
+        ("prompt_chars", pa.int32()),
+        ("teacher_input_ids", pa.list_(pa.int32())),
+        ("student_input_ids", pa.list_(pa.int32())),
+        ("teacher_prompt_len", pa.int32()),
+        ("student_prompt_len", pa.int32()),
+        ("phrase_spans", pa.list_(SPAN_V1)),
+        ("word_spans", pa.list_(SPAN_V1)),
+    ]
+)
+
+SCHEMAS: dict[int, pa.Schema] = {1: SCHEMA_V1}
+SCHEMA_VERSION = 1
+SCHEMA = SCHEMA_V1
+SPAN = SPAN_V1
+COLUMNS = tuple(SCHEMA.names)
+
+# --------------------------------------------------------------------------- upgrade steps
+
+Manifest = dict[str, Any]
+Upgrade = Callable[[Manifest, pa.Table], tuple[Manifest, pa.Table]]
+UPGRADES: dict[int, Upgrade] = {}  # version n -> the step that returns version n + 1
+
+
+class NotDerivable(Exception):
+    """Raised by an upgrade step: ``column`` of the newer version cannot be computed from the
+    older version's data (``reason`` says why); the reader turns it into an ``MtaError``."""
+
+    def __init__(self, column: str, reason: str):
+        super().__init__(f"{column}: {reason}")
+        self.column = column
+        self.reason = reason
+
+
+def upgrade_step(from_version: int) -> Callable[[Upgrade], Upgrade]:
+    """Register the decorated function as the step from ``from_version`` to ``from_version + 1``.
+
+    The step gets a shallow copy of the manifest and the whole table (rows in input order) and
+    returns the new ones; it need not set ``schema_version`` (the reader does).
+    """
+
+    def register(step: Upgrade) -> Upgrade:
+        if from_version in UPGRADES:
+            raise ValueError(f"an upgrade step from version {from_version} is already registered")
+        UPGRADES[from_version] = step
+        return step
+
+    return register
+
+
+def readable_versions() -> list[int]:
+    """The versions this mta reads: the current one and each older one with a complete chain of
+    steps up to it, oldest first."""
+    versions = [SCHEMA_VERSION]
+    while versions[0] - 1 in UPGRADES and versions[0] - 1 in SCHEMAS:
+        versions.insert(0, versions[0] - 1)
+    return versions
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def stored_version(manifest: Any, manifest_path: Path) -> int:
+    """The manifest's schema version if this mta reads it; else ``MtaError`` naming the fix."""
+    if not isinstance(manifest, dict) or VERSION_KEY not in manifest:
+        raise MtaError(
+            f"{manifest_path} has no {VERSION_KEY}: it was not written by `mta annotate` or was "
+            f"edited by hand. This mta reads schema version(s) {_listed(readable_versions())}; "
+            f"annotate the input again into a new directory: `{reannotate_command(manifest, manifest_path.parent)}`"
+        )
+    found = manifest[VERSION_KEY]
+    # bool is an int in Python: ``true`` must not pass for version 1.
+    if type(found) is int and found in readable_versions():
+        return found
+    newer = type(found) is int and found > SCHEMA_VERSION
+    fix = (
+        "It was written by a newer mta: upgrade mta, or annotate the input again with this one "
+        "into a new directory"
+        if newer else "Annotate the input again into a new directory"
+    )
+    raise MtaError(
+        f"{manifest_path} has {VERSION_KEY} {found!r}, which this mta ({mta.__version__}) cannot "
+        f"read: it reads schema version(s) {_listed(readable_versions())}. {fix}: "
+        f"`{reannotate_command(manifest, manifest_path.parent)}`"
+    )
+
+
+def conform(table: pa.Table, version: int, source: str) -> pa.Table:
+    """``table`` with exactly version ``version``'s columns, in order; ``MtaError`` if it lacks
+    one or holds one of another type (``source`` names the file in the message)."""
+    expected = SCHEMAS[version]
+    if table.schema.equals(expected):
+        return table
+    try:
+        return table.select(expected.names).cast(expected)
+    except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as error:
+        raise MtaError(
+            f"{source} does not hold the columns of annotate schema version {version} ({error}); "
+            f"the directory was changed by hand or by another program. Annotate the input again "
+            f"into a new directory"
+        ) from error
+
+
+def upgrade_to_current(manifest: Manifest, table: pa.Table, directory: Path) -> tuple[Manifest, pa.Table]:
+    """Bring a readable version's ``(manifest, table)`` to ``SCHEMA_VERSION``, in memory.
+
+    ``manifest`` has passed :func:`stored_version`; ``table`` holds its version's columns.
+    Applies ``UPGRADES[n]`` for n from the stored version up; the current version passes through
+    untouched. A step's ``NotDerivable`` becomes an ``MtaError`` naming the command that builds
+    the artefact at the current version into a new directory.
+    """
+    original = manifest
+    for version in range(manifest[VERSION_KEY], SCHEMA_VERSION):
+        try:
+            manifest, table = UPGRADES[version](dict(manifest), table)
+        except NotDerivable as missing:
+            raise MtaError(
+                f"{directory} holds annotate schema version {version}, which lacks "
+                f"`{missing.column}` ({missing.reason}); this mta needs schema version "
+                f"{SCHEMA_VERSION}. Annotate the input again into a new directory (the existing "
+                f"one stays as it is): `{reannotate_command(original, directory)}`, then read "
+                "that one instead"
+            ) from missing
+        manifest = {**manifest, VERSION_KEY: version + 1}
+        table = conform(table, version + 1, f"the upgrade of {directory} to version {version + 1}")
+    return manifest, table
+
+
+def reannotate_command(manifest: Any, directory: Path) -> str:
+    """The ``mta annotate`` command that rebuilds ``directory``'s artefact at the current version
+    into a new directory beside it (``DIR-vN``), with the settings its manifest records.
+
+    Settings the manifest lacks (or a manifest that is not one) are left at placeholders or at
+    ``mta annotate``'s defaults.
+    """
+    manifest = manifest if isinstance(manifest, dict) else {}
+
+    def recorded(*keys: str) -> Any:
+        value: Any = manifest
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    command = [
+        "mta", "annotate", str(recorded("input", "path") or "DATA.jsonl"),
+        "--teacher", str(recorded("teacher", "name") or "TEACHER"),
+        "--student", str(recorded("student", "name") or "STUDENT"),
+    ]
+    for option, value in (
+        ("--max-length", recorded("max_length")),
+        ("--max-prompt-length", recorded("max_prompt_length")),
+        ("--spacy-model", recorded("spacy", "model")),
+        ("--word-spans", recorded("word_spans")),
+    ):
+        if value is not None:
+            command += [option, str(value)]
+    if recorded("truncate_prompt") is True:
+        command.append("--truncate-prompt")
+    if recorded("on_error") == "skip":
+        command += ["--on-error", "skip"]
+    command += ["-o", f"{directory}-v{SCHEMA_VERSION}"]
+    return shlex.join(command)
+
+
+def _listed(versions: list[int]) -> str:
+    return ", ".join(str(version) for version in versions)
