@@ -18,6 +18,7 @@ killed process may leave one behind (it is never taken for a finished file).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -25,6 +26,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from mta.errors import MtaError
 
 
 def fsync_directory(directory: str | Path) -> None:
@@ -192,3 +195,52 @@ class Journal:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------------- a full disk
+
+# torch's zip writer reports a full disk as a RuntimeError without the errno.
+_TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed")
+_NEARLY_FULL_BYTES = 16 * 2**20
+
+
+def is_disk_full(error: BaseException, where: str | Path | None = None) -> bool:
+    """Whether ``error`` (or an error it was raised from) means the disk is full.
+
+    ``ENOSPC`` anywhere in the chain, or torch's write failure while ``where``'s filesystem has
+    almost no free space left.
+    """
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if isinstance(seen, RuntimeError) and any(text in str(seen) for text in _TORCH_WRITE_FAILURES):
+            probe = Path(where) if where is not None else Path.cwd()
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            try:
+                return shutil.disk_usage(probe).free < _NEARLY_FULL_BYTES
+            except OSError:
+                return False
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@contextmanager
+def disk_full_is_reported(what: str | Path) -> Iterator[None]:
+    """Turn a full disk inside the block into one ``MtaError`` naming what was being written.
+
+    The writers in this module publish only complete files, so the message can promise that
+    nothing finished before was lost.
+    """
+    try:
+        yield
+    except MtaError:
+        raise
+    except (OSError, RuntimeError) as error:
+        if not is_disk_full(error, what):
+            raise
+        raise MtaError(
+            f"disk full while writing {what}; nothing was lost (every finished file is intact "
+            "and the unfinished one was removed); free space and re-run the same command"
+        ) from error

@@ -22,3 +22,52 @@ def file_sha256(path: str | Path) -> str:
 def json_sha256(payload: Any) -> str:
     """The hex sha256 of ``payload`` as canonical JSON (sorted keys, ASCII escapes)."""
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------- checksum lists
+
+CHECKSUMS = "checksums.sha256"  # `sha256sum -c checksums.sha256` verifies a directory by hand
+
+
+def directory_checksums(directory: str | Path) -> dict[str, str]:
+    """``{relative posix path: hex sha256}`` of every file under ``directory`` (sorted), the
+    checksum list itself and hidden temporary files left out."""
+    directory = Path(directory)
+    return {
+        path.relative_to(directory).as_posix(): file_sha256(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != CHECKSUMS and not path.name.startswith(".")
+    }
+
+
+def checksum_text(checksums: dict[str, str]) -> str:
+    """The list in ``sha256sum`` format: ``<hex>  <path>`` per line."""
+    return "".join(f"{digest}  {name}\n" for name, digest in checksums.items())
+
+
+def read_checksums(directory: str | Path) -> dict[str, str] | None:
+    """The recorded list of ``directory`` (None when it has none). A line that is not
+    ``<64 hex>  <relative path inside the directory>`` makes the whole list invalid."""
+    from mta.errors import MtaError
+
+    directory = Path(directory)
+    path = directory / CHECKSUMS
+    if not path.is_file():
+        return None
+    checksums = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        digest, sep, name = line.partition("  ")
+        inside = (directory / name).resolve().is_relative_to(directory.resolve())
+        if not sep or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest) or not name or not inside:
+            raise MtaError(f"{path}:{number}: not a '<sha256>  <file in this directory>' line; the list is corrupt")
+        checksums[name] = digest
+    return checksums
+
+
+def changed_files(directory: str | Path, checksums: dict[str, str]) -> list[str]:
+    """The listed files of ``directory`` that are missing or whose bytes changed."""
+    directory = Path(directory)
+    return [
+        name for name, digest in checksums.items()
+        if not (directory / name).is_file() or file_sha256(directory / name) != digest
+    ]
