@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mta.errors import MtaError
+
 BLOCK = 1 << 20
 
 
@@ -48,8 +50,6 @@ def checksum_text(checksums: dict[str, str]) -> str:
 def read_checksums(directory: str | Path) -> dict[str, str] | None:
     """The recorded list of ``directory`` (None when it has none). A line that is not
     ``<64 hex>  <relative path inside the directory>`` makes the whole list invalid."""
-    from mta.errors import MtaError
-
     directory = Path(directory)
     path = directory / CHECKSUMS
     if not path.is_file():
