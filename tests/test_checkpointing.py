@@ -75,8 +75,8 @@ def test_crash_while_saving_keeps_the_previous_checkpoints(
     with pytest.raises(KeyboardInterrupt):
         run_distillation(recipe)
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    # Only the newest two complete ones are kept; the interrupted one never looks complete.
-    assert names == ["step-2", "step-3", "step-4.partial"]
+    # Only the newest two complete ones are kept; the interrupted one was removed.
+    assert names == ["step-2", "step-3"]
     assert latest_checkpoint(out).name == "step-3"
     monkeypatch.setattr(checkpoint, "_export_hf", real_export)
     final = run_distillation(recipe, resume="auto")

@@ -156,7 +156,7 @@ def test_different_tokenizers_align_spans_without_a_logit_loss(
     AutoModelForCausalLM.from_pretrained(final)
 
     with pytest.raises(MtaError, match="tokenizers differ.*loss.base=ce"):
-        run_distillation(load_recipe(recipe_path, ["loss.base=srkl"]))
+        run_distillation(load_recipe(recipe_path, ["loss.base=srkl", f"output_dir={tmp_path / 'srkl'}"]))
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ from mta.training.engine import deepspeed_config, lr_multiplier
 from mta.training.teacher import FrozenTeacher
 from mta.training.recipe import load_recipe
 
+from conftest import EXAMPLES
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -103,10 +105,10 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global batch 8 = 4 per device × 2 accumulation × 1 process" in " ".join(result.stderr.split())
-    for built in ("models/tokenizer-512/tokenizer.json", "models/teacher/config.json",
-                  "models/student/config.json", "data/train/manifest.json", "final/model.safetensors",
+    for built in ("models/tokenizer-512-*/tokenizer.json", "models/teacher-*/config.json",
+                  "models/student-*/config.json", "data/train/manifest.json", "final/model.safetensors",
                   "checkpoints/step-2/trainer_state.json", "checkpoints/step-4/trainer_state.json"):
-        assert (out / built).exists(), built
+        assert len(list(out.glob(built))) == 1, built
     saved = yaml.safe_load((out / "final" / "recipe.yaml").read_text())
     assert saved["train"]["max_steps"] == 4 and saved["output_dir"] == str(out)
     AutoModelForCausalLM.from_pretrained(out / "final")
@@ -137,3 +139,23 @@ def test_a_term_with_weight_zero_is_neither_built_nor_computed(weights, terms, p
     assert objective.needs_teacher_logits == teacher_logits
     assert set(spec.alignment_terms) == terms - {"base"}
     assert (objective.base is not None) == ("base" in terms)
+
+
+def test_a_changed_tiny_description_builds_a_new_model_and_keeps_the_old(tmp_path):
+    from mta.training.model_loading import model_source
+
+    recipe = _tiny(f"output_dir={tmp_path / 'run'}")
+    model, tokenizer = model_source(recipe.teacher, recipe, "teacher")
+    before = {path.name: path.read_bytes() for path in Path(model).iterdir()}
+    wider = _tiny(f"output_dir={tmp_path / 'run'}", "teacher.tiny.hidden_size=48")
+    other_model, same_tokenizer = model_source(wider.teacher, wider, "teacher")
+    assert other_model != model and same_tokenizer == tokenizer
+    assert AutoModelForCausalLM.from_pretrained(other_model).config.hidden_size == 48
+    assert AutoModelForCausalLM.from_pretrained(model).config.hidden_size == 64
+    assert {path.name: path.read_bytes() for path in Path(model).iterdir()} == before
+    # The same description finds the model it built; another corpus trains another tokenizer.
+    assert model_source(recipe.teacher, recipe, "teacher") == (model, tokenizer)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(Path(EXAMPLES).read_text(encoding="utf-8").replace("the", "a"), encoding="utf-8")
+    recorpus = _tiny(f"output_dir={tmp_path / 'run'}", f"teacher.tiny.tokenizer_corpus={corpus}")
+    assert model_source(recorpus.teacher, recorpus, "teacher")[1] != tokenizer

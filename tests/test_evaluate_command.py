@@ -100,6 +100,8 @@ def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_di
     assert results["sets"]["dolly"]["references_without_rouge_tokens"] == 1  # the CJK row
     assert run["perplexity"]["rows"] == 6 and run["perplexity"]["perplexity"] > 1
     assert results["settings"]["seeds"] == [10, 20] and results["versions"]["torch"]
+    manifest = json.loads((out / "predictions" / label / "generation.json").read_text())
+    assert run["fingerprint"] == manifest["checkpoint_fingerprint"] and run["fingerprint"].startswith("sha256:")
     markdown = (out / "results.md").read_text()
     assert f"| {label} |" in markdown and "ppl (dolly-dev)" in markdown
 

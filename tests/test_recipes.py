@@ -8,7 +8,14 @@ import pytest
 import yaml
 
 from mta.errors import MtaError
-from mta.training.recipe import LayerPair, load_recipe, recipe_to_yaml
+from mta.training.recipe import (
+    LayerPair,
+    check_sequence_lengths,
+    deepspeed_setting_names,
+    load_recipe,
+    position_limit,
+    recipe_to_yaml,
+)
 
 from conftest import MINIMAL_RECIPE
 
@@ -275,8 +282,114 @@ def test_deepspeed_settings_the_schema_does_not_model_pass_through_verbatim(tmp_
 def test_deepspeed_keys_the_recipe_owns_are_refused(tmp_path, override, recipe_key):
     message = error_of(write(tmp_path, MINIMAL), (override,))
     key = override.split("=")[0]
-    assert key.removesuffix(".enabled") + " is set by the recipe" in message
+    assert key.removesuffix(".enabled") + ": set by the recipe from " in message
     assert recipe_key in message
+    assert f"(from override {override!r})" in message
+
+
+def test_deepspeed_setting_names_come_from_the_installed_deepspeed():
+    names = deepspeed_setting_names()
+    assert names is not None
+    assert {"zero_optimization", "activation_checkpointing", "communication_data_type",
+            "flops_profiler", "wall_clock_breakdown", "train_batch_size"} <= names
+    assert "zero_optimisation" not in names and "stage" not in names
+
+
+def test_a_misspelt_deepspeed_section_is_refused_naming_the_close_match(tmp_path):
+    text = MINIMAL + "deepspeed:\n  zero_optimisation:\n    overlap_comm: true\n"
+    message = error_of(write(tmp_path, text))
+    line = text.splitlines().index("  zero_optimisation:") + 1
+    assert f"line {line}: deepspeed.zero_optimisation: not a setting DeepSpeed" in message
+    assert "did you mean deepspeed.zero_optimization?" in message
+    recipe_key = error_of(write(tmp_path, MINIMAL), ("deepspeed.zero_stage=3",))
+    assert "did you mean the recipe key train.zero_stage?" in recipe_key
+
+
+@pytest.mark.parametrize("value", ["true", "false", "null", "3", "[stage, 3]"])
+def test_a_section_the_recipe_owns_part_of_must_be_a_mapping(tmp_path, value):
+    # `zero_optimization: true` with train.zero_stage=3 used to run ZeRO-1.
+    message = error_of(write(tmp_path, MINIMAL), (f"deepspeed.zero_optimization={value}", "train.zero_stage=3"))
+    assert "deepspeed.zero_optimization: must be a mapping of DeepSpeed zero_optimization settings" in message
+    assert "train.zero_stage" in message
+    assert f"(from override 'deepspeed.zero_optimization={value}')" in message
+
+
+def test_an_owned_key_inside_a_section_in_the_file_is_named_with_its_line(tmp_path):
+    text = MINIMAL + "deepspeed:\n  zero_optimization:\n    overlap_comm: true\n    stage: 3\n"
+    message = error_of(write(tmp_path, text))
+    assert (
+        f"line {len(text.splitlines())}: deepspeed.zero_optimization.stage: set by the recipe from "
+        "train.zero_stage"
+    ) in message
+
+
+def test_deepspeed_keys_deepspeed_removed_are_refused_with_its_message(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ("deepspeed.elasticity.enabled=true",))
+    assert "deepspeed.elasticity: removed from DeepSpeed" in message
+    assert "Elastic training has been removed" in message
+
+
+def test_the_old_bfloat16_name_is_owned_like_bf16(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ("deepspeed.bfloat16.enabled=true",))
+    assert "deepspeed.bfloat16: set by the recipe from train.precision" in message
+
+
+# --- sequence lengths against the models --------------------------------------------------
+
+
+class Config:
+    """The attributes a Hugging Face config carries, nothing else."""
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+def test_position_limits_come_from_the_config_under_its_own_name():
+    from transformers import AutoConfig
+
+    gpt2 = AutoConfig.from_pretrained(str(REPO / "src/mta/recipes/configs/gpt2.json"))
+    opt = AutoConfig.from_pretrained(str(REPO / "src/mta/recipes/configs/opt-1.3b.json"))
+    assert position_limit(gpt2) == (1024, "n_positions")
+    assert position_limit(opt) == (2048, "max_position_embeddings")
+    assert position_limit(Config(model_type="rwkv")) is None
+
+
+def test_a_length_within_the_positions_passes_and_none_means_no_limit(tmp_path):
+    data = load_recipe(write(tmp_path, MINIMAL), ["data.max_length=1024"]).data
+    check_sequence_lengths(data, Config(n_positions=1024), "student")
+    check_sequence_lengths(data, Config(model_type="rwkv"), "teacher")
+
+
+def test_a_length_past_the_positions_names_the_key_the_model_and_its_limit(tmp_path):
+    data = load_recipe(write(tmp_path, MINIMAL), ["data.max_length=100000"]).data
+    with pytest.raises(MtaError) as caught:
+        check_sequence_lengths(data, Config(max_position_embeddings=2048), "teacher", model="facebook/opt-1.3b")
+    assert str(caught.value) == (
+        "data.max_length=100,000 is longer than the teacher (facebook/opt-1.3b) has 2,048 positions "
+        "(max_position_embeddings in its config); set data.max_length to at most 2,048 (and "
+        "data.max_prompt_length below it)"
+    )
+
+
+def test_dev_samples_must_fit_the_student_positions_too(tmp_path):
+    data = load_recipe(write(tmp_path, MINIMAL), ["data.max_length=1024", "data.max_prompt_length=1000"]).data
+    check_sequence_lengths(data, Config(n_positions=1024), "student", sample_new_tokens=24)
+    with pytest.raises(MtaError, match=r"1,000 \+ 48 = 1,048 positions.*at most 24"):
+        check_sequence_lengths(data, Config(n_positions=1024), "student", sample_new_tokens=48)
+
+
+def test_the_dry_run_refuses_a_length_past_either_model(monkeypatch):
+    from mta.training.dry_run import plan_run
+
+    monkeypatch.delenv("MTA_DATA_DIR", raising=False)
+    gpt2 = REPO / "src" / "mta" / "recipes" / "gpt2.yaml"
+    with pytest.raises(MtaError) as caught:
+        plan_run(load_recipe(gpt2, ["data.max_length=100000"]))
+    assert str(caught.value).startswith(
+        f"{gpt2}: data.max_length=100,000 is longer than the student (gpt2) has 1,024 positions "
+        "(n_positions in its config)"
+    )
+    assert plan_run(load_recipe(gpt2)).student.max_positions == 1024
 
 
 # --- paths -------------------------------------------------------------------------------

@@ -79,7 +79,9 @@ def annotate(
 
     Writes OUT/manifest.json and Parquet parts (one row per example: text, both id sequences,
     prompt lengths, phrase and word spans as character and token ranges). Re-running with the
-    same input and settings reuses the result unless --force.
+    same input and settings reuses the result unless --force. A second run writing the same
+    shard of OUT while one is under way is refused (exit 2, naming its pid); different --shard
+    I/N of one set run side by side.
     """
     from mta.data.annotate import AnnotateSettings, run_annotate
     from mta.data.artefact import merge_shards

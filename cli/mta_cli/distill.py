@@ -25,6 +25,11 @@ def distill(
     resume: Optional[str] = typer.Option(
         None, "--resume", help="'auto' (newest complete checkpoint in output_dir) or a checkpoint dir"
     ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite",
+        help="start over: remove the run in output_dir (run.json, checkpoints/, final/, metrics.jsonl; "
+        "the data/ and models/ caches stay) before the first step",
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="validate, plan (models on the meta device, memory) and exit"
     ),
@@ -35,6 +40,9 @@ def distill(
     `deepspeed --no_local_rank --num_gpus N $(which mta) distill ...` or `torchrun --nproc-per-node N $(which mta)
     distill ...`; the global batch stays train.batch_size. Writes OUT/checkpoints/step-N/,
     OUT/final/ (Hugging Face format) and OUT/metrics.jsonl.
+
+    One run per output_dir: a directory that holds another run's outputs is refused unless
+    --resume auto continues that run or --overwrite starts over.
     """
     console = Console(stderr=True)
     chosen = find_recipe(recipe)
@@ -54,6 +62,6 @@ def distill(
 
     is_main = int(os.environ.get("RANK", 0)) == 0
     with RichReporter(console) if is_main else contextlib.nullcontext(SilentReporter()) as reporter:
-        final = run_distillation(loaded, resume=resume, reporter=reporter)
+        final = run_distillation(loaded, resume=resume, reporter=reporter, overwrite=overwrite)
     if is_main:
         console.print(f"[green]done:[/] {final}  (load it with AutoModelForCausalLM.from_pretrained)")

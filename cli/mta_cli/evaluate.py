@@ -67,7 +67,10 @@ def evaluate(
     their ROUGE-L (mean ± std over seeds), as in the MiniLLM / DistiLLM papers.
 
     Sampling follows the protocol (top_k 0, top_p 1.0, temperature 1.0, five seeds); a rerun
-    with the same -o reuses every finished predictions file and resumes a half-finished one.
+    with the same -o reuses every finished predictions file and resumes a half-finished one,
+    while the checkpoint's weight, tokenizer and config files are unchanged: they are hashed on
+    every run (and checked against the checkpoint's checksums.sha256 when it has one), and
+    predictions of other weights at the same path are refused, naming the file that changed.
     Under torchrun each rank generates its share and rank 0 writes the results.
     """
     from mta.evaluation import EvalSettings, evaluate_checkpoints

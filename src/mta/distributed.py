@@ -120,3 +120,12 @@ def joined_process_group() -> Iterator[None]:
     finally:
         if owns:
             dist.destroy_process_group()
+
+
+def broadcast_from_main(value):
+    """Rank 0's ``value`` on every rank (picklable values only)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -11,6 +11,8 @@ One policy for every stage:
   An existing directory is moved aside first and removed only once the new one is in place.
 - Work in progress goes to an append-only **journal**: one JSON line per finished unit, flushed
   as it is written. A crash can only truncate the last line, which reading skips.
+- A writer that must be alone holds an **exclusive lock** (``fcntl.flock`` on a lock file that
+  names its pid and host); the kernel releases it when the process dies, even by SIGKILL.
 
 Temporary names start with ``.`` and end in ``.tmp`` / ``.partial``: nothing reads them, and a
 killed process may leave one behind (it is never taken for a finished file).
@@ -19,10 +21,13 @@ killed process may leave one behind (it is never taken for a finished file).
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import secrets
 import shutil
+import socket
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -244,3 +249,85 @@ def disk_full_is_reported(what: str | Path) -> Iterator[None]:
             f"disk full while writing {what}; nothing was lost (every finished file is intact "
             "and the unfinished one was removed); free space and re-run the same command"
         ) from error
+
+
+# --------------------------------------------------------------------------- exclusive locks
+
+# flock on a filesystem that does not implement it (some NFS / Lustre mounts).
+_LOCKS_UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+
+def _lock_holder(handle: int) -> str:
+    """Who holds a lock, as its holder wrote it (``pid N on HOST``)."""
+    try:
+        text = os.pread(handle, 200, 0).decode("utf-8", "replace").split()
+    except OSError:
+        text = []
+    return f"pid {text[0]} on {text[1]}" if len(text) >= 2 else "a process that has not written its pid yet"
+
+
+@contextmanager
+def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[str | None]:
+    """Hold ``fcntl.flock`` on ``path`` (created if needed); yield None, or why locking is
+    unsupported here. Raises ``LockHeld`` with the holder's description when another process holds
+    it for longer than ``wait_s`` (0: do not wait)."""
+    deadline = time.monotonic() + wait_s
+    unsupported = None
+    while True:
+        try:
+            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError as error:
+            raise MtaError(
+                f"cannot create the lock file {path}: {error.strerror}; the output must be a "
+                "directory this user can write"
+            ) from error
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(handle)
+            os.close(handle)
+            if time.monotonic() >= deadline:
+                raise LockHeld(holder) from None
+            time.sleep(0.05)
+            continue
+        except OSError as error:
+            os.close(handle)
+            if error.errno not in _LOCKS_UNSUPPORTED:
+                raise
+            unsupported = f"{path.parent} does not support file locks ({error.strerror})"
+        if unsupported is not None:
+            break
+        # The holder we waited for deletes the file on release: a lock on a deleted (or
+        # re-created) file protects nothing, so lock the file that is there now.
+        try:
+            current = os.stat(path)
+            mine = os.fstat(handle)
+            if (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(handle)
+    if unsupported is not None:
+        path.unlink(missing_ok=True)
+        yield unsupported
+        return
+    try:
+        try:
+            os.ftruncate(handle, 0)
+            os.pwrite(handle, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass  # the pid is for messages only (a full disk may refuse even these bytes)
+        yield None
+    finally:
+        try:
+            path.unlink(missing_ok=True)  # still held: a waiter that got it sees the file gone
+        finally:
+            os.close(handle)
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; ``holder`` says which (pid and host)."""
+
+    def __init__(self, holder: str):
+        super().__init__(holder)
+        self.holder = holder

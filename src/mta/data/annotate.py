@@ -3,7 +3,10 @@
 Rows stream from the file in chunks to worker processes (spaCy is the cost), come back as Arrow
 record batches in input order, and go into one Parquet part per shard; the part, the shard
 manifest and ``manifest.json`` are written atomically (see :mod:`mta.data.artefact`). A complete
-artefact built from the same input bytes with the same settings is reused unless ``force``.
+artefact built from the same input bytes with the same settings, whose parts still match their
+sha256, is reused unless ``force``. A writer holds its shard's lock from before it computes until
+its shard is published, so a second writer of the same shard is refused; a full disk is reported
+as one ``MtaError`` and leaves the directory as it was.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import os
 import secrets
 import signal
 from collections import Counter, deque
+from contextlib import closing
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
@@ -25,10 +28,13 @@ from mta.data.example_annotator import ChunkResult, ExampleAnnotator
 from mta.data.artefact import (
     MAX_SKIPPED_EXAMPLES,
     PartWriter,
+    check_directory,
     commit_shard,
+    part_is_intact,
     part_name,
     read_manifest,
     read_shard_manifest,
+    shard_lock,
     try_merge,
 )
 from mta.data.artefact_schema import SCHEMA_VERSION, VERSION_KEY
@@ -37,16 +43,21 @@ from mta.data.rows import (
     Example,
     InputSummary,
     RowProblem,
+    check_input_file,
     first_problem,
     read_rows,
     summarize_input,
 )
 from mta.data.span_extraction import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
 from mta.errors import MtaError
+from mta.files import disk_full_is_reported
 from mta.reporting import Reporter, SilentReporter
 from mta.hashing import json_sha256
 
 CHUNK_ROWS = 64  # examples per task sent to a worker; one spaCy batch
+# A chunk also ends once its rows hold this many characters, so a file of multi-megabyte rows
+# keeps as little in flight as one of ordinary rows (which never reach it: 64 rows of a few KB).
+CHUNK_CHARS = 4_000_000
 
 
 def available_cores() -> int:
@@ -160,12 +171,12 @@ def run_annotate(
 ) -> AnnotateOutcome:
     """Annotate shard ``shard`` of ``num_shards`` (every ``num_shards``-th row) of a JSONL file."""
     input_path, out_dir = Path(input_path), Path(out_dir)
-    if not input_path.is_file():
-        raise MtaError(f"input file not found: {input_path}")
+    check_input_file(input_path)
     if not 0 <= shard < num_shards:
         raise MtaError(f"--shard {shard}/{num_shards}: the index must be in 0..{num_shards - 1}")
     if out_dir.exists() and not out_dir.is_dir():
         raise MtaError(f"-o {out_dir} is a file; give a directory")
+    reporter = reporter or SilentReporter()
 
     summary = summarize_input(input_path)
     teacher = TokenizerSide.load(settings.teacher)
@@ -185,22 +196,34 @@ def run_annotate(
             raise problem.error(input_path)
 
     created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        shard_manifest = _annotate_shard(
-            input_path, out_dir, settings, teacher, student, spacy_name,
-            shard=shard, num_shards=num_shards, total=len(range(shard, summary.rows, num_shards)),
-            reporter=reporter or SilentReporter(),
-        )
+        with disk_full_is_reported(out_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
+    except PermissionError as error:
+        raise MtaError(f"cannot create -o {out_dir}: {error.strerror}; choose another directory") from error
+    try:
+        with disk_full_is_reported(out_dir), shard_lock(out_dir, shard, num_shards) as unsupported:
+            if unsupported:
+                reporter.message(f"{unsupported}: make sure no other `mta annotate` writes this shard")
+            check_directory(out_dir)  # a planted manifest is refused before any work
+            if not force:  # the holder we would have collided with may have just written it
+                reused = _reusable(out_dir, run_key, shard, num_shards)
+                if reused is not None:
+                    return reused
+            shard_manifest = _annotate_shard(
+                input_path, out_dir, settings, teacher, student, spacy_name,
+                shard=shard, num_shards=num_shards, total=len(range(shard, summary.rows, num_shards)),
+                reporter=reporter,
+            )
+            shard_manifest.update(
+                {VERSION_KEY: SCHEMA_VERSION}, run_key=run_key, shard=shard, num_shards=num_shards,
+                description=description,
+            )
+            manifest = commit_shard(out_dir, shard_manifest)
     except BaseException:
         if created:
             _remove_if_empty(out_dir)
         raise
-    shard_manifest.update(
-        {VERSION_KEY: SCHEMA_VERSION}, run_key=run_key, shard=shard, num_shards=num_shards,
-        description=description,
-    )
-    manifest = commit_shard(out_dir, shard_manifest)
     return AnnotateOutcome(out_dir, shard_manifest, manifest, reused=False)
 
 
@@ -246,18 +269,19 @@ def _run_key(description: dict[str, Any]) -> str:
 
 
 def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> AnnotateOutcome | None:
+    """The outcome of an earlier run with the same key whose parts are intact (sha256), if any."""
     if not out_dir.is_dir():
         return None
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest.get("run_key") == run_key and all(
-        (out_dir / part["file"]).exists() for part in manifest["parts"]
+        part_is_intact(out_dir, part) for part in manifest["parts"]
     ):
         return AnnotateOutcome(out_dir, {}, manifest, reused=True)
     shard_manifest = read_shard_manifest(out_dir, shard, num_shards)
     if (
         shard_manifest is not None
         and shard_manifest.get("run_key") == run_key
-        and (out_dir / shard_manifest["part"]["file"]).exists()
+        and part_is_intact(out_dir, shard_manifest["part"])
     ):
         return AnnotateOutcome(out_dir, shard_manifest, try_merge(out_dir, run_key, num_shards), True)
     return None
@@ -310,19 +334,23 @@ def _annotate_shard(
     build = functools.partial(build_annotator, settings, teacher, student, spacy_name)
     part = out_dir / part_name(shard, num_shards, secrets.token_hex(4))
     reporter.start(f"annotate {input_path.name}", total)
-    with PartWriter(part) as writer:
-        for result in map_chunks(build, _chunks(examples(), CHUNK_ROWS), workers):
-            writer.write(result.batch)
-            rows["written"] += result.batch.num_rows
-            for problem in result.skipped:
-                count_skip(problem)
-            for key in ("response_cut", "prompt_cut"):
-                rows[key] += result.counts[key]
-            spans.update({key: result.counts[key] for key in spans})
-            reporter.advance(rows["read"] - done)
-            done = rows["read"]
-        part_entry = writer.commit()
-    reporter.stop()
+    results = closing(map_chunks(build, _chunks(examples(), CHUNK_ROWS), workers))
+    # closing(): on any error the workers stop at once, before the error is reported.
+    try:
+        with disk_full_is_reported(part), results as chunk_results, PartWriter(part) as writer:
+            for result in chunk_results:
+                writer.write(result.batch)
+                rows["written"] += result.batch.num_rows
+                for problem in result.skipped:
+                    count_skip(problem)
+                for key in ("response_cut", "prompt_cut"):
+                    rows[key] += result.counts[key]
+                spans.update({key: result.counts[key] for key in spans})
+                reporter.advance(rows["read"] - done)
+                done = rows["read"]
+            part_entry = writer.commit()
+    finally:
+        reporter.stop()
     return {
         "counts": {"rows": dict(rows), "skipped": dict(skipped), "spans": dict(spans)},
         "skipped_examples": messages,
@@ -344,9 +372,17 @@ def build_annotator(
     )
 
 
-def _chunks(items: Iterable[Example], size: int) -> Iterator[list[Example]]:
-    iterator = iter(items)
-    while chunk := list(islice(iterator, size)):
+def _chunks(items: Iterable[Example], size: int, max_chars: int = CHUNK_CHARS) -> Iterator[list[Example]]:
+    """Lists of ``size`` examples, or fewer once they hold ``max_chars`` characters of text."""
+    chunk: list[Example] = []
+    chars = 0
+    for item in items:
+        chunk.append(item)
+        chars += len(item.prompt) + len(item.response)
+        if len(chunk) == size or chars >= max_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
         yield chunk
 
 

@@ -6,15 +6,29 @@ Layout of an output directory::
     shard-00000-of-00002.json                   one per shard: its counts and its part
     part-00000-of-00002-<run>.parquet           the rows of shard 0 (ids 0, 2, 4, ...)
     part-00001-of-00002-<run>.parquet
+    .lock-shard-00000-of-00002, .lock-merge     only while a writer runs (see "Locks")
 
 Every file is written atomically (``mta.files``: a hidden temporary name in the same directory,
 fsync, rename), so a crash never leaves a half-written file under a real name. ``manifest.json`` lists the parts
-it describes by name; a re-run writes parts under a new ``<run>`` name and deletes the old ones
+it describes by name, rows and sha256; a re-run writes parts under a new ``<run>`` name and deletes the old ones
 only after the new manifest is in place, so until then the previous artefact stays whole.
 ``manifest.json`` appears only when every shard of a set (same run key, same shard count) has
 written its shard manifest; readers refuse a directory without it. A killed process may leave a
 hidden ``.*.tmp`` file behind: nothing reads it (Parquet readers skip dot files), and it is not
 removed automatically because a concurrent shard could be writing it.
+
+Trust: a manifest or shard file is data, not instructions. Every part it names must be a plain
+part name (``part-IIIII-of-NNNNN-<run>.parquet``) resolving inside the directory, or the directory is
+refused before anything is read or deleted; a part whose bytes do not match the recorded sha256
+and row count, or that Parquet cannot read, is refused naming the part.
+
+Locks: a writer holds ``.lock-shard-IIIII-of-NNNNN`` (``fcntl.flock``, its pid and host written in
+it) while it computes and publishes its shard, so a second writer of the same shard is refused
+naming the holder; shards of one set still run side by side. Publishing a shard manifest, writing
+``manifest.json`` and deleting superseded parts happen under ``.lock-merge``, so two shards that
+finish together never race. The kernel drops a lock when its holder dies (even by SIGKILL), so a
+stale lock file never blocks anyone; a lock file is deleted by its holder on release. Readers take
+no lock.
 
 The columns, the schema version and the reading of older versions live in
 :mod:`mta.data.artefact_schema`; this module writes the current version and lays out the files.
@@ -24,9 +38,10 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -34,25 +49,30 @@ import pyarrow.parquet as pq
 from mta.data.artefact_schema import (
     SCHEMA,
     SCHEMAS,
-    SPAN,
     VERSION_KEY,
     conform,
+    reannotate_command,
     stored_version,
     upgrade_to_current,
 )
 from mta.errors import MtaError
-from mta.files import atomic_write_json, publish, temporary_beside
+from mta.files import LockHeld, atomic_write_json, exclusive_lock, publish, temporary_beside
 from mta.hashing import file_sha256
 
 __all__ = [
-    "MANIFEST", "Annotations", "PartWriter", "commit_shard", "merge_shards",
-    "part_name", "read_annotations", "read_manifest", "read_shard_manifest", "try_merge",
+    "MANIFEST", "MERGE_LOCK", "Annotations", "PartWriter", "check_directory", "commit_shard",
+    "merge_lock", "merge_shards", "part_name", "read_annotations", "read_manifest",
+    "read_shard_manifest", "shard_lock", "shard_lock_name", "try_merge",
 ]
 
 MANIFEST = "manifest.json"
 MAX_SKIPPED_EXAMPLES = 20  # skipped-row messages kept in the manifest, so users can find them
+MERGE_LOCK = ".lock-merge"
+MERGE_LOCK_WAIT_S = 120.0  # a merge takes milliseconds; a holder this slow is stuck
 
 _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.json$")
+_PART_FILE = re.compile(r"^part-\d{5}-of-\d{5}-[0-9A-Za-z_-]{1,64}\.parquet$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def shard_manifest_name(shard: int, num_shards: int) -> str:
@@ -63,11 +83,15 @@ def part_name(shard: int, num_shards: int, run: str) -> str:
     return f"part-{shard:05d}-of-{num_shards:05d}-{run}.parquet"
 
 
+def shard_lock_name(shard: int, num_shards: int) -> str:
+    return f".lock-shard-{shard:05d}-of-{num_shards:05d}"
+
+
 class PartWriter:
     """Stream record batches into one Parquet part, renamed into place by :meth:`commit`.
 
     Batches are buffered into row groups of about ``row_group_rows`` rows. If the writer is
-    closed without ``commit`` (an exception, Ctrl-C), the temporary file is deleted.
+    closed without ``commit`` (an exception, Ctrl-C, a full disk), the temporary file is deleted.
     """
 
     def __init__(self, path: Path, row_group_rows: int = 2048):
@@ -77,7 +101,11 @@ class PartWriter:
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._temporary = temporary_beside(path)
-        self._writer = pq.ParquetWriter(self._temporary, SCHEMA, compression="zstd")
+        try:
+            self._writer = pq.ParquetWriter(self._temporary, SCHEMA, compression="zstd")
+        except BaseException:
+            self._temporary.unlink(missing_ok=True)
+            raise
 
     def write(self, batch: pa.RecordBatch) -> None:
         self._pending.append(batch)
@@ -101,8 +129,12 @@ class PartWriter:
 
     def abort(self) -> None:
         """Drop the temporary file; nothing appears under the part's real name."""
-        self._writer.close()
-        self._temporary.unlink(missing_ok=True)
+        try:
+            self._writer.close()  # may fail again for the reason we abort (a full disk)
+        except Exception:
+            pass
+        finally:
+            self._temporary.unlink(missing_ok=True)
 
     def __enter__(self) -> "PartWriter":
         return self
@@ -112,35 +144,162 @@ class PartWriter:
             self.abort()
 
 
-# --------------------------------------------------------------------------- shards and merge
+# --------------------------------------------------------------------------- locks
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+@contextmanager
+def shard_lock(out_dir: Path, shard: int, num_shards: int) -> Iterator[str | None]:
+    """Hold shard ``shard`` of ``num_shards`` of ``out_dir`` for writing, or refuse at once
+    (``MtaError`` naming the holder's pid). Yields None, or a warning when the filesystem has
+    no locks (the run goes on unprotected)."""
+    path = out_dir / shard_lock_name(shard, num_shards)
+    try:
+        with exclusive_lock(path, wait_s=0) as unsupported:
+            yield unsupported
+    except LockHeld as held:
+        which = f"shard {shard}/{num_shards} of " if num_shards > 1 else ""
+        raise MtaError(
+            f"another `mta annotate` ({held.holder}) is writing {which}{out_dir} (it holds {path}); "
+            "wait for it to finish or stop it, then re-run. Other shards (--shard I/N) may run "
+            "side by side; the same shard may not"
+        ) from None
+
+
+@contextmanager
+def merge_lock(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir``'s merge lock: publishing shards, ``manifest.json`` and deletions."""
+    path = out_dir / MERGE_LOCK
+    try:
+        with exclusive_lock(path, wait_s=MERGE_LOCK_WAIT_S):
+            yield
+    except LockHeld as held:
+        raise MtaError(
+            f"{path} has been held by {held.holder} for over {MERGE_LOCK_WAIT_S:.0f} s while it "
+            "merges shards; if that process is stuck, stop it and re-run (the lock is released "
+            "when it exits)"
+        ) from None
+
+
+# --------------------------------------------------------------------------- manifests, checked
+
+
+def _read_json(path: Path) -> Any | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise MtaError(f"{path} is corrupt ({error}); delete it and re-run `mta annotate`") from error
+    except OSError as error:
+        raise MtaError(f"cannot read {path}: {error.strerror}") from error
+
+
+def _refused(path: Path, entry: str, problem: str) -> MtaError:
+    return MtaError(
+        f"{path}: {entry} {problem}. The file was changed by hand or by another program, so "
+        f"{path.parent} is refused (nothing in it was read or deleted); annotate the input again "
+        "into a new directory (`mta annotate DATA.jsonl ... -o NEW_DIR`)"
+    )
+
+
+def _checked_part(path: Path, where: str, entry: Any) -> dict[str, Any]:
+    """A part entry ``{file, rows, sha256}`` of the manifest ``path``, whose file is a plain part
+    name inside ``path``'s directory; else ``MtaError`` naming the entry."""
+    if not isinstance(entry, dict):
+        raise _refused(path, where, f"is {entry!r}, not a part entry {{file, rows, sha256}}")
+    name = entry.get("file")
+    directory = path.parent
+    if not (
+        isinstance(name, str) and _PART_FILE.match(name)
+        and (directory / name).resolve().parent == directory.resolve()
+    ):
+        raise _refused(
+            path, f"{where}.file",
+            f"is {name!r}, which is not a part of this directory (a plain file name "
+            "part-IIIII-of-NNNNN-<run>.parquet inside it)",
+        )
+    rows = entry.get("rows")
+    if type(rows) is not int or rows < 0:
+        raise _refused(path, f"{where}.rows", f"is {rows!r}, not a row count")
+    digest = entry.get("sha256")
+    if digest is not None and not (isinstance(digest, str) and _SHA256.match(digest)):
+        raise _refused(path, f"{where}.sha256", f"is {digest!r}, not a hex sha256")
+    return entry
+
+
+def _checked_manifest(path: Path, manifest: Any) -> dict[str, Any]:
+    """``manifest.json`` whose ``parts`` are all checked (:func:`_checked_part`)."""
+    if not isinstance(manifest, dict):
+        raise _refused(path, "the content", f"is a JSON {type(manifest).__name__}, not an object")
+    parts = manifest.get("parts")
+    if not isinstance(parts, list):
+        raise _refused(path, "parts", f"is {parts!r}, not a list of part entries")
+    for index, part in enumerate(parts):
+        _checked_part(path, f"parts[{index}]", part)
+    return manifest
+
+
+def _checked_shard(path: Path, shard: Any) -> dict[str, Any]:
+    """A shard manifest with the fields merging uses, named like its content, part checked."""
+    if not isinstance(shard, dict):
+        raise _refused(path, "the content", f"is a JSON {type(shard).__name__}, not an object")
+    for key, kind in (("shard", int), ("num_shards", int), ("run_key", str), ("counts", dict),
+                      ("skipped_examples", list), ("description", dict)):
+        if type(shard.get(key)) is not kind:
+            raise _refused(path, key, f"is {shard.get(key)!r}, not a {kind.__name__}")
+    if path.name != shard_manifest_name(shard["shard"], shard["num_shards"]):
+        raise _refused(path, "shard/num_shards", f"are {shard['shard']}/{shard['num_shards']}, not the file's name")
+    _checked_part(path, "part", shard.get("part"))
+    return shard
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
-    """The directory's ``manifest.json``, or None when the artefact is not complete."""
-    return _read_json(Path(out_dir) / MANIFEST)
+    """The directory's ``manifest.json`` (parts checked), or None when it is not complete."""
+    path = Path(out_dir) / MANIFEST
+    manifest = _read_json(path)
+    return None if manifest is None else _checked_manifest(path, manifest)
 
 
 def read_shard_manifest(out_dir: str | Path, shard: int, num_shards: int) -> dict[str, Any] | None:
-    return _read_json(Path(out_dir) / shard_manifest_name(shard, num_shards))
+    path = Path(out_dir) / shard_manifest_name(shard, num_shards)
+    manifest = _read_json(path)
+    return None if manifest is None else _checked_shard(path, manifest)
 
 
-def _shard_manifests(out_dir: Path) -> list[dict[str, Any]]:
-    found = []
+def _shard_files(out_dir: Path) -> dict[Path, dict[str, Any]]:
+    """Every shard manifest of the directory, checked; one bad file refuses them all."""
+    found = {}
     for path in sorted(out_dir.glob("shard-*-of-*.json")):
         if _SHARD_FILE.match(path.name):
             manifest = _read_json(path)
             if manifest is not None:
-                found.append(manifest)
+                found[path] = _checked_shard(path, manifest)
     return found
+
+
+def _shard_manifests(out_dir: Path) -> list[dict[str, Any]]:
+    return list(_shard_files(out_dir).values())
+
+
+def check_directory(out_dir: Path) -> None:
+    """Refuse ``out_dir`` before a writer computes anything if a manifest or shard file in it is
+    not one this module wrote (a part entry naming a path outside the directory, say)."""
+    read_manifest(out_dir)
+    _shard_files(out_dir)
+
+
+def part_is_intact(out_dir: Path, entry: dict[str, Any]) -> bool:
+    """Whether a checked part entry's file exists with the recorded sha256 (when recorded)."""
+    path = out_dir / entry["file"]
+    if not path.is_file():
+        return False
+    try:
+        return entry.get("sha256") is None or file_sha256(path) == entry["sha256"]
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- shards and merge
 
 
 def _sum_counts(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
@@ -176,51 +335,75 @@ def merged_manifest(shards: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def commit_shard(out_dir: Path, shard_manifest: dict[str, Any]) -> dict[str, Any] | None:
-    """Publish one shard; write ``manifest.json`` when this completes its set.
+    """Publish one shard (its part is already in place); write ``manifest.json`` when this
+    completes its set. Runs under the merge lock.
 
     Returns the merged manifest when it was written, else None (other shards still missing).
+    If the shard manifest cannot be written (a full disk), the new part is deleted again: no
+    file refers to it, and the previous state of the directory stands.
     """
     path = out_dir / shard_manifest_name(shard_manifest["shard"], shard_manifest["num_shards"])
-    previous = _read_json(path)
-    atomic_write_json(path, shard_manifest)
-    published = read_manifest(out_dir)
-    if previous is not None and previous["part"]["file"] != shard_manifest["part"]["file"]:
-        # The replaced part can go at once unless the current manifest.json still lists it.
-        listed = {part["file"] for part in (published or {}).get("parts", [])}
-        if previous["part"]["file"] not in listed:
-            (out_dir / previous["part"]["file"]).unlink(missing_ok=True)
-    return try_merge(out_dir, shard_manifest["run_key"], shard_manifest["num_shards"])
+    with merge_lock(out_dir):
+        previous = read_shard_manifest(out_dir, shard_manifest["shard"], shard_manifest["num_shards"])
+        published = read_manifest(out_dir)
+        try:
+            atomic_write_json(path, shard_manifest)
+        except BaseException:
+            (out_dir / shard_manifest["part"]["file"]).unlink(missing_ok=True)
+            raise
+        if previous is not None and previous["part"]["file"] != shard_manifest["part"]["file"]:
+            # The replaced part can go at once unless the current manifest.json still lists it.
+            listed = {part["file"] for part in (published or {}).get("parts", [])}
+            if previous["part"]["file"] not in listed:
+                (out_dir / previous["part"]["file"]).unlink(missing_ok=True)
+        return _merge_locked(out_dir, shard_manifest["run_key"], shard_manifest["num_shards"])
 
 
-def _complete_set(out_dir: Path, run_key: str, num_shards: int) -> list[dict[str, Any]] | None:
-    shards = {
+def _complete_set(
+    out_dir: Path, shards: list[dict[str, Any]], run_key: str, num_shards: int
+) -> list[dict[str, Any]] | None:
+    found = {
         shard["shard"]: shard
-        for shard in _shard_manifests(out_dir)
+        for shard in shards
         if shard["run_key"] == run_key and shard["num_shards"] == num_shards
         and (out_dir / shard["part"]["file"]).exists()
     }
-    return [shards[i] for i in range(num_shards)] if len(shards) == num_shards else None
+    return [found[i] for i in range(num_shards)] if len(found) == num_shards else None
 
 
 def try_merge(out_dir: Path, run_key: str, num_shards: int) -> dict[str, Any] | None:
     """Write ``manifest.json`` if all ``num_shards`` shards of run ``run_key`` are present."""
-    shards = _complete_set(out_dir, run_key, num_shards)
+    with merge_lock(out_dir):
+        return _merge_locked(out_dir, run_key, num_shards)
+
+
+def _merge_locked(out_dir: Path, run_key: str, num_shards: int) -> dict[str, Any] | None:
+    # Every file is read and checked before anything is written or deleted.
+    shard_files = _shard_files(out_dir)
+    previous = read_manifest(out_dir)
+    shards = _complete_set(out_dir, list(shard_files.values()), run_key, num_shards)
     if shards is None:
         return None
     manifest = merged_manifest(shards)
-    previous = read_manifest(out_dir)
     atomic_write_json(out_dir / MANIFEST, manifest)
-    _remove_superseded(out_dir, manifest, previous)
+    _remove_superseded(out_dir, manifest, previous, shard_files)
     return manifest
 
 
-def _remove_superseded(out_dir: Path, manifest: dict[str, Any], previous: dict[str, Any] | None) -> None:
-    """Delete the previous artefact's parts and the shard manifests of other runs."""
+def _remove_superseded(
+    out_dir: Path,
+    manifest: dict[str, Any],
+    previous: dict[str, Any] | None,
+    shard_files: dict[Path, dict[str, Any]],
+) -> None:
+    """Delete the previous artefact's parts and the shard manifests (and parts) of other runs.
+
+    Every name here passed :func:`_checked_part`: a plain part name inside ``out_dir``.
+    """
     current = {part["file"] for part in manifest["parts"]}
     stale = {part["file"] for part in (previous or {}).get("parts", [])} - current
-    for path in out_dir.glob("shard-*-of-*.json"):
-        shard = _read_json(path)
-        if shard is not None and shard.get("run_key") != manifest["run_key"]:
+    for path, shard in shard_files.items():
+        if shard["run_key"] != manifest["run_key"]:
             stale.add(shard["part"]["file"])
             path.unlink(missing_ok=True)
     for name in stale - current:
@@ -230,16 +413,19 @@ def _remove_superseded(out_dir: Path, manifest: dict[str, Any], previous: dict[s
 def merge_shards(out_dir: str | Path) -> dict[str, Any]:
     """Write ``manifest.json`` from a complete set of shard manifests (``mta annotate --merge``)."""
     out_dir = Path(out_dir)
-    shards = _shard_manifests(out_dir)
-    if not shards:
-        raise MtaError(f"{out_dir} holds no shard manifests (shard-*-of-*.json); nothing to merge")
-    by_set: dict[tuple[str, int], set[int]] = {}
-    for shard in shards:
-        by_set.setdefault((shard["run_key"], shard["num_shards"]), set()).add(shard["shard"])
-    for (run_key, num_shards), present in by_set.items():
-        manifest = try_merge(out_dir, run_key, num_shards)
-        if manifest is not None:
-            return manifest
+    if not out_dir.is_dir():
+        raise MtaError(f"--merge {out_dir}: no such directory; give the -o directory of the shards")
+    with merge_lock(out_dir):
+        shards = _shard_manifests(out_dir)
+        if not shards:
+            raise MtaError(f"{out_dir} holds no shard manifests (shard-*-of-*.json); nothing to merge")
+        by_set: dict[tuple[str, int], set[int]] = {}
+        for shard in shards:
+            by_set.setdefault((shard["run_key"], shard["num_shards"]), set()).add(shard["shard"])
+        for run_key, num_shards in by_set:
+            manifest = _merge_locked(out_dir, run_key, num_shards)
+            if manifest is not None:
+                return manifest
     raise MtaError(_incomplete_message(out_dir, by_set))
 
 
@@ -282,12 +468,20 @@ class Annotations:
 
 def read_annotations(out_dir: str | Path) -> Annotations:
     """Read a complete annotate artefact of any version this mta reads, upgraded to the current
-    one (:mod:`mta.data.artefact_schema`); raise ``MtaError`` naming the fix when it is not."""
+    one (:mod:`mta.data.artefact_schema`); raise ``MtaError`` naming the fix when it is not.
+
+    Each part is checked against the sha256 and row count ``manifest.json`` records for it
+    (hashing costs one extra pass over the part's bytes, usually from the page cache).
+    """
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MtaError(
+            f"{out_dir} is a file; give the directory `mta annotate -o DIR` wrote (it holds {MANIFEST})"
+        )
     if not out_dir.is_dir():
         raise MtaError(f"{out_dir} does not exist; create it with `mta annotate DATA.jsonl -o {out_dir}`")
-    manifest = read_manifest(out_dir)
-    if manifest is None:
+    raw = _read_json(out_dir / MANIFEST)
+    if raw is None:
         shards = _shard_manifests(out_dir)
         if shards:
             by_set: dict[tuple[str, int], set[int]] = {}
@@ -298,23 +492,44 @@ def read_annotations(out_dir: str | Path) -> Annotations:
             f"{out_dir} has no {MANIFEST}: it is not a finished `mta annotate` output (an "
             f"interrupted run leaves none). Run `mta annotate DATA.jsonl -o {out_dir}`"
         )
-    version = stored_version(manifest, out_dir / MANIFEST)
-    tables = []
-    for part in manifest["parts"]:
-        path = out_dir / part["file"]
-        if not path.exists():
-            raise MtaError(
-                f"{path} is listed in {MANIFEST} but missing; re-run `mta annotate ... --force`"
-            )
-        table = conform(pq.read_table(path), version, str(path))
-        if table.num_rows != part["rows"]:
-            raise MtaError(
-                f"{path} has {table.num_rows} rows, {MANIFEST} says {part['rows']}; the directory "
-                "was changed by hand: re-run `mta annotate ... --force`"
-            )
-        tables.append(table)
+    version = stored_version(raw, out_dir / MANIFEST)
+    manifest = _checked_manifest(out_dir / MANIFEST, raw)
+    tables = [_read_part(out_dir, manifest, part, version) for part in manifest["parts"]]
     table = pa.concat_tables(tables) if tables else SCHEMAS[version].empty_table()
     if len(tables) > 1:
         table = table.sort_by("id")
     upgraded, table = upgrade_to_current(manifest, table, out_dir)
     return Annotations(directory=out_dir, manifest=upgraded, table=table, stored_version=version)
+
+
+def _read_part(out_dir: Path, manifest: dict[str, Any], part: dict[str, Any], version: int) -> pa.Table:
+    """One checked part entry's rows, verified against its sha256 and row count."""
+    path = out_dir / part["file"]
+
+    def refused(problem: str) -> MtaError:
+        command = reannotate_command(manifest, out_dir, out=Path(f"{out_dir}-rebuilt"))
+        return MtaError(
+            f"{path} {problem}. Annotate the input again into a new directory (this one stays "
+            f"as it is): `{command}`, then use that one"
+        )
+
+    if not path.is_file():
+        raise refused(f"is listed in {MANIFEST} but missing")
+    try:
+        digest = file_sha256(path) if part.get("sha256") is not None else None
+    except OSError as error:
+        raise refused(f"cannot be read ({error.strerror})") from error
+    if digest is not None and digest != part["sha256"]:
+        raise refused(
+            f"does not match {MANIFEST}: its sha256 is {digest}, the manifest records "
+            f"{part['sha256']}; the part was changed or replaced after `mta annotate` wrote it, "
+            "so its rows cannot be trusted"
+        )
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise refused(f"is not a readable Parquet file ({error}): it is corrupt or truncated") from error
+    table = conform(table, version, str(path))
+    if table.num_rows != part["rows"]:
+        raise refused(f"has {table.num_rows} rows, {MANIFEST} says {part['rows']}")
+    return table

@@ -204,9 +204,10 @@ def upgrade_to_current(manifest: Manifest, table: pa.Table, directory: Path) -> 
     return manifest, table
 
 
-def reannotate_command(manifest: Any, directory: Path) -> str:
+def reannotate_command(manifest: Any, directory: Path, *, out: Path | None = None) -> str:
     """The ``mta annotate`` command that rebuilds ``directory``'s artefact at the current version
-    into a new directory beside it (``DIR-vN``), with the settings its manifest records.
+    into a new directory beside it (``out``, by default ``DIR-vN``), with the settings its
+    manifest records.
 
     Settings the manifest lacks (or a manifest that is not one) are left at placeholders or at
     ``mta annotate``'s defaults.
@@ -219,24 +220,48 @@ def reannotate_command(manifest: Any, directory: Path) -> str:
             value = value.get(key) if isinstance(value, dict) else None
         return value
 
-    command = [
-        "mta", "annotate", str(recorded("input", "path") or "DATA.jsonl"),
-        "--teacher", str(recorded("teacher", "name") or "TEACHER"),
-        "--student", str(recorded("student", "name") or "STUDENT"),
-    ]
+    return annotate_command(
+        recorded("input", "path") or "DATA.jsonl",
+        out if out is not None else Path(f"{directory}-v{SCHEMA_VERSION}"),
+        teacher=recorded("teacher", "name") or "TEACHER",
+        student=recorded("student", "name") or "STUDENT",
+        max_length=recorded("max_length"),
+        max_prompt_length=recorded("max_prompt_length"),
+        spacy_model=recorded("spacy", "model"),
+        word_spans=recorded("word_spans"),
+        truncate_prompt=recorded("truncate_prompt") is True,
+        on_error=recorded("on_error"),
+    )
+
+
+def annotate_command(
+    input_path: Any,
+    out: Any,
+    *,
+    teacher: Any,
+    student: Any,
+    max_length: Any = None,
+    max_prompt_length: Any = None,
+    spacy_model: Any = None,
+    word_spans: Any = None,
+    truncate_prompt: bool = False,
+    on_error: Any = None,
+) -> str:
+    """The shell-quoted ``mta annotate`` command line for these settings (None: the default)."""
+    command = ["mta", "annotate", str(input_path), "--teacher", str(teacher), "--student", str(student)]
     for option, value in (
-        ("--max-length", recorded("max_length")),
-        ("--max-prompt-length", recorded("max_prompt_length")),
-        ("--spacy-model", recorded("spacy", "model")),
-        ("--word-spans", recorded("word_spans")),
+        ("--max-length", max_length),
+        ("--max-prompt-length", max_prompt_length),
+        ("--spacy-model", spacy_model),
+        ("--word-spans", word_spans),
     ):
         if value is not None:
             command += [option, str(value)]
-    if recorded("truncate_prompt") is True:
+    if truncate_prompt:
         command.append("--truncate-prompt")
-    if recorded("on_error") == "skip":
+    if on_error == "skip":
         command += ["--on-error", "skip"]
-    command += ["-o", f"{directory}-v{SCHEMA_VERSION}"]
+    command += ["-o", str(out)]
     return shlex.join(command)
 
 

@@ -126,10 +126,11 @@ class ExampleAnnotator:
             counts["prompt_cut"] += fitted.prompt_cut
             kept.append((example, fitted))
 
-        # spaCy sees the whole response, so a phrase that the cut splits is recognised and dropped
-        # instead of being parsed as a shorter phrase that never was one.
+        # spaCy sees the kept text and a margin of what the cut removed, so a phrase that the cut
+        # splits is recognised and dropped instead of being parsed as a shorter phrase that never
+        # was one; what lies further on cannot reach the kept spans, so it is never parsed.
         max_chars = self.extractor.nlp.max_length
-        parsed = self.extractor.pipe([fitted.uncut_text[:max_chars] for _, fitted in kept],
+        parsed = self.extractor.pipe([fitted.parse_text[:max_chars] for _, fitted in kept],
                                      batch_size=SPACY_BATCH_SIZE)
         ids = {"teacher": [], "student": []}
         prompt_lens = {"teacher": [], "student": []}

@@ -173,6 +173,28 @@ def _strip_line(number: int, raw: bytes) -> bytes:
     return raw.rstrip(b"\r\n")
 
 
+def check_input_file(path: Path) -> None:
+    """Refuse an input that is not a readable file, saying what it is and what to give instead."""
+    if path.is_dir():
+        if (path / "manifest.json").is_file():
+            raise MtaError(
+                f"{path} is a directory holding an `mta annotate` output, not input rows; annotate "
+                "the JSONL file it was made from (its manifest.json records the path under "
+                "'input'), or use the directory as it is (`mta show`, a recipe's data.train)"
+            )
+        found = sorted(p.name for p in path.glob("*.jsonl") if p.is_file())
+        hint = (
+            f"it holds {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}: e.g. "
+            f"`mta annotate {path / found[0]} -o OUT_DIR`"
+            if found else "give the JSONL file itself (one JSON object per line)"
+        )
+        raise MtaError(f"the input {path} is a directory, not a JSONL file; {hint}")
+    if not path.exists():
+        raise MtaError(f"input file not found: {path}")
+    if not path.is_file():
+        raise MtaError(f"the input {path} is not a regular file; give a JSONL file")
+
+
 def _open(path: Path):
     try:
         return open(path, "rb")

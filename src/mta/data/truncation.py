@@ -6,6 +6,14 @@
 - The whole sequence may hold at most ``max_length`` ids on each side, EOS included. A longer
   response is cut at the last character where both tokenizers stay within the limit, and then
   gets no EOS.
+
+Cost is bounded by the limits, not by the row: every decision above depends only on the first
+``max_length + 1`` tokens of each side, so a long text is encoded through a window of its head
+(grown 4x until it holds that many tokens on every side) instead of whole. A token is final once
+the window runs ``LOCALITY_CHARS`` past it (tokenizers split text into words before they merge
+pieces, so a token cannot depend on text a word later); an ordinary row fits in the first window
+and is encoded whole, exactly as before. What spaCy parses is bounded the same way
+(:attr:`FittedText.parse_text`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,18 @@ import numpy as np
 from mta.data.token_ranges import prompt_token_count
 from mta.data.encoding import Encoding, TokenizerSide
 
+# Characters after a token within which more text can still change it (one word, generously):
+# a window's tokens that end this far before its end are those of the whole text.
+LOCALITY_CHARS = 1000
+# The first window holds this many characters per token of max_length, so every ordinary row
+# (up to ~16 characters per token on average; English runs at ~4) is encoded whole.
+WINDOW_CHARS_PER_TOKEN = 16
+# spaCy parses this far past the cut, so a phrase the cut splits is recognised and dropped
+# instead of being parsed as a shorter phrase that never was one. On the instruction sets in
+# ../shared (2,072 cut rows at max_length 128, 256 and 512, GPT-2 tokenizer) the kept spans equal
+# those of a whole-text parse from a margin of 400 characters on; this is five times that.
+PARSE_MARGIN_CHARS = 2000
+
 
 @dataclass(frozen=True)
 class FittedText:
@@ -28,11 +48,24 @@ class FittedText:
     complete: bool  # the response is whole: EOS is appended to the ids
     prompt_cut: bool
     encodings: tuple[Encoding, ...]
-    uncut_text: str  # prompt + whole response: what spaCy parses, so cut phrases are seen whole
+    response: str  # the whole response, of which ``text`` keeps the head (not copied: the row's)
 
     @property
     def response_cut(self) -> bool:
         return not self.complete
+
+    @property
+    def uncut_text(self) -> str:
+        """The (possibly cut) prompt and the whole response: what ``text`` was cut from."""
+        return self.text[: self.prompt_chars] + self.response
+
+    @property
+    def parse_text(self) -> str:
+        """What spaCy parses: ``text`` and up to ``PARSE_MARGIN_CHARS`` of what was cut after
+        it, so a phrase the cut splits is seen whole (and dropped), while a multi-megabyte
+        response costs no more than one at the limit."""
+        kept = len(self.text) - self.prompt_chars
+        return self.text[: self.prompt_chars] + self.response[: kept + PARSE_MARGIN_CHARS]
 
 
 @dataclass(frozen=True)
@@ -42,11 +75,13 @@ class PromptTooLong:
     tokens: int
     side: str  # "teacher" or "student"
     limit: int
+    at_least: bool = False  # a prompt longer than the encoding window: ``tokens`` is a lower bound
 
     @property
     def message(self) -> str:
         return (
-            f"the prompt is {self.tokens} tokens for the {self.side}, over --max-prompt-length {self.limit} "
+            f"the prompt is {'at least ' if self.at_least else ''}{self.tokens} tokens for the "
+            f"{self.side}, over --max-prompt-length {self.limit} "
             "(pass --truncate-prompt to keep its head instead of skipping the row)"
         )
 
@@ -86,6 +121,47 @@ def encode_all(sides: Sequence[TokenizerSide], text: str) -> list[Encoding]:
     return [done[id(side)] for side in sides]
 
 
+@dataclass(frozen=True)
+class _Window:
+    """Each side's encoding of the head of a text; ``known[i]``: how many leading tokens of side
+    ``i`` are certainly those of the whole text's encoding (all of them when ``whole``)."""
+
+    encodings: list[Encoding]
+    known: list[int]
+    whole: bool
+
+    def prompt_lengths(self, prompt_chars: int) -> tuple[list[int], bool]:
+        """Each side's prompt tokens among the known ones, and whether every count is exact
+        (a known token starts after the prompt, or the window is the whole text)."""
+        lengths = [
+            prompt_token_count(encoding.offsets[:known], prompt_chars)
+            for encoding, known in zip(self.encodings, self.known)
+        ]
+        exact = self.whole or all(length < known for length, known in zip(lengths, self.known))
+        return lengths, exact
+
+
+def _encode_head(
+    sides: Sequence[TokenizerSide], text: str, known_chars: int, enough: Callable[[_Window], bool]
+) -> _Window:
+    """The smallest window from ``known_chars`` up (x4 each time) that is ``enough``, or the
+    whole text. A window encodes ``text[:known_chars + LOCALITY_CHARS]``; its tokens ending by
+    ``known_chars`` are known."""
+    while True:
+        if known_chars + LOCALITY_CHARS >= len(text):
+            encodings = encode_all(sides, text)
+            return _Window(encodings, [len(encoding) for encoding in encodings], True)
+        encodings = encode_all(sides, text[: known_chars + LOCALITY_CHARS])
+        known = []
+        for encoding in encodings:
+            beyond = encoding.offsets[:, 1] > known_chars
+            known.append(int(np.argmax(beyond)) if beyond.any() else len(encoding))
+        window = _Window(encodings, known, False)
+        if enough(window):
+            return window
+        known_chars *= 4
+
+
 def _estimate(encodings: Sequence[Encoding], limit: int, default: int) -> int:
     """Where the ``limit``-th token ends on the side that reaches it first."""
     ends = [int(encoding.offsets[limit - 1, 1]) for encoding in encodings if len(encoding) > limit]
@@ -104,32 +180,43 @@ def fit_to_limits(
 ) -> FittedText | PromptTooLong:
     """Apply the prompt and total limits to ``prompt + response`` for every side at once.
 
-    ``roles`` names the sides in messages.
+    ``roles`` names the sides in messages. Only the head of a long text is encoded (module
+    docstring); the result is the one a whole-text encoding gives.
     """
     text = prompt + response
-    encodings = encode_all(sides, text)
+    deciding = max_length + 1  # tokens per side that decide both limits and the cut estimate
+    first_window = max_length * WINDOW_CHARS_PER_TOKEN
+
+    def decides(window: _Window) -> bool:
+        return all(known >= deciding for known in window.known)
+
+    window = _encode_head(sides, text, first_window, decides)
     prompt_cut = False
-    prompt_lengths = [prompt_token_count(encoding.offsets, len(prompt)) for encoding in encodings]
+    prompt_lengths, exact = window.prompt_lengths(len(prompt))
     if max(prompt_lengths) > max_prompt_length:
         worst = int(np.argmax(prompt_lengths))
         if not truncate_prompt:
-            return PromptTooLong(prompt_lengths[worst], roles[worst], max_prompt_length)
+            return PromptTooLong(prompt_lengths[worst], roles[worst], max_prompt_length, not exact)
 
         def prompt_fits(cut: int) -> bool:
-            return all(
-                prompt_token_count(encoding.offsets, cut) <= max_prompt_length
-                for encoding in encode_all(sides, prompt[:cut] + response)
-            )
+            def decided(head: _Window) -> bool:
+                lengths, exact = head.prompt_lengths(cut)
+                return exact or max(lengths) > max_prompt_length
+
+            head = _encode_head(sides, prompt[:cut] + response, cut + 256, decided)
+            return max(head.prompt_lengths(cut)[0]) <= max_prompt_length
 
         cut = last_fitting_cut(
-            prompt, 0, _estimate(encodings, max_prompt_length, len(prompt)), prompt_fits
+            prompt, 0, _estimate(window.encodings, max_prompt_length, len(prompt)), prompt_fits
         )
         prompt, prompt_cut = prompt[:cut], True
         text = prompt + response
-        encodings = encode_all(sides, text)
+        window = _encode_head(sides, text, first_window, decides)
 
-    if all(len(encoding) + 1 <= max_length for encoding in encodings):  # + 1: EOS
-        return FittedText(text, len(prompt), True, prompt_cut, tuple(encodings), text)
+    encodings = window.encodings
+    if window.whole and all(len(encoding) + 1 <= max_length for encoding in encodings):  # + 1: EOS
+        return FittedText(text, len(prompt), True, prompt_cut, tuple(encodings), response)
+    # A window that is not whole knows more than max_length tokens on every side: no fit.
 
     cache: dict[int, list[Encoding]] = {}
 
@@ -140,4 +227,4 @@ def fit_to_limits(
     cut = last_fitting_cut(text, len(prompt), _estimate(encodings, max_length, len(text)), whole_fits)
     if cut not in cache:
         whole_fits(cut)
-    return FittedText(text[:cut], len(prompt), False, prompt_cut, tuple(cache[cut]), text)
+    return FittedText(text[:cut], len(prompt), False, prompt_cut, tuple(cache[cut]), response)

@@ -30,6 +30,8 @@ from mta.training.trainer import run_distillation
 
 DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-demo.yaml"  # package data
 SETTINGS_FILE = "demo.json"
+# Bumped when a demo directory written earlier cannot be continued (2: run.json, fingerprints).
+DEMO_LAYOUT = 2
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,10 @@ def run_demo(
 
 
 def _claim(paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> None:
-    """Start over when the directory holds a demo of the other size (quick overwrites full)."""
+    """Start over when the directory holds a demo of the other size (quick overwrites full), or
+    one an mta with another directory layout wrote (its runs and predictions would be refused)."""
     stamp = paths.root / SETTINGS_FILE
-    wanted = json.dumps(asdict(settings), sort_keys=True)
+    wanted = json.dumps({**asdict(settings), "layout": DEMO_LAYOUT}, sort_keys=True)
     if stamp.exists() and json.dumps(json.loads(stamp.read_text()), sort_keys=True) != wanted:
         reporter.message(f"{paths.root} holds a demo with other settings: starting it over")
         shutil.rmtree(paths.root)
@@ -157,11 +160,12 @@ def _distill(recipe: Recipe, variant: Variant, reporter: Reporter) -> tuple[Path
         reporter.message(f"{variant.label}: already trained ({final})")
         return final, json.loads(timing.read_text())["seconds"]
     reporter.message(f"distill: {variant.label}")
-    resume = "auto" if latest_checkpoint(output_dir) is not None else None
+    # The demo owns its run directories: an interrupted run is continued, never refused.
+    resumed = latest_checkpoint(output_dir) is not None
     started = time.perf_counter()
-    final = run_distillation(recipe, resume=resume, reporter=reporter)
+    final = run_distillation(recipe, resume="auto", reporter=reporter)
     seconds = time.perf_counter() - started
-    atomic_write_json(timing, {"seconds": seconds, "resumed": resume is not None})
+    atomic_write_json(timing, {"seconds": seconds, "resumed": resumed})
     return final, seconds
 
 

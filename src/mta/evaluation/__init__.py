@@ -1,7 +1,8 @@
 """Evaluation under the MiniLLM protocol: sampled generation, ROUGE-L, perplexity, reports.
 
 Modules, in the order the data flows: ``settings`` (what to run, the protocol's sampler) ->
-``datasets`` (set files) -> ``models_under_test`` (labels, load and teardown) -> generation
+``datasets`` (set files) -> ``models_under_test`` (labels, up-front checks, load and teardown;
+``model_files``: whole weights, checksum lists, the weights' fingerprint) -> generation
 through ``mta.generation`` -> ``predictions`` (journals -> scored files, with ``mta.scoring``) ->
 ``results`` + ``report`` (results.json, results.md); ``perplexity`` scores references
 teacher-forced; ``layout`` names the files; ``runner`` ties them together with resume and

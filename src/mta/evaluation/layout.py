@@ -7,8 +7,11 @@
     predictions/<label>/<set>/seed-<s>.rank<r>.journal.jsonl   rows finished by rank r, while running
     predictions/<label>/perplexity.json                 teacher-forced perplexity (with --perplexity)
 
-The claim records the checkpoint, the lengths, the dtype and the sampler; a later run with any of
-them changed is refused instead of mixing predictions made two ways in one directory.
+The claim records the checkpoint, its fingerprint (``model_files``: the sha256 of its weight,
+tokenizer and config files, so weights changed in place at the same path are told apart), the
+lengths, the dtype and the sampler; a later run with any of them changed is refused, naming what
+changed, instead of reporting an old score or mixing predictions made two ways in one directory.
+Every claim is checked before the first model loads.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import torch
 from mta import distributed
 from mta.dtypes import dtype_name
 from mta.errors import MtaError
+from mta.evaluation.model_files import describe_changes
 from mta.evaluation.settings import EvalSettings
-from mta.files import atomic_write_json
+from mta.files import atomic_write_json, disk_full_is_reported
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,12 @@ class CheckpointPaths:
     def journals(self, set_name: str, seed: int) -> list[Path]:
         return sorted((self.root / set_name).glob(f"seed-{seed}.rank*.journal.jsonl"))
 
+    def stored_manifest(self) -> dict | None:
+        """generation.json's content, or None when the directory is not claimed yet."""
+        if not self.manifest.exists():
+            return None
+        return json.loads(self.manifest.read_text(encoding="utf-8"))
+
     def stored_perplexity(self) -> dict | None:
         """perplexity.json's content, or None when there is none yet."""
         if not self.perplexity.exists():
@@ -61,11 +71,19 @@ class CheckpointPaths:
         return json.loads(self.perplexity.read_text(encoding="utf-8"))
 
 
-def generation_manifest(checkpoint: str, settings: EvalSettings, dtype: torch.dtype) -> dict:
+FINGERPRINT = "checkpoint_fingerprint"
+FILES = "checkpoint_files"
+
+
+def generation_manifest(
+    checkpoint: str, settings: EvalSettings, dtype: torch.dtype, fingerprint: str, files: dict[str, str]
+) -> dict:
     """What generation.json records: everything a prediction depends on besides its row."""
     source = Path(checkpoint)
     return {
         "checkpoint": str(source.resolve()) if source.exists() else checkpoint,
+        FINGERPRINT: fingerprint,
+        FILES: files,
         "max_prompt_length": settings.max_prompt_length,
         "max_new_tokens": settings.max_new_tokens,
         "dtype": dtype_name(dtype),
@@ -73,22 +91,51 @@ def generation_manifest(checkpoint: str, settings: EvalSettings, dtype: torch.dt
     }
 
 
-def claim_directory(paths: CheckpointPaths, checkpoint: str, settings: EvalSettings, dtype: torch.dtype) -> None:
-    """Record what generates this directory's predictions; refuse to mix in other settings.
+def check_claim(paths: CheckpointPaths, manifest: dict) -> bool:
+    """Whether ``paths`` is already claimed by ``manifest``'s generation (False: unclaimed);
+    refuse, naming what changed, when it is claimed by another."""
+    try:
+        previous = paths.stored_manifest()
+    except json.JSONDecodeError as error:
+        raise MtaError(
+            f"{paths.manifest} is not valid JSON ({error.msg}), so what made the predictions beside it "
+            "cannot be told; delete that directory to regenerate them, or write to another -o."
+        ) from error
+    if previous is None:
+        return False
+    reasons = []
+    settings = [
+        f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in manifest.items()
+        if k not in (FINGERPRINT, FILES) and previous.get(k) != v
+    ]
+    if settings:
+        reasons.append(f"they were made with other settings ({'; '.join(settings)})")
+    if FINGERPRINT not in previous:
+        reasons.append(
+            f"an earlier mta made them without recording the fingerprint of {manifest['checkpoint']}, so "
+            "whether its weights changed since cannot be told"
+        )
+    elif previous[FINGERPRINT] != manifest[FINGERPRINT]:
+        what = describe_changes(previous.get(FILES) or {}, manifest[FILES]) or (
+            f"fingerprint {previous[FINGERPRINT]} -> {manifest[FINGERPRINT]}"
+        )
+        reasons.append(f"the checkpoint {manifest['checkpoint']} changed since they were made: {what}")
+    if reasons:
+        raise MtaError(
+            f"{paths.root} holds predictions that cannot be reused: {'; and '.join(reasons)}. Write to "
+            "another -o, give this checkpoint another --names label, or delete that directory to "
+            "regenerate them."
+        )
+    return True
 
-    Every rank calls it; rank 0 writes the manifest.
-    """
-    manifest = generation_manifest(checkpoint, settings, dtype)
-    if paths.manifest.exists():
-        previous = json.loads(paths.manifest.read_text(encoding="utf-8"))
-        changed = [f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in manifest.items() if previous.get(k) != v]
-        if changed:
-            raise MtaError(
-                f"{paths.root} holds predictions made with other settings ({'; '.join(changed)}). "
-                "Write to another -o, give this checkpoint another --names label, or delete that directory."
-            )
+
+def claim_directory(paths: CheckpointPaths, manifest: dict) -> None:
+    """Record what generates this directory's predictions; refuse to mix in another checkpoint
+    or other settings. Every rank calls it; rank 0 writes the manifest."""
+    if check_claim(paths, manifest):
         return
     distributed.barrier()  # every rank has read the absent manifest before rank 0 writes it
     if distributed.is_main():
-        atomic_write_json(paths.manifest, manifest)
+        with disk_full_is_reported(paths.manifest):
+            atomic_write_json(paths.manifest, manifest)
     distributed.barrier()

@@ -1,8 +1,9 @@
 """Checkpoints to evaluate: their labels, an up-front check, and clean load / teardown.
 
 A checkpoint is any Hugging Face causal-LM directory with its tokenizer, or a hub name. Every
-checkpoint is checked before the first one is loaded, so a typo in the fifth path does not
-surface after four hours of generation.
+checkpoint is checked before the first one is loaded (config, tokenizer, and that the weight
+files are there and whole, see ``model_files``), so a typo or a truncated copy in the fifth path
+does not surface after four hours of generation.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from mta.errors import MtaError
+from mta.evaluation.model_files import check_weights
 from mta.models.tokenizers import load_tokenizer
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=@-]+")
@@ -58,7 +60,8 @@ def checkpoint_names(checkpoints: Sequence[str], names: Sequence[str] | None = N
 
 
 def check_checkpoint(checkpoint: str) -> None:
-    """Fail with a fix when ``checkpoint`` is not a causal LM with a tokenizer (loads no weights)."""
+    """Fail with a fix when ``checkpoint`` is not a causal LM with whole weights and a tokenizer
+    (reads the weights' headers only; a hub name's weights are not looked at before loading)."""
     path = Path(checkpoint)
     if path.is_dir() and not (path / "config.json").is_file():
         raise MtaError(
@@ -77,6 +80,8 @@ def check_checkpoint(checkpoint: str) -> None:
         ) from error
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise MtaError(f"{checkpoint} is a {config.model_type} model, not a causal LM")
+    if path.is_dir():
+        check_weights(path)
     if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise MtaError(
             f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json). Save the "

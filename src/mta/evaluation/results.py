@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from mta.evaluation.datasets import BENCHMARKS, EvalSet
-from mta.evaluation.layout import CheckpointPaths
+from mta.evaluation.layout import FINGERPRINT, CheckpointPaths
 from mta.evaluation.settings import EvalSettings
 from mta.files import read_jsonl_lenient
 from mta.scoring import has_rouge_tokens
@@ -78,6 +78,8 @@ def checkpoint_results(
         sets[eval_set.name] = set_summary(per_seed, truncated, len(eval_set.rows))
     return {
         "checkpoint": checkpoint,
+        # What the predictions were generated from (generation.json): the weights' fingerprint.
+        "fingerprint": (paths.stored_manifest() or {}).get(FINGERPRINT),
         "sets": sets,
         **averages({name: s["rougeL"]["mean"] for name, s in sets.items()}),
         "perplexity": paths.stored_perplexity() if settings.perplexity else None,

@@ -1,10 +1,15 @@
 """The whole evaluation: checkpoints x sets x seeds, resumable, shardable under torchrun.
 
-For each checkpoint: claim its directory (``layout``), generate what its predictions files lack
+Up front, before any model loads: every checkpoint is checked (config, tokenizer, whole weights),
+fingerprinted (``model_files``; its checksum list verified) and its directory's claim compared
+(``layout``), so a changed or broken fifth checkpoint fails at once.
+For each checkpoint: claim its directory, generate what its predictions files lack
 (rows split over ranks, each finished row journalled as its batch ends, see ``predictions``),
 score perplexity when asked, then build results.json and results.md from the files alone
 (``results``, ``report``). Because each row's sampling noise is keyed by (seed, set, row), a
-resumed or re-sharded run draws the same noise as an uninterrupted one.
+resumed or re-sharded run draws the same noise as an uninterrupted one. A full disk while
+writing a journal, a predictions file or the results is one ``MtaError`` naming the file
+(``mta.files.disk_full_is_reported``): finished files are intact and a re-run resumes.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ from mta.evaluation.datasets import (
     resolve_benchmarks,
     resolve_split_file,
 )
-from mta.evaluation.layout import CheckpointPaths, claim_directory
+from mta.evaluation.layout import CheckpointPaths, check_claim, claim_directory, generation_manifest
+from mta.evaluation.model_files import checkpoint_fingerprint
 from mta.evaluation.models_under_test import check_checkpoint, checkpoint_names, loaded_checkpoint
 from mta.evaluation.perplexity import PerplexitySet, response_perplexity
 from mta.evaluation.predictions import finished_rows, is_complete, journal_record, write_predictions
 from mta.evaluation.report import results_markdown
 from mta.evaluation.results import collect_results
 from mta.evaluation.settings import EvalSettings, evaluation_seed
-from mta.files import Journal, atomic_write_json, atomic_write_text
+from mta.files import Journal, atomic_write_json, atomic_write_text, disk_full_is_reported
 from mta.generation.generator import Generator, HFGenerator
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
@@ -51,8 +57,10 @@ def evaluate_checkpoints(
 ) -> dict:
     """Generate, score and compare ``checkpoints``; returns what results.json holds.
 
-    Every input is checked before the first model loads. One model is in memory at a time.
-    Under torchrun every rank must call this with the same arguments; rank 0 writes results.
+    Every input is checked before the first model loads, each checkpoint's weights fingerprinted
+    (predictions of other weights at the same path are refused, never reused). One model is in
+    memory at a time. Under torchrun every rank must call this with the same arguments; rank 0
+    writes results.
     """
     settings = settings or EvalSettings()
     reporter = reporter or SilentReporter()
@@ -64,22 +72,31 @@ def evaluate_checkpoints(
     labels = checkpoint_names(checkpoints, names)
     for checkpoint in checkpoints:
         check_checkpoint(checkpoint)
+    fingerprints = [checkpoint_fingerprint(checkpoint) for checkpoint in checkpoints]
     eval_sets = [load_eval_set(b, p, settings.limit) for b, p in resolve_benchmarks(data_dir, settings.benchmarks)]
     perplexity = _perplexity_set(data_dir, settings)
 
     device = distributed.resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
+    manifests = [
+        generation_manifest(checkpoint, settings, dtype, fingerprint, files)
+        for checkpoint, (fingerprint, files) in zip(checkpoints, fingerprints)
+    ]
+    for label, manifest in zip(labels, manifests):
+        check_claim(CheckpointPaths.of(out_dir, label), manifest)
     with distributed.joined_process_group():
-        for checkpoint, label in zip(checkpoints, labels):
+        for checkpoint, label, manifest in zip(checkpoints, labels, manifests):
             paths = CheckpointPaths.of(out_dir, label)
-            claim_directory(paths, checkpoint, settings, dtype)
+            claim_directory(paths, manifest)
             _evaluate_checkpoint(checkpoint, label, paths, eval_sets, perplexity, settings, device, dtype, reporter)
         distributed.barrier()
         results = collect_results(out_dir, checkpoints, labels, eval_sets, settings, data_dir, dtype_name(dtype))
         if distributed.is_main():
             _log_truncated_prompts(results, settings.max_prompt_length)
-            atomic_write_json(out_dir / "results.json", results)
-            atomic_write_text(out_dir / "results.md", results_markdown(results))
+            with disk_full_is_reported(out_dir / "results.json"):
+                atomic_write_json(out_dir / "results.json", results)
+            with disk_full_is_reported(out_dir / "results.md"):
+                atomic_write_text(out_dir / "results.md", results_markdown(results))
         distributed.barrier()
         return results
 
@@ -148,9 +165,10 @@ def _generate_set(
     prompts = [p[: settings.max_prompt_length] for p in prompts]
     seeds = [evaluation_seed(seed, eval_set.name, row.index) for row in mine]
     if mine:
+        journal_path = paths.journal(eval_set.name, seed, distributed.rank())
         reporter.start(f"{label} · {eval_set.name} · seed {seed}", len(mine), unit="rows")
         try:
-            with Journal(paths.journal(eval_set.name, seed, distributed.rank())) as journal:
+            with disk_full_is_reported(journal_path), Journal(journal_path) as journal:
                 for completions in generator.generate(prompts, seeds):
                     journal.append(
                         journal_record(
@@ -163,7 +181,8 @@ def _generate_set(
             reporter.stop()
     distributed.barrier()
     if distributed.is_main():
-        write_predictions(paths, eval_set, seed)
+        with disk_full_is_reported(paths.predictions(eval_set.name, seed)):
+            write_predictions(paths, eval_set, seed)
     distributed.barrier()
 
 
@@ -183,7 +202,8 @@ def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settin
     )
     if distributed.is_main():
         key = perplexity.key(settings.max_prompt_length, settings.max_new_tokens)
-        atomic_write_json(paths.perplexity, {**key, **result.to_dict()})
+        with disk_full_is_reported(paths.perplexity):
+            atomic_write_json(paths.perplexity, {**key, **result.to_dict()})
     distributed.barrier()
 
 

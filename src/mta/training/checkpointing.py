@@ -6,31 +6,55 @@ Layout under the run's output directory::
         config.json, model.safetensors, tokenizer files   (plain Hugging Face format)
         recipe.yaml, versions.json                        (what produced it)
         deepspeed/                                        (engine, optimizer and scheduler state)
-        trainer_state.json                                (step, RNG state; written last)
+        trainer_state.json                                (step, RNG state, run_id)
+        checksums.sha256                                  (sha256 of every file above; last)
     final/                          the last weights, Hugging Face format + recipe + versions
+                                    + checksums.sha256
 
 Every checkpoint is written into ``step-N.partial`` and renamed to ``step-N`` only when
 complete, so a crash at any point leaves the previous checkpoints untouched and never a
-directory that looks complete; ``latest_checkpoint`` ignores anything else.
+directory that looks complete; an error while saving (a full disk included) removes the
+partial directory. ``complete_checkpoints`` lists the published ones (``step-N`` with its
+``trainer_state.json``); ``--resume auto`` takes the newest of them.
+
+Resuming refuses a checkpoint that is not what was written, before loading anything from it: a
+file whose sha256 differs from ``checksums.sha256``, a listed file that is missing, an unlisted
+one, a ``deepspeed/`` state that is absent or a state file that needs a type outside
+``mta.training.safe_loading``'s allow-list, an unreadable ``trainer_state.json``. The message
+names the file(s) and offers the newest other checkpoint that passes the same checks
+(``--resume <path>``). A checkpoint written before checksum lists existed (older mta) has none:
+it is resumed after the same structural checks, with a logged warning that its bytes could not
+be verified. Every ``.pt`` file is read through ``mta.training.safe_loading`` (no code runs
+from a checkpoint).
+
+Pruning keeps the newest ``train.keep_checkpoints`` of *this run's* checkpoints (same
+``run_id`` in ``trainer_state.json``; ``""`` for checkpoints of older mta): another run's
+checkpoints in the same directory are never removed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from mta import distributed
 from mta.errors import MtaError
-from mta.files import atomic_write_json, atomic_write_text, publish_directory
-from mta.versions import package_versions
+from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory
+from mta.hashing import CHECKSUMS, checksum_text, directory_checksums, read_checksums
+from mta.training import safe_loading
 from mta.training.recipe import Recipe, recipe_to_yaml
+from mta.versions import package_versions
+
+log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -44,20 +68,22 @@ class TrainerState:
 
     step: optimizer steps completed; the batches to come follow from it (see
     ``mta.training.batching``). rng: the ``torch`` CPU generator state of each rank (dropout).
+    run_id: the run that wrote the checkpoint (``mta.training.run_directory``); ``""`` in
+    checkpoints of older mta.
     """
 
     step: int
     total_steps: int
     rng: list[list[int]] = field(default_factory=list)
+    run_id: str = ""
 
 
 def checkpoints_dir(output_dir: Path) -> Path:
     return output_dir / "checkpoints"
 
 
-def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint, oldest first."""
-    root = checkpoints_dir(output_dir)
+def _published(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-N`` under ``root`` with its state file, oldest first."""
     found = []
     if root.is_dir():
         for child in root.iterdir():
@@ -67,13 +93,26 @@ def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete (published) checkpoint, oldest first.
+
+    Complete means written to the end and renamed into place; whether its bytes are still the
+    ones written is checked when it is resumed (``verify_checkpoint``), not here.
+    """
+    return _published(checkpoints_dir(output_dir))
+
+
 def latest_checkpoint(output_dir: Path) -> Optional[Path]:
     found = complete_checkpoints(output_dir)
     return found[-1][1] if found else None
 
 
 def resolve_resume(resume: Optional[str], output_dir: Path) -> Optional[Path]:
-    """``--resume``: None (start fresh), ``"auto"`` (newest complete checkpoint, if any) or a path."""
+    """``--resume``: None (start fresh), ``"auto"`` (newest complete checkpoint, if any) or a path.
+
+    ``load_checkpoint`` then verifies it: a damaged newest checkpoint is refused with the
+    previous one offered, never skipped silently.
+    """
     if resume is None:
         return None
     if resume == "auto":
@@ -87,58 +126,237 @@ def resolve_resume(resume: Optional[str], output_dir: Path) -> Optional[Path]:
     return path
 
 
-def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path) -> None:
-    """The student in Hugging Face format (+ tokenizer, recipe, versions) into ``directory``.
+# --------------------------------------------------------------------------- verification
 
-    Under ZeRO-3 the shards are gathered first; every rank must call this.
-    """
-    student = engine.module.student
+def _read_state(path: Path) -> TrainerState:
+    """``path``'s ``trainer_state.json``; MtaError naming the file when it is not a valid one."""
+    state_file = path / STATE_FILE
+    try:
+        raw = json.loads(state_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MtaError(f"{state_file} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MtaError(f"{state_file} is not valid JSON (truncated or corrupt: {error})") from error
+    known = {f.name for f in fields(TrainerState)}
+    if not isinstance(raw, dict):
+        raise MtaError(f"{state_file} is not a JSON object")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise MtaError(
+            f"{state_file} has keys this mta does not know ({', '.join(unknown)}): it was written "
+            "by a newer mta; resume with that version"
+        )
+    try:
+        state = TrainerState(**raw)
+    except TypeError as error:
+        raise MtaError(f"{state_file} lacks a required key ({error})") from error
+    if not (isinstance(state.step, int) and isinstance(state.total_steps, int)
+            and isinstance(state.rng, list) and isinstance(state.run_id, str)):
+        raise MtaError(f"{state_file}: step/total_steps must be integers, rng a list, run_id a string")
+    return state
+
+
+def _changes(path: Path, recorded: dict[str, str]) -> list[str]:
+    """What differs from the recorded checksum list, one phrase per file."""
+    current = directory_checksums(path)
+    changes = [f"{name} (missing)" for name in recorded if name not in current]
+    changes += [f"{name} (changed: sha256 differs)" for name, digest in recorded.items()
+                if name in current and current[name] != digest]
+    changes += [f"{name} (not in {CHECKSUMS})" for name in current if name not in recorded]
+    return changes
+
+
+def _problem(path: Path) -> tuple[Optional[str], bool]:
+    """Why ``path`` cannot be resumed as it was written (None: it can), and whether it has a
+    checksum list. Reads every file's bytes (hashing) and each state file's pickle opcodes."""
+    if not (path / STATE_FILE).is_file():
+        return f"{path} is not a complete checkpoint (no {STATE_FILE})", False
+    try:
+        recorded = read_checksums(path)
+    except (MtaError, OSError, UnicodeDecodeError) as error:
+        return f"{path}: {error}", True
+    listed = recorded is not None
+    if listed:
+        changes = _changes(path, recorded)
+        if changes:
+            return (f"{path} is not the checkpoint that was written: " + "; ".join(changes)
+                    + f" (compared with its {CHECKSUMS})"), listed
+    # Without a list (older mta) these are the only checks; with one they catch nothing new
+    # but a state file written by other software with the list rewritten to match.
+    state_dir = path / DEEPSPEED_DIR / DEEPSPEED_TAG
+    if not state_dir.is_dir():
+        return f"{state_dir} is missing: the checkpoint has no DeepSpeed state to resume", listed
+    state_files = sorted(state_dir.glob("*.pt"))
+    if not any(f.name.endswith("model_states.pt") for f in state_files):
+        return f"{state_dir} holds no *model_states.pt file", listed
+    try:
+        _read_state(path)
+        for state_file in state_files:
+            safe_loading.check_state_file(state_file)
+    except MtaError as error:
+        return str(error), listed
+    return None, listed
+
+
+def _offer(path: Path) -> str:
+    """The way on from a refused ``path``: the newest other checkpoint beside it that passes."""
+    root = path.parent
+    for _, other in reversed(_published(root)):
+        if other.resolve() == path.resolve():
+            continue
+        if _problem(other)[0] is None:
+            return f"Resume from the previous complete checkpoint instead: --resume {other}"
+    return (f"No other checkpoint under {root} passes these checks: start over with --overwrite, "
+            "or resume from a copy you trust")
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Refuse (MtaError naming the file(s) and the previous checkpoint) a checkpoint whose files
+    are not the ones written, or that cannot be resumed; warn when it has no checksum list."""
+    problem, listed = _problem(Path(path))
+    if problem is not None:
+        raise MtaError(f"{problem}; the checkpoint was not loaded (nothing of it was read into the run). "
+                       f"{_offer(Path(path))}")
+    if not listed:
+        log.warning(
+            "%s has no %s (written by an older mta): its files could not be verified; resuming "
+            "from it after structural checks only", path, CHECKSUMS,
+        )
+
+
+# --------------------------------------------------------------------------- saving
+
+def _student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
+    """The student's full state dict (on rank 0; under ZeRO-3 None elsewhere). Every rank calls."""
     if engine.zero_optimization_partition_weights():
         # Gathers one layer at a time onto rank 0's CPU (what accelerate's get_state_dict uses),
         # so a model larger than one device still exports.
         state = engine._zero3_consolidated_16bit_state_dict()
         prefix = "student."
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if state else None
-    else:
-        state = student.state_dict()
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if state else None
+    return engine.module.student.state_dict()
+
+
+def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path) -> None:
+    """The student in Hugging Face format (+ tokenizer, recipe, versions) into ``directory``.
+
+    Under ZeRO-3 the shards are gathered first; every rank must call this.
+    """
+    state = _student_state_dict(engine)
     if distributed.is_main():
         directory.mkdir(parents=True, exist_ok=True)
-        student.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+        engine.module.student.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(str(directory))
         atomic_write_text(directory / "recipe.yaml", recipe_to_yaml(recipe))
         atomic_write_json(directory / "versions.json", package_versions())
 
 
+def _write_checksums(directory: Path) -> None:
+    """``checksums.sha256`` over everything in ``directory``: the last file before publishing."""
+    atomic_write_text(directory / CHECKSUMS, checksum_text(directory_checksums(directory)))
+
+
+@contextmanager
+def _removed_on_error(final: Path, partial: Path, kept: str) -> Iterator[None]:
+    """On any error the partial directory goes; a full disk becomes one MtaError.
+
+    kept: what the message can promise about what was there before (a clause).
+    """
+    try:
+        yield
+    except BaseException as error:
+        # Before removing the partial files: they are what fills the disk.
+        full = isinstance(error, (OSError, RuntimeError)) and is_disk_full(error, partial.parent)
+        if distributed.is_main():
+            shutil.rmtree(partial, ignore_errors=True)
+        if full:
+            raise MtaError(
+                f"disk full while writing {final}; nothing was lost: the unfinished {partial.name} "
+                f"was removed and {kept}; free space and continue with --resume auto"
+            ) from error
+        raise
+
+
+def _run_id_of(path: Path) -> Optional[str]:
+    """The run that wrote checkpoint ``path`` (None when its state cannot be read)."""
+    try:
+        raw = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        return str(raw.get("run_id", "")) if isinstance(raw, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _prune(root: Path, state: TrainerState, keep: int) -> None:
+    """Remove this run's checkpoints older than ``state.step`` beyond the newest ``keep`` (the
+    one just written counts). Another run's, or one whose state cannot be read, stay."""
+    own_older = [path for step, path in _published(root)
+                 if step < state.step and _run_id_of(path) == state.run_id]
+    for old in own_older[: max(0, len(own_older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(
     engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path, state: TrainerState
 ) -> Path:
-    """Write ``checkpoints/step-N`` atomically, then drop all but the newest ``keep_checkpoints``."""
+    """Write ``checkpoints/step-N`` atomically, then drop this run's checkpoints beyond the
+    newest ``keep_checkpoints``."""
     root = checkpoints_dir(output_dir)
     final = root / f"step-{state.step}"
     partial = root / f"step-{state.step}.partial"
+    earlier = [path.name for _, path in _published(root) if path != final]
+    kept = (f"the earlier checkpoints ({', '.join(earlier)}) are intact" if earlier
+            else "there was no earlier checkpoint")
+    with _removed_on_error(final, partial, kept):
+        if distributed.is_main():
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        distributed.barrier()
+        _export_hf(engine, tokenizer, recipe, partial)
+        engine.save_checkpoint(str(partial / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+        rng = distributed.gather_objects(torch.get_rng_state().tolist())
+        if distributed.is_main():
+            atomic_write_json(partial / STATE_FILE, asdict(state) | {"rng": rng})
+            _write_checksums(partial)
+            if final.exists() and _run_id_of(final) != state.run_id:
+                log.warning("replacing %s, written by another run (run_id %r)", final, _run_id_of(final))
+            # Replaces a checkpoint of the same step from an earlier, overtaken attempt.
+            publish_directory(partial, final)
     if distributed.is_main():
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    distributed.barrier()
-    _export_hf(engine, tokenizer, recipe, partial)
-    engine.save_checkpoint(str(partial / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
-    rng = distributed.gather_objects(torch.get_rng_state().tolist())
-    if distributed.is_main():
-        atomic_write_json(partial / STATE_FILE, asdict(state) | {"rng": rng})
-        # Replaces a checkpoint of the same step from an earlier, overtaken attempt.
-        publish_directory(partial, final)
-        for _, old in complete_checkpoints(output_dir)[: -recipe.train.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+        _prune(root, state, recipe.train.keep_checkpoints)
     distributed.barrier()
     return final
 
 
 def load_checkpoint(engine, path: Path) -> TrainerState:
-    """Restore weights, optimizer, schedule and this rank's RNG from ``path``."""
-    loaded, _ = engine.load_checkpoint(str(path / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+    """Verify ``path`` (``verify_checkpoint``), then restore weights, optimizer, schedule and
+    this rank's RNG from it, reading DeepSpeed's files through ``mta.training.safe_loading``."""
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    path = Path(path)
+    refusal = None
+    if distributed.is_main():  # hashes every file once, not once per rank
+        try:
+            verify_checkpoint(path)
+        except MtaError as error:
+            refusal = str(error)
+    refusal = distributed.broadcast_from_main(refusal)
+    if refusal is not None:
+        raise MtaError(refusal)
+    state = _read_state(path)
+    deepspeed_dir = path / DEEPSPEED_DIR
+    try:
+        with safe_loading.restricted_loading(engine):
+            loaded, _ = engine.load_checkpoint(str(deepspeed_dir), tag=DEEPSPEED_TAG)
+    except safe_loading.CheckpointFileError as error:
+        raise MtaError(f"{error}; the file was not loaded and the resume stopped. {_offer(path)}") from error
+    except (RuntimeError, KeyError, ValueError, AssertionError, ZeRORuntimeException) as error:
+        raise MtaError(
+            f"{deepspeed_dir}: DeepSpeed could not restore this state into the run "
+            f"({type(error).__name__}: {error}); was it written with another model, ZeRO stage or "
+            f"number of processes? {_offer(path)}"
+        ) from error
     if loaded is None:
-        raise MtaError(f"{path}: the DeepSpeed state could not be loaded; resume from another checkpoint")
-    state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+        raise MtaError(f"{deepspeed_dir}: DeepSpeed found no state to load. {_offer(path)}")
     if distributed.rank() < len(state.rng):
         torch.set_rng_state(torch.tensor(state.rng[distributed.rank()], dtype=torch.uint8))
     return state
@@ -148,11 +366,13 @@ def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, outpu
     """``final/`` in Hugging Face format, replacing an earlier one only once the new one is whole."""
     final = output_dir / "final"
     partial = output_dir / "final.partial"
-    if distributed.is_main():
-        shutil.rmtree(partial, ignore_errors=True)
-    distributed.barrier()
-    _export_hf(engine, tokenizer, recipe, partial)
-    if distributed.is_main():
-        publish_directory(partial, final)
+    with _removed_on_error(final, partial, "the checkpoints and any earlier final/ are intact"):
+        if distributed.is_main():
+            shutil.rmtree(partial, ignore_errors=True)
+        distributed.barrier()
+        _export_hf(engine, tokenizer, recipe, partial)
+        if distributed.is_main():
+            _write_checksums(partial)
+            publish_directory(partial, final)
     distributed.barrier()
     return final

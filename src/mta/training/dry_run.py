@@ -17,7 +17,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from mta.dtypes import BYTES_PER_ELEMENT
 from mta.errors import MtaError
 from mta.training.layers import LayerPair, resolve_layer_map
-from mta.training.recipe import ModelSpec, Recipe, TinyModel, unset_variables
+from mta.training.recipe import (
+    ModelSpec,
+    Recipe,
+    TinyModel,
+    check_sequence_lengths,
+    position_limit,
+    unset_variables,
+)
 
 GIB = 1024**3
 
@@ -36,6 +43,7 @@ class ModelPlan:
     vocab_rows: int
     parameters: int
     dtype: str
+    max_positions: int | None = None  # None: the config sets no position limit
 
 
 @dataclass(frozen=True)
@@ -162,7 +170,12 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 def plan_model(spec: ModelSpec, recipe: Recipe, role: str) -> ModelPlan:
     config, source = load_model_config(spec, recipe, role)
+    return _plan_from_config(spec, role, config, source)
+
+
+def _plan_from_config(spec: ModelSpec, role: str, config: PretrainedConfig, source: str) -> ModelPlan:
     model = meta_model(config)
+    limit = position_limit(config)
     return ModelPlan(
         role=role,
         name=spec.path,
@@ -174,6 +187,7 @@ def plan_model(spec: ModelSpec, recipe: Recipe, role: str) -> ModelPlan:
         vocab_rows=model.get_input_embeddings().num_embeddings,
         parameters=parameter_count(model),
         dtype=spec.dtype,
+        max_positions=limit[0] if limit else None,
     )
 
 
@@ -242,15 +256,26 @@ def estimate_memory(
 def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     """Everything ``--dry-run`` reports for ``recipe`` on ``world_size`` devices; no weights.
 
-    Raises ``MtaError`` when a config cannot be found offline, a layer pair points past a model's
-    depth, or the global batch cannot be split over ``world_size`` devices.
+    Raises ``MtaError`` when a config cannot be found offline, ``data.max_length`` (or the dev
+    samples) needs more positions than a model has, a layer pair points past a model's depth, or
+    the global batch cannot be split over ``world_size`` devices.
     """
     if world_size < 1:
         raise MtaError(f"world size must be at least 1, got {world_size}")
     train = recipe.train
     accumulation = train.accumulation_steps(world_size)
-    student = plan_model(recipe.student, recipe, "student")
-    teacher = plan_model(recipe.teacher, recipe, "teacher") if recipe.teacher else None
+    configs = {
+        role: load_model_config(spec, recipe, role)
+        for role, spec in (("student", recipe.student), ("teacher", recipe.teacher)) if spec is not None
+    }
+    # Before the models are built: a length no model can take is the first thing to fix.
+    for role, (config, _) in configs.items():
+        check_sequence_lengths(
+            recipe.data, config, role, model=getattr(recipe, role).path, source=recipe.source,
+            sample_new_tokens=recipe.dev_sample_new_tokens if role == "student" else 0,
+        )
+    student = _plan_from_config(recipe.student, "student", *configs["student"])
+    teacher = _plan_from_config(recipe.teacher, "teacher", *configs["teacher"]) if recipe.teacher else None
     notes: list[str] = []
 
     layers: list[LayerPair] = []

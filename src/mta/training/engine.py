@@ -111,6 +111,23 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def restart_schedule(engine, train: TrainSpec, step: int, total_steps: int) -> None:
+    """After a resume at ``step``: each group's base rate is the recipe's (a resume may change
+    ``train.lr`` / ``train.projector_lr``), under the schedule planned for ``total_steps`` (a
+    resume may change the length). Loading the checkpoint restored the old rates; this is the
+    rule ``mta.training.resume_rules.LR_RULE`` states.
+    """
+    scheduler = engine.lr_scheduler
+    bases = {"student": train.lr, "projectors": train.projector_lr}
+    multiplier = lr_multiplier(step, total_steps, train.warmup_steps, train.schedule)
+    for index, group in enumerate(engine.optimizer.param_groups):
+        base = bases[group.get("name", "student" if index == 0 else "projectors")]
+        group["initial_lr"] = base
+        scheduler.base_lrs[index] = base
+        group["lr"] = base * multiplier
+    scheduler._last_lr = [group["lr"] for group in engine.optimizer.param_groups]
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, total_steps, train.warmup_steps, train.schedule)

@@ -16,17 +16,24 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from mta.dtypes import torch_dtype
 from mta.errors import MtaError
 from mta.models.tiny import build_tiny_model, build_tiny_tokenizer
-from mta.models.tokenizers import load_tokenizer
+from mta.hashing import file_sha256, json_sha256
+from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
 from mta.training.recipe import ModelSpec, Recipe
 
 log = logging.getLogger(__name__)
 
+KEY_LENGTH = 12  # hex digits of the content key in a built model's directory name
+
+
 def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
     """``(model, tokenizer)`` as directories or hub names, building ``tiny`` models first.
 
-    A ``tiny`` model is built at ``path`` (relative paths under ``output_dir``); its tokenizer is
-    trained from ``tiny.tokenizer_corpus`` into ``output_dir/models/tokenizer-<vocab>`` unless
-    ``tokenizer`` names one, so a tiny teacher and student of the same vocabulary share it.
+    Built models are keyed on what they are built from, so a changed description builds a new
+    one instead of reusing (or overwriting) the old: a ``tiny`` model lives at
+    ``<path>-<key>`` (relative paths under ``output_dir``), the key a hash of its description
+    and its tokenizer's fingerprint; its tokenizer, unless ``tokenizer`` names one, is trained
+    from ``tiny.tokenizer_corpus`` into ``output_dir/models/tokenizer-<vocab>-<key>``, the key a
+    hash of the corpus bytes, so a tiny teacher and student of the same vocabulary share it.
     """
     if spec.tiny is None:
         model = recipe.resolve(spec.path, f"{role}.path")
@@ -37,14 +44,18 @@ def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
     if spec.tokenizer:
         tokenizer_dir = recipe.resolve(spec.tokenizer, f"{role}.tokenizer")
     else:
-        tokenizer_dir = output_dir / "models" / f"tokenizer-{tiny.vocab_size}"
         corpus = recipe.resolve(tiny.tokenizer_corpus, f"{role}.tiny.tokenizer_corpus")
-        if not corpus.exists():
+        if not corpus.is_file():
             raise MtaError(f"{role}.tiny.tokenizer_corpus: no such file {corpus}")
+        key = json_sha256({"corpus": file_sha256(corpus), "vocab_size": tiny.vocab_size})[:KEY_LENGTH]
+        tokenizer_dir = output_dir / "models" / f"tokenizer-{tiny.vocab_size}-{key}"
         build_tiny_tokenizer(corpus, tokenizer_dir, vocab_size=tiny.vocab_size)
+    description = tiny.model_dump(exclude={"tokenizer_corpus", "vocab_size"})
+    key = json_sha256({"tiny": description, "tokenizer": tokenizer_fingerprint(load_tokenizer(tokenizer_dir))})
     model_dir = Path(spec.path).expanduser()
     if not model_dir.is_absolute():
         model_dir = output_dir / model_dir
+    model_dir = model_dir.with_name(f"{model_dir.name}-{key[:KEY_LENGTH]}")
     build_tiny_model(
         tokenizer_dir, model_dir, model_type=tiny.model_type, num_layers=tiny.num_layers,
         hidden_size=tiny.hidden_size, num_heads=tiny.num_heads, seed=tiny.seed,

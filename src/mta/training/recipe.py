@@ -12,10 +12,20 @@ a relative path that exists beside the recipe file is taken from there (so ``con
 in the shipped ``gpt2.yaml`` means ``src/mta/recipes/configs/gpt2.json``); anything else, such as
 an output directory still to be created or a hub name like ``gpt2``, stays relative to the working
 directory (also for a shipped recipe: its runs never land inside the installed package).
+
+Hostile or broken YAML is refused before anything is built from it (``load_yaml``): a document
+whose aliases expand past ``MAX_YAML_VALUES`` values (a "billion laughs" bomb), nests deeper than
+``MAX_YAML_DEPTH``, refers to itself or repeats a key in one mapping. Numbers must be finite
+everywhere, the ``deepspeed:`` passthrough included, whose top-level keys must be settings the
+installed DeepSpeed reads (``deepspeed_setting_names``).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import logging
+import math
 import os
 import re
 import typing
@@ -30,10 +40,14 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from mta.errors import MtaError
+
+log = logging.getLogger(__name__)
 
 BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -41,7 +55,8 @@ Granularity = Literal["word", "phrase"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `lr: .inf`, `.nan` or `1e400` is an error, never a silent NaN run.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TinyModel(Strict):
@@ -197,11 +212,198 @@ DEEPSPEED_KEYS_OWNED_BY_RECIPE = {
     "gradient_accumulation_steps": "train.batch_size and train.micro_batch_size",
     "gradient_clipping": "train.grad_clip",
     "bf16": "train.precision",
+    "bfloat16": "train.precision",  # DeepSpeed's older name for bf16
     "fp16": "train.precision",
     "optimizer": "train.optimizer, train.lr, train.betas and train.weight_decay",
     "scheduler": "train.schedule and train.warmup_steps",
     "zero_optimization.stage": "train.zero_stage",
 }
+
+# Sections the recipe owns part of: they must stay mappings, since the passthrough is merged into
+# mta's own section key by key. DeepSpeed reads `zero_optimization: true` as ZeRO stage 1, so a
+# non-mapping value would replace train.zero_stage without a word.
+DEEPSPEED_SECTIONS_OWNED_IN_PART = tuple(
+    sorted({key.rpartition(".")[0] for key in DEEPSPEED_KEYS_OWNED_BY_RECIPE if "." in key})
+)
+
+# Top-level keys `deepspeed.initialize` itself reads from the config, outside DeepSpeedConfig
+# (the device mesh for sequence parallelism), which the probe below cannot see.
+_DEEPSPEED_KEYS_READ_BY_INITIALIZE = frozenset({"sequence_parallel_size", "data_parallel_size"})
+
+DEEPSPEED_CONFIG_DOCS = "https://www.deepspeed.ai/docs/config-json/"
+
+
+class _KeysLookedUp(dict):
+    """A dict that notes every key looked up in it (``[]``, ``get``, ``in``, ``.keys()``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # In __dict__, so the shallow copy DeepSpeedConfig takes shares the record.
+        self.looked_up: set[Any] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.looked_up.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, *default: Any) -> Any:
+        self.looked_up.add(key)
+        return super().get(key, *default)
+
+    def __contains__(self, key: Any) -> bool:
+        self.looked_up.add(key)
+        return super().__contains__(key)
+
+    def keys(self) -> Any:
+        outer = self
+
+        class Keys:
+            def __contains__(self, key: Any) -> bool:
+                return outer.__contains__(key)
+
+            def __iter__(self):
+                return iter(dict.keys(outer))
+
+            def __len__(self) -> int:
+                return dict.__len__(outer)
+
+        return Keys()
+
+
+class _OneDataParallelRank:
+    """The ``mpu`` argument that makes DeepSpeedConfig assume a world of one process."""
+
+    @staticmethod
+    def get_data_parallel_world_size() -> int:
+        return 1
+
+
+@functools.cache
+def deepspeed_setting_names() -> Optional[frozenset[str]]:
+    """The top-level config keys the installed DeepSpeed reads, or None if it cannot be asked.
+
+    Asked, not listed: a ``DeepSpeedConfig`` is built over a minimal config that records every
+    key DeepSpeed looks up in it (each section reader probes its key), plus the few keys
+    ``deepspeed.initialize`` reads itself. Keys DeepSpeed has removed are in the result (it looks
+    them up to refuse them); ``deepspeed_removed_settings`` has its message for each. Imports
+    DeepSpeed (about a second), once per process, and only for recipes with a ``deepspeed:`` mapping.
+    """
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        probe = _KeysLookedUp(
+            train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1
+        )
+        DeepSpeedConfig(probe, mpu=_OneDataParallelRank())
+    except Exception as error:  # not installed, or its config reader changed shape
+        log.warning("cannot list DeepSpeed's config keys (%s); deepspeed: keys are not checked", error)
+        return None
+    names = {key for key in probe.looked_up if isinstance(key, str)}
+    return frozenset(names | _DEEPSPEED_KEYS_READ_BY_INITIALIZE)
+
+
+@functools.cache
+def deepspeed_removed_settings() -> dict[str, str]:
+    """DeepSpeed's own message for each top-level key it has removed (it refuses them at start)."""
+    try:
+        from deepspeed.runtime import config
+
+        return dict(getattr(config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
+    except Exception:
+        return {}
+
+
+def _deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "?"
+
+
+def _close_match(word: str, choices: typing.Iterable[str]) -> Optional[str]:
+    """The choice ``word`` most likely misspells (``max-length`` -> ``max_length``), if any."""
+    choices = list(choices)
+    normal = {choice.lower().replace("-", "_"): choice for choice in choices}
+    spelled = str(word).strip().lower().replace("-", "_").replace(" ", "_")
+    if spelled in normal:
+        return normal[spelled]
+    found = difflib.get_close_matches(spelled, choices, n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+def _deepspeed_problem(settings: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], str]]:
+    """The first problem in the ``deepspeed:`` mapping as ``(path inside it, message)``."""
+    known = deepspeed_setting_names() if settings else None
+    removed = deepspeed_removed_settings() if settings else {}
+    for key, value in settings.items():
+        if key in DEEPSPEED_KEYS_OWNED_BY_RECIPE:
+            return (key,), _owned_message(key)
+        if key in removed:
+            return (key,), f"removed from DeepSpeed {_deepspeed_version()}: {removed[key].strip()}"
+        if known is not None and key not in known:
+            return (key,), _unknown_deepspeed_key(key, known)
+        if key in DEEPSPEED_SECTIONS_OWNED_IN_PART:
+            if not isinstance(value, dict):
+                return (key,), (
+                    f"must be a mapping of DeepSpeed {key} settings, got {_yaml_text(value)}; mta merges it "
+                    f"into its own {key} section key by key (a non-mapping would replace "
+                    f"{_owned_keys_in(key)}). Set those with their recipe keys and write the rest "
+                    f"as deepspeed.{key}.<setting>"
+                )
+            for leaf in value:
+                if f"{key}.{leaf}" in DEEPSPEED_KEYS_OWNED_BY_RECIPE:
+                    return (key, leaf), _owned_message(f"{key}.{leaf}")
+    for path, value in _numbers_in(settings, ()):
+        if not math.isfinite(value):
+            return path, f"must be a finite number (got {value!r})"
+    return None
+
+
+def _yaml_text(value: Any) -> str:
+    """``value`` as YAML flow text: ``true``, ``null``, ``[1, 2]``, ``{a: 1}``."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).removesuffix("\n...\n").strip()
+
+
+def _owned_message(key: str) -> str:
+    return (
+        f"set by the recipe from {DEEPSPEED_KEYS_OWNED_BY_RECIPE[key]}; set it there and remove "
+        "it from the deepspeed: mapping"
+    )
+
+
+def _owned_keys_in(section: str) -> str:
+    return ", ".join(
+        recipe_key for key, recipe_key in DEEPSPEED_KEYS_OWNED_BY_RECIPE.items()
+        if key.startswith(section + ".")
+    )
+
+
+def _unknown_deepspeed_key(key: str, known: frozenset[str]) -> str:
+    message = (
+        f"not a setting DeepSpeed {_deepspeed_version()} reads (it ignores unknown keys, so this "
+        "would have no effect)"
+    )
+    match = _close_match(key, sorted(known))
+    recipe_key = _close_match(key, TrainSpec.model_fields)
+    if match:
+        message += f"; did you mean deepspeed.{match}?"
+    elif recipe_key:
+        message += f"; did you mean the recipe key train.{recipe_key}?"
+    return message + f" (DeepSpeed's settings: {DEEPSPEED_CONFIG_DOCS})"
+
+
+def _numbers_in(node: Any, path: tuple[Any, ...]):
+    """``(path, value)`` of every float inside nested mappings and lists."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _numbers_in(value, path + (key,))
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            yield from _numbers_in(value, path + (index,))
+    elif isinstance(node, float):
+        yield path, node
+
 
 _ENV_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
@@ -249,17 +451,22 @@ class Recipe(Strict):
             )
         return self
 
-    @model_validator(mode="after")
-    def _deepspeed_does_not_shadow_the_schema(self) -> "Recipe":
-        for key, recipe_key in DEEPSPEED_KEYS_OWNED_BY_RECIPE.items():
-            section, _, leaf = key.rpartition(".")
-            node = self.deepspeed.get(section, {}) if section else self.deepspeed
-            if isinstance(node, dict) and leaf in node:
-                raise ValueError(
-                    f"deepspeed.{key} is set by the recipe from {recipe_key}; "
-                    f"set it there and remove it from the deepspeed: mapping"
-                )
-        return self
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed_settings_are_checked(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        problem = _deepspeed_problem(settings)
+        if problem is not None:
+            within, message = problem
+            # `within` is the key path inside the mapping, for the error's line number.
+            raise PydanticCustomError("deepspeed_setting", "{message}", {"message": message, "within": within})
+        return settings
+
+    @property
+    def dev_sample_new_tokens(self) -> int:
+        """Tokens the student generates after each sampled dev prompt; 0 when none are drawn."""
+        if self.data.dev is None or not self.train.num_sample_generations:
+            return 0
+        return self.train.sample_max_new_tokens
 
     def resolve(self, written: str, key: str | None = None) -> Path:
         """A path written in the recipe, with environment variables expanded (module docstring).
@@ -282,6 +489,187 @@ class Recipe(Strict):
         return beside if beside.exists() else path
 
 
+# --- the recipe against the models --------------------------------------------------------
+
+# Config keys that bound a model's positions, by the name the config itself uses.
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def position_limit(config: Any) -> Optional[tuple[int, str]]:
+    """``(positions, config key)`` a Hugging Face model config allows, or None if it has no limit
+    (a model without ``max_position_embeddings`` / ``n_positions``)."""
+    own = vars(config) if hasattr(config, "__dict__") else {}
+    # The config's own key first: GPT-2's config also answers to max_position_embeddings.
+    for read in (own.get, lambda attribute: getattr(config, attribute, None)):
+        for attribute in POSITION_LIMIT_KEYS:
+            value = read(attribute)
+            if type(value) is int and value > 0:
+                return value, attribute
+    return None
+
+
+def check_sequence_lengths(
+    data: DataSpec, config: Any, role: str, *, model: Optional[str] = None,
+    sample_new_tokens: int = 0, source: Optional[str] = None,
+) -> None:
+    """Refuse ``data.max_length`` beyond the positions ``config`` (the ``role`` model's) has.
+
+    ``role`` is ``"student"`` or ``"teacher"``; ``model`` names it in the message (default: the
+    config's ``name_or_path``). ``sample_new_tokens``: the dev samples the student generates
+    (``Recipe.dev_sample_new_tokens``) extend a prompt of up to ``data.max_prompt_length``
+    tokens, so those must fit too. ``source`` (the recipe file) starts the message. Raises
+    ``MtaError`` naming the key, the model and its limit; a config without a limit passes.
+    """
+    found = position_limit(config)
+    if found is None:
+        return
+    limit, attribute = found
+    name = model or getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or role
+    what = f"the {role} ({name}) has {limit:,} positions ({attribute} in its config)"
+    where = f"{source}: " if source else ""
+    if data.max_length > limit:
+        raise MtaError(
+            f"{where}data.max_length={data.max_length:,} is longer than {what}; set data.max_length to at "
+            f"most {limit:,} (and data.max_prompt_length below it)"
+        )
+    sampled = data.max_prompt_length + sample_new_tokens
+    if sample_new_tokens and sampled > limit:
+        raise MtaError(
+            f"{where}dev samples need up to data.max_prompt_length + train.sample_max_new_tokens = "
+            f"{data.max_prompt_length:,} + {sample_new_tokens:,} = {sampled:,} positions, more than "
+            f"{what}; lower train.sample_max_new_tokens to at most "
+            f"{max(limit - data.max_prompt_length, 0):,} (or train.num_sample_generations=0)"
+        )
+
+
+# --- YAML ------------------------------------------------------------------------------------
+
+# Bounds far above any real recipe (the shipped ones hold about 100 values, 5 levels deep) and far
+# below what hurts: a "billion laughs" document of a few lines expands to 10**9 values.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 32
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _Refused(Exception):
+    """A document the loader will not construct; ``mark`` is where (PyYAML's 0-based mark)."""
+
+    def __init__(self, mark: Any, message: str):
+        super().__init__(message)
+        self.line = mark.line + 1
+        self.message = message
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that checks the composed document before constructing any value.
+
+    Aliases share nodes, so composing is linear in the text; only construction (and everything
+    after it) would pay for the expansion. The check counts the values the document holds with
+    every alias expanded, memoised per node, so a bomb is refused in microseconds.
+    """
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        # PyYAML composes recursively: bound the depth before Python's recursion limit is hit.
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _Refused(
+                    self.peek_event().start_mark,
+                    f"nested more than {MAX_YAML_DEPTH} levels deep; a recipe needs a handful",
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if node is not None:
+            _check_composed(node)
+        return node
+
+
+def _check_composed(root: yaml.Node) -> None:
+    """Refuse self-reference, duplicate keys, and more than ``MAX_YAML_VALUES`` expanded values
+    or ``MAX_YAML_DEPTH`` expanded levels; raises ``_Refused`` at the offending node."""
+    done: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded values, expanded height)
+    open_nodes: set[int] = set()
+
+    def visit(node: yaml.Node, level: int) -> tuple[int, int]:
+        key = id(node)
+        if key in open_nodes:
+            raise _Refused(node.start_mark, "an alias refers to a node that contains it (a recursive structure)")
+        if key not in done:
+            if level > MAX_YAML_DEPTH:
+                raise _Refused(node.start_mark, f"aliases nest the values more than {MAX_YAML_DEPTH} levels deep")
+            open_nodes.add(key)
+            if isinstance(node, yaml.MappingNode):
+                _refuse_duplicate_keys(node)
+                children = [child for pair in node.value for child in pair]
+            elif isinstance(node, yaml.SequenceNode):
+                children = list(node.value)
+            else:
+                children = []
+            values, height = 1, 0
+            for child in children:
+                child_values, child_height = visit(child, level + 1)
+                values += child_values
+                height = max(height, child_height)
+                if values > MAX_YAML_VALUES:
+                    raise _Refused(
+                        node.start_mark,
+                        f"this value holds more than {MAX_YAML_VALUES:,} values once its aliases are "
+                        "expanded (an alias bomb?); a recipe needs few aliases: write the values out",
+                    )
+            open_nodes.discard(key)
+            done[key] = (values, height + 1)
+        values, height = done[key]
+        if level + height - 1 > MAX_YAML_DEPTH:
+            raise _Refused(node.start_mark, f"aliases nest the values more than {MAX_YAML_DEPTH} levels deep")
+        return values, height
+
+    visit(root, 1)
+
+
+def _refuse_duplicate_keys(node: yaml.MappingNode) -> None:
+    seen: dict[tuple[str, str], int] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+            continue
+        line = key_node.start_mark.line + 1
+        first = seen.setdefault((key_node.tag, key_node.value), line)
+        if first != line:
+            raise _Refused(
+                key_node.start_mark,
+                f"key {key_node.value!r} is given twice in one mapping (also line {first}); YAML "
+                "would silently keep only the last: remove one",
+            )
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """Parse YAML like ``yaml.safe_load``, refusing hostile or broken documents with ``MtaError``.
+
+    ``where`` starts the message (a file name, or ``override 'k=v'``). The one YAML reader for
+    recipes, the values of overrides and the recipes saved beside checkpoints.
+    """
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    except _Refused as refused:
+        raise MtaError(f"{where}: line {refused.line}: {refused.message}") from None
+    except yaml.YAMLError as error:
+        raise MtaError(f"{where}: not valid YAML: {error}") from error
+    except RecursionError:  # a guard only: the depth bound comes first
+        raise MtaError(f"{where}: nested too deeply to be a recipe") from None
+    finally:
+        loader.dispose()
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` strings to a nested mapping, in order; values are YAML scalars.
 
@@ -296,12 +684,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
             raise MtaError(
                 f"override {override!r} is not of the form key.path=value (e.g. train.lr=5e-5)"
             )
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise MtaError(
-                f"override {override!r}: the value is not valid YAML: {error}"
-            ) from error
+        value = load_yaml(text, f"override {override!r}")
         node: Any = raw
         for depth, part in enumerate(parts):
             here = ".".join(parts[: depth + 1])
@@ -351,14 +734,29 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [model for arg in typing.get_args(annotation) for model in _models_in(arg)]
 
 
-def _key_lines(text: str) -> dict[tuple[str | int, ...], int]:
-    """1-based line of every key and list item of a YAML document, by its key path."""
-    lines: dict[tuple[str | int, ...], int] = {}
+def _key_lines(text: str) -> dict[tuple[Any, ...], int]:
+    """1-based line of every key and list item of a YAML document, by its key path.
 
-    def walk(node: yaml.Node, path: tuple[str | int, ...]) -> None:
+    Keys are taken as YAML reads them (``1:`` is the int 1, as in the loaded mapping); a node
+    reached again through an alias is not walked twice.
+    """
+    lines: dict[tuple[Any, ...], int] = {}
+    walked: set[int] = set()
+    loader = _BoundedLoader(text)
+
+    def walk(node: yaml.Node, path: tuple[Any, ...]) -> None:
+        if id(node) in walked:
+            return
+        walked.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
-                child = path + (key_node.value,)
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                try:
+                    key = loader.construct_object(key_node)
+                except yaml.YAMLError:
+                    key = key_node.value
+                child = path + (key,)
                 lines[child] = key_node.start_mark.line + 1
                 walk(value_node, child)
         elif isinstance(node, yaml.SequenceNode):
@@ -367,20 +765,92 @@ def _key_lines(text: str) -> dict[tuple[str | int, ...], int]:
                 walk(item, path + (index,))
 
     try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
-    if root is not None:
-        walk(root, ())
+        root = loader.get_single_node()
+        if root is not None:
+            walk(root, ())
+    except (yaml.YAMLError, _Refused, RecursionError):
+        pass
+    finally:
+        loader.dispose()
     return lines
 
 
-def _describe(item: dict[str, Any], path: tuple[str | int, ...]) -> str:
+def _file_path(item: dict[str, Any], raw: Any) -> tuple[Any, ...]:
+    """The key path of an error in the file's terms: pydantic's location without the parts that
+    are not keys of the file (union branch tags such as ``list[LayerPair]``, ``[key]``), plus
+    the path inside a free-form mapping that a validator reported (``ctx['within']``)."""
+    loc = tuple(item["loc"]) + tuple((item.get("ctx") or {}).get("within", ()))
+    path: list[Any] = []
+    node = raw
+    for position, part in enumerate(loc):
+        if part == "[key]":
+            continue
+        if isinstance(node, dict) and part not in node:
+            # pydantic spells some keys as text (a `null:` key is located as "None").
+            part = next((key for key in node if not isinstance(key, str) and str(key) == part), part)
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and type(part) is int and 0 <= part < len(node):
+            node = node[part]
+        elif (isinstance(part, str) and part.isidentifier()) or type(part) is int or (
+            # The key an unknown-key error is about is always a key of the file.
+            position == len(loc) - 1 and item["type"] in ("extra_forbidden", "invalid_key")
+        ):
+            node = None  # a schema key the file does not have (a missing key)
+        else:
+            continue
+        path.append(part)
+    return tuple(path)
+
+
+def _key_text(path: tuple[Any, ...]) -> str:
+    """``train.lr``; a key that is not a plain name is quoted (``'train lr'``) or spelt as YAML
+    (``null``, ``true``), so the reader sees exactly what the file says."""
+    def part_text(part: Any) -> str:
+        if part is None or isinstance(part, bool):
+            return _yaml_text(part)
+        if isinstance(part, str) and re.fullmatch(r"[\w-]+", part) or type(part) is int:
+            return str(part)
+        return repr(part)
+
+    return ".".join(part_text(part) for part in path)
+
+
+def _unknown_key(path: tuple[Any, ...]) -> str:
+    model = _section_model(path[:-1])
+    if model is None:
+        return "unknown key (check its spelling and the section it is in)"
+    allowed = ", ".join(model.model_fields)
+    key = str(path[-1])
+    match = _close_match(key, model.model_fields)
+    if match:
+        return f"unknown key: did you mean {match}? (allowed here: {allowed})"
+    elsewhere = _sections_with_key(key)
+    if elsewhere:
+        return f"unknown key here: {key} is a key of {' and '.join(elsewhere)} (allowed here: {allowed})"
+    return f"unknown key (check its spelling and the section it is in); allowed here: {allowed}"
+
+
+def _sections_with_key(key: str) -> list[str]:
+    found = []
+
+    def search(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            if name == key and prefix:
+                found.append(prefix.rstrip("."))
+            for nested in _models_in(field.annotation):
+                search(nested, f"{prefix}{name}.")
+
+    search(Recipe, "")
+    return found
+
+
+def _describe(item: dict[str, Any], path: tuple[Any, ...]) -> str:
     kind, given = item["type"], item.get("input")
-    if kind == "extra_forbidden":
-        model = _section_model(path[:-1])
-        allowed = f"; allowed here: {', '.join(model.model_fields)}" if model else ""
-        return f"unknown key (check its spelling and the section it is in){allowed}"
+    if kind == "extra_forbidden" or (kind == "invalid_key" and _section_model(path[:-1])):
+        return _unknown_key(path)
+    if kind == "invalid_key" or tuple(item["loc"][-1:]) == ("[key]",):
+        return f"a key must be a name (got {given!r}); quote it if it is one"
     if kind == "literal_error":
         hint = _field_description(path)
         return f"{given!r} is not allowed; use one of {item['ctx']['expected']}" + (
@@ -388,6 +858,8 @@ def _describe(item: dict[str, Any], path: tuple[str | int, ...]) -> str:
         )
     if kind == "missing":
         return "required key is missing"
+    if kind == "finite_number":
+        return f"must be a finite number (got {given!r})"
     message = item["msg"].removeprefix("Value error, ")
     if kind.endswith(("_type", "_parsing")) or kind.startswith(("greater", "less")):
         message += f" (got {given!r})"
@@ -395,20 +867,25 @@ def _describe(item: dict[str, Any], path: tuple[str | int, ...]) -> str:
 
 
 def _format_validation_error(
-    source: str, error: ValidationError, text: str = "", overridden: dict[str, str] | None = None
+    source: str, error: ValidationError, text: str = "", overridden: dict[str, str] | None = None,
+    raw: Any = None,
 ) -> str:
-    lines_by_key = _key_lines(text)
+    """One line per problem: ``line N: key: what is wrong and what is allowed``.
+
+    ``text`` (the file) gives the line numbers, ``overridden`` (``key -> 'key=value'``) names the
+    override a key came from instead, ``raw`` (the mapping that was validated) keeps keys that
+    are not names, such as ``train lr`` or ``1``.
+    """
+    lines_by_key = _key_lines(text) if text else {}
     overridden = overridden or {}
     lines = [f"{source}: invalid recipe"]
     for item in error.errors():
-        # Drop union-branch tags such as "list[LayerPair]" that are not keys of the file.
-        path = tuple(
-            part for part in item["loc"] if isinstance(part, int) or str(part).isidentifier()
-        )
-        key = ".".join(str(part) for part in path)
+        path = _file_path(item, raw)
+        key = _key_text(path)
+        parts = tuple(str(part) for part in path)
         origin = next(
             (f" (from override {override!r})" for name, override in overridden.items()
-             if key == name or key.startswith(name + ".")),
+             if _override_covers(tuple(name.split(".")), parts)),
             "",
         )
         line = next(
@@ -423,17 +900,31 @@ def _format_validation_error(
     return "\n".join(lines)
 
 
+def _override_covers(override: tuple[str, ...], key: tuple[str, ...]) -> bool:
+    """Whether an error at ``key`` comes from the override of ``override``: the override set
+    the key or a mapping above it, or (inside the free-form deepspeed: mapping, where whole
+    sections are refused) a key below it."""
+    if key[: len(override)] == override:
+        return True
+    return len(key) > 1 and key[0] == "deepspeed" and override[: len(key)] == key
+
+
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read, override and validate a recipe; raise ``MtaError`` naming the key on any problem."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise MtaError(
+                f"{path}: {size:,} bytes is not a recipe (a recipe is a few KB; the limit is "
+                f"{MAX_RECIPE_BYTES:,})"
+            )
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as error:
         raise MtaError(f"recipe file not found: {path}") from error
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise MtaError(f"{path}: not valid YAML: {error}") from error
+    except UnicodeDecodeError as error:
+        raise MtaError(f"{path}: not a UTF-8 text file ({error})") from error
+    raw = load_yaml(text, str(path))
     if not isinstance(raw, dict):
         raise MtaError(f"{path}: a recipe is a YAML mapping, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides)
@@ -442,7 +933,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     try:
         return Recipe.model_validate(raw)
     except ValidationError as error:
-        raise MtaError(_format_validation_error(str(path), error, text, overridden)) from error
+        raise MtaError(_format_validation_error(str(path), error, text, overridden, raw)) from error
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

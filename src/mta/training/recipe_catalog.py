@@ -26,6 +26,7 @@ import yaml
 
 from mta.errors import MtaError
 from mta.files import atomic_write_bytes, atomic_write_text
+from mta.training.recipe import load_yaml
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -84,8 +85,8 @@ def describe(text: str) -> str:
     if paragraph:
         return re.split(r"(?<=\.)\s+", " ".join(paragraph), maxsplit=1)[0]
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError:
+        raw = load_yaml(text, "recipe")
+    except MtaError:
         raw = None
     return str(raw.get("name", "")) if isinstance(raw, dict) else ""
 

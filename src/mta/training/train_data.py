@@ -8,7 +8,7 @@ the recipe's tokenizers and lengths, or the run stops and names the command that
 
 from __future__ import annotations
 
-import shlex
+from pathlib import Path
 from typing import Optional
 
 from mta.data.artefact import Annotations, read_annotations
@@ -65,7 +65,8 @@ def check_manifest(
     student_tokenizer: str,
     fingerprints: dict[str, str],
 ) -> None:
-    """Refuse an artefact built for other tokenizers or other length limits."""
+    """Refuse an artefact built for other tokenizers or other length limits, naming a command
+    that builds a fitting one into a new directory (the existing one is left as it is)."""
     manifest = annotations.manifest
     problems = []
     for side, tokenizer in (("teacher", teacher_tokenizer), ("student", student_tokenizer)):
@@ -80,18 +81,52 @@ def check_manifest(
         if manifest.get(length) != wanted:
             problems.append(f"its {length} is {manifest.get(length)} but data.{length} is {wanted}")
     if problems:
-        command = shlex.join([
-            "mta", "annotate", str(manifest.get("input", {}).get("path", "DATA.jsonl"))
-            if isinstance(manifest.get("input"), dict) else "DATA.jsonl",
-            "--teacher", teacher_tokenizer, "--student", student_tokenizer,
-            "--max-length", str(recipe.data.max_length),
-            "--max-prompt-length", str(recipe.data.max_prompt_length),
-            "-o", str(annotations.directory), "--force",
-        ])
         raise MtaError(
             f"{key}: the annotations in {annotations.directory} do not fit this recipe: "
-            + "; ".join(problems) + f". Rebuild them with `{command}`, or point {key} at the JSONL file"
+            + "; ".join(problems) + ". " + _rebuild_hint(annotations, recipe, key, teacher_tokenizer, student_tokenizer)
         )
+
+
+def _rebuild_hint(
+    annotations: Annotations, recipe: Recipe, key: str, teacher_tokenizer: str, student_tokenizer: str
+) -> str:
+    """How to get fitting annotations: annotate the recorded input with the recipe's settings
+    into a directory that does not exist yet, or let the run annotate the JSONL itself."""
+    from mta.data.annotate import AnnotateSettings
+    from mta.data.artefact_schema import annotate_command
+
+    recorded = annotations.manifest.get("input")
+    source = recorded.get("path") if isinstance(recorded, dict) else None
+    first_use = (
+        f"point {key} at the JSONL file (annotated on first use into "
+        f"{recipe.resolve(recipe.output_dir, 'output_dir') / 'data' / key.rpartition('.')[2]})"
+    )
+    if not (isinstance(source, str) and Path(source).is_file()):
+        gone = f" (the input it was built from, {source}, is not there)" if isinstance(source, str) else ""
+        return f"Annotate the input again with the recipe's tokenizers{gone}, or {first_use}"
+    settings = AnnotateSettings.from_recipe(recipe, teacher=teacher_tokenizer, student=student_tokenizer)
+    target = _new_directory(annotations.directory, recipe.name)
+    command = annotate_command(
+        source, target, teacher=settings.teacher, student=settings.student,
+        max_length=settings.max_length, max_prompt_length=settings.max_prompt_length,
+        spacy_model=settings.spacy_model, word_spans=settings.word_spans,
+        truncate_prompt=settings.truncate_prompt, on_error=annotations.manifest.get("on_error"),
+    )
+    return (
+        f"Annotate it into a new directory (the existing one stays as it is): `{command}`, then set "
+        f"{key}: {target}; or {first_use}"
+    )
+
+
+def _new_directory(directory: Path, recipe_name: str) -> Path:
+    """``DIR-<recipe>`` beside ``directory``, numbered when that name is taken."""
+    stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in recipe_name) or "recipe"
+    candidate = directory.with_name(f"{directory.name}-{stem}")
+    number = 2
+    while candidate.exists():
+        candidate = directory.with_name(f"{directory.name}-{stem}-{number}")
+        number += 1
+    return candidate
 
 
 def _short(fingerprint: Optional[str]) -> str:

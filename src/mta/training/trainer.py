@@ -19,7 +19,7 @@ from mta import distributed
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import tokenizer_fingerprint
-from mta.training import checkpointing, engine as engines
+from mta.training import checkpointing, engine as engines, resume_rules, run_directory
 from mta.training.train_data import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
 from mta.training.layers import resolve_layer_map
@@ -29,7 +29,7 @@ from mta.training.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
 from mta.training.teacher import FrozenTeacher
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.recipe import Recipe
+from mta.training.recipe import Recipe, check_sequence_lengths
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,25 @@ class NonFiniteLoss(MtaError):
     """The loss became NaN or infinite; the run stopped before updating any weight with it."""
 
 
+class NonFiniteWeights(MtaError):
+    """An optimizer step left NaN or infinite weights; the run stopped without saving them."""
+
+
+# What a person can do about a non-finite step and that really works (a resume may lower the
+# learning rate: see mta.training.resume_rules).
+NON_FINITE_ADVICE = (
+    "lower the learning rate and continue from that checkpoint with `--resume auto train.lr=<lower>`; "
+    "with fp16, train in bf16 or fp32 instead (a new run: --overwrite or another output_dir)"
+)
+
+
 @dataclass
 class Run:
     """Everything one training run holds, built by ``build_run``."""
 
     recipe: Recipe
     output_dir: Path
+    run_id: str
     engine: Any
     teacher: Optional[Any]
     tokenizer: Any
@@ -56,15 +69,20 @@ class Run:
     rank: int
     world_size: int
     device: torch.device
+    resume_from: Optional[Path] = None  # the checkpoint to continue from, checked against the recipe
     messages: list[str] = field(default_factory=list)
 
 
-def build_run(recipe: Recipe, reporter: Reporter) -> Run:
-    """Load models and data, check they fit together, and start the DeepSpeed engine."""
+def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
+    """Claim the output directory, load models and data, check they fit together, and start
+    the DeepSpeed engine."""
     rank, world_size = engines.init_distributed()
     device = distributed.local_device()
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    owner = run_directory.claim(output_dir, recipe.name, resume=resume, overwrite=overwrite)
+    resume_from = checkpointing.resolve_resume(resume, output_dir)
+    # Before any model loads: a resume may change only what cannot change the run's meaning.
+    resumed_with = resume_rules.check_resume(resume_from, recipe) if resume_from is not None else None
 
     # Rank 0 builds tiny models and annotates data first; the others then find them cached.
     with distributed.main_process_first():
@@ -83,6 +101,11 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
         }
     student, tokenizer = student_loaded.model, student_loaded.tokenizer
     teacher_model = teacher_loaded.model if teacher_loaded else None
+    check_sequence_lengths(recipe.data, student.config, "student", model=recipe.student.path,
+                           sample_new_tokens=recipe.dev_sample_new_tokens, source=recipe.source)
+    if teacher_model is not None:
+        check_sequence_lengths(recipe.data, teacher_model.config, "teacher", model=recipe.teacher.path,
+                               source=recipe.source)
     teacher_tokenizer = sides["teacher"].tokenizer
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
 
@@ -129,9 +152,11 @@ def build_run(recipe: Recipe, reporter: Reporter) -> Run:
         has_teacher=teacher_model is not None, same_tokenizer=same_tokenizer,
         vocab_size=len(tokenizer), layer_pairs=layer_pairs,
     )
+    if resumed_with is not None:
+        messages += resumed_with.log_lines()
     return Run(
-        recipe, output_dir, engine, teacher, tokenizer, examples["train"], examples["dev"],
-        schedule, total_steps, rank, world_size, device, messages,
+        recipe, output_dir, owner.run_id, engine, teacher, tokenizer, examples["train"], examples["dev"],
+        schedule, total_steps, rank, world_size, device, resume_from, messages,
     )
 
 
@@ -166,21 +191,42 @@ class Trainer:
         for batch in self.micro_batches(step):
             batch = batch.to(self.run.device)
             losses = engine(batch, self.teacher_forward(batch))
-            if not distributed.all_ranks_agree(bool(torch.isfinite(losses["total"].detach()))):
-                raise NonFiniteLoss(
-                    f"non-finite loss at step {step + 1} (components: "
-                    + ", ".join(f"{k}={v.item():.4g}" for k, v in losses.items())
-                    + f"), micro batch rows {batch.row_ids}; the run stopped without applying it. "
-                    f"The last good checkpoint is kept under {checkpointing.checkpoints_dir(self.run.output_dir)}; "
-                    "lower train.lr, or use bf16/fp32 instead of fp16, and resume with --resume auto"
-                )
+            self.stop_unless_finite_loss(losses, step, batch)
             engine.backward(losses["total"])
             engine.step()
             for name, value in losses.items():
                 totals[name] = totals.get(name, 0.0) + value.item()
             tokens += batch.num_tokens
+        self.stop_unless_finite_weights(step)
         count = self.run.schedule.accumulation
         return {name: value / count for name, value in totals.items()} | {"tokens": tokens}
+
+    def stop_unless_finite_loss(self, losses: dict[str, torch.Tensor], step: int, batch: TrainBatch) -> None:
+        """Every process stops (none waits forever) before a non-finite loss is applied."""
+        if distributed.all_ranks_agree(bool(torch.isfinite(losses["total"].detach()))):
+            return
+        raise NonFiniteLoss(
+            f"non-finite loss at step {step + 1} (components: "
+            + ", ".join(f"{k}={v.item():.4g}" for k, v in losses.items())
+            + f"), micro batch rows {batch.row_ids}; the run stopped without applying it. "
+            f"The last good checkpoint is kept under {checkpointing.checkpoints_dir(self.run.output_dir)}: "
+            + NON_FINITE_ADVICE
+        )
+
+    @torch.no_grad()
+    def stop_unless_finite_weights(self, step: int) -> None:
+        """After the optimizer step: non-finite gradients or an infinite learning rate leave
+        non-finite weights, which are never saved. Checks each process's own shard (ZeRO-3
+        keeps a partition in ``ds_tensor``), one reduction for all of them."""
+        local = [getattr(p, "ds_tensor", p) for p in self.run.engine.module.parameters()]
+        finite = bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all())
+        if distributed.all_ranks_agree(finite):
+            return
+        raise NonFiniteWeights(
+            f"step {step + 1} left non-finite weights (non-finite gradients, or a learning rate "
+            "too large); the run stopped and saved nothing of that step. The last good checkpoint "
+            f"is kept under {checkpointing.checkpoints_dir(self.run.output_dir)}: " + NON_FINITE_ADVICE
+        )
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -229,13 +275,16 @@ class Trainer:
             for row in range(count)
         ]
 
-    def train(self, resume_from: Optional[Path]) -> Path:
+    def train(self) -> Path:
         run, recipe, reporter = self.run, self.run.recipe, self.reporter
         start = 0
-        if resume_from is not None:
-            start = checkpointing.load_checkpoint(run.engine, resume_from).step
-            reporter.message(f"resumed from {resume_from} at step {start}")
-        metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if resume_from else None)
+        if run.resume_from is not None:
+            start = checkpointing.load_checkpoint(run.engine, run.resume_from).step
+            resume_rules.check_resume_length(start, run.total_steps, recipe, run.resume_from)
+            # The recipe's rates (a resume may lower them) under the schedule for its length.
+            engines.restart_schedule(run.engine, recipe.train, start, run.total_steps)
+            reporter.message(f"resumed from {run.resume_from} at step {start}")
+        metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if run.resume_from else None)
         main = run.rank == 0
         reporter.start("distill", run.total_steps, completed=start, unit="steps")
         try:
@@ -271,8 +320,9 @@ class Trainer:
         self.reporter.record(record)
 
     def save(self, step: int) -> Path:
-        state = checkpointing.TrainerState(step=step, total_steps=self.run.total_steps)
+        state = checkpointing.TrainerState(step=step, total_steps=self.run.total_steps, run_id=self.run.run_id)
         return checkpointing.save_checkpoint(self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state)
+
 
 def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
              has_teacher, same_tokenizer, vocab_size, layer_pairs) -> list[str]:
@@ -317,20 +367,23 @@ def _sum_over_processes(values: dict[str, float]) -> dict[str, float]:
 
 
 def run_distillation(
-    recipe: Recipe, resume: Optional[str] = None, reporter: Optional[Reporter] = None
+    recipe: Recipe, resume: Optional[str] = None, reporter: Optional[Reporter] = None, *,
+    overwrite: bool = False,
 ) -> Path:
     """Train the recipe's student; returns the ``final/`` directory (Hugging Face format).
 
-    resume: None (start fresh, overwriting metrics), ``"auto"`` (the newest complete checkpoint
-    of ``output_dir`` if there is one) or a checkpoint directory. Several runs may follow each
-    other in one process: each builds its own engine and releases it at the end.
+    resume: None (a new run: ``output_dir`` must hold no other run's outputs), ``"auto"`` (the
+    newest complete checkpoint of ``output_dir`` if there is one, else a new run) or a checkpoint
+    directory. overwrite: remove the outputs of the run in ``output_dir`` first (its caches stay);
+    see ``mta.training.run_directory``. Several runs may follow each other in one process: each
+    builds its own engine and releases it at the end.
     """
     reporter = reporter or SilentReporter()
-    run = build_run(recipe, reporter)
+    run = build_run(recipe, reporter, resume=resume, overwrite=overwrite)
     for message in run.messages:
         log.info(message)
         reporter.message(message)
     try:
-        return Trainer(run, reporter).train(checkpointing.resolve_resume(resume, run.output_dir))
+        return Trainer(run, reporter).train()
     finally:
         run.engine.destroy()
