@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mta.errors import MtaError
 from mta.training import recipe as recipe_module
 from mta.training.recipe import MAX_YAML_DEPTH, MAX_YAML_VALUES, load_recipe, load_yaml
 
 from conftest import MINIMAL_RECIPE
+from test_recipes import error_of, write
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model")
@@ -33,16 +33,6 @@ def alias_bomb(levels: int = 9, width: int = 9) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "recipe.yaml"
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
-    with pytest.raises(MtaError) as caught:
-        load_recipe(path, overrides)
-    return str(caught.value)
 
 
 def line_of(text: str, needle: str) -> int:
