@@ -64,10 +64,12 @@ def read_checksums(directory: str | Path) -> dict[str, str] | None:
     return checksums
 
 
-def changed_files(directory: str | Path, checksums: dict[str, str]) -> list[str]:
-    """The listed files of ``directory`` that are missing or whose bytes changed."""
-    directory = Path(directory)
-    return [
-        name for name, digest in checksums.items()
-        if not (directory / name).is_file() or file_sha256(directory / name) != digest
-    ]
+def checksum_differences(directory: str | Path, recorded: dict[str, str]) -> list[str]:
+    """How ``directory`` differs from its ``recorded`` list, one phrase per file: listed files
+    missing or changed, and files the list does not name."""
+    current = directory_checksums(directory)
+    changes = [f"{name} (missing)" for name in recorded if name not in current]
+    changes += [f"{name} (changed: sha256 differs)" for name, digest in recorded.items()
+                if name in current and current[name] != digest]
+    changes += [f"{name} (not in {CHECKSUMS})" for name in current if name not in recorded]
+    return changes

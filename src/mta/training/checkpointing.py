@@ -49,7 +49,7 @@ from transformers import PreTrainedTokenizerBase
 from mta import distributed
 from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory
-from mta.hashing import CHECKSUMS, checksum_text, directory_checksums, read_checksums
+from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
 from mta.training import safe_loading
 from mta.training.recipe import Recipe, recipe_to_yaml
 from mta.versions import package_versions
@@ -156,16 +156,6 @@ def _read_state(path: Path) -> TrainerState:
     return state
 
 
-def _changes(path: Path, recorded: dict[str, str]) -> list[str]:
-    """What differs from the recorded checksum list, one phrase per file."""
-    current = directory_checksums(path)
-    changes = [f"{name} (missing)" for name in recorded if name not in current]
-    changes += [f"{name} (changed: sha256 differs)" for name, digest in recorded.items()
-                if name in current and current[name] != digest]
-    changes += [f"{name} (not in {CHECKSUMS})" for name in current if name not in recorded]
-    return changes
-
-
 def _problem(path: Path) -> tuple[Optional[str], bool]:
     """Why ``path`` cannot be resumed as it was written (None: it can), and whether it has a
     checksum list. Reads every file's bytes (hashing) and each state file's pickle opcodes."""
@@ -177,7 +167,7 @@ def _problem(path: Path) -> tuple[Optional[str], bool]:
         return f"{path}: {error}", True
     listed = recorded is not None
     if listed:
-        changes = _changes(path, recorded)
+        changes = checksum_differences(path, recorded)
         if changes:
             return (f"{path} is not the checkpoint that was written: " + "; ".join(changes)
                     + f" (compared with its {CHECKSUMS})"), listed
