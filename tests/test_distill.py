@@ -240,20 +240,33 @@ def test_annotations_for_other_tokenizers_are_refused(tmp_path, teacher_dir, tin
     assert "mta annotate" in message and "--max-length 384" in message
 
 
+def dropout_student(tokenizer_dir: Path, out_dir: Path) -> Path:
+    """The tiny student with attention dropout: its training draws from torch's RNG each step, so a
+    resume that did not restore the checkpoint's RNG state would draw other masks and other weights."""
+    from mta.models.tiny import build_tiny_model
+
+    student = build_tiny_model(tokenizer_dir, out_dir)
+    config = json.loads((student / "config.json").read_text())
+    config["attention_dropout"] = 0.3
+    (student / "config.json").write_text(json.dumps(config, indent=2))
+    return student
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
-    tmp_path, teacher_dir, tiny_model_dir, same_data
+    tmp_path, teacher_dir, tiny_tokenizer_dir, same_data
 ):
+    student = dropout_student(tiny_tokenizer_dir, tmp_path / "student")
     train = {"max_steps": 8, "save_interval": 2, "schedule": "cosine", "warmup_steps": 1, "eval_interval": 3,
              "num_sample_generations": 1, "sample_max_new_tokens": 3}
     uninterrupted = run_distillation(load_recipe(write_recipe(
-        tmp_path / "a.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
+        tmp_path / "a.yaml", teacher=teacher_dir, student=student, annotations=same_data,
         output_dir=tmp_path / "a", train=train,
     ), ["seed=5"]))
 
     out = tmp_path / "b"
     recipe_path = write_recipe(
-        tmp_path / "b.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out, train=train,
+        tmp_path / "b.yaml", teacher=teacher_dir, student=student, annotations=same_data, output_dir=out, train=train,
     )
     # A fresh single-process run: not the rendezvous this test process already holds.
     launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
@@ -263,14 +276,22 @@ def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
         [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path), "seed=5"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
-    deadline = time.monotonic() + 240
-    while not (out / "checkpoints" / "step-2").exists():
-        assert process.poll() is None, process.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    # Killed as soon as step 2's checkpoint is complete (step-N.partial is renamed to step-N only
+    # once whole): the run is then past a checkpoint and, as checked below, not finished.
+    state = out / "checkpoints" / "step-2" / "trainer_state.json"
+    deadline = time.monotonic() + 600  # a generous bound on a loaded machine; the wait is a poll
+    try:
+        while not state.exists():
+            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.01)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
     assert not (out / "final").exists(), "the run finished before it was killed"
+    done = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["split"] == "train"]
+    assert 2 <= max(done) < 8, done  # killed mid-run: past step 2, short of the last step
 
     resumed = run_distillation(load_recipe(recipe_path, ["seed=5"]), resume="auto")
     expected, got = weights(uninterrupted), weights(resumed)

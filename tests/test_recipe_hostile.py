@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mta.training import recipe as recipe_module
-from mta.training.recipe import MAX_YAML_DEPTH, MAX_YAML_VALUES, load_recipe, load_yaml
+from mta.training.recipe import load_recipe
+from mta.training.recipe_yaml import MAX_RECIPE_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, load_yaml
 
 from conftest import MINIMAL_RECIPE
 from test_recipes import error_of, write
@@ -127,7 +127,7 @@ def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
 
 
 def test_an_oversized_file_is_refused_unread(tmp_path):
-    path = write(tmp_path, MINIMAL + "#" * recipe_module.MAX_RECIPE_BYTES)
+    path = write(tmp_path, MINIMAL + "#" * MAX_RECIPE_BYTES)
     assert "is not a recipe (a recipe is a few KB" in error_of(path)
 
 

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from mta.errors import MtaError
+from mta.training.deepspeed_settings import deepspeed_setting_names
 from mta.training.recipe import (
     LayerPair,
     check_sequence_lengths,
-    deepspeed_setting_names,
     load_recipe,
     position_limit,
     recipe_to_yaml,

@@ -13,19 +13,14 @@ in the shipped ``gpt2.yaml`` means ``src/mta/recipes/configs/gpt2.json``); anyth
 an output directory still to be created or a hub name like ``gpt2``, stays relative to the working
 directory (also for a shipped recipe: its runs never land inside the installed package).
 
-Hostile or broken YAML is refused before anything is built from it (``load_yaml``): a document
-whose aliases expand past ``MAX_YAML_VALUES`` values (a "billion laughs" bomb), nests deeper than
-``MAX_YAML_DEPTH``, refers to itself or repeats a key in one mapping. Numbers must be finite
-everywhere, the ``deepspeed:`` passthrough included, whose top-level keys must be settings the
-installed DeepSpeed reads (``deepspeed_setting_names``).
+YAML is read by ``mta.training.recipe_yaml`` (hostile documents refused before anything is built),
+and the ``deepspeed:`` passthrough is checked by ``mta.training.deepspeed_settings``. Numbers must be
+finite everywhere.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import logging
-import math
 import os
 import re
 import typing
@@ -45,7 +40,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mta.errors import MtaError
+from mta.errors import MtaError, close_match
+from mta.training.deepspeed_settings import deepspeed_problem
+from mta.training.recipe_yaml import MAX_RECIPE_BYTES, BoundedLoader, Refused, load_yaml, yaml_text
 
 log = logging.getLogger(__name__)
 
@@ -204,207 +201,6 @@ class TrainSpec(Strict):
         return self.batch_size // per_step
 
 
-# DeepSpeed keys the schema sets itself, with the recipe key to use instead: a passthrough value
-# would silently disagree with the printed global batch, precision or ZeRO stage.
-DEEPSPEED_KEYS_OWNED_BY_RECIPE = {
-    "train_batch_size": "train.batch_size",
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.batch_size and train.micro_batch_size",
-    "gradient_clipping": "train.grad_clip",
-    "bf16": "train.precision",
-    "bfloat16": "train.precision",  # DeepSpeed's older name for bf16
-    "fp16": "train.precision",
-    "optimizer": "train.optimizer, train.lr, train.betas and train.weight_decay",
-    "scheduler": "train.schedule and train.warmup_steps",
-    "zero_optimization.stage": "train.zero_stage",
-}
-
-# Sections the recipe owns part of: they must stay mappings, since the passthrough is merged into
-# mta's own section key by key. DeepSpeed reads `zero_optimization: true` as ZeRO stage 1, so a
-# non-mapping value would replace train.zero_stage without a word.
-DEEPSPEED_SECTIONS_OWNED_IN_PART = tuple(
-    sorted({key.rpartition(".")[0] for key in DEEPSPEED_KEYS_OWNED_BY_RECIPE if "." in key})
-)
-
-# Top-level keys `deepspeed.initialize` itself reads from the config, outside DeepSpeedConfig
-# (the device mesh for sequence parallelism), which the probe below cannot see.
-_DEEPSPEED_KEYS_READ_BY_INITIALIZE = frozenset({"sequence_parallel_size", "data_parallel_size"})
-
-DEEPSPEED_CONFIG_DOCS = "https://www.deepspeed.ai/docs/config-json/"
-
-
-class _KeysLookedUp(dict):
-    """A dict that notes every key looked up in it (``[]``, ``get``, ``in``, ``.keys()``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # In __dict__, so the shallow copy DeepSpeedConfig takes shares the record.
-        self.looked_up: set[Any] = set()
-
-    def __getitem__(self, key: Any) -> Any:
-        self.looked_up.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key: Any, *default: Any) -> Any:
-        self.looked_up.add(key)
-        return super().get(key, *default)
-
-    def __contains__(self, key: Any) -> bool:
-        self.looked_up.add(key)
-        return super().__contains__(key)
-
-    def keys(self) -> Any:
-        outer = self
-
-        class Keys:
-            def __contains__(self, key: Any) -> bool:
-                return outer.__contains__(key)
-
-            def __iter__(self):
-                return iter(dict.keys(outer))
-
-            def __len__(self) -> int:
-                return dict.__len__(outer)
-
-        return Keys()
-
-
-class _OneDataParallelRank:
-    """The ``mpu`` argument that makes DeepSpeedConfig assume a world of one process."""
-
-    @staticmethod
-    def get_data_parallel_world_size() -> int:
-        return 1
-
-
-@functools.cache
-def deepspeed_setting_names() -> Optional[frozenset[str]]:
-    """The top-level config keys the installed DeepSpeed reads, or None if it cannot be asked.
-
-    Asked, not listed: a ``DeepSpeedConfig`` is built over a minimal config that records every
-    key DeepSpeed looks up in it (each section reader probes its key), plus the few keys
-    ``deepspeed.initialize`` reads itself. Keys DeepSpeed has removed are in the result (it looks
-    them up to refuse them); ``deepspeed_removed_settings`` has its message for each. Imports
-    DeepSpeed (about a second), once per process, and only for recipes with a ``deepspeed:`` mapping.
-    """
-    try:
-        from deepspeed.runtime.config import DeepSpeedConfig
-
-        probe = _KeysLookedUp(
-            train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1
-        )
-        DeepSpeedConfig(probe, mpu=_OneDataParallelRank())
-    except Exception as error:  # not installed, or its config reader changed shape
-        log.warning("cannot list DeepSpeed's config keys (%s); deepspeed: keys are not checked", error)
-        return None
-    names = {key for key in probe.looked_up if isinstance(key, str)}
-    return frozenset(names | _DEEPSPEED_KEYS_READ_BY_INITIALIZE)
-
-
-@functools.cache
-def deepspeed_removed_settings() -> dict[str, str]:
-    """DeepSpeed's own message for each top-level key it has removed (it refuses them at start)."""
-    try:
-        from deepspeed.runtime import config
-
-        return dict(getattr(config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}))
-    except Exception:
-        return {}
-
-
-def _deepspeed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        return "?"
-
-
-def _close_match(word: str, choices: typing.Iterable[str]) -> Optional[str]:
-    """The choice ``word`` most likely misspells (``max-length`` -> ``max_length``), if any."""
-    choices = list(choices)
-    normal = {choice.lower().replace("-", "_"): choice for choice in choices}
-    spelled = str(word).strip().lower().replace("-", "_").replace(" ", "_")
-    if spelled in normal:
-        return normal[spelled]
-    found = difflib.get_close_matches(spelled, choices, n=1, cutoff=0.75)
-    return found[0] if found else None
-
-
-def _deepspeed_problem(settings: dict[str, Any]) -> Optional[tuple[tuple[Any, ...], str]]:
-    """The first problem in the ``deepspeed:`` mapping as ``(path inside it, message)``."""
-    known = deepspeed_setting_names() if settings else None
-    removed = deepspeed_removed_settings() if settings else {}
-    for key, value in settings.items():
-        if key in DEEPSPEED_KEYS_OWNED_BY_RECIPE:
-            return (key,), _owned_message(key)
-        if key in removed:
-            return (key,), f"removed from DeepSpeed {_deepspeed_version()}: {removed[key].strip()}"
-        if known is not None and key not in known:
-            return (key,), _unknown_deepspeed_key(key, known)
-        if key in DEEPSPEED_SECTIONS_OWNED_IN_PART:
-            if not isinstance(value, dict):
-                return (key,), (
-                    f"must be a mapping of DeepSpeed {key} settings, got {_yaml_text(value)}; mta merges it "
-                    f"into its own {key} section key by key (a non-mapping would replace "
-                    f"{_owned_keys_in(key)}). Set those with their recipe keys and write the rest "
-                    f"as deepspeed.{key}.<setting>"
-                )
-            for leaf in value:
-                if f"{key}.{leaf}" in DEEPSPEED_KEYS_OWNED_BY_RECIPE:
-                    return (key, leaf), _owned_message(f"{key}.{leaf}")
-    for path, value in _numbers_in(settings, ()):
-        if not math.isfinite(value):
-            return path, f"must be a finite number (got {value!r})"
-    return None
-
-
-def _yaml_text(value: Any) -> str:
-    """``value`` as YAML flow text: ``true``, ``null``, ``[1, 2]``, ``{a: 1}``."""
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).removesuffix("\n...\n").strip()
-
-
-def _owned_message(key: str) -> str:
-    return (
-        f"set by the recipe from {DEEPSPEED_KEYS_OWNED_BY_RECIPE[key]}; set it there and remove "
-        "it from the deepspeed: mapping"
-    )
-
-
-def _owned_keys_in(section: str) -> str:
-    return ", ".join(
-        recipe_key for key, recipe_key in DEEPSPEED_KEYS_OWNED_BY_RECIPE.items()
-        if key.startswith(section + ".")
-    )
-
-
-def _unknown_deepspeed_key(key: str, known: frozenset[str]) -> str:
-    message = (
-        f"not a setting DeepSpeed {_deepspeed_version()} reads (it ignores unknown keys, so this "
-        "would have no effect)"
-    )
-    match = _close_match(key, sorted(known))
-    recipe_key = _close_match(key, TrainSpec.model_fields)
-    if match:
-        message += f"; did you mean deepspeed.{match}?"
-    elif recipe_key:
-        message += f"; did you mean the recipe key train.{recipe_key}?"
-    return message + f" (DeepSpeed's settings: {DEEPSPEED_CONFIG_DOCS})"
-
-
-def _numbers_in(node: Any, path: tuple[Any, ...]):
-    """``(path, value)`` of every float inside nested mappings and lists."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _numbers_in(value, path + (key,))
-    elif isinstance(node, (list, tuple)):
-        for index, value in enumerate(node):
-            yield from _numbers_in(value, path + (index,))
-    elif isinstance(node, float):
-        yield path, node
-
-
 _ENV_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
@@ -454,7 +250,7 @@ class Recipe(Strict):
     @field_validator("deepspeed")
     @classmethod
     def _deepspeed_settings_are_checked(cls, settings: dict[str, Any]) -> dict[str, Any]:
-        problem = _deepspeed_problem(settings)
+        problem = deepspeed_problem(settings, TrainSpec.model_fields)
         if problem is not None:
             within, message = problem
             # `within` is the key path inside the mapping, for the error's line number.
@@ -542,134 +338,6 @@ def check_sequence_lengths(
         )
 
 
-# --- YAML ------------------------------------------------------------------------------------
-
-# Bounds far above any real recipe (the shipped ones hold about 100 values, 5 levels deep) and far
-# below what hurts: a "billion laughs" document of a few lines expands to 10**9 values.
-MAX_RECIPE_BYTES = 1 << 20
-MAX_YAML_VALUES = 100_000
-MAX_YAML_DEPTH = 32
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-class _Refused(Exception):
-    """A document the loader will not construct; ``mark`` is where (PyYAML's 0-based mark)."""
-
-    def __init__(self, mark: Any, message: str):
-        super().__init__(message)
-        self.line = mark.line + 1
-        self.message = message
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that checks the composed document before constructing any value.
-
-    Aliases share nodes, so composing is linear in the text; only construction (and everything
-    after it) would pay for the expansion. The check counts the values the document holds with
-    every alias expanded, memoised per node, so a bomb is refused in microseconds.
-    """
-
-    def __init__(self, stream: str):
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        # PyYAML composes recursively: bound the depth before Python's recursion limit is hit.
-        self._depth += 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                raise _Refused(
-                    self.peek_event().start_mark,
-                    f"nested more than {MAX_YAML_DEPTH} levels deep; a recipe needs a handful",
-                )
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def compose_document(self) -> Any:
-        node = super().compose_document()
-        if node is not None:
-            _check_composed(node)
-        return node
-
-
-def _check_composed(root: yaml.Node) -> None:
-    """Refuse self-reference, duplicate keys, and more than ``MAX_YAML_VALUES`` expanded values
-    or ``MAX_YAML_DEPTH`` expanded levels; raises ``_Refused`` at the offending node."""
-    done: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded values, expanded height)
-    open_nodes: set[int] = set()
-
-    def visit(node: yaml.Node, level: int) -> tuple[int, int]:
-        key = id(node)
-        if key in open_nodes:
-            raise _Refused(node.start_mark, "an alias refers to a node that contains it (a recursive structure)")
-        if key not in done:
-            if level > MAX_YAML_DEPTH:
-                raise _Refused(node.start_mark, f"aliases nest the values more than {MAX_YAML_DEPTH} levels deep")
-            open_nodes.add(key)
-            if isinstance(node, yaml.MappingNode):
-                _refuse_duplicate_keys(node)
-                children = [child for pair in node.value for child in pair]
-            elif isinstance(node, yaml.SequenceNode):
-                children = list(node.value)
-            else:
-                children = []
-            values, height = 1, 0
-            for child in children:
-                child_values, child_height = visit(child, level + 1)
-                values += child_values
-                height = max(height, child_height)
-                if values > MAX_YAML_VALUES:
-                    raise _Refused(
-                        node.start_mark,
-                        f"this value holds more than {MAX_YAML_VALUES:,} values once its aliases are "
-                        "expanded (an alias bomb?); a recipe needs few aliases: write the values out",
-                    )
-            open_nodes.discard(key)
-            done[key] = (values, height + 1)
-        values, height = done[key]
-        if level + height - 1 > MAX_YAML_DEPTH:
-            raise _Refused(node.start_mark, f"aliases nest the values more than {MAX_YAML_DEPTH} levels deep")
-        return values, height
-
-    visit(root, 1)
-
-
-def _refuse_duplicate_keys(node: yaml.MappingNode) -> None:
-    seen: dict[tuple[str, str], int] = {}
-    for key_node, _ in node.value:
-        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
-            continue
-        line = key_node.start_mark.line + 1
-        first = seen.setdefault((key_node.tag, key_node.value), line)
-        if first != line:
-            raise _Refused(
-                key_node.start_mark,
-                f"key {key_node.value!r} is given twice in one mapping (also line {first}); YAML "
-                "would silently keep only the last: remove one",
-            )
-
-
-def load_yaml(text: str, where: str) -> Any:
-    """Parse YAML like ``yaml.safe_load``, refusing hostile or broken documents with ``MtaError``.
-
-    ``where`` starts the message (a file name, or ``override 'k=v'``). The one YAML reader for
-    recipes, the values of overrides and the recipes saved beside checkpoints.
-    """
-    loader = _BoundedLoader(text)
-    try:
-        return loader.get_single_data()
-    except _Refused as refused:
-        raise MtaError(f"{where}: line {refused.line}: {refused.message}") from None
-    except yaml.YAMLError as error:
-        raise MtaError(f"{where}: not valid YAML: {error}") from error
-    except RecursionError:  # a guard only: the depth bound comes first
-        raise MtaError(f"{where}: nested too deeply to be a recipe") from None
-    finally:
-        loader.dispose()
-
-
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` strings to a nested mapping, in order; values are YAML scalars.
 
@@ -742,7 +410,7 @@ def _key_lines(text: str) -> dict[tuple[Any, ...], int]:
     """
     lines: dict[tuple[Any, ...], int] = {}
     walked: set[int] = set()
-    loader = _BoundedLoader(text)
+    loader = BoundedLoader(text)
 
     def walk(node: yaml.Node, path: tuple[Any, ...]) -> None:
         if id(node) in walked:
@@ -768,7 +436,7 @@ def _key_lines(text: str) -> dict[tuple[Any, ...], int]:
         root = loader.get_single_node()
         if root is not None:
             walk(root, ())
-    except (yaml.YAMLError, _Refused, RecursionError):
+    except (yaml.YAMLError, Refused, RecursionError):
         pass
     finally:
         loader.dispose()
@@ -808,7 +476,7 @@ def _key_text(path: tuple[Any, ...]) -> str:
     (``null``, ``true``), so the reader sees exactly what the file says."""
     def part_text(part: Any) -> str:
         if part is None or isinstance(part, bool):
-            return _yaml_text(part)
+            return yaml_text(part)
         if isinstance(part, str) and re.fullmatch(r"[\w-]+", part) or type(part) is int:
             return str(part)
         return repr(part)
@@ -822,7 +490,7 @@ def _unknown_key(path: tuple[Any, ...]) -> str:
         return "unknown key (check its spelling and the section it is in)"
     allowed = ", ".join(model.model_fields)
     key = str(path[-1])
-    match = _close_match(key, model.model_fields)
+    match = close_match(key, model.model_fields)
     if match:
         return f"unknown key: did you mean {match}? (allowed here: {allowed})"
     elsewhere = _sections_with_key(key)

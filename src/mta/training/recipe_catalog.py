@@ -26,7 +26,7 @@ import yaml
 
 from mta.errors import MtaError
 from mta.files import atomic_write_bytes, atomic_write_text
-from mta.training.recipe import load_yaml
+from mta.training.recipe_yaml import load_yaml
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "recipes"
 

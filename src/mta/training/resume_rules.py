@@ -38,7 +38,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from mta.errors import MtaError
-from mta.training.recipe import Recipe, _models_in, load_yaml
+from mta.training.recipe import Recipe, _models_in
+from mta.training.recipe_yaml import load_yaml
 
 SAVED_RECIPE = "recipe.yaml"
 
