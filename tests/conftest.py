@@ -87,3 +87,41 @@ def two_tokenizer_settings(tiny_tokenizer_dir, other_tokenizer_dir):
         teacher=str(tiny_tokenizer_dir), student=str(other_tokenizer_dir), workers=1,
         max_length=256, max_prompt_length=160,
     )
+
+
+def train_tokenizer_with_specials(out: Path, vocab_size: int, specials: list[str], eos: str, pad: str) -> Path:
+    """A byte-level BPE trained on the example rows whose special tokens take ids 0, 1, ... in
+    the order given, so EOS and PAD get the ids a test needs (mta's trainer makes EOS = PAD = 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from mta.models.tiny import corpus_texts
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    backend.train_from_iterator(corpus_texts(EXAMPLES), trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=pad).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def eos_1_tokenizer_dir(tmp_path_factory) -> Path:
+    """A BPE (vocab 400) with PAD ``<pad>`` = 0 and EOS ``<|endoftext|>`` = 1."""
+    return train_tokenizer_with_specials(
+        tmp_path_factory.mktemp("tok-eos1"), 400, ["<pad>", "<|endoftext|>"], "<|endoftext|>", "<pad>"
+    )
+
+
+@pytest.fixture(scope="session")
+def eos_2_tokenizer_dir(tmp_path_factory) -> Path:
+    """A BPE (vocab 300) with PAD ``<pad>`` = 0 and EOS ``</s>`` = 2: paired with
+    ``eos_1_tokenizer_dir``, neither side's EOS is the other's, nor anybody's PAD."""
+    return train_tokenizer_with_specials(
+        tmp_path_factory.mktemp("tok-eos2"), 300, ["<pad>", "<unk>", "</s>"], "</s>", "<pad>"
+    )

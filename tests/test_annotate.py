@@ -71,12 +71,20 @@ def check_artefact(out_dir: Path, input_rows: list[dict], teacher_dir, student_d
     assert annotations.manifest["teacher"]["fingerprint"] == tokenizer_fingerprint(
         load_tokenizer(teacher_dir)
     )
+
+    def longest_side(text: str) -> int:
+        return max(len(t(text, add_special_tokens=False)["input_ids"]) for t in tokenizers.values())
+
     for record in annotations.table.to_pylist():
         prompt, response = expected_prompt_and_response(input_rows[record["id"]])
         text = record["text"]
         assert record["prompt_chars"] == len(prompt)
         assert (prompt + response).startswith(text) and len(text) >= len(prompt)
-        complete = text == prompt + response
+        # docs/method.md §1: whole with its EOS when that fits on every side; else cut, no EOS
+        # (a text of exactly max_length tokens is kept whole but has no room for its EOS).
+        complete = longest_side(prompt + response) + 1 <= settings.max_length
+        if complete:
+            assert text == prompt + response
         offsets = {}
         for side, tokenizer in tokenizers.items():
             encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -86,11 +94,8 @@ def check_artefact(out_dir: Path, input_rows: list[dict], teacher_dir, student_d
             offsets[side] = encoded["offset_mapping"]
             prompt_len = sum(1 for start, _ in offsets[side] if start < len(prompt))
             assert record[f"{side}_prompt_len"] == prompt_len <= settings.max_prompt_length
-        if not complete:  # one more character would overflow one side
-            longer = (prompt + response)[: len(text) + 1]
-            assert max(
-                len(t(longer, add_special_tokens=False)["input_ids"]) for t in tokenizers.values()
-            ) > settings.max_length
+        if not complete and text != prompt + response:  # one more character would overflow one side
+            assert longest_side((prompt + response)[: len(text) + 1]) > settings.max_length
 
         # The stored spans are exactly the parsed spans that both sides can represent.
         parsed = extractor.extract(extractor.nlp(prompt + response))

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from mta.demo.pipeline import run_demo
 from mta.demo.report import parameter_count, table, write_report
 from mta.demo.settings import VARIANTS, DemoSettings
+from mta.evaluation.datasets import load_rows
+from mta.models.tokenizers import load_tokenizer
+
+from test_evaluate_perplexity import loop_sums
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,7 +60,11 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
         run = results["checkpoints"][label]
         assert set(run["sets"]) == {"dolly", "self-inst"}
         assert run["sets"]["dolly"]["rows"] == 3 and run["sets"]["self-inst"]["rows"] == 2
-        assert run["perplexity"]["perplexity"] > 1.0
+    # The teacher's perplexity is the one a plain loop computes on the same dev rows and limits.
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    dev_rows, _ = load_rows(data / "dolly" / "dev.jsonl", limit=settings.perplexity_rows)
+    total, count, _, _ = loop_sums(teacher, load_tokenizer(tiny_model_dir), dev_rows, 256, settings.max_new_tokens)
+    assert results["checkpoints"]["teacher"]["perplexity"]["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-4)
     # The three students start from the same pruned copy and differ in their objective only.
     init = json.loads((out / "student-init" / "mta_init.json").read_text())
     assert init["kept_layers"] == [0, 3]

@@ -53,20 +53,93 @@ def write_recipe(tmp_path: Path, teacher: str, student: str) -> Path:
     return path
 
 
+def independent_model(spec, recipe_path: Path):
+    """The recipe's model built here on the meta device from its config (the shipped recipes name
+    a config file beside them or describe a tiny model), not through mta.training.dry_run."""
+    import torch
+    from transformers import AutoConfig
+
+    if spec.config is not None:
+        config = AutoConfig.from_pretrained(recipe_path.parent / spec.config, local_files_only=True)
+    else:
+        from mta.models.tiny import tiny_config  # what build_tiny_model builds
+
+        t = spec.tiny
+        config = tiny_config(t.model_type, t.vocab_size, num_layers=t.num_layers,
+                             hidden_size=t.hidden_size, num_heads=t.num_heads)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # Unique tensors: a tied output layer is the embedding matrix again, counted once.
+    unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
+    return config, model, sum(unique.values())
+
+
+def documented_auto_map(student_layers: int, teacher_layers: int) -> list[tuple[int, int, str]]:
+    """docs/method.md §4, written out again: s = max(1, L_S // 4); L_S - 2s word, L_S - s and L_S
+    phrase; teacher round(l·L_T/L_S) with halves up (exact: Fraction); layers below 0 dropped."""
+    from fractions import Fraction
+    import math
+
+    s = max(1, student_layers // 4)
+    picks = [(student_layers - 2 * s, "word"), (student_layers - s, "phrase"), (student_layers, "phrase")]
+    return [(l, math.floor(Fraction(l * teacher_layers, student_layers) + Fraction(1, 2)), g)
+            for l, g in picks if l >= 0]
+
+
+def printed_bytes(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 // 10 else f"{count / 2**20:.1f} MiB"
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
 def test_dry_run_plans_every_recipe_offline(path):
+    """What the dry run prints for each shipped recipe, against the recipe and models built here."""
     recipe = load_recipe(path)
     plan = plan_run(recipe, world_size=1)
-    assert plan.student.parameters > 0
-    assert plan.global_batch == recipe.train.batch_size
-    assert plan.micro_batch_size * plan.accumulation_steps == recipe.train.batch_size
-    for pair in plan.layers:
-        assert 0 <= pair.student <= plan.student.num_layers
-        assert 0 <= pair.teacher <= plan.teacher.num_layers
-    if recipe.teacher is not None and recipe.loss.layers != "auto":
-        assert plan.layers == recipe.loss.layers
     text = _rendered(plan)
     assert plan.student.architecture in text and f"{recipe.train.batch_size} =" in text
+
+    built = {}
+    for role in ("student", "teacher"):
+        spec, planned = getattr(recipe, role), getattr(plan, role)
+        if spec is None:
+            assert planned is None
+            continue
+        config, model, count = built[role] = independent_model(spec, path)
+        assert planned.parameters == count
+        assert (planned.architecture, planned.num_layers, planned.hidden_size, planned.vocab_rows) == (
+            type(model).__name__, config.num_hidden_layers, config.hidden_size,
+            model.get_input_embeddings().num_embeddings,
+        )
+        assert f"{count:,}" in text and planned.name in text
+
+    # The layer map: the recipe's explicit list, or the documented auto rule on the two depths.
+    pairs = [(p.student, p.teacher, p.granularity) for p in plan.layers]
+    if recipe.teacher is None or not recipe.loss.alignment_terms:
+        assert pairs == []
+    elif recipe.loss.layers == "auto":
+        student_layers, teacher_layers = (built[r][0].num_hidden_layers for r in ("student", "teacher"))
+        assert pairs == documented_auto_map(student_layers, teacher_layers)
+    else:
+        assert pairs == [(p.student, p.teacher, p.granularity) for p in recipe.loss.layers]
+    rows = [line.split() for line in text.splitlines()]
+    for student, teacher, granularity in pairs:
+        assert ["│", str(student), "│", str(teacher), "│", granularity, "│"] in rows
+
+    # HRA: one Linear(d_S, d_T) with bias per pair; the model-state bytes of the ZeRO paper
+    # (2 + 2 + 12 bytes per trainable parameter mixed, 4 + 4 + 8 fp32; one device partitions
+    # nothing), the teacher's weights at its dtype's width.
+    d_s = built["student"][0].hidden_size
+    d_t = built["teacher"][0].hidden_size if "teacher" in built else 0
+    projectors = len(pairs) * (d_s * d_t + d_t) if "hra" in recipe.loss.alignment_terms else 0
+    assert plan.projector_parameters == projectors
+    trainable = built["student"][2] + projectors
+    weight, optimizer = (2, 12) if recipe.train.precision in ("bf16", "fp16") else (4, 8)
+    assert (plan.memory.student_weights, plan.memory.student_gradients, plan.memory.optimizer_states) == (
+        weight * trainable, weight * trainable, optimizer * trainable
+    )
+    teacher_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[recipe.teacher.dtype] if recipe.teacher else 0
+    assert plan.memory.teacher_weights == (built["teacher"][2] * teacher_bytes if "teacher" in built else 0)
+    assert printed_bytes(plan.memory.total) in text
 
 
 # Published sizes of the hub checkpoints (tied embeddings counted once).
@@ -244,6 +317,46 @@ def test_model_state_bytes_follow_the_zero_paper(gpt2_plan):
     assert mixed.teacher_weights == 2 * gpt2_plan.teacher.parameters
     split = memory(gpt2_plan, teacher_zero3=True)
     assert split.teacher_weights == 2 * gpt2_plan.teacher.parameters // 8
+
+
+def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
+    """gpt2.yaml on 8 devices, micro batch 2, ZeRO-1, bf16: every term recomputed from counts
+    made here with estimate_memory's documented formula, and printed as such."""
+    path = REPO / "src" / "mta" / "recipes" / "gpt2.yaml"
+    recipe = load_recipe(path)
+    student_config, student_model, student_count = independent_model(recipe.student, path)
+    teacher_config, teacher_model, teacher_count = independent_model(recipe.teacher, path)
+    h, layers, heads = student_config.hidden_size, student_config.num_hidden_layers, student_config.num_attention_heads
+    d_t, world, micro, seq = teacher_config.hidden_size, 8, 2, recipe.data.max_length
+    projectors = 3 * (h * d_t + d_t)  # three aligned pairs, each Linear(768, 1600) with bias
+    trainable = student_count + projectors
+    tokens = micro * seq
+    v_s = student_model.get_input_embeddings().num_embeddings
+    v_t = teacher_model.get_input_embeddings().num_embeddings
+    expected = {
+        "student weights": 2 * trainable,  # bf16, not partitioned at ZeRO-1
+        "student gradients": 2 * trainable,
+        "optimizer states": 12 * trainable // world,  # fp32 master, momentum, variance, partitioned
+        "teacher weights": 2 * teacher_count,  # bf16 teacher, not partitioned
+        # Korthikanti et al.: s·b·h·(34 + 5·a·s/h) bytes per 16-bit layer; the student's logits
+        # 16-bit + an fp32 copy, with gradients; the teacher's bf16 logits; the teacher's hidden
+        # states of its 3 aligned layers plus one.
+        "activations (rough)": int(
+            tokens * h * (34 + 5 * heads * seq / h) * layers
+            + tokens * v_s * (2 + 4) * 2
+            + tokens * v_t * 2
+            + tokens * d_t * 2 * (3 + 1)
+        ),
+    }
+    estimate = gpt2_plan.memory
+    assert (estimate.student_weights, estimate.student_gradients, estimate.optimizer_states,
+            estimate.teacher_weights, estimate.activations) == tuple(expected.values())
+    total = sum(expected.values())
+    assert estimate.total == total
+    lines = _rendered(gpt2_plan).splitlines()
+    for label, count in [*expected.items(), ("total", total)]:
+        (line,) = [line for line in lines if line.startswith(f"│ {label} ")]
+        assert line.split("│")[2].strip() == printed_bytes(count)
 
 
 def test_activations_grow_with_the_micro_batch(gpt2_plan):

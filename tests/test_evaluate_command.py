@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from typer.testing import CliRunner
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
+from mta.evaluation.datasets import load_rows
 from mta.evaluation.models_under_test import checkpoint_label
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tiny import build_tiny_model
@@ -64,16 +66,45 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
+COMMON_WORDS = [" the", " a", " of", " and", " to", " is", " in", " that", " for", " it", " with"]
+
+
+def wordy(model_dir: Path, out: Path) -> Path:
+    """The tiny model made to say common English words whatever the context: its predictions
+    overlap the references partly, so their ROUGE-L scores spread instead of being all 0."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    words = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in COMMON_WORDS]
+    assert all(len(ids) == 1 for ids in words)
+    with torch.no_grad():
+        # Blocks add nothing and every embedding is 1, so the final hidden state is the norm
+        # weight (all ones); each word's head row then gives it logit 7, every other token 0.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        for (token,) in words:
+            model.lm_head.weight[token] = 7.0 / model.config.hidden_size
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    from test_evaluate_perplexity import loop_sums
+
     out = tmp_path / "eval"
-    result = run_cli([str(tiny_model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])
-    label = checkpoint_label(str(tiny_model_dir))
+    model_dir = wordy(tiny_model_dir, tmp_path / "wordy")
+    result = run_cli([str(model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])
+    label = checkpoint_label(str(model_dir))
     assert "Dolly" in result.output and "S-NI" in result.output
     results = json.loads((out / "results.json").read_text())
     assert list(results["sets"]) == ["dolly", "sinst"]  # vicuna etc. absent: skipped
     run = results["checkpoints"][label]
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    discriminating = {"scores": set(), "max_is_not_mean": 0, "f_is_neither_p_nor_r": 0}
     for set_name in ("dolly", "sinst"):
         seed_means = []
         for seed in (10, 20):
@@ -85,6 +116,14 @@ def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_di
                 for r in records
             ]
             assert [r["rougeL"] for r in records] == pytest.approx(rescored)
+            for r in records:
+                scores = [scorer.score(ref, r["prediction"])["rougeL"] for ref in r["references"]]
+                discriminating["scores"].add(round(100 * max(s.fmeasure for s in scores), 6))
+                fmeasures = [s.fmeasure for s in scores]
+                discriminating["max_is_not_mean"] += max(fmeasures) - sum(fmeasures) / len(fmeasures) > 1e-3
+                discriminating["f_is_neither_p_nor_r"] += any(
+                    min(abs(s.fmeasure - s.precision), abs(s.fmeasure - s.recall)) > 1e-3 for s in scores
+                )
             seed_means.append(sum(rescored) / len(rescored))
             assert run["sets"][set_name]["rougeL"]["per_seed"][str(seed)] == pytest.approx(seed_means[-1])
             assert all(r["prompt_truncated"] for r in records)  # every Alpaca prompt is over 48 tokens
@@ -93,12 +132,23 @@ def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_di
         assert run["sets"][set_name]["rougeL"]["mean"] == pytest.approx(mean)
         assert run["sets"][set_name]["rougeL"]["std"] == pytest.approx(abs(seed_means[0] - seed_means[1]) / 2)
         assert run["sets"][set_name]["prompts_truncated"] == 3
+    # The premise of the re-scoring: the scores spread, and scoring the mean over references or
+    # the precision or recall instead of the F-measure would have changed some of them.
+    assert len(discriminating["scores"] - {0.0}) >= 4, discriminating
+    assert discriminating["max_is_not_mean"] >= 2 and discriminating["f_is_neither_p_nor_r"] >= 4, discriminating
     assert records[0]["references"][1] == "yes"  # S-NI keeps its list of references
     assert run["avg4"] is None  # SelfInst and Vicuna did not run
     assert run["avg"] == pytest.approx((run["sets"]["dolly"]["rougeL"]["mean"] + run["sets"]["sinst"]["rougeL"]["mean"]) / 2)
     assert run["avg_ood"] == pytest.approx(run["sets"]["sinst"]["rougeL"]["mean"])
     assert results["sets"]["dolly"]["references_without_rouge_tokens"] == 1  # the CJK row
-    assert run["perplexity"]["rows"] == 6 and run["perplexity"]["perplexity"] > 1
+    # Perplexity on dolly-dev (6 rows) at the run's limits (prompt 48, response 6 = max new tokens),
+    # as the plain one-row-at-a-time loop of test_evaluate_perplexity computes it.
+    dev_rows, _ = load_rows(data_dir / "dolly" / "dev.jsonl")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    total, count, prompts_cut, responses_cut = loop_sums(model, load_tokenizer(model_dir), dev_rows, 48, 6)
+    assert run["perplexity"]["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-4)
+    assert (run["perplexity"]["rows"], run["perplexity"]["tokens"]) == (6, count)
+    assert (run["perplexity"]["prompts_truncated"], run["perplexity"]["responses_truncated"]) == (prompts_cut, responses_cut)
     assert results["settings"]["seeds"] == [10, 20] and results["versions"]["torch"]
     manifest = json.loads((out / "predictions" / label / "generation.json").read_text())
     assert run["fingerprint"] == manifest["checkpoint_fingerprint"] and run["fingerprint"].startswith("sha256:")
@@ -108,7 +158,7 @@ def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_di
     # Second run: everything is complete, so no model may even be loaded.
     before = {p: p.read_bytes() for p in (out / "predictions").rglob("*.jsonl")}
     monkeypatch.setattr(runner_module, "loaded_checkpoint", _must_not_load)
-    run_cli([str(tiny_model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])
+    run_cli([str(model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])
     assert {p: p.read_bytes() for p in (out / "predictions").rglob("*.jsonl")} == before
     again = json.loads((out / "results.json").read_text())
     assert again["checkpoints"] == results["checkpoints"]

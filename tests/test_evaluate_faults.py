@@ -70,12 +70,12 @@ def test_weights_changed_in_place_are_refused_not_scored_from_old_predictions(mo
     assert manifest["checkpoint_fingerprint"].startswith("sha256:")
     assert set(manifest["checkpoint_files"]) >= {"model.safetensors", "config.json", "tokenizer.json"}
     assert first["checkpoints"]["m"]["fingerprint"] == manifest["checkpoint_fingerprint"]
-    results_before = (out / "results.json").read_bytes()
 
     # Unchanged weights: reused, no model loaded.
     monkeypatch.setattr(runner_module, "loaded_checkpoint", must_not_load)
     again = evaluate_checkpoints([model_dir], ["m"], data_dir, out, SETTINGS)
     assert again["checkpoints"]["m"]["sets"] == first["checkpoints"]["m"]["sets"]
+    results_before = (out / "results.json").read_bytes()  # after the reuse: it stamps a new time
 
     # Changed in place: refused before anything loads, naming the checkpoint and the file.
     resave_perturbed(model_dir)

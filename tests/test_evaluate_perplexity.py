@@ -1,4 +1,4 @@
-"""Teacher-forced perplexity against a plain loop straight from METHOD section 1."""
+"""Teacher-forced perplexity against a plain loop straight from docs/method.md §1."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def model_and_tokenizer(tiny_model_dir):
 
 def loop_sums(model, tokenizer, rows, max_prompt_length, max_response_length) -> tuple[float, int, int, int]:
     """Summed response NLL (nats), response tokens, prompts cut and responses cut: one
-    sequence at a time (no padding, no batch), one token at a time, straight from METHOD
-    section 1 (a token is a prompt token when it starts before the end of the prompt; EOS
+    sequence at a time (no padding, no batch), one token at a time, straight from docs/method.md
+    §1 (a token is a prompt token when it starts before the end of the prompt; EOS
     closes a response that fits, EOS included in the budget)."""
     total, count, prompts_cut, responses_cut = 0.0, 0, 0, 0
     for row in rows:
@@ -101,7 +101,7 @@ def test_ranks_score_their_share_and_the_sums_give_the_whole_set(model_and_token
     model, tokenizer = model_and_tokenizer
     rows, _ = load_rows(EXAMPLES)
     rows = rows[:7]
-    limits = dict(max_prompt_length=40, max_response_length=12)
+    limits = dict(max_prompt_length=100, max_response_length=50)
     local: dict[int, list[float]] = {}
     for rank in (0, 1):
         monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
@@ -119,4 +119,4 @@ def test_ranks_score_their_share_and_the_sums_give_the_whole_set(model_and_token
     assert (result.tokens, result.rows, result.prompts_truncated, result.responses_truncated) == (
         count, 7, prompts_cut, responses_cut
     )
-    assert prompts_cut == 7 and 0 < responses_cut < 7  # both limits matter on these rows
+    assert 0 < prompts_cut < 7 and 0 < responses_cut < 7  # both limits matter on these rows

