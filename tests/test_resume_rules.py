@@ -199,3 +199,47 @@ def test_a_checkpoint_past_the_new_total_is_refused(checkpoint, recipe_path):
         f"{checkpoint} is at step 5, past the 4 steps this recipe trains (train.max_steps=4); "
         "give a length of at least 5 steps"
     )
+
+
+# --- student generation (generation:) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, key, old, new",
+    [
+        ("generation.loss_eps=0.2", "generation.loss_eps", 0.1, 0.2),
+        ("generation.threshold_step=0.05", "generation.threshold_step", 0.1, 0.05),
+        ("train.save_generated=true", "train.save_generated", False, True),
+    ],
+)
+def test_the_threshold_gains_and_saving_generated_rows_may_change(checkpoint, recipe_path, override, key, old, new):
+    changes = check_resume(checkpoint, load_recipe(recipe_path, [override]))
+    assert changes.refused == [] and changes.applied == [Change(key, old, new)]
+    (line,) = changes.log_lines()
+    assert line.startswith(f"resume changes {key}: ") and MUTABLE_KEYS[key] in line
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("generation.mode=always", "generation.mode"),
+        ("generation.schedule=constant", "generation.schedule"),
+        ("generation.init_threshold=0.5", "generation.init_threshold"),
+        ("generation.buffer_size=10", "generation.buffer_size"),
+        ("generation.max_new_tokens=16", "generation.max_new_tokens"),
+    ],
+)
+def test_what_decides_the_generated_rows_is_fixed(checkpoint, recipe_path, override, key):
+    changes = resume_changes(saved(checkpoint), load_recipe(recipe_path, [override]))
+    assert [change.key for change in changes.refused] == [key] and changes.applied == []
+    with pytest.raises(MtaError, match=f"\n  {key}: "):
+        changes.raise_if_refused(checkpoint)
+
+
+def test_a_checkpoint_from_before_generation_counts_as_generation_off(checkpoint, recipe_path):
+    older = saved(checkpoint)
+    del older["generation"], older["train"]["save_generated"]
+    (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(older), encoding="utf-8")
+    assert check_resume(checkpoint, load_recipe(recipe_path)).applied == []
+    refused = resume_changes(older, load_recipe(recipe_path, ["generation.mode=always"])).refused
+    assert refused == [Change("generation.mode", "off", "always")]

@@ -174,6 +174,9 @@ class TrainSpec(Strict):
     keep_checkpoints: int = Field(2, ge=1)
     num_sample_generations: int = Field(2, ge=0, le=8)
     sample_max_new_tokens: int = Field(48, ge=1)
+    save_generated: bool = Field(
+        False, description="also write the rows the student generates for training to OUT/generated/"
+    )
 
     @model_validator(mode="after")
     def _length_given(self) -> "TrainSpec":
@@ -201,6 +204,53 @@ class TrainSpec(Strict):
         return self.batch_size // per_step
 
 
+GenerationMode = Literal["off", "adaptive", "always"]
+GenerationSchedule = Literal["decreasing", "constant", "increasing"]
+
+
+class GenerationSpec(Strict):
+    """Student-generated responses during training (DistiLLM's adaptive off-policy sampling).
+
+    What each mode does, and how the threshold moves, is ``mta.training.off_policy``'s docstring;
+    which base losses and tokenizers it works with is checked by ``Recipe`` (here) and by
+    ``check_generation_fits`` (once the tokenizers are loaded).
+    """
+
+    mode: GenerationMode = Field(
+        "off",
+        description="off: the reference responses only; adaptive: DistiLLM's adaptive "
+        "off-policy sampling with a replay buffer; always: every micro batch generated (on-policy)",
+    )
+    init_threshold: float = Field(0.0, ge=0, le=1, description="the threshold τ at step 0")
+    threshold_step: float = Field(
+        0.1, gt=0, le=1, description="what τ grows by when the dev loss rises by loss_eps"
+    )
+    loss_eps: float = Field(
+        0.1, ge=0, description="the dev-loss rise (over the last reference) that raises τ"
+    )
+    schedule: GenerationSchedule = Field(
+        "decreasing",
+        description="the share of τ that generates fresh rows: τ·(1 − t/T), τ/2 or τ·t/T",
+    )
+    buffer_size: int = Field(1000, ge=1, description="generated rows each process's replay buffer holds")
+    max_new_tokens: Optional[int] = Field(
+        None, ge=1, description="tokens generated per response; null: data.max_length - data.max_prompt_length"
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _off_as_yaml_reads_it(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (and `no`, `false`) as false: that is the mode `off`.
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError(
+                "YAML reads on / yes / true as true, which is not a mode; use one of 'off', "
+                "'adaptive' or 'always'"
+            )
+        return value
+
+
 _ENV_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
@@ -219,6 +269,7 @@ class Recipe(Strict):
     data: DataSpec
     loss: LossSpec = LossSpec()
     train: TrainSpec
+    generation: GenerationSpec = GenerationSpec()
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,
         description="DeepSpeed settings the schema does not model, merged in verbatim",
@@ -247,6 +298,15 @@ class Recipe(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _generation_fits(self) -> "Recipe":
+        problem = generation_problem(self)
+        if problem is not None:
+            within, message = problem
+            # `within` is the key the problem is about, for the error's line number.
+            raise PydanticCustomError("generation_setting", "{message}", {"message": message, "within": within})
+        return self
+
     @field_validator("deepspeed")
     @classmethod
     def _deepspeed_settings_are_checked(cls, settings: dict[str, Any]) -> dict[str, Any]:
@@ -263,6 +323,15 @@ class Recipe(Strict):
         if self.data.dev is None or not self.train.num_sample_generations:
             return 0
         return self.train.sample_max_new_tokens
+
+    @property
+    def generation_max_new_tokens(self) -> int:
+        """Tokens the student may generate per training response (``generation.max_new_tokens``,
+        default ``data.max_length - data.max_prompt_length``, the published ``SampleGenerator``'s
+        budget): a generated row of the longest prompt still fits ``data.max_length``."""
+        if self.generation.max_new_tokens is not None:
+            return self.generation.max_new_tokens
+        return self.data.max_length - self.data.max_prompt_length
 
     def resolve(self, written: str, key: str | None = None) -> Path:
         """A path written in the recipe, with environment variables expanded (module docstring).
@@ -283,6 +352,75 @@ class Recipe(Strict):
             return path
         beside = Path(self.source).parent / path
         return beside if beside.exists() else path
+
+
+# --- student-generated responses -----------------------------------------------------------
+
+# Why generated text needs a teacher logit loss: the reason every refusal below gives.
+ON_POLICY_NEEDS_LOGITS = (
+    "on-policy distillation compares the teacher's and the student's next-token distributions on "
+    "the student's own text; with loss.base=ce there is no teacher signal on generated text (it "
+    "would train the student to repeat its own samples)"
+)
+
+
+def generation_problem(recipe: "Recipe") -> Optional[tuple[tuple[str, ...], str]]:
+    """The first way ``recipe.generation`` does not fit the rest of the recipe, as ``(key path,
+    message)``, or None. Checked when the recipe validates; what needs the tokenizers is
+    ``check_generation_fits``."""
+    spec = recipe.generation
+    if spec.mode == "off":
+        return None
+    if recipe.teacher is None:
+        return ("generation", "mode"), (
+            f"{spec.mode!r} needs a teacher: {ON_POLICY_NEEDS_LOGITS}. Plain SFT (teacher: null) "
+            "trains on the reference responses only; use generation.mode=off"
+        )
+    if recipe.loss.base == "ce":
+        return ("generation", "mode"), (
+            f"{spec.mode!r} needs a logit loss (loss.base srkl as DistiLLM, or fkl, rkl, skl, jsd, "
+            f"tvd): {ON_POLICY_NEEDS_LOGITS}. Set loss.base, or generation.mode=off"
+        )
+    budget = recipe.data.max_length - recipe.data.max_prompt_length
+    if spec.max_new_tokens is not None and spec.max_new_tokens > budget:
+        return ("generation", "max_new_tokens"), (
+            f"{spec.max_new_tokens} new tokens after a prompt of up to data.max_prompt_length="
+            f"{recipe.data.max_prompt_length} do not fit data.max_length={recipe.data.max_length}; "
+            f"use at most {budget} (or null for exactly that)"
+        )
+    if spec.mode == "adaptive":
+        if spec.buffer_size < recipe.train.micro_batch_size:
+            return ("generation", "buffer_size"), (
+                f"{spec.buffer_size} rows cannot fill a micro batch drawn from the replay buffer; "
+                f"use at least train.micro_batch_size={recipe.train.micro_batch_size} "
+                "(DistiLLM uses 1000)"
+            )
+        if recipe.data.dev is None and spec.init_threshold == 0:
+            return ("generation", "mode"), (
+                "'adaptive' raises the threshold only when the dev loss rises, and there is no "
+                "data.dev: with generation.init_threshold=0 it would never generate. Set data.dev, "
+                "or a fixed generation.init_threshold above 0"
+            )
+    return None
+
+
+def check_generation_fits(recipe: "Recipe", same_tokenizer: bool) -> None:
+    """Refuse student generation where the loaded tokenizers leave no teacher logit loss.
+
+    The trainer calls it once the tokenizers are loaded (``same_tokenizer``: the teacher's and the
+    student's vocabulary fingerprints are equal). Across tokenizers the base loss can only be ce
+    on the reference (docs/method.md §5), so generated text would have no teacher signal. Raises
+    ``MtaError`` naming the keys; passes when ``generation.mode`` is off.
+    """
+    if recipe.generation.mode == "off" or same_tokenizer:
+        return
+    where = f"{recipe.source}: " if recipe.source else ""
+    raise MtaError(
+        f"{where}generation.mode={recipe.generation.mode} needs the teacher and the student to share "
+        f"a tokenizer, and these differ ({recipe.teacher.tokenizer_path} vs "
+        f"{recipe.student.tokenizer_path}): across tokenizers there is no logit loss, and "
+        f"{ON_POLICY_NEEDS_LOGITS}. Set generation.mode=off, or use a teacher with the student's tokenizer"
+    )
 
 
 # --- the recipe against the models --------------------------------------------------------

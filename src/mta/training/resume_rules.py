@@ -22,6 +22,15 @@ run planned for the new total from the start has at ``s``. The rate therefore st
 resume (up for a longer run, down for a shorter one); warmup is unchanged. A checkpoint already
 past the new total is refused (``check_resume_length``).
 
+Student generation (``generation:``, ``mta.training.off_policy``): ``mode``, ``schedule``,
+``init_threshold``, ``buffer_size`` and ``max_new_tokens`` are fixed. They decide which rows the
+run trains on and what its saved sampling state and replay buffers mean: the checkpoint's
+threshold grew from that ``init_threshold`` under that schedule, its buffers hold rows of that
+length, filled to that capacity. ``loss_eps`` and ``threshold_step`` may change: they are the
+gains of the threshold's controller (as ``train.lr`` is the optimizer's) and act from the next
+dev evaluation on, on the threshold and reference dev loss the checkpoint saved.
+``train.save_generated`` may change: it only writes copies of the generated rows.
+
 These are pure functions; the trainer reads the checkpoint's recipe, calls ``check_resume`` and
 applies the changes.
 """
@@ -80,6 +89,18 @@ MUTABLE_KEYS: dict[str, str] = {
     "train.keep_checkpoints": "at the next save, which keeps this many of the newest checkpoints",
     "train.num_sample_generations": "dev samples only",
     "train.sample_max_new_tokens": "dev samples only",
+    "train.save_generated": (
+        "whether the rows the student generates are also written to generated/, from the "
+        "resumed step on"
+    ),
+    "generation.loss_eps": (
+        "the dev-loss rise that raises the threshold, from the next dev evaluation on; the "
+        "threshold and reference dev loss reached so far are kept"
+    ),
+    "generation.threshold_step": (
+        "what a dev-loss rise adds to the threshold, from the next dev evaluation on; the "
+        "threshold reached so far is kept"
+    ),
 }
 
 
