@@ -11,7 +11,7 @@ SHARED ?= $(abspath ../shared)
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
 RUNS   ?= runs
 
-.PHONY: help install test test-fast demo demo-quick bench clean \
+.PHONY: help install test test-fast demo demo-quick bench mutate clean \
         reproduce-gpt2 reproduce-qwen reproduce-opt reproduce-cross-tokenizer
 
 help:
@@ -19,6 +19,7 @@ help:
 	@echo "make demo-quick    the same, smaller (~6 min)"
 	@echo "make test          the test suite (what CI runs)"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
+	@echo "make mutate        mutation testing of losses, token ranges, truncation (~10 min, 1 core)"
 	@echo "make reproduce-{gpt2,qwen,opt,cross-tokenizer}   the paper's setups (GPUs + Hub)"
 
 install: $(STAMP)
@@ -48,6 +49,17 @@ bench: $(STAMP)
 	$(PY) bench/annotate.py
 	$(PY) bench/distill_step.py
 	$(PY) bench/generate.py
+
+# Mutation testing (bench/mutation.py): mutmut over src/mta/losses, token_ranges and truncation
+# with their fast tests, in a scratch copy; writes bench/results/mutation.json. Not part of
+# `make test`. MODULES=truncation re-runs one group and keeps the others' last results.
+MUTATE_STAMP := $(VENV)/.installed-mutate
+$(MUTATE_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[mutate]'
+	touch $@
+
+mutate: $(MUTATE_STAMP)
+	$(PY) bench/mutation.py $(if $(MODULES),--modules $(MODULES))
 
 # --- The paper's setups (docs/method.md §4, §7): GPUs and the Hugging Face Hub needed. -----------
 # Each: annotate Dolly once, distill the base loss and base + MTA from the same start, evaluate

@@ -128,13 +128,16 @@ def test_a_killed_run_leaves_the_previous_artefact(tmp_path, annotated, tiny_tok
          "--max-length", "480", "--max-prompt-length", "400", "--workers", "1"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 120
-    while not list(out.glob(".part-*.tmp")) and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)  # parsing is under way
+    # Kill once the unfinished part exists: the run is then between opening and committing it.
+    deadline = time.monotonic() + 600
+    while not list(out.glob(".part-*.tmp")):
+        assert process.poll() is None, "the run ended before it wrote its part"
+        assert time.monotonic() < deadline, "no unfinished part appeared in 600 s"
+        time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the run finished before it could be interrupted"
+    assert list(out.glob(".part-*.tmp")), "the kill landed after the part was committed"
     after = read_annotations(out)
     assert after.manifest == before.manifest and after.table.equals(before.table)
     # The half-written part stays hidden; the only visible part is the previous, complete one.

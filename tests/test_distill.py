@@ -272,17 +272,19 @@ def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
     launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {key: value for key, value in os.environ.items() if key not in launcher}
     env["OMP_NUM_THREADS"] = "1"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path), "seed=5"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    log = tmp_path / "distill.log"  # a file, not a pipe: a full pipe would stall the run
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path), "seed=5"],
+            env=env, stdout=output, stderr=subprocess.STDOUT,
+        )
     # Killed as soon as step 2's checkpoint is complete (step-N.partial is renamed to step-N only
     # once whole): the run is then past a checkpoint and, as checked below, not finished.
     state = out / "checkpoints" / "step-2" / "trainer_state.json"
     deadline = time.monotonic() + 600  # a generous bound on a loaded machine; the wait is a poll
     try:
         while not state.exists():
-            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            assert process.poll() is None, log.read_text(errors="replace")[-2000:]
             assert time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.01)
     finally:

@@ -1,7 +1,13 @@
 """Turn a chunk of examples into artefact rows: fit to the limits, parse, align, build Arrow.
 
 One :class:`ExampleAnnotator` lives in each worker process; it is the only place where spaCy and
-the tokenizers meet.
+the tokenizers meet. It takes two kinds of rows, which differ only in how their text and ids are
+settled; parsing, alignment and the Arrow rows are one code path for both:
+
+- :class:`mta.data.rows.Example` (``mta annotate``): prompt + response text, fitted to the
+  length limits on both sides and encoded by each tokenizer;
+- :class:`GeneratedRow` (training on sampled responses, :mod:`mta.data.online_spans`): ids a
+  model generated, kept exactly; the text is decoded from them and the other side encodes it.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from mta.data.token_ranges import member_ranges, prompt_token_count, visible_ranges
-from mta.data.artefact_schema import SCHEMA, SPAN
-from mta.data.encoding import TokenizerSide
+from mta.data.artefact_schema import SCHEMA, SIDES, SPAN
+from mta.data.encoding import Encoding, TokenizerSide
 from mta.data.rows import PROMPT_TOO_LONG, Example, RowProblem
 from mta.data.span_extraction import WORD, SpanExtractor
 from mta.data.truncation import FittedText, PromptTooLong, fit_to_limits
@@ -30,6 +36,35 @@ class ChunkResult:
     batch: pa.RecordBatch
     skipped: list[RowProblem] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, eq=False)
+class GeneratedRow:
+    """One sampled sequence whose ids are fixed: a prompt and what a model generated after it.
+
+    prompt: the prompt's text; prompt_ids: ``[prompt tokens]`` the ids the model was prompted
+    with; generated_ids: ``[generated tokens]`` what it produced, no padding, its stop token
+    last when it stopped by itself (both stored as int64 arrays). All ids are the generating
+    side's (``side``: "student" or "teacher").
+    finished: whether the last generated id is a stop token that ended the response (kept in
+    the ids, not part of the text; the other side gets its own EOS instead). None: when that id
+    is the generating side's EOS. id: the row's ``id`` column.
+    """
+
+    prompt: str
+    prompt_ids: Sequence[int]
+    generated_ids: Sequence[int]
+    finished: bool | None = None
+    side: str = "student"
+    id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {self.side!r}")
+        # Plain int64 arrays: cheap to send to a worker (a torch tensor would travel as shared
+        # memory); a CUDA tensor must be moved to the CPU first (``.tolist()`` or ``.cpu()``).
+        for name in ("prompt_ids", "generated_ids"):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64).reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -91,7 +126,8 @@ def _span_lists(rows: Sequence[AlignedSpans]) -> pa.ListArray:
 
 
 class ExampleAnnotator:
-    """Fits, parses and aligns examples for one (teacher, student) pair and one set of limits."""
+    """Fits, parses and aligns examples for one (teacher, student) pair and one set of limits;
+    settles, parses and aligns generated rows the same way (limits do not apply to them)."""
 
     def __init__(
         self,
@@ -109,36 +145,46 @@ class ExampleAnnotator:
         self.max_prompt_length = max_prompt_length
         self.truncate_prompt = truncate_prompt
 
-    def annotate(self, examples: Sequence[Example]) -> ChunkResult:
+    def annotate(self, examples: Sequence[Example | GeneratedRow]) -> ChunkResult:
+        """Arrow rows (``SCHEMA``) of ``examples``, in order; an example whose prompt is over the
+        limit is skipped (a :class:`GeneratedRow` is never skipped: its ids are what they are)."""
         counts: Counter = Counter()
         skipped: list[RowProblem] = []
-        kept: list[tuple[Example, FittedText]] = []
+        kept: list[tuple[Example | GeneratedRow, FittedText, tuple[np.ndarray, ...]]] = []
         for example in examples:
-            fitted = fit_to_limits(
-                example.prompt, example.response, self.sides,
-                max_length=self.max_length, max_prompt_length=self.max_prompt_length,
-                truncate_prompt=self.truncate_prompt,
-            )
-            if isinstance(fitted, PromptTooLong):
-                skipped.append(RowProblem(example.id, example.line, PROMPT_TOO_LONG, fitted.message))
-                continue
+            if isinstance(example, GeneratedRow):
+                fitted, row_ids = self.settle_generated(example)
+                counts["prompt_not_decoded"] += fitted.prompt_chars != len(example.prompt)
+            else:
+                fitted = fit_to_limits(
+                    example.prompt, example.response, self.sides,
+                    max_length=self.max_length, max_prompt_length=self.max_prompt_length,
+                    truncate_prompt=self.truncate_prompt,
+                )
+                if isinstance(fitted, PromptTooLong):
+                    skipped.append(RowProblem(example.id, example.line, PROMPT_TOO_LONG, fitted.message))
+                    continue
+                row_ids = tuple(
+                    # docs/method.md §1: EOS ends a whole response
+                    np.concatenate([encoding.ids, np.asarray([side.eos_id] if fitted.complete else [], np.int32)])
+                    for side, encoding in zip(self.sides, fitted.encodings)
+                )
             counts["response_cut"] += fitted.response_cut
             counts["prompt_cut"] += fitted.prompt_cut
-            kept.append((example, fitted))
+            kept.append((example, fitted, row_ids))
 
         # spaCy sees the kept text and a margin of what the cut removed, so a phrase that the cut
         # splits is recognised and dropped instead of being parsed as a shorter phrase that never
         # was one; what lies further on cannot reach the kept spans, so it is never parsed.
         max_chars = self.extractor.nlp.max_length
-        parsed = self.extractor.pipe([fitted.parse_text[:max_chars] for _, fitted in kept],
+        parsed = self.extractor.pipe([fitted.parse_text[:max_chars] for _, fitted, _ in kept],
                                      batch_size=SPACY_BATCH_SIZE)
         ids = {"teacher": [], "student": []}
         prompt_lens = {"teacher": [], "student": []}
         phrases, words = [], []
-        for (example, fitted), spans in zip(kept, parsed):
-            for name, side, encoding in zip(("teacher", "student"), self.sides, fitted.encodings):
-                eos = [side.eos_id] if fitted.complete else []  # docs/method.md §1: EOS ends a whole response
-                ids[name].append(np.concatenate([encoding.ids, np.asarray(eos, np.int32)]))
+        for (example, fitted, row_ids), spans in zip(kept, parsed):
+            for name, side_ids, encoding in zip(SIDES, row_ids, fitted.encodings):
+                ids[name].append(side_ids)
                 prompt_lens[name].append(prompt_token_count(encoding.offsets, fitted.prompt_chars))
             visible = [visible_ranges(fitted.text, encoding.offsets) for encoding in fitted.encodings]
             phrase_spans = align_spans(fitted.text, visible, spans.phrases, spans.phrase_labels)
@@ -152,9 +198,9 @@ class ExampleAnnotator:
 
         batch = pa.RecordBatch.from_arrays(
             [
-                pa.array([example.id for example, _ in kept], pa.int64()),
-                pa.array([fitted.text for _, fitted in kept], pa.string()),
-                pa.array([fitted.prompt_chars for _, fitted in kept], pa.int32()),
+                pa.array([example.id for example, _, _ in kept], pa.int64()),
+                pa.array([fitted.text for _, fitted, _ in kept], pa.string()),
+                pa.array([fitted.prompt_chars for _, fitted, _ in kept], pa.int32()),
                 _int32_lists(ids["teacher"]),
                 _int32_lists(ids["student"]),
                 pa.array(prompt_lens["teacher"], pa.int32()),
@@ -165,3 +211,51 @@ class ExampleAnnotator:
             schema=SCHEMA,
         )
         return ChunkResult(batch=batch, skipped=skipped, counts=counts)
+
+    def settle_generated(self, row: GeneratedRow) -> tuple[FittedText, tuple[np.ndarray, np.ndarray]]:
+        """The text, encodings and final ids of a generated row (docs/method.md §1, online).
+
+        The generating side keeps exactly ``prompt_ids + generated_ids``; its text and offsets
+        come from those ids (:meth:`TokenizerSide.decode_with_offsets`: a character split
+        between tokens belongs to each of them). A side with the same vocabulary (fingerprint)
+        sees the same ids; another tokenizer encodes the text, with its EOS when the response
+        is finished. ``prompt_chars`` is ``len(row.prompt)`` when the text starts with it, else
+        where the prompt ids' text ends (a tokenizer that normalizes, e.g. NFC). No length
+        limit is applied: the generator's budget bounds the generating side, and another
+        tokenizer may need more ids for the same text.
+        Returns ``(FittedText, (teacher ids [tokens], student ids [tokens]) int32)``.
+        """
+        maker = self.sides[SIDES.index(row.side)]
+        prompt_ids, generated = row.prompt_ids, row.generated_ids
+        finished = row.finished
+        if finished is None:
+            finished = len(generated) > 0 and int(generated[-1]) == maker.eos_id
+        if finished and len(generated) == 0:
+            raise ValueError("a finished row needs its stop token as the last generated id")
+        body = generated[: len(generated) - int(finished)]
+        if np.any(body == maker.eos_id):
+            at = int(np.flatnonzero(body == maker.eos_id)[0])
+            raise ValueError(
+                f"generated_ids holds the {row.side}'s EOS ({maker.eos_id}) at position {at}, "
+                f"before its end: pass one row's ids up to and including its first EOS, no padding"
+            )
+        text, decoded = maker.decode_with_offsets(np.concatenate([prompt_ids, body]))
+        if text.startswith(row.prompt):
+            prompt_chars = len(row.prompt)
+        else:
+            prompt_chars = int(decoded.offsets[len(prompt_ids) - 1, 1]) if len(prompt_ids) else 0
+        given = np.concatenate([prompt_ids, generated]).astype(np.int32)
+        encodings: list[Encoding] = []
+        row_ids: list[np.ndarray] = []
+        for side in self.sides:
+            if side is maker or side.fingerprint == maker.fingerprint:
+                encodings.append(decoded)
+                row_ids.append(given)
+            else:
+                encoding = side.encode(text)
+                encodings.append(encoding)
+                row_ids.append(np.concatenate([encoding.ids, np.asarray([side.eos_id] if finished else [], np.int32)]))
+        fitted = FittedText(
+            text, prompt_chars, bool(finished), False, tuple(encodings), text[prompt_chars:]
+        )
+        return fitted, (row_ids[0], row_ids[1])

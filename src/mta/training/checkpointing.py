@@ -41,7 +41,7 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -286,10 +286,12 @@ def _prune(root: Path, state: TrainerState, keep: int) -> None:
 
 
 def save_checkpoint(
-    engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path, state: TrainerState
+    engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path, state: TrainerState,
+    *, extra_state: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Write ``checkpoints/step-N`` atomically, then drop this run's checkpoints beyond the
-    newest ``keep_checkpoints``."""
+    newest ``keep_checkpoints``. ``extra_state(directory)``: more of the run's state, written by
+    every rank into the checkpoint before its checksum list (JSON or Parquet, never pickles)."""
     root = checkpoints_dir(output_dir)
     final = root / f"step-{state.step}"
     partial = root / f"step-{state.step}.partial"
@@ -303,6 +305,9 @@ def save_checkpoint(
         distributed.barrier()
         _export_hf(engine, tokenizer, recipe, partial)
         engine.save_checkpoint(str(partial / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
+        if extra_state is not None:
+            extra_state(partial)
+            distributed.barrier()
         rng = distributed.gather_objects(torch.get_rng_state().tolist())
         if distributed.is_main():
             atomic_write_json(partial / STATE_FILE, asdict(state) | {"rng": rng})

@@ -353,13 +353,20 @@ def rows_table(rows: Rows) -> pa.Table:
     return pa.Table.from_pylist([dict(row) for row in rows], schema=SCHEMA)
 
 
-def write_rows(path: str | Path, rows: Rows, steps: Sequence[int]) -> None:
+def write_rows(path: str | Path, rows: Rows, steps: Sequence[int],
+               extra: Optional[Mapping[str, Sequence[Any]]] = None) -> None:
     """Write generated ``rows`` with the ``step`` each was generated at as one Parquet file
-    (annotate columns + ``step``, the schema version in its metadata), atomically."""
+    (annotate columns + ``step``, the schema version in its metadata), atomically. ``extra``:
+    more columns, one value per row (``OUT/generated/`` adds ``micro_batch`` and ``source``;
+    ``read_rows`` reads only files without them)."""
     table = rows_table(rows)
     if len(steps) != table.num_rows:
         raise ValueError(f"{table.num_rows} rows but {len(steps)} steps")
     table = table.append_column(pa.field(STEP_COLUMN, pa.int64()), pa.array(steps, pa.int64()))
+    for name, values in (extra or {}).items():
+        if len(values) != table.num_rows:
+            raise ValueError(f"{table.num_rows} rows but {len(values)} values of {name}")
+        table = table.append_column(name, pa.array(list(values)))
     with atomic_path(path) as temporary:
         pq.write_table(table.replace_schema_metadata(ROWS_METADATA), temporary, compression="zstd")
 

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from mta import distributed
+from mta.data.annotate import AnnotateSettings, available_cores
+from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import tokenizer_fingerprint
@@ -29,11 +31,13 @@ from mta.training.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
 from mta.training.teacher import FrozenTeacher
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.recipe import Recipe, check_sequence_lengths
+from mta.training.recipe import Recipe, check_generation_fits, check_sequence_lengths
+from mta.training.student_samples import OffPolicyBatches, dev_cross_entropy
 
 log = logging.getLogger(__name__)
 
 DEV_ROWS = 64  # dev loss over at most this many rows: a signal, not an evaluation
+SPAN_WORKERS = 1  # processes parsing generated responses while the step computes
 
 
 class NonFiniteLoss(MtaError):
@@ -70,7 +74,14 @@ class Run:
     world_size: int
     device: torch.device
     resume_from: Optional[Path] = None  # the checkpoint to continue from, checked against the recipe
+    off_policy: Optional[OffPolicyBatches] = None  # generation: on (the student's own samples)
     messages: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Release the engine and the span workers (every run ends here, also after an error)."""
+        if self.off_policy is not None:
+            self.off_policy.parser.close()
+        self.engine.destroy()
 
 
 def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
@@ -108,6 +119,7 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
                                source=recipe.source)
     teacher_tokenizer = sides["teacher"].tokenizer
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
+    check_generation_fits(recipe, same_tokenizer)
 
     layer_pairs = []
     if recipe.loss.alignment_terms:
@@ -138,6 +150,18 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
     engine = engines.initialize(
         model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size
     )
+    sampled = None
+    if recipe.generation.mode != "off":
+        settings = AnnotateSettings.from_recipe(
+            recipe, teacher=sides["teacher"].tokenizer_source, student=sides["student"].tokenizer_source
+        )
+        parser = SpanParser(settings, workers=SPAN_WORKERS if available_cores() > 1 else 0).start()
+        sampled = OffPolicyBatches(
+            recipe, splits["train"].table, model=engine.module.student, tokenizer=tokenizer,
+            pad_ids={"student": tokenizer.pad_token_id, "teacher": teacher_tokenizer.pad_token_id},
+            with_teacher=teacher_model is not None, granularities=granularities, parser=parser,
+            total_steps=total_steps,
+        )
 
     teacher = None
     if teacher_model is not None:
@@ -156,7 +180,7 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
         messages += resumed_with.log_lines()
     return Run(
         recipe, output_dir, owner.run_id, engine, teacher, tokenizer, examples["train"], examples["dev"],
-        schedule, total_steps, rank, world_size, device, resume_from, messages,
+        schedule, total_steps, rank, world_size, device, resume_from, sampled, messages,
     )
 
 
@@ -175,8 +199,13 @@ class Trainer:
                 run.train.student_lengths, run.recipe.train.micro_batch_size,
                 seed=run.recipe.seed, epoch=epoch,
             )}
-        order = self._orders[epoch]
-        return [run.train.batch(order[index]) for index in run.schedule.micro_batch_indices(step_in_epoch, run.rank)]
+        rows = [self._orders[epoch][index] for index in run.schedule.micro_batch_indices(step_in_epoch, run.rank)]
+        batches = [run.train.batch(micro_rows) for micro_rows in rows]
+        if run.off_policy is None:
+            return batches
+        # Each micro batch: its gold rows, or the student's own responses to their prompts, or
+        # rows from the replay buffer (the same decision on every rank).
+        return [run.off_policy.batch(step, k, micro_rows, gold)[0] for k, (micro_rows, gold) in enumerate(zip(rows, batches))]
 
     def teacher_forward(self, batch: TrainBatch):
         if self.run.teacher is None:
@@ -242,6 +271,11 @@ class Trainer:
             for name, value in run.engine(batch, self.teacher_forward(batch)).items():
                 sums[name] = sums.get(name, 0.0) + value.item() * len(batch.row_ids)
         record = loss_record("dev", step, {name: value / len(rows) for name, value in sums.items()})
+        if run.off_policy is not None and run.recipe.generation.mode == "adaptive":
+            # DistiLLM's threshold follows the student's cross-entropy on the dev references.
+            record["generation/dev_ce"] = dev_cross_entropy(run.engine.module.student, batches, run.device)
+            run.off_policy.update_threshold(record["generation/dev_ce"])
+            record["generation/threshold"] = run.off_policy.state.threshold
         record["samples"] = self.sample_generations(step)
         run.engine.train()
         return record
@@ -283,10 +317,14 @@ class Trainer:
             resume_rules.check_resume_length(start, run.total_steps, recipe, run.resume_from)
             # The recipe's rates (a resume may lower them) under the schedule for its length.
             engines.restart_schedule(run.engine, recipe.train, start, run.total_steps)
+            if run.off_policy is not None:
+                run.off_policy.restore(run.resume_from)
             reporter.message(f"resumed from {run.resume_from} at step {start}")
         metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if run.resume_from else None)
         main = run.rank == 0
         reporter.start("distill", run.total_steps, completed=start, unit="steps")
+        # from_pretrained returns the student in eval mode: dropout must be on from the first step.
+        run.engine.train()
         try:
             if run.dev is not None and start == 0:  # the baseline later dev losses compare with
                 self._evaluate_and_log(0, metrics)
@@ -295,11 +333,15 @@ class Trainer:
                 window.add(self.step(step))
                 done = step + 1
                 reporter.advance(1)
+                if run.off_policy is not None and recipe.train.save_generated:
+                    run.off_policy.write_generated(run.output_dir, done)
                 if done % recipe.train.log_interval == 0 or done == run.total_steps:
                     record = window.record(
                         done, lr=run.engine.get_lr()[0], sum_over_processes=_sum_over_processes,
                         world_size=run.world_size,
                     )
+                    if run.off_policy is not None:
+                        record.update(run.off_policy.log_fields())
                     if main:
                         metrics.write(record)
                     reporter.record(record)
@@ -321,7 +363,10 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         state = checkpointing.TrainerState(step=step, total_steps=self.run.total_steps, run_id=self.run.run_id)
-        return checkpointing.save_checkpoint(self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state)
+        extra = self.run.off_policy.save if self.run.off_policy is not None else None
+        return checkpointing.save_checkpoint(
+            self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state, extra_state=extra
+        )
 
 
 def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
@@ -386,4 +431,4 @@ def run_distillation(
     try:
         return Trainer(run, reporter).train()
     finally:
-        run.engine.destroy()
+        run.close()

@@ -1,0 +1,177 @@
+"""Where each micro batch of an off-policy run comes from: the gold rows, the student's own
+samples of their prompts, or the replay buffer (``mta.training.off_policy`` decides which).
+
+``OffPolicyBatches.batch(step, k, rows, gold)`` returns the micro batch to train on. For a
+*generated* one, the student (possibly in the middle of a ZeRO-3 step, see ``mta.generation``)
+samples a response to each gold row's prompt — every rank generates together, since every rank
+takes the same decision —, the spans of prompt + response are parsed by
+``mta.data.online_spans`` (the code of ``mta annotate``, on the ids the models see) and the rows
+become a ``TrainBatch`` exactly as annotated rows do: labels on the response tokens only. Each
+rank keeps its own buffer. State (threshold, counts) and buffers are saved with every checkpoint
+as JSON and Parquet (``save`` / ``restore``), never pickled; ``train.save_generated`` also writes
+each step's generated and replayed rows to ``OUT/generated/``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+
+from mta import distributed
+from mta.data.artefact_schema import ID, INPUT_IDS, PROMPT_CHARS, PROMPT_LEN, TEXT
+from mta.data.online_spans import GeneratedRow, SpanParser
+from mta.generation import HFGenerator
+from mta.training import off_policy
+from mta.training.batching import AnnotatedExamples, TrainBatch
+from mta.training.recipe import Recipe
+
+GENERATED_DIR = "generated"
+
+
+class OffPolicyBatches:
+    """The off-policy part of a run: decisions, generation, spans, buffer, their checkpoints.
+
+    recipe: the run's recipe (``generation:`` is on); table: the training artefact's rows (for
+    each row's prompt text and ids); model: the student being trained (the engine's module);
+    pad_ids: ``{"student": id, "teacher": id}``; granularities: the span kinds the loss reads;
+    parser: a started ``SpanParser``; total_steps: the run's length.
+    """
+
+    def __init__(self, recipe: Recipe, table: pa.Table, *, model: Any, tokenizer: Any, pad_ids: dict[str, int],
+                 with_teacher: bool, granularities: tuple[str, ...], parser: SpanParser, total_steps: int):
+        self.recipe = recipe
+        self.model = model
+        self.spec = recipe.generation
+        self.state = off_policy.SamplingState.initial(self.spec)
+        self.buffer = off_policy.ReplayBuffer(self.spec.buffer_size) if self.spec.mode == "adaptive" else None
+        self.parser = parser
+        self.tokenizer = tokenizer
+        self.total_steps = total_steps
+        self.params = off_policy.generation_params(recipe)
+        self._examples = dict(student_pad_id=pad_ids["student"], teacher_pad_id=pad_ids["teacher"],
+                              with_teacher=with_teacher, granularities=granularities)
+        self._ids = table.column(ID).to_numpy()
+        self._texts = table.column(TEXT)
+        self._prompt_chars = table.column(PROMPT_CHARS).to_numpy()
+        self._student_ids = table.column(INPUT_IDS["student"])
+        self._prompt_len = table.column(PROMPT_LEN["student"]).to_numpy()
+        self._saved: list[tuple[list[dict], int, str]] = []  # (rows, micro batch, source) of this step
+        self.window = {"generated_tokens": 0, "generation_s": 0.0, "span_wait_s": 0.0}
+        self._counted = dict(self.state.micro_batches)  # the counts at the last log line
+
+    # ------------------------------------------------------------------ one micro batch
+
+    def batch(self, step: int, micro_batch: int, rows: np.ndarray, gold: TrainBatch) -> tuple[TrainBatch, str]:
+        """The micro batch to train on in place of ``gold`` (table positions ``rows``), and its
+        source: ``"gold"``, ``"generated"`` or ``"buffer"``."""
+        full, empty = off_policy.agreed_buffer_flags(self.buffer) if self.buffer is not None else (False, True)
+        source = off_policy.decide(self.state, self.spec, step, self.total_steps, micro_batch, full, empty,
+                                   self.recipe.seed)
+        self.state = self.state.count(source)
+        if source == "gold":
+            return gold, source
+        if source == "buffer":
+            generator = off_policy.buffer_generator(self.recipe.seed, step, micro_batch, distributed.rank())
+            sampled = self.buffer.sample(len(rows), generator)
+        else:
+            sampled = self._generate(step, rows)
+            if self.buffer is not None:
+                self.buffer.push(sampled, step)
+        if self.recipe.train.save_generated:
+            self._saved.append((sampled, micro_batch, source))
+        examples = AnnotatedExamples(off_policy.rows_table(sampled), **self._examples)
+        return examples.batch(np.arange(len(examples))), source
+
+    def _generate(self, step: int, rows: np.ndarray) -> list[dict]:
+        """The student's responses to the prompts of table rows ``rows``, as annotated rows."""
+        prompts = [self._student_ids[int(row)].values.to_numpy()[: self._prompt_len[row]].tolist() for row in rows]
+        seeds = off_policy.generation_seeds(self.recipe.seed, step, [int(self._ids[row]) for row in rows])
+        started = time.perf_counter()
+        generator = HFGenerator(self.model, self.tokenizer, self.params, batch_size=len(rows))
+        completions = sorted((c for batch in generator.generate(prompts, seeds) for c in batch),
+                             key=lambda c: c.position)
+        self.window["generation_s"] += time.perf_counter() - started
+        eos = self.tokenizer.eos_token_id
+        generated = []
+        for completion, row, prompt_ids in zip(completions, rows, prompts):
+            text = self._texts[int(row)].as_py()
+            ids = completion.token_ids + ([eos] if completion.finished else [])
+            self.window["generated_tokens"] += len(ids)
+            generated.append(GeneratedRow(text[: self._prompt_chars[row]], prompt_ids, ids,
+                                          finished=completion.finished, id=int(self._ids[row])))
+        started = time.perf_counter()
+        result = self.parser.submit(generated).result()
+        self.window["span_wait_s"] += time.perf_counter() - started
+        return result.batch.to_pylist()
+
+    # ------------------------------------------------------------------ the run around it
+
+    def update_threshold(self, dev_cross_entropy: float) -> None:
+        """After a dev evaluation: DistiLLM's threshold rule on the dev cross-entropy."""
+        self.state = off_policy.update_threshold(self.state, self.spec, off_policy.agreed_dev_loss(dev_cross_entropy))
+
+    def log_fields(self) -> dict[str, float]:
+        """The generation fields of a train record, for the window since the last one: τ, the
+        micro batches of each source, generated tokens per second of generation, and the seconds
+        the process waited for spans."""
+        counts = self.state.micro_batches
+        fields = {
+            "generation/threshold": self.state.threshold,
+            **{f"generation/{source}": float(counts[source] - self._counted[source]) for source in counts},
+            "generation/tokens_per_s": self.window["generated_tokens"] / max(self.window["generation_s"], 1e-9),
+            "generation/span_wait_s": self.window["span_wait_s"],
+        }
+        self._counted = dict(counts)
+        self.window = {"generated_tokens": 0, "generation_s": 0.0, "span_wait_s": 0.0}
+        return fields
+
+    def write_generated(self, output_dir: Path, step: int) -> None:
+        """``train.save_generated``: this rank's generated and replayed rows of ``step``."""
+        if not self._saved:
+            return
+        rows = [row for sampled, _, _ in self._saved for row in sampled]
+        extra = {
+            "micro_batch": [k for sampled, k, _ in self._saved for _ in sampled],
+            "source": [source for sampled, _, source in self._saved for _ in sampled],
+        }
+        path = output_dir / GENERATED_DIR / f"step-{step:06d}-rank-{distributed.rank()}.parquet"
+        off_policy.write_rows(path, rows, [step] * len(rows), extra=extra)
+        self._saved = []
+
+    def save(self, checkpoint: Path) -> None:
+        """Into a checkpoint being written (every rank calls): the state and this rank's buffer."""
+        if distributed.is_main():
+            off_policy.write_state(checkpoint / off_policy.STATE_FILE, self.state)
+        if self.buffer is not None:
+            self.buffer.write(checkpoint / off_policy.buffer_file(distributed.rank()))
+
+    def restore(self, checkpoint: Path) -> None:
+        """The state and this rank's buffer as ``save`` wrote them into ``checkpoint``."""
+        self.state = off_policy.read_state(checkpoint / off_policy.STATE_FILE)
+        self._counted = dict(self.state.micro_batches)
+        if self.buffer is not None:
+            self.buffer = off_policy.ReplayBuffer.read(
+                checkpoint / off_policy.buffer_file(distributed.rank()), self.spec.buffer_size
+            )
+
+
+@torch.no_grad()
+def dev_cross_entropy(student: torch.nn.Module, batches: list[TrainBatch], device: torch.device) -> float:
+    """The student's token-mean cross-entropy on the dev reference responses (what DistiLLM's
+    threshold rule reads), over ``batches``, summed over ranks."""
+    total, tokens = 0.0, 0
+    for batch in batches:
+        batch = batch.to(device)
+        logits = student(input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask).logits
+        labels = batch.student.labels[:, 1:]
+        total += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
+                                 ignore_index=-100, reduction="sum").item()
+        tokens += int((labels != -100).sum())
+    total, tokens = distributed.sum_over_ranks([total, float(tokens)])
+    return total / max(tokens, 1.0)

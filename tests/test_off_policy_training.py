@@ -1,0 +1,99 @@
+"""`mta distill` with the student's own responses (generation: adaptive / always), end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from mta.data.artefact import read_annotations
+from mta.training import off_policy
+from mta.training.batching import AnnotatedExamples
+from mta.training.metrics import read_metrics
+from mta.training.recipe import load_recipe
+from mta.training.trainer import Trainer, run_distillation
+
+from test_distill import one_thread, same_data, teacher_dir, weights, write_recipe  # noqa: F401  (fixtures)
+
+GENERATION = {"max_new_tokens": 12}
+# Every micro batch samples until the buffer (two micro batches) is full, then the decreasing
+# schedule mixes fresh samples and replays.
+ADAPTIVE = {"mode": "adaptive", "init_threshold": 1.0, "buffer_size": 4, **GENERATION}
+
+
+def _recipe(tmp_path: Path, name: str, teacher_dir, student_dir, data, generation: dict, **train):
+    return write_recipe(
+        tmp_path / f"{name}.yaml", teacher=teacher_dir, student=student_dir, annotations=data,
+        output_dir=tmp_path / name, data={"dev": None}, generation=generation,
+        train={"max_steps": 6, "save_interval": 2, **train},
+    )
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_its_buffer(
+    tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
+):
+    uninterrupted = run_distillation(load_recipe(_recipe(tmp_path, "a", teacher_dir, tiny_model_dir, same_data, ADAPTIVE)))
+    sources = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["split"] == "train"]
+    assert sum(r["generation/generated"] for r in sources) > 0 and sum(r["generation/buffer"] for r in sources) > 0
+
+    path = _recipe(tmp_path, "b", teacher_dir, tiny_model_dir, same_data, ADAPTIVE)
+    real_step = Trainer.step
+
+    def interrupted(self, step):
+        if step == 4:  # after checkpoint step-4 was written
+            raise _Interrupted
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", interrupted)
+    with pytest.raises(_Interrupted):
+        run_distillation(load_recipe(path))
+    checkpoint = tmp_path / "b" / "checkpoints" / "step-4"
+    state = json.loads((checkpoint / off_policy.STATE_FILE).read_text())
+    buffered, _ = off_policy.read_rows(checkpoint / off_policy.buffer_file(0))
+    assert len(buffered) == 4 and state["micro_batches"]["generated"] > 0
+    monkeypatch.setattr(Trainer, "step", real_step)
+    resumed = run_distillation(load_recipe(path), resume="auto")
+    expected, got = weights(uninterrupted), weights(resumed)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert np.array_equal(expected[name].numpy(), got[name].numpy()), name
+
+
+@pytest.mark.slow
+def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
+    tmp_path, teacher_dir, tiny_model_dir, same_data
+):
+    path = _recipe(tmp_path, "c", teacher_dir, tiny_model_dir, same_data, {"mode": "always", **GENERATION},
+                   max_steps=2, save_generated=True)
+    run_distillation(load_recipe(path))
+    out = tmp_path / "c"
+    files = sorted((out / "generated").glob("step-*-rank-0.parquet"))
+    assert [f.name for f in files] == ["step-000001-rank-0.parquet", "step-000002-rank-0.parquet"]
+    table = pq.read_table(files[0])
+    assert set(table.column("source").to_pylist()) == {"generated"}
+    assert table.column("micro_batch").to_pylist() == [0, 0, 1, 1]
+    gold = {row["id"]: row for row in read_annotations(same_data).table.to_pylist()}
+    examples = AnnotatedExamples(table.drop_columns(["step", "micro_batch", "source"]), student_pad_id=0)
+    batch = examples.batch(np.arange(len(examples)))
+    for position, row in enumerate(table.to_pylist()):
+        source = gold[row["id"]]
+        prompt = source["student_input_ids"][: source["student_prompt_len"]]
+        # The prompt is the gold row's; only the generated response is a target.
+        assert row["student_input_ids"][: row["student_prompt_len"]] == prompt
+        assert row["text"].startswith(source["text"][: source["prompt_chars"]])
+        assert len(row["student_input_ids"]) - len(prompt) <= GENERATION["max_new_tokens"]
+        labels = batch.student.labels[position].tolist()
+        assert all(label == -100 for label in labels[: len(prompt)])
+        assert labels[len(prompt): len(row["student_input_ids"])] == row["student_input_ids"][len(prompt):]
+        for span in row["phrase_spans"] + row["word_spans"]:
+            assert row["text"][span["char_start"]: span["char_end"]].strip()
+    record = [r for r in read_metrics(out / "metrics.jsonl") if r["split"] == "train"][-1]
+    assert record["generation/generated"] == 2 and record["generation/gold"] == 0
