@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from mta.files import atomic_write_json
+from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MTA_SHARED_DIR", REPO.parent / "shared"))
@@ -103,7 +104,7 @@ def main() -> None:
 
     medians = {key: statistics.median(values) for key, values in times.items()}
     result = {
-        "data": str(args.data),
+        "data": portable(args.data),
         "rows": manifest["rows"],
         "rounds": args.rounds,
         **times,

