@@ -69,26 +69,32 @@ def read_jsonl(path: Path) -> list[dict]:
 COMMON_WORDS = [" the", " a", " of", " and", " to", " is", " in", " that", " for", " it", " with"]
 
 
-def wordy(model_dir: Path, out: Path) -> Path:
-    """The tiny model made to say common English words whatever the context: its predictions
-    overlap the references partly, so their ROUGE-L scores spread instead of being all 0."""
+def context_free(model_dir: Path, out: Path, logits: dict[int, float]) -> Path:
+    """The tiny model with fixed next-token logits whatever the context (``{token: logit}``, 0
+    elsewhere), saved with its tokenizer into ``out``."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    words = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in COMMON_WORDS]
-    assert all(len(ids) == 1 for ids in words)
     with torch.no_grad():
         # Blocks add nothing and every embedding is 1, so the final hidden state is the norm
-        # weight (all ones); each word's head row then gives it logit 7, every other token 0.
+        # weight (all ones): a head row of value/hidden_size gives its token logit ``value``.
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.model.embed_tokens.weight.fill_(1.0)
         model.lm_head.weight.zero_()
-        for (token,) in words:
-            model.lm_head.weight[token] = 7.0 / model.config.hidden_size
+        for token, logit in logits.items():
+            model.lm_head.weight[token] = logit / model.config.hidden_size
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    load_tokenizer(model_dir).save_pretrained(out)
     return out
+
+
+def wordy(model_dir: Path, out: Path) -> Path:
+    """The tiny model made to say common English words whatever the context: its predictions
+    overlap the references partly, so their ROUGE-L scores spread instead of being all 0."""
+    tokenizer = load_tokenizer(model_dir)
+    words = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in COMMON_WORDS]
+    assert all(len(ids) == 1 for ids in words)
+    return context_free(model_dir, out, {token: 7.0 for (token,) in words})
 
 
 def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_dir, tmp_path, monkeypatch):
@@ -220,22 +226,8 @@ def test_several_checkpoints_with_the_same_basename_side_by_side(tiny_tokenizer_
 
 def test_a_model_that_only_says_eos_scores_zero(tiny_model_dir, data_dir, tmp_path):
     """Empty predictions are scored 0 and counted, not a crash."""
-    silent = tmp_path / "silent"
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    eos = model.config.eos_token_id
-    with torch.no_grad():
-        # Blocks add nothing and every embedding is 1, so the final hidden state is the norm
-        # weight; only the EOS row of the head sees it.
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.fill_(1.0)
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[eos] = 10.0
-    model.save_pretrained(silent)
-    for name in os.listdir(tiny_model_dir):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(tiny_model_dir / name, silent / name)
+    eos = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.eos_token_id
+    silent = context_free(tiny_model_dir, tmp_path / "silent", {eos: 50.0})
     settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=3)
     results = evaluate_checkpoints([silent], ["silent"], data_dir, tmp_path / "eval", settings)
     stats = results["checkpoints"]["silent"]["sets"]["dolly"]
