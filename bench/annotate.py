@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mta import distributed
 from mta.files import atomic_write_json
 from paths import portable
 
@@ -114,7 +115,7 @@ def main() -> None:
         "ratio_vs_pipe_only": medians["annotate_s"] / medians["bare_parse_pipe_only_s"],
         "cpu_ratio": medians["annotate_cpu_s"] / medians["bare_parse_cpu_s"],
         "target_ratio": 1.3,
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": distributed.available_cores(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "python": platform.python_version(),

@@ -35,6 +35,7 @@ import time
 from itertools import cycle, islice
 from pathlib import Path
 
+from mta import distributed
 from mta.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +136,7 @@ def main() -> None:
         "cases": results,
         "rss_over_baseline_mib": {name: round(r["max_rss_mib"] - baseline, 1) for name, r in results.items()},
         "python": platform.python_version(),
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": distributed.available_cores(),
     }
     if reference is not None:
         payload["reference_huge_1"] = {

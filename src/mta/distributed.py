@@ -51,6 +51,13 @@ def main_process_first() -> Iterator[None]:
             dist.barrier()
 
 
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask under Slurm or taskset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def local_device() -> torch.device:
     """This process's GPU (``LOCAL_RANK`` under a launcher), else the CPU."""
     if torch.cuda.is_available():

@@ -49,6 +49,7 @@ from mta.data.rows import (
     summarize_input,
 )
 from mta.data.span_extraction import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
+from mta import distributed
 from mta.errors import MtaError
 from mta.files import disk_full_is_reported
 from mta.reporting import Reporter, SilentReporter
@@ -58,13 +59,6 @@ CHUNK_ROWS = 64  # examples per task sent to a worker; one spaCy batch
 # A chunk also ends once its rows hold this many characters, so a file of multi-megabyte rows
 # keeps as little in flight as one of ordinary rows (which never reach it: 64 rows of a few KB).
 CHUNK_CHARS = 4_000_000
-
-
-def available_cores() -> int:
-    """Cores this process may run on (the affinity mask under Slurm or taskset)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -130,7 +124,7 @@ class AnnotateSettings:
 
     @property
     def worker_count(self) -> int:
-        return self.workers or available_cores()
+        return self.workers or distributed.available_cores()
 
 
 @dataclass(frozen=True)

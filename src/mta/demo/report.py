@@ -9,8 +9,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from mta import distributed
 from mta.demo.settings import VARIANTS
 from mta.files import atomic_path, atomic_write_text
+from mta.tables import markdown_table
 from mta.evaluation.datasets import BENCHMARKS
 from mta.evaluation.results import averages
 
@@ -68,11 +70,9 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
         f"# mta demo ({demo['name']})",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {platform.machine()}, "
-        f"{_cores()} cores, fp32 · whole demo {elapsed_seconds / 60:.1f} min",
+        f"{distributed.available_cores()} cores, fp32 · whole demo {elapsed_seconds / 60:.1f} min",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-        *("| " + " | ".join(row) + " |" for row in body),
+        *markdown_table(header, body),
         "",
         f"ROUGE-L: F x 100, max over references, mean ± population std over seeds "
         f"{', '.join(str(s) for s in demo['seeds'])}; rows per set: "
@@ -123,9 +123,3 @@ def plot_summary(results: dict, path: Path) -> None:
     with atomic_path(path) as partial:
         figure.savefig(partial, dpi=110, format="png")
     plt.close(figure)
-
-
-def _cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

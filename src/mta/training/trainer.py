@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mta import distributed
-from mta.data.annotate import AnnotateSettings, available_cores
+from mta.data.annotate import AnnotateSettings
 from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
@@ -155,7 +155,7 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
         settings = AnnotateSettings.from_recipe(
             recipe, teacher=sides["teacher"].tokenizer_source, student=sides["student"].tokenizer_source
         )
-        parser = SpanParser(settings, workers=SPAN_WORKERS if available_cores() > 1 else 0).start()
+        parser = SpanParser(settings, workers=SPAN_WORKERS if distributed.available_cores() > 1 else 0).start()
         sampled = OffPolicyBatches(
             recipe, splits["train"].table, model=engine.module.student, tokenizer=tokenizer,
             pad_ids={"student": tokenizer.pad_token_id, "teacher": teacher_tokenizer.pad_token_id},
@@ -205,7 +205,10 @@ class Trainer:
             return batches
         # Each micro batch: its gold rows, or the student's own responses to their prompts, or
         # rows from the replay buffer (the same decision on every rank).
-        return [run.off_policy.batch(step, k, micro_rows, gold)[0] for k, (micro_rows, gold) in enumerate(zip(rows, batches))]
+        return [
+            run.off_policy.batch(step, k, micro_rows, gold)[0]
+            for k, (micro_rows, gold) in enumerate(zip(rows, batches))
+        ]
 
     def teacher_forward(self, batch: TrainBatch):
         if self.run.teacher is None:
