@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mta.data.artefact import read_annotations
+from mta.data.online_spans import PendingSpans
 from mta.training import off_policy
 from mta.training.batching import AnnotatedExamples
 from mta.training.metrics import read_metrics
@@ -69,11 +70,18 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_i
 
 @pytest.mark.slow
 def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
-    tmp_path, teacher_dir, tiny_model_dir, same_data
+    tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
 ):
     path = _recipe(tmp_path, "c", teacher_dir, tiny_model_dir, same_data, {"mode": "always", **GENERATION},
                    max_steps=2, save_generated=True)
+    events = []
+    real_forward, real_result = Trainer.teacher_forward, PendingSpans.result
+    monkeypatch.setattr(Trainer, "teacher_forward", lambda self, batch: events.append("teacher") or real_forward(self, batch))
+    monkeypatch.setattr(PendingSpans, "result", lambda self, *a: events.append("spans") or real_result(self, *a))
     run_distillation(load_recipe(path))
+    # Each micro batch waits for its spans only after the teacher's forward (parsed meanwhile);
+    # before the first step, the parser waited for its workers to come up.
+    assert events == ["spans"] + ["teacher", "spans"] * 4
     out = tmp_path / "c"
     files = sorted((out / "generated").glob("step-*-rank-0.parquet"))
     assert [f.name for f in files] == ["step-000001-rank-0.parquet", "step-000002-rank-0.parquet"]

@@ -44,6 +44,14 @@ def loss_summary(record: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def generation_summary(record: dict[str, Any]) -> str:
+    """``τ 0.20 · gold 3 / generated 1 / buffer 0`` from an off-policy run's train record."""
+    counts = " / ".join(
+        f"{source} {record.get(f'generation/{source}', 0):.0f}" for source in ("gold", "generated", "buffer")
+    )
+    return f"τ {record['generation/threshold']:.2f} · {counts}"
+
+
 class RichReporter:
     """Use as a context manager around a command so its bars share one live display."""
 
@@ -97,6 +105,8 @@ class RichReporter:
                 )
         elif self._task is not None:
             status = f"{loss_summary(record)} · lr {record['lr']:.2e} · {record['tokens_per_s']:.0f} tok/s"
+            if "generation/threshold" in record:
+                status += " · " + generation_summary(record)
             self.progress.update(self._task, completed=record["step"], status=status)
 
     def stop(self) -> None:

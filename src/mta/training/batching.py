@@ -8,8 +8,9 @@ Python loop over rows, tokens or spans. ``micro_batch_order`` is a pure function
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -40,21 +41,54 @@ class TokenBatch:
         return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
 
 
+class DeferredSpans(Mapping):
+    """The spans of a micro batch whose rows are still being parsed (``mta.data.online_spans``):
+    a read-only ``{granularity: SpanBatch}`` that calls ``resolve()`` at its first use — in the
+    loss, after both forwards — and moves the result to ``device``. ``to`` never waits."""
+
+    def __init__(self, resolve: Callable[[], Mapping[str, SpanBatch]], device: Optional[torch.device | str] = None):
+        self._resolve = resolve
+        self._device = device
+        self._spans: Optional[dict[str, SpanBatch]] = None
+
+    def _resolved(self) -> dict[str, SpanBatch]:
+        if self._spans is None:
+            spans = self._resolve()
+            self._spans = {name: s if self._device is None else s.to(self._device) for name, s in spans.items()}
+        return self._spans
+
+    def __getitem__(self, name: str) -> SpanBatch:
+        return self._resolved()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._resolved())
+
+    def __len__(self) -> int:
+        return len(self._resolved())
+
+    def to(self, device: torch.device | str) -> "DeferredSpans":
+        if self._spans is not None:
+            return DeferredSpans(lambda: self._spans, device)
+        return DeferredSpans(self._resolve, device)
+
+
 @dataclass
 class TrainBatch:
-    """A micro batch: the row ids it holds, both models' tokens and the spans per granularity."""
+    """A micro batch: the row ids it holds, both models' tokens and the spans per granularity
+    (a ``DeferredSpans`` while the rows of a generated micro batch are parsed)."""
 
     row_ids: list[str]
     student: TokenBatch
     teacher: Optional[TokenBatch]
-    spans: dict[str, SpanBatch]
+    spans: Mapping[str, SpanBatch]
 
     def to(self, device: torch.device | str) -> "TrainBatch":
+        spans = self.spans
         return TrainBatch(
             self.row_ids,
             self.student.to(device),
             None if self.teacher is None else self.teacher.to(device),
-            {name: spans.to(device) for name, spans in self.spans.items()},
+            spans.to(device) if isinstance(spans, DeferredSpans) else {n: s.to(device) for n, s in spans.items()},
         )
 
     @property

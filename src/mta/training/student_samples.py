@@ -4,10 +4,14 @@ samples of their prompts, or the replay buffer (``mta.training.off_policy`` deci
 ``OffPolicyBatches.batch(step, k, rows, gold)`` returns the micro batch to train on. For a
 *generated* one, the student (possibly in the middle of a ZeRO-3 step, see ``mta.generation``)
 samples a response to each gold row's prompt — every rank generates together, since every rank
-takes the same decision —, the spans of prompt + response are parsed by
-``mta.data.online_spans`` (the code of ``mta annotate``, on the ids the models see) and the rows
-become a ``TrainBatch`` exactly as annotated rows do: labels on the response tokens only. Each
-rank keeps its own buffer. State (threshold, counts) and buffers are saved with every checkpoint
+takes the same decision — and the batch's tokens are those ids at once (labels on the response
+tokens only, as for annotated rows), while the spans of prompt + response are parsed by
+``mta.data.online_spans`` (the code of ``mta annotate``, on the ids the models see) in worker
+processes: the batch's ``spans`` are a ``DeferredSpans`` that waits for them only when the loss
+reads them, after the teacher and student forwards. Before the next micro batch is decided
+(and before logging or saving) the parsed rows are settled: checked to hold exactly the ids
+trained on, pushed into the buffer and kept for ``save_generated``. Each rank keeps its own
+buffer. State (threshold, counts) and buffers are saved with every checkpoint
 as JSON and Parquet (``save`` / ``restore``), never pickled; ``train.save_generated`` also writes
 each step's generated and replayed rows to ``OUT/generated/``.
 """
@@ -15,8 +19,9 @@ each step's generated and replayed rows to ``OUT/generated/``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -25,13 +30,26 @@ import torch.nn.functional as F
 
 from mta import distributed
 from mta.data.artefact_schema import ID, INPUT_IDS, PROMPT_CHARS, PROMPT_LEN, TEXT
-from mta.data.online_spans import GeneratedRow, SpanParser
+from mta.data.online_spans import GeneratedRow, PendingSpans, SpanParser
+from mta.errors import MtaError
 from mta.generation import HFGenerator
+from mta.losses.span_masks import SpanBatch
 from mta.training import off_policy
-from mta.training.batching import AnnotatedExamples, TrainBatch
+from mta.training.batching import AnnotatedExamples, DeferredSpans, TrainBatch
 from mta.training.recipe import Recipe
 
 GENERATED_DIR = "generated"
+
+
+@dataclass
+class _Parsing:
+    """A generated micro batch in training while its rows are parsed."""
+
+    step: int
+    micro_batch: int
+    tokens: TrainBatch  # the ids as generated, what the models see
+    pending: PendingSpans
+    spans: Optional[dict[str, SpanBatch]] = None  # set once parsed and settled
 
 
 class OffPolicyBatches:
@@ -62,6 +80,7 @@ class OffPolicyBatches:
         self._student_ids = table.column(INPUT_IDS["student"])
         self._prompt_len = table.column(PROMPT_LEN["student"]).to_numpy()
         self._saved: list[tuple[list[dict], int, str]] = []  # (rows, micro batch, source) of this step
+        self._parsing: Optional[_Parsing] = None  # the generated micro batch whose spans are parsed
         self.window = {"generated_tokens": 0, "generation_s": 0.0, "span_wait_s": 0.0}
         self._counted = dict(self.state.micro_batches)  # the counts at the last log line
 
@@ -69,7 +88,9 @@ class OffPolicyBatches:
 
     def batch(self, step: int, micro_batch: int, rows: np.ndarray, gold: TrainBatch) -> tuple[TrainBatch, str]:
         """The micro batch to train on in place of ``gold`` (table positions ``rows``), and its
-        source: ``"gold"``, ``"generated"`` or ``"buffer"``."""
+        source: ``"gold"``, ``"generated"`` or ``"buffer"``. A generated batch's spans are
+        parsed while it trains (``DeferredSpans``)."""
+        self.settle()
         full, empty = off_policy.agreed_buffer_flags(self.buffer) if self.buffer is not None else (False, True)
         source = off_policy.decide(self.state, self.spec, step, self.total_steps, micro_batch, full, empty,
                                    self.recipe.seed)
@@ -79,17 +100,44 @@ class OffPolicyBatches:
         if source == "buffer":
             generator = off_policy.buffer_generator(self.recipe.seed, step, micro_batch, distributed.rank())
             sampled = self.buffer.sample(len(rows), generator)
-        else:
-            sampled = self._generate(step, rows)
-            if self.buffer is not None:
-                self.buffer.push(sampled, step)
-        if self.recipe.train.save_generated:
-            self._saved.append((sampled, micro_batch, source))
-        examples = AnnotatedExamples(off_policy.rows_table(sampled), **self._examples)
-        return examples.batch(np.arange(len(examples))), source
+            if self.recipe.train.save_generated:
+                self._saved.append((sampled, micro_batch, source))
+            examples = AnnotatedExamples(off_policy.rows_table(sampled), **self._examples)
+            return examples.batch(np.arange(len(examples))), source
+        generated = self._generate(step, rows)
+        tokens = self._token_batch(generated)
+        parsing = _Parsing(step, micro_batch, tokens, self.parser.submit(generated))
+        self._parsing = parsing
+        spans = DeferredSpans(lambda: self._parsed(parsing))
+        return TrainBatch(tokens.row_ids, tokens.student, tokens.teacher, spans), source
 
-    def _generate(self, step: int, rows: np.ndarray) -> list[dict]:
-        """The student's responses to the prompts of table rows ``rows``, as annotated rows."""
+    def settle(self) -> None:
+        """Wait for the generated micro batch being parsed, if any, and file its rows: into the
+        buffer and, with ``save_generated``, the rows of this step."""
+        parsing, self._parsing = self._parsing, None
+        if parsing is not None:
+            self._parsed(parsing)
+
+    def _parsed(self, parsing: _Parsing) -> dict[str, SpanBatch]:
+        """The spans of ``parsing`` (waiting for them once), its rows settled."""
+        if parsing.spans is not None:
+            return parsing.spans
+        started = time.perf_counter()
+        result = parsing.pending.result()
+        self.window["span_wait_s"] += time.perf_counter() - started
+        table = off_policy.rows_table(result.batch)
+        parsed = AnnotatedExamples(table, **self._examples).batch(np.arange(table.num_rows))
+        _check_same_tokens(parsed, parsing.tokens)
+        rows = table.to_pylist()
+        if self.buffer is not None:
+            self.buffer.push(rows, parsing.step)
+        if self.recipe.train.save_generated:
+            self._saved.append((rows, parsing.micro_batch, "generated"))
+        parsing.spans = parsed.spans
+        return parsing.spans
+
+    def _generate(self, step: int, rows: np.ndarray) -> list[GeneratedRow]:
+        """The student's responses to the prompts of table rows ``rows``, EOS kept when it stopped."""
         prompts = [self._student_ids[int(row)].values.to_numpy()[: self._prompt_len[row]].tolist() for row in rows]
         seeds = off_policy.generation_seeds(self.recipe.seed, step, [int(self._ids[row]) for row in rows])
         started = time.perf_counter()
@@ -105,10 +153,20 @@ class OffPolicyBatches:
             self.window["generated_tokens"] += len(ids)
             generated.append(GeneratedRow(text[: self._prompt_chars[row]], prompt_ids, ids,
                                           finished=completion.finished, id=int(self._ids[row])))
-        started = time.perf_counter()
-        result = self.parser.submit(generated).result()
-        self.window["span_wait_s"] += time.perf_counter() - started
-        return result.batch.to_pylist()
+        return generated
+
+    def _token_batch(self, generated: list[GeneratedRow]) -> TrainBatch:
+        """The tokens of generated rows as a batch without spans: prompt + response ids on both
+        sides (the teacher shares the tokenizer), labels on the response."""
+        ids = [np.concatenate([row.prompt_ids, row.generated_ids]) for row in generated]
+        prompt_len = [len(row.prompt_ids) for row in generated]
+        table = pa.table({
+            ID: [row.id for row in generated],
+            **{INPUT_IDS[side]: ids for side in ("student", "teacher")},
+            **{PROMPT_LEN[side]: prompt_len for side in ("student", "teacher")},
+        })
+        examples = AnnotatedExamples(table, **(self._examples | {"granularities": ()}))
+        return examples.batch(np.arange(len(generated)))
 
     # ------------------------------------------------------------------ the run around it
 
@@ -120,6 +178,7 @@ class OffPolicyBatches:
         """The generation fields of a train record, for the window since the last one: τ, the
         micro batches of each source, generated tokens per second of generation, and the seconds
         the process waited for spans."""
+        self.settle()
         counts = self.state.micro_batches
         fields = {
             "generation/threshold": self.state.threshold,
@@ -133,6 +192,7 @@ class OffPolicyBatches:
 
     def write_generated(self, output_dir: Path, step: int) -> None:
         """``train.save_generated``: this rank's generated and replayed rows of ``step``."""
+        self.settle()
         if not self._saved:
             return
         rows = [row for sampled, _, _ in self._saved for row in sampled]
@@ -146,6 +206,7 @@ class OffPolicyBatches:
 
     def save(self, checkpoint: Path) -> None:
         """Into a checkpoint being written (every rank calls): the state and this rank's buffer."""
+        self.settle()
         if distributed.is_main():
             off_policy.write_state(checkpoint / off_policy.STATE_FILE, self.state)
         if self.buffer is not None:
@@ -158,6 +219,21 @@ class OffPolicyBatches:
         if self.buffer is not None:
             self.buffer = off_policy.ReplayBuffer.read(
                 checkpoint / off_policy.buffer_file(distributed.rank()), self.spec.buffer_size
+            )
+
+
+def _check_same_tokens(parsed: TrainBatch, trained: TrainBatch) -> None:
+    """The parsed rows must hold exactly the ids the models were given (a tokenizer mismatch
+    between the trainer and the span workers would misplace every span)."""
+    sides = [("student", parsed.student, trained.student)]
+    if parsed.teacher is not None:
+        sides.append(("teacher", parsed.teacher, trained.teacher))
+    for side, a, b in sides:
+        if a.input_ids.shape != b.input_ids.shape or not torch.equal(a.input_ids, b.input_ids) \
+                or not torch.equal(a.labels, b.labels):
+            raise MtaError(
+                f"the span workers returned {side} ids that differ from the ids generated for rows "
+                f"{trained.row_ids}; the workers' tokenizer is not the trainer's (report this as a bug)"
             )
 
 

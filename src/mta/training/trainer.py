@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -190,8 +190,9 @@ class Trainer:
         self.reporter = reporter
         self._orders: dict[int, list[np.ndarray]] = {}
 
-    def micro_batches(self, step: int) -> list[TrainBatch]:
-        """This process's micro batches of global step ``step`` (a function of seed and step)."""
+    def micro_batches(self, step: int) -> Iterator[TrainBatch]:
+        """This process's micro batches of global step ``step`` (a function of seed and step),
+        one at a time: an off-policy run decides, and generates, each one after the last trained."""
         run = self.run
         epoch, step_in_epoch = run.schedule.locate(step)
         if epoch not in self._orders:
@@ -199,16 +200,12 @@ class Trainer:
                 run.train.student_lengths, run.recipe.train.micro_batch_size,
                 seed=run.recipe.seed, epoch=epoch,
             )}
-        rows = [self._orders[epoch][index] for index in run.schedule.micro_batch_indices(step_in_epoch, run.rank)]
-        batches = [run.train.batch(micro_rows) for micro_rows in rows]
-        if run.off_policy is None:
-            return batches
-        # Each micro batch: its gold rows, or the student's own responses to their prompts, or
-        # rows from the replay buffer (the same decision on every rank).
-        return [
-            run.off_policy.batch(step, k, micro_rows, gold)[0]
-            for k, (micro_rows, gold) in enumerate(zip(rows, batches))
-        ]
+        indices = run.schedule.micro_batch_indices(step_in_epoch, run.rank)
+        for k, rows in enumerate(self._orders[epoch][index] for index in indices):
+            gold = run.train.batch(rows)
+            # Its gold rows, or the student's own responses to their prompts, or rows from the
+            # replay buffer (the same decision on every rank).
+            yield gold if run.off_policy is None else run.off_policy.batch(step, k, rows, gold)[0]
 
     def teacher_forward(self, batch: TrainBatch):
         if self.run.teacher is None:
