@@ -3,12 +3,41 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+
+def torchrun(argv: Sequence[str], *, processes: int = 2, timeout: float = 300) -> str:
+    """Run ``python -m torch.distributed.run --nproc-per-node N argv...`` with one torch thread
+    per process and no launcher variables inherited; kill the launcher and its workers on a
+    hang. Asserts a zero exit; returns stderr (what a failing test shows)."""
+    from mta.training.engine import _free_port
+
+    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {key: value for key, value in os.environ.items() if key not in launcher}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "cli"), str(REPO / "src"), env.get("PYTHONPATH", "")])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+         "--master-port", str(_free_port()), *map(str, argv)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:  # a hang: the launcher and every worker, not only the launcher
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, stderr[-3000:]
+    return stderr
+
 
 # The smallest valid recipe; tests fill in the model paths and add or break keys.
 MINIMAL_RECIPE = """\

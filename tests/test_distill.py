@@ -23,6 +23,8 @@ from mta.training.objective import DistillationObjective
 from mta.training.recipe import load_recipe
 from mta.training.trainer import NonFiniteLoss, run_distillation
 
+from conftest import torchrun
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
 LENGTHS = {"max_length": 384, "max_prompt_length": 256}
@@ -312,23 +314,8 @@ def test_two_processes_keep_the_global_batch_and_train_the_same_model(
                   train={"max_steps": 3, "batch_size": 4, "micro_batch_size": 1})
     single = run_distillation(load_recipe(write_recipe(tmp_path / "one.yaml", output_dir=tmp_path / "one", **common)))
 
-    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {key: value for key, value in os.environ.items() if key not in launcher}
-    env["OMP_NUM_THREADS"] = "1"
     recipe_path = write_recipe(tmp_path / "two.yaml", output_dir=tmp_path / "two", **common)
-    from mta.training.engine import _free_port
-
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    try:
-        _, stderr = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:  # the launcher and both workers, not only the launcher
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, stderr[-3000:]
+    stderr = torchrun(["-m", "mta_cli.main", "distill", "--recipe", recipe_path])
     assert "4 = 1 per device × 2 accumulation × 2 process(es)" in " ".join(stderr.split())
     expected, got = weights(single), weights(tmp_path / "two" / "final")
     for name, tensor in expected.items():

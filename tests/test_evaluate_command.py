@@ -6,8 +6,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,8 @@ from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tiny import build_tiny_model
 from mta.models.tokenizers import load_tokenizer
 from mta.scoring import completion_text
+
+from conftest import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
@@ -326,13 +326,7 @@ def test_torchrun_ranks_share_the_rows_and_match_one_process(tiny_model_dir, dat
     args = [str(tiny_model_dir), "--names", "tiny", "--data-dir", str(data_dir), "--benchmarks", "dolly",
             "--seeds", "10", "--max-new-tokens", "4", "--max-prompt-length", "48", "--limit", "4", "--batch-size", "2",
             "--perplexity", "dolly-dev", "--perplexity-limit", "5"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "cli") + os.pathsep + str(REPO / "src")}
-    from mta.training.engine import _free_port
-
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
-    done = subprocess.run([*torchrun, "-m", "mta_cli.main", "evaluate", *args, "-o", str(tmp_path / "two")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(["-m", "mta_cli.main", "evaluate", *args, "-o", tmp_path / "two"])
     evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "one",
                          EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=4,
                                       batch_size=2, perplexity="dolly-dev", perplexity_limit=5))

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +21,7 @@ from mta.evaluation.datasets import load_rows
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import load_tokenizer
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, torchrun
 
 PARAMS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, max_new_tokens=6)
 BATCH_SIZE = 2
@@ -99,24 +95,8 @@ def sharpened_copy(model_dir: Path, out_dir: Path) -> Path:
 
 
 def test_zero3_ranks_with_unequal_shares_finish_and_match_one_process(tiny_model_dir, tmp_path):
-    from mta.training.engine import _free_port
-
     model_dir = sharpened_copy(tiny_model_dir, tmp_path / "model")
-
-    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {key: value for key, value in os.environ.items() if key not in launcher}
-    env["OMP_NUM_THREADS"] = "1"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-         __file__, "--model", str(model_dir), "--out", str(tmp_path)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    try:
-        _, stderr = process.communicate(timeout=TIMEOUT_S)
-    finally:
-        if process.poll() is None:  # a hang: the launcher and both workers, not only the launcher
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, stderr[-3000:]
+    torchrun([__file__, "--model", model_dir, "--out", tmp_path], timeout=TIMEOUT_S)
 
     # One process, no partitioning, every row in one request (so in other batches).
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -29,7 +29,6 @@ from mta.losses import (
     uniform_importance,
 )
 from mta.losses.kd import (
-    CrossEntropy,
     ForwardKL,
     JensenShannon,
     ReverseKL,
