@@ -48,6 +48,7 @@ demo-quick: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/annotate.py
 	$(PY) bench/distill_step.py
+	$(PY) bench/onpolicy_step.py
 	$(PY) bench/generate.py
 
 # Mutation testing (bench/mutation.py): mutmut over src/mta/losses, token_ranges and truncation

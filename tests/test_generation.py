@@ -100,7 +100,7 @@ def test_the_seed_key_is_the_documented_hash():
 @pytest.mark.parametrize(
     "bad, message",
     [({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_p": 0}, "top_p"),
-     ({"max_new_tokens": 0}, "max_new_tokens")],
+     ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens")],
 )
 def test_sampling_params_refuse_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -153,6 +153,15 @@ def test_a_stop_token_ends_the_completion_where_it_first_appears(model_and_token
     stopped = completions(HFGenerator(model, tokenizer, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))),
                           prompts[:1], [5])
     assert stopped[0] == (free[: free.index(stop)], True)
+
+
+def test_min_new_tokens_holds_every_stop_token_back(model_and_tokenizer, prompts):
+    model, tokenizer = model_and_tokenizer
+    stop = completions(HFGenerator(model, tokenizer, SamplingParams(max_new_tokens=12)), prompts[:1], [5])[0][0][1]
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), min_new_tokens=12)
+    held = completions(HFGenerator(model, tokenizer, params), prompts, list(range(len(prompts))))
+    stops = {stop, tokenizer.eos_token_id}
+    assert all(len(ids) == 12 and not finished and not stops & set(ids) for ids, finished in held.values())
 
 
 def test_generation_ignores_settings_saved_with_the_model(model_and_tokenizer, prompts):

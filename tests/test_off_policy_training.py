@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
 
 from mta.data.artefact import read_annotations
 from mta.data.online_spans import PendingSpans
@@ -18,6 +21,7 @@ from mta.training.recipe import load_recipe
 from mta.training.trainer import Trainer, run_distillation
 
 from conftest import torchrun
+from mta_cli.reporting import generation_summary
 from test_distill import one_thread, same_data, teacher_dir, weights, write_recipe  # noqa: F401  (fixtures)
 
 GENERATION = {"max_new_tokens": 12}
@@ -45,6 +49,11 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_i
     uninterrupted = run_distillation(load_recipe(_recipe(tmp_path, "a", teacher_dir, tiny_model_dir, same_data, ADAPTIVE)))
     sources = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["split"] == "train"]
     assert sum(r["generation/generated"] for r in sources) > 0 and sum(r["generation/buffer"] for r in sources) > 0
+    # Each log line: τ, the micro batches of each source since the last line, speeds and waits.
+    assert all(r["generation/threshold"] == 1.0 and r["generation/span_wait_s"] >= 0 for r in sources)
+    assert all((r["generation/tokens_per_s"] > 0) == (r["generation/generated"] > 0) for r in sources)
+    assert sum(r["generation/gold"] + r["generation/generated"] + r["generation/buffer"] for r in sources) == 6 * 2
+    assert generation_summary(sources[0]) == "τ 1.00 · gold 0 / generated 2 / buffer 0"
 
     path = _recipe(tmp_path, "b", teacher_dir, tiny_model_dir, same_data, ADAPTIVE)
     real_step = Trainer.step
@@ -106,6 +115,8 @@ def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
             assert row["text"][span["char_start"]: span["char_end"]].strip()
     record = [r for r in read_metrics(out / "metrics.jsonl") if r["split"] == "train"][-1]
     assert record["generation/generated"] == 2 and record["generation/gold"] == 0
+    assert "generation/threshold" not in record  # no threshold outside adaptive mode
+    assert generation_summary(record) == "gold 0 / generated 2 / buffer 0"
 
 
 @pytest.mark.slow
@@ -138,3 +149,31 @@ def test_two_zero3_processes_agree_on_every_decision_train_and_resume(tmp_path, 
     resumed = weights(out / "final")
     for name in uninterrupted:
         assert np.array_equal(uninterrupted[name].numpy(), resumed[name].numpy()), name
+
+
+def naive_cross_entropy(model, rows: list[dict]) -> float:
+    """Token-mean cross-entropy of the reference responses, one row and one token at a time."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            ids, prompt = row["student_input_ids"], row["student_prompt_len"]
+            log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+            for position in range(max(prompt, 1), len(ids)):
+                total -= log_probs[position - 1, ids[position]].item()
+                count += 1
+    return total / count
+
+
+@pytest.mark.slow
+def test_the_threshold_reads_the_cross_entropy_of_the_first_dev_rows(tmp_path, teacher_dir, tiny_model_dir, same_data):
+    generation = {**ADAPTIVE, "init_threshold": 0.0, "dev_rows": 3}
+    path = _recipe(tmp_path, "ce", teacher_dir, tiny_model_dir, same_data, generation, max_steps=2, eval_interval=2)
+    raw = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**raw, "data": {**raw["data"], "dev": str(same_data)}}))
+    run_distillation(load_recipe(path))
+    dev = [r for r in read_metrics(tmp_path / "ce" / "metrics.jsonl") if r["split"] == "dev"]
+    assert [r["step"] for r in dev] == [0, 2]
+    rows = read_annotations(same_data).table.slice(0, 3).to_pylist()
+    student = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    assert dev[0]["generation/dev_ce"] == pytest.approx(naive_cross_entropy(student, rows), rel=1e-5)
+    assert dev[0]["generation/threshold"] == 0.0  # the first evaluation sets the reference only

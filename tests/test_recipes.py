@@ -97,6 +97,16 @@ def test_paper_recipes_carry_the_published_setting(name):
     assert "${MTA_DATA_DIR}" in recipe.data.train and recipe.data.dev.endswith("dev.jsonl")
     assert recipe.resolve(recipe.student.config).is_file()
     assert recipe.resolve(recipe.teacher.config).is_file()
+    # DistiLLM's adaptive off-policy sampling, as the authors' span scripts run it; across
+    # tokenizers there are no teacher logits to compare on generated text.
+    generation = recipe.generation
+    if base == "srkl":
+        assert (generation.mode, generation.schedule, generation.init_threshold) == ("adaptive", "decreasing", 0.0)
+        assert (generation.loss_eps, generation.threshold_step, generation.buffer_size) == (0.1, 0.1, 1000)
+        assert generation.max_new_tokens is None and recipe.generation_max_new_tokens == 128
+        assert generation.dev_rows is None  # the whole dev split: DistiLLM's --dev-num 1000
+    else:
+        assert generation.mode == "off"
 
 
 # --- overrides ---------------------------------------------------------------------------

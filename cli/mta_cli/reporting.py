@@ -45,10 +45,13 @@ def loss_summary(record: dict[str, Any]) -> str:
 
 
 def generation_summary(record: dict[str, Any]) -> str:
-    """``τ 0.20 · gold 3 / generated 1 / buffer 0`` from an off-policy run's train record."""
+    """``τ 0.20 · gold 3 / generated 1 / buffer 0`` from an off-policy run's train record (the
+    micro batches of each source since the last line; τ in adaptive mode only)."""
     counts = " / ".join(
         f"{source} {record.get(f'generation/{source}', 0):.0f}" for source in ("gold", "generated", "buffer")
     )
+    if "generation/threshold" not in record:
+        return counts
     return f"τ {record['generation/threshold']:.2f} · {counts}"
 
 
@@ -105,7 +108,7 @@ class RichReporter:
                 )
         elif self._task is not None:
             status = f"{loss_summary(record)} · lr {record['lr']:.2e} · {record['tokens_per_s']:.0f} tok/s"
-            if "generation/threshold" in record:
+            if "generation/gold" in record:
                 status += " · " + generation_summary(record)
             self.progress.update(self._task, completed=record["step"], status=status)
 

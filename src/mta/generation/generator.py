@@ -110,6 +110,7 @@ class HFGenerator:
             do_sample=False,
             num_beams=1,
             max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.min_new_tokens or None,  # HF masks every stop id until then
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             use_cache=True,

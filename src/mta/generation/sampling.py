@@ -52,6 +52,8 @@ class SamplingParams:
         drawn, after top_k (1.0: no limit).
     max_new_tokens: the most tokens a completion may have, its stop token included.
     stop_token_ids: ids that end a completion besides the model's and tokenizer's EOS.
+    min_new_tokens: no stop token can be drawn before this many tokens (0: none is held back;
+        ``max_new_tokens``: every completion has exactly that length, as a benchmark wants).
     """
 
     temperature: float = 1.0
@@ -59,6 +61,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
@@ -70,6 +73,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
 
     @property
     def greedy(self) -> bool:

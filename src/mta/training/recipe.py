@@ -236,6 +236,10 @@ class GenerationSpec(Strict):
     max_new_tokens: Optional[int] = Field(
         None, ge=1, description="tokens generated per response; null: data.max_length - data.max_prompt_length"
     )
+    dev_rows: Optional[int] = Field(
+        None, ge=1, description="dev rows the threshold's cross-entropy is measured on (the first ones); "
+        "null: the whole dev split (DistiLLM's scripts: --dev-num 1000)"
+    )
 
     @field_validator("mode", mode="before")
     @classmethod

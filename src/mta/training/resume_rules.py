@@ -23,10 +23,11 @@ resume (up for a longer run, down for a shorter one); warmup is unchanged. A che
 past the new total is refused (``check_resume_length``).
 
 Student generation (``generation:``, ``mta.training.off_policy``): ``mode``, ``schedule``,
-``init_threshold``, ``buffer_size`` and ``max_new_tokens`` are fixed. They decide which rows the
-run trains on and what its saved sampling state and replay buffers mean: the checkpoint's
-threshold grew from that ``init_threshold`` under that schedule, its buffers hold rows of that
-length, filled to that capacity. ``loss_eps`` and ``threshold_step`` may change: they are the
+``init_threshold``, ``buffer_size``, ``max_new_tokens`` and ``dev_rows`` are fixed. They decide
+which rows the run trains on and what its saved sampling state and replay buffers mean: the
+checkpoint's threshold grew from that ``init_threshold`` under that schedule, its reference dev
+loss was measured on those dev rows, its buffers hold rows of that length, filled to that
+capacity. ``loss_eps`` and ``threshold_step`` may change: they are the
 gains of the threshold's controller (as ``train.lr`` is the optimizer's) and act from the next
 dev evaluation on, on the threshold and reference dev loss the checkpoint saved.
 ``train.save_generated`` may change: it only writes copies of the generated rows.

@@ -175,13 +175,13 @@ class OffPolicyBatches:
         self.state = off_policy.update_threshold(self.state, self.spec, off_policy.agreed_dev_loss(dev_cross_entropy))
 
     def log_fields(self) -> dict[str, float]:
-        """The generation fields of a train record, for the window since the last one: τ, the
-        micro batches of each source, generated tokens per second of generation, and the seconds
+        """The generation fields of a train record, for the window since the last one: τ (in
+        adaptive mode), the micro batches of each source, generated tokens per second of generation, and the seconds
         the process waited for spans."""
         self.settle()
         counts = self.state.micro_batches
         fields = {
-            "generation/threshold": self.state.threshold,
+            **({"generation/threshold": self.state.threshold} if self.spec.mode == "adaptive" else {}),
             **{f"generation/{source}": float(counts[source] - self._counted[source]) for source in counts},
             "generation/tokens_per_s": self.window["generated_tokens"] / max(self.window["generation_s"], 1e-9),
             "generation/span_wait_s": self.window["span_wait_s"],

@@ -273,7 +273,9 @@ class Trainer:
         record = loss_record("dev", step, {name: value / len(rows) for name, value in sums.items()})
         if run.off_policy is not None and run.recipe.generation.mode == "adaptive":
             # DistiLLM's threshold follows the student's cross-entropy on the dev references.
-            record["generation/dev_ce"] = dev_cross_entropy(run.engine.module.student, batches, run.device)
+            ce_rows = np.arange(min(len(run.dev), run.recipe.generation.dev_rows or len(run.dev)))
+            ce_batches = [run.dev.batch(ce_rows[i : i + size]) for i in range(0, len(ce_rows), size)]
+            record["generation/dev_ce"] = dev_cross_entropy(run.engine.module.student, ce_batches, run.device)
             run.off_policy.update_threshold(record["generation/dev_ce"])
             record["generation/threshold"] = run.off_policy.state.threshold
         record["samples"] = self.sample_generations(step)
