@@ -105,6 +105,9 @@ def test_paper_recipes_carry_the_published_setting(name):
         assert (generation.loss_eps, generation.threshold_step, generation.buffer_size) == (0.1, 0.1, 1000)
         assert generation.max_new_tokens is None and recipe.generation_max_new_tokens == 128
         assert generation.dev_rows is None  # the whole dev split: DistiLLM's --dev-num 1000
+        # The threshold moves at dev evaluations: once per epoch of Dolly's 9,568 rows (598 steps
+        # of 16), as the scripts' --eval-interval -1.
+        assert train.eval_interval == 9568 // 16 == train.save_interval
     else:
         assert generation.mode == "off"
 
