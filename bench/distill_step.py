@@ -66,6 +66,7 @@ from mta.training.engine import build_optimizer
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import LossSpec, TrainSpec
 from mta.training.teacher import FrozenTeacher
+from interleaving import interleaved_rounds, paired_ratio
 from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,16 +359,16 @@ def run_round(variant: Variant, count: int, device: torch.device) -> tuple[float
 
 
 def measure(variants: list[Variant], count: int, rounds: int, device) -> None:
-    for variant in variants:  # warm-up: allocator, kernels, spaCy caches
-        run_round(variant, 1, device)
-    for round_index in range(rounds):
-        shift = round_index % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            wall, cpu = run_round(variant, count, device)
-            variant.wall.append(wall)
-            variant.cpu.append(cpu)
-        summary = ", ".join(f"{v.name} {v.wall[-1]:.3f}s (cpu {v.cpu[-1]:.3f}s)" for v in variants)
-        print(f"  round {round_index + 1}/{rounds}: {summary}", flush=True)
+    def one_round(variant: Variant) -> None:
+        wall, cpu = run_round(variant, count, device)
+        variant.wall.append(wall)
+        variant.cpu.append(cpu)
+
+    interleaved_rounds(
+        variants, rounds, one_round,
+        warm_up=lambda variant: run_round(variant, 1, device),  # allocator, kernels, spaCy caches
+        describe=lambda v: f"{v.name} {v.wall[-1]:.3f}s (cpu {v.cpu[-1]:.3f}s)",
+    )
 
 
 def summarise(variants: list[Variant], clock: str) -> dict:
@@ -380,10 +381,8 @@ def summarise(variants: list[Variant], clock: str) -> dict:
             "seconds_per_step_median": medians,
             "seconds_per_step_rounds": series,
             "ratio_to_base": {key: value / medians["base"] for key, value in medians.items() if key != "base"},
-            # The median of per-round ratios: robust to slow drifts in the machine's load.
             "ratio_to_base_paired": {
-                key: statistics.median(v / b for v, b in zip(values, series["base"]))
-                for key, values in series.items() if key != "base"
+                key: paired_ratio(values, series["base"]) for key, values in series.items() if key != "base"
             },
         }
     out["ratio_to_base"] = out[clock]["ratio_to_base"]

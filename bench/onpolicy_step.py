@@ -57,6 +57,7 @@ from mta.training.student_samples import OffPolicyBatches
 from mta.training.teacher import FrozenTeacher
 
 from distill_step import PRESETS, Sizes, TrainingStep, small_tokenizer, synchronize, tiny_llama, write_rows
+from interleaving import interleaved_rounds, paired_ratio
 from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,21 +174,16 @@ def run_round(variant: Variant, count: int, device: torch.device) -> tuple[float
 
 
 def measure(variants: list[Variant], count: int, rounds: int, device) -> None:
-    for variant in variants:  # warm-up: allocator, spaCy caches, the given spans
-        run_round(variant, count, device)
-    for round_index in range(rounds):
-        shift = round_index % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            whole, after = run_round(variant, count, device)
-            variant.whole.append(whole)
-            variant.after_generation.append(after)
-        summary = ", ".join(f"{v.name} {v.whole[-1]:.3f}s ({v.after_generation[-1]:.3f}s after gen)" for v in variants)
-        print(f"  round {round_index + 1}/{rounds}: {summary}", flush=True)
+    def one_round(variant: Variant) -> None:
+        whole, after = run_round(variant, count, device)
+        variant.whole.append(whole)
+        variant.after_generation.append(after)
 
-
-def paired(numerator: list[float], denominator: list[float]) -> float:
-    """The median of per-round ratios: robust to slow drifts in the machine's load."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
+    interleaved_rounds(
+        variants, rounds, one_round,
+        warm_up=lambda variant: run_round(variant, count, device),  # allocator, spaCy, the given spans
+        describe=lambda v: f"{v.name} {v.whole[-1]:.3f}s ({v.after_generation[-1]:.3f}s after gen)",
+    )
 
 
 def summarise(variants: list[Variant]) -> dict:
@@ -198,10 +194,10 @@ def summarise(variants: list[Variant]) -> dict:
         series = {name: getattr(v, part) for name, v in by_name.items()}
         out[f"seconds_per_step_median{suffix}"] = {name: statistics.median(values) for name, values in series.items()}
         out[f"seconds_per_step_rounds{suffix}"] = series
-        out[f"ratio_online_vs_given{suffix}"] = paired(series["mta_online"], series["mta_given"])
-        out[f"ratio_sync_vs_given{suffix}"] = paired(series["mta_sync"], series["mta_given"])
-        out[f"ratio_online_vs_base{suffix}"] = paired(series["mta_online"], series["base_generation"])
-        out[f"ratio_sync_vs_online{suffix}"] = paired(series["mta_sync"], series["mta_online"])
+        out[f"ratio_online_vs_given{suffix}"] = paired_ratio(series["mta_online"], series["mta_given"])
+        out[f"ratio_sync_vs_given{suffix}"] = paired_ratio(series["mta_sync"], series["mta_given"])
+        out[f"ratio_online_vs_base{suffix}"] = paired_ratio(series["mta_online"], series["base_generation"])
+        out[f"ratio_sync_vs_online{suffix}"] = paired_ratio(series["mta_sync"], series["mta_online"])
     return out
 
 
