@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import itertools
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -67,6 +65,7 @@ from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import LossSpec, TrainSpec
 from mta.training.teacher import FrozenTeacher
 from interleaving import interleaved_rounds, paired_ratio
+from machine import created, describe_machine
 from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -449,15 +448,8 @@ def main() -> None:
 
     payload = {
         "benchmark": "bench/distill_step.py",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "load_average_at_end": os.getloadavg(),
-        },
+        "created": created(),
+        "machine": describe_machine(device),
         "setup": {
             "rows": portable(rows_source),
             "rounds": args.rounds,

@@ -32,9 +32,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
-import datetime
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -58,6 +55,7 @@ from mta.training.teacher import FrozenTeacher
 
 from distill_step import PRESETS, Sizes, TrainingStep, small_tokenizer, synchronize, tiny_llama, write_rows
 from interleaving import interleaved_rounds, paired_ratio
+from machine import created, describe_machine
 from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -251,16 +249,8 @@ def main() -> None:
 
     payload = {
         "benchmark": "bench/onpolicy_step.py",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "span_workers": SPAN_WORKERS,
-            "torch": torch.__version__,
-            "load_average_at_end": os.getloadavg(),
-        },
+        "created": created(),
+        "machine": describe_machine(device, span_workers=SPAN_WORKERS),
         "setup": {
             "rows": portable(rows_source),
             "rounds": args.rounds,
