@@ -19,6 +19,7 @@ from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.artefact import merge_shards, read_annotations
 from mta.data.artefact_schema import (
     SCHEMA_V1,
+    SCHEMA_V2,
     SPAN_V1,
     NotDerivable,
     readable_versions,
@@ -31,22 +32,26 @@ from mta.hashing import file_sha256
 from conftest import EXAMPLES
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
-# The next version as the boundary_spans issue might shape it: version 1 plus one span column.
-SCHEMA_V2 = SCHEMA_V1.append(pa.field("boundary_spans", pa.list_(SPAN_V1)))
+# Today's version, and the next as the boundary_spans issue might shape it: today's plus one
+# span column.
+TODAY = artefact_schema.SCHEMA_VERSION
+NEXT = TODAY + 1
+SCHEMA_NEXT = artefact_schema.SCHEMA.append(pa.field("boundary_spans", pa.list_(SPAN_V1)))
 
 
 def add_empty_boundary_spans(manifest, table):
-    """The simulated v1 -> v2 step: every row gets an empty ``boundary_spans``."""
+    """The simulated today -> next step: every row gets an empty ``boundary_spans``."""
     empty = pa.array([[]] * table.num_rows, pa.list_(SPAN_V1))
     return manifest, table.append_column("boundary_spans", empty)
 
 
 @pytest.fixture
 def next_version(monkeypatch):
-    """Make this mta one whose current version is 2 (no step registered yet)."""
-    monkeypatch.setattr(artefact_schema, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(artefact_schema.SCHEMAS, 2, SCHEMA_V2)
-    monkeypatch.setattr(artefact_schema, "UPGRADES", {})
+    """Make this mta one whose current version is NEXT (no step from today's registered yet;
+    the released steps stay)."""
+    monkeypatch.setattr(artefact_schema, "SCHEMA_VERSION", NEXT)
+    monkeypatch.setitem(artefact_schema.SCHEMAS, NEXT, SCHEMA_NEXT)
+    monkeypatch.setattr(artefact_schema, "UPGRADES", dict(artefact_schema.UPGRADES))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +113,7 @@ def test_the_exported_column_names_are_the_schemas():
     named = [
         artefact_schema.ID, artefact_schema.TEXT, artefact_schema.PROMPT_CHARS,
         *artefact_schema.INPUT_IDS.values(), *artefact_schema.PROMPT_LEN.values(),
-        *artefact_schema.SPAN_COLUMNS.values(),
+        *artefact_schema.SPAN_COLUMNS.values(), artefact_schema.PAIR_ID, artefact_schema.ROLE,
     ]
     assert sorted(named) == sorted(schema.names)
     for column in artefact_schema.SPAN_COLUMNS.values():
@@ -128,16 +133,16 @@ def test_a_directory_written_today_reads_after_a_version_bump(written_today, nex
     today = pq.read_table(next(written_today.glob("part-*.parquet")))
     seen = []
 
-    @upgrade_step(1)
+    @upgrade_step(TODAY)
     def step(manifest, table):
         seen.append((manifest["schema_version"], table.schema))
         return add_empty_boundary_spans(manifest, table)
 
-    assert readable_versions() == [1, 2]
+    assert readable_versions() == list(range(1, NEXT + 1))
     annotations = read_annotations(written_today)
-    assert seen == [(1, SCHEMA_V1)]  # the step got the version-1 manifest and table
-    assert annotations.stored_version == 1 and annotations.manifest["schema_version"] == 2
-    assert annotations.table.schema.equals(SCHEMA_V2)
+    assert seen == [(TODAY, artefact_schema.SCHEMAS[TODAY])]  # the step got today's manifest and table
+    assert annotations.stored_version == TODAY and annotations.manifest["schema_version"] == NEXT
+    assert annotations.table.schema.equals(SCHEMA_NEXT)
     assert annotations.table.column("boundary_spans").to_pylist() == [[]] * len(annotations)
     assert annotations.table.drop_columns(["boundary_spans"]).equals(today)
     assert snapshot(written_today) == before  # upgraded in memory; the files are untouched
@@ -146,35 +151,35 @@ def test_a_directory_written_today_reads_after_a_version_bump(written_today, nex
 def test_shards_written_before_a_bump_merge_as_their_own_version(tmp_path, small_input, settings, next_version):
     out = tmp_path / "sharded"
     for index in range(2):
-        # Written with today's code: run_annotate stamps the version it was imported with (1).
+        # Written with today's code: run_annotate stamps the version it was imported with.
         run_annotate(small_input, out, settings, shard=index, num_shards=2)
     (out / "manifest.json").unlink()
-    upgrade_step(1)(add_empty_boundary_spans)
+    upgrade_step(TODAY)(add_empty_boundary_spans)
 
-    assert merge_shards(out)["schema_version"] == 1  # not labelled as today's version 2
+    assert merge_shards(out)["schema_version"] == TODAY  # not labelled as the next version
     annotations = read_annotations(out)
-    assert annotations.stored_version == 1 and annotations.table.schema.equals(SCHEMA_V2)
+    assert annotations.stored_version == TODAY and annotations.table.schema.equals(SCHEMA_NEXT)
 
 
 def test_a_column_that_cannot_be_derived_names_the_command_into_a_new_directory(
     written_today, small_input, settings, next_version
 ):
-    @upgrade_step(1)
+    @upgrade_step(TODAY)
     def step(manifest, table):
         raise NotDerivable("boundary_spans", "sentence boundaries need a parse version 1 did not keep")
 
     with pytest.raises(MtaError) as error:
         read_annotations(written_today)
     message = str(error.value)
-    assert "schema version 1, which lacks `boundary_spans`" in message
+    assert f"schema version {TODAY}, which lacks `boundary_spans`" in message
     assert f"mta annotate {small_input} --teacher {settings.teacher} --student {settings.student}" in message
-    assert f"-o {written_today}-v2`" in message  # a new directory ...
+    assert f"-o {written_today}-v{NEXT}`" in message  # a new directory ...
     assert "--force" not in message  # ... never an overwrite of the existing one
 
 
 def test_a_bump_without_a_step_refuses_the_older_version(written_today, next_version):
-    assert readable_versions() == [2]
-    with pytest.raises(MtaError, match=r"schema_version 1, .* it reads schema version\(s\) 2\. "
+    assert readable_versions() == [NEXT]
+    with pytest.raises(MtaError, match=rf"schema_version {TODAY}, .* it reads schema version\(s\) {NEXT}\. "
                                        r"Annotate the input again into a new directory"):
         read_annotations(written_today)
 
@@ -185,10 +190,10 @@ def test_the_suggested_command_rebuilds_the_artefact_into_a_new_directory(writte
     old = shutil.copytree(written_today, tmp_path / "old")
     manifest = read_annotations(old).manifest
     command = shlex.split(reannotate_command(manifest, old))
-    assert command[:2] == ["mta", "annotate"] and command[-2:] == ["-o", f"{old}-v1"]
+    assert command[:2] == ["mta", "annotate"] and command[-2:] == ["-o", f"{old}-v{TODAY}"]
     result = CliRunner().invoke(app, command[1:] + ["--workers", "1"])
     assert result.exit_code == 0, result.output
-    rebuilt = read_annotations(tmp_path / "old-v1")
+    rebuilt = read_annotations(tmp_path / f"old-v{TODAY}")
     assert rebuilt.table.equals(read_annotations(old).table)
     assert rebuilt.manifest["run_key"] == manifest["run_key"]  # the very same settings
 
@@ -230,7 +235,7 @@ def test_the_committed_v1_artefact_reads_with_todays_code():
 
 @pytest.mark.parametrize(
     "found,newer",
-    [(2, True), (99, True), (0, False), ("1", False), (True, False), (1.5, False), (None, False)],
+    [(NEXT, True), (99, True), (0, False), ("1", False), (True, False), (1.5, False), (None, False)],
     ids=["next", "far-future", "zero", "string", "bool", "float", "null"],
 )
 def test_an_unknown_version_is_refused_with_the_fix(tmp_path, found, newer):
@@ -239,15 +244,15 @@ def test_an_unknown_version_is_refused_with_the_fix(tmp_path, found, newer):
         read_annotations(old)
     message = str(error.value)
     assert f"{old / 'manifest.json'} has schema_version {found!r}, which this mta" in message
-    assert "it reads schema version(s) 1." in message
+    assert f"it reads schema version(s) {', '.join(map(str, range(1, TODAY + 1)))}." in message
     assert ("upgrade mta" in message) == newer
     assert "into a new directory: `mta annotate /tmp/annotate-v1-fixture/rows.jsonl" in message
-    assert f"-o {old}-v1`" in message and "--force" not in message
+    assert f"-o {old}-v{TODAY}`" in message and "--force" not in message
 
 
 def test_a_manifest_without_a_schema_version_is_refused(tmp_path):
     old = with_manifest(COMMITTED_V1, tmp_path / "old", schema_version=...)
     with pytest.raises(MtaError, match=r"manifest.json has no schema_version: it was not written by "
                                        r"`mta annotate` or was edited by hand\. This mta reads schema "
-                                       r"version\(s\) 1; annotate the input again into a new directory"):
+                                       r"version\(s\) 1, 2; annotate the input again into a new directory"):
         read_annotations(old)

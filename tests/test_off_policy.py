@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mta.data.artefact_schema import SCHEMA_VERSION
 from mta.errors import MtaError
 from mta.training import off_policy
 from mta.training.batching import AnnotatedExamples
@@ -263,7 +264,7 @@ def make_row(index: int) -> dict:
     return {
         "id": index, "text": text, "prompt_chars": 30, "teacher_input_ids": ids,
         "student_input_ids": ids[:3], "teacher_prompt_len": 2, "student_prompt_len": 1,
-        "phrase_spans": spans, "word_spans": spans[:1],
+        "phrase_spans": spans, "word_spans": spans[:1], "pair_id": None, "role": None,
     }
 
 
@@ -352,7 +353,7 @@ def test_a_foreign_or_broken_buffer_file_is_refused(tmp_path):
     with pytest.raises(MtaError, match="holds 3 generated rows, more than generation.buffer_size=2"):
         ReplayBuffer.read(tmp_path / "rows.parquet", capacity=2)
     pq.write_table(rows_table(rows), tmp_path / "annotations.parquet")  # no step, no version
-    with pytest.raises(MtaError, match="not generated rows of annotate schema version 1"):
+    with pytest.raises(MtaError, match=f"not generated rows of annotate schema version {SCHEMA_VERSION}"):
         read_rows(tmp_path / "annotations.parquet")
     (tmp_path / "cut.parquet").write_bytes((tmp_path / "rows.parquet").read_bytes()[:100])
     with pytest.raises(MtaError, match="not a readable Parquet file"):

@@ -45,6 +45,7 @@ from mta.data.rows import (
     RowProblem,
     check_input_file,
     first_problem,
+    is_pair_file,
     read_rows,
     summarize_input,
 )
@@ -206,7 +207,8 @@ def run_annotate(
                     return reused
             shard_manifest = _annotate_shard(
                 input_path, out_dir, settings, teacher, student, spacy_name,
-                shard=shard, num_shards=num_shards, total=len(range(shard, summary.rows, num_shards)),
+                shard=shard, num_shards=num_shards,
+                total=len(range(shard, summary.rows, num_shards)) * (2 if is_pair_file(input_path) else 1),
                 reporter=reporter,
             )
             shard_manifest.update(

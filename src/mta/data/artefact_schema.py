@@ -25,6 +25,11 @@ Version 1, one row per example (ARCHITECTURE.md, "annotate"): ``id`` int64, ``te
 ``prompt_chars`` int32, ``teacher_input_ids`` / ``student_input_ids`` list<int32>,
 ``teacher_prompt_len`` / ``student_prompt_len`` int32, ``phrase_spans`` / ``word_spans``
 list<``SPAN``>, a span being half-open character and token ranges plus a label ("NP", "VP", "W").
+
+Version 2 adds ``pair_id`` int64 and ``role`` string: a DistiLLM-2 pair row (``prompt``,
+``chosen``, ``rejected``) becomes two rows, ``role`` "chosen" (the teacher's response) and
+"rejected" (the student's), sharing ``pair_id``; both null on any other row. Version 1 reads
+with both null.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ SPAN_TOKENS = {  # half-open range into each side's ids
     "teacher": ("teacher_start", "teacher_end"),
     "student": ("student_start", "student_end"),
 }
+PAIR_ID = "pair_id"  # the input row both halves of a pair come from (null: not a pair)
+ROLE = "role"  # "chosen" (the teacher's response) or "rejected" (the student's); null: not a pair
+ROLES = ("chosen", "rejected")
 
 # --------------------------------------------------------------------------- versions
 # Released schemas are written out literally, never built from the names above: renaming a
@@ -87,9 +95,27 @@ SCHEMA_V1 = pa.schema(
     ]
 )
 
-SCHEMAS: dict[int, pa.Schema] = {1: SCHEMA_V1}
-SCHEMA_VERSION = 1
-SCHEMA = SCHEMA_V1
+# Version 2: version 1 + the pair columns of DistiLLM-2's rows (prompt, chosen, rejected), null
+# on a row that is not half of a pair.
+SCHEMA_V2 = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("text", pa.string()),
+        ("prompt_chars", pa.int32()),
+        ("teacher_input_ids", pa.list_(pa.int32())),
+        ("student_input_ids", pa.list_(pa.int32())),
+        ("teacher_prompt_len", pa.int32()),
+        ("student_prompt_len", pa.int32()),
+        ("phrase_spans", pa.list_(SPAN_V1)),
+        ("word_spans", pa.list_(SPAN_V1)),
+        ("pair_id", pa.int64()),
+        ("role", pa.string()),
+    ]
+)
+
+SCHEMAS: dict[int, pa.Schema] = {1: SCHEMA_V1, 2: SCHEMA_V2}
+SCHEMA_VERSION = 2
+SCHEMA = SCHEMA_V2
 SPAN = SPAN_V1
 COLUMNS = tuple(SCHEMA.names)
 
@@ -133,6 +159,14 @@ def readable_versions() -> list[int]:
     while versions[0] - 1 in UPGRADES and versions[0] - 1 in SCHEMAS:
         versions.insert(0, versions[0] - 1)
     return versions
+
+
+@upgrade_step(1)
+def _pairs_are_absent(manifest: Manifest, table: pa.Table) -> tuple[Manifest, pa.Table]:
+    """Version 1 had no pair rows: ``pair_id`` and ``role`` are null on every row."""
+    table = table.append_column(pa.field("pair_id", pa.int64()), pa.nulls(table.num_rows, pa.int64()))
+    table = table.append_column(pa.field("role", pa.string()), pa.nulls(table.num_rows, pa.string()))
+    return manifest, table
 
 
 # --------------------------------------------------------------------------- reading

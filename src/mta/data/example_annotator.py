@@ -207,6 +207,8 @@ class ExampleAnnotator:
                 pa.array(prompt_lens["student"], pa.int32()),
                 _span_lists(phrases),
                 _span_lists(words),
+                pa.array([getattr(example, "pair_id", None) for example, _, _ in kept], pa.int64()),
+                pa.array([getattr(example, "role", None) for example, _, _ in kept], pa.string()),
             ],
             schema=SCHEMA,
         )

@@ -7,6 +7,12 @@ Three row formats are accepted, told apart by the key that carries the response:
 - raw Dolly: ``instruction``, ``context``, ``response`` (and ``category``, unused);
 - plain: ``prompt``, ``response``.
 
+And one pair format (DistiLLM-2, what ``mta generate`` writes): ``prompt`` (or ``instruction``
++ optional ``input``), ``chosen`` (the teacher's response), ``rejected`` (the student's),
+optional ``id``. Each pair row becomes two examples, ``chosen`` then ``rejected``, with ids
+``2·n`` and ``2·n + 1`` (n: the row's position) and ``pair_id`` n. A file holds pair rows only
+or none: the first row decides, and a row of the other kind is a problem naming its line.
+
 Rows without a ``prompt`` get the Alpaca prompt of docs/method.md §1. A row that cannot be
 used becomes a :class:`RowProblem` naming its line and what is wrong, so the caller decides
 whether to stop (``--on-error fail``) or count it and go on (``skip``).
@@ -31,16 +37,21 @@ MISSING_FIELD = "missing_field"
 WRONG_TYPE = "wrong_type"
 INVALID_TEXT = "invalid_text"
 PROMPT_TOO_LONG = "prompt_too_long"  # decided later, once the prompt is tokenised
+MIXED_FORMATS = "mixed_formats"  # a pair row in a file of single rows, or the other way round
 
 
 @dataclass(frozen=True)
 class Example:
-    """One usable row. ``id`` is its 0-based position among the file's non-blank lines."""
+    """One usable row. ``id`` is its 0-based position among the file's non-blank lines; the two
+    halves of the pair on row n have ids 2n (``role`` "chosen") and 2n + 1 ("rejected") and
+    ``pair_id`` n (both None outside a pair file)."""
 
     id: int
     line: int
     prompt: str
     response: str
+    pair_id: int | None = None
+    role: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,41 +141,76 @@ def prompt_and_response(record: dict[str, Any]) -> tuple[str, str]:
             f"prompt/response rows); the row has keys: {keys}",
         )
     for name, text in (("prompt", prompt), ("response", response)):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise _Invalid(
-                INVALID_TEXT,
-                f"the {name} holds an unpaired surrogate {text[error.start]!r} at character "
-                f"{error.start} (a broken \\u escape)",
-            ) from None
+        _check_encodable(name, text)
     return prompt, response
 
 
-def _parse_line(raw: bytes, row_id: int, line: int) -> Row:
+def is_pair_record(record: Any) -> bool:
+    """Whether a decoded row is in the pair format (it has ``chosen`` or ``rejected``)."""
+    return isinstance(record, dict) and ("chosen" in record or "rejected" in record)
+
+
+def pair_prompt_and_responses(record: dict[str, Any]) -> tuple[str, str, str]:
+    """The (prompt, chosen, rejected) of a pair row; raises ``_Invalid`` when it is not one."""
+    chosen, rejected = _field(record, "chosen"), _field(record, "rejected")
+    prompt = _field(record, "prompt", optional=True)
+    if prompt is None:
+        if "instruction" not in record:
+            raise _Invalid(MISSING_FIELD, "a pair row with 'chosen' and 'rejected' needs 'prompt' or 'instruction'")
+        prompt = alpaca_prompt(_field(record, "instruction"), _field(record, "input", optional=True))
+    for name, text in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        _check_encodable(name, text)
+    return prompt, chosen, rejected
+
+
+def _check_encodable(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _Invalid(
+            INVALID_TEXT,
+            f"the {name} holds an unpaired surrogate {text[error.start]!r} at character "
+            f"{error.start} (a broken \\u escape)",
+        ) from None
+
+
+def _parse_line(raw: bytes, row_id: int, line: int, pairs: bool = False) -> list[Row]:
+    """The example(s) of one line (two for a pair row), or its problem; ``pairs``: the file's
+    kind, as its first row decides."""
+    record = _decoded(raw)
+    if isinstance(record, _Invalid):
+        return [RowProblem(row_id, line, record.reason, record.message)]
+    try:
+        if is_pair_record(record) != pairs:
+            raise _Invalid(
+                MIXED_FORMATS,
+                "a pair row (chosen/rejected) in a file whose first row is not one" if not pairs else
+                "a row without chosen/rejected in a file of pair rows (its first row is one); a "
+                "file holds one kind of row",
+            )
+        if pairs:
+            prompt, chosen, rejected = pair_prompt_and_responses(record)
+            return [Example(2 * row_id + half, line, prompt, response, pair_id=row_id, role=role)
+                    for half, (role, response) in enumerate((("chosen", chosen), ("rejected", rejected)))]
+        prompt, response = prompt_and_response(record)
+    except _Invalid as invalid:
+        return [RowProblem(row_id, line, invalid.reason, invalid.message)]
+    return [Example(row_id, line, prompt, response)]
+
+
+def _decoded(raw: bytes) -> Any:
+    """One line's JSON object, or the ``_Invalid`` saying why it is none."""
     try:
         decoded = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        return RowProblem(
-            row_id, line, INVALID_UTF8,
-            f"invalid UTF-8: byte 0x{raw[error.start]:02x} at byte {error.start + 1} of the line",
-        )
+        return _Invalid(INVALID_UTF8, f"invalid UTF-8: byte 0x{raw[error.start]:02x} at byte {error.start + 1} of the line")
     try:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
-        return RowProblem(
-            row_id, line, INVALID_JSON, f"malformed JSON at column {error.colno}: {error.msg}"
-        )
+        return _Invalid(INVALID_JSON, f"malformed JSON at column {error.colno}: {error.msg}")
     if not isinstance(record, dict):
-        return RowProblem(
-            row_id, line, NOT_AN_OBJECT,
-            f"expected a JSON object, got a {type(record).__name__} ({_preview(record)})",
-        )
-    try:
-        prompt, response = prompt_and_response(record)
-    except _Invalid as invalid:
-        return RowProblem(row_id, line, invalid.reason, invalid.message)
-    return Example(row_id, line, prompt, response)
+        return _Invalid(NOT_AN_OBJECT, f"expected a JSON object, got a {type(record).__name__} ({_preview(record)})")
+    return record
 
 
 def _strip_line(number: int, raw: bytes) -> bytes:
@@ -216,9 +262,19 @@ def read_rows(path: str | Path, *, shard: int = 0, num_shards: int = 1) -> Itera
 
     Only the selected rows are decoded, so every shard reads the file but parses its share.
     """
+    pairs = None
     for row_id, (line, raw) in enumerate(_data_lines(Path(path))):
+        if pairs is None:  # the first row decides the file's kind, for every shard
+            pairs = is_pair_record(_decoded(raw))
         if row_id % num_shards == shard:
-            yield _parse_line(raw, row_id, line)
+            yield from _parse_line(raw, row_id, line, pairs)
+
+
+def is_pair_file(path: str | Path) -> bool:
+    """Whether the file's rows are pairs (its first row decides; see the module docstring)."""
+    for _, raw in _data_lines(Path(path)):
+        return is_pair_record(_decoded(raw))
+    return False
 
 
 def summarize_input(path: str | Path) -> InputSummary:
