@@ -18,8 +18,6 @@ from mta.data import artefact_schema
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.artefact import merge_shards, read_annotations
 from mta.data.artefact_schema import (
-    SCHEMA_V1,
-    SCHEMA_V2,
     SPAN_V1,
     NotDerivable,
     readable_versions,
