@@ -138,3 +138,44 @@ def test_step_schedule_splits_each_step_across_processes():
     assert schedule.total_steps(epochs=1.5, max_steps=None) == 6
     with pytest.raises(MtaError, match="fewer than one global batch"):
         _ = StepSchedule(10, 4, 2, 2).steps_per_epoch
+
+
+# --- pair rows (DistiLLM-2) ------------------------------------------------------------------
+
+
+def pair_table(pairs: int):
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 30, size=2 * pairs)
+    return pa.table({
+        "id": np.arange(2 * pairs), "pair_id": np.repeat(np.arange(pairs), 2),
+        "role": ["chosen", "rejected"] * pairs,
+        "student_input_ids": [list(range(n)) for n in lengths], "teacher_input_ids": [list(range(n)) for n in lengths],
+        "student_prompt_len": [1] * (2 * pairs), "teacher_prompt_len": [1] * (2 * pairs),
+    }), lengths
+
+
+def test_pairs_stay_together_chosen_first_and_every_pair_is_visited_once():
+    table, lengths = pair_table(40)
+    examples = AnnotatedExamples(table, student_pad_id=0, granularities=())
+    order = micro_batch_order(lengths, 4, seed=1, epoch=0, paired=examples.pair_ids is not None)
+    assert all(len(rows) == 4 for rows in order) and len(order) == 20
+    for rows in order:
+        assert (rows[0::2] % 2 == 0).all() and (rows[1::2] == rows[0::2] + 1).all()
+        batch = examples.batch(rows)
+        assert batch.chosen.tolist() == [True, False, True, False]
+    assert sorted(np.concatenate(order).tolist()) == list(range(80))
+    # Unpaired, the same rows would be split (the check above can fail).
+    loose = micro_batch_order(lengths, 4, seed=1, epoch=0)
+    assert any(not (rows[1::2] == rows[0::2] + 1).all() for rows in loose)
+
+
+def test_pairs_need_an_even_micro_batch_and_complete_pairs():
+    table, lengths = pair_table(4)
+    with pytest.raises(MtaError, match="micro_batch_size must be even"):
+        micro_batch_order(lengths, 3, seed=1, epoch=0, paired=True)
+    broken = table.set_column(2, "role", [["chosen", "chosen"] + ["chosen", "rejected"] * 3])
+    with pytest.raises(MtaError, match="lacks its chosen"):
+        AnnotatedExamples(broken, student_pad_id=0, granularities=())
+    single = AnnotatedExamples(table.drop_columns(["pair_id", "role"]), student_pad_id=0, granularities=())
+    assert single.pair_ids is None and single.batch([0, 1]).chosen is None

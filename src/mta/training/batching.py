@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from mta.data.artefact_schema import ID, INPUT_IDS, PROMPT_LEN, SPAN_COLUMNS, SPAN_TOKENS
+from mta.data.artefact_schema import ID, INPUT_IDS, PAIR_ID, PROMPT_LEN, ROLE, SPAN_COLUMNS, SPAN_TOKENS
 from mta.errors import MtaError
 from mta.losses.span_masks import SpanBatch
 
@@ -75,12 +75,14 @@ class DeferredSpans(Mapping):
 @dataclass
 class TrainBatch:
     """A micro batch: the row ids it holds, both models' tokens and the spans per granularity
-    (a ``DeferredSpans`` while the rows of a generated micro batch are parsed)."""
+    (a ``DeferredSpans`` while the rows of a generated micro batch are parsed). chosen:
+    ``[batch]`` bool for pair rows (True: the teacher's response), None otherwise."""
 
     row_ids: list[str]
     student: TokenBatch
     teacher: Optional[TokenBatch]
     spans: Mapping[str, SpanBatch]
+    chosen: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         spans = self.spans
@@ -89,6 +91,7 @@ class TrainBatch:
             self.student.to(device),
             None if self.teacher is None else self.teacher.to(device),
             spans.to(device) if isinstance(spans, DeferredSpans) else {n: s.to(device) for n, s in spans.items()},
+            None if self.chosen is None else self.chosen.to(device),
         )
 
     @property
@@ -159,6 +162,7 @@ class AnnotatedExamples:
         self.prompt_len = {
             side: table.column(PROMPT_LEN[side]).to_numpy().astype(np.int64) for side in sides
         }
+        self.pair_ids, self.chosen = _pairs(table)
         self.spans: dict[str, tuple[_Ragged, dict[str, np.ndarray]]] = {}
         for name in granularities:
             ragged = _Ragged(table.column(SPAN_COLUMNS[name]))
@@ -181,8 +185,9 @@ class AnnotatedExamples:
         rows = np.asarray(rows, dtype=np.int64)
         tokens = {side: self._tokens(side, rows) for side in self.ids}
         spans = {name: self._spans(name, rows) for name in self.spans}
+        chosen = None if self.chosen is None else torch.from_numpy(self.chosen[rows])
         return TrainBatch(
-            [self.row_ids[row] for row in rows], tokens["student"], tokens.get("teacher"), spans
+            [self.row_ids[row] for row in rows], tokens["student"], tokens.get("teacher"), spans, chosen
         )
 
     def _tokens(self, side: str, rows: np.ndarray) -> TokenBatch:
@@ -213,8 +218,29 @@ class AnnotatedExamples:
         return SpanBatch(**tensors, mask=torch.from_numpy(mask))
 
 
+def _pairs(table: pa.Table) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """``(pair id [rows], chosen [rows] bool)`` of a table of pair rows (DistiLLM-2); ``(None,
+    None)`` when it holds none. A table must be all pairs or none, each pair a chosen and a
+    rejected row, the chosen one first (as ``mta annotate`` writes them)."""
+    if PAIR_ID not in table.column_names or table.column(PAIR_ID).null_count == table.num_rows:
+        return None, None
+    pair_ids = table.column(PAIR_ID)
+    roles = table.column(ROLE).to_pylist() if ROLE in table.column_names else [None] * table.num_rows
+    if pair_ids.null_count or len(roles) % 2 or roles[0::2] != ["chosen"] * (len(roles) // 2) \
+            or roles[1::2] != ["rejected"] * (len(roles) // 2):
+        raise MtaError(
+            "the annotations mix pair rows (pair_id, role) with other rows, or a pair lacks its chosen "
+            "or rejected half; annotate a file of pair rows only (`mta generate` writes one)"
+        )
+    pair_ids = pair_ids.to_numpy().astype(np.int64)
+    if not np.array_equal(pair_ids[0::2], pair_ids[1::2]):
+        raise MtaError("the annotations' pair rows are not in pairs (chosen then rejected, one pair_id)")
+    return pair_ids, np.array([role == "chosen" for role in roles])
+
+
 def micro_batch_order(
-    lengths: np.ndarray, micro_batch_size: int, *, seed: int, epoch: int, group_factor: int = 32
+    lengths: np.ndarray, micro_batch_size: int, *, seed: int, epoch: int, group_factor: int = 32,
+    paired: bool = False,
 ) -> list[np.ndarray]:
     """One epoch's micro batches (row positions), length-aware and reproducible.
 
@@ -222,7 +248,21 @@ def micro_batch_order(
     sorted by length inside each pool (so a micro batch pads little) and the micro batches are
     shuffled again, so long and short batches are interleaved over the epoch. The rows left over
     after the last full micro batch (a different few each epoch) are skipped.
+
+    paired: rows 2k and 2k + 1 are a pair (DistiLLM-2's chosen and rejected) and stay together,
+    in that order: pairs are ordered as rows are (by the longer half), ``micro_batch_size / 2``
+    pairs to a micro batch.
     """
+    if paired:
+        if micro_batch_size % 2 or len(lengths) % 2:
+            raise MtaError(
+                f"pair rows train two to a pair in a micro batch: train.micro_batch_size must be even "
+                f"(got {micro_batch_size})"
+            )
+        pair_lengths = np.maximum(lengths[0::2], lengths[1::2])
+        pair_batches = micro_batch_order(pair_lengths, micro_batch_size // 2, seed=seed, epoch=epoch,
+                                         group_factor=group_factor)
+        return [np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1) for pairs in pair_batches]
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))
     pool = micro_batch_size * group_factor

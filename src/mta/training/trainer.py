@@ -198,7 +198,7 @@ class Trainer:
         if epoch not in self._orders:
             self._orders = {epoch: micro_batch_order(
                 run.train.student_lengths, run.recipe.train.micro_batch_size,
-                seed=run.recipe.seed, epoch=epoch,
+                seed=run.recipe.seed, epoch=epoch, paired=run.train.pair_ids is not None,
             )}
         indices = run.schedule.micro_batch_indices(step_in_epoch, run.rank)
         for k, rows in enumerate(self._orders[epoch][index] for index in indices):
