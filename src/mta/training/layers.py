@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Literal, Sequence, Union
 
 from mta.errors import MtaError
-from mta.training.recipe import LayerPair
+from mta.training.recipe import FddLayerPair, LayerPair
 
-__all__ = ["LayerPair", "auto_layer_map", "resolve_layer_map"]
+__all__ = ["FddLayerPair", "LayerPair", "auto_fdd_layers", "auto_layer_map", "resolve_fdd_layers", "resolve_layer_map"]
 
 
 def auto_layer_map(student_layers: int, teacher_layers: int) -> list[LayerPair]:
@@ -45,6 +45,32 @@ def auto_layer_map(student_layers: int, teacher_layers: int) -> list[LayerPair]:
     ]
 
 
+def auto_fdd_layers(student_layers: int, teacher_layers: int) -> list[FddLayerPair]:
+    """FDD's ``auto`` pairs: student layers ``L_S/3``, ``L_S/2``, ``2·L_S/3`` (rounded half up;
+    4, 6, 8 of 12, the published GPT-2 pairs), each with the teacher layer at the same depth
+    (16, 24, 32 of 48). Repeats (a shallow student) are dropped, layer 0 never used."""
+    if student_layers < 1 or teacher_layers < 1:
+        raise MtaError(
+            f"FDD needs models with at least one layer (student {student_layers}, teacher {teacher_layers})"
+        )
+    pairs: list[FddLayerPair] = []
+    for numerator, denominator in ((1, 3), (1, 2), (2, 3)):
+        student = max(1, _round_half_up(numerator * student_layers, denominator))
+        pair = FddLayerPair(student=student, teacher=_round_half_up(student * teacher_layers, student_layers))
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
+
+def resolve_fdd_layers(
+    layers: Union[Literal["auto"], Sequence[FddLayerPair]], student_layers: int, teacher_layers: int
+) -> list[FddLayerPair]:
+    """The recipe's ``loss.fdd_layers`` as concrete pairs, checked as ``resolve_layer_map`` checks."""
+    if layers == "auto":
+        return auto_fdd_layers(student_layers, teacher_layers)
+    return _checked_pairs(layers, "loss.fdd_layers", student_layers, teacher_layers)
+
+
 def _round_half_up(numerator: int, denominator: int) -> int:
     # Exact integer arithmetic: Python's round() would send 4.5 to 4 (banker's rounding).
     return (2 * numerator + denominator) // (2 * denominator)
@@ -62,9 +88,14 @@ def resolve_layer_map(
     """
     if layers == "auto":
         return auto_layer_map(student_layers, teacher_layers)
-    resolved: list[LayerPair] = []
-    for index, pair in enumerate(layers):
-        key = f"loss.layers[{index}]"
+    return _checked_pairs(layers, "loss.layers", student_layers, teacher_layers)
+
+
+def _checked_pairs(pairs, key_name: str, student_layers: int, teacher_layers: int) -> list:
+    """``pairs`` after checking each against both depths and for repeats (``key_name[i]`` in errors)."""
+    resolved: list = []
+    for index, pair in enumerate(pairs):
+        key = f"{key_name}[{index}]"
         for side, layer, depth in (
             ("student", pair.student, student_layers),
             ("teacher", pair.teacher, teacher_layers),
@@ -73,11 +104,11 @@ def resolve_layer_map(
                 raise MtaError(
                     f"{key}: {side} layer {layer} does not exist; the {side} has {depth} "
                     f"layers, so hidden-state indices run from 0 (embeddings) to {depth}. "
-                    f"Fix the pair or write `layers: auto`."
+                    f"Fix the pair or write `{key_name.rpartition('.')[2]}: auto`."
                 )
         if pair in resolved:
             raise MtaError(
-                f"{key}: the pair [{pair.student}, {pair.teacher}, {pair.granularity}] is listed "
+                f"{key}: the pair [{', '.join(str(v) for v in pair.model_dump().values())}] is listed "
                 f"twice; remove one"
             )
         resolved.append(pair)

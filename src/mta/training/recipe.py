@@ -46,7 +46,7 @@ from mta.training.recipe_yaml import MAX_RECIPE_BYTES, BoundedLoader, Refused, l
 
 log = logging.getLogger(__name__)
 
-BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd"]
+BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Granularity = Literal["word", "phrase"]
 
@@ -129,6 +129,31 @@ LayerMap = Annotated[
 ]
 
 
+class FddLayerPair(Strict):
+    """One FDD pair: the student and teacher ``hidden_states`` indices read through the logit lens."""
+
+    student: int = Field(ge=0)
+    teacher: int = Field(ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_pair(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            if len(value) != 2:
+                raise ValueError(f"write an FDD layer pair as [student, teacher], got {list(value)}")
+            return dict(zip(("student", "teacher"), value))
+        return value
+
+
+FddLayerMap = Annotated[
+    Union[
+        Annotated[Literal["auto"], Tag("'auto'")],
+        Annotated[list[FddLayerPair], Tag("list[FddLayerPair]")],
+    ],
+    Discriminator(lambda value: "'auto'" if isinstance(value, str) else "list[FddLayerPair]"),
+]
+
+
 class LossSpec(Strict):
     base: BaseLossName = "srkl"
     base_weight: float = Field(1.0, ge=0)
@@ -144,6 +169,22 @@ class LossSpec(Strict):
     )
     importance: Literal["attention", "uniform"] = "attention"
     chunk_size: int = Field(128, ge=1, description="sequence positions per logit-loss chunk")
+    distillm2_beta: float = Field(
+        1.0, ge=0, le=2, description="loss.base=distillm2: (2 − β)·skew KL on the teacher's responses + "
+        "β·skew reverse KL on the student's"
+    )
+    fdd_weight: float = Field(0.0, ge=0, description="feature dynamics distillation (FDD); 0: off")
+    fdd_layers: FddLayerMap = Field(
+        "auto", description="[student, teacher] pairs read through the logit lens; auto: student layers "
+        "L/3, L/2, 2L/3 (4, 6, 8 of 12) and the teacher layers at the same depth"
+    )
+    fdd_temperature: float = Field(2.0, gt=0, description="FDD's softmax temperature (the authors: 5.0 "
+                                   "with FDD alone, 2.0 with FDD + MTA)")
+    fdd_final_norm: bool = Field(False, description="apply the final norm before the LM head (the "
+                                 "authors: no, raw hidden states)")
+    fdd_tokens: Literal["response", "all"] = Field(
+        "all", description="the positions FDD compares: all real tokens (the authors') or the response's"
+    )
 
     @property
     def alignment_terms(self) -> tuple[str, ...]:
@@ -286,8 +327,33 @@ class Recipe(Strict):
             raise ValueError(f"loss.base={self.loss.base} needs a teacher; use 'ce' for SFT")
         if self.teacher is None and self.loss.alignment_terms:
             raise ValueError("dsa_weight and hra_weight must be 0 without a teacher")
-        if not self.loss.base_weight and not self.loss.alignment_terms:
-            raise ValueError("loss.base_weight, loss.dsa_weight and loss.hra_weight are all 0: nothing to train")
+        if self.teacher is None and self.loss.fdd_weight:
+            raise ValueError("loss.fdd_weight must be 0 without a teacher (FDD follows the teacher's layers)")
+        if not self.loss.base_weight and not self.loss.alignment_terms and not self.loss.fdd_weight:
+            raise ValueError(
+                "loss.base_weight, loss.dsa_weight, loss.hra_weight and loss.fdd_weight are all 0: nothing to train"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pairs_fit(self) -> "Recipe":
+        if self.loss.base != "distillm2":
+            return self
+        problem = None
+        if self.train.micro_batch_size % 2:
+            problem = ("train", "micro_batch_size"), (
+                f"loss.base=distillm2 trains on pairs (the teacher's and the student's response to one "
+                f"prompt), two rows of one micro batch: use an even train.micro_batch_size, not "
+                f"{self.train.micro_batch_size}"
+            )
+        elif self.generation.mode != "off":
+            problem = ("generation", "mode"), (
+                "loss.base=distillm2 trains on the pairs `mta generate` wrote (each round: generate, "
+                "annotate, distill); it does not sample during training: use generation.mode=off"
+            )
+        if problem is not None:
+            within, message = problem
+            raise PydanticCustomError("pairs_setting", "{message}", {"message": message, "within": within})
         return self
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 
 ``FrozenTeacher`` holds the teacher in eval mode without gradients: without a logit loss it runs
 only up to the deepest aligned layer, skipping the blocks above it, the final norm and the LM head.
+With FDD it keeps them and hands the loss its ``LogitLens``.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from mta.errors import MtaError
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TeacherOutput:
     """hidden_states: ``{layer: [batch, seq, d_teacher]}`` for the layers asked for.
-    logits: ``[batch, seq, vocab]`` or None when no logit loss reads them."""
+    logits: ``[batch, seq, vocab]`` or None when no logit loss reads them.
+    lens: the teacher's logit lens (``LogitLens``) when FDD reads intermediate layers, else None."""
 
     hidden_states: dict[int, torch.Tensor]
     logits: Optional[torch.Tensor]
+    lens: Optional["LogitLens"] = None
 
 
 # Where the blocks and the final norm live in the architectures mta knows; any other
@@ -37,6 +42,43 @@ _BLOCKS_AND_NORM = {
 }
 
 
+def final_norm(model: PreTrainedModel) -> Optional[nn.Module]:
+    """The norm a model applies after its last block (before the LM head), or None for an
+    architecture mta does not know."""
+    paths = _BLOCKS_AND_NORM.get(model.config.model_type)
+    return model.get_submodule(paths[1]) if paths is not None else None
+
+
+class LogitLens:
+    """A model's LM head read on an intermediate hidden state (FDD's "logit lens").
+
+    ``lens(hidden, layer)``: hidden ``[n, d]`` of ``hidden_states`` index ``layer`` -> logits
+    ``[n, vocab rows]``. With ``final_norm`` the model's final norm is applied first, except on
+    the last layer, whose ``hidden_states`` entry Hugging Face already reports after that norm.
+    The modules are called as modules, so DeepSpeed ZeRO-3 gathers their weights.
+    """
+
+    def __init__(self, model: PreTrainedModel, *, final_norm: bool, num_layers: int):
+        self.head = model.get_output_embeddings()
+        self.norm = _final_norm_or_refuse(model) if final_norm else None
+        self.num_layers = num_layers
+
+    def __call__(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.norm is not None and layer < self.num_layers:
+            hidden = self.norm(hidden)
+        return self.head(hidden)
+
+
+def _final_norm_or_refuse(model: PreTrainedModel) -> nn.Module:
+    norm = final_norm(model)
+    if norm is None:
+        raise MtaError(
+            f"loss.fdd_final_norm=true: mta does not know where a {model.config.model_type} model keeps its "
+            f"final norm (it knows {', '.join(sorted(_BLOCKS_AND_NORM))}); use loss.fdd_final_norm=false"
+        )
+    return norm
+
+
 class FrozenTeacher(nn.Module):
     """The teacher in eval mode, without gradients, asked only for what the loss uses.
 
@@ -48,14 +90,16 @@ class FrozenTeacher(nn.Module):
     truncated model must return what the full one would.
     """
 
-    def __init__(self, model: PreTrainedModel, layers: list[int], need_logits: bool):
+    def __init__(self, model: PreTrainedModel, layers: list[int], need_logits: bool,
+                 lens: Optional[LogitLens] = None):
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
         self.layers = sorted(set(layers))
-        self.need_logits = need_logits
+        self.need_logits = need_logits or lens is not None  # the lens needs the head (and norm)
+        self.lens = lens
         self.truncated = False
-        if not need_logits and self.layers:
+        if not self.need_logits and self.layers:
             self.truncated = self._truncate(max(self.layers))
 
     def _truncate(self, deepest: int) -> bool:
@@ -83,4 +127,5 @@ class FrozenTeacher(nn.Module):
             body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
             hidden = body(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
             logits = None
-        return TeacherOutput({layer: hidden[layer] for layer in self.layers} if want_hidden else {}, logits)
+        hidden_states = {layer: hidden[layer] for layer in self.layers} if want_hidden else {}
+        return TeacherOutput(hidden_states, logits, self.lens)
