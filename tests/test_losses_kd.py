@@ -14,6 +14,9 @@ from mta.losses import BASE_LOSSES, build_base_loss
 
 ALPHA, BETA = 0.1, 0.5
 
+# The per-token losses; distillm2 (pairs, per-sequence means) is tested in test_losses_contrastive.
+TOKEN_LOSSES = sorted(set(BASE_LOSSES) - {"distillm2"})
+
 
 def ref_token_loss(name: str, s_row: list[float], t_row: list[float], label: int, tau: float) -> float:
     """One position, looping over vocabulary entries with python floats."""
@@ -72,7 +75,7 @@ def random_batch(seed: int, vocab: int = 13, padded_vocab: int = 0, scale: float
     return student, teacher, labels
 
 
-@pytest.mark.parametrize("name", sorted(BASE_LOSSES))
+@pytest.mark.parametrize("name", TOKEN_LOSSES)
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 def test_base_loss_matches_loop_reference_on_the_real_vocabulary(name, tau):
     vocab = 13
@@ -93,7 +96,7 @@ def test_base_loss_matches_loop_reference_on_the_real_vocabulary(name, tau):
     assert student.grad[labels != -100].abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", sorted(BASE_LOSSES))
+@pytest.mark.parametrize("name", TOKEN_LOSSES)
 def test_chunked_equals_unchunked_in_value_and_gradient(name):
     student, teacher, labels = random_batch(1)
     results = []
@@ -109,7 +112,7 @@ def test_chunked_equals_unchunked_in_value_and_gradient(name):
         torch.testing.assert_close(grad, results[0][1])
 
 
-@pytest.mark.parametrize("name", sorted(set(BASE_LOSSES) - {"ce"}))
+@pytest.mark.parametrize("name", sorted(set(TOKEN_LOSSES) - {"ce"}))
 def test_gradient_matches_plain_autograd(name):
     """The chunked loss stores its gradient in the forward pass; it must equal autograd's."""
     student, teacher, labels = random_batch(2)
@@ -148,7 +151,7 @@ def test_forward_kl_scale_matches_torch_kl_div():
     torch.testing.assert_close(got, F.kl_div(log_q, log_p, log_target=True, reduction="batchmean"))
 
 
-@pytest.mark.parametrize("name", sorted(set(BASE_LOSSES) - {"ce"}))
+@pytest.mark.parametrize("name", sorted(set(TOKEN_LOSSES) - {"ce"}))
 def test_identical_distributions_give_zero(name):
     student, _, labels = random_batch(4)
     # Shifting every logit by a constant leaves the distribution unchanged.
@@ -171,7 +174,7 @@ def test_ce_equals_the_causal_lm_loss_of_a_tiny_model(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", sorted(BASE_LOSSES))
+@pytest.mark.parametrize("name", TOKEN_LOSSES)
 @pytest.mark.parametrize("scale", [3.0, 3e4])
 def test_low_precision_logits_give_the_fp32_loss_of_the_same_values(name, dtype, scale):
     """Logits in fp16/bf16 give the loss and gradient of the fp32 copy of the very same values.
@@ -289,7 +292,8 @@ def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name
     labels = input_ids.clone()
     labels[:, :3] = -100  # prompt
     labels[1, 6] = -100  # padding
-    batch = TrainBatch(["a", "b"], TokenBatch(input_ids, torch.ones_like(input_ids), labels), None, {})
+    chosen = torch.tensor([True, False]) if name == "distillm2" else None  # row 0 the teacher's response
+    batch = TrainBatch(["a", "b"], TokenBatch(input_ids, torch.ones_like(input_ids), labels), None, {}, chosen)
 
     def run(student_logits, teacher_logits):
         leaf = student_logits.clone().requires_grad_()
@@ -301,8 +305,12 @@ def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name
     assert set(out) == {"base", "total"}
     assert out["base"].dim() == 0 and out["base"].dtype == torch.float32 and torch.isfinite(out["base"])
     # Position t predicts token t + 1 (the objective shifts); temperature does not apply to ce.
-    expected = ref_batch_loss(name, student[:, :-1], teacher[:, :-1], labels[:, 1:], vocab,
-                              1.0 if name == "ce" else tau)
+    if name == "distillm2":  # β = 1: row 0's mean skew KL + row 1's mean skew reverse KL
+        expected = sum(ref_batch_loss(kind, student[row:row + 1, :-1], teacher[row:row + 1, :-1],
+                                      labels[row:row + 1, 1:], vocab, tau) for row, kind in ((0, "skl"), (1, "srkl")))
+    else:
+        expected = ref_batch_loss(name, student[:, :-1], teacher[:, :-1], labels[:, 1:], vocab,
+                                  1.0 if name == "ce" else tau)
     assert out["base"].item() == pytest.approx(expected, rel=1e-5)
     assert out["total"].item() == pytest.approx(0.5 * expected, rel=1e-5)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0

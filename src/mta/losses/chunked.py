@@ -4,6 +4,10 @@ A plain autograd graph would keep fp32 softmax intermediates for every response 
 until backward: ``[tokens, vocab]`` fp32, several GiB at a 150k vocabulary. Here the forward
 pass visits the response positions in chunks, computes each chunk's loss *and* its gradient
 in fp32, and keeps only the gradient, in the logits' own dtype; backward just scales it.
+
+The reduction is the mean over response tokens, or, given ``token_weights`` ``[batch, seq]``,
+the weighted sum ``Σ w[b, t] · loss[b, t]`` over the response positions (a caller builds a
+per-sequence mean from it, e.g. ``w = 1 / tokens in row b / rows``). Weights are constants.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+
+from mta.errors import MtaError
 
 IGNORE_INDEX = -100
 
@@ -20,12 +26,16 @@ TokenLossFn = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], tor
 
 class _ChunkedTokenLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size):
+    def forward(ctx, student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size,
+                token_weights=None):
         # (row, position) of each response token. Indexing the 3-d logits directly keeps a
         # sliced, non-contiguous view (``logits[:, :-1]``) from being copied whole by a reshape.
         rows, columns = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
         num_tokens = rows.numel()
         wants_grad = ctx.needs_input_grad[0]
+        # Weighted sum (divisor 1) or plain token mean (divisor: the token count).
+        weights = None if token_weights is None else token_weights[rows, columns].float()
+        divisor = 1 if weights is not None else max(num_tokens, 1)
 
         total = torch.zeros((), dtype=torch.float32, device=student_logits.device)
         grad_rows = (
@@ -39,7 +49,8 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             student = student_logits[where][:, :vocab_size].float().requires_grad_(wants_grad)
             teacher = None if teacher_logits is None else teacher_logits[where][:, :vocab_size].float()
             with torch.enable_grad():
-                loss = token_loss(student, teacher, labels[where]).sum()
+                loss = token_loss(student, teacher, labels[where])
+                loss = loss.sum() if weights is None else (loss * weights[chunk]).sum()
             if wants_grad:
                 (grad,) = torch.autograd.grad(loss, student)
                 grad_rows[chunk] = grad
@@ -48,19 +59,19 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         ctx.save_for_backward(rows, columns, grad_rows if wants_grad else None)
         ctx.logits_shape = student_logits.shape
         ctx.vocab_size = vocab_size
-        ctx.num_tokens = num_tokens
-        return total / max(num_tokens, 1)
+        ctx.divisor = divisor
+        return total / divisor
 
     @staticmethod
     def backward(ctx, grad_output):
         rows, columns, grad_rows = ctx.saved_tensors
         if grad_rows is None:
-            return (None,) * 6
+            return (None,) * 7
         grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)
-        scale = grad_output / max(ctx.num_tokens, 1)
+        scale = grad_output / ctx.divisor
         grad[rows, columns, :ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)
         # The teacher is a constant of the loss: no gradient flows to it.
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def chunked_token_loss(
@@ -71,6 +82,7 @@ def chunked_token_loss(
     *,
     vocab_size: int,
     chunk_size: int,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Mean of ``token_loss`` over the positions whose label is not ``-100``.
 
@@ -78,5 +90,15 @@ def chunked_token_loss(
     labels ``[batch, seq]`` (already aligned with the logits). Only the first ``vocab_size``
     logits of each row are used. Returns an fp32 scalar (0 with a zero gradient when the
     batch has no response token).
+
+    token_weights ``[batch, seq]`` (optional, read only where the label is not ``-100``; no
+    gradient flows to it): return ``Σ token_weights · token_loss`` over those positions
+    instead of their mean. None (default) keeps the plain token mean.
     """
-    return _ChunkedTokenLoss.apply(student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size)
+    if token_weights is not None and token_weights.shape != labels.shape:
+        raise MtaError(
+            f"token_weights {tuple(token_weights.shape)} must match labels {tuple(labels.shape)}"
+        )
+    return _ChunkedTokenLoss.apply(
+        student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size, token_weights
+    )

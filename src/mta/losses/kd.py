@@ -12,7 +12,6 @@ is fp32 and in log space, a chunk of positions at a time (see ``mta.losses.chunk
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -21,20 +20,8 @@ from torch import nn
 
 from mta.errors import MtaError
 from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
-
-
-def _log(weight: float) -> float:
-    return math.log(weight) if weight > 0 else float("-inf")
-
-
-def _log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
-    """``log(weight_a · a + (1 − weight_a) · b)`` from log-probabilities, without underflow."""
-    return torch.logaddexp(log_a + _log(weight_a), log_b + _log(1.0 - weight_a))
-
-
-def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """``KL(p ‖ q)`` per row: ``[n, vocab]`` log-probabilities -> ``[n]``."""
-    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+from mta.losses.contrastive import DistiLLM2Loss
+from mta.losses.divergences import check_unit_interval, kl, log_mixture
 
 
 class BaseLoss(nn.Module):
@@ -124,14 +111,14 @@ class ForwardKL(DistributionLoss):
     """``KL(p ‖ q)``: the student covers the teacher's mass (mean-seeking)."""
 
     def divergence(self, log_p, log_q):
-        return _kl(log_p, log_q)
+        return kl(log_p, log_q)
 
 
 class ReverseKL(DistributionLoss):
     """``KL(q ‖ p)``: the student commits to the teacher's modes (MiniLLM)."""
 
     def divergence(self, log_p, log_q):
-        return _kl(log_q, log_p)
+        return kl(log_q, log_p)
 
 
 class _Skewed(DistributionLoss):
@@ -139,7 +126,7 @@ class _Skewed(DistributionLoss):
 
     def __init__(self, *, skew_alpha: float = 0.1, **kwargs) -> None:
         super().__init__(**kwargs)
-        _check_unit_interval("skew_alpha", skew_alpha)
+        check_unit_interval("skew_alpha", skew_alpha)
         self.skew_alpha = skew_alpha
 
 
@@ -147,14 +134,14 @@ class SkewForwardKL(_Skewed):
     """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
 
     def divergence(self, log_p, log_q):
-        return _kl(log_p, _log_mixture(log_p, log_q, self.skew_alpha))
+        return kl(log_p, log_mixture(log_p, log_q, self.skew_alpha))
 
 
 class SkewReverseKL(_Skewed):
     """``KL(q ‖ αq + (1−α)p)`` (DistiLLM's skew reverse KL, α = 0.1)."""
 
     def divergence(self, log_p, log_q):
-        return _kl(log_q, _log_mixture(log_q, log_p, self.skew_alpha))
+        return kl(log_q, log_mixture(log_q, log_p, self.skew_alpha))
 
 
 class JensenShannon(DistributionLoss):
@@ -162,12 +149,12 @@ class JensenShannon(DistributionLoss):
 
     def __init__(self, *, jsd_beta: float = 0.5, **kwargs) -> None:
         super().__init__(**kwargs)
-        _check_unit_interval("jsd_beta", jsd_beta)
+        check_unit_interval("jsd_beta", jsd_beta)
         self.jsd_beta = jsd_beta
 
     def divergence(self, log_p, log_q):
-        log_m = _log_mixture(log_p, log_q, self.jsd_beta)
-        return self.jsd_beta * _kl(log_p, log_m) + (1.0 - self.jsd_beta) * _kl(log_q, log_m)
+        log_m = log_mixture(log_p, log_q, self.jsd_beta)
+        return self.jsd_beta * kl(log_p, log_m) + (1.0 - self.jsd_beta) * kl(log_q, log_m)
 
 
 class TotalVariation(DistributionLoss):
@@ -177,12 +164,7 @@ class TotalVariation(DistributionLoss):
         return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=-1)
 
 
-def _check_unit_interval(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise MtaError(f"{name} must lie in [0, 1], got {value}")
-
-
-BASE_LOSSES: dict[str, type[BaseLoss]] = {
+BASE_LOSSES: dict[str, type[nn.Module]] = {
     "ce": CrossEntropy,
     "fkl": ForwardKL,
     "rkl": ReverseKL,
@@ -190,6 +172,7 @@ BASE_LOSSES: dict[str, type[BaseLoss]] = {
     "srkl": SkewReverseKL,
     "jsd": JensenShannon,
     "tvd": TotalVariation,
+    "distillm2": DistiLLM2Loss,  # pairs: needs the batch's ``chosen`` (mta.losses.contrastive)
 }
 
 
@@ -199,9 +182,10 @@ def build_base_loss(
     temperature: float = 1.0,
     skew_alpha: float = 0.1,
     jsd_beta: float = 0.5,
+    distillm2_beta: float = 1.0,
     vocab_size: Optional[int] = None,
     chunk_size: int = 128,
-) -> BaseLoss:
+) -> nn.Module:
     """The base loss a recipe names (``loss.base``), with the options that loss uses."""
     if name not in BASE_LOSSES:
         raise MtaError(f"unknown base loss '{name}'; choose one of {', '.join(BASE_LOSSES)}")
@@ -213,6 +197,8 @@ def build_base_loss(
         kwargs["skew_alpha"] = skew_alpha
     if cls is JensenShannon:
         kwargs["jsd_beta"] = jsd_beta
+    if cls is DistiLLM2Loss:
+        kwargs.update(beta=distillm2_beta, skew_alpha=skew_alpha, temperature=temperature)
     return cls(**kwargs)
 
 

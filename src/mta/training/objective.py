@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from mta.errors import MtaError
 from mta.losses.trajectory import TrajectoryAlignmentLoss
+from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.kd import build_base_loss
 from mta.training.batching import TrainBatch
 from mta.training.teacher import TeacherOutput
@@ -45,8 +46,8 @@ class DistillationObjective(nn.Module):
         super().__init__()
         # A term whose weight is 0 is neither built nor computed.
         self.base = build_base_loss(
-            spec.base, temperature=spec.temperature, skew_alpha=spec.skew_alpha,
-            jsd_beta=spec.jsd_beta, vocab_size=vocab_size, chunk_size=spec.chunk_size,
+            spec.base, temperature=spec.temperature, skew_alpha=spec.skew_alpha, jsd_beta=spec.jsd_beta,
+            distillm2_beta=spec.distillm2_beta, vocab_size=vocab_size, chunk_size=spec.chunk_size,
         ) if spec.base_weight else None
         if self.needs_teacher_logits and not same_tokenizer:
             raise MtaError(
@@ -89,7 +90,8 @@ class DistillationObjective(nn.Module):
         if self.base is not None:
             # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
             teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
-            losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:])
+            pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch)}
+            losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **pairs)
         if self.alignment is not None:
             losses.update(self.alignment(
                 student_hidden, teacher.hidden_states,
@@ -97,6 +99,17 @@ class DistillationObjective(nn.Module):
             ))
         losses["total"] = sum(self.weights[name] * value for name, value in losses.items())
         return losses
+
+
+def _pair_roles(batch: TrainBatch) -> torch.Tensor:
+    """``[batch]`` bool, True on the teacher's responses: what loss.base=distillm2 reads."""
+    if batch.chosen is None:
+        raise MtaError(
+            f"loss.base=distillm2 trains on pair rows (prompt, chosen, rejected), and the micro batch of "
+            f"rows {batch.row_ids} has none: write pairs with `mta generate`, annotate that file and "
+            "train on it"
+        )
+    return batch.chosen
 
 
 class DistillationModel(nn.Module):

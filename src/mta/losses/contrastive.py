@@ -1,0 +1,164 @@
+"""DistiLLM-2's contrastive loss over teacher-response / student-response pairs.
+
+Each prompt comes twice in the micro batch: with a response the teacher sampled ("chosen",
+y_t) and with one the student sampled ("rejected", y_s). With p the teacher and q the student
+distribution at temperature τ at each response position, and sg the stop-gradient::
+
+    SKL(t)  = KL(p ‖ α·p + (1−α)·q)                   on chosen rows (gradient through both q's)
+    SRKL(t) = KL(q ‖ α·sg(q) + (1−α)·p)               on rejected rows (q in the mixture is constant)
+    loss    = (2−β) · mean_{chosen rows}  [mean_{t in row} SKL(t)]
+            +   β   · mean_{rejected rows}[mean_{t in row} SRKL(t)]
+
+Each row is averaged over its own response tokens, then over the rows of its kind that have
+at least one response token (a row without one counts nowhere). For a batch of P pairs this is
+the public trainer's ``((2−β)·chosen_kl + β·rejected_kl).mean()`` over pairs, exactly.
+
+Source: ``jongwooko/distillm-2`` ``src/distillm_trainer.py`` (``loss_type == "distillm_v2"``:
+``kd_loss`` and ``get_batch_logps`` with ``average_log_prob=True``), whose loss code is
+identical in the MTA authors' ``wind123mountain/MTA``
+``distillm-2-master/src/span_distillm_trainer.py`` (that file adds a span loss outside this
+term). There β = 1 and α = 0.1 are fixed in the trainer (its ``gradual_beta`` schedule
+1 → 1.5 and per-sequence adaptive α are present but switched off), there is no temperature
+(τ = 1 here by default) and no SFT term. The teacher's logits are the teacher's own forward
+pass on the same (prompt, response) rows, the student's response included.
+
+Memory: one pass of ``mta.losses.chunked.chunked_token_loss`` with per-token weights
+``(2−β) / n_b / R_chosen`` or ``β / n_b / R_rejected`` (n_b: tokens in row b).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mta.errors import MtaError
+from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
+from mta.losses.divergences import check_unit_interval, kl, log_mixture
+
+# Kind of a response position, passed to the chunked loop in place of its label.
+_CHOSEN, _REJECTED = 0, 1
+
+
+class DistiLLM2Loss(nn.Module):
+    """``(2−β)·SKL`` on the teacher's responses + ``β·SRKL`` (stop-gradient mixture) on the student's.
+
+    beta: weight β in [0, 2] (β = 0: skew forward KL only, doubled; β = 2: skew reverse KL only,
+    doubled). skew_alpha: α in [0, 1]. temperature: τ > 0 for both distributions (no τ²).
+    vocab_size: compare logits on ``[0, vocab_size)`` (default: the narrower logits width).
+    chunk_size: response positions per fp32 chunk.
+    """
+
+    needs_teacher = True
+
+    def __init__(
+        self,
+        *,
+        beta: float = 1.0,
+        skew_alpha: float = 0.1,
+        temperature: float = 1.0,
+        vocab_size: Optional[int] = None,
+        chunk_size: int = 128,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= beta <= 2.0:
+            raise MtaError(f"distillm2_beta must lie in [0, 2], got {beta}")
+        check_unit_interval("skew_alpha", skew_alpha)
+        if not temperature > 0:
+            raise MtaError(f"temperature must be positive, got {temperature}")
+        if vocab_size is not None and vocab_size < 1:
+            raise MtaError(f"vocab_size must be at least 1, got {vocab_size}")
+        if chunk_size < 1:
+            raise MtaError(f"chunk_size must be at least 1, got {chunk_size}")
+        self.beta = float(beta)
+        self.skew_alpha = float(skew_alpha)
+        self.temperature = float(temperature)
+        self.vocab_size = vocab_size
+        self.chunk_size = chunk_size
+
+    def _token_loss(
+        self, student: torch.Tensor, teacher: torch.Tensor, kind: torch.Tensor
+    ) -> torch.Tensor:
+        """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``kind [n]`` -> ``[n]``:
+        SKL where ``kind`` is chosen, SRKL where it is rejected."""
+        log_q = F.log_softmax(student / self.temperature, dim=-1)
+        log_p = F.log_softmax(teacher / self.temperature, dim=-1)
+        alpha = self.skew_alpha
+        loss = torch.zeros(kind.shape[0], dtype=log_q.dtype, device=log_q.device)
+        forward = kind == _CHOSEN
+        if forward.any():
+            p, q = log_p[forward], log_q[forward]
+            loss = loss.index_put((forward,), kl(p, log_mixture(p, q, alpha)))
+        reverse = ~forward
+        if reverse.any():
+            p, q = log_p[reverse], log_q[reverse]
+            loss = loss.index_put((reverse,), kl(q, log_mixture(q.detach(), p, alpha)))
+        return loss
+
+    def forward(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        labels: torch.Tensor,
+        chosen: torch.Tensor,
+    ) -> torch.Tensor:
+        """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (already
+        shifted: position t predicts ``labels[:, t]``), labels ``[batch, seq]`` with -100 off the
+        response, chosen ``[batch]`` bool (True: the teacher's response, False: the student's).
+        Returns an fp32 scalar; the gradient flows to ``student_logits`` only."""
+        vocab_size = self._check(student_logits, teacher_logits, labels, chosen)
+        chosen = chosen.to(labels.device)
+        response = labels != IGNORE_INDEX                                   # [batch, seq]
+        tokens = response.sum(dim=1)                                        # [batch]
+        has_tokens = tokens > 0
+        rows_chosen = (has_tokens & chosen).sum().clamp(min=1)
+        rows_rejected = (has_tokens & ~chosen).sum().clamp(min=1)
+        row_weight = torch.where(
+            chosen, (2.0 - self.beta) / rows_chosen, self.beta / rows_rejected
+        ) / tokens.clamp(min=1)                                             # [batch]
+        # Rows whose weight is 0 (β = 0 or 2) are skipped, not computed.
+        visit = response & (row_weight > 0).unsqueeze(1)
+        kind = torch.where(chosen, _CHOSEN, _REJECTED).unsqueeze(1).expand_as(labels)
+        kind = torch.where(visit, kind, torch.full_like(kind, IGNORE_INDEX))
+        weights = row_weight.float().unsqueeze(1).expand_as(labels)
+        return chunked_token_loss(
+            self._token_loss, student_logits, teacher_logits, kind,
+            vocab_size=vocab_size, chunk_size=self.chunk_size, token_weights=weights,
+        )
+
+    def _check(self, student_logits, teacher_logits, labels, chosen) -> int:
+        """Validate shapes; return the vocabulary width to compare."""
+        if teacher_logits is None:
+            raise MtaError("DistiLLM2Loss compares with a teacher; teacher_logits is None")
+        if student_logits.dim() != 3:
+            raise MtaError(
+                f"student logits must be [batch, seq, vocab], got {tuple(student_logits.shape)}"
+            )
+        if teacher_logits.dim() != 3 or teacher_logits.shape[:2] != student_logits.shape[:2]:
+            raise MtaError(
+                f"teacher logits {tuple(teacher_logits.shape)} and student logits "
+                f"{tuple(student_logits.shape)} do not cover the same positions"
+            )
+        if labels.shape != student_logits.shape[:2]:
+            raise MtaError(
+                f"labels {tuple(labels.shape)} do not match the logits positions "
+                f"{tuple(student_logits.shape[:2])}"
+            )
+        if chosen.dtype != torch.bool or chosen.shape != labels.shape[:1]:
+            raise MtaError(
+                f"chosen must be a bool tensor [batch] = [{labels.shape[0]}], got "
+                f"{chosen.dtype} {tuple(chosen.shape)}"
+            )
+        width = min(student_logits.shape[-1], teacher_logits.shape[-1])
+        vocab_size = self.vocab_size or width
+        if vocab_size > width:
+            raise MtaError(
+                f"vocab_size {vocab_size} exceeds the logits width {width}; pass the "
+                f"tokenizer's real vocabulary size"
+            )
+        return vocab_size
+
+
+__all__ = ["DistiLLM2Loss"]

@@ -1,0 +1,215 @@
+"""FDD (feature dynamics distillation) through the logit lens: a trajectory and a dynamics term.
+
+For K aligned layer pairs k = 1..K (student layer, teacher layer), in order of depth, each side's
+hidden state at a position goes through that side's own lens (its LM head, optionally after its
+final norm; the caller composes it): ``zS_k = student_lens(hS_k)``, ``zT_k = teacher_lens(hT_k)``,
+logits over the compared vocabulary ``[0, V)``. With T the temperature:
+
+    trajectory = 1/K · Σ_k  mean_tokens KL(p_k ‖ q_k),
+                 p_k = softmax(zT_k / T), q_k = softmax(zS_k / T), KL summed over the vocabulary,
+                 no T² factor;
+    dynamics   = 1/(K−1) · Σ_{k=2..K}  mean_tokens [1 − cos(ΔS_k, ΔT_k)],
+                 ΔS_k = log_softmax(zS_k) − log_softmax(zS_{k−1})   (temperature 1, not T),
+                 ΔT_k likewise for the teacher, the cosine over the vocabulary with
+                 cos(a, b) = a·b / (max(|a|, ε) · max(|b|, ε)), ε = 1e-5 (torch's cosine_similarity);
+    fdd        = trajectory_weight · trajectory + dynamics_weight · dynamics.
+
+``mean_tokens`` is the mean over every position the mask selects, pooled over the batch (not per
+sequence). K = 1 leaves no change to compare: dynamics is 0 and fdd is the weighted trajectory.
+
+This follows ``get_fdd_loss`` / ``soft_label_distill_loss`` in the MTA authors' code
+(distillm-master/fdd_finetune.py and span_fdd_finetune.py; the two functions are the same there
+except the temperature: 5.0 in fdd_finetune.py, 2.0 in span_fdd_finetune.py, the MTA script,
+whose value is the default here). Both weights are 1 there (``traj / K + der / (K − 1)``). The
+authors apply the bare LM head to ``hidden_states[layer]`` (no final norm; HF's last entry is
+already normed) and mask with the attention mask, so prompt tokens count; pass such a lens and
+mask to reproduce them. Differences kept on purpose: all maths here is fp32 (theirs runs in the
+models' dtype), only ``[0, vocab_size)`` is compared (they use the whole, resized, width), and
+K = 1 gives dynamics 0 (theirs divides by zero).
+
+Memory: logits never exist for all positions at once. The masked positions are visited
+``chunk_size`` at a time; each chunk computes both terms for all K pairs under
+``torch.utils.checkpoint`` (non-reentrant), so backward recomputes that chunk's logits instead
+of keeping them. Peak extra memory is a few fp32 ``[chunk_size, V]`` buffers per pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mta.errors import MtaError
+
+# hidden [n, d] -> logits [n, V'] (the caller composes final norm + LM head)
+Lens = Callable[[torch.Tensor], torch.Tensor]
+
+# The authors' ``F.cosine_similarity(..., eps=1e-5)``: each norm is clamped to at least this.
+COSINE_EPS = 1e-5
+
+
+class FeatureDynamicsLoss(nn.Module):
+    """FDD's logit-lens trajectory KL and log-probability dynamics cosine over K layer pairs.
+
+    temperature: T of the trajectory KL (the dynamics term always uses temperature 1, as the
+    authors do). vocab_size: compare logits on ``[0, vocab_size)``, the tokenizer's real
+    vocabulary (default: the smaller of the two lens widths). chunk_size: masked positions per
+    fp32 chunk. trajectory_weight, dynamics_weight: the weights of the two terms in ``"fdd"``.
+    """
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 2.0,
+        vocab_size: int | None = None,
+        chunk_size: int = 128,
+        trajectory_weight: float = 1.0,
+        dynamics_weight: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise MtaError(f"fdd temperature must be positive, got {temperature}")
+        if vocab_size is not None and vocab_size < 1:
+            raise MtaError(f"vocab_size must be at least 1, got {vocab_size}")
+        if chunk_size < 1:
+            raise MtaError(f"chunk_size must be at least 1, got {chunk_size}")
+        for name, weight in (("trajectory_weight", trajectory_weight), ("dynamics_weight", dynamics_weight)):
+            if not weight >= 0:
+                raise MtaError(f"fdd {name} must be non-negative, got {weight}")
+        self.temperature = float(temperature)
+        self.vocab_size = vocab_size
+        self.chunk_size = chunk_size
+        self.trajectory_weight = float(trajectory_weight)
+        self.dynamics_weight = float(dynamics_weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"temperature={self.temperature}, vocab_size={self.vocab_size}, chunk_size={self.chunk_size}, "
+            f"trajectory_weight={self.trajectory_weight}, dynamics_weight={self.dynamics_weight}"
+        )
+
+    def forward(
+        self,
+        student_states: Sequence[torch.Tensor],
+        teacher_states: Sequence[torch.Tensor],
+        student_lens: Lens,
+        teacher_lens: Lens,
+        mask: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """student_states: K tensors ``[batch, seq, d_s]``, the student's hidden states at the K
+        pair layers in order of depth; teacher_states: K tensors ``[batch, seq, d_t]``, the same
+        order. student_lens / teacher_lens: hidden ``[n, d]`` -> logits ``[n, V']``; each gets its
+        side's hidden states in their own dtype, and its logits are cast to fp32 per chunk. The
+        teacher lens always runs under ``no_grad``; gradients reach the student's states and the
+        parameters inside ``student_lens``, never the teacher. mask: ``[batch, seq]`` bool (or 0/1
+        integers), the positions that count.
+
+        Returns fp32 scalars ``{"fdd_trajectory", "fdd_dynamics", "fdd"}`` (all 0, with zero
+        gradients, when the mask selects no position; ``fdd_dynamics`` is 0 when K = 1).
+        """
+        student_states, teacher_states = list(student_states), list(teacher_states)
+        mask = self._check(student_states, teacher_states, mask)
+        pairs = len(student_states)
+
+        rows, columns = mask.nonzero(as_tuple=True)
+        num_tokens = rows.numel()
+        # One gather per pair, then views of it: split's backward concatenates the chunk
+        # gradients once instead of writing a full-size zero tensor per chunk.
+        student_chunks = [state[rows, columns].split(self.chunk_size) for state in student_states]
+        with torch.no_grad():
+            teacher_chunks = [state.detach()[rows, columns].split(self.chunk_size) for state in teacher_states]
+
+        terms = partial(self._chunk_terms, student_lens, teacher_lens, pairs)
+        device = student_states[0].device
+        trajectory = torch.zeros((), dtype=torch.float32, device=device)
+        dynamics = torch.zeros((), dtype=torch.float32, device=device)
+        # An empty mask still visits one empty chunk, so every student input gets a zero gradient.
+        for chunk in zip(*student_chunks, *teacher_chunks):
+            if torch.is_grad_enabled():
+                chunk_trajectory, chunk_dynamics = checkpoint(terms, *chunk, use_reentrant=False)
+            else:
+                chunk_trajectory, chunk_dynamics = terms(*chunk)
+            trajectory = trajectory + chunk_trajectory
+            dynamics = dynamics + chunk_dynamics
+
+        tokens = max(num_tokens, 1)
+        trajectory = trajectory / (tokens * pairs)
+        dynamics = dynamics / (tokens * (pairs - 1)) if pairs > 1 else dynamics
+        return {
+            "fdd_trajectory": trajectory,
+            "fdd_dynamics": dynamics,
+            "fdd": self.trajectory_weight * trajectory + self.dynamics_weight * dynamics,
+        }
+
+    def _chunk_terms(
+        self, student_lens: Lens, teacher_lens: Lens, pairs: int, *hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk, all pairs: ``hidden`` is K student ``[c, d_s]`` then K teacher ``[c, d_t]``
+        rows. Returns the chunk's sums (over positions and pairs) of the two terms, fp32."""
+        trajectory = torch.zeros((), dtype=torch.float32, device=hidden[0].device)
+        dynamics = torch.zeros((), dtype=torch.float32, device=hidden[0].device)
+        previous: tuple[torch.Tensor, torch.Tensor] | None = None
+        for student_hidden, teacher_hidden in zip(hidden[:pairs], hidden[pairs:]):
+            student_logits = student_lens(student_hidden)
+            with torch.no_grad():
+                teacher_logits = teacher_lens(teacher_hidden)
+            vocab = self._vocab(student_logits, teacher_logits)
+            student = student_logits[:, :vocab].float()
+            log_q = F.log_softmax(student / self.temperature, dim=-1)
+            student_log = F.log_softmax(student, dim=-1)
+            with torch.no_grad():
+                teacher = teacher_logits[:, :vocab].float()
+                log_p = F.log_softmax(teacher / self.temperature, dim=-1)
+                teacher_log = F.log_softmax(teacher, dim=-1)
+            trajectory = trajectory + (log_p.exp() * (log_p - log_q)).sum()
+            if previous is not None:
+                student_change = student_log - previous[0]
+                teacher_change = teacher_log - previous[1]
+                cosine = F.cosine_similarity(student_change, teacher_change, dim=-1, eps=COSINE_EPS)
+                dynamics = dynamics + (1.0 - cosine).sum()
+            previous = (student_log, teacher_log)
+        return trajectory, dynamics
+
+    def _vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> int:
+        for side, logits in (("student", student_logits), ("teacher", teacher_logits)):
+            if logits.dim() != 2:
+                raise MtaError(f"the {side} lens must return [n, vocab] logits, got {tuple(logits.shape)}")
+        width = min(student_logits.shape[-1], teacher_logits.shape[-1])
+        vocab = self.vocab_size or width
+        if vocab > width:
+            raise MtaError(
+                f"vocab_size {vocab} exceeds the lens logits width {width}; pass the tokenizer's "
+                f"real vocabulary size"
+            )
+        return vocab
+
+    @staticmethod
+    def _check(
+        student_states: list[torch.Tensor], teacher_states: list[torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        if not student_states:
+            raise MtaError("fdd needs at least one (student layer, teacher layer) pair; got none")
+        if len(student_states) != len(teacher_states):
+            raise MtaError(
+                f"fdd got {len(student_states)} student and {len(teacher_states)} teacher hidden "
+                f"states; give one of each per layer pair"
+            )
+        if mask.dim() != 2:
+            raise MtaError(f"fdd mask must be [batch, seq], got {tuple(mask.shape)}")
+        if mask.dtype.is_floating_point or mask.dtype.is_complex:
+            raise MtaError(f"fdd mask must be bool (or 0/1 integers), got {mask.dtype}")
+        for side, states in (("student", student_states), ("teacher", teacher_states)):
+            for index, state in enumerate(states):
+                if state.dim() != 3 or tuple(state.shape[:2]) != tuple(mask.shape):
+                    raise MtaError(
+                        f"fdd {side} hidden state {index} is {tuple(state.shape)}; expected "
+                        f"[batch, seq, dim] over the mask's {tuple(mask.shape)} positions"
+                    )
+        return mask != 0
+
+
+__all__ = ["COSINE_EPS", "FeatureDynamicsLoss"]
