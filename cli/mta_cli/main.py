@@ -27,12 +27,13 @@ app = typer.Typer(
 def _register() -> None:
     # Imported here so `import mta_cli.main` stays cheap and a broken subcommand module
     # names itself in the traceback instead of hiding the others.
-    from mta_cli import annotate, data, demo, distill, evaluate, models, recipes, show
+    from mta_cli import annotate, data, demo, distill, evaluate, generate, models, recipes, show
 
     app.command("annotate")(annotate.annotate)
     app.command("show")(show.show)
     app.command("distill")(distill.distill)
     app.command("evaluate")(evaluate.evaluate)
+    app.command("generate")(generate.generate)
     app.add_typer(models.app, name="models")
     app.add_typer(data.app, name="data")
     app.add_typer(recipes.app, name="recipes")

@@ -7,7 +7,7 @@ one DeepSpeed engine owns every trainable parameter; the frozen teacher stays ou
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -16,10 +16,11 @@ from transformers import PreTrainedModel
 from mta.errors import MtaError
 from mta.losses.trajectory import TrajectoryAlignmentLoss
 from mta.losses.contrastive import DistiLLM2Loss
+from mta.losses.fdd import FeatureDynamicsLoss
 from mta.losses.kd import build_base_loss
 from mta.training.batching import TrainBatch
-from mta.training.teacher import TeacherOutput
-from mta.training.recipe import LayerPair, LossSpec
+from mta.training.teacher import LogitLens, TeacherOutput
+from mta.training.recipe import FddLayerPair, LayerPair, LossSpec
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class DistillationObjective(nn.Module):
         teacher_hidden_size: Optional[int],
         same_tokenizer: bool,
         vocab_size: int,
+        fdd_pairs: Sequence[FddLayerPair] = (),
     ):
         super().__init__()
         # A term whose weight is 0 is neither built nor computed.
@@ -55,7 +57,22 @@ class DistillationObjective(nn.Module):
                 "differ (different vocabulary fingerprints); set loss.base=ce: across tokenizers "
                 "MTA aligns spans, not tokens"
             )
-        self.weights = {"base": spec.base_weight, "dsa": spec.dsa_weight, "hra": spec.hra_weight}
+        self.weights = {"base": spec.base_weight, "dsa": spec.dsa_weight, "hra": spec.hra_weight,
+                        "fdd": spec.fdd_weight}
+        self.fdd: Optional[FeatureDynamicsLoss] = None
+        self.fdd_pairs = list(fdd_pairs) if spec.fdd_weight else []
+        self.fdd_tokens = spec.fdd_tokens
+        if spec.fdd_weight:
+            if not same_tokenizer:
+                raise MtaError(
+                    "loss.fdd_weight > 0 compares teacher and student next-token distributions at "
+                    "intermediate layers, but their tokenizers differ; set loss.fdd_weight=0"
+                )
+            if not self.fdd_pairs:
+                raise MtaError("loss.fdd_weight > 0 needs at least one loss.fdd_layers pair")
+            self.fdd = FeatureDynamicsLoss(
+                temperature=spec.fdd_temperature, vocab_size=vocab_size, chunk_size=spec.chunk_size
+            )
         self.alignment: Optional[TrajectoryAlignmentLoss] = None
         if spec.alignment_terms:
             self.alignment = TrajectoryAlignmentLoss(
@@ -73,7 +90,13 @@ class DistillationObjective(nn.Module):
 
     @property
     def teacher_layers(self) -> list[int]:
-        return self.alignment.teacher_layers if self.alignment else []
+        """The teacher ``hidden_states`` entries the loss reads (MTA's pairs and FDD's)."""
+        aligned = self.alignment.teacher_layers if self.alignment else []
+        return sorted({*aligned, *(pair.teacher for pair in self.fdd_pairs)})
+
+    @property
+    def needs_student_hidden(self) -> bool:
+        return self.alignment is not None or self.fdd is not None
 
     def forward(
         self,
@@ -81,10 +104,12 @@ class DistillationObjective(nn.Module):
         student_hidden: Optional[tuple[torch.Tensor, ...]],
         teacher: Optional[TeacherOutput],
         batch: TrainBatch,
+        student_lens: Optional[LogitLens] = None,
     ) -> dict[str, torch.Tensor]:
-        """student_logits ``[batch, seq, vocab]``; student_hidden: HF ``hidden_states``.
+        """student_logits ``[batch, seq, vocab]``; student_hidden: HF ``hidden_states``;
+        student_lens: the student's logit lens (FDD only).
 
-        Returns fp32 scalars ``{"base", "dsa", "hra", "total"}`` (only the terms in use).
+        Returns fp32 scalars ``{"base", "dsa", "hra", "fdd", "total"}`` (only the terms in use).
         """
         losses: dict[str, torch.Tensor] = {}
         if self.base is not None:
@@ -97,8 +122,23 @@ class DistillationObjective(nn.Module):
                 student_hidden, teacher.hidden_states,
                 batch.student.attention_mask, batch.teacher.attention_mask, batch.spans,
             ))
+        if self.fdd is not None:
+            losses["fdd"] = self.fdd(
+                student_lens.states(student_hidden, [pair.student for pair in self.fdd_pairs]),
+                teacher.lens.states(teacher.hidden_states, [pair.teacher for pair in self.fdd_pairs]),
+                student_lens, teacher.lens, self._fdd_positions(batch),
+            )["fdd"]
         losses["total"] = sum(self.weights[name] * value for name, value in losses.items())
         return losses
+
+    def _fdd_positions(self, batch: TrainBatch) -> torch.Tensor:
+        """``[batch, seq]`` bool: every real token (``fdd_tokens: all``, the authors') or the
+        positions that predict a response token (``response``)."""
+        if self.fdd_tokens == "all":
+            return batch.student.attention_mask.bool()
+        predicts = torch.zeros_like(batch.student.attention_mask, dtype=torch.bool)
+        predicts[:, :-1] = batch.student.labels[:, 1:] != -100
+        return predicts
 
 
 def _pair_roles(batch: TrainBatch) -> torch.Tensor:
@@ -115,19 +155,23 @@ def _pair_roles(batch: TrainBatch) -> torch.Tensor:
 class DistillationModel(nn.Module):
     """The student and the objective's projectors: everything the optimizer updates."""
 
-    def __init__(self, student: PreTrainedModel, objective: DistillationObjective):
+    def __init__(self, student: PreTrainedModel, objective: DistillationObjective, *, fdd_final_norm: bool = False):
         super().__init__()
         self.student = student
         self.objective = objective
+        self.lens = (
+            LogitLens(student, final_norm=fdd_final_norm, num_layers=student.config.num_hidden_layers)
+            if objective.fdd is not None else None
+        )
 
     def forward(self, batch: TrainBatch, teacher: Optional[TeacherOutput]) -> dict[str, torch.Tensor]:
-        want_hidden = self.objective.alignment is not None
+        want_hidden = self.objective.needs_student_hidden
         out = self.student(
             input_ids=batch.student.input_ids,
             attention_mask=batch.student.attention_mask,
             output_hidden_states=want_hidden,
         )
-        return self.objective(out.logits, out.hidden_states if want_hidden else None, teacher, batch)
+        return self.objective(out.logits, out.hidden_states if want_hidden else None, teacher, batch, self.lens)
 
     def projector_parameters(self) -> list[nn.Parameter]:
         alignment = self.objective.alignment

@@ -50,12 +50,13 @@ def final_norm(model: PreTrainedModel) -> Optional[nn.Module]:
 
 
 class LogitLens:
-    """A model's LM head read on an intermediate hidden state (FDD's "logit lens").
+    """A model's LM head read on intermediate hidden states (FDD's "logit lens").
 
-    ``lens(hidden, layer)``: hidden ``[n, d]`` of ``hidden_states`` index ``layer`` -> logits
-    ``[n, vocab rows]``. With ``final_norm`` the model's final norm is applied first, except on
-    the last layer, whose ``hidden_states`` entry Hugging Face already reports after that norm.
-    The modules are called as modules, so DeepSpeed ZeRO-3 gathers their weights.
+    ``states(hidden_states, layers)``: the entries ``layers`` of a model's ``hidden_states``, each
+    ``[batch, seq, d]``, ready for the head: with ``final_norm`` the model's final norm applied,
+    except on the last layer, whose entry Hugging Face already reports after that norm.
+    ``lens(hidden)``: ``[n, d]`` -> logits ``[n, vocab rows]``. The modules are called as modules,
+    so DeepSpeed ZeRO-3 gathers their weights.
     """
 
     def __init__(self, model: PreTrainedModel, *, final_norm: bool, num_layers: int):
@@ -63,9 +64,14 @@ class LogitLens:
         self.norm = _final_norm_or_refuse(model) if final_norm else None
         self.num_layers = num_layers
 
-    def __call__(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
-        if self.norm is not None and layer < self.num_layers:
-            hidden = self.norm(hidden)
+    def states(self, hidden_states, layers: list[int]) -> list[torch.Tensor]:
+        return [
+            self.norm(hidden_states[layer]) if self.norm is not None and layer < self.num_layers
+            else hidden_states[layer]
+            for layer in layers
+        ]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
 

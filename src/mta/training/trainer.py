@@ -24,12 +24,12 @@ from mta.models.tokenizers import tokenizer_fingerprint
 from mta.training import checkpointing, engine as engines, resume_rules, run_directory
 from mta.training.train_data import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
-from mta.training.layers import resolve_layer_map
+from mta.training.layers import resolve_fdd_layers, resolve_layer_map
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
 from mta.training.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
-from mta.training.teacher import FrozenTeacher
+from mta.training.teacher import FrozenTeacher, LogitLens
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import Recipe, check_generation_fits, check_sequence_lengths
 from mta.training.student_samples import OffPolicyBatches, dev_cross_entropy
@@ -121,16 +121,18 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
     check_generation_fits(recipe, same_tokenizer)
 
-    layer_pairs = []
+    layer_pairs, fdd_pairs = [], []
     if recipe.loss.alignment_terms:
         layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_model))
+    if recipe.loss.fdd_weight:
+        fdd_pairs = resolve_fdd_layers(recipe.loss.fdd_layers, num_layers(student), num_layers(teacher_model))
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
     objective = DistillationObjective(
         recipe.loss, layer_pairs,
         student_hidden_size=hidden_size(student),
         teacher_hidden_size=hidden_size(teacher_model) if teacher_model is not None else None,
-        same_tokenizer=same_tokenizer, vocab_size=len(tokenizer),
+        same_tokenizer=same_tokenizer, vocab_size=len(tokenizer), fdd_pairs=fdd_pairs,
     )
 
     granularities = tuple(sorted({pair.granularity for pair in layer_pairs}))
@@ -146,7 +148,7 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
     accumulation = recipe.train.accumulation_steps(world_size)
     schedule = StepSchedule(len(examples["train"]), recipe.train.micro_batch_size, accumulation, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
-    model = DistillationModel(student, objective)
+    model = DistillationModel(student, objective, fdd_final_norm=recipe.loss.fdd_final_norm)
     engine = engines.initialize(
         model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size
     )
@@ -165,7 +167,9 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
 
     teacher = None
     if teacher_model is not None:
-        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits)
+        lens = LogitLens(teacher_model, final_norm=recipe.loss.fdd_final_norm,
+                         num_layers=num_layers(teacher_model)) if objective.fdd is not None else None
+        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens)
         teacher = (
             engines.teacher_zero3_engine(teacher, recipe.train.micro_batch_size, world_size)
             if recipe.train.teacher_zero3 else teacher.to(device)
@@ -174,7 +178,7 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
     messages = _summary(
         recipe, accumulation, world_size, schedule, total_steps, splits,
         has_teacher=teacher_model is not None, same_tokenizer=same_tokenizer,
-        vocab_size=len(tokenizer), layer_pairs=layer_pairs,
+        vocab_size=len(tokenizer), layer_pairs=layer_pairs, fdd_pairs=fdd_pairs,
     )
     if resumed_with is not None:
         messages += resumed_with.log_lines()
@@ -372,7 +376,7 @@ class Trainer:
 
 
 def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
-             has_teacher, same_tokenizer, vocab_size, layer_pairs) -> list[str]:
+             has_teacher, same_tokenizer, vocab_size, layer_pairs, fdd_pairs=()) -> list[str]:
     """What a person should know before the first step: batch, data, tokenizer mode, layers."""
     lines = [
         f"global batch {recipe.train.batch_size} = {recipe.train.micro_batch_size} per device "
@@ -396,6 +400,13 @@ def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
         lines.append("aligned layers (student→teacher): " + ", ".join(
             f"{p.student}→{p.teacher} {p.granularity}" for p in layer_pairs
         ))
+    if fdd_pairs:
+        lines.append(
+            f"FDD through the logit lens at T={recipe.loss.fdd_temperature} on "
+            f"{'all tokens' if recipe.loss.fdd_tokens == 'all' else 'response tokens'}"
+            f"{', after the final norm' if recipe.loss.fdd_final_norm else ''}: "
+            + ", ".join(f"{p.student}→{p.teacher}" for p in fdd_pairs)
+        )
     return lines
 
 

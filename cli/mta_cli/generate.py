@@ -1,0 +1,78 @@
+"""`mta generate`: DistiLLM-2's pairs, a teacher (chosen) and a student (rejected) response per prompt."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from mta_cli.annotate import OnError
+from mta_cli.reporting import RichReporter
+
+# The library's defaults (mta.generation.pairs.PairSettings), spelled out so --help needs no torch.
+TEMPERATURE, TOP_P, TOP_K = 0.8, 0.95, 0
+MAX_NEW_TOKENS, MAX_PROMPT_LENGTH, BATCH_SIZE, SEED = 256, 256, 16, 42
+
+
+def generate(
+    teacher: str = typer.Option(..., "--teacher", help="Teacher model directory (with its tokenizer) or hub name."),
+    student: str = typer.Option(..., "--student", help="Student model directory (with its tokenizer) or hub name."),
+    data: Path = typer.Option(
+        ..., "--data", help="JSONL prompts: MiniLLM (instruction/input/output), Dolly or prompt/response rows."
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Output JSONL: id, prompt, chosen, rejected per row."),
+    temperature: float = typer.Option(TEMPERATURE, help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(TOP_P, help="Nucleus sampling: smallest set of tokens reaching this mass (1.0: off)."),
+    top_k: int = typer.Option(TOP_K, help="Only the k most likely tokens (0: no limit)."),
+    max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, help="Most tokens per response, its stop token included."),
+    max_prompt_length: int = typer.Option(
+        MAX_PROMPT_LENGTH, help="Prompt tokens kept, per model's tokenizer (a longer prompt keeps its first ones)."
+    ),
+    batch_size: int = typer.Option(BATCH_SIZE, help="Prompts per generation batch."),
+    seed: int = typer.Option(SEED, help="Sampling seed; each row's noise is keyed by (seed, side, row id)."),
+    limit: Optional[int] = typer.Option(None, help="Only the first N input rows (quick runs)."),
+    dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
+    on_error: OnError = typer.Option(OnError.fail, help="Stop at a bad input row, or skip and count it."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace an existing output file (and an unfinished journal of other settings)."
+    ),
+) -> None:
+    """Sample one response per prompt from the teacher (chosen) and one from the student
+    (rejected), the training pairs of DistiLLM-2.
+
+    Writes OUT as JSONL, one row per input row in input order: {"id", "prompt", "chosen",
+    "rejected"}. Sampling defaults to DistiLLM-2's (temperature 0.8, top_p 0.95, top_k 0);
+    row r's noise is keyed by sampling_seed(seed, "generate/teacher" or "generate/student", 0,
+    r), so batching, ranks and resuming do not change a row. Finished responses are journalled
+    in OUT.journal/ as they come: a killed run resumes when the same command is run again, and
+    a journal of other settings is refused. An existing OUT is kept unless --overwrite. Under
+    torchrun the rows are split over the ranks (each holds both models in turn) and rank 0
+    writes OUT.
+    """
+    from transformers.utils import logging as transformers_logging
+
+    from mta.generation.pairs import PairSettings, generate_pairs
+
+    transformers_logging.disable_progress_bar()  # our bars only: no weight-loading bar
+    settings = PairSettings(
+        temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length, batch_size=batch_size, seed=seed, limit=limit,
+        dtype=dtype, device=device, on_error=on_error.value, overwrite=overwrite,
+    )
+    console = Console(stderr=True)
+    with RichReporter(console) as reporter:
+        outcome = generate_pairs(teacher, student, data, out, settings, reporter)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    for side in ("teacher", "student"):
+        if outcome.prompts_truncated.get(side):
+            console.print(
+                f"[yellow]{outcome.prompts_truncated[side]} prompt(s) exceed {max_prompt_length} {side} tokens "
+                f"and keep their first {max_prompt_length}[/]", highlight=False,
+            )
+    skipped = f", {outcome.skipped} bad row(s) skipped" if outcome.skipped else ""
+    console.print(f"wrote {outcome.rows} pairs to {outcome.path}{skipped}", highlight=False)
