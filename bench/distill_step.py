@@ -1,6 +1,6 @@
 """Benchmark: the cost of MTA in one `mta distill` training step.
 
-Three variants run side by side on the same tiny teacher and student and the same micro
+Variants run side by side on the same tiny teacher and student and the same micro
 batches, read from an annotate artefact built here with `mta.data.annotate.annotate_file`:
 
     base          the base loss (srkl) alone; the teacher returns logits only
@@ -9,6 +9,10 @@ batches, read from an annotate artefact built here with `mta.data.annotate.annot
                   to the tokens at every step, as the published code does
     mta_terms_only  DSA + HRA forward and backward alone, on hidden states computed once: MTA's
                   own added work, measured directly rather than as a difference of two steps
+    fdd           the base loss + FDD (the logit lens at the auto pairs, T 2, every real token)
+    fdd_mta       FDD + MTA (the FDD + MTA row of the paper)
+    distillm2     DistiLLM-2's contrastive loss instead of srkl (alternate rows as the pair halves)
+    distillm2_mta the same + MTA
 
 Each step is the training objective `mta.training.objective` computes (teacher forward,
 student forward, losses, backward, gradient clipping, AdamW step). It runs with two
@@ -41,7 +45,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -59,11 +63,11 @@ from mta.losses.span_masks import SpanBatch
 from mta.models.tiny import corpus_texts
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
 from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
-from mta.training.layers import resolve_layer_map
+from mta.training.layers import auto_fdd_layers, resolve_layer_map
 from mta.training.engine import build_optimizer
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import LossSpec, TrainSpec
-from mta.training.teacher import FrozenTeacher
+from mta.training.teacher import FrozenTeacher, LogitLens
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
 from paths import portable
@@ -319,24 +323,37 @@ def build_variants(
     pairs = resolve_layer_map("auto", sizes.student_layers, sizes.teacher_layers)
     reparser = SpanReparser(vocab.tokenizer_dir)
 
-    def training(spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]]) -> TrainingStep:
+    fdd_pairs = auto_fdd_layers(sizes.student_layers, sizes.teacher_layers)
+    # DistiLLM-2 reads each row's role: alternate rows stand in for the chosen / rejected halves.
+    paired = [replace(batch, chosen=torch.arange(len(batch.row_ids)) % 2 == 0) for batch in batches]
+
+    def training(spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]],
+                 step_batches: list[TrainBatch] = batches) -> TrainingStep:
         objective = DistillationObjective(
             spec, pairs, student_hidden_size=sizes.student_hidden, teacher_hidden_size=sizes.teacher_hidden,
-            same_tokenizer=True, vocab_size=vocab.model_rows,
+            same_tokenizer=True, vocab_size=vocab.model_rows, fdd_pairs=fdd_pairs,
         )
         model = DistillationModel(copy.deepcopy(student_model), objective).to(device)
+        lens = LogitLens(teacher_model, final_norm=False, num_layers=sizes.teacher_layers) if objective.fdd else None
         # FrozenTeacher with logits runs the whole model: the variants share its weights.
-        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, need_logits=True)
-        return TrainingStep(model, teacher, batches, spans, device, autocast)
+        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, need_logits=True, lens=lens)
+        return TrainingStep(model, teacher, step_batches, spans, device, autocast)
 
     base = LossSpec(base="srkl", dsa_weight=0.0, hra_weight=0.0)
     mta = LossSpec(base="srkl", dsa_weight=2.0, hra_weight=0.2)
+    # FDD as the authors' FDD + MTA script runs it: T 2, raw hidden states, every real token.
+    fdd = LossSpec(base="srkl", dsa_weight=0.0, hra_weight=0.0, fdd_weight=1.0, fdd_temperature=2.0)
     mta_parquet = training(mta, lambda index: None)
     variants = [
         Variant("base", training(base, lambda index: None)),
         Variant("mta_parquet", mta_parquet),
         Variant("mta_reparse", training(mta, lambda index: reparser(batch_texts[index]))),
         Variant("mta_terms_only", AlignmentTermsOnly(mta_parquet, device)),
+        Variant("fdd", training(fdd, lambda index: None)),
+        Variant("fdd_mta", training(fdd.model_copy(update={"dsa_weight": 2.0, "hra_weight": 0.2}), lambda index: None)),
+        Variant("distillm2", training(LossSpec(base="distillm2", dsa_weight=0.0, hra_weight=0.0),
+                                      lambda index: None, paired)),
+        Variant("distillm2_mta", training(LossSpec(base="distillm2"), lambda index: None, paired)),
     ]
     layer_map = [pair.model_dump() for pair in pairs]
     return variants, layer_map, spans_agreement(batches[0].spans, reparser(batch_texts[0]))

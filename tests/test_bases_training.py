@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.data.artefact import read_annotations
-from mta.generation.pairs import PairSettings, generate_pairs
+from mta.pairs import PairSettings, generate_pairs
 from mta.training import trainer as trainer_module
 from mta.training.metrics import read_metrics
 from mta.training.recipe import load_recipe

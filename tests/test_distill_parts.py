@@ -51,6 +51,32 @@ def test_teacher_with_a_logit_loss_runs_whole(tiny_model_dir):
     assert out.logits.shape == (1, 5, 512) and list(out.hidden_states) == [2]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny_tokenizer_dir, tmp_path_factory,
+                                                                            model_type):
+    from mta.training.teacher import LogitLens
+
+    directory = build_tiny_model(
+        tiny_tokenizer_dir, tmp_path_factory.getbasetemp() / f"teacher-{model_type}", model_type=model_type
+    )
+    full = AutoModelForCausalLM.from_pretrained(directory).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    lens = LogitLens(model, final_norm=True, num_layers=4)
+    # Without a logit loss the teacher would be cut after layer 2; FDD keeps it whole.
+    teacher = FrozenTeacher(model, [1, 2], need_logits=False, lens=lens)
+    ids = torch.randint(0, 500, (2, 6))
+    out = teacher(ids, torch.ones_like(ids))
+    assert not teacher.truncated and out.lens is lens and out.logits is not None
+    expected = full(ids, output_hidden_states=True)
+    norm = full.model.norm if model_type == "llama" else full.transformer.ln_f
+    with torch.no_grad():
+        for layer, state in zip([1, 2], lens.states(out.hidden_states, [1, 2])):
+            torch.testing.assert_close(lens(state), full.lm_head(norm(expected.hidden_states[layer])))
+        # The last layer's entry is already normed: the lens gives the model's own logits.
+        (last,) = lens.states(expected.hidden_states, [4])
+        torch.testing.assert_close(lens(last), expected.logits)
+
+
 def _tiny(*overrides):
     return load_recipe(REPO / "src" / "mta" / "recipes" / "tiny.yaml", list(overrides))
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from mta.errors import MtaError
 from mta.files import read_jsonl_lenient
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
-from mta.generation.pairs import PairSettings, PairsPaths, generate_pairs
+from mta.pairs import PairSettings, PairsPaths, generate_pairs
 from mta.models.tiny import build_tiny_model
 from mta.models.tokenizers import load_tokenizer
 from mta.reporting import SilentReporter

@@ -12,7 +12,7 @@ from rich.console import Console
 from mta_cli.annotate import OnError
 from mta_cli.reporting import RichReporter
 
-# The library's defaults (mta.generation.pairs.PairSettings), spelled out so --help needs no torch.
+# The library's defaults (mta.pairs.PairSettings), spelled out so --help needs no torch.
 TEMPERATURE, TOP_P, TOP_K = 0.8, 0.95, 0
 MAX_NEW_TOKENS, MAX_PROMPT_LENGTH, BATCH_SIZE, SEED = 256, 256, 16, 42
 
@@ -55,7 +55,7 @@ def generate(
     """
     from transformers.utils import logging as transformers_logging
 
-    from mta.generation.pairs import PairSettings, generate_pairs
+    from mta.pairs import PairSettings, generate_pairs
 
     transformers_logging.disable_progress_bar()  # our bars only: no weight-loading bar
     settings = PairSettings(
