@@ -71,3 +71,15 @@ def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir
         assert chosen == [True, False] and ids[1] == ids[0] + 1 and ids[0] % 2 == 0
     assert all(np.isfinite(r["loss/base"]) and r["loss/base"] > 0 for r in _train_records(tmp_path / "d2"))
     AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_distillm2_on_data_without_pairs_is_refused_before_training(tmp_path, teacher_dir, tiny_model_dir, same_data):
+    from mta.errors import MtaError
+
+    path = write_recipe(
+        tmp_path / "d2.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
+        output_dir=tmp_path / "d2", data={"dev": None}, loss={"base": "distillm2"}, train={"max_steps": 1},
+    )
+    with pytest.raises(MtaError, match=r"loss\.base=distillm2 trains on pair rows, and data\.train .* holds none"):
+        run_distillation(load_recipe(path))
+    assert not (tmp_path / "d2" / "checkpoints").exists()

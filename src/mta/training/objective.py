@@ -1,4 +1,4 @@
-"""The training objective: base loss + λ_DSA · DSA + λ_HRA · HRA (docs/method.md §3), as one module.
+"""The training objective: base loss + λ_DSA · DSA + λ_HRA · HRA (docs/method.md §3) + λ_FDD · FDD, as one module.
 
 ``DistillationModel`` holds the student and the objective (whose projectors train with it), so
 one DeepSpeed engine owns every trainable parameter; the frozen teacher stays outside.

@@ -145,6 +145,12 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
         for split, annotations in splits.items()
     }
 
+    if recipe.loss.base == "distillm2" and examples["train"].pair_ids is None:
+        raise MtaError(
+            f"loss.base=distillm2 trains on pair rows, and data.train ({recipe.data.train}) holds none: "
+            "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
+            "and set data.train to PAIRS.jsonl (annotated on first use)"
+        )
     accumulation = recipe.train.accumulation_steps(world_size)
     schedule = StepSchedule(len(examples["train"]), recipe.train.micro_batch_size, accumulation, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
