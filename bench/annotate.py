@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from mta import distributed
+from mta.data.artefact import manifest_path
 from mta.files import atomic_write_json
 from paths import portable
 
@@ -101,7 +102,7 @@ def main() -> None:
             times["annotate_cpu_s"].append(cpu)
             print(f"round {round_index + 1}: bare parse {times['bare_parse_s'][-1]:.1f}s, "
                   f"annotate {times['annotate_s'][-1]:.1f}s", flush=True)
-        manifest = json.loads(Path(f"{scratch}/out/manifest.json").read_text())
+        manifest = json.loads(manifest_path(f"{scratch}/out").read_text())
 
     medians = {key: statistics.median(values) for key, values in times.items()}
     result = {

@@ -36,6 +36,7 @@ from itertools import cycle, islice
 from pathlib import Path
 
 from mta import distributed
+from mta.data.artefact import manifest_path
 from mta.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def measure(data: Path, out: Path, tokenizer: Path, pythonpath: str | None = Non
     process.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{stderr[-3000:]}")
-    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    manifest = json.loads(manifest_path(out).read_text(encoding="utf-8"))
     return {
         "input_mb": round(data.stat().st_size / 1e6, 2),
         "rows": manifest["rows"],

@@ -255,9 +255,11 @@ def test_reuse_force_and_changed_settings(tmp_path, two_tokenizer_settings):
     assert not forced.reused
     assert forced.manifest["parts"][0]["file"] != first_part
     assert not (out / first_part).exists()  # the superseded part is gone
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", "shard-00000-of-00001.json", forced.manifest["parts"][0]["file"]]
-    )
+    # The directory holds the one published part; manifests (and nothing staged) under .mta/.
+    assert sorted(p.name for p in out.iterdir()) == [".mta", forced.manifest["parts"][0]["file"]]
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.parent != out) == [
+        ".mta/manifest.json", ".mta/shard-00000-of-00001.json"
+    ]
     assert read_annotations(out).table.equals(pq.read_table(out / forced.manifest["parts"][0]["file"]))
 
     changed = AnnotateSettings(**{**two_tokenizer_settings.__dict__, "word_spans": "all"})
@@ -310,7 +312,7 @@ def test_shards_merge_into_the_unsharded_table(tmp_path, two_tokenizer_settings,
     assert merged.manifest["rows"] == whole.manifest["rows"]
     assert merged.manifest["skipped"] == whole.manifest["skipped"]
 
-    (out / "manifest.json").unlink()  # `mta annotate --merge` rebuilds it from the shard manifests
+    artefact.manifest_path(out).unlink()  # `mta annotate --merge` rebuilds it from the shard manifests
     assert merge_shards(out)["rows"] == whole.manifest["rows"]
     # The same input and settings, unsharded: the complete sharded artefact is reused.
     assert run_annotate(input_file, out, two_tokenizer_settings).reused

@@ -112,7 +112,7 @@ def test_show_prints_the_row_its_spans_and_both_tokenisations(annotated, tiny_to
 
 def test_show_refuses_a_row_out_of_range_and_a_missing_artefact(annotated, tmp_path):
     assert "out of range" in str(invoke("show", annotated, "--row", 999).exception)
-    assert "has no manifest.json" in str(invoke("show", tmp_path).exception)
+    assert "has no .mta/manifest.json" in str(invoke("show", tmp_path).exception)
 
 
 @pytest.mark.slow
@@ -130,14 +130,14 @@ def test_a_killed_run_leaves_the_previous_artefact(tmp_path, annotated, tiny_tok
     )
     # Kill once the unfinished part exists: the run is then between opening and committing it.
     deadline = time.monotonic() + 600
-    while not list(out.glob(".part-*.tmp")):
+    while not list(out.glob(".mta/staging/.part-*.tmp")):
         assert process.poll() is None, "the run ended before it wrote its part"
         assert time.monotonic() < deadline, "no unfinished part appeared in 600 s"
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the run finished before it could be interrupted"
-    assert list(out.glob(".part-*.tmp")), "the kill landed after the part was committed"
+    assert list(out.glob(".mta/staging/.part-*.tmp")), "the kill landed after the part was committed"
     after = read_annotations(out)
     assert after.manifest == before.manifest and after.table.equals(before.table)
     # The half-written part stays hidden; the only visible part is the previous, complete one.

@@ -38,8 +38,8 @@ def rows_file(path: Path, lines: list[str]) -> Path:
 
 
 def listing(directory: Path) -> dict[str, bytes]:
-    """Every file in ``directory`` (hidden ones included) and its bytes."""
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+    """Every file under ``directory`` (hidden ones, and ``.mta/``, included) and its bytes."""
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def cli(monkeypatch, capsys, *args) -> tuple[int, str]:
@@ -127,15 +127,15 @@ def test_a_second_writer_of_the_same_shard_is_refused_naming_the_holder(
         code, message = cli(monkeypatch, capsys, *annotate_args(small, copy, settings, "--force"))
         assert code == 2
         assert f"another `mta annotate` (pid {holder.pid} on " in message
-        assert str(copy / ".lock-shard-00000-of-00001") in message and "wait for it to finish" in message
-        assert {k: v for k, v in listing(copy).items() if not k.startswith(".lock")} == before
+        assert str(copy / ".mta" / ".lock-shard-00000-of-00001") in message and "wait for it to finish" in message
+        assert {k: v for k, v in listing(copy).items() if not k.startswith(".mta/.lock")} == before
     finally:
         kill(holder)
     # SIGKILL left the lock file (with the dead pid) behind, but the kernel released the lock.
-    assert (copy / ".lock-shard-00000-of-00001").read_text().split()[0] == str(holder.pid)
+    assert (copy / ".mta" / ".lock-shard-00000-of-00001").read_text().split()[0] == str(holder.pid)
     outcome = run_annotate(small, copy, settings, force=True)
     assert not outcome.reused and outcome.manifest is not None
-    assert not [p for p in copy.iterdir() if p.name.startswith(".lock")]  # released and removed
+    assert not [p for p in copy.rglob(".lock*")]  # released and removed
     assert read_annotations(copy).table.equals(read_annotations(outcome.directory).table)
 
 
@@ -156,7 +156,7 @@ def test_other_shards_run_beside_a_held_one_and_the_merge_waits_for_its_lock(
         monkeypatch.setattr(artefact, "MERGE_LOCK_WAIT_S", 0.0)  # refuse instead of waiting
         with pytest.raises(MtaError, match=rf"\.lock-merge has been held by pid {merger.pid} on "):
             run_annotate(small, out, settings, shard=0, num_shards=2)
-        assert not (out / "manifest.json").exists()
+        assert not (out / ".mta" / "manifest.json").exists()
     finally:
         kill(merger)
     last = run_annotate(small, out, settings, shard=0, num_shards=2)  # its shard was kept: reused
@@ -190,11 +190,11 @@ def test_two_shards_finishing_at_once_both_succeed_and_merge(tmp_path, small, se
     for writer in writers:
         writer.join()
     assert [writer.exitcode for writer in writers] == [0, 0]
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / ".mta" / "manifest.json").read_text())
     assert [part["file"][:19] for part in manifest["parts"]] == ["part-00000-of-00002", "part-00001-of-00002"]
     assert read_annotations(out).table.equals(read_annotations(built).table)
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["manifest.json", "shard-00000-of-00002.json", "shard-00001-of-00002.json",
+    assert sorted(listing(out)) == sorted(
+        [".mta/manifest.json", ".mta/shard-00000-of-00002.json", ".mta/shard-00001-of-00002.json",
          *(part["file"] for part in manifest["parts"])]
     )
 
@@ -234,7 +234,7 @@ def test_a_manifest_naming_a_path_outside_is_refused_and_nothing_is_deleted(
     copy, small, settings, victim, kind, how, monkeypatch, capsys
 ):
     entry = hostile_entry(kind, copy, victim)
-    plant(copy, "manifest.json", lambda m: m["parts"][0].update(file=entry))
+    plant(copy, ".mta/manifest.json", lambda m: m["parts"][0].update(file=entry))
     before = listing(copy)
     if how == "show":
         code, message = cli(monkeypatch, capsys, "show", copy)
@@ -248,7 +248,7 @@ def test_a_manifest_naming_a_path_outside_is_refused_and_nothing_is_deleted(
             else:
                 run_annotate(small, copy, AnnotateSettings(**{**settings.__dict__, "word_spans": "all"}))
         message = str(error.value)
-    assert f"{copy / 'manifest.json'}: parts[0].file is {entry!r}, which is not a part of this directory" in message
+    assert f"{copy / '.mta' / 'manifest.json'}: parts[0].file is {entry!r}, which is not a part of this directory" in message
     assert "annotate the input again into a new directory" in message
     assert victim.read_text() == "precious"
     assert listing(copy) == before  # nothing written, nothing deleted
@@ -260,11 +260,11 @@ def test_a_shard_file_naming_a_path_outside_is_refused_and_nothing_is_deleted(
     copy, small, settings, victim, kind, shard_file
 ):
     entry = hostile_entry(kind, copy, victim)
-    shard = json.loads((copy / "shard-00000-of-00001.json").read_text())
+    shard = json.loads((copy / ".mta" / "shard-00000-of-00001.json").read_text())
     if shard_file == "shard-00001-of-00002.json":  # a stray shard of another run, to be superseded
         shard.update(shard=1, num_shards=2, run_key="sha256:other")
     shard["part"]["file"] = entry
-    (copy / shard_file).write_text(json.dumps(shard))
+    (copy / ".mta" / shard_file).write_text(json.dumps(shard))
     before = listing(copy)
     for attempt in (
         lambda: run_annotate(small, copy, AnnotateSettings(**{**settings.__dict__, "word_spans": "all"})),
@@ -273,12 +273,12 @@ def test_a_shard_file_naming_a_path_outside_is_refused_and_nothing_is_deleted(
     ):
         with pytest.raises(MtaError, match=rf"{shard_file}: part\.file is {re.escape(repr(entry))}, which is not a part"):
             attempt()
-    (copy / "manifest.json").unlink()  # the reader reads shard files to say what is missing
+    (copy / ".mta" / "manifest.json").unlink()  # the reader reads shard files to say what is missing
     with pytest.raises(MtaError, match=rf"{shard_file}: part\.file is {re.escape(repr(entry))}"):
         read_annotations(copy)
     assert victim.read_text() == "precious"
-    assert {k: v for k, v in listing(copy).items() if k != "manifest.json"} == {
-        k: v for k, v in before.items() if k != "manifest.json"
+    assert {k: v for k, v in listing(copy).items() if k != ".mta/manifest.json"} == {
+        k: v for k, v in before.items() if k != ".mta/manifest.json"
     }
 
 
@@ -306,7 +306,7 @@ def test_a_part_swapped_for_another_valid_one_is_refused_naming_it(
 
     part = only_part(copy)
     shutil.copyfile(only_part(other_built), part)
-    recorded = json.loads((copy / "manifest.json").read_text())["parts"][0]["rows"]
+    recorded = json.loads((copy / ".mta" / "manifest.json").read_text())["parts"][0]["rows"]
     assert pq.read_table(part).num_rows == recorded  # a valid part, with the right number of rows
     with pytest.raises(MtaError) as error:
         read_annotations(copy)
@@ -338,7 +338,7 @@ def test_a_corrupt_part_is_refused_naming_it(copy, damage, checksum):
     data = part.read_bytes()
     part.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x00not parquet" * 50, "empty": b""}[damage])
     if not checksum:
-        plant(copy, "manifest.json", lambda m: m["parts"][0].pop("sha256"))
+        plant(copy, ".mta/manifest.json", lambda m: m["parts"][0].pop("sha256"))
     with pytest.raises(MtaError) as error:
         read_annotations(copy)
     expected = "does not match manifest.json" if checksum else "is not a readable Parquet file"
@@ -347,8 +347,8 @@ def test_a_corrupt_part_is_refused_naming_it(copy, damage, checksum):
 
 
 def test_a_row_count_that_disagrees_is_refused(copy):
-    rows = json.loads((copy / "manifest.json").read_text())["parts"][0]["rows"]
-    plant(copy, "manifest.json", lambda m: (m["parts"][0].pop("sha256"), m["parts"][0].update(rows=rows + 1)))
+    rows = json.loads((copy / ".mta" / "manifest.json").read_text())["parts"][0]["rows"]
+    plant(copy, ".mta/manifest.json", lambda m: (m["parts"][0].pop("sha256"), m["parts"][0].update(rows=rows + 1)))
     with pytest.raises(MtaError, match=rf"part-.*\.parquet has {rows} rows, manifest\.json says {rows + 1}"):
         read_annotations(copy)
 
@@ -368,7 +368,7 @@ def test_a_full_disk_while_writing_the_part_loses_nothing(copy, small, settings,
     monkeypatch.setattr(artefact.pq, "ParquetWriter", FullDisk)
     code, message = cli(monkeypatch, capsys, *annotate_args(small, copy, settings, "--force"))
     assert code == 2
-    assert f"disk full while writing {copy}/part-00000-of-00001-" in message
+    assert f"disk full while writing {copy}/.mta/staging/part-00000-of-00001-" in message
     assert "nothing was lost" in message and "free space and re-run the same command" in message
     assert listing(copy) == before  # no temporary file, no lock file, no new part
     assert read_annotations(copy).table.equals(table)

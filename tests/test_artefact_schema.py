@@ -74,7 +74,8 @@ def written_today(tmp_path_factory, small_input, settings) -> Path:
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+    return {path.relative_to(directory).as_posix(): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
 
 
 def with_manifest(source: Path, destination: Path, **changes) -> Path:
@@ -94,8 +95,8 @@ def with_manifest(source: Path, destination: Path, **changes) -> Path:
 
 
 def test_the_writer_writes_the_current_version(written_today):
-    on_disk = json.loads((written_today / "manifest.json").read_text(encoding="utf-8"))
-    shard = json.loads((written_today / "shard-00000-of-00001.json").read_text(encoding="utf-8"))
+    on_disk = json.loads((written_today / ".mta" / "manifest.json").read_text(encoding="utf-8"))
+    shard = json.loads((written_today / ".mta" / "shard-00000-of-00001.json").read_text(encoding="utf-8"))
     assert on_disk["schema_version"] == shard["schema_version"] == artefact_schema.SCHEMA_VERSION
     (part,) = written_today.glob("part-*.parquet")
     assert pq.read_schema(part).equals(artefact_schema.SCHEMAS[artefact_schema.SCHEMA_VERSION])
@@ -151,7 +152,7 @@ def test_shards_written_before_a_bump_merge_as_their_own_version(tmp_path, small
     for index in range(2):
         # Written with today's code: run_annotate stamps the version it was imported with.
         run_annotate(small_input, out, settings, shard=index, num_shards=2)
-    (out / "manifest.json").unlink()
+    (out / ".mta" / "manifest.json").unlink()
     upgrade_step(TODAY)(add_empty_boundary_spans)
 
     assert merge_shards(out)["schema_version"] == TODAY  # not labelled as the next version

@@ -132,7 +132,7 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global batch 8 = 4 per device × 2 accumulation × 1 process" in " ".join(result.stderr.split())
     for built in ("models/tokenizer-512-*/tokenizer.json", "models/teacher-*/config.json",
-                  "models/student-*/config.json", "data/train/manifest.json", "final/model.safetensors",
+                  "models/student-*/config.json", "data/train/.mta/manifest.json", "final/model.safetensors",
                   "checkpoints/step-2/trainer_state.json", "checkpoints/step-4/trainer_state.json"):
         assert len(list(out.glob(built))) == 1, built
     saved = yaml.safe_load((out / "final" / "recipe.yaml").read_text())

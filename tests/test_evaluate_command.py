@@ -214,14 +214,14 @@ def test_several_checkpoints_with_the_same_basename_side_by_side(tiny_tokenizer_
     second = sharpened(build_tiny_model(tiny_tokenizer_dir, tmp_path / "runs" / "b" / "final", seed=2))
     settings = EvalSettings(benchmarks=["sinst"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=2)
     results = evaluate_checkpoints([first, second], None, data_dir, tmp_path / "eval", settings)
-    assert list(results["checkpoints"]) == ["runs--a--final", "runs--b--final"]
+    assert list(results["checkpoints"]) == ["a", "b"]  # each run directory's name
     predictions = [
         read_jsonl(tmp_path / "eval" / "predictions" / label / "sinst" / "seed-10.jsonl")
         for label in results["checkpoints"]
     ]
     assert [r["prediction"] for r in predictions[0]] != [r["prediction"] for r in predictions[1]]
     markdown = (tmp_path / "eval" / "results.md").read_text()
-    assert "| runs--a--final |" in markdown and "| runs--b--final |" in markdown
+    assert "| a |" in markdown and "| b |" in markdown
 
 
 def test_a_model_that_only_says_eos_scores_zero(tiny_model_dir, data_dir, tmp_path):

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.reporting import RichReporter
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+from mta_cli.reporting import make_reporter
 
 
 class WordSpansChoice(str, Enum):
@@ -24,6 +25,12 @@ class OnError(str, Enum):
     skip = "skip"
 
 
+class TemplateChoice(str, Enum):  # mta.data.prompts.TEMPLATES
+    alpaca = "alpaca"
+    chat = "chat"
+    none = "none"
+
+
 def _parse_shard(text: str) -> tuple[int, int]:
     index, sep, count = text.partition("/")
     try:
@@ -34,9 +41,24 @@ def _parse_shard(text: str) -> tuple[int, int]:
         raise MtaError(f"--shard '{text}' must look like I/N, e.g. 0/8 (I counts from 0)") from None
 
 
+def _parse_fields(texts: Optional[list[str]]) -> Optional[dict[str, str]]:
+    """``--field KEY=COLUMN`` options as ``{KEY: COLUMN}`` (None when none is given)."""
+    if not texts:
+        return None
+    fields = {}
+    for text in texts:
+        key, sep, column = text.partition("=")
+        if not sep or not key.strip() or not column.strip():
+            raise MtaError(f"--field '{text}' must look like KEY=COLUMN, e.g. --field prompt=question")
+        fields[key.strip()] = column.strip()
+    return fields
+
+
 def annotate(
     data: Optional[Path] = typer.Argument(
-        None, help="JSONL rows: MiniLLM (instruction/input/output), Dolly or prompt/response."
+        None, help="JSONL rows: MiniLLM (instruction/input/output), Dolly, prompt/response, "
+        "TRL prompt/completion, or conversations (messages); or the same rows as a Parquet or "
+        "CSV file or a datasets save_to_disk directory."
     ),
     out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output directory."),
     teacher: Optional[str] = typer.Option(
@@ -46,7 +68,7 @@ def annotate(
         None, help="Student tokenizer: hub name or local directory (may equal --teacher)."
     ),
     recipe: Optional[str] = typer.Option(
-        None, help="Take tokenizers, lengths, word spans and spaCy model from this recipe "
+        None, help="Take tokenizers, lengths, word spans, spaCy model and template from this recipe "
         "(a YAML file, or the name of a shipped recipe: `mta recipes list`)."
     ),
     max_length: Optional[int] = typer.Option(
@@ -65,6 +87,11 @@ def annotate(
         None, "--truncate-prompt/--skip-long-prompts",
         help="Keep the head of a prompt over the limit instead of skipping the row.",
     ),
+    template: Optional[TemplateChoice] = typer.Option(
+        None, help="How prompts are built: alpaca (default: the Alpaca prompt for rows without a "
+        "'prompt'), chat (the student tokenizer's chat template; both tokenizers encode that "
+        "text), none (each row's 'prompt' as given).",
+    ),
     on_error: OnError = typer.Option(OnError.fail, help="Stop at a bad row, or skip and count it."),
     workers: int = typer.Option(0, help="Worker processes; 0 = one per available core."),
     shard: Optional[str] = typer.Option(
@@ -74,22 +101,32 @@ def annotate(
         None, help="Write manifest.json of a directory whose shards are all written, and exit."
     ),
     force: bool = typer.Option(False, "--force", help="Recompute even if a matching artefact exists."),
+    field: Optional[list[str]] = typer.Option(
+        None, "--field", help="Read input column COLUMN as format key KEY (KEY=COLUMN, repeatable), "
+        "e.g. --field prompt=question --field response=answer; adds to a recipe's data.fields.",
+    ),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Annotate DATA.jsonl with word and phrase spans aligned to the teacher's and student's tokens.
 
-    Writes OUT/manifest.json and Parquet parts (one row per example: text, both id sequences,
-    prompt lengths, phrase and word spans as character and token ranges). Re-running with the
+    Writes Parquet parts into OUT (one row per example: text, both id sequences, prompt
+    lengths, phrase and word spans as character and token ranges; pandas, pyarrow and datasets
+    read OUT as one table) and OUT/.mta/manifest.json. Re-running with the
     same input and settings reuses the result unless --force. A second run writing the same
     shard of OUT while one is under way is refused (exit 2, naming its pid); different --shard
     I/N of one set run side by side.
+
+    Example: mta annotate rows.jsonl --teacher Qwen/Qwen1.5-1.8B --student gpt2 -o runs/ann/train
+    (or --recipe gpt2 in place of --teacher and --student: the recipe's tokenizers and lengths).
     """
+    quiet_third_party(verbose)
     from mta.data.annotate import AnnotateSettings, run_annotate
-    from mta.data.artefact import merge_shards
+    from mta.data.artefact import manifest_path, merge_shards
 
     console = Console(stderr=True)
     if merge is not None:
         manifest = merge_shards(merge)
-        console.print(f"merged {manifest['num_shards']} shards into {merge / 'manifest.json'}")
+        console.print(f"merged {manifest['num_shards']} shards into {manifest_path(merge)}")
         _print_summary(console, manifest)
         return
     if data is None or out_dir is None:
@@ -98,13 +135,16 @@ def annotate(
     options = dict(
         max_length=max_length, max_prompt_length=max_prompt_length, spacy_model=spacy_model,
         word_spans=word_spans.value if word_spans else None, truncate_prompt=truncate_prompt,
-        on_error=on_error.value, workers=workers,
+        on_error=on_error.value, workers=workers, template=template.value if template else None,
+        fields=_parse_fields(field),
     )
     if recipe is not None:
         from mta.training.recipe import load_recipe
         from mta.training.recipe_catalog import find_recipe
 
         loaded = load_recipe(find_recipe(recipe).path)
+        if options["fields"] is not None:  # --field adds to the recipe's mapping
+            options["fields"] = {**loaded.data.fields, **options["fields"]}
         settings = AnnotateSettings.from_recipe(loaded, teacher=teacher, student=student, **options)
     else:
         if teacher is None or student is None:
@@ -115,7 +155,7 @@ def annotate(
         )
     shard_index, num_shards = _parse_shard(shard) if shard else (0, 1)
 
-    with RichReporter(console) as reporter:
+    with make_reporter(console) as reporter:
         outcome = run_annotate(
             data, out_dir, settings, force=force, reporter=reporter,
             shard=shard_index, num_shards=num_shards,
@@ -130,7 +170,7 @@ def annotate(
         _print_summary(console, outcome.shard_manifest["counts"])
         return
     _print_summary(console, outcome.manifest)
-    console.print(f"wrote {out_dir / 'manifest.json'}")
+    console.print(f"wrote {manifest_path(out_dir)}")
 
 
 def _print_summary(console: Console, counts: dict) -> None:

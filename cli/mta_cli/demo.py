@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mta_cli.reporting import RichReporter
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+from mta_cli.reporting import make_reporter
 
 
 def demo(
@@ -19,6 +20,7 @@ def demo(
     data_dir: Optional[Path] = typer.Option(
         None, "--data-dir", help="instruction sets (dolly/, self-inst/, ...); default $MTA_DATA_DIR, else ./data"
     ),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Distill SmolLM2-135M-Instruct into a 10-layer student three ways and compare them.
 
@@ -27,13 +29,11 @@ def demo(
     evaluates all five models (ROUGE-L and Dolly-dev perplexity) and writes results.md and
     summary.png. Re-running reuses every finished stage; --quick and full overwrite each other.
     """
+    quiet_third_party(verbose)  # the demo draws its own bars
     from mta.demo.pipeline import run_demo
     from mta.demo.report import table, write_report
     from mta.demo.settings import DemoSettings
 
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # the demo draws its own bars
     console = Console(stderr=True)
     settings = DemoSettings.quick() if quick else DemoSettings.full()
     console.print(
@@ -41,7 +41,7 @@ def demo(
         f"2-core CPU; output in {out_dir}/"
     )
     started = time.perf_counter()
-    with RichReporter(console) as reporter:
+    with make_reporter(console) as reporter:
         results = run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter)
     markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
 

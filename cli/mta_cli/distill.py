@@ -4,13 +4,40 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from mta.training.recipe import load_recipe
 from mta.training.recipe_catalog import find_recipe
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
+
+
+def resume_command(recipe: str, overrides: List[str], *, verbose: bool = False) -> str:
+    """The shell command that continues this run: the same recipe and overrides, ``--resume auto``."""
+    argv = ["mta", "distill", "--recipe", recipe, *overrides, "--resume", "auto"]
+    return shlex.join(argv + (["--verbose"] if verbose else []))
+
+
+def interrupted_line(output_dir: Path, command: str) -> str:
+    """One line for Ctrl-C: the newest complete checkpoint under ``output_dir`` and the command
+    that continues from it (``--resume auto`` finds it, or starts at step 0 when there is none)."""
+    from mta.training.checkpointing import checkpoints_dir, complete_checkpoints
+
+    found = complete_checkpoints(output_dir)
+    if found:
+        step, path = found[-1]
+        where = f"last complete checkpoint {path} (step {step})"
+    else:
+        where = f"no complete checkpoint yet under {checkpoints_dir(output_dir)}"
+    launcher = " (under the same launcher)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    return f"interrupted: {where}; resume with{launcher}: {command}"
 
 
 def distill(
@@ -33,6 +60,7 @@ def distill(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="validate, plan (models on the meta device, memory) and exit"
     ),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Distill a student from a teacher with DSA + HRA on top of a base loss (DeepSpeed).
 
@@ -42,8 +70,13 @@ def distill(
     OUT/final/ (Hugging Face format) and OUT/metrics.jsonl.
 
     One run per output_dir: a directory that holds another run's outputs is refused unless
-    --resume auto continues that run or --overwrite starts over.
+    --resume auto continues that run or --overwrite starts over. Ctrl-C exits with code 130 and
+    one line naming the last complete checkpoint and the command that resumes from it.
+
+    Progress: rich bars on a terminal; elsewhere (Slurm, `> log`, CI) one plain line per
+    train.log_interval steps. MTA_PROGRESS=plain or MTA_PROGRESS=rich chooses instead.
     """
+    quiet_third_party(verbose)
     console = Console(stderr=True)
     chosen = find_recipe(recipe)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -57,11 +90,24 @@ def distill(
         console.print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
         return
     from mta.reporting import SilentReporter
-    from mta.training.trainer import run_distillation
-    from mta_cli.reporting import RichReporter
+    from mta_cli.reporting import make_reporter
 
     is_main = int(os.environ.get("RANK", 0)) == 0
-    with RichReporter(console) if is_main else contextlib.nullcontext(SilentReporter()) as reporter:
-        final = run_distillation(loaded, resume=resume, reporter=reporter, overwrite=overwrite)
+    try:
+        from mta.training.trainer import run_distillation
+
+        with make_reporter(console) if is_main else contextlib.nullcontext(SilentReporter()) as reporter:
+            final = run_distillation(loaded, resume=resume, reporter=reporter, overwrite=overwrite)
+    except KeyboardInterrupt:
+        if is_main:
+            line = interrupted_line(
+                loaded.resolve(loaded.output_dir, "output_dir"),
+                resume_command(recipe, list(overrides or []), verbose=verbose),
+            )
+            console.print(Text(line, style="yellow"), soft_wrap=True)
+        raise typer.Exit(INTERRUPTED) from None
     if is_main:
-        console.print(f"[green]done:[/] {final}  (load it with AutoModelForCausalLM.from_pretrained)")
+        console.print(
+            f"[green]done:[/] {final}  (load it with AutoModelForCausalLM.from_pretrained)",
+            highlight=False, soft_wrap=True,
+        )

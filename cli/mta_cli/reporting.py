@@ -1,13 +1,24 @@
-"""``RichReporter``: the library's ``Reporter`` drawn as rich progress bars and lines.
+"""The library's ``Reporter`` for a person: rich bars on a terminal, plain lines in a log.
 
-One live display for a whole command: each task the library starts gets a bar (rows/s and
-tokens/s for row tasks; losses, lr and tokens/s for training steps), ``message`` prints above
-the bars, and dev records print their losses and samples.
+``RichReporter``: one live display for a whole command: each task the library starts gets a bar
+(rows/s and tokens/s for row tasks; losses, lr and tokens/s for training steps), ``message``
+prints above the bars, and dev records print their losses and samples.
+
+``PlainReporter``: what a batch system's log (Slurm, ``> log``, CI) can read: whole lines, no
+carriage returns, no bars, nothing wrapped. One line per train record (step/total, each loss
+term, lr, tokens/s, elapsed, ETA), a line per dev record plus its samples, messages as lines,
+and for row tasks a line every 10 % or every 30 s with rows/s and ETA.
+
+``make_reporter`` picks one: rich when the console is a terminal (or Jupyter), plain otherwise;
+``MTA_PROGRESS=plain`` or ``MTA_PROGRESS=rich`` decides instead.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
 
 from rich.console import Console
 from rich.progress import (
@@ -21,6 +32,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.text import Text
+
+from mta.errors import MtaError
+
+PROGRESS_ENV = "MTA_PROGRESS"
+PROGRESS_STYLES = ("auto", "rich", "plain")
 
 
 class _StatusColumn(ProgressColumn):
@@ -116,3 +132,162 @@ class RichReporter:
         if self._task is not None:
             self.progress.stop_task(self._task)
             self._task = None
+
+
+def clock_text(seconds: float) -> str:
+    """``H:MM:SS`` (hours unbounded), as rich's elapsed and ETA columns."""
+    seconds = max(int(round(seconds)), 0)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+@dataclass
+class _PlainTask:
+    description: str
+    total: Optional[int]
+    completed: int
+    unit: str
+    started: float
+    first: int  # units already done when the task started (a resumed run): not in the rate
+    counters: dict[str, float] = field(default_factory=dict)
+    last_line: float = 0.0
+    last_bucket: int = -1
+    printed: int = -1  # ``completed`` at the last progress line
+
+    def rate(self, now: float) -> Optional[float]:
+        elapsed = now - self.started
+        done = self.completed - self.first
+        return done / elapsed if elapsed > 0 and done > 0 else None
+
+    def timing(self, now: float) -> str:
+        text = f"elapsed {clock_text(now - self.started)}"
+        rate = self.rate(now)
+        if self.total is not None:
+            left = max(self.total - self.completed, 0)
+            eta = clock_text(left / rate) if rate else ("0:00:00" if left == 0 else "?")
+            text += f" · ETA {eta}"
+        return text
+
+
+class PlainReporter:
+    """Whole lines for a log; use as a context manager like ``RichReporter``.
+
+    Row tasks (``unit`` other than ``steps``) print a line when the task starts, whenever
+    another ``every_percent`` % is done or ``every_s`` seconds have passed since the last line,
+    and when it stops; training (``steps``) prints one line per ``record``.
+    """
+
+    def __init__(
+        self, console: Optional[Console] = None, *, every_percent: int = 10, every_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.console = console or Console(stderr=True)
+        self.every_percent = every_percent
+        self.every_s = every_s
+        self.clock = clock
+        self._task: Optional[_PlainTask] = None
+
+    def __enter__(self) -> "PlainReporter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _line(self, text: str) -> None:
+        stream = self.console.file  # resolved on each call: sys.stderr may have been replaced
+        stream.write(text + "\n")
+        stream.flush()  # a log read while the job runs shows every line as it comes
+
+    def message(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.strip():
+                self._line(line.rstrip())
+
+    def start(self, description: str, total: Optional[int], *, completed: int = 0, unit: str = "rows") -> None:
+        self.stop()
+        now = self.clock()
+        self._task = _PlainTask(description, total, completed, unit, started=now, first=completed, last_line=now)
+        of = f"/{total}" if total is not None else ""
+        self._line(f"{description}: {completed}{of} {unit}")
+        if total:
+            self._task.last_bucket = self._bucket(self._task)
+
+    def _bucket(self, task: _PlainTask) -> int:
+        return task.completed * 100 // (task.total * self.every_percent) if task.total else 0
+
+    def advance(self, amount: int = 1, **counters: float) -> None:
+        task = self._task
+        if task is None:
+            return
+        task.completed += amount
+        for name, value in counters.items():
+            task.counters[name] = task.counters.get(name, 0) + value
+        if task.unit == "steps":
+            return  # training speaks through its records
+        now = self.clock()
+        bucket = self._bucket(task)
+        if bucket > task.last_bucket or now - task.last_line >= self.every_s:
+            task.last_bucket = bucket
+            self._progress_line(task, now)
+
+    def _progress_line(self, task: _PlainTask, now: float) -> None:
+        text = f"{task.description}: {task.completed}"
+        if task.total is not None:
+            text += f"/{task.total} {task.unit}"
+            if task.total:
+                text += f" ({100 * task.completed / task.total:.0f}%)"
+        else:
+            text += f" {task.unit}"
+        rate = task.rate(now)
+        if rate is not None:
+            text += f" · {rate:.2f} {task.unit}/s"
+            tokens = task.counters.get("tokens", 0)
+            if tokens:
+                text += f" · {tokens / (now - task.started):.0f} tok/s"
+        self._line(f"{text} · {task.timing(now)}")
+        task.last_line, task.printed = now, task.completed
+
+    def record(self, record: dict[str, Any]) -> None:
+        if record.get("split") == "dev":
+            line = f"dev @ step {record['step']}: {loss_summary(record)}"
+            if "generation/dev_ce" in record:
+                line += f" · dev_ce {record['generation/dev_ce']:.4f}"
+            self._line(line)
+            for sample in record.get("samples", []):
+                self._line(f"  {sample['prompt'][-60:]!r} → {sample['generation'][:120]!r}")
+            return
+        task = self._task
+        step = record["step"]
+        head = f"step {step}" if task is None else f"{task.description}: step {step}"
+        if task is not None and task.total is not None:
+            head += f"/{task.total}"
+        line = f"{head} · {loss_summary(record)} · lr {record['lr']:.2e} · {record['tokens_per_s']:.0f} tok/s"
+        if "generation/gold" in record:
+            line += " · " + generation_summary(record)
+        if task is not None:
+            task.completed = max(task.completed, step)
+            line += " · " + task.timing(self.clock())
+        self._line(line)
+
+    def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and task.unit != "steps" and task.printed != task.completed:
+            self._progress_line(task, self.clock())
+
+
+def progress_style(console: Console) -> str:
+    """``rich`` or ``plain``: ``$MTA_PROGRESS`` when it says, else whether ``console`` is a terminal."""
+    chosen = os.environ.get(PROGRESS_ENV, "auto").strip().lower() or "auto"
+    if chosen not in PROGRESS_STYLES:
+        raise MtaError(
+            f"{PROGRESS_ENV}={os.environ[PROGRESS_ENV]!r}: give one of {', '.join(PROGRESS_STYLES)} "
+            "(auto: rich bars on a terminal, plain lines otherwise)"
+        )
+    if chosen == "auto":
+        return "rich" if console.is_terminal or console.is_jupyter else "plain"
+    return chosen
+
+
+def make_reporter(console: Optional[Console] = None) -> Union[RichReporter, PlainReporter]:
+    """The reporter a command draws with (a context manager): see ``progress_style``."""
+    console = console or Console(stderr=True)
+    return RichReporter(console) if progress_style(console) == "rich" else PlainReporter(console)

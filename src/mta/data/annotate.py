@@ -1,5 +1,7 @@
 """The annotate stage: a JSONL file in, a Parquet artefact of spans aligned to two tokenizers out.
 
+The input may also be a Parquet or CSV file or a ``datasets`` save_to_disk directory, its
+columns optionally read under other names (``fields``): :mod:`mta.data.sources`.
 Rows stream from the file in chunks to worker processes (spaCy is the cost), come back as Arrow
 record batches in input order, and go into one Parquet part per shard; the part, the shard
 manifest and ``manifest.json`` are written atomically (see :mod:`mta.data.artefact`). A complete
@@ -28,27 +30,21 @@ from mta.data.example_annotator import ChunkResult, ExampleAnnotator
 from mta.data.artefact import (
     MAX_SKIPPED_EXAMPLES,
     PartWriter,
-    check_directory,
     commit_shard,
+    finish_publishing,
     part_is_intact,
-    part_name,
     read_manifest,
     read_shard_manifest,
+    remove_if_empty,
     shard_lock,
+    staged_part,
     try_merge,
 )
 from mta.data.artefact_schema import SCHEMA_VERSION, VERSION_KEY
 from mta.data.encoding import TokenizerSide
-from mta.data.rows import (
-    Example,
-    InputSummary,
-    RowProblem,
-    check_input_file,
-    first_problem,
-    is_pair_file,
-    read_rows,
-    summarize_input,
-)
+from mta.data.prompts import PromptStyle, Template, check_template, prompt_style
+from mta.data.rows import Example, InputSummary, RowProblem, field_problems
+from mta.data.sources import InputSource, input_identity, open_source
 from mta.data.span_extraction import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
 from mta import distributed
 from mta.errors import MtaError
@@ -73,6 +69,17 @@ class AnnotateSettings:
     truncate_prompt: keep the head of a prompt over the limit instead of skipping the row.
     on_error: "fail" stops at the first bad row; "skip" counts it and goes on.
     workers: worker processes; 0 means one per available core.
+    template: how prompts are built (:mod:`mta.data.prompts`): "alpaca", "chat" or "none".
+    fields: ``{format key: input column}``, the input's columns read under the keys the row
+    formats know (``{"prompt": "question", "response": "answer"}``); recorded and in the run key.
+
+    With ``chat`` the prompt is rendered once, with the *student's* chat template, and both
+    tokenizers encode that same text: the spans are character ranges into one string, so the
+    two sides must see one text. The student's template is the one it is trained into and will
+    be served with; the teacher reads the student's format (as with ``alpaca``, which neither
+    model may have been tuned on), its template markers encoded as whatever its own vocabulary
+    makes of them. Which tokenizer rendered, and its template's sha256, are recorded in the
+    manifest (``template``) and are part of the run key.
     """
 
     teacher: str
@@ -84,8 +91,16 @@ class AnnotateSettings:
     truncate_prompt: bool = False
     on_error: Literal["fail", "skip"] = "fail"
     workers: int = 0
+    template: Template = "alpaca"
+    # ((format key, input column), ...), sorted; a dict is accepted (mta.data.sources).
+    fields: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        fields = dict(self.fields.items() if isinstance(self.fields, dict) else self.fields)
+        problems = field_problems(fields)
+        if problems:
+            raise MtaError("fields: " + "; ".join(problems))
+        object.__setattr__(self, "fields", tuple(sorted(fields.items())))
         if self.max_prompt_length < 1:
             raise MtaError(f"max_prompt_length must be at least 1, got {self.max_prompt_length}")
         if self.max_prompt_length >= self.max_length:
@@ -99,6 +114,7 @@ class AnnotateSettings:
             raise MtaError(f"on_error must be 'fail' or 'skip', got '{self.on_error}'")
         if self.workers < 0:
             raise MtaError(f"workers must be 0 (one per core) or more, got {self.workers}")
+        check_template(self.template)
 
     @classmethod
     def from_recipe(cls, recipe, **overrides: Any) -> "AnnotateSettings":
@@ -119,6 +135,8 @@ class AnnotateSettings:
             spacy_model=recipe.data.spacy_model,
             word_spans=recipe.data.word_spans,
             truncate_prompt=recipe.data.truncate_prompt,
+            template=recipe.data.template,
+            fields=dict(getattr(recipe.data, "fields", None) or {}),
         )
         values.update({key: value for key, value in overrides.items() if value is not None})
         return cls(**values)
@@ -164,20 +182,23 @@ def run_annotate(
     shard: int = 0,
     num_shards: int = 1,
 ) -> AnnotateOutcome:
-    """Annotate shard ``shard`` of ``num_shards`` (every ``num_shards``-th row) of a JSONL file."""
+    """Annotate shard ``shard`` of ``num_shards`` (every ``num_shards``-th row) of an input
+    (a JSONL, Parquet or CSV file, or a save_to_disk directory: :func:`mta.data.sources.open_source`)."""
     input_path, out_dir = Path(input_path), Path(out_dir)
-    check_input_file(input_path)
+    source = open_source(input_path, dict(settings.fields))
     if not 0 <= shard < num_shards:
         raise MtaError(f"--shard {shard}/{num_shards}: the index must be in 0..{num_shards - 1}")
     if out_dir.exists() and not out_dir.is_dir():
         raise MtaError(f"-o {out_dir} is a file; give a directory")
     reporter = reporter or SilentReporter()
 
-    summary = summarize_input(input_path)
+    summary = source.summary()
     teacher = TokenizerSide.load(settings.teacher)
     student = teacher if settings.student == settings.teacher else TokenizerSide.load(settings.student)
     spacy_name, spacy_version = resolve_spacy_model(settings.spacy_model)
-    description = _describe(input_path, summary, settings, teacher, student, spacy_name, spacy_version)
+    # One text for both sides: a chat prompt is rendered with the student's template.
+    style = prompt_style(settings.template, settings.student, rendered_by="student")
+    description = _describe(source, summary, settings, teacher, student, spacy_name, spacy_version, style)
     run_key = _run_key(description)
 
     if not force:
@@ -186,9 +207,9 @@ def run_annotate(
             return reused
 
     if settings.on_error == "fail":
-        problem = first_problem(input_path, shard=shard, num_shards=num_shards)
+        problem = source.first_problem(shard=shard, num_shards=num_shards, style=style)
         if problem is not None:
-            raise problem.error(input_path)
+            raise source.error(problem)
 
     created = not out_dir.exists()
     try:
@@ -200,15 +221,15 @@ def run_annotate(
         with disk_full_is_reported(out_dir), shard_lock(out_dir, shard, num_shards) as unsupported:
             if unsupported:
                 reporter.message(f"{unsupported}: make sure no other `mta annotate` writes this shard")
-            check_directory(out_dir)  # a planted manifest is refused before any work
+            finish_publishing(out_dir)  # a planted manifest is refused before any work
             if not force:  # the holder we would have collided with may have just written it
                 reused = _reusable(out_dir, run_key, shard, num_shards)
                 if reused is not None:
                     return reused
             shard_manifest = _annotate_shard(
-                input_path, out_dir, settings, teacher, student, spacy_name,
-                shard=shard, num_shards=num_shards,
-                total=len(range(shard, summary.rows, num_shards)) * (2 if is_pair_file(input_path) else 1),
+                source, out_dir, settings, teacher, student, spacy_name,
+                shard=shard, num_shards=num_shards, style=style,
+                total=len(range(shard, summary.rows, num_shards)) * (2 if source.is_pairs() else 1),
                 reporter=reporter,
             )
             shard_manifest.update(
@@ -218,21 +239,24 @@ def run_annotate(
             manifest = commit_shard(out_dir, shard_manifest)
     except BaseException:
         if created:
-            _remove_if_empty(out_dir)
+            remove_if_empty(out_dir)
         raise
     return AnnotateOutcome(out_dir, shard_manifest, manifest, reused=False)
 
 
 def _describe(
-    input_path: Path,
+    source: InputSource,
     summary: InputSummary,
     settings: AnnotateSettings,
     teacher: TokenizerSide,
     student: TokenizerSide,
     spacy_name: str,
     spacy_version: str,
+    style: PromptStyle,
 ) -> dict[str, Any]:
-    """The manifest's description of the artefact: input, tokenizers, spaCy, settings."""
+    """The manifest's description of the artefact: input, tokenizers, spaCy, settings, and the
+    prompt template (``{"name"}``; for chat also ``rendered_by``, ``tokenizer`` and
+    ``chat_template_sha256``; a manifest without it was built with alpaca)."""
     import spacy
 
     def tokenizer(side: TokenizerSide) -> dict[str, Any]:
@@ -240,7 +264,7 @@ def _describe(
 
     return {
         "mta_version": mta.__version__,
-        "input": {"path": str(input_path.resolve()), "sha256": summary.sha256, "rows": summary.rows},
+        "input": source.record(summary),  # path, sha256, rows, format (+ fields)
         "teacher": tokenizer(teacher),
         "student": tokenizer(student),
         "spacy": {"model": spacy_name, "version": spacy_version, "spacy_version": spacy.__version__},
@@ -249,6 +273,7 @@ def _describe(
         "word_spans": settings.word_spans,
         "truncate_prompt": settings.truncate_prompt,
         "on_error": settings.on_error,
+        "template": style.record(),
     }
 
 
@@ -258,9 +283,15 @@ def _run_key(description: dict[str, Any]) -> str:
     Paths and tokenizer names are left out: the same bytes elsewhere give the same artefact.
     """
     identity = dict(description, **{VERSION_KEY: SCHEMA_VERSION})
-    identity["input"] = description["input"]["sha256"]
+    identity["input"] = input_identity(description["input"])  # the sha256 (+ format, fields)
     identity["teacher"] = description["teacher"]["fingerprint"]
     identity["student"] = description["student"]["fingerprint"]
+    # alpaca is what a description without a template means: its key is the one it always was.
+    template = {k: v for k, v in description["template"].items() if k != "tokenizer"}
+    if template == {"name": "alpaca"}:
+        del identity["template"]
+    else:
+        identity["template"] = template
     return "sha256:" + json_sha256(identity)
 
 
@@ -268,6 +299,7 @@ def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> Annot
     """The outcome of an earlier run with the same key whose parts are intact (sha256), if any."""
     if not out_dir.is_dir():
         return None
+    finish_publishing(out_dir)  # a layout 1 directory is adopted; a cut-short publish finished
     manifest = read_manifest(out_dir)
     if manifest is not None and manifest.get("run_key") == run_key and all(
         part_is_intact(out_dir, part) for part in manifest["parts"]
@@ -283,15 +315,8 @@ def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> Annot
     return None
 
 
-def _remove_if_empty(directory: Path) -> None:
-    try:
-        directory.rmdir()
-    except OSError:
-        pass
-
-
 def _annotate_shard(
-    input_path: Path,
+    source: InputSource,
     out_dir: Path,
     settings: AnnotateSettings,
     teacher: TokenizerSide,
@@ -302,8 +327,10 @@ def _annotate_shard(
     num_shards: int,
     total: int,
     reporter: Reporter,
+    style: PromptStyle,
 ) -> dict[str, Any]:
-    """Stream the shard's rows through the workers into a part; return the shard manifest body."""
+    """Stream the shard's rows through the workers into a part; return the shard manifest body.
+    Prompts are built (a chat template rendered) here, in the parent: workers get strings."""
     rows = Counter(read=0, written=0, skipped=0, response_cut=0, prompt_cut=0)
     skipped: Counter = Counter()  # reason -> rows
     spans = Counter(phrase_spans=0, phrase_spans_dropped=0, word_spans=0, word_spans_dropped=0)
@@ -313,14 +340,14 @@ def _annotate_shard(
         rows["skipped"] += 1
         skipped[problem.reason] += 1
         if len(messages) < MAX_SKIPPED_EXAMPLES:
-            messages.append(problem.describe(input_path))
+            messages.append(source.describe(problem))
 
     def examples() -> Iterator[Example]:
-        for row in read_rows(input_path, shard=shard, num_shards=num_shards):
+        for row in source.rows(shard=shard, num_shards=num_shards, style=style):
             rows["read"] += 1
             if isinstance(row, RowProblem):
                 if settings.on_error == "fail":
-                    raise row.error(input_path)
+                    raise source.error(row)
                 count_skip(row)
                 continue
             yield row
@@ -328,8 +355,8 @@ def _annotate_shard(
     workers = min(settings.worker_count, max(1, math.ceil(total / CHUNK_ROWS)))
     done = 0
     build = functools.partial(build_annotator, settings, teacher, student, spacy_name)
-    part = out_dir / part_name(shard, num_shards, secrets.token_hex(4))
-    reporter.start(f"annotate {input_path.name}", total)
+    part = staged_part(out_dir, shard, num_shards, secrets.token_hex(4))  # published at the merge
+    reporter.start(f"annotate {source.path.name}", total)
     results = closing(map_chunks(build, _chunks(examples(), CHUNK_ROWS), workers))
     # closing(): on any error the workers stop at once, before the error is reported.
     try:

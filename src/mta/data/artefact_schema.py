@@ -30,6 +30,22 @@ Version 2 adds ``pair_id`` int64 and ``role`` string: a DistiLLM-2 pair row (``p
 ``chosen``, ``rejected``) becomes two rows, ``role`` "chosen" (the teacher's response) and
 "rejected" (the student's), sharing ``pair_id``; both null on any other row. Version 1 reads
 with both null.
+
+Layouts. How the files of an artefact sit in its directory is versioned apart from the table:
+``LAYOUT_VERSION`` (manifest key ``layout_version``) changes when files move, ``SCHEMA_VERSION``
+when the columns do; a layout change leaves the rows as they are, so it needs no upgrade step.
+``LAYOUTS[n]`` says what layout ``n`` is (:mod:`mta.data.artefact` reads each one):
+
+- layout 1 (mta 0.1, schema versions 1 and 2): ``manifest.json``, the shard manifests, the lock
+  files and the parts side by side in the directory. Its manifest carries no ``layout_version``.
+- layout 2: the directory holds the published parts only, so any Parquet reader
+  (``pandas.read_parquet(DIR)``, ``pyarrow.dataset.dataset(DIR)``,
+  ``datasets.load_dataset("parquet", data_dir=DIR)``) reads exactly the artefact's rows;
+  everything else lives under ``.mta/``, which every one of them skips.
+
+Bumping the layout: describe it in ``LAYOUTS``, set ``LAYOUT_VERSION``, keep reading the older
+layouts in :mod:`mta.data.artefact` (``tests/test_data_sources.py`` reads each), and describe
+it in the changelog. An mta meeting a newer layout refuses it, naming the upgrade.
 """
 
 from __future__ import annotations
@@ -44,6 +60,7 @@ import mta
 from mta.errors import MtaError
 
 VERSION_KEY = "schema_version"  # the manifest key (shard manifests carry it too)
+LAYOUT_KEY = "layout_version"  # the manifest key of the file layout (absent: layout 1)
 
 # --------------------------------------------------------------------------- column names
 # The current version's names, for readers (mta.training.batching, mta show). Each one is
@@ -119,6 +136,15 @@ SCHEMA = SCHEMA_V2
 SPAN = SPAN_V1
 COLUMNS = tuple(SCHEMA.names)
 
+# --------------------------------------------------------------------------- layouts
+
+LAYOUTS: dict[int, str] = {
+    1: "manifest.json, shard-*.json, lock files and parts side by side in the directory",
+    2: "only the published parts in the directory; manifest.json, shard manifests, staged "
+       "parts and locks under .mta/",
+}
+LAYOUT_VERSION = 2
+
 # --------------------------------------------------------------------------- upgrade steps
 
 Manifest = dict[str, Any]
@@ -172,13 +198,31 @@ def _pairs_are_absent(manifest: Manifest, table: pa.Table) -> tuple[Manifest, pa
 # --------------------------------------------------------------------------- reading
 
 
-def stored_version(manifest: Any, manifest_path: Path) -> int:
-    """The manifest's schema version if this mta reads it; else ``MtaError`` naming the fix."""
+def stored_layout(manifest: Any, manifest_path: Path, directory: Path) -> int:
+    """The layout version a ``.mta/manifest.json`` records if this mta reads it; else
+    ``MtaError`` naming the fix. (A ``manifest.json`` beside the parts is layout 1, keyless.)"""
+    found = manifest.get(LAYOUT_KEY) if isinstance(manifest, dict) else None
+    if type(found) is int and 2 <= found <= LAYOUT_VERSION:
+        return found
+    newer = type(found) is int and found > LAYOUT_VERSION
+    raise MtaError(
+        f"{manifest_path} has {LAYOUT_KEY} {found!r}, which this mta ({mta.__version__}) cannot "
+        f"read: it reads layout version(s) {_listed(sorted(LAYOUTS))}. "
+        + ("It was written by a newer mta: upgrade mta, or annotate the input again with this one "
+           "into a new directory" if newer else "Annotate the input again into a new directory")
+        + f": `{reannotate_command(manifest, directory)}`"
+    )
+
+
+def stored_version(manifest: Any, manifest_path: Path, directory: Path | None = None) -> int:
+    """The manifest's schema version if this mta reads it; else ``MtaError`` naming the fix.
+    ``directory``: the artefact's (default: the manifest's own directory)."""
+    directory = manifest_path.parent if directory is None else directory
     if not isinstance(manifest, dict) or VERSION_KEY not in manifest:
         raise MtaError(
             f"{manifest_path} has no {VERSION_KEY}: it was not written by `mta annotate` or was "
             f"edited by hand. This mta reads schema version(s) {_listed(readable_versions())}; "
-            f"annotate the input again into a new directory: `{reannotate_command(manifest, manifest_path.parent)}`"
+            f"annotate the input again into a new directory: `{reannotate_command(manifest, directory)}`"
         )
     found = manifest[VERSION_KEY]
     # bool is an int in Python: ``true`` must not pass for version 1.
@@ -193,7 +237,7 @@ def stored_version(manifest: Any, manifest_path: Path) -> int:
     raise MtaError(
         f"{manifest_path} has {VERSION_KEY} {found!r}, which this mta ({mta.__version__}) cannot "
         f"read: it reads schema version(s) {_listed(readable_versions())}. {fix}: "
-        f"`{reannotate_command(manifest, manifest_path.parent)}`"
+        f"`{reannotate_command(manifest, directory)}`"
     )
 
 
@@ -265,6 +309,7 @@ def reannotate_command(manifest: Any, directory: Path, *, out: Path | None = Non
         word_spans=recorded("word_spans"),
         truncate_prompt=recorded("truncate_prompt") is True,
         on_error=recorded("on_error"),
+        fields=recorded("input", "fields"),
     )
 
 
@@ -280,9 +325,14 @@ def annotate_command(
     word_spans: Any = None,
     truncate_prompt: bool = False,
     on_error: Any = None,
+    fields: Any = None,
 ) -> str:
-    """The shell-quoted ``mta annotate`` command line for these settings (None: the default)."""
+    """The shell-quoted ``mta annotate`` command line for these settings (None: the default).
+    ``fields``: ``{format key: input column}``, one ``--field KEY=COLUMN`` each."""
     command = ["mta", "annotate", str(input_path), "--teacher", str(teacher), "--student", str(student)]
+    if isinstance(fields, dict):
+        for key, column in sorted(fields.items()):
+            command += ["--field", f"{key}={column}"]
     for option, value in (
         ("--max-length", max_length),
         ("--max-prompt-length", max_prompt_length),

@@ -1,11 +1,19 @@
 """Input rows: stream a JSONL file, detect its format, and build ``prompt`` and ``response``.
 
-Three row formats are accepted, told apart by the key that carries the response:
+Five row formats are accepted, told apart by the key that carries the response:
 
 - MiniLLM / DistiLLM: ``instruction``, optional ``input``, ``output``, optional ``prompt``
   (Vicuna rows have no ``input``);
 - raw Dolly: ``instruction``, ``context``, ``response`` (and ``category``, unused);
-- plain: ``prompt``, ``response``.
+- plain: ``prompt``, ``response``;
+- TRL prompt / completion: ``prompt`` and ``completion``, both strings (TRL's "standard"
+  format) or both conversations (its "conversational" one: ``prompt`` the turns before the
+  response, ``completion`` exactly one assistant turn, the response);
+- conversational: ``messages``, an array of ``{"role", "content"}`` turns (roles ``system``,
+  ``user``, ``assistant``; contents strings; other keys of a turn unused) that ends with the
+  assistant turn to learn: that turn's content is the response, the turns before it the prompt.
+  A conversation without a final assistant turn, without a turn before it, or with a turn of
+  another role or a content that is not a string is a problem naming its line.
 
 And one pair format (DistiLLM-2, what ``mta generate`` writes): ``prompt`` (or ``instruction``
 + optional ``input``), ``chosen`` (the teacher's response), ``rejected`` (the student's),
@@ -13,7 +21,10 @@ optional ``id``. Each pair row becomes two examples, ``chosen`` then ``rejected`
 ``2·n`` and ``2·n + 1`` (n: the row's position) and ``pair_id`` n. A file holds pair rows only
 or none: the first row decides, and a row of the other kind is a problem naming its line.
 
-Rows without a ``prompt`` get the Alpaca prompt of docs/method.md §1. A row that cannot be
+The prompt is built by :func:`mta.data.prompts.build_prompt` under the template of the
+:class:`~mta.data.prompts.PromptStyle` given (``alpaca`` by default: rows without a ``prompt``
+get the Alpaca prompt of docs/method.md §1; ``chat``: the tokenizer's chat template; ``none``:
+the row's ``prompt`` as given). A row that cannot be
 used becomes a :class:`RowProblem` naming its line and what is wrong, so the caller decides
 whether to stop (``--on-error fail``) or count it and go on (``skip``).
 """
@@ -24,9 +35,17 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterable, Iterator, Mapping, Union
 
-from mta.data.prompts import alpaca_prompt
+from mta.data.prompts import (  # the two reasons a prompt cannot be built are also row reasons
+    ALPACA,
+    INVALID_CONVERSATION,
+    NO_PROMPT,  # noqa: F401 (re-exported: a reason beside the ones below)
+    PromptProblem,
+    PromptStyle,
+    conversation,
+    split_conversation,
+)
 from mta.errors import MtaError
 
 # Why a row was skipped: the keys of the manifest's ``skipped`` counts.
@@ -38,6 +57,8 @@ WRONG_TYPE = "wrong_type"
 INVALID_TEXT = "invalid_text"
 PROMPT_TOO_LONG = "prompt_too_long"  # decided later, once the prompt is tokenised
 MIXED_FORMATS = "mixed_formats"  # a pair row in a file of single rows, or the other way round
+# INVALID_CONVERSATION (bad turns, no final assistant turn) and NO_PROMPT (nothing the template
+# builds a prompt from) come from mta.data.prompts.
 
 
 @dataclass(frozen=True)
@@ -83,13 +104,9 @@ class InputSummary:
     rows: int
 
 
-class _Invalid(Exception):
-    """Raised while reading one row; becomes a RowProblem with the row's line."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+class _Invalid(PromptProblem):
+    """Raised while reading one row; becomes a RowProblem with the row's line (as does the
+    ``PromptProblem`` of a prompt that cannot be built)."""
 
 
 def _field(record: dict[str, Any], key: str, *, optional: bool = False) -> str | None:
@@ -112,37 +129,70 @@ def _preview(value: Any, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def prompt_and_response(record: dict[str, Any]) -> tuple[str, str]:
-    """The (prompt, response) of one decoded row; raises ``_Invalid`` when it has no usable shape."""
+def prompt_and_response(record: dict[str, Any], style: PromptStyle = ALPACA) -> tuple[str, str]:
+    """The (prompt, response) of one decoded row, its prompt built under ``style``; raises
+    ``_Invalid`` or ``PromptProblem`` when it has no usable shape."""
     if "output" in record:  # MiniLLM / DistiLLM, Vicuna
         response = _field(record, "output")
-        prompt = _field(record, "prompt", optional=True)
-        if prompt is None:
-            prompt = alpaca_prompt(_field(record, "instruction"), _field(record, "input", optional=True))
+        prompt = _instruction_prompt(record, style, "input")
     elif "response" in record:
         response = _field(record, "response")
-        if "prompt" in record:  # plain prompt / response
-            prompt = _field(record, "prompt")
-        elif "instruction" in record:  # raw Dolly
-            prompt = alpaca_prompt(
-                _field(record, "instruction"), _field(record, "context", optional=True)
-            )
+        if "instruction" in record:  # raw Dolly
+            prompt = _instruction_prompt(record, style, "context")
+        elif "prompt" in record:  # plain prompt / response
+            prompt = style.build(prompt=_field(record, "prompt"))
         else:
             raise _Invalid(
                 MISSING_FIELD,
                 "a row with 'response' needs 'prompt' (prompt/response rows) or 'instruction' "
                 "(Dolly rows)",
             )
+    elif "completion" in record:  # TRL prompt / completion, standard or conversational
+        prompt, response = _trl_prompt_and_completion(record, style)
+    elif "messages" in record:  # a conversation ending with the assistant turn to learn
+        turns, response = split_conversation(conversation(record["messages"], "messages"), "messages")
+        prompt = style.build(turns=turns)
     else:
         keys = ", ".join(sorted(record)) or "none"
         raise _Invalid(
             MISSING_FIELD,
-            f"no response field: expected 'output' (MiniLLM rows) or 'response' (Dolly or "
-            f"prompt/response rows); the row has keys: {keys}",
+            f"no response field: expected 'output' (MiniLLM rows), 'response' (Dolly or "
+            f"prompt/response rows), 'completion' (TRL prompt/completion rows) or 'messages' "
+            f"(conversations); the row has keys: {keys}",
         )
     for name, text in (("prompt", prompt), ("response", response)):
         _check_encodable(name, text)
     return prompt, response
+
+
+def _instruction_prompt(record: dict[str, Any], style: PromptStyle, context_key: str) -> str:
+    """The prompt of a MiniLLM, Dolly or pair row: its ``prompt`` under alpaca and none, the
+    instruction (+ ``context_key``) when it has no prompt, and the instruction under chat."""
+    prompt = _field(record, "prompt", optional=True)
+    instruction = context = None
+    if style.template == "chat" or (prompt is None and style.template == "alpaca"):
+        instruction = _field(record, "instruction", optional=prompt is not None)
+        if instruction is not None:
+            context = _field(record, context_key, optional=True)
+    return style.build(prompt=prompt, instruction=instruction, context=context)
+
+
+def _trl_prompt_and_completion(record: dict[str, Any], style: PromptStyle) -> tuple[str, str]:
+    """TRL's ``prompt`` / ``completion``: two strings, or the prompt's turns and one assistant
+    turn."""
+    if not isinstance(record.get("completion"), list):
+        return style.build(prompt=_field(record, "prompt")), _field(record, "completion")
+    completion = conversation(record["completion"], "completion")
+    if [turn["role"] for turn in completion] != ["assistant"]:
+        raise PromptProblem(
+            INVALID_CONVERSATION,
+            "field 'completion' must hold exactly one assistant turn (the response), got "
+            f"{' + '.join(turn['role'] for turn in completion) or 'no turn'}",
+        )
+    turns = conversation(record.get("prompt"), "prompt")
+    if not turns:
+        raise PromptProblem(INVALID_CONVERSATION, "field 'prompt' holds no turn: there is no prompt before the completion")
+    return style.build(turns=turns), completion[0]["content"]
 
 
 def is_pair_record(record: Any) -> bool:
@@ -150,14 +200,12 @@ def is_pair_record(record: Any) -> bool:
     return isinstance(record, dict) and ("chosen" in record or "rejected" in record)
 
 
-def pair_prompt_and_responses(record: dict[str, Any]) -> tuple[str, str, str]:
+def pair_prompt_and_responses(record: dict[str, Any], style: PromptStyle = ALPACA) -> tuple[str, str, str]:
     """The (prompt, chosen, rejected) of a pair row; raises ``_Invalid`` when it is not one."""
     chosen, rejected = _field(record, "chosen"), _field(record, "rejected")
-    prompt = _field(record, "prompt", optional=True)
-    if prompt is None:
-        if "instruction" not in record:
-            raise _Invalid(MISSING_FIELD, "a pair row with 'chosen' and 'rejected' needs 'prompt' or 'instruction'")
-        prompt = alpaca_prompt(_field(record, "instruction"), _field(record, "input", optional=True))
+    if record.get("prompt") is None and "instruction" not in record:
+        raise _Invalid(MISSING_FIELD, "a pair row with 'chosen' and 'rejected' needs 'prompt' or 'instruction'")
+    prompt = _instruction_prompt(record, style, "input")
     for name, text in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
         _check_encodable(name, text)
     return prompt, chosen, rejected
@@ -174,9 +222,9 @@ def _check_encodable(name: str, text: str) -> None:
         ) from None
 
 
-def _parse_line(raw: bytes, row_id: int, line: int, pairs: bool = False) -> list[Row]:
+def _parse_line(raw: bytes, row_id: int, line: int, pairs: bool = False, style: PromptStyle = ALPACA) -> list[Row]:
     """The example(s) of one line (two for a pair row), or its problem; ``pairs``: the file's
-    kind, as its first row decides."""
+    kind, as its first row decides; ``style``: how prompts are built."""
     record = _decoded(raw)
     if isinstance(record, _Invalid):
         return [RowProblem(row_id, line, record.reason, record.message)]
@@ -189,11 +237,11 @@ def _parse_line(raw: bytes, row_id: int, line: int, pairs: bool = False) -> list
                 "file holds one kind of row",
             )
         if pairs:
-            prompt, chosen, rejected = pair_prompt_and_responses(record)
+            prompt, chosen, rejected = pair_prompt_and_responses(record, style)
             return [Example(2 * row_id + half, line, prompt, response, pair_id=row_id, role=role)
                     for half, (role, response) in enumerate((("chosen", chosen), ("rejected", rejected)))]
-        prompt, response = prompt_and_response(record)
-    except _Invalid as invalid:
+        prompt, response = prompt_and_response(record, style)
+    except PromptProblem as invalid:
         return [RowProblem(row_id, line, invalid.reason, invalid.message)]
     return [Example(row_id, line, prompt, response)]
 
@@ -222,7 +270,9 @@ def _strip_line(number: int, raw: bytes) -> bytes:
 def check_input_file(path: Path) -> None:
     """Refuse an input that is not a readable file, saying what it is and what to give instead."""
     if path.is_dir():
-        if (path / "manifest.json").is_file():
+        from mta.data.artefact import holds_artefact  # either layout (.mta/manifest.json or manifest.json)
+
+        if holds_artefact(path):
             raise MtaError(
                 f"{path} is a directory holding an `mta annotate` output, not input rows; annotate "
                 "the JSONL file it was made from (its manifest.json records the path under "
@@ -257,8 +307,11 @@ def _data_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, raw
 
 
-def read_rows(path: str | Path, *, shard: int = 0, num_shards: int = 1) -> Iterator[Row]:
-    """Stream the rows of ``path`` whose id is ``shard`` modulo ``num_shards``, in file order.
+def read_rows(
+    path: str | Path, *, shard: int = 0, num_shards: int = 1, style: PromptStyle = ALPACA
+) -> Iterator[Row]:
+    """Stream the rows of ``path`` whose id is ``shard`` modulo ``num_shards``, in file order,
+    their prompts built under ``style`` (:mod:`mta.data.prompts`).
 
     Only the selected rows are decoded, so every shard reads the file but parses its share.
     """
@@ -267,7 +320,7 @@ def read_rows(path: str | Path, *, shard: int = 0, num_shards: int = 1) -> Itera
         if pairs is None:  # the first row decides the file's kind, for every shard
             pairs = is_pair_record(_decoded(raw))
         if row_id % num_shards == shard:
-            yield from _parse_line(raw, row_id, line, pairs)
+            yield from _parse_line(raw, row_id, line, pairs, style)
 
 
 def is_pair_file(path: str | Path) -> bool:
@@ -288,7 +341,85 @@ def summarize_input(path: str | Path) -> InputSummary:
     return InputSummary(sha256=digest.hexdigest(), rows=rows)
 
 
-def first_problem(path: str | Path, *, shard: int = 0, num_shards: int = 1) -> RowProblem | None:
+def first_problem(
+    path: str | Path, *, shard: int = 0, num_shards: int = 1, style: PromptStyle = ALPACA
+) -> RowProblem | None:
     """The first unusable row of a shard, found before any expensive work starts."""
-    rows = read_rows(path, shard=shard, num_shards=num_shards)
+    rows = read_rows(path, shard=shard, num_shards=num_shards, style=style)
     return next((row for row in rows if isinstance(row, RowProblem)), None)
+
+
+# --------------------------------------------------------------------------- other column names, other sources
+# (mta.data.sources: Parquet, CSV and datasets rows go through the same line parser as JSONL.)
+
+# The keys the row formats read: what a field mapping (data.fields, --field KEY=COLUMN) may
+# read an input's other column names as.
+FIELD_NAMES = (
+    "prompt", "response", "instruction", "input", "output", "context", "chosen", "rejected",
+    "completion", "messages",
+)
+
+
+def field_problems(fields: Mapping[str, Any]) -> list[str]:
+    """What is wrong with a ``{format key: input column}`` mapping, one phrase each (none: fine)."""
+    problems = []
+    for key, column in fields.items():
+        if key not in FIELD_NAMES:
+            problems.append(f"'{key}' is not a key the row formats read (they read: {', '.join(FIELD_NAMES)})")
+        if not isinstance(column, str) or not column:
+            problems.append(f"'{key}' must name a column, got {column!r}")
+    return problems
+
+
+def map_fields(record: Any, fields: Mapping[str, str]) -> Any:
+    """``record`` with each mapped column under its format key (``{"prompt": "question"}``: the
+    value of ``question`` is the prompt). The mapped columns' own names and the format keys'
+    original values are dropped, so each key has one value; other columns stay as they are."""
+    if not fields or not isinstance(record, dict):
+        return record
+    columns = set(fields.values())
+    mapped = {key: value for key, value in record.items() if key not in columns and key not in fields}
+    for key, column in fields.items():
+        if column in record:
+            mapped[key] = record[column]
+    return mapped
+
+
+def record_bytes(record: Any) -> bytes:
+    """A record as the JSON line :func:`read_rows` would parse, so one parser reads every
+    source. A value JSON has no type for (a timestamp, bytes) becomes an object naming its
+    type: a format key holding one is a wrong-type problem, any other column is unused."""
+    return json.dumps(record, default=lambda value: {"unsupported type": type(value).__name__}).encode("utf-8")
+
+
+def read_mapped_rows(
+    path: str | Path, fields: Mapping[str, str], *, shard: int = 0, num_shards: int = 1,
+    style: PromptStyle = ALPACA,
+) -> Iterator[Row]:
+    """:func:`read_rows` for a JSONL file whose columns ``fields`` reads as the format keys."""
+    pairs = None
+    for row_id, (line, raw) in enumerate(_data_lines(Path(path))):
+        if pairs is None:
+            pairs = is_pair_record(map_fields(_decoded(raw), fields))
+        if row_id % num_shards == shard:
+            record = _decoded(raw)
+            if not isinstance(record, _Invalid):
+                raw = record_bytes(map_fields(record, fields))
+            yield from _parse_line(raw, row_id, line, pairs, style)
+
+
+def is_mapped_pair_file(path: str | Path, fields: Mapping[str, str]) -> bool:
+    """:func:`is_pair_file` with the file's columns read through ``fields``."""
+    for _, raw in _data_lines(Path(path)):
+        return is_pair_record(map_fields(_decoded(raw), fields))
+    return False
+
+
+def record_rows(
+    records: Iterable[tuple[int, Any]], *, pairs: bool, style: PromptStyle = ALPACA
+) -> Iterator[Row]:
+    """The rows of records that are no JSONL lines (Parquet, CSV, datasets rows): ``(index,
+    record)`` pairs, columns already mapped, ``pairs`` as the first record decides. The index is
+    the row's id and stands where a line number would (``RowProblem.line``)."""
+    for index, record in records:
+        yield from _parse_line(record_bytes(record), index, index, pairs, style)

@@ -16,11 +16,33 @@ from mta.tables import markdown_table
 from mta.evaluation.datasets import BENCHMARKS
 from mta.evaluation.results import averages
 
-PERPLEXITY_NOTE = (
-    "At this scale every student still writes poor text, so ROUGE-L separates the runs poorly; "
-    "the teacher-forced response perplexity on Dolly dev is the column that shows whether KD and "
-    "MTA move the student."
-)
+BASE_VARIANT, MTA_VARIANT = "kd", "mta"  # the comparison that says what MTA adds to its base loss
+
+
+def perplexity_note(results: dict) -> str:
+    """The sentence on Dolly-dev perplexity, from the figures: the teacher's and the start's, the
+    lowest of the students, and base + MTA against the base loss alone ("" without perplexity)."""
+    ppl = {
+        label: run["perplexity"]["perplexity"]
+        for label, run in results["checkpoints"].items() if (run.get("perplexity") or {}).get("perplexity") is not None
+    }
+    if not ppl:
+        return ""
+    labels = {v.name: v.label for v in VARIANTS}
+    students = [v.label for v in VARIANTS if v.label in ppl]
+    parts = [f"{label} {ppl[label]:.2f}" for label in ppl if label not in students]
+    sentence = "Dolly-dev perplexity (teacher-forced, lower is better): "
+    sentence += (", ".join(parts) + "; ") if parts else ""
+    if students:
+        best = min(students, key=ppl.get)
+        sentence += f"the lowest of the students is {best} ({ppl[best]:.2f})"
+    base, mta = labels.get(BASE_VARIANT), labels.get(MTA_VARIANT)
+    if base in ppl and mta in ppl:
+        change = 100 * (ppl[mta] / ppl[base] - 1)
+        word = "lower" if change < 0 else "higher"
+        sentence += (f"; {mta} against {base}: {ppl[mta]:.2f} vs {ppl[base]:.2f} "
+                     f"({abs(change):.1f} % {word})")
+    return sentence.rstrip("; ") + "."
 
 
 def parameter_count(model_dir: str | Path) -> int:
@@ -83,9 +105,10 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
         "teacher: the 30-layer model; pruned-start: its 10-layer copy every student starts from; "
         + "; ".join(f"{v.label}: {v.description}" for v in VARIANTS) + ".",
         "",
-        PERPLEXITY_NOTE,
-        "",
     ]
+    note = perplexity_note(results)
+    if note:
+        lines += [note, ""]
     markdown = out_dir / "results.md"
     atomic_write_text(markdown, "\n".join(lines))
     atomic_write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")

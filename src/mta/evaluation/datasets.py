@@ -4,6 +4,12 @@ A data directory has the layout of the public MiniLLM release, ``DIR/<set>/valid
 UnNI may also sit in their ``11_`` bucket (``DIR/sinst/11_/valid.jsonl``), which wins when both
 exist because it is the file the published scripts read. Every row becomes an ``EvalRow``
 whose ``index`` (its position in the file) keys the sampling noise and the resume journal.
+
+A row is ``prompt`` and / or ``instruction`` (+ ``input`` or ``context``) with ``output`` (the
+reference, or a list of them), or a conversation (``messages``, ending with the assistant turn
+that is the reference). Its prompt is built by ``mta.data.prompts`` (the one place prompts are
+built, annotate's too) under the :class:`~mta.data.prompts.PromptStyle` given: ``alpaca`` by
+default, ``chat`` with the evaluated checkpoint's own chat template, or ``none``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from mta.data.prompts import alpaca_prompt
+from mta.data.prompts import ALPACA, PromptProblem, PromptStyle, conversation, split_conversation
 from mta.errors import MtaError
 
 log = logging.getLogger(__name__)
@@ -140,7 +146,7 @@ def resolve_split_file(data_dir: Path, spec: str) -> Path:
     )
 
 
-def _parse_row(path: Path, line_number: int, text: str, index: int) -> EvalRow:
+def _parse_row(path: Path, line_number: int, text: str, index: int, style: PromptStyle = ALPACA) -> EvalRow:
     where = f"{path}:{line_number}"
     try:
         row = json.loads(text)
@@ -148,14 +154,23 @@ def _parse_row(path: Path, line_number: int, text: str, index: int) -> EvalRow:
         raise MtaError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); fix or delete the line") from error
     if not isinstance(row, dict):
         raise MtaError(f"{where}: expected a JSON object with 'prompt'/'instruction' and 'output'")
-    prompt = row.get("prompt")
-    if prompt is None:
-        instruction = row.get("instruction")
-        if not isinstance(instruction, str):
+    try:
+        if "messages" in row:
+            turns, reference = split_conversation(conversation(row["messages"], "messages"), "messages")
+            return EvalRow(index=index, line=line_number, prompt=style.build(turns=turns), references=(reference,))
+        prompt, instruction = row.get("prompt"), row.get("instruction")
+        if prompt is None and not isinstance(instruction, str):
             raise MtaError(f"{where}: the row has neither a 'prompt' nor an 'instruction' string")
-        prompt = alpaca_prompt(instruction, row.get("input") or row.get("context"))
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise MtaError(f"{where}: 'prompt' must be a non-empty string, got {json.dumps(prompt)[:80]}")
+        if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+            raise MtaError(f"{where}: 'prompt' must be a non-empty string, got {json.dumps(prompt)[:80]}")
+        context = row.get("input") or row.get("context")
+        prompt = style.build(
+            prompt=prompt,
+            instruction=instruction if isinstance(instruction, str) else None,
+            context=context if isinstance(context, str) else None,
+        )
+    except PromptProblem as problem:
+        raise MtaError(f"{where}: {problem.message}") from None
     output = row.get("output")
     references = [output] if isinstance(output, str) else output
     if not isinstance(references, list) or not references or not all(isinstance(r, str) for r in references):
@@ -166,22 +181,26 @@ def _parse_row(path: Path, line_number: int, text: str, index: int) -> EvalRow:
     return EvalRow(index=index, line=line_number, prompt=prompt, references=tuple(references))
 
 
-def load_rows(path: str | Path, *, cap: int | None = None, limit: int | None = None) -> tuple[list[EvalRow], int]:
+def load_rows(
+    path: str | Path, *, cap: int | None = None, limit: int | None = None, style: PromptStyle = ALPACA
+) -> tuple[list[EvalRow], int]:
     """Rows of a JSONL set file (blank lines ignored), the first ``min(cap, limit)`` of them,
-    and the number of rows the file holds. Every row is validated, so a bad line far down the
-    file fails now rather than after hours of generation."""
+    and the number of rows the file holds; prompts built under ``style``. Every row is
+    validated, so a bad line far down the file fails now rather than after hours of generation."""
     path = Path(path)
     rows: list[EvalRow] = []
     with open(path, encoding="utf-8") as handle:
         for line_number, text in enumerate(handle, start=1):
             if text.strip():
-                rows.append(_parse_row(path, line_number, text, len(rows)))
+                rows.append(_parse_row(path, line_number, text, len(rows), style))
     if not rows:
         raise MtaError(f"{path} holds no rows; re-fetch it (`mta data download`) or remove it")
     keep = min(n for n in (cap, limit, len(rows)) if n is not None)
     return rows[:keep], len(rows)
 
 
-def load_eval_set(benchmark: Benchmark, path: Path, limit: int | None = None) -> EvalSet:
-    rows, in_file = load_rows(path, cap=benchmark.cap, limit=limit)
+def load_eval_set(
+    benchmark: Benchmark, path: Path, limit: int | None = None, style: PromptStyle = ALPACA
+) -> EvalSet:
+    rows, in_file = load_rows(path, cap=benchmark.cap, limit=limit, style=style)
     return EvalSet(benchmark=benchmark, path=path, rows=rows, rows_in_file=in_file)

@@ -19,30 +19,69 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 
 from mta.errors import MtaError
 from mta.evaluation.model_files import check_weights
+from mta.models.hub import load_pretrained
 from mta.models.tokenizers import load_tokenizer
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=@-]+")
+RUN_OUTPUTS = ("final", "best")  # what `mta distill` writes inside a run directory
+_STEP = re.compile(r"^step-\d+$")
 
 
-def checkpoint_label(checkpoint: str) -> str:
-    """A directory-safe label from the whole path, so ``a/final`` and ``b/final`` differ:
-    relative to the working directory when inside it, ``/`` written as ``--`` (the hub cache's
-    convention: ``runs/mta/final`` -> ``runs--mta--final``, ``org/model`` -> ``org--model``)."""
-    path = Path(checkpoint)
+def _path_parts(checkpoint: str) -> list[str]:
+    """The path's directory-safe parts, relative to the working directory when inside it (a hub
+    name's are its org and name)."""
+    path = Path(checkpoint).expanduser()
     if path.exists():
         resolved = path.resolve()
         try:
             path = resolved.relative_to(Path.cwd().resolve())
         except ValueError:
             path = resolved
-    parts = [_UNSAFE.sub("_", part) for part in path.parts if part not in ("/", "", ".")]
-    return "--".join(parts) or "checkpoint"
+    return [_UNSAFE.sub("_", part) for part in path.parts if part not in ("/", "", ".", "..")] or ["checkpoint"]
+
+
+def _candidates(checkpoint: str) -> list[str]:
+    """Labels of ``checkpoint`` from the shortest to the whole path (parts joined by ``--``):
+    a run's ``final/`` or ``best/`` is named by its run directory (``runs/tiny-long/final`` ->
+    ``tiny-long``, then ``tiny-long-final``), a ``checkpoints/step-N/`` by the run and step
+    (``tiny-long-step-40``), a hub name by its name (``org/model`` -> ``model``), then ever more
+    of the path above it."""
+    parts = _path_parts(checkpoint)
+    names, output = parts, []
+    if len(parts) >= 2 and parts[-1] in RUN_OUTPUTS:
+        names, output = parts[:-1], [f"{parts[-2]}-{parts[-1]}"]  # a/final, a/best -> a-final, a-best
+    elif len(parts) >= 3 and parts[-2] == "checkpoints" and _STEP.match(parts[-1]):
+        names = [*parts[:-3], f"{parts[-3]}-{parts[-1]}"]
+    candidates = ["--".join(names[-k:]) for k in range(1, len(names) + 1)]
+    return list(dict.fromkeys([candidates[0], *output, *candidates[1:], "--".join(parts)]))
+
+
+def checkpoint_label(checkpoint: str) -> str:
+    """The short label of one checkpoint (see ``checkpoint_labels``)."""
+    return _candidates(checkpoint)[0]
+
+
+def checkpoint_labels(checkpoints: Sequence[str]) -> list[str]:
+    """Short, directory-safe labels: each checkpoint's shortest (``runs/a/final`` -> ``a``),
+    lengthened with the directories above it only where two would otherwise collide
+    (``x/a/final`` and ``y/a/final`` -> ``x--a`` and ``y--a``). The same path twice keeps
+    colliding; ``checkpoint_names`` refuses that."""
+    candidates = [_candidates(str(c)) for c in checkpoints]
+    level = [0] * len(candidates)
+    while True:
+        labels = [options[min(k, len(options) - 1)] for options, k in zip(candidates, level)]
+        colliding = {i for i, label in enumerate(labels) if labels.count(label) > 1}
+        growing = [i for i in colliding if level[i] < len(candidates[i]) - 1]
+        if not growing:
+            return labels
+        for i in growing:
+            level[i] += 1
 
 
 def checkpoint_names(checkpoints: Sequence[str], names: Sequence[str] | None = None) -> list[str]:
     """The label of every checkpoint: ``names`` when given (validated), else derived."""
     if names is None:
-        labels = [checkpoint_label(c) for c in checkpoints]
+        labels = checkpoint_labels(checkpoints)
     else:
         if len(names) != len(checkpoints):
             raise MtaError(f"--names gives {len(names)} labels for {len(checkpoints)} checkpoints; give one per checkpoint")
@@ -72,7 +111,9 @@ def check_checkpoint(checkpoint: str) -> None:
     if looks_local and not path.exists():
         raise MtaError(f"checkpoint {checkpoint} does not exist")
     try:
-        config = AutoConfig.from_pretrained(checkpoint)
+        config = load_pretrained(AutoConfig.from_pretrained, checkpoint, what="checkpoint")
+    except MtaError:
+        raise
     except Exception as error:  # OSError, ValueError, hub errors: all mean "not loadable"
         raise MtaError(
             f"cannot read a model config from '{checkpoint}': {error}. Give a local model "
@@ -98,7 +139,8 @@ def loaded_checkpoint(
     """The model in eval mode on ``device`` and its tokenizer; memory is released on exit so the
     next checkpoint of a multi-model run starts from an empty device."""
     tokenizer = load_tokenizer(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    model = load_pretrained(AutoModelForCausalLM.from_pretrained, checkpoint, what="checkpoint", dtype=dtype)
+    model = model.to(device).eval()
     try:
         yield model, tokenizer
     finally:

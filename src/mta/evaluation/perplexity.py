@@ -132,7 +132,8 @@ def response_nll(
             logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         ).item()
         tokens += int((targets != IGNORE).sum())
-        reporter.advance(len(batch))
+        # tokens: the batch's real (unpadded) tokens the forward read, for the tokens/s a bar shows
+        reporter.advance(len(batch), tokens=int(attention_mask.sum()))
     return total, tokens
 
 

@@ -15,12 +15,14 @@ writing a journal, a predictions file or the results is one ``MtaError`` naming 
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from mta import distributed
+from mta import distributed, tracking
+from mta.data.prompts import PromptStyle, prompt_style
 from mta.dtypes import dtype_name, resolve_dtype
 from mta.errors import MtaError
 from mta.evaluation.datasets import (
@@ -54,14 +56,17 @@ def evaluate_checkpoints(
     out_dir: str | Path = "eval",
     settings: EvalSettings | None = None,
     reporter: Reporter | None = None,
+    report_to: Sequence[str] = (),
 ) -> dict:
     """Generate, score and compare ``checkpoints``; returns what results.json holds.
 
     Every input is checked before the first model loads, each checkpoint's weights fingerprinted
     (predictions of other weights at the same path are refused, never reused). One model is in
     memory at a time. Under torchrun every rank must call this with the same arguments; rank 0
-    writes results.
+    writes results. report_to: experiment trackers (``mta.tracking``) that also get the results,
+    checked before any work.
     """
+    report_to = tracking.require(report_to, "--report-to")
     settings = settings or EvalSettings()
     reporter = reporter or SilentReporter()
     checkpoints = [str(c) for c in checkpoints]
@@ -73,8 +78,12 @@ def evaluate_checkpoints(
     for checkpoint in checkpoints:
         check_checkpoint(checkpoint)
     fingerprints = [checkpoint_fingerprint(checkpoint) for checkpoint in checkpoints]
-    eval_sets = [load_eval_set(b, p, settings.limit) for b, p in resolve_benchmarks(data_dir, settings.benchmarks)]
-    perplexity = _perplexity_set(data_dir, settings)
+    found = resolve_benchmarks(data_dir, settings.benchmarks)
+    # The prompts of each checkpoint: with template chat, rendered with its own chat template.
+    styles = [prompt_style(settings.template, checkpoint) for checkpoint in checkpoints]
+    sets_of = {style: [load_eval_set(b, p, settings.limit, style) for b, p in found] for style in dict.fromkeys(styles)}
+    perplexity_of = {style: _perplexity_set(data_dir, settings, style) for style in sets_of}
+    eval_sets = sets_of[styles[0]]  # the sets' names, rows and references, the same for every style
 
     device = distributed.resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
@@ -85,10 +94,12 @@ def evaluate_checkpoints(
     for label, manifest in zip(labels, manifests):
         check_claim(CheckpointPaths.of(out_dir, label), manifest)
     with distributed.joined_process_group():
-        for checkpoint, label, manifest in zip(checkpoints, labels, manifests):
+        for checkpoint, label, manifest, style in zip(checkpoints, labels, manifests, styles):
             paths = CheckpointPaths.of(out_dir, label)
             claim_directory(paths, manifest)
-            _evaluate_checkpoint(checkpoint, label, paths, eval_sets, perplexity, settings, device, dtype, reporter)
+            _evaluate_checkpoint(
+                checkpoint, label, paths, sets_of[style], perplexity_of[style], settings, device, dtype, reporter
+            )
         distributed.barrier()
         results = collect_results(out_dir, checkpoints, labels, eval_sets, settings, data_dir, dtype_name(dtype))
         if distributed.is_main():
@@ -97,15 +108,21 @@ def evaluate_checkpoints(
                 atomic_write_json(out_dir / "results.json", results)
             with disk_full_is_reported(out_dir / "results.md"):
                 atomic_write_text(out_dir / "results.md", results_markdown(results))
+            tracking.report_evaluation(report_to, out_dir, results, run_id=uuid.uuid4().hex)
         distributed.barrier()
         return results
 
 
-def _perplexity_set(data_dir: Path, settings: EvalSettings) -> PerplexitySet | None:
+def _perplexity_set(data_dir: Path, settings: EvalSettings, style: PromptStyle) -> PerplexitySet | None:
     if not settings.perplexity:
         return None
     path = resolve_split_file(data_dir, settings.perplexity)
-    return PerplexitySet(settings.perplexity, path, load_rows(path, limit=settings.perplexity_limit)[0])
+    return PerplexitySet(settings.perplexity, path, load_rows(path, limit=settings.perplexity_limit, style=style)[0])
+
+
+def _perplexity_key(perplexity: PerplexitySet, settings: EvalSettings) -> dict:
+    """What a stored perplexity.json must match to be reused: the set, lengths and template."""
+    return {**perplexity.key(settings.max_prompt_length, settings.max_new_tokens), "template": settings.template}
 
 
 def _evaluate_checkpoint(
@@ -188,7 +205,7 @@ def _generate_set(
 
 def _perplexity_is_current(paths: CheckpointPaths, perplexity: PerplexitySet, settings: EvalSettings) -> bool:
     stored = paths.stored_perplexity()
-    key = perplexity.key(settings.max_prompt_length, settings.max_new_tokens)
+    key = _perplexity_key(perplexity, settings)
     return stored is not None and all(stored.get(k) == v for k, v in key.items())
 
 
@@ -201,7 +218,7 @@ def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settin
         reporter=reporter, description=f"{label} · perplexity {perplexity.spec}",
     )
     if distributed.is_main():
-        key = perplexity.key(settings.max_prompt_length, settings.max_new_tokens)
+        key = _perplexity_key(perplexity, settings)
         with disk_full_is_reported(paths.perplexity):
             atomic_write_json(paths.perplexity, {**key, **result.to_dict()})
     distributed.barrier()

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mta.data.prompts import Template
 from mta.generation.sampling import SamplingParams, sampling_seed
 
 
@@ -35,6 +36,9 @@ class EvalSettings(BaseModel):
     perplexity: str | None = Field(None, description="set for teacher-forced perplexity, e.g. dolly-dev")
     perplexity_limit: int | None = Field(None, ge=1)
     perplexity_batch_size: int = Field(8, ge=1)
+    template: Template = Field(
+        "alpaca", description="how prompts are built (mta.data.prompts); chat: each checkpoint's own chat template"
+    )
 
     @field_validator("seeds")
     @classmethod

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from mta.errors import MtaError
 from mta.files import atomic_directory, atomic_write_json
+from mta.models.hub import load_pretrained
 from mta.models.tokenizers import load_tokenizer
 
 INIT_RECORD = "mta_init.json"
@@ -170,7 +171,9 @@ def init_student(
     if out_dir.exists() and not force:
         raise MtaError(f"{out_dir} already exists; choose another -o or pass --force to replace it")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype="auto")
+        model = load_pretrained(AutoModelForCausalLM.from_pretrained, teacher, what="--from", dtype="auto")
+    except MtaError:
+        raise
     except (OSError, ValueError) as error:
         raise MtaError(
             f"cannot load '{teacher}' as a causal LM: {error}. Give a directory holding a "

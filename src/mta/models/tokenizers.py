@@ -14,12 +14,18 @@ from typing import Iterable
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from mta.errors import MtaError
+from mta.models.hub import TOKENIZER_FILE, load_pretrained
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
-    """Load a fast tokenizer from a local directory or a hub name (hub needs network)."""
+    """Load a fast tokenizer from a local directory or a hub name (``mta.models.hub``: a hub
+    name needs the Hub or the Hugging Face cache, and fails fast naming it without either)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        tokenizer = load_pretrained(
+            AutoTokenizer.from_pretrained, name_or_path, what="tokenizer", filename=TOKENIZER_FILE
+        )
+    except MtaError:
+        raise
     except Exception as error:  # transformers raises OSError, ValueError, HF errors...
         raise MtaError(
             f"cannot load a tokenizer from '{name_or_path}': {error}. "

@@ -9,6 +9,7 @@ Layout under the run's output directory::
         trainer_state.json                                (step, RNG state, run_id)
         checksums.sha256                                  (sha256 of every file above; last)
     final/                          the last weights, Hugging Face format + recipe + versions
+                                    + README.md (model card, mta.training.model_card)
                                     + checksums.sha256
 
 Every checkpoint is written into ``step-N.partial`` and renamed to ``step-N`` only when
@@ -52,6 +53,7 @@ from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publis
 from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
 from mta.training import safe_loading
 from mta.training.recipe import Recipe, recipe_to_yaml
+from mta.training.model_card import write_model_card
 from mta.versions import package_versions
 
 log = logging.getLogger(__name__)
@@ -367,6 +369,11 @@ def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, outpu
         distributed.barrier()
         _export_hf(engine, tokenizer, recipe, partial)
         if distributed.is_main():
+            # README.md: the model card, with the step of the newest checkpoint (the trainer saves
+            # the last step just before) and the run's last dev metrics; checksummed with the rest.
+            latest = latest_checkpoint(output_dir)
+            step = _read_state(latest).step if latest is not None else None
+            write_model_card(partial, recipe, step=step, metrics_path=output_dir / "metrics.jsonl")
             _write_checksums(partial)
             publish_directory(partial, final)
     distributed.barrier()

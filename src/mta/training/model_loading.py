@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from mta.dtypes import torch_dtype
 from mta.errors import MtaError
+from mta.models.hub import load_pretrained
 from mta.models.tiny import build_tiny_model, build_tiny_tokenizer
 from mta.hashing import file_sha256, json_sha256
 from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
@@ -83,9 +84,12 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
     try:
         # Eager attention: the same maths on every backend, and the tiny models gain nothing
         # from fused kernels on CPU.
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch_dtype(spec.dtype), attn_implementation="eager"
+        model = load_pretrained(
+            AutoModelForCausalLM.from_pretrained, model_path, what=f"{role}.path",
+            dtype=torch_dtype(spec.dtype), attn_implementation="eager",
         )
+    except MtaError:
+        raise
     except Exception as error:  # OSError, ValueError, hub errors...
         raise MtaError(
             f"{role}.path: cannot load a causal LM from '{model_path}': {error}. Give a local "

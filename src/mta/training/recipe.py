@@ -40,6 +40,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from mta.data.prompts import Template
 from mta.errors import MtaError, close_match
 from mta.training.deepspeed_settings import deepspeed_problem
 from mta.training.recipe_yaml import MAX_RECIPE_BYTES, BoundedLoader, Refused, load_yaml, yaml_text
@@ -83,13 +84,37 @@ class ModelSpec(Strict):
 
 
 class DataSpec(Strict):
-    train: str = Field(description="annotate output directory, or a JSONL annotated on first use")
+    train: str = Field(
+        description="annotate output directory, or rows annotated on first use: a JSONL, Parquet "
+        "or CSV file, or a datasets save_to_disk directory"
+    )
     dev: Optional[str] = None
     max_length: int = Field(256, ge=8)
     max_prompt_length: int = Field(128, ge=1)
     word_spans: Literal["phrase", "all"] = "phrase"
     spacy_model: str = "en_core_web_sm"
     truncate_prompt: bool = False
+    template: Template = Field(
+        "alpaca",
+        description="how prompts are built from rows (mta.data.prompts): alpaca (the Alpaca "
+        "prompt for rows without a 'prompt'), chat (the student tokenizer's chat template), "
+        "none (each row's 'prompt' as given)",
+    )
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="the input's columns read under the keys the row formats know, "
+        "{format key: column}, e.g. {prompt: question, response: answer} (mta.data.sources)",
+    )
+
+    @field_validator("fields")
+    @classmethod
+    def _fields_known(cls, value: dict[str, str]) -> dict[str, str]:
+        from mta.data.rows import field_problems
+
+        problems = field_problems(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> "DataSpec":
@@ -218,6 +243,21 @@ class TrainSpec(Strict):
     save_generated: bool = Field(
         False, description="also write the rows the student generates for training to OUT/generated/"
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="experiment trackers that also get every metrics.jsonl record, the recipe and "
+        "the dev samples (mta.tracking): OUT/tensorboard/, W&B, MLflow; each needs pip install 'mta[NAME]'",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_or_a_list(cls, value: Any) -> Any:
+        # `train.report_to=tensorboard` or `=tensorboard,wandb` on the command line; repeats once.
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(dict.fromkeys(value))
+        return value
 
     @model_validator(mode="after")
     def _length_given(self) -> "TrainSpec":

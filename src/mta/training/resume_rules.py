@@ -94,6 +94,10 @@ MUTABLE_KEYS: dict[str, str] = {
         "whether the rows the student generates are also written to generated/, from the "
         "resumed step on"
     ),
+    "train.report_to": (
+        "which experiment trackers get the records from the resumed step on; one the run "
+        "reported to before continues its run there (OUT/tracking.json)"
+    ),
     "generation.loss_eps": (
         "the dev-loss rise that raises the threshold, from the next dev evaluation on; the "
         "threshold and reference dev loss reached so far are kept"

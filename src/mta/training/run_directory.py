@@ -27,7 +27,7 @@ from mta.files import atomic_write_json
 
 RUN_RECORD = "run.json"
 # Everything a run writes of its own; a later output of a run belongs here too.
-RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "metrics.jsonl", "generated")
+RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "metrics.jsonl", "generated", "tensorboard", "tracking.json")
 CACHES = ("data", "models")
 
 

@@ -1,9 +1,12 @@
 """The recipe's ``data.train`` / ``data.dev`` as annotate artefacts checked against the run.
 
-A JSONL file is annotated on first use (through ``mta.data.annotate.annotate_file``, the code
+A JSONL, Parquet or CSV file or a ``datasets`` save_to_disk directory (its columns read through
+``data.fields``: :mod:`mta.data.sources`) is annotated on first use (through ``mta.data.annotate.annotate_file``, the code
 behind ``mta annotate``) into ``OUTPUT_DIR/data/<split>``, reused while its input and settings
 are unchanged. A directory is read as it is. Either way the artefact must have been built for
-the recipe's tokenizers and lengths, or the run stops and names the command that rebuilds it.
+the recipe's tokenizers, lengths and prompt template (``data.template``; an artefact that
+records none was built with ``alpaca``; for ``chat`` also the student tokenizer's chat template,
+by its sha256), or the run stops and names the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from mta.data.artefact import Annotations, read_annotations
+from mta.data.prompts import ChatTemplate, recorded_template
 from mta.errors import MtaError
 from mta.reporting import Reporter
 from mta.training.recipe import Recipe
@@ -37,7 +41,9 @@ def load_split(
         return None
     key = f"data.{split}"
     source = recipe.resolve(written, key)
-    if source.is_file():
+    from mta.data.sources import is_dataset_directory
+
+    if source.is_file() or is_dataset_directory(source):  # rows: JSONL, Parquet, CSV, save_to_disk
         from mta.data.annotate import AnnotateSettings, annotate_file
 
         # The tokenizers are the ones the models were loaded with (a `tiny:` model's is built
@@ -51,7 +57,10 @@ def load_split(
     elif source.is_dir():
         directory = source
     else:
-        raise MtaError(f"{key}: {source} is neither a JSONL file nor an annotate output directory")
+        raise MtaError(
+            f"{key}: {source} does not exist: give an annotate output directory, a JSONL, Parquet "
+            "or CSV file, or a datasets save_to_disk directory"
+        )
     annotations = read_annotations(directory)
     check_manifest(annotations, recipe, key, teacher_tokenizer, student_tokenizer, fingerprints)
     return annotations
@@ -65,8 +74,9 @@ def check_manifest(
     student_tokenizer: str,
     fingerprints: dict[str, str],
 ) -> None:
-    """Refuse an artefact built for other tokenizers or other length limits, naming a command
-    that builds a fitting one into a new directory (the existing one is left as it is)."""
+    """Refuse an artefact built for other tokenizers, other length limits or another prompt
+    template, naming a command that builds a fitting one into a new directory (the existing one
+    is left as it is)."""
     manifest = annotations.manifest
     problems = []
     for side, tokenizer in (("teacher", teacher_tokenizer), ("student", student_tokenizer)):
@@ -80,11 +90,30 @@ def check_manifest(
         wanted = getattr(recipe.data, length)
         if manifest.get(length) != wanted:
             problems.append(f"its {length} is {manifest.get(length)} but data.{length} is {wanted}")
+    problems += _template_problems(manifest, recipe.data.template, student_tokenizer)
     if problems:
         raise MtaError(
             f"{key}: the annotations in {annotations.directory} do not fit this recipe: "
             + "; ".join(problems) + ". " + _rebuild_hint(annotations, recipe, key, teacher_tokenizer, student_tokenizer)
         )
+
+
+def _template_problems(manifest: dict, wanted: str, student_tokenizer: str) -> list[str]:
+    """Whether the artefact's prompts were built as ``data.template`` builds them now."""
+    built = recorded_template(manifest)
+    if built.get("name") != wanted:
+        recorded = "records none, so alpaca" if "template" not in manifest else f"is {built.get('name')}"
+        return [f"its prompt template {recorded} but data.template is {wanted}"]
+    if wanted != "chat":
+        return []
+    current = ChatTemplate.load(student_tokenizer)  # refused when it has no chat template
+    if built.get("chat_template_sha256") != current.sha256:
+        return [
+            f"its prompts were rendered with the chat template of '{built.get('tokenizer', '?')}' "
+            f"({_short(built.get('chat_template_sha256'))}) but the student tokenizer "
+            f"'{student_tokenizer}' has another ({_short(current.sha256)})"
+        ]
+    return []
 
 
 def _rebuild_hint(
@@ -101,7 +130,7 @@ def _rebuild_hint(
         f"point {key} at the JSONL file (annotated on first use into "
         f"{recipe.resolve(recipe.output_dir, 'output_dir') / 'data' / key.rpartition('.')[2]})"
     )
-    if not (isinstance(source, str) and Path(source).is_file()):
+    if not (isinstance(source, str) and Path(source).exists()):  # a file, or a save_to_disk dir
         gone = f" (the input it was built from, {source}, is not there)" if isinstance(source, str) else ""
         return f"Annotate the input again with the recipe's tokenizers{gone}, or {first_use}"
     settings = AnnotateSettings.from_recipe(recipe, teacher=teacher_tokenizer, student=student_tokenizer)
@@ -111,7 +140,10 @@ def _rebuild_hint(
         max_length=settings.max_length, max_prompt_length=settings.max_prompt_length,
         spacy_model=settings.spacy_model, word_spans=settings.word_spans,
         truncate_prompt=settings.truncate_prompt, on_error=annotations.manifest.get("on_error"),
+        fields=dict(settings.fields),
     )
+    if settings.template != "alpaca":  # annotate_command knows no template; alpaca is the default
+        command += f" --template {settings.template}"
     return (
         f"Annotate it into a new directory (the existing one stays as it is): `{command}`, then set "
         f"{key}: {target}; or {first_use}"

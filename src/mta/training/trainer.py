@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from mta import distributed
+from mta import distributed, tracking
 from mta.data.annotate import AnnotateSettings
 from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
@@ -333,13 +333,19 @@ class Trainer:
                 run.off_policy.restore(run.resume_from)
             reporter.message(f"resumed from {run.resume_from} at step {start}")
         metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if run.resume_from else None)
+        # train.report_to: every record metrics.jsonl gets also goes to these (main process only).
+        trackers = tracking.open_trackers(
+            recipe.train.report_to, run.output_dir, name=recipe.name, run_id=run.run_id,
+            resume_step=start if run.resume_from else None,
+        )
+        trackers.log_config(recipe.model_dump(mode="json"))
         main = run.rank == 0
         reporter.start("distill", run.total_steps, completed=start, unit="steps")
         # from_pretrained returns the student in eval mode: dropout must be on from the first step.
         run.engine.train()
         try:
             if run.dev is not None and start == 0:  # the baseline later dev losses compare with
-                self._evaluate_and_log(0, metrics)
+                self._evaluate_and_log(0, metrics, trackers)
             window = LossWindow()
             for step in range(start, run.total_steps):
                 window.add(self.step(step))
@@ -356,21 +362,27 @@ class Trainer:
                         record.update(run.off_policy.log_fields())
                     if main:
                         metrics.write(record)
+                        trackers.log(record)
                     reporter.record(record)
                     window = LossWindow()
                 if run.dev is not None and done % recipe.train.eval_interval == 0:
-                    self._evaluate_and_log(done, metrics)
+                    self._evaluate_and_log(done, metrics, trackers)
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)
             self.save(run.total_steps)
             return checkpointing.save_final(run.engine, run.tokenizer, recipe, run.output_dir)
+        except BaseException:
+            trackers.close(failed=True)
+            raise
         finally:
+            trackers.close()  # a no-op after a failure
             reporter.stop()
 
-    def _evaluate_and_log(self, step: int, metrics: MetricsLog) -> None:
+    def _evaluate_and_log(self, step: int, metrics: MetricsLog, trackers: tracking.Trackers) -> None:
         record = self.evaluate(step)
         if self.run.rank == 0:
             metrics.write(record)
+            trackers.log(record)
         self.reporter.record(record)
 
     def save(self, step: int) -> Path:
@@ -443,6 +455,7 @@ def run_distillation(
     builds its own engine and releases it at the end.
     """
     reporter = reporter or SilentReporter()
+    tracking.require(recipe.train.report_to)  # a tracker not installed stops the run before any work
     run = build_run(recipe, reporter, resume=resume, overwrite=overwrite)
     for message in run.messages:
         log.info(message)

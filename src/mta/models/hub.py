@@ -1,0 +1,186 @@
+"""Models and tokenizers by Hugging Face Hub name: the one place a name meets the network.
+
+``from_pretrained`` on a name that is not a local directory asks the Hub first. With the Hub
+unreachable (offline, a firewall, a wrong ``HF_ENDPOINT``) huggingface_hub retries every request
+with back-off, printing a line per retry, and transformers gives up only after about half a
+minute per file. Every loader in mta (tokenizers, the recipe's models, evaluated checkpoints,
+``mta generate``'s models) goes through :func:`load_pretrained`, which decides up front:
+
+- a local directory (or file): loaded as it is, the Hub is never asked;
+- ``HF_HUB_OFFLINE=1``: the Hugging Face cache only; a name that is not in it is an ``MtaError``
+  naming it;
+- otherwise one short request to the endpoint (``HF_ENDPOINT``, default https://huggingface.co),
+  made once per process. Reachable: loaded as usual, and a name the Hub does not know (a typo)
+  is an ``MtaError`` naming it. Unreachable: a name already in the cache loads from it (with a
+  warning); any other is an ``MtaError`` within seconds, naming ``HF_HUB_OFFLINE=1`` and the
+  local-directory alternative.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+from mta.errors import MtaError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REACH_TIMEOUT_S = 4.0  # connect + first byte of one HEAD request to the endpoint
+MODEL_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer_config.json"
+
+
+def is_local(name_or_path: str | Path) -> bool:
+    """Whether ``name_or_path`` is something on this machine (``~`` expanded)."""
+    return Path(name_or_path).expanduser().exists()
+
+
+def endpoint() -> str:
+    """The Hub the names resolve on (``HF_ENDPOINT``, read when huggingface_hub is imported)."""
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def offline_mode() -> bool:
+    """``HF_HUB_OFFLINE=1`` (or ``TRANSFORMERS_OFFLINE=1``): the cache only, no request."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+@functools.lru_cache(maxsize=None)
+def unreachable_reason(url: str) -> Optional[str]:
+    """None when ``url`` answers (any HTTP status counts), else why not, in a few words.
+
+    Made through huggingface_hub's own session, so its proxy and certificate settings apply; the
+    answer is kept for the process (``unreachable_reason.cache_clear()`` forgets it).
+    """
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(url, timeout=REACH_TIMEOUT_S)
+    except Exception as error:  # DNS, refused, timeout, TLS, proxy: all mean "not reachable"
+        detail = str(error).splitlines()[0] if str(error) else ""
+        return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+    return None
+
+
+def _valid_name(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def is_hub_name(name_or_path: str | Path) -> bool:
+    """A name the Hub could resolve: shaped like ``gpt2`` or ``org/model``, and nothing local."""
+    return not is_local(name_or_path) and _valid_name(str(name_or_path))
+
+
+def _in_cache(name: str, filename: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, filename), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_cached(name: str, reason: str) -> None:
+    """Once per name and process: it loads from the cache because the Hub cannot be reached."""
+    log.warning("the Hugging Face Hub (%s) cannot be reached (%s); '%s' loads from the local "
+                "Hugging Face cache (HF_HUB_OFFLINE=1 skips the check)", endpoint(), reason, name)
+
+
+def load_options(name_or_path: str | Path, *, what: str = "model", filename: str = MODEL_FILE) -> dict[str, Any]:
+    """Extra ``from_pretrained`` arguments for ``name_or_path`` (``{}`` or, with the Hub
+    unreachable and the name cached, ``local_files_only``), or an ``MtaError`` saying why it
+    cannot load: not a directory and not a name, or the Hub unreachable and the name not cached.
+    ``filename`` is the file whose presence in the cache counts as "cached"."""
+    name = str(name_or_path)
+    if is_local(name):
+        return {}
+    if not _valid_name(name):
+        raise MtaError(
+            f"{what} '{name}': no such file or directory, and not a Hugging Face Hub name "
+            "(those look like 'gpt2' or 'org/model'); check the path"
+        )
+    if offline_mode():
+        return {}  # transformers reads the cache only; a miss is explained by load_pretrained
+    reason = unreachable_reason(endpoint())
+    if reason is None:
+        return {}
+    if _in_cache(name, filename):
+        _warn_cached(name, reason)
+        return {"local_files_only": True}
+    raise MtaError(
+        f"{what} '{name}' is not a local directory, and the Hugging Face Hub at {endpoint()} cannot "
+        f"be reached ({reason}). Give a local model directory (one that save_pretrained wrote), or "
+        "download the model where the Hub is reachable and set HF_HUB_OFFLINE=1 to load it from the "
+        "Hugging Face cache without asking the Hub."
+    )
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def hub_problem(name_or_path: str | Path, error: BaseException, *, what: str = "model") -> Optional[str]:
+    """The message for a load that failed because of the Hub (unknown or gated name, not in the
+    cache while offline), or None when ``error`` is about something else."""
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    name = str(name_or_path)
+    if is_local(name):
+        return None
+    chain = list(_chain(error))
+    if any(isinstance(e, GatedRepoError) for e in chain):
+        return (
+            f"{what} '{name}' is a gated model on the Hugging Face Hub: accept its terms on its page "
+            "and log in (`hf auth login`, or set HF_TOKEN), or give a local directory"
+        )
+    if any(isinstance(e, RepositoryNotFoundError) for e in chain):
+        return (
+            f"{what} '{name}' is neither a local directory nor a model on the Hugging Face Hub "
+            f"({endpoint()}): check the spelling of the name or the path (a private model needs "
+            "`hf auth login`)"
+        )
+    if any(isinstance(e, LocalEntryNotFoundError) for e in chain):
+        why = "HF_HUB_OFFLINE=1 is set" if offline_mode() else "the Hub cannot be reached"
+        return (
+            f"{what} '{name}' is not a local directory and its files are not (all) in the Hugging Face "
+            f"cache, and {why}. Download it where the Hub is reachable (then HF_HUB_OFFLINE=1 loads it "
+            "from the cache), or give a local directory (one that save_pretrained wrote); check the "
+            "spelling of the name"
+        )
+    return None
+
+
+def load_pretrained(
+    loader: Callable[..., T], name_or_path: str | Path, *, what: str = "model", filename: str = MODEL_FILE,
+    **kwargs: Any,
+) -> T:
+    """``loader(name_or_path, **kwargs)`` (a ``from_pretrained``) after :func:`load_options`;
+    a failure the Hub explains becomes an ``MtaError`` naming the name, any other propagates."""
+    options = load_options(name_or_path, what=what, filename=filename)
+    target = str(Path(name_or_path).expanduser()) if is_local(name_or_path) else str(name_or_path)
+    try:
+        return loader(target, **options, **kwargs)
+    except Exception as error:
+        problem = hub_problem(name_or_path, error, what=what)
+        if problem is not None:
+            raise MtaError(problem) from error
+        raise

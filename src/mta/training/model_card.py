@@ -1,0 +1,145 @@
+"""The model card of a trained student: ``README.md`` in the Hugging Face model-card format.
+
+``final/`` (and any other exported student directory, e.g. a ``best/``) carries one, so the
+directory says what it is when it is copied, shared or pushed to the Hub without mta: YAML front
+matter (``library_name``, ``pipeline_tag``, ``base_model`` when the student started from a Hub
+model, ``datasets`` where the training data is a set the Hub knows, ``tags``), then the teacher,
+the student's start, the recipe's name and hash, the data, the steps, the last dev metrics at
+save time and the mta version. The recipe hash is ``mta.hashing.json_sha256`` of the resolved
+recipe, the mapping ``recipe.yaml`` beside the card holds, so the card names exactly that file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from mta.errors import MtaError
+from mta.files import atomic_write_text
+from mta.hashing import json_sha256
+from mta.training.metrics import read_metrics
+from mta.training.recipe import ModelSpec, Recipe
+from mta.versions import package_versions
+
+CARD = "README.md"
+# Training sets the Hub knows, recognised by a directory or file name in data.train.
+KNOWN_DATASETS = {"dolly": "databricks/databricks-dolly-15k"}
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    """``sha256:`` of the resolved recipe (the mapping recipe.yaml holds) as canonical JSON."""
+    return "sha256:" + json_sha256(recipe.model_dump(mode="json"))
+
+
+def _hub_name(spec: Optional[ModelSpec], recipe: Recipe) -> Optional[str]:
+    """The spec's model as a Hub name, or None (no model, a tiny one, a local directory)."""
+    from mta.models.hub import is_hub_name
+
+    if spec is None or spec.tiny is not None:
+        return None
+    try:
+        resolved = recipe.resolve(spec.path)
+    except MtaError:  # an unset variable: a path, not a Hub name
+        return None
+    return spec.path if is_hub_name(str(resolved)) and str(resolved) == spec.path else None
+
+
+def _describe(spec: Optional[ModelSpec]) -> str:
+    if spec is None:
+        return "none (plain SFT on the reference responses)"
+    if spec.tiny is not None:
+        tiny = spec.tiny
+        return (f"a random tiny {tiny.model_type} built by mta ({tiny.num_layers} layers, hidden size "
+                f"{tiny.hidden_size}, vocabulary {tiny.vocab_size}, seed {tiny.seed})")
+    return f"`{spec.path}`" + (f" (tokenizer `{spec.tokenizer}`)" if spec.tokenizer else "")
+
+
+def _datasets(paths: Iterable[Optional[str]]) -> list[str]:
+    found = []
+    for path in paths:
+        if not path:
+            continue
+        for part in Path(path).parts:
+            name = KNOWN_DATASETS.get(Path(part).stem.lower()) or KNOWN_DATASETS.get(part.lower())
+            if name and name not in found:
+                found.append(name)
+    return found
+
+
+def _loss(recipe: Recipe) -> str:
+    loss = recipe.loss
+    terms = [f"{loss.base_weight:g}·{loss.base}"] if loss.base_weight else []
+    terms += [f"{weight:g}·{name}" for name, weight in
+              (("DSA", loss.dsa_weight), ("HRA", loss.hra_weight), ("FDD", loss.fdd_weight)) if weight]
+    return " + ".join(terms)
+
+
+def metadata(recipe: Recipe) -> dict[str, Any]:
+    """The card's YAML front matter."""
+    tags = ["mta", "knowledge-distillation", recipe.loss.base]
+    tags += [name for name, weight in (("dsa", recipe.loss.dsa_weight), ("hra", recipe.loss.hra_weight),
+                                       ("fdd", recipe.loss.fdd_weight)) if weight]
+    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation"}
+    base_model = _hub_name(recipe.student, recipe)
+    if base_model:
+        meta["base_model"] = base_model
+    datasets = _datasets([recipe.data.train, recipe.data.dev])
+    if datasets:
+        meta["datasets"] = datasets
+    meta["tags"] = tags
+    return meta
+
+
+def last_dev_metrics(records: Iterable[dict], step: Optional[int] = None) -> Optional[dict]:
+    """The numbers of the last dev record (at or before ``step``), samples left out."""
+    dev = [r for r in records if r.get("split") == "dev" and (step is None or r.get("step", 0) <= step)]
+    if not dev:
+        return None
+    return {k: v for k, v in dev[-1].items() if k not in ("split", "samples") and isinstance(v, (int, float))}
+
+
+def model_card(recipe: Recipe, *, step: Optional[int] = None, dev: Optional[dict] = None,
+               what: str = "final") -> str:
+    """The card's text: front matter, then what the student is and how it was made."""
+    version = package_versions(("mta",))["mta"] or "unknown"
+    front = yaml.safe_dump(metadata(recipe), sort_keys=False, allow_unicode=True).strip()
+    data = f"train `{recipe.data.train}`" + (f", dev `{recipe.data.dev}`" if recipe.data.dev else "")
+    rows = [
+        ("teacher", _describe(recipe.teacher)),
+        ("student start", _describe(recipe.student)),
+        ("recipe", f"`{recipe.name}`, {recipe_hash(recipe)} (the resolved recipe: recipe.yaml beside this card)"),
+        ("loss", _loss(recipe)),
+        ("data", f"{data}; at most {recipe.data.max_length} tokens, {recipe.data.max_prompt_length} of prompt"),
+        ("steps", (f"{step}" if step is not None else "not recorded")
+         + f" (global batch {recipe.train.batch_size}, lr {recipe.train.lr:g}, {recipe.train.precision})"),
+        ("mta", version),
+    ]
+    lines = [
+        "---", front, "---", "",
+        f"# {recipe.name}: distilled student ({what})", "",
+        "A student trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment). "
+        "It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained(\"<this directory>\")`; "
+        "`sha256sum -c checksums.sha256` verifies its files.", "",
+        "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows), "",
+    ]
+    if dev:
+        at = f" at step {dev['step']}" if "step" in dev else ""
+        lines += [f"## Dev metrics{at} (the last before saving)", "", "| metric | value |", "|---|---:|"]
+        lines += [f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
+                  for key, value in dev.items() if key != "step"]
+        lines.append("")
+    else:
+        lines += ["No dev metrics were recorded (no data.dev, or no dev evaluation before saving).", ""]
+    return "\n".join(lines)
+
+
+def write_model_card(directory: str | Path, recipe: Recipe, *, step: Optional[int] = None,
+                     metrics_path: Optional[str | Path] = None, what: str = "final") -> Path:
+    """``directory/README.md`` for the student saved there at ``step``; the dev metrics are the
+    last of ``metrics_path`` (a run's metrics.jsonl) up to ``step``. Returns the card's path."""
+    records = read_metrics(Path(metrics_path)) if metrics_path and Path(metrics_path).is_file() else []
+    path = Path(directory) / CARD
+    atomic_write_text(path, model_card(recipe, step=step, dev=last_dev_metrics(records, step), what=what))
+    return path
