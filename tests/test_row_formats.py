@@ -341,6 +341,21 @@ def test_mta_distill_trains_on_conversations_with_the_chat_template(tmp_path, te
     texts = [text for text, _ in texts_by_id(out / "data" / "train").values()]
     assert len(texts) == 8 and all(t.startswith("<|im_start|>user\n") for t in texts)
 
+    # The same conversations as a `datasets` save_to_disk directory train the same way.
+    import datasets
+
+    datasets.Dataset.from_list(conversations).save_to_disk(str(tmp_path / "chat-dataset"))
+    out_ds = tmp_path / "run-ds"
+    recipe = write_recipe(
+        tmp_path / "r-ds.yaml", teacher=teacher_dir, student=student, annotations=tmp_path / "chat-dataset",
+        output_dir=out_ds, data={"dev": None, "template": "chat"}, train={"max_steps": 2},
+    )
+    result = invoke("distill", "--recipe", recipe)
+    assert result.exit_code == 0, result.output
+    assert (out_ds / "final" / "model.safetensors").is_file()
+    assert read_annotations(out_ds / "data" / "train").table.drop_columns([]).column("text").to_pylist() == \
+        annotations.table.column("text").to_pylist()
+
 
 def test_mta_evaluate_renders_each_checkpoint_with_its_own_chat_template(tmp_path, tiny_model_dir):
     first = with_chat_template(tiny_model_dir, tmp_path / "a")
