@@ -30,17 +30,16 @@ from mta.hashing import file_sha256
 from conftest import EXAMPLES
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
-# Today's version, and the next as the boundary_spans issue might shape it: today's plus one
-# span column.
+# Today's version, and a simulated next one: today's plus one span column.
 TODAY = artefact_schema.SCHEMA_VERSION
 NEXT = TODAY + 1
-SCHEMA_NEXT = artefact_schema.SCHEMA.append(pa.field("boundary_spans", pa.list_(SPAN_V1)))
+SCHEMA_NEXT = artefact_schema.SCHEMA.append(pa.field("sentence_spans", pa.list_(SPAN_V1)))
 
 
-def add_empty_boundary_spans(manifest, table):
-    """The simulated today -> next step: every row gets an empty ``boundary_spans``."""
+def add_empty_sentence_spans(manifest, table):
+    """The simulated today -> next step: every row gets an empty ``sentence_spans``."""
     empty = pa.array([[]] * table.num_rows, pa.list_(SPAN_V1))
-    return manifest, table.append_column("boundary_spans", empty)
+    return manifest, table.append_column("sentence_spans", empty)
 
 
 @pytest.fixture
@@ -113,6 +112,7 @@ def test_the_exported_column_names_are_the_schemas():
         artefact_schema.ID, artefact_schema.TEXT, artefact_schema.PROMPT_CHARS,
         *artefact_schema.INPUT_IDS.values(), *artefact_schema.PROMPT_LEN.values(),
         *artefact_schema.SPAN_COLUMNS.values(), artefact_schema.PAIR_ID, artefact_schema.ROLE,
+        artefact_schema.BOUNDARY_SPANS,
     ]
     assert sorted(named) == sorted(schema.names)
     for column in artefact_schema.SPAN_COLUMNS.values():
@@ -122,6 +122,9 @@ def test_the_exported_column_names_are_the_schemas():
         *(name for side in artefact_schema.SIDES for name in artefact_schema.SPAN_TOKENS[side]),
     ]
     assert sorted(span_fields) == sorted(field.name for field in span)
+    boundary = artefact_schema.BOUNDARY_SPAN  # a span without a label
+    assert schema.field(artefact_schema.BOUNDARY_SPANS).type == pa.list_(boundary)
+    assert sorted(set(span_fields) - {artefact_schema.SPAN_LABEL}) == sorted(f.name for f in boundary)
 
 
 # --------------------------------------------------------------------------- upgrading
@@ -135,15 +138,15 @@ def test_a_directory_written_today_reads_after_a_version_bump(written_today, nex
     @upgrade_step(TODAY)
     def step(manifest, table):
         seen.append((manifest["schema_version"], table.schema))
-        return add_empty_boundary_spans(manifest, table)
+        return add_empty_sentence_spans(manifest, table)
 
     assert readable_versions() == list(range(1, NEXT + 1))
     annotations = read_annotations(written_today)
     assert seen == [(TODAY, artefact_schema.SCHEMAS[TODAY])]  # the step got today's manifest and table
     assert annotations.stored_version == TODAY and annotations.manifest["schema_version"] == NEXT
     assert annotations.table.schema.equals(SCHEMA_NEXT)
-    assert annotations.table.column("boundary_spans").to_pylist() == [[]] * len(annotations)
-    assert annotations.table.drop_columns(["boundary_spans"]).equals(today)
+    assert annotations.table.column("sentence_spans").to_pylist() == [[]] * len(annotations)
+    assert annotations.table.drop_columns(["sentence_spans"]).equals(today)
     assert snapshot(written_today) == before  # upgraded in memory; the files are untouched
 
 
@@ -153,7 +156,7 @@ def test_shards_written_before_a_bump_merge_as_their_own_version(tmp_path, small
         # Written with today's code: run_annotate stamps the version it was imported with.
         run_annotate(small_input, out, settings, shard=index, num_shards=2)
     (out / ".mta" / "manifest.json").unlink()
-    upgrade_step(TODAY)(add_empty_boundary_spans)
+    upgrade_step(TODAY)(add_empty_sentence_spans)
 
     assert merge_shards(out)["schema_version"] == TODAY  # not labelled as the next version
     annotations = read_annotations(out)
@@ -165,12 +168,12 @@ def test_a_column_that_cannot_be_derived_names_the_command_into_a_new_directory(
 ):
     @upgrade_step(TODAY)
     def step(manifest, table):
-        raise NotDerivable("boundary_spans", "sentence boundaries need a parse version 1 did not keep")
+        raise NotDerivable("sentence_spans", "sentence boundaries need a parse version 1 did not keep")
 
     with pytest.raises(MtaError) as error:
         read_annotations(written_today)
     message = str(error.value)
-    assert f"schema version {TODAY}, which lacks `boundary_spans`" in message
+    assert f"schema version {TODAY}, which lacks `sentence_spans`" in message
     assert f"mta annotate {small_input} --teacher {settings.teacher} --student {settings.student}" in message
     assert f"-o {written_today}-v{NEXT}`" in message  # a new directory ...
     assert "--force" not in message  # ... never an overwrite of the existing one
@@ -253,5 +256,5 @@ def test_a_manifest_without_a_schema_version_is_refused(tmp_path):
     old = with_manifest(COMMITTED_V1, tmp_path / "old", schema_version=...)
     with pytest.raises(MtaError, match=r"manifest.json has no schema_version: it was not written by "
                                        r"`mta annotate` or was edited by hand\. This mta reads schema "
-                                       r"version\(s\) 1, 2; annotate the input again into a new directory"):
+                                       r"version\(s\) 1, 2, 3; annotate the input again into a new directory"):
         read_annotations(old)

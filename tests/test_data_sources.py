@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from mta.data import annotate as annotate_module
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.artefact import META, read_annotations
-from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, SCHEMA
+from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, SCHEMA, SCHEMA_VERSION
 from mta.data.prompts import alpaca_prompt
 from mta.errors import MtaError
 from mta.hashing import directory_checksums, json_sha256
@@ -163,7 +163,7 @@ def test_directories_of_the_earlier_layout_still_read_and_are_adopted_by_writers
     run_annotate(data, today, settings, shard=1, num_shards=2)
     current = read_annotations(today)
     v2 = read_annotations(flat_layout(today, tmp_path / "v2"))
-    assert (v2.stored_version, v2.layout) == (2, 1)
+    assert (v2.stored_version, v2.layout) == (SCHEMA_VERSION, 1)  # today's rows, the old layout
     assert v2.table.equals(current.table)
     assert v2.manifest == {k: v for k, v in current.manifest.items() if k != LAYOUT_KEY}
     with pytest.raises(Exception):  # the reason for the new layout: the manifest is in the way

@@ -113,13 +113,13 @@ def test_auto_needs_layers():
 
 
 def test_the_fdd_auto_pairs_are_the_published_gpt2_ones_and_follow_the_depths():
-    from mta.training.layers import FddLayerPair, auto_fdd_layers, resolve_fdd_layers
+    from mta.training.layers import LayerIndexPair, auto_fdd_layers, resolve_fdd_layers
 
     assert [(p.student, p.teacher) for p in auto_fdd_layers(12, 48)] == [(4, 16), (6, 24), (8, 32)]
     assert [(p.student, p.teacher) for p in auto_fdd_layers(24, 32)] == [(8, 11), (12, 16), (16, 21)]
     assert [(p.student, p.teacher) for p in auto_fdd_layers(2, 4)] == [(1, 2)]  # repeats dropped
-    assert resolve_fdd_layers([FddLayerPair(student=2, teacher=3)], 4, 4) == [FddLayerPair(student=2, teacher=3)]
+    assert resolve_fdd_layers([LayerIndexPair(student=2, teacher=3)], 4, 4) == [LayerIndexPair(student=2, teacher=3)]
     with pytest.raises(MtaError, match=r"loss\.fdd_layers\[1\]: teacher layer 9 does not exist.*`fdd_layers: auto`"):
-        resolve_fdd_layers([FddLayerPair(student=1, teacher=2), FddLayerPair(student=2, teacher=9)], 4, 4)
+        resolve_fdd_layers([LayerIndexPair(student=1, teacher=2), LayerIndexPair(student=2, teacher=9)], 4, 4)
     with pytest.raises(MtaError, match=r"loss\.fdd_layers\[1\]: the pair \[1, 2\] is listed twice"):
-        resolve_fdd_layers([FddLayerPair(student=1, teacher=2)] * 2, 4, 4)
+        resolve_fdd_layers([LayerIndexPair(student=1, teacher=2)] * 2, 4, 4)

@@ -265,6 +265,7 @@ def make_row(index: int) -> dict:
         "id": index, "text": text, "prompt_chars": 30, "teacher_input_ids": ids,
         "student_input_ids": ids[:3], "teacher_prompt_len": 2, "student_prompt_len": 1,
         "phrase_spans": spans, "word_spans": spans[:1], "pair_id": None, "role": None,
+        "boundary_spans": [{key: value for key, value in span.items() if key != "label"} for span in spans],
     }
 
 

@@ -31,6 +31,14 @@ Version 2 adds ``pair_id`` int64 and ``role`` string: a DistiLLM-2 pair row (``p
 "rejected" (the student's), sharing ``pair_id``; both null on any other row. Version 1 reads
 with both null.
 
+Version 3 adds ``boundary_spans`` list<``BOUNDARY_SPAN``> (half-open character and token ranges,
+no label): the spans both tokenisations of the whole text agree on, for SRA
+(:func:`mta.data.token_ranges.boundary_spans`). Versions 1 and 2 read with a *null* list on
+every row, meaning "not computed" (an empty list is a computed row without any span): every
+other column of theirs stays usable, and what needs the spans (``AnnotatedExamples(...,
+boundary=True)``, the SRA objective) refuses a null with the ``mta annotate`` command that
+rebuilds the directory (:func:`reannotate_command`).
+
 Layouts. How the files of an artefact sit in its directory is versioned apart from the table:
 ``LAYOUT_VERSION`` (manifest key ``layout_version``) changes when files move, ``SCHEMA_VERSION``
 when the columns do; a layout change leaves the rows as they are, so it needs no upgrade step.
@@ -79,6 +87,7 @@ SPAN_TOKENS = {  # half-open range into each side's ids
     "teacher": ("teacher_start", "teacher_end"),
     "student": ("student_start", "student_end"),
 }
+BOUNDARY_SPANS = "boundary_spans"  # SRA's spans: list<BOUNDARY_SPAN>; null: not computed (v1, v2)
 PAIR_ID = "pair_id"  # the input row both halves of a pair come from (null: not a pair)
 ROLE = "role"  # "chosen" (the teacher's response) or "rejected" (the student's); null: not a pair
 ROLES = ("chosen", "rejected")
@@ -130,10 +139,40 @@ SCHEMA_V2 = pa.schema(
     ]
 )
 
-SCHEMAS: dict[int, pa.Schema] = {1: SCHEMA_V1, 2: SCHEMA_V2}
-SCHEMA_VERSION = 2
-SCHEMA = SCHEMA_V2
+# Version 3: version 2 + the spans both tokenisations agree on (SRA), over the whole text; a
+# span of characters and of each side's tokens, without a label.
+BOUNDARY_SPAN_V3 = pa.struct(
+    [
+        ("char_start", pa.int32()),
+        ("char_end", pa.int32()),
+        ("teacher_start", pa.int32()),
+        ("teacher_end", pa.int32()),
+        ("student_start", pa.int32()),
+        ("student_end", pa.int32()),
+    ]
+)
+SCHEMA_V3 = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("text", pa.string()),
+        ("prompt_chars", pa.int32()),
+        ("teacher_input_ids", pa.list_(pa.int32())),
+        ("student_input_ids", pa.list_(pa.int32())),
+        ("teacher_prompt_len", pa.int32()),
+        ("student_prompt_len", pa.int32()),
+        ("phrase_spans", pa.list_(SPAN_V1)),
+        ("word_spans", pa.list_(SPAN_V1)),
+        ("pair_id", pa.int64()),
+        ("role", pa.string()),
+        ("boundary_spans", pa.list_(BOUNDARY_SPAN_V3)),
+    ]
+)
+
+SCHEMAS: dict[int, pa.Schema] = {1: SCHEMA_V1, 2: SCHEMA_V2, 3: SCHEMA_V3}
+SCHEMA_VERSION = 3
+SCHEMA = SCHEMA_V3
 SPAN = SPAN_V1
+BOUNDARY_SPAN = BOUNDARY_SPAN_V3
 COLUMNS = tuple(SCHEMA.names)
 
 # --------------------------------------------------------------------------- layouts
@@ -192,6 +231,17 @@ def _pairs_are_absent(manifest: Manifest, table: pa.Table) -> tuple[Manifest, pa
     """Version 1 had no pair rows: ``pair_id`` and ``role`` are null on every row."""
     table = table.append_column(pa.field("pair_id", pa.int64()), pa.nulls(table.num_rows, pa.int64()))
     table = table.append_column(pa.field("role", pa.string()), pa.nulls(table.num_rows, pa.string()))
+    return manifest, table
+
+
+@upgrade_step(2)
+def _boundary_spans_not_computed(manifest: Manifest, table: pa.Table) -> tuple[Manifest, pa.Table]:
+    """Version 2 did not keep what ``boundary_spans`` needs (the tokens' character offsets):
+    the column is null on every row, "not computed". Every other column reads as before; a
+    reader of the spans refuses the null, naming :func:`reannotate_command` (not
+    ``NotDerivable``, which would refuse the whole artefact for a column most losses never read)."""
+    kind = pa.list_(BOUNDARY_SPAN_V3)
+    table = table.append_column(pa.field("boundary_spans", kind), pa.nulls(table.num_rows, kind))
     return manifest, table
 
 

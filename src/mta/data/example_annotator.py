@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from mta.data.token_ranges import member_ranges, prompt_token_count, visible_ranges
-from mta.data.artefact_schema import SCHEMA, SIDES, SPAN
+from mta.data.token_ranges import boundary_spans, member_ranges, prompt_token_count, visible_ranges
+from mta.data.artefact_schema import BOUNDARY_SPAN, SCHEMA, SIDES, SPAN
 from mta.data.encoding import Encoding, TokenizerSide
 from mta.data.rows import PROMPT_TOO_LONG, Example, RowProblem
 from mta.data.span_extraction import WORD, SpanExtractor
@@ -125,6 +125,17 @@ def _span_lists(rows: Sequence[AlignedSpans]) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), spans)
 
 
+def _boundary_lists(rows: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> pa.ListArray:
+    """``boundary_spans`` of each row from its ``(chars, teacher, student)`` ``[spans, 2]``."""
+    offsets = np.concatenate([[0], np.cumsum([len(row[0]) for row in rows])]).astype(np.int32)
+    flat = np.concatenate([np.concatenate(row, axis=1) for row in rows]) if rows else np.zeros((0, 6))
+    spans = pa.StructArray.from_arrays(
+        [pa.array(flat[:, index].astype(np.int32), pa.int32()) for index in range(6)],
+        fields=list(BOUNDARY_SPAN),
+    )
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), spans)
+
+
 class ExampleAnnotator:
     """Fits, parses and aligns examples for one (teacher, student) pair and one set of limits;
     settles, parses and aligns generated rows the same way (limits do not apply to them)."""
@@ -181,7 +192,7 @@ class ExampleAnnotator:
                                      batch_size=SPACY_BATCH_SIZE)
         ids = {"teacher": [], "student": []}
         prompt_lens = {"teacher": [], "student": []}
-        phrases, words = [], []
+        phrases, words, boundaries = [], [], []
         for (example, fitted, row_ids), spans in zip(kept, parsed):
             for name, side_ids, encoding in zip(SIDES, row_ids, fitted.encodings):
                 ids[name].append(side_ids)
@@ -195,6 +206,9 @@ class ExampleAnnotator:
             counts["word_spans_dropped"] += word_spans.dropped
             phrases.append(phrase_spans)
             words.append(word_spans)
+            # SRA's spans, over the whole text (prompt and response); EOS is in no offsets.
+            boundaries.append(boundary_spans(fitted.text, *(e.offsets for e in fitted.encodings)))
+            counts["boundary_spans"] += len(boundaries[-1][0])
 
         batch = pa.RecordBatch.from_arrays(
             [
@@ -209,6 +223,7 @@ class ExampleAnnotator:
                 _span_lists(words),
                 pa.array([getattr(example, "pair_id", None) for example, _, _ in kept], pa.int64()),
                 pa.array([getattr(example, "role", None) for example, _, _ in kept], pa.string()),
+                _boundary_lists(boundaries),
             ],
             schema=SCHEMA,
         )

@@ -15,6 +15,13 @@ import numpy as np
 _IS_SPACE = np.array([chr(code).isspace() for code in range(0x3001)], dtype=bool)
 
 
+def _non_space(text: str) -> np.ndarray:
+    """``[characters]`` the positions of ``text``'s characters that are not whitespace."""
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    is_space = (codes <= 0x3000) & _IS_SPACE[np.minimum(codes, 0x3000)]
+    return np.flatnonzero(~is_space)
+
+
 def visible_ranges(text: str, offsets: np.ndarray) -> np.ndarray:
     """``[tokens, 2]`` each token's character range with its leading whitespace skipped.
 
@@ -22,12 +29,83 @@ def visible_ranges(text: str, offsets: np.ndarray) -> np.ndarray:
     special token at ``(0, 0)``, gets an empty range (start == end).
     """
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-    is_space = (codes <= 0x3000) & _IS_SPACE[np.minimum(codes, 0x3000)]
-    non_space = np.append(np.flatnonzero(~is_space), len(text))
+    non_space = np.append(_non_space(text), len(text))
     # The first visible character at or after each token's start, but never past its end.
     starts = np.minimum(non_space[np.searchsorted(non_space, offsets[:, 0])], offsets[:, 1])
     return np.stack([starts, offsets[:, 1]], axis=1)
+
+
+def _before_trailing_space(non_space: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """For each end position, one past the last non-whitespace character before it (0: none)."""
+    left = np.concatenate([[-1], non_space])
+    return left[np.searchsorted(left, ends) - 1] + 1
+
+
+def stripped_ranges(text: str, offsets: np.ndarray) -> np.ndarray:
+    """``[tokens, 2]`` each token's character range with leading *and* trailing whitespace
+    stripped (a whitespace-only or ``(0, 0)`` token: an empty range, start == end).
+
+    A token such as ``".\n\n"`` (Qwen) ends on its last visible character, so it fits a span
+    whose own trailing whitespace is stripped (:func:`boundary_spans`)."""
+    visible = visible_ranges(text, offsets)
+    ends = np.maximum(_before_trailing_space(_non_space(text), visible[:, 1]), visible[:, 0])
+    return np.stack([visible[:, 0], ends], axis=1)
+
+
+def boundary_spans(
+    text: str, teacher_offsets: np.ndarray, student_offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The spans both tokenisations of ``text`` agree on (SRA, docs/method.md §1).
+
+    Each token's range is stripped of leading and trailing whitespace (:func:`stripped_ranges`;
+    whitespace-only and special tokens drop out). A position is a *boundary* of one side when a
+    non-empty stripped token range starts there and no other one of that side strictly contains
+    it (byte-level tokens that split a character overlap on it: the second one's start is not a
+    boundary); a *common boundary* is a boundary of both sides. The spans run from each common
+    boundary to the next one (the last to the end of the text), trailing whitespace stripped:
+    the finest segmentation both tokenizers respect. Their token range on a side is
+    ``[first, last + 1)`` of the tokens whose stripped range lies inside them; a span that one
+    side has no token in is dropped. With the same tokenizer on both sides the spans are the
+    tokens (tokens sharing one range — pieces of one character — share its span).
+
+    teacher_offsets, student_offsets: ``[tokens, 2]`` character ranges into ``text`` (EOS, if
+    any, at ``(0, 0)`` or left out). Returns ``(chars, teacher, student)``, each ``[spans, 2]``
+    int64 half-open ranges, ordered by position, not overlapping.
+    """
+    length = len(text)
+    non_space = _non_space(text)
+    ranges, is_boundary = [], np.ones(length + 1, dtype=bool)
+    for offsets in (teacher_offsets, student_offsets):  # the two sides, not the tokens
+        stripped = stripped_ranges(text, offsets)
+        stripped = np.clip(stripped, 0, length)
+        ranges.append(stripped)
+        real = stripped[stripped[:, 0] < stripped[:, 1]]
+        starts = np.zeros(length + 1, dtype=bool)
+        starts[real[:, 0]] = True
+        # +1 after each start, -1 at each end: positions strictly inside a token count > 0.
+        inside = np.cumsum(
+            np.bincount(real[:, 0] + 1, minlength=length + 2)[: length + 2]
+            - np.bincount(real[:, 1], minlength=length + 2)[: length + 2]
+        )[: length + 1] > 0
+        is_boundary &= starts & ~inside
+    begins = np.flatnonzero(is_boundary)
+    ends = _before_trailing_space(non_space, np.append(begins[1:], length)[: len(begins)])
+    spans = np.stack([begins, ends], axis=1)
+
+    token_spans = []
+    for stripped in ranges:
+        # The span each token starts in, and whether it ends inside it too.
+        span_of = np.searchsorted(begins, stripped[:, 0], side="right") - 1
+        member = (stripped[:, 0] < stripped[:, 1]) & (span_of >= 0)
+        member &= stripped[:, 1] <= ends[np.maximum(span_of, 0)] if len(ends) else False
+        tokens = np.flatnonzero(member)
+        first = np.full(len(begins), np.iinfo(np.int64).max, dtype=np.int64)
+        last = np.full(len(begins), -1, dtype=np.int64)
+        np.minimum.at(first, span_of[tokens], tokens)
+        np.maximum.at(last, span_of[tokens], tokens)
+        token_spans.append(np.stack([first, last + 1], axis=1))
+    keep = (token_spans[0][:, 1] > 0) & (token_spans[1][:, 1] > 0)
+    return spans[keep], token_spans[0][keep], token_spans[1][keep]
 
 
 def member_ranges(visible: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,12 +17,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from mta.data.artefact_schema import ID, INPUT_IDS, PAIR_ID, PROMPT_LEN, ROLE, SPAN_COLUMNS, SPAN_TOKENS
+from mta.data.artefact_schema import (
+    BOUNDARY_SPANS, ID, INPUT_IDS, PAIR_ID, PROMPT_LEN, ROLE, SPAN_COLUMNS, SPAN_TOKENS,
+)
 from mta.errors import MtaError
 from mta.losses.span_masks import SpanBatch
 
 IGNORE_INDEX = -100
 SPAN_FIELDS = (*SPAN_TOKENS["student"], *SPAN_TOKENS["teacher"])
+BOUNDARY = "boundary"  # the key of SRA's spans in TrainBatch.spans
+GENERIC_REBUILD = "mta annotate DATA.jsonl --teacher TEACHER --student STUDENT -o NEW_DIR"
 
 
 @dataclass
@@ -132,6 +136,10 @@ class AnnotatedExamples:
     student_pad_id / teacher_pad_id: the id written into padding (masked out everywhere).
     with_teacher: False for SFT, where the teacher's columns are not turned into tensors.
     granularities: the span kinds the loss reads (``"word"``, ``"phrase"``).
+    boundary: also gather ``boundary_spans`` (SRA) into ``batch.spans["boundary"]``; a table
+    without them (the column absent, or null on a row: an artefact of schema version 1 or 2) is
+    refused naming ``rebuild``, the command that builds them into a new directory (pass
+    ``artefact_schema.reannotate_command(manifest, directory)``; default: a generic one).
     """
 
     def __init__(
@@ -142,6 +150,8 @@ class AnnotatedExamples:
         teacher_pad_id: int = 0,
         with_teacher: bool = True,
         granularities: tuple[str, ...] = ("word", "phrase"),
+        boundary: bool = False,
+        rebuild: Optional[str] = None,
     ):
         sides = ("student", "teacher") if with_teacher else ("student",)
         missing = {
@@ -165,12 +175,9 @@ class AnnotatedExamples:
         self.pair_ids, self.chosen = _pairs(table)
         self.spans: dict[str, tuple[_Ragged, dict[str, np.ndarray]]] = {}
         for name in granularities:
-            ragged = _Ragged(table.column(SPAN_COLUMNS[name]))
-            fields = {
-                field: ragged.values.field(field).to_numpy(zero_copy_only=False).astype(np.int64)
-                for field in SPAN_FIELDS
-            }
-            self.spans[name] = (ragged, fields)
+            self.spans[name] = _span_fields(table.column(SPAN_COLUMNS[name]))
+        if boundary:
+            self.spans[BOUNDARY] = _boundary_spans(table, rebuild or GENERIC_REBUILD)
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -216,6 +223,31 @@ class AnnotatedExamples:
         mask = np.zeros((len(rows), width), dtype=bool)
         mask[row_of, position] = True
         return SpanBatch(**tensors, mask=torch.from_numpy(mask))
+
+
+def _span_fields(column: pa.ChunkedArray | pa.Array) -> tuple[_Ragged, dict[str, np.ndarray]]:
+    ragged = _Ragged(column)
+    fields = {
+        field: ragged.values.field(field).to_numpy(zero_copy_only=False).astype(np.int64)
+        for field in SPAN_FIELDS
+    }
+    return ragged, fields
+
+
+def _boundary_spans(table: pa.Table, rebuild: str) -> tuple[_Ragged, dict[str, np.ndarray]]:
+    """SRA's spans of every row; ``MtaError`` naming ``rebuild`` when any row lacks them."""
+    column = table.column(BOUNDARY_SPANS) if BOUNDARY_SPANS in table.column_names else None
+    if column is None or column.null_count:
+        missing = f"lack the column `{BOUNDARY_SPANS}`" if column is None else (
+            f"have no `{BOUNDARY_SPANS}` on {column.null_count} of {table.num_rows} rows (null: "
+            "not computed, as in an artefact of schema version 1 or 2)"
+        )
+        raise MtaError(
+            f"SRA reads the spans both tokenizers agree on, and the annotations {missing}; "
+            f"annotate the data again with this mta into a new directory (the "
+            f"existing one stays as it is): `{rebuild}`, then train on that one"
+        )
+    return _span_fields(column)
 
 
 def _pairs(table: pa.Table) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Literal, Sequence, Union
 
 from mta.errors import MtaError
-from mta.training.recipe import FddLayerPair, LayerPair
+from mta.training.recipe import LayerIndexPair, LayerPair
 
-__all__ = ["FddLayerPair", "LayerPair", "auto_fdd_layers", "auto_layer_map", "resolve_fdd_layers", "resolve_layer_map"]
+__all__ = ["LayerIndexPair", "LayerPair", "auto_fdd_layers", "auto_layer_map", "resolve_fdd_layers", "resolve_layer_map", "resolve_sra_layers"]
 
 
 def auto_layer_map(student_layers: int, teacher_layers: int) -> list[LayerPair]:
@@ -45,7 +45,7 @@ def auto_layer_map(student_layers: int, teacher_layers: int) -> list[LayerPair]:
     ]
 
 
-def auto_fdd_layers(student_layers: int, teacher_layers: int) -> list[FddLayerPair]:
+def auto_fdd_layers(student_layers: int, teacher_layers: int) -> list[LayerIndexPair]:
     """FDD's ``auto`` pairs: student layers ``L_S/3``, ``L_S/2``, ``2·L_S/3`` (rounded half up;
     4, 6, 8 of 12, the published GPT-2 pairs), each with the teacher layer at the same depth
     (16, 24, 32 of 48). Repeats (a shallow student) are dropped, layer 0 never used."""
@@ -53,22 +53,31 @@ def auto_fdd_layers(student_layers: int, teacher_layers: int) -> list[FddLayerPa
         raise MtaError(
             f"FDD needs models with at least one layer (student {student_layers}, teacher {teacher_layers})"
         )
-    pairs: list[FddLayerPair] = []
+    pairs: list[LayerIndexPair] = []
     for numerator, denominator in ((1, 3), (1, 2), (2, 3)):
         student = max(1, _round_half_up(numerator * student_layers, denominator))
-        pair = FddLayerPair(student=student, teacher=_round_half_up(student * teacher_layers, student_layers))
+        pair = LayerIndexPair(student=student, teacher=_round_half_up(student * teacher_layers, student_layers))
         if pair not in pairs:
             pairs.append(pair)
     return pairs
 
 
 def resolve_fdd_layers(
-    layers: Union[Literal["auto"], Sequence[FddLayerPair]], student_layers: int, teacher_layers: int
-) -> list[FddLayerPair]:
+    layers: Union[Literal["auto"], Sequence[LayerIndexPair]], student_layers: int, teacher_layers: int
+) -> list[LayerIndexPair]:
     """The recipe's ``loss.fdd_layers`` as concrete pairs, checked as ``resolve_layer_map`` checks."""
     if layers == "auto":
         return auto_fdd_layers(student_layers, teacher_layers)
     return _checked_pairs(layers, "loss.fdd_layers", student_layers, teacher_layers)
+
+
+def resolve_sra_layers(
+    layers: Union[Literal["last"], Sequence[LayerIndexPair]], student_layers: int, teacher_layers: int
+) -> list[LayerIndexPair]:
+    """The recipe's ``loss.sra_layers``: ``last`` is each model's last layer (the public port's)."""
+    if layers == "last":
+        return [LayerIndexPair(student=student_layers, teacher=teacher_layers)]
+    return _checked_pairs(layers, "loss.sra_layers", student_layers, teacher_layers)
 
 
 def _round_half_up(numerator: int, denominator: int) -> int:

@@ -17,10 +17,12 @@ from mta.errors import MtaError
 from mta.losses.trajectory import TrajectoryAlignmentLoss
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.fdd import FeatureDynamicsLoss
+from mta.losses.importance import token_importance
+from mta.losses.sra import SpanRepresentationLoss, last_token_attention
 from mta.losses.kd import build_base_loss
 from mta.training.batching import TrainBatch
 from mta.training.teacher import LogitLens, TeacherOutput
-from mta.training.recipe import FddLayerPair, LayerPair, LossSpec
+from mta.training.recipe import LayerIndexPair, LayerPair, LossSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,9 @@ class DistillationObjective(nn.Module):
         teacher_hidden_size: Optional[int],
         same_tokenizer: bool,
         vocab_size: int,
-        fdd_pairs: Sequence[FddLayerPair] = (),
+        fdd_pairs: Sequence[LayerIndexPair] = (),
+        sra_pairs: Sequence[LayerIndexPair] = (),
+        shared_vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ):
         super().__init__()
         # A term whose weight is 0 is neither built nor computed.
@@ -73,6 +77,22 @@ class DistillationObjective(nn.Module):
             self.fdd = FeatureDynamicsLoss(
                 temperature=spec.fdd_temperature, vocab_size=vocab_size, chunk_size=spec.chunk_size
             )
+        self.weights["sra"] = spec.sra_weight
+        self.sra: Optional[SpanRepresentationLoss] = None
+        self.sra_pairs = list(sra_pairs) if spec.sra_weight else []
+        self.sra_centre, self.sra_scope = spec.sra_centre, spec.sra_scope
+        self.sra_logits = bool(spec.sra_weight and spec.sra_logit_weight and shared_vocab is not None)
+        if spec.sra_weight:
+            if not self.sra_pairs:
+                raise MtaError("loss.sra_weight > 0 needs at least one loss.sra_layers pair")
+            self.sra = SpanRepresentationLoss(
+                len(self.sra_pairs), student_hidden_size, teacher_hidden_size,
+                geometry_weight=spec.sra_geometry_weight, logit_weight=spec.sra_logit_weight if self.sra_logits else 0.0,
+                temperature=spec.temperature,
+            )
+            if self.sra_logits:  # buffers: they move to the device with the module
+                self.register_buffer("sra_student_ids", shared_vocab[0].long(), persistent=False)
+                self.register_buffer("sra_teacher_ids", shared_vocab[1].long(), persistent=False)
         self.alignment: Optional[TrajectoryAlignmentLoss] = None
         if spec.alignment_terms:
             self.alignment = TrajectoryAlignmentLoss(
@@ -92,11 +112,19 @@ class DistillationObjective(nn.Module):
     def teacher_layers(self) -> list[int]:
         """The teacher ``hidden_states`` entries the loss reads (MTA's pairs and FDD's)."""
         aligned = self.alignment.teacher_layers if self.alignment else []
-        return sorted({*aligned, *(pair.teacher for pair in self.fdd_pairs)})
+        return sorted({*aligned, *(pair.teacher for pair in (*self.fdd_pairs, *self.sra_pairs))})
 
     @property
     def needs_student_hidden(self) -> bool:
-        return self.alignment is not None or self.fdd is not None
+        return self.alignment is not None or self.fdd is not None or self.sra is not None
+
+    @property
+    def attention_layers(self) -> dict[str, tuple[int, ...]]:
+        """The ``hidden_states`` indices whose block attention the loss reads, per side (SRA's
+        last-token-attention centres: the last pair's)."""
+        if self.sra is None or self.sra_centre != "last_token_attention":
+            return {"student": (), "teacher": ()}
+        return {"student": (self.sra_pairs[-1].student,), "teacher": (self.sra_pairs[-1].teacher,)}
 
     def forward(
         self,
@@ -105,6 +133,7 @@ class DistillationObjective(nn.Module):
         teacher: Optional[TeacherOutput],
         batch: TrainBatch,
         student_lens: Optional[LogitLens] = None,
+        student_attentions: Optional[tuple[torch.Tensor, ...]] = None,
     ) -> dict[str, torch.Tensor]:
         """student_logits ``[batch, seq, vocab]``; student_hidden: HF ``hidden_states``;
         student_lens: the student's logit lens (FDD only).
@@ -128,8 +157,38 @@ class DistillationObjective(nn.Module):
                 teacher.lens.states(teacher.hidden_states, [pair.teacher for pair in self.fdd_pairs]),
                 student_lens, teacher.lens, self._fdd_positions(batch),
             )["fdd"]
+        if self.sra is not None:
+            losses["sra"] = self._sra(student_hidden, student_attentions, teacher, batch, student_lens)
         losses["total"] = sum(self.weights[name] * value for name, value in losses.items())
         return losses
+
+    def _sra(self, student_hidden, student_attentions, teacher: TeacherOutput, batch: TrainBatch,
+             student_lens: Optional[LogitLens]) -> torch.Tensor:
+        """SRA on the spans both tokenizers agree on (``batch.spans["boundary"]``)."""
+        spans = batch.spans["boundary"]
+        last = self.sra_pairs[-1]
+        if self.sra_centre == "importance":
+            student_weights = token_importance(student_hidden[last.student], batch.student.attention_mask)
+            teacher_weights = token_importance(teacher.hidden_states[last.teacher], batch.teacher.attention_mask)
+        else:  # attentions[i] is block i's, which produces hidden_states[i + 1]
+            student_weights = last_token_attention(student_attentions[last.student - 1], batch.student.attention_mask)
+            teacher_weights = last_token_attention(teacher.attentions[last.teacher], batch.teacher.attention_mask)
+        if self.sra_scope == "response":  # a span whose first student token is a target
+            labels = batch.student.labels
+            first = spans.student_start.clamp(max=labels.shape[1] - 1)
+            scope = labels.gather(1, first) != -100
+        else:
+            scope = spans.mask.bool()
+        heads = {}
+        if self.sra_logits:
+            heads = dict(student_head=student_lens.for_layer(last.student),
+                         teacher_head=teacher.lens.for_layer(last.teacher),
+                         shared_vocab=(self.sra_student_ids, self.sra_teacher_ids))
+        return self.sra(
+            [student_hidden[pair.student] for pair in self.sra_pairs],
+            [teacher.hidden_states[pair.teacher] for pair in self.sra_pairs],
+            student_weights, teacher_weights, spans, scope, **heads,
+        )["sra"]
 
     def _fdd_positions(self, batch: TrainBatch) -> torch.Tensor:
         """``[batch, seq]`` bool: every real token (``fdd_tokens: all``, the authors') or the
@@ -159,22 +218,28 @@ class DistillationModel(nn.Module):
         super().__init__()
         self.student = student
         self.objective = objective
+        # FDD reads the lens at intermediate layers as the recipe says; SRA's logit term applies
+        # the final norm and head to span centres.
         self.lens = (
-            LogitLens(student, final_norm=fdd_final_norm, num_layers=student.config.num_hidden_layers)
-            if objective.fdd is not None else None
+            LogitLens(student, final_norm=fdd_final_norm or objective.fdd is None,
+                      num_layers=student.config.num_hidden_layers)
+            if objective.fdd is not None or objective.sra_logits else None
         )
 
     def forward(self, batch: TrainBatch, teacher: Optional[TeacherOutput]) -> dict[str, torch.Tensor]:
         want_hidden = self.objective.needs_student_hidden
+        want_attentions = bool(self.objective.attention_layers["student"])
         out = self.student(
             input_ids=batch.student.input_ids,
             attention_mask=batch.student.attention_mask,
             output_hidden_states=want_hidden,
+            **({"output_attentions": True} if want_attentions else {}),
         )
-        return self.objective(out.logits, out.hidden_states if want_hidden else None, teacher, batch, self.lens)
+        return self.objective(out.logits, out.hidden_states if want_hidden else None, teacher, batch, self.lens,
+                              out.attentions if want_attentions else None)
 
     def projector_parameters(self) -> list[nn.Parameter]:
-        alignment = self.objective.alignment
-        if alignment is None or alignment.projectors is None:
-            return []
-        return list(alignment.projectors.parameters())
+        """The projectors (MTA's HRA, SRA's span projectors): the optimizer's projector_lr group."""
+        alignment, sra = self.objective.alignment, self.objective.sra
+        found = [] if alignment is None or alignment.projectors is None else list(alignment.projectors.parameters())
+        return found + ([] if sra is None else list(sra.projectors.parameters()))

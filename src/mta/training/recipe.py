@@ -154,8 +154,8 @@ LayerMap = Annotated[
 ]
 
 
-class FddLayerPair(Strict):
-    """One FDD pair: the student and teacher ``hidden_states`` indices read through the logit lens."""
+class LayerIndexPair(Strict):
+    """A student and a teacher ``hidden_states`` index (FDD's logit-lens pairs, SRA's span pairs)."""
 
     student: int = Field(ge=0)
     teacher: int = Field(ge=0)
@@ -165,17 +165,17 @@ class FddLayerPair(Strict):
     def _from_pair(cls, value: Any) -> Any:
         if isinstance(value, (list, tuple)):
             if len(value) != 2:
-                raise ValueError(f"write an FDD layer pair as [student, teacher], got {list(value)}")
+                raise ValueError(f"write the layer pair as [student, teacher], got {list(value)}")
             return dict(zip(("student", "teacher"), value))
         return value
 
 
-FddLayerMap = Annotated[
+IndexPairMap = Annotated[
     Union[
         Annotated[Literal["auto"], Tag("'auto'")],
-        Annotated[list[FddLayerPair], Tag("list[FddLayerPair]")],
+        Annotated[list[LayerIndexPair], Tag("list[LayerIndexPair]")],
     ],
-    Discriminator(lambda value: "'auto'" if isinstance(value, str) else "list[FddLayerPair]"),
+    Discriminator(lambda value: "'auto'" if isinstance(value, str) else "list[LayerIndexPair]"),
 ]
 
 
@@ -199,7 +199,7 @@ class LossSpec(Strict):
         "β·skew reverse KL on the student's"
     )
     fdd_weight: float = Field(0.0, ge=0, description="feature dynamics distillation (FDD); 0: off")
-    fdd_layers: FddLayerMap = Field(
+    fdd_layers: IndexPairMap = Field(
         "auto", description="[student, teacher] pairs read through the logit lens; auto: student layers "
         "L/3, L/2, 2L/3 (4, 6, 8 of 12) and the teacher layers at the same depth"
     )
@@ -210,6 +210,18 @@ class LossSpec(Strict):
     fdd_tokens: Literal["response", "all"] = Field(
         "all", description="the positions FDD compares: all real tokens (the authors') or the response's"
     )
+    sra_weight: float = Field(0.0, ge=0, description="SRA (span representation alignment on the spans "
+                              "both tokenizers agree on); 0: off")
+    sra_layers: Union[Literal["last"], list[LayerIndexPair]] = Field(
+        "last", description="[student, teacher] pairs whose span centres align; last: each model's last layer"
+    )
+    sra_centre: Literal["last_token_attention", "importance"] = Field(
+        "last_token_attention", description="span centre weights: the attention row of the last real token "
+        "(the public port's; runs attention eagerly) or docs/method.md §2 importance"
+    )
+    sra_scope: Literal["response", "all"] = Field("response", description="the spans SRA aligns")
+    sra_geometry_weight: float = Field(50.0, ge=0, description="SRA's span-geometry term (the port's 50)")
+    sra_logit_weight: float = Field(1.0, ge=0, description="SRA's span logit KL over the shared vocabulary")
 
     @property
     def alignment_terms(self) -> tuple[str, ...]:
@@ -369,7 +381,10 @@ class Recipe(Strict):
             raise ValueError("dsa_weight and hra_weight must be 0 without a teacher")
         if self.teacher is None and self.loss.fdd_weight:
             raise ValueError("loss.fdd_weight must be 0 without a teacher (FDD follows the teacher's layers)")
-        if not self.loss.base_weight and not self.loss.alignment_terms and not self.loss.fdd_weight:
+        if self.teacher is None and self.loss.sra_weight:
+            raise ValueError("loss.sra_weight must be 0 without a teacher")
+        if not self.loss.base_weight and not self.loss.alignment_terms and not self.loss.fdd_weight \
+                and not self.loss.sra_weight:
             raise ValueError(
                 "loss.base_weight, loss.dsa_weight, loss.hra_weight and loss.fdd_weight are all 0: nothing to train"
             )

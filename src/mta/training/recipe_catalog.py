@@ -95,7 +95,7 @@ def shipped_recipes(directory: Path = SHIPPED_DIR) -> list[ShippedRecipe]:
     """Every shipped recipe, by name (the file name without ``.yaml``)."""
     return [
         ShippedRecipe(path.stem, path, describe(path.read_text(encoding="utf-8")))
-        for path in sorted(directory.glob("*.yaml"))
+        for path in sorted(directory.glob("*.yaml"), key=lambda path: path.stem)
     ]
 
 

@@ -8,7 +8,7 @@ With FDD it keeps them and hands the loss its ``LogitLens``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -29,6 +29,7 @@ class TeacherOutput:
     hidden_states: dict[int, torch.Tensor]
     logits: Optional[torch.Tensor]
     lens: Optional["LogitLens"] = None
+    attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_states index -> [b, heads, t, t]
 
 
 # Where the blocks and the final norm live in the architectures mta knows; any other
@@ -74,6 +75,13 @@ class LogitLens:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
+    def for_layer(self, layer: int):
+        """hidden ``[n, d]`` of ``hidden_states`` index ``layer`` (or a mean of such states, e.g.
+        SRA's span centres) -> logits, the norm applied as ``states`` applies it."""
+        if self.norm is not None and layer < self.num_layers:
+            return lambda hidden: self.head(self.norm(hidden))
+        return self.head
+
 
 def _final_norm_or_refuse(model: PreTrainedModel) -> nn.Module:
     norm = final_norm(model)
@@ -97,10 +105,11 @@ class FrozenTeacher(nn.Module):
     """
 
     def __init__(self, model: PreTrainedModel, layers: list[int], need_logits: bool,
-                 lens: Optional[LogitLens] = None):
+                 lens: Optional[LogitLens] = None, attention_layers: tuple[int, ...] = ()):
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
+        self.attention_layers = tuple(attention_layers)  # hidden_states indices whose block's attention is read
         self.layers = sorted(set(layers))
         self.need_logits = need_logits or lens is not None  # the lens needs the head (and norm)
         self.lens = lens
@@ -126,12 +135,16 @@ class FrozenTeacher(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TeacherOutput:
         """input_ids, attention_mask ``[batch, seq]`` -> the aligned layers (and logits)."""
         want_hidden = bool(self.layers)
+        extra = {"output_attentions": True} if self.attention_layers else {}
         if self.need_logits:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hidden)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hidden,
+                             **extra)
             hidden, logits = out.hidden_states, out.logits
         else:
             body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
-            hidden = body(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
-            logits = None
+            out = body(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **extra)
+            hidden, logits = out.hidden_states, None
         hidden_states = {layer: hidden[layer] for layer in self.layers} if want_hidden else {}
-        return TeacherOutput(hidden_states, logits, self.lens)
+        # attentions[i] is block i's, the block that produces hidden_states[i + 1].
+        attentions = {layer: out.attentions[layer - 1] for layer in self.attention_layers}
+        return TeacherOutput(hidden_states, logits, self.lens, attentions)

@@ -24,12 +24,14 @@ from mta.models.tokenizers import tokenizer_fingerprint
 from mta.training import checkpointing, engine as engines, resume_rules, run_directory
 from mta.training.train_data import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
-from mta.training.layers import resolve_fdd_layers, resolve_layer_map
+from mta.training.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
 from mta.training.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
 from mta.training.teacher import FrozenTeacher, LogitLens
+from mta.losses.sra import shared_vocabulary
+from mta.data.artefact_schema import reannotate_command
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import Recipe, check_generation_fits, check_sequence_lengths
 from mta.training.student_samples import OffPolicyBatches, dev_cross_entropy
@@ -126,6 +128,14 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
         layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_model))
     if recipe.loss.fdd_weight:
         fdd_pairs = resolve_fdd_layers(recipe.loss.fdd_layers, num_layers(student), num_layers(teacher_model))
+    sra_pairs, shared_vocab = [], None
+    if recipe.loss.sra_weight:
+        sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, num_layers(student), num_layers(teacher_model))
+        shared_vocab = _shared_vocabulary(tokenizer, teacher_tokenizer, recipe.loss.sra_logit_weight)
+        if recipe.loss.sra_centre == "last_token_attention":
+            # The port's centre weights are the models' own attention rows: computed eagerly.
+            for model in (student, teacher_model):
+                model.set_attn_implementation("eager")
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
     objective = DistillationObjective(
@@ -133,6 +143,7 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
         student_hidden_size=hidden_size(student),
         teacher_hidden_size=hidden_size(teacher_model) if teacher_model is not None else None,
         same_tokenizer=same_tokenizer, vocab_size=len(tokenizer), fdd_pairs=fdd_pairs,
+        sra_pairs=sra_pairs, shared_vocab=shared_vocab,
     )
 
     granularities = tuple(sorted({pair.granularity for pair in layer_pairs}))
@@ -140,7 +151,8 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
         split: AnnotatedExamples(
             annotations.table, student_pad_id=tokenizer.pad_token_id,
             teacher_pad_id=teacher_tokenizer.pad_token_id, with_teacher=teacher_model is not None,
-            granularities=granularities,
+            granularities=granularities, boundary=bool(recipe.loss.sra_weight),
+            rebuild=reannotate_command(annotations.manifest, annotations.directory),
         ) if annotations is not None else None
         for split, annotations in splits.items()
     }
@@ -173,9 +185,12 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
 
     teacher = None
     if teacher_model is not None:
-        lens = LogitLens(teacher_model, final_norm=recipe.loss.fdd_final_norm,
-                         num_layers=num_layers(teacher_model)) if objective.fdd is not None else None
-        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens)
+        lens = LogitLens(
+            teacher_model, final_norm=recipe.loss.fdd_final_norm or objective.fdd is None,
+            num_layers=num_layers(teacher_model),
+        ) if objective.fdd is not None or objective.sra_logits else None
+        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens,
+                                attention_layers=objective.attention_layers["teacher"])
         teacher = (
             engines.teacher_zero3_engine(teacher, recipe.train.micro_batch_size, world_size)
             if recipe.train.teacher_zero3 else teacher.to(device)
@@ -391,6 +406,23 @@ class Trainer:
         return checkpointing.save_checkpoint(
             self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state, extra_state=extra
         )
+
+
+def _shared_vocabulary(student_tokenizer, teacher_tokenizer, logit_weight: float):
+    """SRA's shared vocabulary (computed once per run), or None when the logit term is off or the
+    tokenizers share no token (the log says which)."""
+    if not logit_weight:
+        return None
+    student_ids, teacher_ids = shared_vocabulary(
+        student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab(),
+        student_special=tuple(student_tokenizer.all_special_tokens),
+        teacher_special=tuple(teacher_tokenizer.all_special_tokens),
+    )
+    if len(student_ids) == 0:
+        log.warning("SRA: the two tokenizers share no token; the span logit term is off")
+        return None
+    log.info("SRA: %d tokens shared by the two vocabularies", len(student_ids))
+    return student_ids, teacher_ids
 
 
 def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
