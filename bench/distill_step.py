@@ -14,6 +14,24 @@ batches, read from an annotate artefact built here with `mta.data.annotate.annot
     distillm2     DistiLLM-2's contrastive loss instead of srkl (alternate rows as the pair halves)
     distillm2_mta the same + MTA
 
+The `cross` case gives the teacher a second BPE trained here (2/3 of the small size, so the two
+segmentations differ; the student keeps the small one) and times cross-tokenizer distillation,
+where the base loss is ce and no logit loss exists:
+
+    base_cross        ce alone (sdpa attention)
+    base_cross_eager  ce alone with eager attention on both models: what SRA's default centre
+                      (last_token_attention) needs before SRA computes anything
+    mta_cross         ce + 2·DSA + 0.2·HRA (span-level across tokenizers)
+    sra_cross         ce + SRA (weight 1, the defaults: last layers, last_token_attention on
+                      eager models, response scope, geometry 50, logit 1 over the shared vocabulary)
+    mta_sra_cross     ce + DSA + HRA + SRA
+    sra_importance_cross  ce + SRA with sra_centre=importance (sdpa): the cheaper centre
+    sra_terms_only    SRA forward and backward alone on hidden states / attentions computed once
+                      (target: ≤ 0.25 × base_cross)
+
+The shared vocabulary (mta.losses.sra.shared_vocabulary) is computed once, before any timing,
+as the trainer does; the JSON counts the calls made during the timed steps (0).
+
 Each step is the training objective `mta.training.objective` computes (teacher forward,
 student forward, losses, backward, gradient clipping, AdamW step). It runs with two
 vocabularies: a ~3k byte-level BPE trained here, where MTA's own cost shows, and the 50k
@@ -26,7 +44,7 @@ several multi-threaded processes stall each other), so the CPU run uses one torc
 takes its ratios from the process's CPU time; wall times are in the JSON too. On a GPU the
 ratios use the wall time, synchronised.
 
-    python bench/distill_step.py          # CPU, ~4 min idle -> bench/results/distill_step.json
+    python bench/distill_step.py          # CPU, ~6 min idle -> bench/results/distill_step.json
     bench/distill_step_gpu.sh             # one GPU -> bench/results/distill_step_gpu_*.json
 
 Rows come from ../shared's Dolly training set when present (else the repo's examples), the
@@ -60,10 +78,11 @@ from mta.data.encoding import TokenizerSide
 from mta.files import atomic_write_json
 from mta.data.span_extraction import SpanExtractor, load_spacy
 from mta.losses.span_masks import SpanBatch
+import mta.losses.sra as sra_module
 from mta.models.tiny import corpus_texts
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
 from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
-from mta.training.layers import auto_fdd_layers, resolve_layer_map
+from mta.training.layers import auto_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.training.engine import build_optimizer
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import LossSpec, TrainSpec
@@ -75,6 +94,8 @@ from paths import portable
 REPO = Path(__file__).resolve().parents[1]
 GPT2_VOCAB = 50257
 MTA_TARGET = 1.15
+SRA_TERMS_TARGET = 0.25  # sra_terms_only / base_cross
+CROSS_TEACHER_FRACTION = 2 / 3  # the cross case's teacher BPE size, of the small one
 
 
 @dataclass(frozen=True)
@@ -102,9 +123,23 @@ class Vocabulary:
     """A tokenizer and how many embedding rows the models get (more only when simulating)."""
 
     name: str
-    tokenizer_dir: Path
+    tokenizer_dir: Path  # the student's (and, within one tokenizer, the teacher's)
     model_rows: int
     description: str
+    teacher_dir: Optional[Path] = None  # cross-tokenizer: the teacher's own tokenizer
+    teacher_rows: Optional[int] = None
+
+    @property
+    def cross(self) -> bool:
+        return self.teacher_dir is not None
+
+    @property
+    def teacher_tokenizer_dir(self) -> Path:
+        return self.teacher_dir or self.tokenizer_dir
+
+    @property
+    def teacher_model_rows(self) -> int:
+        return self.teacher_rows or self.model_rows
 
 
 @dataclass
@@ -160,6 +195,14 @@ def vocabularies(work: Path, sizes: Sizes, wanted: list[str]) -> list[Vocabulary
                 f"simulated: {small_rows}-token BPE, models padded to {GPT2_VOCAB} rows compared in full "
                 "(../shared/tokenizers/gpt2 absent)",
             ))
+    if "cross" in wanted:
+        teacher = small_tokenizer(work, round(sizes.small_vocab * CROSS_TEACHER_FRACTION))
+        teacher_rows = len(load_tokenizer(teacher))
+        found.append(Vocabulary(
+            "cross", small, small_rows,
+            f"cross-tokenizer: teacher byte-level BPE of {teacher_rows} tokens, student {small_rows}, both trained here",
+            teacher_dir=teacher, teacher_rows=teacher_rows,
+        ))
     return found
 
 
@@ -170,13 +213,16 @@ def build_batches(rows: Path, vocab: Vocabulary, sizes: Sizes, work: Path, count
     micro batch), so padding is what a real run pays, no more.
     """
     settings = AnnotateSettings(
-        teacher=str(vocab.tokenizer_dir), student=str(vocab.tokenizer_dir),
+        teacher=str(vocab.teacher_tokenizer_dir), student=str(vocab.tokenizer_dir),
         max_length=sizes.max_length, max_prompt_length=sizes.max_prompt_length,
         on_error="skip", workers=1,
     )
     annotations = read_annotations(annotate_file(rows, work / f"annotations-{vocab.name}", settings))
     eos = load_tokenizer(vocab.tokenizer_dir).eos_token_id
-    examples = AnnotatedExamples(annotations.table, student_pad_id=eos, teacher_pad_id=eos)
+    teacher_eos = load_tokenizer(vocab.teacher_tokenizer_dir).eos_token_id
+    # Across tokenizers SRA reads the spans both segmentations agree on (schema 3's boundary_spans).
+    examples = AnnotatedExamples(annotations.table, student_pad_id=eos, teacher_pad_id=teacher_eos,
+                                 granularities=("phrase", "word"), boundary=vocab.cross)
     if len(examples) < count * sizes.micro_batch:
         raise SystemExit(f"only {len(examples)} annotated rows; need {count * sizes.micro_batch}")
     texts = annotations.table.column("text").to_pylist()
@@ -315,6 +361,121 @@ class AlignmentTermsOnly:
         self.alignment.zero_grad(set_to_none=True)
 
 
+class SraTermsOnly:
+    """SRA's own work alone: its forward (centres, span / geometry / logit terms, the student's
+    head on the span centres) and backward, on the hidden states and attentions of both models
+    computed once. ``training`` is the sra_cross step: its objective, lens and eager models."""
+
+    def __init__(self, training: TrainingStep, device):
+        self.objective = training.model.objective
+        self.student = training.model.student
+        self.lens = training.model.lens
+        self.mixed = training.mixed
+        want_attentions = bool(self.objective.attention_layers["student"])
+        self.inputs = []
+        for batch in training.batches:
+            batch = batch.to(device)
+            teacher_out = training.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+            with torch.no_grad(), self.mixed():
+                out = self.student(
+                    input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask,
+                    output_hidden_states=True, **({"output_attentions": True} if want_attentions else {}),
+                )
+            self.inputs.append((batch, teacher_out, out.hidden_states, out.attentions if want_attentions else None))
+
+    def __call__(self, index: int) -> None:
+        batch, teacher_out, hidden, attentions = self.inputs[index]
+        student_hidden = tuple(h.detach().requires_grad_() for h in hidden)
+        with self.mixed():
+            sra = self.objective._sra(student_hidden, attentions, teacher_out, batch, self.lens)
+        (self.objective.weights["sra"] * sra).backward()
+        self.objective.zero_grad(set_to_none=True)
+        self.student.zero_grad(set_to_none=True)  # the LM head's gradient from the logit term
+
+
+class CountingSharedVocabulary:
+    """Wraps ``mta.losses.sra.shared_vocabulary`` to count its calls (it must run once, untimed)."""
+
+    def __init__(self):
+        self.original = sra_module.shared_vocabulary
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.original(*args, **kwargs)
+
+    def __enter__(self) -> "CountingSharedVocabulary":
+        sra_module.shared_vocabulary = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sra_module.shared_vocabulary = self.original
+
+
+def build_cross_variants(
+    vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], device, autocast
+) -> tuple[list[Variant], dict]:
+    """The cross-tokenizer variants (ce base; MTA, SRA, both), and facts about the case."""
+    teacher_model = tiny_llama(vocab.teacher_model_rows, sizes.teacher_layers, sizes.teacher_hidden, sizes.heads, 1)
+    student_model = tiny_llama(vocab.model_rows, sizes.student_layers, sizes.student_hidden, sizes.heads, 2)
+    pairs = resolve_layer_map("auto", sizes.student_layers, sizes.teacher_layers)
+    sra_pairs = resolve_sra_layers("last", sizes.student_layers, sizes.teacher_layers)
+    # Once per run, as the trainer's _shared_vocabulary does: the objectives keep it as buffers.
+    student_tok, teacher_tok = load_tokenizer(vocab.tokenizer_dir), load_tokenizer(vocab.teacher_tokenizer_dir)
+    shared = sra_module.shared_vocabulary(
+        student_tok.get_vocab(), teacher_tok.get_vocab(),
+        student_special=tuple(student_tok.all_special_tokens),
+        teacher_special=tuple(teacher_tok.all_special_tokens),
+    )
+    if len(shared[0]) == 0:
+        raise SystemExit("the two BPEs share no token: SRA's logit term would be off")
+
+    def training(spec: LossSpec, eager: bool = False) -> TrainingStep:
+        objective = DistillationObjective(
+            spec, pairs, student_hidden_size=sizes.student_hidden, teacher_hidden_size=sizes.teacher_hidden,
+            same_tokenizer=False, vocab_size=vocab.model_rows,
+            sra_pairs=sra_pairs if spec.sra_weight else (), shared_vocab=shared if spec.sra_weight else None,
+        )
+        # Each variant its own copies: eager attention and FrozenTeacher's truncation change the model.
+        student, teacher_copy = copy.deepcopy(student_model), copy.deepcopy(teacher_model).to(device)
+        if eager:
+            for model in (student, teacher_copy):
+                model.set_attn_implementation("eager")
+        model = DistillationModel(student, objective).to(device)
+        lens = LogitLens(teacher_copy, final_norm=True, num_layers=sizes.teacher_layers) if objective.sra_logits else None
+        teacher = FrozenTeacher(teacher_copy, objective.teacher_layers, objective.needs_teacher_logits, lens,
+                                attention_layers=objective.attention_layers["teacher"])
+        return TrainingStep(model, teacher, batches, lambda index: None, device, autocast)
+
+    base = LossSpec(base="ce", dsa_weight=0.0, hra_weight=0.0)
+    mta = LossSpec(base="ce", dsa_weight=2.0, hra_weight=0.2)
+    sra = base.model_copy(update={"sra_weight": 1.0})  # defaults: last, last_token_attention, response, 50, 1
+    assert sra.sra_centre == "last_token_attention"
+    sra_cross = training(sra, eager=True)
+    variants = [
+        Variant("base_cross", training(base)),
+        Variant("base_cross_eager", training(base, eager=True)),
+        Variant("mta_cross", training(mta)),
+        Variant("sra_cross", sra_cross),
+        Variant("mta_sra_cross", training(mta.model_copy(update={"sra_weight": 1.0}), eager=True)),
+        Variant("sra_importance_cross", training(sra.model_copy(update={"sra_centre": "importance"}))),
+        Variant("sra_terms_only", SraTermsOnly(sra_cross, device)),
+    ]
+    boundary = [batch.spans["boundary"] for batch in batches]
+    facts = {
+        "teacher_vocab_rows": vocab.teacher_model_rows,
+        "shared_vocab_size": int(len(shared[0])),
+        "layer_map": [pair.model_dump() for pair in pairs],
+        "sra_layers": [pair.model_dump() for pair in sra_pairs],
+        "boundary_spans_per_row_mean": statistics.mean(
+            float(spans.mask.sum()) / spans.mask.shape[0] for spans in boundary
+        ),
+        "sra_weights": {"sra": 1.0, "geometry": sra.sra_geometry_weight, "logit": sra.sra_logit_weight,
+                        "centre": sra.sra_centre, "scope": sra.sra_scope},
+    }
+    return variants, facts
+
+
 def build_variants(
     vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], batch_texts: list[list[str]], device, autocast
 ) -> tuple[list[Variant], list[dict], dict[str, float]]:
@@ -387,24 +548,56 @@ def measure(variants: list[Variant], count: int, rounds: int, device) -> None:
     )
 
 
-def summarise(variants: list[Variant], clock: str) -> dict:
-    """Medians and ratios to base for both clocks; ``clock`` names the one the target uses."""
-    out: dict = {"ratio_clock": clock}
+def summarise(variants: list[Variant], clock: str, base: str = "base", terms: str = "mta_terms_only",
+              expected: str = "expected_mta_ratio_from_terms") -> dict:
+    """Medians and ratios to ``base`` for both clocks; ``clock`` names the one the target uses."""
+    out: dict = {"ratio_clock": clock, "ratio_base": base}
     for name in ("wall", "cpu"):
         series = {v.name: getattr(v, name) for v in variants}
         medians = {key: statistics.median(values) for key, values in series.items()}
         out[name] = {
             "seconds_per_step_median": medians,
             "seconds_per_step_rounds": series,
-            "ratio_to_base": {key: value / medians["base"] for key, value in medians.items() if key != "base"},
+            "ratio_to_base": {key: value / medians[base] for key, value in medians.items() if key != base},
             "ratio_to_base_paired": {
-                key: paired_ratio(values, series["base"]) for key, values in series.items() if key != "base"
+                key: paired_ratio(values, series[base]) for key, values in series.items() if key != base
             },
         }
     out["ratio_to_base"] = out[clock]["ratio_to_base"]
-    # What the MTA step should cost if nothing but the two terms were added.
-    out["expected_mta_ratio_from_terms"] = 1.0 + out[clock]["ratio_to_base"]["mta_terms_only"]
+    # What the step should cost if nothing but the terms were added.
+    out[expected] = 1.0 + out[clock]["ratio_to_base"][terms]
     return out
+
+
+def cross_case(vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], count: int, rounds: int,
+               device, autocast, clock: str) -> dict:
+    """The cross-tokenizer case: build, time, and the JSON entry (ratios to base_cross)."""
+    with CountingSharedVocabulary() as shared_calls:
+        variants, facts = build_cross_variants(vocab, sizes, batches, device, autocast)
+        before = shared_calls.calls
+        measure(variants, len(batches), rounds, device)
+        during = shared_calls.calls - before
+    summary = summarise(variants, clock, base="base_cross", terms="sra_terms_only",
+                        expected="expected_sra_ratio_from_terms")
+    terms_ratio = summary["ratio_to_base"]["sra_terms_only"]
+    return {
+        "vocabulary": vocab.description,
+        "model_vocab_rows": vocab.model_rows,
+        "micro_batches_per_round": count,
+        "tokens_per_step_mean": statistics.mean(b.num_tokens for b in batches),
+        "teacher_tokens_per_step_mean": statistics.mean(int(b.teacher.attention_mask.sum()) for b in batches),
+        "response_tokens_per_step_mean": statistics.mean(int((b.student.labels != -100).sum()) for b in batches),
+        **facts,
+        "shared_vocab": {
+            "computed": "once, before any timed step (mta.losses.sra.shared_vocabulary; the objectives hold it as buffers)",
+            "calls_before_timing": before,
+            "calls_during_timed_steps": during,
+        },
+        **summary,
+        "sra_terms_ratio_to_base": terms_ratio,
+        "sra_terms_target": f"<= {SRA_TERMS_TARGET}",
+        "target_met": terms_ratio <= SRA_TERMS_TARGET,
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -416,7 +609,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=3, help="micro batches per variant per round")
     parser.add_argument("--gpt2-batches", type=int, default=1,
                         help="the same with the 50k vocabulary, whose steps are ten times longer")
-    parser.add_argument("--vocab", nargs="+", default=["small", "gpt2"], choices=["small", "gpt2"])
+    parser.add_argument("--vocab", nargs="+", default=["small", "gpt2", "cross"], choices=["small", "gpt2", "cross"],
+                        help="cases: the small BPE, the 50k GPT-2 vocabulary, and cross-tokenizer (two BPEs; SRA)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model sizes")
     parser.add_argument("--autocast", default=None, choices=["bf16"], help="mixed precision (GPU)")
@@ -446,6 +640,11 @@ def main() -> None:
             print(f"{vocab.name}: {vocab.description}", flush=True)
             count = args.gpt2_batches if vocab.name == "gpt2" else args.batches
             batches, texts = build_batches(rows, vocab, sizes, work, count)
+            if vocab.cross:
+                results[vocab.name] = cross_case(vocab, sizes, batches, count, args.rounds, device, autocast, clock)
+                ratio = results[vocab.name]["ratio_to_base"]
+                print("  ratios to base_cross: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
+                continue
             variants, layer_map, agreement = build_variants(vocab, sizes, batches, texts, device, autocast)
             measure(variants, len(batches), args.rounds, device)
             results[vocab.name] = {
@@ -477,10 +676,12 @@ def main() -> None:
             "mta_weights": {"dsa": 2.0, "hra": 0.2},
             **asdict(sizes),
         },
-        "target": {"mta_parquet_ratio_at_most": MTA_TARGET},
+        "target": {"mta_parquet_ratio_at_most": MTA_TARGET,
+                   "cross": {"sra_terms_ratio_to_base_at_most": SRA_TERMS_TARGET}},
         "results": results,
         "target_met": {
-            name: result["ratio_to_base"]["mta_parquet"] <= MTA_TARGET for name, result in results.items()
+            name: result["target_met"] if "target_met" in result else result["ratio_to_base"]["mta_parquet"] <= MTA_TARGET
+            for name, result in results.items()
         },
     }
     atomic_write_json(args.output, payload)

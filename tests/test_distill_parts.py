@@ -62,11 +62,12 @@ def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny
     full = AutoModelForCausalLM.from_pretrained(directory).eval()
     model = AutoModelForCausalLM.from_pretrained(directory)
     lens = LogitLens(model, final_norm=True, num_layers=4)
-    # Without a logit loss the teacher would be cut after layer 2; FDD keeps it whole.
+    # Without a logit loss the teacher would be cut after layer 2; the lens keeps it whole, and
+    # computes no logits the loss does not read.
     teacher = FrozenTeacher(model, [1, 2], need_logits=False, lens=lens)
     ids = torch.randint(0, 500, (2, 6))
     out = teacher(ids, torch.ones_like(ids))
-    assert not teacher.truncated and out.lens is lens and out.logits is not None
+    assert not teacher.truncated and out.lens is lens and out.logits is None
     expected = full(ids, output_hidden_states=True)
     norm = full.model.norm if model_type == "llama" else full.transformer.ln_f
     with torch.no_grad():

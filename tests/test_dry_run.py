@@ -131,6 +131,9 @@ def test_dry_run_plans_every_recipe_offline(path):
     d_s = built["student"][0].hidden_size
     d_t = built["teacher"][0].hidden_size if "teacher" in built else 0
     projectors = len(pairs) * (d_s * d_t + d_t) if "hra" in recipe.loss.alignment_terms else 0
+    if recipe.loss.sra_weight:  # SRA: one Linear(d_S, d_T) per span pair (`last`: one)
+        projectors += (d_s * d_t + d_t) * (1 if recipe.loss.sra_layers == "last" else len(recipe.loss.sra_layers))
+        assert any(note.startswith("SRA: ") for note in plan.notes)
     assert plan.projector_parameters == projectors
     trainable = built["student"][2] + projectors
     weight, optimizer = (2, 12) if recipe.train.precision in ("bf16", "fp16") else (4, 8)

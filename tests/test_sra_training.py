@@ -53,3 +53,42 @@ def test_sra_alone_and_with_mta_train_and_an_interrupted_run_resumes_to_the_same
     expected, got = weights(both), weights(resumed)
     for name in expected:
         assert np.array_equal(expected[name].numpy(), got[name].numpy()), name
+
+
+def test_gpt2_and_qwen_share_their_byte_level_words_and_not_their_specials(tmp_path, gpt2_tokenizer_dir):
+    from mta.losses.sra import shared_vocabulary
+    from mta.models.qwen_tokenizer import build_qwen_tokenizer
+    from mta.models.tokenizers import load_tokenizer
+
+    gpt2 = load_tokenizer(gpt2_tokenizer_dir)
+    qwen = load_tokenizer(build_qwen_tokenizer(tmp_path / "qwen"))
+    student_ids, teacher_ids = shared_vocabulary(
+        gpt2.get_vocab(), qwen.get_vocab(), student_special=tuple(gpt2.all_special_tokens),
+        teacher_special=tuple(qwen.all_special_tokens),
+    )
+    pairs = dict(zip(student_ids.tolist(), teacher_ids.tolist()))
+    # Both are byte-level BPEs: a shared token is the same string on both sides, in order of GPT-2 id.
+    gpt2_tokens, qwen_tokens = gpt2.convert_ids_to_tokens(list(pairs)), qwen.convert_ids_to_tokens(list(pairs.values()))
+    assert gpt2_tokens == qwen_tokens and student_ids.tolist() == sorted(student_ids.tolist())
+    assert 30_000 < len(pairs) < len(gpt2)
+    assert pairs[gpt2.convert_tokens_to_ids("Ġthe")] == qwen.convert_tokens_to_ids("Ġthe")
+    # A special token is shared only with the identical special string: both call EOS <|endoftext|>.
+    assert pairs[gpt2.eos_token_id] == qwen.convert_tokens_to_ids("<|endoftext|>")
+    assert all(token not in qwen.all_special_tokens or token in gpt2.all_special_tokens for token in qwen_tokens)
+
+
+def test_the_dry_run_counts_the_shared_vocabulary_when_the_tokenizers_are_at_hand(tmp_path, tiny_tokenizer_dir,
+                                                                                  other_tokenizer_dir):
+    from mta.models.tiny import build_tiny_model
+    from mta.models.tokenizers import load_tokenizer
+    from mta.training.dry_run import plan_run
+
+    teacher = build_tiny_model(other_tokenizer_dir, tmp_path / "teacher", hidden_size=48, seed=1)
+    student = build_tiny_model(tiny_tokenizer_dir, tmp_path / "student")
+    recipe = _recipe(tmp_path / "run", f"teacher.path={teacher}", f"student.path={student}",
+                     "teacher.tiny=null", "student.tiny=null")
+    notes = [note for note in plan_run(recipe).notes if note.startswith("SRA: ")]
+    assert len(notes) == 1 and notes[0].endswith("tokens shared by the two vocabularies (its span logit term)")
+    count = int(notes[0].split()[1].replace(",", ""))
+    # Trained on the same rows, the 300-token BPE's merges are the 512-token one's first ones.
+    assert count == len(set(load_tokenizer(other_tokenizer_dir).get_vocab()) & set(load_tokenizer(tiny_tokenizer_dir).get_vocab()))

@@ -16,7 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from mta.dtypes import BYTES_PER_ELEMENT
 from mta.errors import MtaError
-from mta.training.layers import LayerPair, resolve_layer_map
+from mta.losses.sra import shared_vocabulary
+from mta.models.tokenizers import load_tokenizer
+from mta.training.layers import LayerPair, resolve_layer_map, resolve_sra_layers
 from mta.training.recipe import (
     ModelSpec,
     Recipe,
@@ -285,6 +287,11 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     if "hra" in recipe.loss.alignment_terms and layers:
         # HRA holds one nn.Linear(d_S, d_T) with bias per aligned pair.
         projector_parameters = len(layers) * (student.hidden_size + 1) * teacher.hidden_size
+    if teacher is not None and recipe.loss.sra_weight:
+        # SRA holds one nn.Linear(d_S, d_T) with bias per span pair, trained with the projectors.
+        sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, student.num_layers, teacher.num_layers)
+        projector_parameters += len(sra_pairs) * (student.hidden_size + 1) * teacher.hidden_size
+        notes.append(_shared_vocabulary_note(recipe))
     logit_loss = recipe.loss.base != "ce"
     if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
         notes.append(
@@ -322,6 +329,25 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         memory=memory,
         notes=notes,
     )
+
+
+def _shared_vocabulary_note(recipe: Recipe) -> str:
+    """SRA's shared vocabulary size when both tokenizers are local directories (else when they load)."""
+    if not recipe.loss.sra_logit_weight:
+        return "SRA: span logit term off (loss.sra_logit_weight=0)"
+    paths = [recipe.resolve(spec.tokenizer_path, role) for role, spec in
+             (("teacher", recipe.teacher), ("student", recipe.student))]
+    if not all((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() for path in paths):
+        return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
+    teacher_tokenizer, student_tokenizer = (load_tokenizer(path) for path in paths)
+    student_ids, _ = shared_vocabulary(
+        student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab(),
+        student_special=tuple(student_tokenizer.all_special_tokens),
+        teacher_special=tuple(teacher_tokenizer.all_special_tokens),
+    )
+    if len(student_ids) == 0:
+        return "SRA: the tokenizers share no token; the span logit term will be off"
+    return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"
 
 
 def _data_notes(recipe: Recipe) -> list[str]:

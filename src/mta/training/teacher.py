@@ -102,6 +102,8 @@ class FrozenTeacher(nn.Module):
     below the last one the final norm is replaced by an identity: Hugging Face reports the
     last entry of ``hidden_states`` after the final norm and the others before it, and a
     truncated model must return what the full one would.
+    lens: FDD's / SRA's logit lens: the blocks, final norm and head are kept (the lens applies the
+    head itself, to what it needs), but without ``need_logits`` no logits are computed.
     """
 
     def __init__(self, model: PreTrainedModel, layers: list[int], need_logits: bool,
@@ -111,10 +113,10 @@ class FrozenTeacher(nn.Module):
         self.model = model
         self.attention_layers = tuple(attention_layers)  # hidden_states indices whose block's attention is read
         self.layers = sorted(set(layers))
-        self.need_logits = need_logits or lens is not None  # the lens needs the head (and norm)
-        self.lens = lens
+        self.need_logits = need_logits
+        self.lens = lens  # the lens reads the head (and norm): the model is then never truncated
         self.truncated = False
-        if not self.need_logits and self.layers:
+        if not need_logits and lens is None and self.layers:
             self.truncated = self._truncate(max(self.layers))
 
     def _truncate(self, deepest: int) -> bool:
