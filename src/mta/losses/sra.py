@@ -244,9 +244,10 @@ class SpanRepresentationLoss(nn.Module):
                 f"{tuple(student_ids.shape)} and {tuple(teacher_ids.shape)}"
             )
         rows = in_scope  # the LM heads run on the spans in scope only: [n, d]
-        student_logits = student_head(student[rows].to(student_dtype)).float()[:, student_ids]
+        # index_select, not advanced indexing: its backward is an index_add, not an index_put.
+        student_logits = student_head(student[rows].to(student_dtype)).index_select(-1, student_ids).float()
         with torch.no_grad():
-            teacher_logits = teacher_head(teacher[rows].to(teacher_dtype)).float()[:, teacher_ids]
+            teacher_logits = teacher_head(teacher[rows].to(teacher_dtype)).index_select(-1, teacher_ids).float()
         per_row = kl(
             F.log_softmax(teacher_logits / self.temperature, dim=-1),
             F.log_softmax(student_logits / self.temperature, dim=-1),
