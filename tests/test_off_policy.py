@@ -27,12 +27,12 @@ from mta.training.off_policy import (
     draw,
     generation_params,
     generation_seeds,
-    read_rows,
+    read_generated_rows,
     read_state,
     rows_table,
     schedule_value,
     update_threshold,
-    write_rows,
+    write_generated_rows,
     write_state,
 )
 from mta.training.recipe import GenerationSpec, Recipe
@@ -349,17 +349,17 @@ def test_the_buffer_round_trips_through_parquet_row_for_row(tmp_path):
 
 def test_a_foreign_or_broken_buffer_file_is_refused(tmp_path):
     rows = [make_row(i) for i in range(3)]
-    write_rows(tmp_path / "rows.parquet", rows, [0, 0, 1])
-    assert read_rows(tmp_path / "rows.parquet") == (rows_table(rows).to_pylist(), [0, 0, 1])
+    write_generated_rows(tmp_path / "rows.parquet", rows, [0, 0, 1])
+    assert read_generated_rows(tmp_path / "rows.parquet") == (rows_table(rows).to_pylist(), [0, 0, 1])
     with pytest.raises(MtaError, match="holds 3 generated rows, more than generation.buffer_size=2"):
         ReplayBuffer.read(tmp_path / "rows.parquet", capacity=2)
     pq.write_table(rows_table(rows), tmp_path / "annotations.parquet")  # no step, no version
     with pytest.raises(MtaError, match=f"not generated rows of annotate schema version {SCHEMA_VERSION}"):
-        read_rows(tmp_path / "annotations.parquet")
+        read_generated_rows(tmp_path / "annotations.parquet")
     (tmp_path / "cut.parquet").write_bytes((tmp_path / "rows.parquet").read_bytes()[:100])
     with pytest.raises(MtaError, match="not a readable Parquet file"):
-        read_rows(tmp_path / "cut.parquet")
+        read_generated_rows(tmp_path / "cut.parquet")
     with pytest.raises(MtaError, match="the generated rows are missing"):
-        read_rows(tmp_path / "absent.parquet")
+        read_generated_rows(tmp_path / "absent.parquet")
     with pytest.raises(ValueError, match="3 rows but 2 steps"):
-        write_rows(tmp_path / "more.parquet", rows, [0, 1])
+        write_generated_rows(tmp_path / "more.parquet", rows, [0, 1])

@@ -68,7 +68,7 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_i
         run_distillation(load_recipe(path))
     checkpoint = tmp_path / "b" / "checkpoints" / "step-4"
     state = json.loads((checkpoint / off_policy.STATE_FILE).read_text())
-    buffered, _ = off_policy.read_rows(checkpoint / off_policy.buffer_file(0))
+    buffered, _ = off_policy.read_generated_rows(checkpoint / off_policy.buffer_file(0))
     assert len(buffered) == 4 and state["micro_batches"]["generated"] > 0
     monkeypatch.setattr(Trainer, "step", real_step)
     resumed = run_distillation(load_recipe(path), resume="auto")

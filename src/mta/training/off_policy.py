@@ -36,7 +36,7 @@ exactly the decisions an uninterrupted one makes (given the saved state and buff
 
 **Stored state** is never pickled: ``SamplingState.to_json`` (``write_state`` / ``read_state``)
 and the buffer as a Parquet file of the annotate artefact's columns plus ``step``
-(``ReplayBuffer.write`` / ``read``; ``write_rows`` / ``read_rows`` for any generated rows).
+(``ReplayBuffer.write`` / ``read``; ``write_generated_rows`` / ``read_generated_rows`` for any generated rows).
 
 **Where the published code differs** (``jongwooko/distillm`` ``finetune.py``,
 ``distillm/buffer.py``, ``distillm/sampler.py``; ``wind123mountain/MTA``
@@ -353,12 +353,12 @@ def rows_table(rows: Rows) -> pa.Table:
     return pa.Table.from_pylist([dict(row) for row in rows], schema=SCHEMA)
 
 
-def write_rows(path: str | Path, rows: Rows, steps: Sequence[int],
+def write_generated_rows(path: str | Path, rows: Rows, steps: Sequence[int],
                extra: Optional[Mapping[str, Sequence[Any]]] = None) -> None:
     """Write generated ``rows`` with the ``step`` each was generated at as one Parquet file
     (annotate columns + ``step``, the schema version in its metadata), atomically. ``extra``:
     more columns, one value per row (``OUT/generated/`` adds ``micro_batch`` and ``source``;
-    ``read_rows`` reads only files without them)."""
+    ``read_generated_rows`` reads only files without them)."""
     table = rows_table(rows)
     if len(steps) != table.num_rows:
         raise ValueError(f"{table.num_rows} rows but {len(steps)} steps")
@@ -371,8 +371,8 @@ def write_rows(path: str | Path, rows: Rows, steps: Sequence[int],
         pq.write_table(table.replace_schema_metadata(ROWS_METADATA), temporary, compression="zstd")
 
 
-def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
-    """``(rows, steps)`` as ``write_rows`` wrote them; ``MtaError`` naming the file otherwise."""
+def read_generated_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """``(rows, steps)`` as ``write_generated_rows`` wrote them; ``MtaError`` naming the file otherwise."""
     try:
         table = pq.read_table(path)
     except FileNotFoundError as error:
@@ -441,13 +441,13 @@ class ReplayBuffer:
         return [self._rows[int(index)] for index in picked]
 
     def write(self, path: str | Path) -> None:
-        """Save the rows and their steps (oldest first) to ``path`` (``write_rows``)."""
-        write_rows(path, self.rows(), self.steps())
+        """Save the rows and their steps (oldest first) to ``path`` (``write_generated_rows``)."""
+        write_generated_rows(path, self.rows(), self.steps())
 
     @classmethod
     def read(cls, path: str | Path, capacity: int) -> "ReplayBuffer":
         """The buffer ``write`` saved; ``MtaError`` if it holds more than ``capacity`` rows."""
-        rows, steps = read_rows(path)
+        rows, steps = read_generated_rows(path)
         if len(rows) > capacity:
             raise MtaError(
                 f"{path} holds {len(rows)} generated rows, more than generation.buffer_size={capacity}"

@@ -201,7 +201,7 @@ class OffPolicyBatches:
             "source": [source for sampled, _, source in self._saved for _ in sampled],
         }
         path = output_dir / GENERATED_DIR / f"step-{step:06d}-rank-{distributed.rank()}.parquet"
-        off_policy.write_rows(path, rows, [step] * len(rows), extra=extra)
+        off_policy.write_generated_rows(path, rows, [step] * len(rows), extra=extra)
         self._saved = []
 
     def save(self, checkpoint: Path) -> None:
