@@ -422,11 +422,7 @@ def build_cross_variants(
     sra_pairs = resolve_sra_layers("last", sizes.student_layers, sizes.teacher_layers)
     # Once per run, as the trainer's _shared_vocabulary does: the objectives keep it as buffers.
     student_tok, teacher_tok = load_tokenizer(vocab.tokenizer_dir), load_tokenizer(vocab.teacher_tokenizer_dir)
-    shared = sra_module.shared_vocabulary(
-        student_tok.get_vocab(), teacher_tok.get_vocab(),
-        student_special=tuple(student_tok.all_special_tokens),
-        teacher_special=tuple(teacher_tok.all_special_tokens),
-    )
+    shared = sra_module.tokenizers_shared_vocabulary(student_tok, teacher_tok)
     if len(shared[0]) == 0:
         raise SystemExit("the two BPEs share no token: SRA's logit term would be off")
 

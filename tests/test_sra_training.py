@@ -56,16 +56,13 @@ def test_sra_alone_and_with_mta_train_and_an_interrupted_run_resumes_to_the_same
 
 
 def test_gpt2_and_qwen_share_their_byte_level_words_and_not_their_specials(tmp_path, gpt2_tokenizer_dir):
-    from mta.losses.sra import shared_vocabulary
+    from mta.losses.sra import tokenizers_shared_vocabulary
     from mta.models.qwen_tokenizer import build_qwen_tokenizer
     from mta.models.tokenizers import load_tokenizer
 
     gpt2 = load_tokenizer(gpt2_tokenizer_dir)
     qwen = load_tokenizer(build_qwen_tokenizer(tmp_path / "qwen"))
-    student_ids, teacher_ids = shared_vocabulary(
-        gpt2.get_vocab(), qwen.get_vocab(), student_special=tuple(gpt2.all_special_tokens),
-        teacher_special=tuple(qwen.all_special_tokens),
-    )
+    student_ids, teacher_ids = tokenizers_shared_vocabulary(gpt2, qwen)
     pairs = dict(zip(student_ids.tolist(), teacher_ids.tolist()))
     # Both are byte-level BPEs: a shared token is the same string on both sides, in order of GPT-2 id.
     gpt2_tokens, qwen_tokens = gpt2.convert_ids_to_tokens(list(pairs)), qwen.convert_ids_to_tokens(list(pairs.values()))

@@ -102,6 +102,16 @@ def shared_vocabulary(
     return ids[:, 0].contiguous(), ids[:, 1].contiguous()
 
 
+def tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`shared_vocabulary` of two loaded tokenizers (anything with ``get_vocab()`` and
+    ``all_special_tokens``, as Hugging Face tokenizers have): the one place both are read."""
+    return shared_vocabulary(
+        student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab(),
+        student_special=tuple(student_tokenizer.all_special_tokens),
+        teacher_special=tuple(teacher_tokenizer.all_special_tokens),
+    )
+
+
 def _normalise(token: str) -> str:
     for marker in SPACE_MARKERS:
         token = token.replace(marker, " ")

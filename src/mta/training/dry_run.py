@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from mta.dtypes import BYTES_PER_ELEMENT
 from mta.errors import MtaError
-from mta.losses.sra import shared_vocabulary
+from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import load_tokenizer
 from mta.training.layers import LayerPair, resolve_layer_map, resolve_sra_layers
 from mta.training.recipe import (
@@ -340,11 +340,7 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     if not all((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() for path in paths):
         return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
     teacher_tokenizer, student_tokenizer = (load_tokenizer(path) for path in paths)
-    student_ids, _ = shared_vocabulary(
-        student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab(),
-        student_special=tuple(student_tokenizer.all_special_tokens),
-        teacher_special=tuple(teacher_tokenizer.all_special_tokens),
-    )
+    student_ids, _ = tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer)
     if len(student_ids) == 0:
         return "SRA: the tokenizers share no token; the span logit term will be off"
     return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"

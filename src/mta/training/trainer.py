@@ -30,7 +30,7 @@ from mta.scoring import completion_text
 from mta.training.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
 from mta.training.teacher import FrozenTeacher, LogitLens
-from mta.losses.sra import shared_vocabulary
+from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.data.artefact_schema import reannotate_command
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import Recipe, check_generation_fits, check_sequence_lengths
@@ -413,11 +413,7 @@ def _shared_vocabulary(student_tokenizer, teacher_tokenizer, logit_weight: float
     tokenizers share no token (the log says which)."""
     if not logit_weight:
         return None
-    student_ids, teacher_ids = shared_vocabulary(
-        student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab(),
-        student_special=tuple(student_tokenizer.all_special_tokens),
-        teacher_special=tuple(teacher_tokenizer.all_special_tokens),
-    )
+    student_ids, teacher_ids = tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer)
     if len(student_ids) == 0:
         log.warning("SRA: the two tokenizers share no token; the span logit term is off")
         return None
