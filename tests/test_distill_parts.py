@@ -78,6 +78,32 @@ def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny
         torch.testing.assert_close(lens(last), expected.logits)
 
 
+@pytest.mark.parametrize("zero3", [False, True])
+def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(tiny_tokenizer_dir,
+                                                                              tmp_path_factory, zero3):
+    from mta.training.teacher import LogitLens
+
+    directory = build_tiny_model(tiny_tokenizer_dir, tmp_path_factory.getbasetemp() / "lens-rows")
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    head, norm = model.lm_head, model.model.norm
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append("head"))
+    if zero3:  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+        head.weight.ds_id = 0
+    lens = LogitLens(model, final_norm=True, num_layers=4).for_layer(2)
+    rows = torch.tensor([7, 0, 311, 7, 42])
+    hidden = torch.randn(3, head.in_features, requires_grad=True)
+    got = lens(hidden, rows)
+    got_grads = torch.autograd.grad((got * torch.arange(5.0)).sum(), [hidden, head.weight])
+    expected = head(norm(hidden))[:, rows]  # the whole head, then the columns: a second way
+    want_grads = torch.autograd.grad((expected * torch.arange(5.0)).sum(), [hidden, head.weight])
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+    # Gathered: the head module never runs; under ZeRO-3 it must (its hooks gather the shard).
+    assert calls.count("head") == (1 if zero3 else 0) + 1
+    torch.testing.assert_close(lens(hidden), head(norm(hidden)))
+
 def _tiny(*overrides):
     return load_recipe(REPO / "src" / "mta" / "recipes" / "tiny.yaml", list(overrides))
 

@@ -82,6 +82,11 @@ def make_heads(seed: int = 2):
     return student_head, teacher_head, shared
 
 
+def at_ids(linear: torch.nn.Linear):
+    """A full-vocabulary head read at some ids, as SRA calls its heads (``sra.Head``)."""
+    return lambda hidden, ids: linear(hidden).index_select(-1, ids)
+
+
 # ---------------------------------------------------------------- loop references (float64)
 
 
@@ -283,7 +288,7 @@ def test_span_logit_term_matches_the_loop_reference():
     case = make_case(seed=4, pairs=1)
     loss = make_loss(pairs=1, temperature=2.0, logit_weight=0.5)
     student_head, teacher_head, shared = make_heads()
-    out = run(loss, case, student_head=student_head, teacher_head=teacher_head, shared_vocab=shared)
+    out = run(loss, case, student_head=at_ids(student_head), teacher_head=at_ids(teacher_head), shared_vocab=shared)
     student, teacher, projectors = double_leaves(case, loss)
     sW = student_head.weight.detach().double().requires_grad_(True)
     heads = (
@@ -352,7 +357,7 @@ def test_nothing_in_scope_gives_zeros_with_zero_gradients():
     case["scope"][:] = False
     loss = make_loss()
     student_head, teacher_head, shared = make_heads()
-    out = run(loss, case, student_head=student_head, teacher_head=teacher_head, shared_vocab=shared)
+    out = run(loss, case, student_head=at_ids(student_head), teacher_head=at_ids(teacher_head), shared_vocab=shared)
     for key in ("sra_span", "sra_geometry", "sra_logit", "sra"):
         assert out[key].item() == 0.0, key
     out["sra"].backward()
@@ -365,7 +370,7 @@ def test_without_shared_vocab_the_logit_term_is_off():
     case = make_case(seed=9)
     loss = make_loss(logit_weight=3.0)
 
-    def never(_hidden):
+    def never(*_):
         raise AssertionError("a head was called with the logit term off")
 
     out = run(loss, case, student_head=never, teacher_head=never, shared_vocab=None)
@@ -385,7 +390,7 @@ def test_defaults_and_errors():
     with pytest.raises(MtaError, match="head"):
         run(loss, case, shared_vocab=make_heads()[2])
     with pytest.raises(MtaError, match="non-empty"):
-        head = torch.nn.Linear(D_S, V_S)
+        head = at_ids(torch.nn.Linear(D_S, V_S))
         run(loss, case, student_head=head, teacher_head=head,
             shared_vocab=(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
     with pytest.raises(MtaError):

@@ -24,7 +24,7 @@ from torch import nn
 from mta.errors import MtaError
 from mta.losses.divergences import kl
 from mta.losses.dsa import COS_EPS, WEIGHT_EPS, dynamic_structural_alignment
-from mta.losses.pooling import MASS_EPS, pool_spans
+from mta.losses.pooling import MASS_EPS
 from mta.losses.span_masks import SpanBatch, span_token_mask
 from mta.losses.trajectory import _project
 
@@ -33,11 +33,29 @@ from mta.losses.trajectory import _project
 GEOMETRY_WEIGHT = 50.0
 LOGIT_WEIGHT = 1.0
 
-# hidden [n, d] -> logits [n, full vocabulary of that side] (final norm + LM head, composed by the caller).
-Head = Callable[[torch.Tensor], torch.Tensor]
+# (hidden [n, d], vocab_rows [k]) -> logits [n, k] over those rows of that side's vocabulary, in
+# their order (final norm + LM head, composed by the caller: mta.training.teacher.LogitLens.for_layer).
+Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Space markers of byte-level BPE (GPT-2's byte-to-unicode map sends " " to "Ġ") and SentencePiece.
 SPACE_MARKERS = ("\u0120", "\u2581")
+
+
+def centre_weights(token_mask: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each span's centre-of-mass weights over the tokens, and its mass.
+
+    token_mask: ``[batch, spans, seq]`` bool (``span_token_mask``); weights: ``[batch, seq]`` >= 0
+    (detached here). Returns ``(matrix [batch, spans, seq], mass [batch, spans])`` in fp32:
+    ``matrix[b, k]`` is ``w_t / Σ w`` over span k's tokens, or ``1 / n`` (the plain mean) when
+    its mass ``Σ w`` is at most ``MASS_EPS``, and 0 for an empty (or padding) span. The matrix
+    does not depend on the layer: one per side serves every layer pair.
+    """
+    mask = token_mask.float()
+    weighted = mask * weights.detach().float().unsqueeze(1)
+    mass = weighted.sum(dim=-1)
+    plain = mask / mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    heavy = (mass > MASS_EPS).unsqueeze(-1)
+    return torch.where(heavy, weighted / mass.clamp(min=MASS_EPS).unsqueeze(-1), plain), mass
 
 
 def span_centres(hidden: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -47,11 +65,10 @@ def span_centres(hidden: torch.Tensor, token_mask: torch.Tensor, weights: torch.
     ``student_token_mask`` / ``teacher_token_mask``); weights: ``[batch, seq]`` >= 0 (detached
     here). Returns ``[batch, spans, d]`` fp32: ``Σ_t w_t h_t / Σ_t w_t`` over the span's tokens;
     a span whose total weight is at most ``MASS_EPS`` gets the plain mean of its tokens, an
-    empty (or padding) span 0.
+    empty (or padding) span 0 (:func:`centre_weights`).
     """
-    weighted, mass = pool_spans(hidden, weights.detach(), token_mask)
-    plain, _ = pool_spans(hidden, torch.ones_like(weights, dtype=torch.float32), token_mask)
-    return torch.where((mass > MASS_EPS).unsqueeze(-1), weighted, plain)
+    matrix, _ = centre_weights(token_mask, weights)
+    return torch.bmm(matrix, hidden.float())
 
 
 @torch.no_grad()
@@ -184,8 +201,8 @@ class SpanRepresentationLoss(nn.Module):
         ``[batch, seq_t, d_teacher]`` per pair (detached here). student_weights ``[batch, seq_s]``,
         teacher_weights ``[batch, seq_t]``: token weights >= 0 (e.g. :func:`last_token_attention`).
         spans: the aligned spans; span_scope_mask ``[batch, spans]`` bool: the spans that count
-        (e.g. the response's). student_head / teacher_head: hidden ``[n, d]`` -> logits over that
-        side's full vocabulary; shared_vocab: ``(student_ids [k], teacher_ids [k])`` from
+        (e.g. the response's). student_head / teacher_head: ``head(hidden [n, d], ids [k])`` -> that
+        side's logits ``[n, k]`` at those vocabulary ids (:data:`Head`); shared_vocab: ``(student_ids [k], teacher_ids [k])`` from
         :func:`shared_vocabulary`, or None to switch the logit term off.
         Returns fp32 scalars ``{"sra_span", "sra_geometry", "sra_logit", "sra"}``.
         """
@@ -198,15 +215,15 @@ class SpanRepresentationLoss(nn.Module):
         student_len, teacher_len = student_states[0].shape[1], teacher_states[0].shape[1]
         student_tokens = span_token_mask(spans.student_start, spans.student_end, student_len, in_scope)
         teacher_tokens = span_token_mask(spans.teacher_start, spans.teacher_end, teacher_len, in_scope)
-        # The teacher's span weights: summed token weights of the span (0 out of scope), [B, K].
-        span_weights = torch.bmm(
-            teacher_tokens.float(), teacher_weights.detach().float().unsqueeze(-1)
-        ).squeeze(-1)
+        # One centre matrix per side for every pair; the teacher's span weights are its spans'
+        # mass, the summed token weights (0 out of scope), [B, K].
+        student_matrix, _ = centre_weights(student_tokens, student_weights)
+        teacher_matrix, span_weights = centre_weights(teacher_tokens, teacher_weights)
 
         span_terms = []
-        for index in range(self.num_pairs):
-            student = span_centres(student_states[index], student_tokens, student_weights)
-            teacher = span_centres(teacher_states[index].detach(), teacher_tokens, teacher_weights)
+        for index in range(self.num_pairs):  # over layer pairs (a handful), not spans
+            student = torch.bmm(student_matrix, student_states[index].float())
+            teacher = torch.bmm(teacher_matrix, teacher_states[index].detach().float())
             projected = _project(self.projectors[index], student)
             span_terms.append(_sequence_mean(1.0 - _cosine(projected, teacher), span_weights))
         span_loss = torch.stack(span_terms).mean()
@@ -254,10 +271,9 @@ class SpanRepresentationLoss(nn.Module):
                 f"{tuple(student_ids.shape)} and {tuple(teacher_ids.shape)}"
             )
         rows = in_scope  # the LM heads run on the spans in scope only: [n, d]
-        # index_select, not advanced indexing: its backward is an index_add, not an index_put.
-        student_logits = student_head(student[rows].to(student_dtype)).index_select(-1, student_ids).float()
+        student_logits = student_head(student[rows].to(student_dtype), student_ids).float()
         with torch.no_grad():
-            teacher_logits = teacher_head(teacher[rows].to(teacher_dtype)).index_select(-1, teacher_ids).float()
+            teacher_logits = teacher_head(teacher[rows].to(teacher_dtype), teacher_ids).float()
         per_row = kl(
             F.log_softmax(teacher_logits / self.temperature, dim=-1),
             F.log_softmax(student_logits / self.temperature, dim=-1),

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -75,12 +76,33 @@ class LogitLens:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
-    def for_layer(self, layer: int):
-        """hidden ``[n, d]`` of ``hidden_states`` index ``layer`` (or a mean of such states, e.g.
-        SRA's span centres) -> logits, the norm applied as ``states`` applies it."""
-        if self.norm is not None and layer < self.num_layers:
-            return lambda hidden: self.head(self.norm(hidden))
-        return self.head
+    def for_layer(self, layer: int) -> Callable[..., torch.Tensor]:
+        """``lens(hidden, vocab_rows=None)``: hidden ``[n, d]`` of ``hidden_states`` index ``layer``
+        (or a mean of such states, e.g. SRA's span centres), the norm applied as ``states`` applies
+        it, -> logits ``[n, vocab rows]``, or ``[n, k]`` over the rows ``vocab_rows`` ``[k]`` only,
+        in that order. Those rows of the head are gathered before the product, so the columns
+        nobody reads are never computed; under ZeRO-3, whose head holds a shard outside its own
+        forward, the whole head runs and the columns are selected."""
+        norm = self.norm if self.norm is not None and layer < self.num_layers else None
+        head = self.head
+
+        def lens(hidden: torch.Tensor, vocab_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+            if norm is not None:
+                hidden = norm(hidden)
+            if vocab_rows is None:
+                return head(hidden)
+            if is_zero3_partitioned(head.weight):
+                return head(hidden).index_select(-1, vocab_rows)
+            bias = None if head.bias is None else head.bias.index_select(0, vocab_rows)
+            # index_select, not advanced indexing: its backward is an index_add, not an index_put.
+            return F.linear(hidden, head.weight.index_select(0, vocab_rows), bias)
+
+        return lens
+
+
+def is_zero3_partitioned(parameter: torch.Tensor) -> bool:
+    """True for a parameter DeepSpeed ZeRO-3 partitions (its data is a shard between forwards)."""
+    return hasattr(parameter, "ds_id")
 
 
 def _final_norm_or_refuse(model: PreTrainedModel) -> nn.Module:
