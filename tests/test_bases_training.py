@@ -47,7 +47,8 @@ def test_fdd_trains_with_and_without_the_students_samples_and_reloads(
 
 
 @pytest.mark.slow
-def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir, tiny_model_dir, monkeypatch):
+def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir, tiny_model_dir, same_data,
+                                                           monkeypatch):
     pairs = generate_pairs(teacher_dir, tiny_model_dir, EXAMPLES, tmp_path / "pairs.jsonl",
                            PairSettings(max_new_tokens=8, batch_size=8, limit=12)).path
     settings = AnnotateSettings(teacher=str(teacher_dir), student=str(tiny_model_dir), workers=1, **LENGTHS)
@@ -57,11 +58,18 @@ def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir
 
     seen = []
     real = trainer_module.Trainer.teacher_forward
-    monkeypatch.setattr(trainer_module.Trainer, "teacher_forward",
-                        lambda self, batch: seen.append((batch.row_ids, batch.chosen.tolist())) or real(self, batch))
+    def recording(self, batch):
+        if batch.chosen is not None:  # dev batches (Dolly-like rows, no pairs) are not recorded
+            seen.append((batch.row_ids, batch.chosen.tolist()))
+        return real(self, batch)
+
+    monkeypatch.setattr(trainer_module.Trainer, "teacher_forward", recording)
+    # The dev set holds no pairs, as the published recipes' (Dolly's dev rows): its loss reads
+    # every reference response as a chosen one.
     path = write_recipe(
         tmp_path / "d2.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=annotated,
-        output_dir=tmp_path / "d2", data={"dev": None}, loss={"base": "distillm2"}, train={"max_steps": 3},
+        output_dir=tmp_path / "d2", data={"dev": str(same_data)}, loss={"base": "distillm2"},
+        train={"max_steps": 3, "eval_interval": 3},
     )
     final = run_distillation(load_recipe(path))
     # Every micro batch is whole pairs, the teacher's response first.
@@ -70,6 +78,8 @@ def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir
         ids = np.array([int(row) for row in row_ids])
         assert chosen == [True, False] and ids[1] == ids[0] + 1 and ids[0] % 2 == 0
     assert all(np.isfinite(r["loss/base"]) and r["loss/base"] > 0 for r in _train_records(tmp_path / "d2"))
+    dev = [r for r in read_metrics(tmp_path / "d2" / "metrics.jsonl") if r["split"] == "dev"]
+    assert dev and all(np.isfinite(r["loss/base"]) and r["loss/base"] > 0 for r in dev)
     AutoModelForCausalLM.from_pretrained(final)
 
 

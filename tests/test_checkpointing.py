@@ -65,9 +65,9 @@ def test_crash_while_saving_keeps_the_previous_checkpoints(
     saves = {"n": 0}
     real_export = checkpoint._export_hf
 
-    def crash_on_fourth(engine, tokenizer, recipe, directory):
+    def crash_on_fourth(engine, tokenizer, recipe, directory, **options):
         saves["n"] += 1
-        real_export(engine, tokenizer, recipe, directory)
+        real_export(engine, tokenizer, recipe, directory, **options)
         if saves["n"] == 4:
             raise KeyboardInterrupt("simulated crash half-way through a checkpoint")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import re
 import shlex
 import signal
@@ -27,17 +26,16 @@ from mta.training.metrics import read_metrics
 from mta_cli import quiet
 from mta_cli.reporting import PlainReporter, RichReporter, make_reporter
 
+from conftest import subprocess_env
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
 
 NOISE = ("Writing model shards", "Loading weights", "Setting accelerator")
 BARS = ("\r", "━", "█")
-LAUNCHER = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 CLOCK = r"\d+:\d\d:\d\d"
 
 
 def command_env() -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER}
-    env["OMP_NUM_THREADS"] = "1"
+    env = subprocess_env()
     for name in ("MTA_PROGRESS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):
         env.pop(name, None)  # the defaults under test, whatever this shell exports
     return env

@@ -4,7 +4,6 @@ metrics, a NaN stop, refusal of mismatched annotations, and SIGKILL + --resume a
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from mta.training.objective import DistillationObjective
 from mta.training.recipe import load_recipe
 from mta.training.trainer import NonFiniteLoss, run_distillation
 
-from conftest import torchrun
+from conftest import subprocess_env, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
@@ -271,9 +270,7 @@ def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
         tmp_path / "b.yaml", teacher=teacher_dir, student=student, annotations=same_data, output_dir=out, train=train,
     )
     # A fresh single-process run: not the rendezvous this test process already holds.
-    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {key: value for key, value in os.environ.items() if key not in launcher}
-    env["OMP_NUM_THREADS"] = "1"
+    env = subprocess_env()
     log = tmp_path / "distill.log"  # a file, not a pipe: a full pipe would stall the run
     with open(log, "wb") as output:
         process = subprocess.Popen(

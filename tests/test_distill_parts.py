@@ -4,7 +4,6 @@ schedule, and the command itself on the shipped tiny recipe."""
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from mta.training.engine import deepspeed_config, lr_multiplier
 from mta.training.teacher import FrozenTeacher
 from mta.training.recipe import load_recipe
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,16 +79,18 @@ def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny
 
 @pytest.mark.parametrize("zero3", [False, True])
 def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(tiny_tokenizer_dir,
-                                                                              tmp_path_factory, zero3):
-    from mta.training.teacher import LogitLens
+                                                                              tmp_path_factory, zero3, monkeypatch):
+    from mta.training import teacher as teacher_module
+    from mta.training.teacher import LogitLens, is_zero3_partitioned
 
     directory = build_tiny_model(tiny_tokenizer_dir, tmp_path_factory.getbasetemp() / "lens-rows")
     model = AutoModelForCausalLM.from_pretrained(directory)
     head, norm = model.lm_head, model.model.norm
     calls = []
     head.register_forward_hook(lambda *_: calls.append("head"))
-    if zero3:  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
-        head.weight.ds_id = 0
+    assert not is_zero3_partitioned(head.weight)
+    if zero3:  # as if DeepSpeed ZeRO-3 partitioned the head (it marks such parameters with ds_id)
+        monkeypatch.setattr(teacher_module, "is_zero3_partitioned", lambda parameter: True)
     lens = LogitLens(model, final_norm=True, num_layers=4).for_layer(2)
     rows = torch.tensor([7, 0, 311, 7, 42])
     hidden = torch.randn(3, head.in_features, requires_grad=True)
@@ -147,9 +148,7 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     import subprocess
     import sys
 
-    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {key: value for key, value in os.environ.items() if key not in launcher}
-    env["OMP_NUM_THREADS"] = "1"
+    env = subprocess_env()
     out = tmp_path / "tiny"
     result = subprocess.run(
         [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "tiny.yaml"),

@@ -7,9 +7,12 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 
+from mta.distributed import local_device
+from mta.dtypes import resolve_precision
 from mta.errors import MtaError
 from mta.models.tiny import build_tiny_model
 from mta.training.dry_run import (
@@ -94,6 +97,8 @@ def printed_bytes(count: int) -> str:
 def test_dry_run_plans_every_recipe_offline(path):
     """What the dry run prints for each shipped recipe, against the recipe and models built here."""
     recipe = load_recipe(path)
+    if recipe.task == "embedding":  # an encoder and no teacher model: test_embedding_training.py
+        pytest.skip("task: embedding recipes: test_embedding_training.py::test_the_dry_run_plans_the_embedding_recipes_offline")
     plan = plan_run(recipe, world_size=1)
     text = _rendered(plan)
     assert plan.student.architecture in text and f"{recipe.train.batch_size} =" in text
@@ -135,14 +140,31 @@ def test_dry_run_plans_every_recipe_offline(path):
         projectors += (d_s * d_t + d_t) * (1 if recipe.loss.sra_layers == "last" else len(recipe.loss.sra_layers))
         assert any(note.startswith("SRA: ") for note in plan.notes)
     assert plan.projector_parameters == projectors
-    trainable = built["student"][2] + projectors
-    weight, optimizer = (2, 12) if recipe.train.precision in ("bf16", "fp16") else (4, 8)
+    # A LoRA student (OPT): r x (in + out) per adapted linear layer train, the base stays frozen
+    # (its weights kept, no gradients or optimizer states).
+    adapters = lora_adapters(built["student"][1], recipe.student.lora) if recipe.student.lora else None
+    assert plan.student.trainable_parameters == adapters
+    trainable = (built["student"][2] if adapters is None else adapters) + projectors
+    held = trainable + (0 if adapters is None else built["student"][2])
+    precision = resolve_precision(recipe.train.precision, local_device())  # auto: as on this machine
+    weight, optimizer = (2, 12) if precision in ("bf16", "fp16") else (4, 8)
     assert (plan.memory.student_weights, plan.memory.student_gradients, plan.memory.optimizer_states) == (
-        weight * trainable, weight * trainable, optimizer * trainable
+        weight * held, weight * trainable, optimizer * trainable
     )
     teacher_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[recipe.teacher.dtype] if recipe.teacher else 0
     assert plan.memory.teacher_weights == (built["teacher"][2] * teacher_bytes if "teacher" in built else 0)
     assert printed_bytes(plan.memory.total) in text
+
+
+def lora_adapters(model, spec) -> int:
+    """LoRA's trainable parameters on ``model``, counted without peft: r x (in + out) for each
+    linear layer whose last name part the recipe lists."""
+    assert isinstance(spec.target_modules, list), "the shipped LoRA recipe names its modules"
+    return sum(
+        spec.r * (module.in_features + module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in spec.target_modules
+    )
 
 
 # Published sizes of the hub checkpoints (tied embeddings counted once).

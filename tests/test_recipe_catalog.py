@@ -66,6 +66,7 @@ def test_every_shipped_data_file_is_named_by_a_recipe(tmp_path):
         file.source.resolve()
         for recipe in SHIPPED
         for file in plan_copy(recipe.name, tmp_path / recipe.name)[1].files
+        if file.source.suffix != ".yaml"  # the recipes a recipe extends travel with its copy
     }
     shipped = {p.resolve() for p in SHIPPED_DIR.rglob("*") if p.is_file() and p.suffix != ".yaml"}
     assert named == shipped
@@ -109,7 +110,8 @@ def test_an_unknown_recipe_lists_the_shipped_names(spec, tmp_path, monkeypatch):
     with pytest.raises(MtaError) as caught:
         find_recipe(spec)
     message = str(caught.value)
-    assert repr(spec) in message and "gpt2, opt, qwen, smollm2-demo, tiny" in message
+    assert repr(spec) in message
+    assert ", ".join(sorted(path.stem for path in SHIPPED_DIR.glob("*.yaml"))) in message
 
 
 def test_a_shipped_recipe_reads_its_files_beside_it_and_writes_into_the_working_directory(

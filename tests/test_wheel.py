@@ -3,7 +3,6 @@ runs its shipped recipes from a directory far from the clone, importing nothing 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,10 +79,7 @@ def _fresh_venv(venv: Path) -> tuple[Path, Path]:
 
 
 def _clean_env() -> dict:
-    drop = {"PYTHONPATH", "PYTHONHOME", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {key: value for key, value in os.environ.items() if key not in drop}
-    env.update(OMP_NUM_THREADS="1", COLUMNS="200")
-    return env
+    return subprocess_env(drop=("PYTHONPATH", "PYTHONHOME"), COLUMNS="200")
 
 
 def test_the_wheel_holds_every_package_and_the_package_data(installed):

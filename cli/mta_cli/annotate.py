@@ -20,6 +20,11 @@ class WordSpansChoice(str, Enum):
     all = "all"
 
 
+class SpanRuleChoice(str, Enum):  # mta.data.token_ranges.SPAN_RULES
+    paper = "paper"
+    reference = "reference"
+
+
 class OnError(str, Enum):
     fail = "fail"
     skip = "skip"
@@ -68,7 +73,7 @@ def annotate(
         None, help="Student tokenizer: hub name or local directory (may equal --teacher)."
     ),
     recipe: Optional[str] = typer.Option(
-        None, help="Take tokenizers, lengths, word spans, spaCy model and template from this recipe "
+        None, help="Take tokenizers, lengths, word spans, span rule, spaCy model and template from this recipe "
         "(a YAML file, or the name of a shipped recipe: `mta recipes list`)."
     ),
     max_length: Optional[int] = typer.Option(
@@ -82,6 +87,12 @@ def annotate(
     ),
     word_spans: Optional[WordSpansChoice] = typer.Option(
         None, help="Word spans: words inside kept phrases (default), or every non-punctuation word."
+    ),
+    span_rule: Optional[SpanRuleChoice] = typer.Option(
+        None, help="Token membership and word spans: paper (default, docs/method.md §1) or "
+        "reference (the authors' code: a token is in [a, b) when start + 1 >= a and end <= b, "
+        "a word runs to the next one; docs/method.md §8). Recorded in the manifest; training "
+        "refuses an artefact whose rule differs from data.span_rule.",
     ),
     truncate_prompt: Optional[bool] = typer.Option(
         None, "--truncate-prompt/--skip-long-prompts",
@@ -135,6 +146,7 @@ def annotate(
     options = dict(
         max_length=max_length, max_prompt_length=max_prompt_length, spacy_model=spacy_model,
         word_spans=word_spans.value if word_spans else None, truncate_prompt=truncate_prompt,
+        span_rule=span_rule.value if span_rule else None,
         on_error=on_error.value, workers=workers, template=template.value if template else None,
         fields=_parse_fields(field),
     )

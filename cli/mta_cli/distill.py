@@ -107,7 +107,8 @@ def distill(
             console.print(Text(line, style="yellow"), soft_wrap=True)
         raise typer.Exit(INTERRUPTED) from None
     if is_main:
-        console.print(
-            f"[green]done:[/] {final}  (load it with AutoModelForCausalLM.from_pretrained)",
-            highlight=False, soft_wrap=True,
-        )
+        how = "AutoModelForCausalLM.from_pretrained"
+        if loaded.task == "embedding":
+            how = "SentenceTransformer" + (", trust_remote_code=True" if loaded.student.pooling == "cls_attention" else "") \
+                + ", or AutoModel.from_pretrained"
+        console.print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)

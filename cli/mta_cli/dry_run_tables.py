@@ -42,7 +42,7 @@ def render_plan(plan: RunPlan) -> Group:
     teacher_sharding = " (teacher partitioned with ZeRO-3)" if plan.teacher_zero3 else ""
     batch.add_row("ZeRO stage", f"{plan.zero_stage}{teacher_sharding}")
     if plan.projector_parameters:
-        batch.add_row("HRA projector parameters", _count(plan.projector_parameters))
+        batch.add_row(f"{plan.projectors} parameters", _count(plan.projector_parameters))
     parts += [_heading("batch and parallelism"), batch]
 
     memory = _table(("component", "size"), numeric=("size",))

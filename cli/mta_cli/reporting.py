@@ -60,6 +60,21 @@ def loss_summary(record: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def utilisation_summary(record: dict[str, Any]) -> str:
+    """`` · 190 GFLOP/s`` (`` · 312.4 TFLOP/s · MFU 31.6%`` on a known GPU) from a train record's
+    ``flops_per_s`` and ``mfu`` (mta.training.utilisation); empty when the record has none."""
+    flops = record.get("flops_per_s")
+    if not flops:
+        return ""
+    if flops >= 1e12:
+        text = f" · {flops / 1e12:.1f} TFLOP/s"
+    else:
+        text = f" · {flops / 1e9:.0f} GFLOP/s" if flops >= 1e9 else f" · {flops / 1e6:.0f} MFLOP/s"
+    if record.get("mfu") is not None:
+        text += f" · MFU {100 * record['mfu']:.1f}%"
+    return text
+
+
 def generation_summary(record: dict[str, Any]) -> str:
     """``τ 0.20 · gold 3 / generated 1 / buffer 0`` from an off-policy run's train record (the
     micro batches of each source since the last line; τ in adaptive mode only)."""
@@ -124,6 +139,7 @@ class RichReporter:
                 )
         elif self._task is not None:
             status = f"{loss_summary(record)} · lr {record['lr']:.2e} · {record['tokens_per_s']:.0f} tok/s"
+            status += utilisation_summary(record)
             if "generation/gold" in record:
                 status += " · " + generation_summary(record)
             self.progress.update(self._task, completed=record["step"], status=status)
@@ -261,6 +277,7 @@ class PlainReporter:
         if task is not None and task.total is not None:
             head += f"/{task.total}"
         line = f"{head} · {loss_summary(record)} · lr {record['lr']:.2e} · {record['tokens_per_s']:.0f} tok/s"
+        line += utilisation_summary(record)
         if "generation/gold" in record:
             line += " · " + generation_summary(record)
         if task is not None:

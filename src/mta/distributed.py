@@ -83,6 +83,17 @@ def sum_over_ranks(values: Sequence[float]) -> list[float]:
     return tensor.tolist()
 
 
+def sum_tensors_over_ranks(tensors: Sequence[torch.Tensor]) -> None:
+    """Sum each tensor over every process, in place (one all-reduce of all of them, flattened
+    in their common dtype); every rank ends with the same values."""
+    if not is_distributed() or not tensors:
+        return
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors]).to(_collective_device())
+    dist.all_reduce(flat)
+    for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors])):
+        tensor.copy_(part.view_as(tensor))
+
+
 def all_ranks_agree(flag: bool) -> bool:
     """True only when ``flag`` is True on every process (so all stop together, none waits)."""
     if not is_distributed():

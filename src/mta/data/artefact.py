@@ -152,17 +152,20 @@ class PartWriter:
 
     Batches are buffered into row groups of about ``row_group_rows`` rows. If the writer is
     closed without ``commit`` (an exception, Ctrl-C, a full disk), the temporary file is deleted.
+    ``schema``: the annotate schema by default; ``mta embed`` writes its own
+    (:mod:`mta.embedding.teacher_embeddings`) into the same layout.
     """
 
-    def __init__(self, path: Path, row_group_rows: int = 2048):
+    def __init__(self, path: Path, row_group_rows: int = 2048, schema: pa.Schema = SCHEMA):
         self.path = path
         self.rows = 0
+        self._schema = schema
         self._row_group_rows = row_group_rows
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._temporary = temporary_beside(path)
         try:
-            self._writer = pq.ParquetWriter(self._temporary, SCHEMA, compression="zstd")
+            self._writer = pq.ParquetWriter(self._temporary, schema, compression="zstd")
         except BaseException:
             self._temporary.unlink(missing_ok=True)
             raise
@@ -176,7 +179,7 @@ class PartWriter:
 
     def _flush(self) -> None:
         if self._pending:
-            self._writer.write_table(pa.Table.from_batches(self._pending, schema=SCHEMA))
+            self._writer.write_table(pa.Table.from_batches(self._pending, schema=self._schema))
             self._pending, self._pending_rows = [], 0
 
     def commit(self) -> dict[str, Any]:
@@ -221,10 +224,10 @@ def _lock_file(out_dir: Path, name: str) -> Path:
 
 
 @contextmanager
-def shard_lock(out_dir: Path, shard: int, num_shards: int) -> Iterator[str | None]:
+def shard_lock(out_dir: Path, shard: int, num_shards: int, *, command: str = "mta annotate") -> Iterator[str | None]:
     """Hold shard ``shard`` of ``num_shards`` of ``out_dir`` for writing, or refuse at once
-    (``MtaError`` naming the holder's pid). Yields None, or a warning when the filesystem has
-    no locks (the run goes on unprotected)."""
+    (``MtaError`` naming the holder's pid and ``command``, the stage that writes the layout).
+    Yields None, or a warning when the filesystem has no locks (the run goes on unprotected)."""
     path = _lock_file(out_dir, shard_lock_name(shard, num_shards))
     try:
         with exclusive_lock(path, wait_s=0) as unsupported:
@@ -232,7 +235,7 @@ def shard_lock(out_dir: Path, shard: int, num_shards: int) -> Iterator[str | Non
     except LockHeld as held:
         which = f"shard {shard}/{num_shards} of " if num_shards > 1 else ""
         raise MtaError(
-            f"another `mta annotate` ({held.holder}) is writing {which}{out_dir} (it holds {path}); "
+            f"another `{command}` ({held.holder}) is writing {which}{out_dir} (it holds {path}); "
             "wait for it to finish or stop it, then re-run. Other shards (--shard I/N) may run "
             "side by side; the same shard may not"
         ) from None

@@ -357,6 +357,7 @@ def reannotate_command(manifest: Any, directory: Path, *, out: Path | None = Non
         max_prompt_length=recorded("max_prompt_length"),
         spacy_model=recorded("spacy", "model"),
         word_spans=recorded("word_spans"),
+        span_rule=recorded("span_rule"),
         truncate_prompt=recorded("truncate_prompt") is True,
         on_error=recorded("on_error"),
         fields=recorded("input", "fields"),
@@ -376,6 +377,7 @@ def annotate_command(
     truncate_prompt: bool = False,
     on_error: Any = None,
     fields: Any = None,
+    span_rule: Any = None,
 ) -> str:
     """The shell-quoted ``mta annotate`` command line for these settings (None: the default).
     ``fields``: ``{format key: input column}``, one ``--field KEY=COLUMN`` each."""
@@ -388,6 +390,7 @@ def annotate_command(
         ("--max-prompt-length", max_prompt_length),
         ("--spacy-model", spacy_model),
         ("--word-spans", word_spans),
+        ("--span-rule", None if span_rule == "paper" else span_rule),
     ):
         if value is not None:
             command += [option, str(value)]

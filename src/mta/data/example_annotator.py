@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from mta.data.token_ranges import boundary_spans, member_ranges, prompt_token_count, visible_ranges
+from mta.data.token_ranges import SpanRule, boundary_spans, member_ranges, membership_ranges, prompt_token_count
 from mta.data.artefact_schema import BOUNDARY_SPAN, SCHEMA, SIDES, SPAN
 from mta.data.encoding import Encoding, TokenizerSide
 from mta.data.rows import PROMPT_TOO_LONG, Example, RowProblem
@@ -79,17 +79,19 @@ class AlignedSpans:
 
 
 def align_spans(
-    text: str, visible: Sequence[np.ndarray], chars: np.ndarray, labels: Sequence[str]
+    text: str, visible: Sequence[np.ndarray], chars: np.ndarray, labels: Sequence[str],
+    rule: SpanRule = "paper",
 ) -> AlignedSpans:
     """Map character spans to the teacher's and the student's tokens; drop any span that one
     side cannot represent or that the cut removed.
 
     visible: per side, ``[tokens, 2]`` token ranges without leading whitespace
-    (:func:`mta.data.token_ranges.visible_ranges`); chars: ``[spans, 2]``.
+    (:func:`mta.data.token_ranges.visible_ranges`), or the raw offsets under ``rule="reference"``
+    (:func:`mta.data.token_ranges.membership_ranges`); chars: ``[spans, 2]``.
     """
     chars = np.asarray(chars, dtype=np.int64).reshape(-1, 2)
-    t_start, t_end, t_found = member_ranges(visible[0], chars)
-    s_start, s_end, s_found = member_ranges(visible[1], chars)
+    t_start, t_end, t_found = member_ranges(visible[0], chars, rule)
+    s_start, s_end, s_found = member_ranges(visible[1], chars, rule)
     keep = t_found & s_found & (chars[:, 1] <= len(text))
     return AlignedSpans(
         chars=chars[keep],
@@ -197,9 +199,10 @@ class ExampleAnnotator:
             for name, side_ids, encoding in zip(SIDES, row_ids, fitted.encodings):
                 ids[name].append(side_ids)
                 prompt_lens[name].append(prompt_token_count(encoding.offsets, fitted.prompt_chars))
-            visible = [visible_ranges(fitted.text, encoding.offsets) for encoding in fitted.encodings]
-            phrase_spans = align_spans(fitted.text, visible, spans.phrases, spans.phrase_labels)
-            word_spans = align_spans(fitted.text, visible, spans.words, [WORD] * len(spans.words))
+            rule = self.extractor.span_rule
+            visible = [membership_ranges(fitted.text, encoding.offsets, rule) for encoding in fitted.encodings]
+            phrase_spans = align_spans(fitted.text, visible, spans.phrases, spans.phrase_labels, rule)
+            word_spans = align_spans(fitted.text, visible, spans.words, [WORD] * len(spans.words), rule)
             counts["phrase_spans"] += len(phrase_spans.labels)
             counts["phrase_spans_dropped"] += phrase_spans.dropped
             counts["word_spans"] += len(word_spans.labels)

@@ -32,7 +32,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
-from mta.data.prompts import ALPACA, PromptStyle
+from mta.data.prompts import ALPACA, PromptProblem, PromptStyle
 from mta.data.rows import (
     InputSummary,
     Row,
@@ -48,6 +48,7 @@ from mta.data.rows import (
     record_rows,
     summarize_input,
 )
+from mta.data.rows import _data_lines, _decoded  # the JSONL line reader, shared with read_rows
 from mta.errors import MtaError
 from mta.hashing import directory_checksums, file_sha256, json_sha256
 
@@ -78,6 +79,13 @@ class InputSource:
 
     def is_pairs(self) -> bool:
         """Whether the rows are DistiLLM-2 pairs (the first row decides)."""
+        raise NotImplementedError
+
+    def records(self, *, shard: int = 0, num_shards: int = 1) -> Iterator[tuple[int, int, Any]]:
+        """``(id, line, record)`` of the rows whose id is ``shard`` modulo ``num_shards``, in
+        input order, before any row format is applied (``mta embed`` reads its own fields):
+        the decoded object with ``fields`` mapped, or the ``RowProblem`` of a line that holds
+        none. ``line`` is the JSONL line number, or the row's index for a ``datasets`` input."""
         raise NotImplementedError
 
     def first_problem(
@@ -123,6 +131,15 @@ class JsonlSource(InputSource):
         if not self.fields:
             return is_pair_file(self.path)
         return is_mapped_pair_file(self.path, self.fields)
+
+    def records(self, *, shard: int = 0, num_shards: int = 1) -> Iterator[tuple[int, int, Any]]:
+        for row_id, (line, raw) in enumerate(_data_lines(self.path)):
+            if row_id % num_shards == shard:
+                record = _decoded(raw)
+                if isinstance(record, PromptProblem):  # rows' _Invalid: not a JSON object
+                    yield row_id, line, RowProblem(row_id, line, record.reason, record.message)
+                else:
+                    yield row_id, line, map_fields(record, self.fields)
 
 
 class DatasetsSource(InputSource):
@@ -194,6 +211,10 @@ class DatasetsSource(InputSource):
 
     def is_pairs(self) -> bool:
         return len(self.dataset) > 0 and is_pair_record(map_fields(self.dataset[0], self.fields))
+
+    def records(self, *, shard: int = 0, num_shards: int = 1) -> Iterator[tuple[int, int, Any]]:
+        for index, record in self._records(shard, num_shards):
+            yield index, index, record
 
     def describe(self, problem: RowProblem) -> str:
         text = f"{self.path}: row {problem.line}: {problem.message}"  # ``line`` holds the index

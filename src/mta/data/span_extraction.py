@@ -4,6 +4,12 @@ Phrases are noun chunks and verb phrases (POS pattern ``AUX* ADV* VERB+ ADV*``);
 inside an earlier one is dropped, partial overlaps are kept. Words are the spaCy tokens inside the
 kept phrases (``"phrase"``, the published variant) or every non-punctuation token (``"all"``).
 All spans are half-open character ranges into the parsed text.
+
+With ``span_rule="reference"`` (docs/method.md §8) the words are the authors' instead
+(``filter_overlapping_spans`` in their ``span_utils.py``): for each kept phrase in order, each of
+its spaCy tokens runs from its start to the start of the phrase's next token (trailing whitespace
+included; whitespace tokens are words too), its last token to its own end; a word in two
+overlapping phrases is listed twice.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Literal
 
 import numpy as np
 
+from mta.data.token_ranges import SPAN_RULES, SpanRule
 from mta.errors import MtaError
 
 NOUN_PHRASE = "NP"
@@ -88,7 +95,8 @@ class DocSpans:
     """Spans of one parsed text.
 
     phrases: ``[phrases, 2]`` char ranges, sorted by (start, -end); phrase_labels: "NP" / "VP".
-    words: ``[words, 2]`` char ranges, sorted, each word once.
+    words: ``[words, 2]`` char ranges, sorted, each word once (``span_rule="reference"``: phrase
+    by phrase, a word as often as phrases hold it).
     """
 
     phrases: np.ndarray
@@ -99,13 +107,15 @@ class DocSpans:
 class SpanExtractor:
     """Noun chunks + verb phrases with the nesting rule, and the word spans, from spaCy docs."""
 
-    def __init__(self, nlp, word_spans: WordSpans = "phrase"):
+    def __init__(self, nlp, word_spans: WordSpans = "phrase", span_rule: SpanRule = "paper"):
         from spacy.matcher import Matcher
 
         if word_spans not in ("phrase", "all"):
             raise MtaError(f"word_spans must be 'phrase' or 'all', got '{word_spans}'")
+        check_span_rule(span_rule, word_spans)
         self.nlp = nlp
         self.word_spans = word_spans
+        self.span_rule = span_rule
         self._matcher = Matcher(nlp.vocab)
         self._matcher.add(VERB_PHRASE, [VERB_PHRASE_PATTERN])
 
@@ -128,6 +138,9 @@ class SpanExtractor:
         phrases = np.stack([token_start[kept[:, 0]], token_end[kept[:, 1] - 1]], axis=1)
         labels = [NOUN_PHRASE if rank == 0 else VERB_PHRASE for rank in kept[:, 2]]
 
+        if self.span_rule == "reference":
+            return DocSpans(phrases=phrases.reshape(-1, 2), phrase_labels=labels,
+                            words=reference_words(kept, token_start, token_end))
         if self.word_spans == "phrase":
             inside = np.zeros(len(doc) + 1, dtype=np.int64)
             np.add.at(inside, kept[:, 0], 1)
@@ -137,6 +150,31 @@ class SpanExtractor:
             is_word = ~is_space & ~is_punct
         words = np.stack([token_start[is_word], token_end[is_word]], axis=1)
         return DocSpans(phrases=phrases.reshape(-1, 2), phrase_labels=labels, words=words.reshape(-1, 2))
+
+
+def check_span_rule(span_rule: str, word_spans: str) -> None:
+    """Refuse an unknown rule, and ``reference`` with ``word_spans="all"`` (the authors' words
+    are the words of phrases)."""
+    if span_rule not in SPAN_RULES:
+        raise MtaError(f"span_rule must be 'paper' or 'reference', got '{span_rule}'")
+    if span_rule == "reference" and word_spans != "phrase":
+        raise MtaError("span_rule 'reference' builds the authors' words of phrases; use word_spans 'phrase'")
+
+
+def reference_words(kept: np.ndarray, token_start: np.ndarray, token_end: np.ndarray) -> np.ndarray:
+    """The authors' word spans: ``[words, 2]`` char ranges.
+
+    kept: ``[phrases, 3]`` kept phrases as spaCy token ranges ``[start, end)`` (+ rank), in order;
+    token_start, token_end: ``[tokens]`` each spaCy token's character range. Token i of a phrase
+    runs from ``token_start[i]`` to ``token_start[i + 1]``, the phrase's last to ``token_end``.
+    """
+    lengths = kept[:, 1] - kept[:, 0]
+    first = np.repeat(kept[:, 0], lengths)
+    index = first + np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    last = index == np.repeat(kept[:, 1] - 1, lengths)
+    following = np.minimum(index + 1, len(token_start) - 1)
+    ends = np.where(last, token_end[index], token_start[following])
+    return np.stack([token_start[index], ends], axis=1).reshape(-1, 2)
 
 
 def keep_outermost(spans: np.ndarray) -> np.ndarray:

@@ -5,11 +5,21 @@ non-empty and lies inside ``[a, b)``; the span's token range is ``[first member,
 Byte-level BPE ("Ġword") and SentencePiece ("▁word") tokens carry the space before a word, which
 is why the leading whitespace is stripped; a whitespace-only token or a special token (offsets
 ``(0, 0)``) belongs to no span.
+
+The ``"reference"`` rule (``data.span_rule``, docs/method.md §8) is the authors' instead
+(``prepare_span_indices_and_weights`` in their ``span_utils.py``): a token with raw offsets
+``(s, e)`` belongs to ``[a, b)`` when ``s + 1 >= a and e <= b``, so a one-character token that ends
+where the span begins (a newline, a quote, a lone space) is taken in.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
+
+SpanRule = Literal["paper", "reference"]
+SPAN_RULES = ("paper", "reference")
 
 # Whether each code point up to U+3000 (the highest one str.isspace() accepts) is whitespace.
 _IS_SPACE = np.array([chr(code).isspace() for code in range(0x3001)], dtype=bool)
@@ -108,19 +118,33 @@ def boundary_spans(
     return spans[keep], token_spans[0][keep], token_spans[1][keep]
 
 
-def member_ranges(visible: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token ranges of ``spans`` given the tokens' ``visible`` ranges (see :func:`token_ranges`)."""
+def membership_ranges(text: str, offsets: np.ndarray, rule: SpanRule = "paper") -> np.ndarray:
+    """``[tokens, 2]`` the ranges :func:`member_ranges` compares with spans under ``rule``: the
+    visible ranges (``"paper"``) or the raw offsets (``"reference"``)."""
+    if rule == "reference":
+        return np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    return visible_ranges(text, offsets)
+
+
+def member_ranges(
+    visible: np.ndarray, spans: np.ndarray, rule: SpanRule = "paper"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ranges of ``spans`` given the tokens' ``visible`` ranges (see :func:`token_ranges`);
+    with ``rule="reference"`` ``visible`` holds the raw offsets (:func:`membership_ranges`)."""
     spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     if len(visible) == 0 or len(spans) == 0:
         empty = np.zeros(len(spans), dtype=np.int64)
         return empty, empty, np.zeros(len(spans), dtype=bool)
     starts, ends = visible[:, 0], visible[:, 1]
     # member: [spans, tokens]
-    member = (
-        (starts < ends)[None, :]
-        & (spans[:, :1] <= starts[None, :])
-        & (ends[None, :] <= spans[:, 1:])
-    )
+    if rule == "reference":  # the authors' `offset_start + 1 >= a and offset_end <= b`
+        member = (starts[None, :] + 1 >= spans[:, :1]) & (ends[None, :] <= spans[:, 1:])
+    else:
+        member = (
+            (starts < ends)[None, :]
+            & (spans[:, :1] <= starts[None, :])
+            & (ends[None, :] <= spans[:, 1:])
+        )
     found = member.any(axis=1)
     first = member.argmax(axis=1)
     last = member.shape[1] - 1 - member[:, ::-1].argmax(axis=1)
@@ -128,16 +152,16 @@ def member_ranges(visible: np.ndarray, spans: np.ndarray) -> tuple[np.ndarray, n
 
 
 def token_ranges(
-    text: str, offsets: np.ndarray, spans: np.ndarray
+    text: str, offsets: np.ndarray, spans: np.ndarray, rule: SpanRule = "paper"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Map character spans to half-open token ranges.
 
     offsets: ``[tokens, 2]`` character ranges of the tokens of ``text`` (EOS not included).
-    spans: ``[spans, 2]`` half-open character ranges.
+    spans: ``[spans, 2]`` half-open character ranges. rule: the membership rule (module docstring).
     Returns ``(start [spans], end [spans], found [spans])``; start/end are meaningless where
     ``found`` is False (no token belongs to the span).
     """
-    return member_ranges(visible_ranges(text, offsets), spans)
+    return member_ranges(membership_ranges(text, offsets, rule), spans, rule)
 
 
 def prompt_token_count(offsets: np.ndarray, prompt_chars: int) -> int:

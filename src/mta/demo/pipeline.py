@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.distributed import local_device
+from mta.dtypes import auto_reason, resolve_precision
 from mta.demo.settings import VARIANTS, DemoSettings, Variant
 from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text
@@ -25,6 +27,7 @@ from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
 from mta.training.checkpointing import latest_checkpoint
+from mta.training.engine import resolve_training_precision
 from mta.training.recipe import Recipe, load_recipe
 from mta.training.trainer import run_distillation
 
@@ -82,7 +85,7 @@ def run_demo(
         reporter.message(f"student: keeping {settings.student_layers} of the teacher's layers")
         init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
 
-    overrides = _path_overrides(teacher, paths) + list(recipe_overrides)
+    overrides = _path_overrides(teacher, paths) + [f"train.precision={settings.precision}"] + list(recipe_overrides)
     base = load_recipe(recipe_path, overrides)
     _sample_dolly(data_dir, paths, settings, base)
     annotate = AnnotateSettings.from_recipe(base)
@@ -106,6 +109,13 @@ def run_demo(
     results["training_seconds"] = {v.label: timings[v.name] for v in VARIANTS}
     results["metrics"] = {v.label: str(paths.run(v) / "metrics.jsonl") for v in VARIANTS}
     results["settings"] = {"demo": asdict(settings), "recipe": str(recipe_path)}
+    device = local_device()
+    results["precision"] = {
+        "train": resolve_training_precision(base.train, device).name,
+        "evaluate": resolve_precision(settings.precision, device),
+        "requested": settings.precision,
+        "reason": auto_reason(device),
+    }
     return results
 
 
@@ -113,7 +123,10 @@ def _claim(paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> None
     """Start over when the directory holds a demo of the other size (quick overwrites full), or
     one an mta with another directory layout wrote (its runs and predictions would be refused)."""
     stamp = paths.root / SETTINGS_FILE
-    wanted = json.dumps({**asdict(settings), "layout": DEMO_LAYOUT}, sort_keys=True)
+    # The precision as resolved here: on a machine where auto means another, the runs and the
+    # predictions (whose claims name their dtype) are redone.
+    precision = resolve_precision(settings.precision, local_device())
+    wanted = json.dumps({**asdict(settings), "layout": DEMO_LAYOUT, "resolved_precision": precision}, sort_keys=True)
     if stamp.exists() and json.dumps(json.loads(stamp.read_text()), sort_keys=True) != wanted:
         reporter.message(f"{paths.root} holds a demo with other settings: starting it over")
         shutil.rmtree(paths.root)
@@ -184,7 +197,7 @@ def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, se
             max_new_tokens=settings.max_new_tokens,
             batch_size=settings.eval_batch_size,
             limit=limit,
-            dtype="fp32",
+            dtype=settings.precision,
             perplexity="dolly-dev" if with_perplexity else None,
             perplexity_limit=settings.perplexity_rows if with_perplexity else None,
         )

@@ -83,6 +83,15 @@ def table(results: dict) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+def _precision(results: dict) -> str:
+    """``bf16`` (training and evaluation alike), ``train bf16, evaluate fp32``, or ``fp32`` for
+    results written before the demo recorded it."""
+    precision = results.get("precision") or {"train": "fp32", "evaluate": "fp32"}
+    if precision["train"] == precision["evaluate"]:
+        return precision["train"]
+    return f"train {precision['train']}, evaluate {precision['evaluate']}"
+
+
 def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> tuple[Path, Path]:
     """results.json, results.md and summary.png in ``out_dir``; returns the two last paths."""
     out_dir = Path(out_dir)
@@ -92,7 +101,7 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
         f"# mta demo ({demo['name']})",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {platform.machine()}, "
-        f"{distributed.available_cores()} cores, fp32 · whole demo {elapsed_seconds / 60:.1f} min",
+        f"{distributed.available_cores()} cores, {_precision(results)} · whole demo {elapsed_seconds / 60:.1f} min",
         "",
         *markdown_table(header, body),
         "",

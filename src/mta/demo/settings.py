@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mta.distributed import local_device
+from mta.dtypes import resolve_precision
+
 # Seconds per unit, measured with `make demo-quick` on the 2-core development machine (fp32),
-# for the estimate printed at the start.
+# for the estimate printed at the start; in bf16 training and sampling take 1 / BF16_SPEEDUP of
+# them (bench/cpu_precision.py).
 SECONDS_PER_SFT_STEP = 5.0        # 10-layer student, batch 8 x <=192 tokens, forward + backward
 SECONDS_PER_KD_STEP_EXTRA = 5.0   # + the 30-layer teacher's forward and the 49k-vocabulary loss
 SECONDS_PER_GENERATED_TOKEN = 0.024  # per row and new token, batch 16, loading and perplexity included
 FIXED_SECONDS = 120               # pruning, annotation, model loading (conversion: once, ~2 min more)
+BF16_SPEEDUP = 1.8                # training x1.75-1.95, sampling x1.75-2.1 (bench/cpu_precision.py)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class DemoSettings:
     seeds: tuple[int, ...] = (10, 20)
     perplexity_rows: int = 200
     eval_batch_size: int = 16
+    # train.precision and evaluate's dtype: auto is bf16 where the processor has bf16
+    # instructions (mta.dtypes), fp32 elsewhere; the results say which it was.
+    precision: str = "auto"
 
     @classmethod
     def full(cls) -> "DemoSettings":
@@ -76,4 +84,9 @@ class DemoSettings:
         rows = sum(self.eval_limits.values()) * len(self.seeds)
         models = len(VARIANTS) + 2
         generation = models * rows * self.max_new_tokens * SECONDS_PER_GENERATED_TOKEN
-        return FIXED_SECONDS + training + generation
+        speedup = BF16_SPEEDUP if self.resolved_precision() == "bf16" else 1.0
+        return FIXED_SECONDS + (training + generation) / speedup
+
+    def resolved_precision(self) -> str:
+        """``fp32`` / ``bf16``: what ``precision`` means on this machine."""
+        return resolve_precision(self.precision, local_device())

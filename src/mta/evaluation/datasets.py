@@ -2,7 +2,10 @@
 
 A data directory has the layout of the public MiniLLM release, ``DIR/<set>/valid.jsonl``; S-NI and
 UnNI may also sit in their ``11_`` bucket (``DIR/sinst/11_/valid.jsonl``), which wins when both
-exist because it is the file the published scripts read. Every row becomes an ``EvalRow``
+exist because it is the file the published scripts read. Beside the built-in sets a user may
+name another split of one, ``<set>-<split>`` (``dolly-dev`` is ``DIR/dolly/dev.jsonl``, the
+development split the paper recipes select checkpoints on), or any JSONL file of such rows, named
+by its file stem (``--benchmarks dolly,path/to/mine.jsonl`` evaluates ``dolly`` and ``mine``). Every row becomes an ``EvalRow``
 whose ``index`` (its position in the file) keys the sampling noise and the resume journal.
 
 A row is ``prompt`` and / or ``instruction`` (+ ``input`` or ``context``) with ``output`` (the
@@ -90,33 +93,78 @@ def find_set_file(data_dir: Path, benchmark: Benchmark, split: str = "valid") ->
     return next((p for p in candidate_paths(data_dir, benchmark, split) if p.is_file()), None)
 
 
+def is_file_spec(spec: str) -> bool:
+    """Whether a ``--benchmarks`` item names a JSONL file rather than a set."""
+    return spec.endswith(".jsonl") or "/" in spec or os.sep in spec or (spec not in BENCHMARKS and Path(spec).is_file())
+
+
+def split_benchmark(spec: str) -> tuple[Benchmark, str] | None:
+    """``<set>-<split>`` (``dolly-dev``: ``DIR/dolly/dev.jsonl``) as (the set, the split), or None."""
+    name, _, split = spec.rpartition("-")
+    if name in BENCHMARKS and split and split != "valid":
+        return BENCHMARKS[name], split
+    return None
+
+
+def _requested_set(data_dir: Path, spec: str) -> tuple[Benchmark, list[Path]]:
+    """A ``--benchmarks`` item as its set and the files looked for, in order of preference.
+
+    A built-in name (its test file); ``<set>-<split>``, another split of a built-in set (named so:
+    ``dolly-dev``; never in avg4); or a JSONL file, named by its stem (out of distribution)."""
+    if spec in BENCHMARKS:
+        return BENCHMARKS[spec], candidate_paths(data_dir, BENCHMARKS[spec])
+    if is_file_spec(spec):
+        path = Path(spec)
+        if path.stem in BENCHMARKS:
+            raise MtaError(
+                f"--benchmarks {spec}: a file set is named by its file stem, and '{path.stem}' is the built-in "
+                f"set of that name; rename the file (e.g. {path.stem}-mine.jsonl)"
+            )
+        return Benchmark(path.stem, path.stem), [path]
+    split = split_benchmark(spec)
+    if split is not None:
+        base, split_name = split
+        benchmark = Benchmark(spec, f"{base.title} ({split_name})", bucketed=base.bucketed, cap=base.cap,
+                              in_distribution=base.in_distribution)
+        return benchmark, candidate_paths(data_dir, base, split_name)
+    raise MtaError(
+        f"unknown benchmark '{spec}'; choose from {', '.join(BENCHMARKS)}, another split of one as "
+        "<set>-<split> (dolly-dev: DIR/dolly/dev.jsonl), or give a path to a JSONL file (named by its stem)"
+    )
+
+
 def resolve_benchmarks(data_dir: Path, requested: Sequence[str] | None) -> list[tuple[Benchmark, Path]]:
     """The (set, file) pairs to evaluate.
 
     ``requested=None`` means the default sets: a missing one is logged with the paths looked for
-    and skipped. A set the user named is an error when its file is missing.
+    and skipped. A set the user named is an error when its file is missing. Besides the built-in
+    names, ``requested`` may hold ``<set>-<split>`` (``dolly-dev``) and JSONL paths (``_requested_set``).
     """
     names = list(requested) if requested is not None else list(DEFAULT_BENCHMARKS)
-    unknown = [n for n in names if n not in BENCHMARKS]
-    if unknown:
-        raise MtaError(
-            f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}"
-        )
+    sets = {spec: _requested_set(data_dir, spec) for spec in dict.fromkeys(names)}
+    by_name: dict[str, list[str]] = {}
+    for spec, (benchmark, _) in sets.items():
+        by_name.setdefault(benchmark.name, []).append(spec)
+    clashes = {name: specs for name, specs in by_name.items() if len(specs) > 1}
+    if clashes:
+        raise MtaError("two sets would share a name: " + "; ".join(
+            f"{' and '.join(specs)} are both '{name}'" for name, specs in clashes.items()
+        ) + ". Rename one of the files")
     found: list[tuple[Benchmark, Path]] = []
-    for name in dict.fromkeys(names):
-        benchmark = BENCHMARKS[name]
-        path = find_set_file(data_dir, benchmark)
+    for spec, (benchmark, candidates) in sets.items():
+        path = next((p for p in candidates if p.is_file()), None)
         if path is not None:
             found.append((benchmark, path))
             continue
-        looked = " or ".join(str(p) for p in candidate_paths(data_dir, benchmark))
+        looked = " or ".join(str(p) for p in candidates)
         if requested is not None:
-            raise MtaError(
-                f"benchmark '{name}' is missing: looked for {looked}. "
+            fetch = (
+                "check the path" if is_file_spec(spec) else
                 f"Fetch it with `mta data download --data-dir {data_dir}`, or point --data-dir "
                 f"(or ${DATA_DIR_ENV}) at a directory that has it."
             )
-        log.warning("skipping %s: looked for %s", name, looked)
+            raise MtaError(f"benchmark '{spec}' is missing: looked for {looked}. {fetch}")
+        log.warning("skipping %s: looked for %s", spec, looked)
     if not found:
         raise MtaError(
             f"no evaluation set found under {data_dir}: expected e.g. {data_dir}/dolly/valid.jsonl. "
@@ -132,9 +180,8 @@ def resolve_split_file(data_dir: Path, spec: str) -> Path:
     candidates: list[Path] = []
     if spec in BENCHMARKS:
         candidates = candidate_paths(data_dir, BENCHMARKS[spec])
-    elif "-" in spec and spec.rsplit("-", 1)[0] in BENCHMARKS:
-        name, split = spec.rsplit("-", 1)
-        candidates = candidate_paths(data_dir, BENCHMARKS[name], split)
+    elif (split := split_benchmark(spec)) is not None:
+        candidates = candidate_paths(data_dir, *split)
     candidates.append(Path(spec))
     for path in candidates:
         if path.is_file():

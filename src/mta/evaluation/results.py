@@ -2,7 +2,9 @@
 
 Per set: the mean over rows of each seed's file, then the mean and population std (ddof 0) over
 seeds. Per checkpoint: ``avg4`` (Dolly, SelfInst, Vicuna, S-NI: the published figure, only when
-all four ran), ``avg`` over every set run, and ``avg_ood`` over every set but Dolly.
+all four ran), ``avg`` over every set run, and ``avg_ood`` over every set but Dolly (and its
+other splits). ``differences``: each checkpoint against the first, paired by seed
+(``differences_to_first``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from mta.evaluation.datasets import BENCHMARKS, EvalSet
+from mta.evaluation.datasets import BENCHMARKS, Benchmark, EvalSet
 from mta.evaluation.layout import FINGERPRINT, CheckpointPaths
 from mta.evaluation.settings import EvalSettings
 from mta.files import read_jsonl_lenient
@@ -54,15 +56,68 @@ def set_summary(per_seed: Mapping[int, dict], prompts_truncated: int, rows: int)
     }
 
 
-def averages(set_means: Mapping[str, float]) -> dict:
-    """avg4, avg and avg_ood of one checkpoint from its per-set mean ROUGE-L."""
+def averages(set_means: Mapping[str, float], benchmarks: Mapping[str, Benchmark] | None = None) -> dict:
+    """avg4, avg and avg_ood of one checkpoint from its per-set mean ROUGE-L (or any per-set
+    value: a seed's scores, a difference). ``benchmarks``: each set's ``Benchmark`` where it is
+    not a built-in one (``dolly-dev``, a JSONL file: in avg, never in avg4)."""
+    def benchmark(name: str) -> Benchmark:
+        return (benchmarks or {}).get(name) or BENCHMARKS[name]
+
     avg4_sets = [name for name, b in BENCHMARKS.items() if b.in_avg4]
-    ood = [v for name, v in set_means.items() if not BENCHMARKS[name].in_distribution]
+    ood = [v for name, v in set_means.items() if not benchmark(name).in_distribution]
     return {
         "avg4": statistics.fmean(set_means[n] for n in avg4_sets) if all(n in set_means for n in avg4_sets) else None,
         "avg": statistics.fmean(set_means.values()) if set_means else None,
         "avg_ood": statistics.fmean(ood) if ood else None,
     }
+
+
+DIFFERENCE_SPREAD = (
+    "each checkpoint minus the first, paired by seed: the mean over seeds of the per-seed differences "
+    "(= the difference of the means) ± their population std (ddof 0) over seeds"
+)
+
+
+def differences_to_first(runs: Mapping[str, dict], benchmarks: Mapping[str, Benchmark] | None = None) -> dict:
+    """Each checkpoint after the first against the first (``reference``), ROUGE-L paired by seed.
+
+    Per set: the per-seed differences ``d_s = score_s(checkpoint) - score_s(first)``, their mean
+    and population std over seeds; ``avg4`` / ``avg`` / ``avg_ood`` the same on each seed's
+    average over the sets (None where the average is). With one seed the std is 0.
+    """
+    labels = list(runs)
+    if len(labels) < 2:
+        return {"reference": labels[0] if labels else None, "spread": DIFFERENCE_SPREAD, "checkpoints": {}}
+    first = runs[labels[0]]
+    reference = _per_seed_scores(first, benchmarks)
+    found = {}
+    for label in labels[1:]:
+        scores = _per_seed_scores(runs[label], benchmarks)
+        found[label] = {
+            key: _paired(scores[key], reference[key]) if key in scores and key in reference else None
+            for key in (*first["sets"], "avg4", "avg", "avg_ood")
+        }
+    return {"reference": labels[0], "spread": DIFFERENCE_SPREAD, "checkpoints": found}
+
+
+def _per_seed_scores(run: dict, benchmarks: Mapping[str, Benchmark] | None) -> dict[str, dict[str, float]]:
+    """``{set or average: {seed: ROUGE-L}}`` of one checkpoint; an average only where every seed has it."""
+    sets = {name: dict(summary["rougeL"]["per_seed"]) for name, summary in run["sets"].items()}
+    seeds = sorted(set.intersection(*(set(per_seed) for per_seed in sets.values())), key=int) if sets else []
+    by_seed = {seed: averages({name: per_seed[seed] for name, per_seed in sets.items()}, benchmarks) for seed in seeds}
+    scores = dict(sets)
+    for key in ("avg4", "avg", "avg_ood"):
+        if seeds and all(by_seed[seed][key] is not None for seed in seeds):
+            scores[key] = {seed: by_seed[seed][key] for seed in seeds}
+    return scores
+
+
+def _paired(scores: Mapping[str, float], reference: Mapping[str, float]) -> dict | None:
+    seeds = [seed for seed in scores if seed in reference]
+    if not seeds:
+        return None
+    per_seed = {seed: scores[seed] - reference[seed] for seed in seeds}
+    return {**mean_std(list(per_seed.values())), "per_seed": per_seed}
 
 
 def checkpoint_results(
@@ -81,7 +136,7 @@ def checkpoint_results(
         # What the predictions were generated from (generation.json): the weights' fingerprint.
         "fingerprint": (paths.stored_manifest() or {}).get(FINGERPRINT),
         "sets": sets,
-        **averages({name: s["rougeL"]["mean"] for name, s in sets.items()}),
+        **averages({name: s["rougeL"]["mean"] for name, s in sets.items()}, {s.name: s.benchmark for s in eval_sets}),
         "perplexity": paths.stored_perplexity() if settings.perplexity else None,
     }
 
@@ -95,12 +150,15 @@ def protocol(settings: EvalSettings) -> dict:
         "std": "population (ddof 0) over seeds",
         "avg4": "mean of Dolly, SelfInst, Vicuna, S-NI",
         "avg_ood": "mean of every set but Dolly",
+        "differences": DIFFERENCE_SPREAD,
     }
 
 
 def set_description(eval_set: EvalSet) -> dict:
     """A set's entry of results.json: its file, its rows, and the rows ROUGE-L cannot score."""
     return {
+        "title": eval_set.benchmark.title,
+        "in_distribution": eval_set.benchmark.in_distribution,
         "path": str(eval_set.path),
         "rows": len(eval_set.rows),
         "rows_in_file": eval_set.rows_in_file,
@@ -120,14 +178,16 @@ def collect_results(
     dtype: str,
 ) -> dict:
     """results.json, computed from the predictions files alone."""
+    runs = {
+        label: checkpoint_results(checkpoint, CheckpointPaths.of(out_dir, label), eval_sets, settings)
+        for checkpoint, label in zip(checkpoints, labels)
+    }
     return {
         "protocol": protocol(settings),
         "settings": {**settings.model_dump(), "dtype": dtype, "data_dir": str(data_dir)},
         "sets": {s.name: set_description(s) for s in eval_sets},
-        "checkpoints": {
-            label: checkpoint_results(checkpoint, CheckpointPaths.of(out_dir, label), eval_sets, settings)
-            for checkpoint, label in zip(checkpoints, labels)
-        },
+        "checkpoints": runs,
+        "differences": differences_to_first(runs, {s.name: s.benchmark for s in eval_sets}),
         "versions": package_versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

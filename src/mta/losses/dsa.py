@@ -6,6 +6,8 @@ and in tokenizer; no projection is involved.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,9 @@ def dynamic_structural_alignment(
     teacher_spans: torch.Tensor,
     salience: torch.Tensor,
     span_mask: torch.Tensor,
+    *,
+    reduction: Literal["sequence", "batch"] = "sequence",
+    pair_weights: Literal["salience", "uniform"] = "salience",
 ) -> torch.Tensor:
     """Salience-weighted squared difference of the two span similarity matrices.
 
@@ -34,17 +39,26 @@ def dynamic_structural_alignment(
     Per sequence: ``Σ_{i≠j} w_ij (cos S_ij − cos T_ij)² / Σ_{i≠j} w_ij`` with
     ``w_ij = w̃_i w̃_j``. Returns the mean over sequences with at least two spans (and positive
     pair weight), or a zero that still carries the graph when no sequence contributes.
+
+    The authors' code (docs/method.md §8): ``reduction="batch"`` is one weighted mean over the
+    intra-sequence pairs of the whole batch; ``pair_weights="uniform"`` (their uniform-weights
+    ablation) weighs every pair of spans with positive salience 1.
     """
     mask = span_mask.bool()
     salience = salience.float() * mask
-    normalised = salience / salience.sum(dim=-1, keepdim=True).clamp(min=WEIGHT_EPS)
+    if pair_weights == "uniform":
+        normalised = (salience > 0).float()
+    else:
+        normalised = salience / salience.sum(dim=-1, keepdim=True).clamp(min=WEIGHT_EPS)
     num_spans = mask.shape[1]
     off_diagonal = ~torch.eye(num_spans, dtype=torch.bool, device=mask.device)
-    pair_weights = normalised.unsqueeze(2) * normalised.unsqueeze(1) * off_diagonal  # [B, K, K]
+    weights = normalised.unsqueeze(2) * normalised.unsqueeze(1) * off_diagonal  # [B, K, K]
 
     gap = _cosine_matrix(student_spans) - _cosine_matrix(teacher_spans.detach())
-    weight_sum = pair_weights.sum(dim=(1, 2))
-    per_sequence = (pair_weights * gap.square()).sum(dim=(1, 2)) / weight_sum.clamp(min=WEIGHT_EPS)
+    if reduction == "batch":  # no pair anywhere: a zero that keeps the graph
+        return (weights * gap.square()).sum() / weights.sum().clamp(min=WEIGHT_EPS)
+    weight_sum = weights.sum(dim=(1, 2))
+    per_sequence = (weights * gap.square()).sum(dim=(1, 2)) / weight_sum.clamp(min=WEIGHT_EPS)
 
     contributes = (mask.sum(dim=-1) >= 2) & (weight_sum > 0)
     # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.

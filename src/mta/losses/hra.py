@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,8 @@ def hidden_representation_alignment(
     teacher: torch.Tensor,
     weights: torch.Tensor,
     mask: torch.Tensor,
+    *,
+    reduction: Literal["sequence", "batch"] = "sequence",
 ) -> torch.Tensor:
     """Weighted cosine distance between aligned positions.
 
@@ -24,12 +28,16 @@ def hidden_representation_alignment(
 
     Per sequence ``Σ w (1 − cos) / Σ w`` over its masked items; returns the mean over sequences
     with at least one item (and positive weight), or a graph-carrying zero when there is none.
+    ``reduction="batch"``: one ``Σ w (1 − cos) / Σ w`` over the masked items of the whole batch
+    (the authors' uniform-weights ablation, docs/method.md §8).
     """
     mask = mask.bool()
     weights = weights.float() * mask
     distance = 1.0 - F.cosine_similarity(
         projected_student.float(), teacher.detach().float(), dim=-1, eps=COS_EPS
     )
+    if reduction == "batch":  # zero weights everywhere: a zero that keeps the graph
+        return (weights * distance).sum() / weights.sum().clamp(min=WEIGHT_EPS)
     weight_sum = weights.sum(dim=-1)
     per_sequence = (weights * distance).sum(dim=-1) / weight_sum.clamp(min=WEIGHT_EPS)
     contributes = mask.any(dim=-1) & (weight_sum > 0)

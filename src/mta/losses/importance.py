@@ -18,11 +18,17 @@ STD_EPS = 1e-5
 
 
 @torch.no_grad()
-def token_importance(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_importance(
+    hidden: torch.Tensor, attention_mask: torch.Tensor, *, padding_queries: bool = False
+) -> torch.Tensor:
     """Mean bidirectional self-attention each real token receives.
 
     hidden: ``[batch, seq, dim]`` one layer's hidden states (any float dtype).
     attention_mask: ``[batch, seq]`` 1/True for real tokens, 0/False for padding.
+    padding_queries: the authors' code (``loss.reference_code``, docs/method.md §8): every row of
+    the padded batch asks, padding rows included with the states the model gave them (a
+    non-finite value counts as 0), and the mean runs over all ``seq`` rows; padding is still
+    never attended. Their ``compute_token_weights`` in ``span_utils.py``.
     Returns ``[batch, seq]`` fp32, detached: 0 on padding, summing to 1 over the real tokens of
     every sequence with at least one real token (a single real token gets weight 1).
     """
@@ -34,8 +40,10 @@ def token_importance(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torc
     # the centred values is several times faster on CPU than torch.std.
     centred_norm = torch.linalg.vector_norm(hidden - hidden.mean(dim=-1, keepdim=True), dim=-1, keepdim=True)
     normed = hidden / (centred_norm / math.sqrt(max(dim - 1, 1)) + STD_EPS)
-    # Padding states may hold anything (even NaN after a fully masked attention row).
-    normed = torch.where(real.unsqueeze(-1), normed, 0.0)
+    if padding_queries:  # padding rows ask; as keys they are masked below
+        normed = torch.where(torch.isfinite(normed), normed, 0.0)
+    else:  # Padding states may hold anything (even NaN after a fully masked attention row).
+        normed = torch.where(real.unsqueeze(-1), normed, 0.0)
     # The 1/sqrt(d) goes on one [B, T, D] operand and the key mask is an in-place additive
     # bias: on CPU a broadcast masked_fill over [B, T, T] costs half as much as the matmul.
     scores = torch.bmm(normed / math.sqrt(dim), normed.transpose(1, 2))  # [B, query, key]
@@ -45,9 +53,12 @@ def token_importance(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torc
     # Rows without any allowed key are NaN; they only occur in sequences with at most one
     # real token, whose weights are replaced below.
     attention = torch.softmax(scores, dim=-1)  # [B, query, key]
-    received = torch.bmm(queries.unsqueeze(1), attention).squeeze(1)  # sum over real queries
     num_real = queries.sum(dim=-1, keepdim=True)
-    weights = received / num_real.clamp(min=1.0)
+    if padding_queries:  # every row has a real key once a sequence has two real tokens
+        weights = attention.mean(dim=1)
+    else:
+        received = torch.bmm(queries.unsqueeze(1), attention).squeeze(1)  # sum over real queries
+        weights = received / num_real.clamp(min=1.0)
     # One real token: weight 1 (docs/method.md §2); none: all zeros.
     return torch.where(num_real <= 1, queries, weights)
 

@@ -28,10 +28,10 @@ def span_token_mask(
     return (positions >= start.unsqueeze(-1)) & (positions < end.unsqueeze(-1))
 
 
-def span_union_mask(
+def span_cover_count(
     start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """Tokens inside at least one span, each counted once: ``[batch, seq_len]`` bool.
+    """How many spans each token lies in: ``[batch, seq_len]`` int32.
 
     Same inputs as :func:`span_token_mask`; computed as a running count of open spans
     (+1 at each start, −1 at each end), so it never builds the ``[batch, spans, seq_len]`` mask.
@@ -41,7 +41,17 @@ def span_union_mask(
     step = live.to(torch.int32)
     change = torch.zeros(start.shape[0], seq_len + 1, dtype=torch.int32, device=start.device)
     change.scatter_add_(1, start, step).scatter_add_(1, end, -step)
-    return change.cumsum(dim=1)[:, :seq_len] > 0
+    return change.cumsum(dim=1)[:, :seq_len]
+
+
+def span_union_mask(
+    start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Tokens inside at least one span, each counted once: ``[batch, seq_len]`` bool.
+
+    Same inputs as :func:`span_token_mask` (:func:`span_cover_count` > 0).
+    """
+    return span_cover_count(start, end, seq_len, span_mask) > 0
 
 
 @dataclass
@@ -79,3 +89,7 @@ class SpanBatch:
     def teacher_token_union(self, seq_len: int) -> torch.Tensor:
         """``[batch, seq_len]`` bool: teacher tokens inside any real span, each once."""
         return span_union_mask(self.teacher_start, self.teacher_end, seq_len, self.mask)
+
+    def teacher_token_count(self, seq_len: int) -> torch.Tensor:
+        """``[batch, seq_len]`` int32: how many real spans each teacher token lies in."""
+        return span_cover_count(self.teacher_start, self.teacher_end, seq_len, self.mask)

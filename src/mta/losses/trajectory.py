@@ -6,6 +6,7 @@ once per (model, layer) and span masks once per granularity, then shared by DSA 
 
 from __future__ import annotations
 
+import functools
 from typing import Collection, Mapping, Protocol, Sequence, Union
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 from mta.errors import MtaError
 from mta.losses.dsa import dynamic_structural_alignment
 from mta.losses.hra import hidden_representation_alignment
-from mta.losses.importance import IMPORTANCE, ImportanceMode
+from mta.losses.importance import IMPORTANCE, ImportanceMode, token_importance
 from mta.losses.pooling import pool_spans
 from mta.losses.span_masks import SpanBatch
 
@@ -41,6 +42,14 @@ class TrajectoryAlignmentLoss(nn.Module):
 
     ``terms`` names the terms to compute (``"dsa"``, ``"hra"`` or both): a term not asked for
     is never computed, and without HRA no projector exists.
+
+    ``reference_code`` (``loss.reference_code``) computes what the authors' ``span_utils.py``
+    computes instead of the formulas (docs/method.md §8): importance averaged over every row of
+    the padded batch, padding rows included; DSA one weighted mean over all the batch's pairs;
+    token-level HRA counting a token once per span it lies in. With ``importance="uniform"`` it
+    is their uniform-weights ablation (``ablation_span_finetune.py``): pooling keeps the
+    importance weights, DSA averages the pairs and HRA the token-span memberships of the batch
+    unweighted.
     """
 
     def __init__(
@@ -52,6 +61,7 @@ class TrajectoryAlignmentLoss(nn.Module):
         same_tokenizer: bool,
         importance: ImportanceMode = "attention",
         terms: Collection[str] = ("dsa", "hra"),
+        reference_code: bool = False,
     ) -> None:
         super().__init__()
         unknown = set(terms) - {"dsa", "hra"}
@@ -70,7 +80,17 @@ class TrajectoryAlignmentLoss(nn.Module):
         self.layer_pairs = [(p.student, p.teacher, p.granularity) for p in layer_pairs]
         self.same_tokenizer = same_tokenizer
         self.importance_mode = importance
-        self._importance = IMPORTANCE[importance]
+        self.reference_code = reference_code
+        # The authors' uniform ablation pools with the importance weights all the same.
+        self._importance = (
+            functools.partial(token_importance, padding_queries=True) if reference_code
+            else IMPORTANCE[importance]
+        )
+        uniform = reference_code and importance == "uniform"
+        self._dsa_options = dict(
+            reduction="batch", pair_weights="uniform" if uniform else "salience"
+        ) if reference_code else {}
+        self._uniform_items = uniform  # HRA: every membership weighs 1, one mean over the batch
         self.terms = tuple(term for term in ("dsa", "hra") if term in terms)
         self.projectors = nn.ModuleList(
             nn.Linear(student_hidden_size, teacher_hidden_size) for _ in self.layer_pairs
@@ -125,7 +145,10 @@ class TrajectoryAlignmentLoss(nn.Module):
                 teacher_masks[granularity] = spans[granularity].teacher_token_mask(teacher_len).float()
                 student_masks[granularity] = spans[granularity].student_token_mask(student_len).float()
             if self.same_tokenizer and "hra" in self.terms:
-                span_tokens[granularity] = spans[granularity].teacher_token_union(teacher_len)
+                span_tokens[granularity] = (
+                    spans[granularity].teacher_token_count(teacher_len) if self.reference_code
+                    else spans[granularity].teacher_token_union(teacher_len)
+                )
 
         student_weights = {
             layer: self._importance(_layer(student_hidden_states, layer, "student"), student_attention_mask)
@@ -149,17 +172,35 @@ class TrajectoryAlignmentLoss(nn.Module):
                     teacher_hidden, teacher_weights[teacher_layer], teacher_masks[granularity]
                 )
             if "dsa" in terms:
-                terms["dsa"].append(dynamic_structural_alignment(student_spans, teacher_spans, salience, span_mask))
+                terms["dsa"].append(dynamic_structural_alignment(
+                    student_spans, teacher_spans, salience, span_mask, **self._dsa_options
+                ))
             if "hra" in terms and self.same_tokenizer:
-                terms["hra"].append(hidden_representation_alignment(
+                terms["hra"].append(self._hra(
                     _project(self.projectors[index], student_hidden), teacher_hidden,
                     teacher_weights[teacher_layer], span_tokens[granularity],
                 ))
             elif "hra" in terms:
-                terms["hra"].append(hidden_representation_alignment(
+                terms["hra"].append(self._hra(
                     _project(self.projectors[index], student_spans), teacher_spans, salience, span_mask,
                 ))
         return {term: torch.stack(values).mean() for term, values in terms.items()}
+
+    def _hra(self, projected: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor,
+             members: torch.Tensor) -> torch.Tensor:
+        """HRA over items (tokens or spans); members: ``[batch, items]`` bool, or with
+        ``reference_code`` on tokens the int count of spans each token lies in (each membership
+        counts once, as the authors' ``All_Indices`` does)."""
+        if not self.reference_code:
+            return hidden_representation_alignment(projected, teacher, weights, members)
+        count = members.float()
+        if self._uniform_items:  # every membership with a positive weight weighs 1
+            weights = count * (weights > 0)
+        else:
+            weights = weights.float() * count
+        return hidden_representation_alignment(
+            projected, teacher, weights, members > 0, reduction="batch" if self._uniform_items else "sequence"
+        )
 
 
 def _layer(hidden_states: HiddenStates, index: int, side: str) -> torch.Tensor:

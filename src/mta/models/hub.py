@@ -169,6 +169,14 @@ def hub_problem(name_or_path: str | Path, error: BaseException, *, what: str = "
     return None
 
 
+def _looks_for_adapters(loader: Callable[..., Any]) -> bool:
+    """Whether ``loader`` is an ``AutoModel*.from_pretrained`` (those look for a peft adapter)."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    owner = getattr(loader, "__self__", None)
+    return isinstance(owner, type) and issubclass(owner, _BaseAutoModelClass)
+
+
 def load_pretrained(
     loader: Callable[..., T], name_or_path: str | Path, *, what: str = "model", filename: str = MODEL_FILE,
     **kwargs: Any,
@@ -176,6 +184,11 @@ def load_pretrained(
     """``loader(name_or_path, **kwargs)`` (a ``from_pretrained``) after :func:`load_options`;
     a failure the Hub explains becomes an ``MtaError`` naming the name, any other propagates."""
     options = load_options(name_or_path, what=what, filename=filename)
+    if options.get("local_files_only") and _looks_for_adapters(loader):
+        # With peft installed, an Auto* model's from_pretrained first looks for an
+        # adapter_config.json and does not pass local_files_only on to that look-up (transformers
+        # 5.x): it would ask the unreachable Hub. The adapter, like the model, comes from the cache.
+        options["adapter_kwargs"] = {"local_files_only": True}
     target = str(Path(name_or_path).expanduser()) if is_local(name_or_path) else str(name_or_path)
     try:
         return loader(target, **options, **kwargs)

@@ -113,11 +113,13 @@ def pruned_config(config, keep: list[int]):
     return type(config).from_dict(values)
 
 
-def prune_layers(model: PreTrainedModel, keep: list[int]) -> PreTrainedModel:
+def prune_layers(model: PreTrainedModel, keep: list[int], *, build=None) -> PreTrainedModel:
     """A new model holding only the blocks ``keep`` (ascending, 0-based) of ``model``.
 
     Embeddings, final norm and LM head are copied unchanged; block ``keep[i]`` of the source
-    becomes block ``i``. The source model is left untouched.
+    becomes block ``i``. The source model is left untouched. ``build(config, dtype=...)`` makes
+    the fresh model: ``AutoModelForCausalLM.from_config`` by default, ``AutoModel.from_config``
+    for an encoder (``mta.models.sentence_encoders.prune_encoder``).
     """
     prefix, blocks = decoder_blocks(model)
     num_layers = len(blocks)
@@ -143,9 +145,11 @@ def prune_layers(model: PreTrainedModel, keep: list[int]) -> PreTrainedModel:
             key = f"{prefix}.{position_of[int(index)]}.{rest}"
         state[key] = tensor
 
-    student = AutoModelForCausalLM.from_config(pruned_config(model.config, keep), dtype=model.dtype)
+    build = build or AutoModelForCausalLM.from_config
+    student = build(pruned_config(model.config, keep), dtype=model.dtype)
     student.load_state_dict(state, strict=True)
-    student.generation_config = copy.deepcopy(model.generation_config)
+    if model.can_generate():
+        student.generation_config = copy.deepcopy(model.generation_config)
     return student.to(model.device)
 
 

@@ -9,7 +9,18 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from mta.files import atomic_directory
+from mta.hashing import json_sha256
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
+
+KEY_LENGTH = 12  # hex digits of the content key in a built model's directory name
+
+
+def keyed_directory(directory: str | Path, description: dict) -> Path:
+    """``<directory>-<key>``: where a model built from ``description`` (a JSON-able dict naming
+    everything it is built from) lives, the key ``KEY_LENGTH`` hex digits of its sha256, so a
+    changed description builds a new directory instead of reusing or overwriting the old."""
+    directory = Path(directory)
+    return directory.with_name(f"{directory.name}-{json_sha256(description)[:KEY_LENGTH]}")
 
 
 def corpus_texts(jsonl_path: str | Path) -> list[str]:

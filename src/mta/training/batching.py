@@ -44,6 +44,15 @@ class TokenBatch:
     def to(self, device: torch.device | str) -> "TokenBatch":
         return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
 
+    def padded_to(self, width: int, pad_id: int) -> "TokenBatch":
+        """Right-padded to at least ``width`` positions (``pad_id``, mask 0, label ``-100``)."""
+        extra = width - self.input_ids.shape[1]
+        if extra <= 0:
+            return self
+        pad = torch.nn.functional.pad
+        return TokenBatch(pad(self.input_ids, (0, extra), value=pad_id), pad(self.attention_mask, (0, extra)),
+                          pad(self.labels, (0, extra), value=IGNORE_INDEX))
+
 
 class DeferredSpans(Mapping):
     """The spans of a micro batch whose rows are still being parsed (``mta.data.online_spans``):
@@ -96,6 +105,16 @@ class TrainBatch:
             None if self.teacher is None else self.teacher.to(device),
             spans.to(device) if isinstance(spans, DeferredSpans) else {n: s.to(device) for n, s in spans.items()},
             None if self.chosen is None else self.chosen.to(device),
+        )
+
+    def padded_to(self, width: int, pad_ids: Mapping[str, int]) -> "TrainBatch":
+        """Both sides right-padded to at least ``width`` positions, as the authors' collate pads
+        every batch to ``max_length`` (``loss.reference_code``); spans keep their token ranges.
+        pad_ids: ``{"student": id, "teacher": id}``."""
+        return TrainBatch(
+            self.row_ids, self.student.padded_to(width, pad_ids["student"]),
+            None if self.teacher is None else self.teacher.padded_to(width, pad_ids["teacher"]),
+            self.spans, self.chosen,
         )
 
     @property

@@ -11,6 +11,12 @@ Layout under the run's output directory::
     final/                          the last weights, Hugging Face format + recipe + versions
                                     + README.md (model card, mta.training.model_card)
                                     + checksums.sha256
+    best/                           as final/, the weights of the best dev evaluation by
+                                    train.select_by, + selection.json (mta.training.selection)
+
+A LoRA student (``student.lora``) is exported with its adapters merged into the weights
+(``mta.training.lora``), never with an adapter_config.json beside them; each checkpoint also
+keeps the adapter alone under ``step-N/adapter/``.
 
 Every checkpoint is written into ``step-N.partial`` and renamed to ``step-N`` only when
 complete, so a crash at any point leaves the previous checkpoints untouched and never a
@@ -51,7 +57,7 @@ from mta import distributed
 from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory
 from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
-from mta.training import safe_loading
+from mta.training import lora, safe_loading
 from mta.training.recipe import Recipe, recipe_to_yaml
 from mta.training.model_card import write_model_card
 from mta.versions import package_versions
@@ -62,6 +68,8 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
+BEST_DIR = "best"  # the student selected by train.select_by (mta.training.selection)
+SELECTION_FILE = "selection.json"
 
 
 @dataclass
@@ -229,16 +237,27 @@ def _student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
     return engine.module.student.state_dict()
 
 
-def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path) -> None:
+def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path,
+               *, adapter: bool = False) -> None:
     """The student in Hugging Face format (+ tokenizer, recipe, versions) into ``directory``.
 
-    Under ZeRO-3 the shards are gathered first; every rank must call this.
+    Under ZeRO-3 the shards are gathered first; every rank must call this. A LoRA student is
+    written with its adapters merged (``mta.training.lora``), and with ``adapter`` its adapter
+    alone also into ``directory/adapter/`` (checkpoints).
     """
     state = _student_state_dict(engine)
     if distributed.is_main():
         directory.mkdir(parents=True, exist_ok=True)
-        engine.module.student.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+        student = engine.module.student
+        if lora.is_wrapped(student):
+            if adapter:
+                lora.save_adapter(student, state, directory, base_model=getattr(student, "name_or_path", None))
+            state = lora.merged_state_dict(student, state)
+        student.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(str(directory))
+        export_files = getattr(engine.module, "export_files", None)
+        if export_files is not None:  # task: embedding: the sentence-transformers modules too
+            export_files(directory)
         atomic_write_text(directory / "recipe.yaml", recipe_to_yaml(recipe))
         atomic_write_json(directory / "versions.json", package_versions())
 
@@ -305,7 +324,7 @@ def save_checkpoint(
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         distributed.barrier()
-        _export_hf(engine, tokenizer, recipe, partial)
+        _export_hf(engine, tokenizer, recipe, partial, adapter=True)
         engine.save_checkpoint(str(partial / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
         if extra_state is not None:
             extra_state(partial)
@@ -361,19 +380,43 @@ def load_checkpoint(engine, path: Path) -> TrainerState:
 
 def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path) -> Path:
     """``final/`` in Hugging Face format, replacing an earlier one only once the new one is whole."""
-    final = output_dir / "final"
-    partial = output_dir / "final.partial"
-    with _removed_on_error(final, partial, "the checkpoints and any earlier final/ are intact"):
+    def card(directory: Path) -> None:
+        # README.md: the model card, with the step of the newest checkpoint (the trainer saves
+        # the last step just before) and the run's last dev metrics; checksummed with the rest.
+        latest = latest_checkpoint(output_dir)
+        step = _read_state(latest).step if latest is not None else None
+        write_model_card(directory, recipe, step=step, metrics_path=output_dir / "metrics.jsonl")
+
+    return _save_student(engine, tokenizer, recipe, output_dir / "final",
+                         "the checkpoints and any earlier final/ are intact", card)
+
+
+def save_best(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path,
+              selection: dict) -> Path:
+    """``best/``: the student now, in Hugging Face format like ``final/``, with
+    ``selection.json`` (``selection``: the metric, its value, the step; ``mta.training.selection``)
+    and a model card that names them; it replaces an earlier ``best/`` only once whole."""
+    def card(directory: Path) -> None:
+        atomic_write_json(directory / SELECTION_FILE, selection)
+        write_model_card(directory, recipe, step=selection["step"], metrics_path=output_dir / "metrics.jsonl",
+                         what="best", selection=selection)
+
+    return _save_student(engine, tokenizer, recipe, output_dir / BEST_DIR,
+                         "the checkpoints, final/ and the earlier best/ are intact", card)
+
+
+def _save_student(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, final: Path, kept: str,
+                  finish: Callable[[Path], None]) -> Path:
+    """Export the student into ``final`` through ``<final>.partial``: ``finish(partial)`` adds the
+    card (main process), then the checksum list, then the rename. Every rank calls this."""
+    partial = final.with_name(final.name + ".partial")
+    with _removed_on_error(final, partial, kept):
         if distributed.is_main():
             shutil.rmtree(partial, ignore_errors=True)
         distributed.barrier()
         _export_hf(engine, tokenizer, recipe, partial)
         if distributed.is_main():
-            # README.md: the model card, with the step of the newest checkpoint (the trainer saves
-            # the last step just before) and the run's last dev metrics; checksummed with the rest.
-            latest = latest_checkpoint(output_dir)
-            step = _read_state(latest).step if latest is not None else None
-            write_model_card(partial, recipe, step=step, metrics_path=output_dir / "metrics.jsonl")
+            finish(partial)
             _write_checksums(partial)
             publish_directory(partial, final)
     distributed.barrier()

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from mta.dtypes import BYTES_PER_ELEMENT
+from mta.distributed import local_device
+from mta.dtypes import BYTES_PER_ELEMENT, resolve_precision
 from mta.errors import MtaError
 from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import load_tokenizer
@@ -46,6 +47,7 @@ class ModelPlan:
     parameters: int
     dtype: str
     max_positions: int | None = None  # None: the config sets no position limit
+    trainable_parameters: int | None = None  # a LoRA student's adapters (None: every parameter trains)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class RunPlan:
     precision: str
     memory: MemoryEstimate
     notes: list[str] = field(default_factory=list)
+    projectors: str = "HRA projector"  # what projector_parameters counts (task: embedding: TAMD's)
 
 
 def load_model_config(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[PretrainedConfig, str]:
@@ -178,6 +181,12 @@ def plan_model(spec: ModelSpec, recipe: Recipe, role: str) -> ModelPlan:
 def _plan_from_config(spec: ModelSpec, role: str, config: PretrainedConfig, source: str) -> ModelPlan:
     model = meta_model(config)
     limit = position_limit(config)
+    parameters = parameter_count(model)
+    trainable = None
+    if spec.lora is not None:  # the adapters the run injects, counted on the meta model
+        from mta.training import lora
+
+        trainable = lora.trainable_parameters(lora.wrap(model, spec.lora, seed=0))
     return ModelPlan(
         role=role,
         name=spec.path,
@@ -187,9 +196,10 @@ def _plan_from_config(spec: ModelSpec, role: str, config: PretrainedConfig, sour
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
         vocab_rows=model.get_input_embeddings().num_embeddings,
-        parameters=parameter_count(model),
+        parameters=parameters,
         dtype=spec.dtype,
         max_positions=limit[0] if limit else None,
+        trainable_parameters=trainable,
     )
 
 
@@ -217,11 +227,14 @@ def estimate_memory(
     fp32 copy for the loss, with gradients), the teacher's logits and the teacher hidden states
     kept for the aligned layers.
     """
-    trainable = student.parameters + trainable_extra
+    # A LoRA student keeps its frozen base weights, and gradients and optimizer states of its
+    # adapters only.
+    lora_student = student.trainable_parameters is not None
+    trainable = (student.trainable_parameters if lora_student else student.parameters) + trainable_extra
     mixed = precision != "fp32"
     weight_bytes = 2 if mixed else 4
     optimizer_bytes = 12 if mixed else 8
-    weights = trainable * weight_bytes
+    weights = (trainable + (student.parameters if lora_student else 0)) * weight_bytes
     gradients = trainable * weight_bytes
     optimizer = trainable * optimizer_bytes
     if zero_stage >= 1:
@@ -262,6 +275,10 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     samples) needs more positions than a model has, a layer pair points past a model's depth, or
     the global batch cannot be split over ``world_size`` devices.
     """
+    if recipe.task == "embedding":
+        from mta.training.embedding_run import plan_embedding_run
+
+        return plan_embedding_run(recipe, world_size)
     if world_size < 1:
         raise MtaError(f"world size must be at least 1, got {world_size}")
     train = recipe.train
@@ -299,6 +316,10 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
             f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
             f"common real vocabulary, checked when the tokenizers load"
         )
+    if recipe.student.lora is not None:
+        from mta.training import lora
+
+        notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
     notes.extend(_data_notes(recipe))
 
     memory = estimate_memory(
@@ -306,7 +327,8 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         teacher,
         trainable_extra=projector_parameters,
         aligned_teacher_layers=len({pair.teacher for pair in layers}),
-        precision=train.precision,
+        # auto: what it means on this machine (bf16 on a GPU or a CPU with bf16 instructions)
+        precision=resolve_precision(train.precision, local_device()),
         zero_stage=train.zero_stage,
         teacher_zero3=train.teacher_zero3,
         world_size=world_size,

@@ -3,7 +3,7 @@
 ``metrics.jsonl`` holds one JSON object per log step::
 
     {"split": "train", "step": 20, "loss": 3.1, "loss/base": 2.9, "loss/dsa": 0.05,
-     "loss/hra": 0.4, "lr": 9.8e-05, "tokens_per_s": 5120.0, "elapsed_s": 12.3}
+     "loss/hra": 0.4, "lr": 9.8e-05, "tokens_per_s": 5120.0, "flops_per_s": 1.9e11, "mfu": null}
     {"split": "dev", "step": 100, "loss": ..., "loss/base": ..., "samples": [{"prompt": ..., "generation": ...}]}
 
 On resume the lines past the checkpoint's step are dropped, so the file never describes steps
@@ -28,20 +28,23 @@ def loss_record(split: str, step: int, losses: dict[str, float]) -> dict[str, An
 
 
 class LossWindow:
-    """Loss components and tokens since the last log line, averaged per step when logged."""
+    """Loss components, tokens and model FLOPs since the last log line; losses averaged per step
+    when logged, tokens and FLOPs per second (``mta.training.utilisation`` counts the FLOPs)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.steps = 0
         self.tokens = 0
+        self.flops = 0.0
         self.since = time.perf_counter()
 
     def add(self, step_losses: dict[str, float]) -> None:
-        """One step's ``{"total", components..., "tokens"}``."""
+        """One step's ``{"total", components..., "tokens"}`` (and ``"flops"``, when counted)."""
         self.tokens += step_losses["tokens"]
+        self.flops += step_losses.get("flops", 0.0)
         self.steps += 1
         for name, value in step_losses.items():
-            if name != "tokens":
+            if name not in ("tokens", "flops"):
                 self.sums[name] = self.sums.get(name, 0.0) + value
 
     def record(
@@ -50,11 +53,12 @@ class LossWindow:
     ) -> dict[str, Any]:
         """The train line for ``step``: losses averaged over steps and processes, tokens summed."""
         elapsed = max(time.perf_counter() - self.since, 1e-9)
-        totals = sum_over_processes({**self.sums, "tokens": float(self.tokens)})
-        tokens = totals.pop("tokens")
+        totals = sum_over_processes({**self.sums, "tokens": float(self.tokens), "flops": self.flops})
+        tokens, flops = totals.pop("tokens"), totals.pop("flops")
         record = loss_record("train", step, {k: v / (self.steps * world_size) for k, v in totals.items()})
         record["lr"] = lr
         record["tokens_per_s"] = tokens / elapsed
+        record["flops_per_s"] = flops / elapsed
         return record
 
 

@@ -70,6 +70,10 @@ def _datasets(paths: Iterable[Optional[str]]) -> list[str]:
 
 def _loss(recipe: Recipe) -> str:
     loss = recipe.loss
+    if recipe.task == "embedding":  # TALAS (mta.training.embedding_objective)
+        terms = (("SimCSE", loss.simcse_weight), ("TAMD", loss.tamd_weight), ("LASD", loss.lasd_weight))
+        text = " + ".join(f"{weight:g}·{name}" for name, weight in terms if weight)
+        return text + (" with ASAM" if recipe.train.asam is not None else "")
     terms = [f"{loss.base_weight:g}·{loss.base}"] if loss.base_weight else []
     terms += [f"{weight:g}·{name}" for name, weight in
               (("DSA", loss.dsa_weight), ("HRA", loss.hra_weight), ("FDD", loss.fdd_weight)) if weight]
@@ -78,6 +82,8 @@ def _loss(recipe: Recipe) -> str:
 
 def metadata(recipe: Recipe) -> dict[str, Any]:
     """The card's YAML front matter."""
+    if recipe.task == "embedding":
+        return _embedding_metadata(recipe)
     tags = ["mta", "knowledge-distillation", recipe.loss.base]
     tags += [name for name, weight in (("dsa", recipe.loss.dsa_weight), ("hra", recipe.loss.hra_weight),
                                        ("fdd", recipe.loss.fdd_weight)) if weight]
@@ -92,6 +98,32 @@ def metadata(recipe: Recipe) -> dict[str, Any]:
     return meta
 
 
+def _embedding_metadata(recipe) -> dict[str, Any]:
+    loss = recipe.loss
+    meta: dict[str, Any] = {"library_name": "sentence-transformers", "pipeline_tag": "sentence-similarity"}
+    base_model = _hub_name(recipe.student, recipe)
+    if base_model:
+        meta["base_model"] = base_model
+    meta["tags"] = ["mta", "knowledge-distillation", "sentence-transformers", "talas"] + [
+        name for name, weight in (("simcse", loss.simcse_weight), ("tamd", loss.tamd_weight),
+                                  ("lasd", loss.lasd_weight)) if weight] + (["asam"] if recipe.train.asam else [])
+    return meta
+
+
+# What the directory is and how to load it, by recipe task.
+INTRO = {
+    "llm": "A student trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment). "
+           "It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained(\"<this directory>\")`; "
+           "`sha256sum -c checksums.sha256` verifies its files.",
+    "embedding": "A sentence-embedding student distilled with mta (TALAS: teacher-anchored upper layers, "
+                 "layer-aligned self-distillation). It is a Hugging Face encoder "
+                 "(`AutoModel.from_pretrained(\"<this directory>\")`) and a sentence-transformers model: "
+                 "`SentenceTransformer(\"<this directory>\")`, with `trust_remote_code=True` when its "
+                 "pooling is cls_attention (the module is `cls_attention_pooling.py` here); "
+                 "`sha256sum -c checksums.sha256` verifies its files.",
+}
+
+
 def last_dev_metrics(records: Iterable[dict], step: Optional[int] = None) -> Optional[dict]:
     """The numbers of the last dev record (at or before ``step``), samples left out."""
     dev = [r for r in records if r.get("split") == "dev" and (step is None or r.get("step", 0) <= step)]
@@ -101,27 +133,35 @@ def last_dev_metrics(records: Iterable[dict], step: Optional[int] = None) -> Opt
 
 
 def model_card(recipe: Recipe, *, step: Optional[int] = None, dev: Optional[dict] = None,
-               what: str = "final") -> str:
-    """The card's text: front matter, then what the student is and how it was made."""
+               what: str = "final", selection: Optional[dict] = None) -> str:
+    """The card's text: front matter, then what the student is and how it was made.
+    ``selection``: a ``best/`` student's selection.json (the metric, its value and step)."""
     version = package_versions(("mta",))["mta"] or "unknown"
     front = yaml.safe_dump(metadata(recipe), sort_keys=False, allow_unicode=True).strip()
     data = f"train `{recipe.data.train}`" + (f", dev `{recipe.data.dev}`" if recipe.data.dev else "")
     rows = [
-        ("teacher", _describe(recipe.teacher)),
+        ("teacher", _describe(recipe.teacher) if recipe.teacher is not None or recipe.task == "llm"
+         else f"its stored embeddings in `{recipe.data.train}`"),
         ("student start", _describe(recipe.student)),
         ("recipe", f"`{recipe.name}`, {recipe_hash(recipe)} (the resolved recipe: recipe.yaml beside this card)"),
         ("loss", _loss(recipe)),
-        ("data", f"{data}; at most {recipe.data.max_length} tokens, {recipe.data.max_prompt_length} of prompt"),
+        ("data", f"{data}; at most {recipe.data.max_length} tokens"
+         + (f", {recipe.data.max_prompt_length} of prompt" if recipe.task == "llm" else "")),
         ("steps", (f"{step}" if step is not None else "not recorded")
          + f" (global batch {recipe.train.batch_size}, lr {recipe.train.lr:g}, {recipe.train.precision})"),
         ("mta", version),
     ]
+    if getattr(recipe.student, "lora", None) is not None:
+        spec = recipe.student.lora
+        rows.insert(-1, ("LoRA", f"r {spec.r}, alpha {spec.alpha:g}, dropout {spec.dropout:g} on "
+                         f"{spec.target_modules or 'the architecture default'}; merged into these weights"))
+    if selection:
+        rows.insert(-1, ("selected by", f"{selection['metric']} = {selection['value']:.4f} at step "
+                         f"{selection['step']} ({selection['goal']} of the run's dev evaluations)"))
     lines = [
         "---", front, "---", "",
         f"# {recipe.name}: distilled student ({what})", "",
-        "A student trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment). "
-        "It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained(\"<this directory>\")`; "
-        "`sha256sum -c checksums.sha256` verifies its files.", "",
+        INTRO[recipe.task], "",
         "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows), "",
     ]
     if dev:
@@ -136,10 +176,12 @@ def model_card(recipe: Recipe, *, step: Optional[int] = None, dev: Optional[dict
 
 
 def write_model_card(directory: str | Path, recipe: Recipe, *, step: Optional[int] = None,
-                     metrics_path: Optional[str | Path] = None, what: str = "final") -> Path:
+                     metrics_path: Optional[str | Path] = None, what: str = "final",
+                     selection: Optional[dict] = None) -> Path:
     """``directory/README.md`` for the student saved there at ``step``; the dev metrics are the
     last of ``metrics_path`` (a run's metrics.jsonl) up to ``step``. Returns the card's path."""
     records = read_metrics(Path(metrics_path)) if metrics_path and Path(metrics_path).is_file() else []
     path = Path(directory) / CARD
-    atomic_write_text(path, model_card(recipe, step=step, dev=last_dev_metrics(records, step), what=what))
+    atomic_write_text(path, model_card(recipe, step=step, dev=last_dev_metrics(records, step), what=what,
+                                       selection=selection))
     return path

@@ -78,7 +78,8 @@ class LoadedModel:
 
 
 def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
-    """The model (weights in ``spec.dtype``) and its tokenizer; errors name the recipe key."""
+    """The model (weights in ``spec.dtype``) and its tokenizer; errors name the recipe key.
+    With ``spec.lora`` the model comes with its LoRA adapters, all else frozen (``mta.training.lora``)."""
     model_path, tokenizer_path = model_source(spec, recipe, role)
     tokenizer = load_tokenizer(tokenizer_path)
     try:
@@ -103,6 +104,10 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if spec.lora is not None:  # the student's adapters (the schema refuses teacher.lora)
+        from mta.training import lora
+
+        model = lora.wrap(model, spec.lora, seed=recipe.seed)
     return LoadedModel(model, tokenizer, tokenizer_path)
 
 

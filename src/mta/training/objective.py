@@ -98,6 +98,7 @@ class DistillationObjective(nn.Module):
             self.alignment = TrajectoryAlignmentLoss(
                 layer_pairs, student_hidden_size, teacher_hidden_size,
                 same_tokenizer=same_tokenizer, importance=spec.importance, terms=spec.alignment_terms,
+                reference_code=spec.reference_code,
             )
 
     @property
@@ -144,7 +145,7 @@ class DistillationObjective(nn.Module):
         if self.base is not None:
             # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
             teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
-            pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch)}
+            pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch, self.training)}
             losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **pairs)
         if self.alignment is not None:
             losses.update(self.alignment(
@@ -200,8 +201,14 @@ class DistillationObjective(nn.Module):
         return predicts
 
 
-def _pair_roles(batch: TrainBatch) -> torch.Tensor:
-    """``[batch]`` bool, True on the teacher's responses: what loss.base=distillm2 reads."""
+def _pair_roles(batch: TrainBatch, training: bool) -> torch.Tensor:
+    """``[batch]`` bool, True on the teacher's responses: what loss.base=distillm2 reads.
+
+    Training needs pair rows. A dev set need not hold pairs (the published dev set is Dolly's):
+    in eval mode a row that is no pair half is read as chosen, its reference response scored by
+    the skew KL towards the teacher, as the teacher's own responses are."""
+    if batch.chosen is None and not training:
+        return torch.ones(len(batch.row_ids), dtype=torch.bool, device=batch.student.input_ids.device)
     if batch.chosen is None:
         raise MtaError(
             f"loss.base=distillm2 trains on pair rows (prompt, chosen, rejected), and the micro batch of "
@@ -235,8 +242,11 @@ class DistillationModel(nn.Module):
             output_hidden_states=want_hidden,
             **({"output_attentions": True} if want_attentions else {}),
         )
-        return self.objective(out.logits, out.hidden_states if want_hidden else None, teacher, batch, self.lens,
-                              out.attentions if want_attentions else None)
+        # The losses compute in fp32 from the dtypes the models give; under a CPU bf16 run's
+        # autocast (mta.training.engine.TrainingPrecision) their products would run in bf16.
+        with torch.autocast(out.logits.device.type, enabled=False):
+            return self.objective(out.logits, out.hidden_states if want_hidden else None, teacher, batch,
+                                  self.lens, out.attentions if want_attentions else None)
 
     def projector_parameters(self) -> list[nn.Parameter]:
         """The projectors (MTA's HRA, SRA's span projectors): the optimizer's projector_lr group."""

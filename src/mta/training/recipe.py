@@ -43,12 +43,15 @@ from pydantic_core import PydanticCustomError
 from mta.data.prompts import Template
 from mta.errors import MtaError, close_match
 from mta.training.deepspeed_settings import deepspeed_problem
-from mta.training.recipe_yaml import MAX_RECIPE_BYTES, BoundedLoader, Refused, load_yaml, yaml_text
+from mta.training.recipe_extends import key_locations, merged_recipe, recipe_chain
+from mta.training.recipe_yaml import BoundedLoader, Refused, load_yaml, yaml_text
 
 log = logging.getLogger(__name__)
 
 BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2"]
 Precision = Literal["fp32", "bf16", "fp16"]
+# train.precision: auto is bf16 where the device computes it natively (mta.dtypes), else fp32.
+TrainPrecision = Literal["auto", "fp32", "bf16", "fp16"]
 Granularity = Literal["word", "phrase"]
 
 
@@ -69,6 +72,26 @@ class TinyModel(Strict):
     seed: int = 0
 
 
+class LoraSpec(Strict):
+    """A LoRA student (``mta.training.lora``): adapters trained, the rest frozen, exports merged."""
+
+    r: int = Field(16, ge=1, description="the adapters' rank")
+    alpha: float = Field(64.0, gt=0, description="LoRA's alpha: the update is scaled by alpha / r")
+    dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Optional[Union[Literal["all-linear"], list[str]]] = Field(
+        None, description="the layers adapted, by the last part of their name (q_proj, v_proj); "
+        "all-linear: every linear layer but the output head; null: peft's default for the "
+        "architecture (q_proj, v_proj for OPT / Llama / Qwen; c_attn for GPT-2)",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("name at least one module, or null for peft's default")
+        return value
+
+
 class ModelSpec(Strict):
     path: str = Field(description="hub name or local directory of a Hugging Face causal LM")
     tokenizer: Optional[str] = Field(None, description="tokenizer name or directory; default: path")
@@ -77,6 +100,10 @@ class ModelSpec(Strict):
         None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
     )
     tiny: Optional[TinyModel] = None
+    lora: Optional[LoraSpec] = Field(
+        None, description="student only: train LoRA adapters {r, alpha, dropout, target_modules}; "
+        "null: full fine-tuning"
+    )
 
     @property
     def tokenizer_path(self) -> str:
@@ -92,6 +119,11 @@ class DataSpec(Strict):
     max_length: int = Field(256, ge=8)
     max_prompt_length: int = Field(128, ge=1)
     word_spans: Literal["phrase", "all"] = "phrase"
+    span_rule: Literal["paper", "reference"] = Field(
+        "paper", description="token membership and word spans: paper (docs/method.md §1) or "
+        "reference (the authors' code: a token is in [a, b) when start + 1 >= a and end <= b; a "
+        "word runs to the start of the next one); an artefact must be built with the same rule"
+    )
     spacy_model: str = "en_core_web_sm"
     truncate_prompt: bool = False
     template: Template = Field(
@@ -120,6 +152,8 @@ class DataSpec(Strict):
     def _prompt_fits(self) -> "DataSpec":
         if self.max_prompt_length >= self.max_length:
             raise ValueError("max_prompt_length must be smaller than max_length")
+        if self.span_rule == "reference" and self.word_spans != "phrase":
+            raise ValueError("span_rule=reference builds the authors' words of phrases; use word_spans=phrase")
         return self
 
 
@@ -193,6 +227,12 @@ class LossSpec(Strict):
         "[student, teacher, word|phrase] triples",
     )
     importance: Literal["attention", "uniform"] = "attention"
+    reference_code: bool = Field(
+        False, description="compute MTA as the authors' code does instead of the formulas "
+        "(docs/method.md §8): importance over every row of a batch padded to data.max_length, DSA "
+        "over all pairs of the batch, HRA counting a token once per span; with importance=uniform "
+        "their uniform-weights ablation (importance pooling kept, pair and token weights uniform)"
+    )
     chunk_size: int = Field(128, ge=1, description="sequence positions per logit-loss chunk")
     distillm2_beta: float = Field(
         1.0, ge=0, le=2, description="loss.base=distillm2: (2 − β)·skew KL on the teacher's responses + "
@@ -230,6 +270,19 @@ class LossSpec(Strict):
         return tuple(term for term in ("dsa", "hra") if getattr(self, f"{term}_weight"))
 
 
+class AsamSpec(Strict):
+    """ASAM (Kwon et al., 2021) around the optimizer, for any recipe (``mta.training.asam``): each
+    step's gradient is taken at w + ε, ε = ρ·T_w²·g / ‖T_w·g‖ with T_w = |w| + η, and applied to w."""
+
+    rho: float = Field(0.05, gt=0, description="the radius ρ (TALAS's author: 0.05; Kwon et al.: 0.5)")
+    eta: float = Field(0.0, ge=0, description="η in T_w = |w| + η (TALAS's author: 0, pytorch_optimizer's "
+                       "SAM(adaptive=True); the paper and Kwon et al.: 0.01)")
+    scope: Literal["all", "weights"] = Field(
+        "all", description="the parameters T_w applies to: all (TALAS's author) or those whose name ends "
+        "in 'weight' (Kwon et al.'s code); the others are perturbed as in SAM (T_w = 1)"
+    )
+
+
 class TrainSpec(Strict):
     optimizer: Literal["adamw"] = "adamw"
     lr: float = Field(1e-4, gt=0)
@@ -243,7 +296,10 @@ class TrainSpec(Strict):
     epochs: Optional[float] = Field(None, gt=0)
     max_steps: Optional[int] = Field(None, ge=1)
     grad_clip: float = Field(1.0, ge=0)
-    precision: Precision = "fp32"
+    precision: TrainPrecision = Field(
+        "fp32", description="auto: bf16 on a GPU with bf16 or a CPU with bf16 instructions, else fp32; "
+        "bf16 on a CPU is autocast over fp32 weights; fp16 needs a GPU",
+    )
     zero_stage: Literal[0, 1, 2, 3] = 1
     teacher_zero3: bool = Field(False, description="partition the teacher with ZeRO-3 too")
     log_interval: int = Field(10, ge=1)
@@ -252,8 +308,17 @@ class TrainSpec(Strict):
     keep_checkpoints: int = Field(2, ge=1)
     num_sample_generations: int = Field(2, ge=0, le=8)
     sample_max_new_tokens: int = Field(48, ge=1)
+    select_by: Literal["loss", "rouge"] = Field(
+        "loss", description="what OUT/best/ keeps (mta.training.selection): the lowest dev loss, or the "
+        "highest dev ROUGE-L of sampled responses (the published numbers' selection), at each eval_interval"
+    )
+    select_rows: int = Field(500, ge=1, description="select_by=rouge: the first dev rows sampled, one seed")
     save_generated: bool = Field(
         False, description="also write the rows the student generates for training to OUT/generated/"
+    )
+    asam: Optional[AsamSpec] = Field(
+        None, description="sharpness-aware steps {rho, eta, scope} (mta.training.asam): two forward and "
+        "backward passes of each accumulation window; null: off"
     )
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
@@ -280,6 +345,14 @@ class TrainSpec(Strict):
                 f"batch_size {self.batch_size} is not a multiple of micro_batch_size "
                 f"{self.micro_batch_size}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _asam_fits_zero(self) -> "TrainSpec":
+        if self.asam is not None and self.zero_stage == 3:
+            from mta.training.asam import ZERO3_REFUSAL
+
+            raise PydanticCustomError("asam_setting", "{message}", {"message": ZERO3_REFUSAL, "within": ("asam",)})
         return self
 
     def accumulation_steps(self, world_size: int) -> int:
@@ -361,6 +434,10 @@ class Recipe(Strict):
     name: str
     seed: int = 42
     output_dir: str
+    task: Literal["llm", "embedding"] = Field(
+        "llm", description="llm: distil a causal LM (this schema); embedding: a sentence-embedding "
+        "encoder, TALAS (EmbeddingRecipe)"
+    )
     teacher: Optional[ModelSpec] = Field(None, description="null: plain SFT, no teacher loaded")
     student: ModelSpec
     data: DataSpec
@@ -372,6 +449,12 @@ class Recipe(Strict):
         description="DeepSpeed settings the schema does not model, merged in verbatim",
     )
     source: Optional[str] = Field(None, description="the file this recipe was read from")
+
+    @model_validator(mode="after")
+    def _llm_task(self) -> "Recipe":
+        if self.task != "llm":  # load_recipe reads task: embedding with EmbeddingRecipe
+            raise ValueError("a task: embedding recipe is an EmbeddingRecipe (load_recipe picks the schema)")
+        return self
 
     @model_validator(mode="after")
     def _teacher_needed(self) -> "Recipe":
@@ -412,14 +495,33 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _rouge_needs_dev_rows(self) -> "Recipe":
+        if self.train.select_by == "rouge" and self.data.dev is None:
+            raise PydanticCustomError("selection_setting", "{message}", {
+                "message": "select_by=rouge samples responses to dev prompts: set data.dev (e.g. "
+                "dolly/dev.jsonl; never the test set), or select_by=loss", "within": ("train", "select_by"),
+            })
+        return self
+
+    @model_validator(mode="after")
+    def _lora_on_the_student(self) -> "Recipe":
+        if self.teacher is not None and self.teacher.lora is not None:
+            raise PydanticCustomError("lora_setting", "{message}", {
+                "message": "LoRA trains the student; the teacher is frozen: remove teacher.lora (a LoRA-tuned "
+                "teacher is given as its merged model directory)", "within": ("teacher", "lora"),
+            })
+        return self
+
+    @model_validator(mode="after")
     def _student_dtype_fits_the_precision(self) -> "Recipe":
         # DeepSpeed casts an fp32 student to the training precision and keeps fp32 master
         # weights; a 16-bit student trained in another precision would lose them silently.
         dtype, precision = self.student.dtype, self.train.precision
         if dtype not in ("fp32", precision):
+            fix = f"use student.dtype=fp32 or {precision}" if precision != "auto" else "use student.dtype=fp32"
             raise ValueError(
                 f"student.dtype={dtype} cannot train with train.precision={precision}; "
-                f"use student.dtype=fp32 or {precision}, or train.precision={dtype}"
+                f"{fix}, or train.precision={dtype}"
             )
         return self
 
@@ -548,6 +650,183 @@ def check_generation_fits(recipe: "Recipe", same_tokenizer: bool) -> None:
     )
 
 
+# --- embedding recipes (task: embedding) --------------------------------------------------
+
+# Keys of the shared train: section that only LLM distillation reads (an embedding recipe that
+# sets one to anything but its default is refused; the defaults stay in its resolved recipe, unread).
+LLM_ONLY_TRAIN_KEYS = ("teacher_zero3", "num_sample_generations", "sample_max_new_tokens", "save_generated",
+                       "select_rows")
+
+
+class TinyEncoder(Strict):
+    """Build a random BERT encoder (``mta.models.tiny_encoders``) and a WordPiece tokenizer trained
+    on ``tokenizer_corpus`` at first use (CPU runs and tests)."""
+
+    model_type: Literal["bert"] = "bert"
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(32, ge=4)
+    num_heads: int = Field(4, ge=1)
+    tokenizer_corpus: str = Field(description="JSONL whose text trains the WordPiece tokenizer")
+    vocab_size: int = Field(512, ge=100)
+    seed: int = 0
+
+
+class EncoderSpec(Strict):
+    path: str = Field(description="hub name or local directory of a Hugging Face encoder (AutoModel) "
+                      "or a sentence-transformers model")
+    tokenizer: Optional[str] = Field(None, description="tokenizer name or directory; default: path")
+    dtype: Precision = "fp32"
+    config: Optional[str] = Field(
+        None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
+    )
+    tiny: Optional[TinyEncoder] = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+
+class StudentEncoderSpec(EncoderSpec):
+    pooling: Literal["cls_attention", "mean", "cls"] = Field(
+        "cls_attention", description="how each layer's states become its sentence embedding, and the "
+        "exported model's pooling: cls_attention (TALAS's author: attention with the CLS state as the "
+        "query), mean or cls (mta.embedding.encoder.pool)"
+    )
+
+
+class TeacherEncoderSpec(EncoderSpec):
+    pooling: Literal["auto", "mean", "cls", "max", "last", "cls_attention"] = Field(
+        "auto", description="the teacher's pooling when its embeddings are built at first use: auto "
+        "(its sentence-transformers config, else mean), or a mode (TALAS's author: cls for BGE-M3, "
+        "last for Qwen3-Embedding)"
+    )
+
+
+class EmbeddingDataSpec(Strict):
+    train: str = Field(
+        description="an `mta embed` output directory (the teacher's embeddings), or rows embedded with "
+        "the recipe's teacher at first use into OUT/embeddings/train: a JSONL, Parquet or CSV file or "
+        "a datasets save_to_disk directory"
+    )
+    dev: Optional[str] = Field(None, description="the same for the dev loss; null: no dev evaluation")
+    max_length: int = Field(256, ge=2, description="tokens per text, special tokens included: the "
+                            "student's, and the teacher's when it embeds at first use (TALAS's author: 256)")
+    text_field: Optional[str] = Field(
+        None, description="the column holding each row's text; null: text, else instruction + input + "
+        "response, else prompt + response (mta.embedding.teacher_embeddings)"
+    )
+
+
+class EmbeddingLossSpec(Strict):
+    """λ1·SimCSE + λ2·TAMD + λ3·LASD (mta.losses.talas; TALAS's defaults: 0.001 / 0.75 / 1)."""
+
+    simcse_weight: float = Field(0.001, ge=0, description="λ1: SimCSE, the batch encoded twice with "
+                                 "dropout, InfoNCE on the last layer")
+    tamd_weight: float = Field(0.75, ge=0, description="λ2: TAMD, 1 − cos(W_l e_l, e_teacher) on the "
+                               "top tamd_layers layers")
+    lasd_weight: float = Field(1.0, ge=0, description="λ3: LASD, each layer's in-batch cosine matrix "
+                               "pulled towards the layer above's")
+    tamd_layers: int = Field(2, ge=1, description="K: the top student layers anchored to the teacher "
+                             "(TALAS: 2)")
+    lasd_detach: bool = Field(False, description="detach the upper layer's matrix (the guide); the "
+                              "author's code does not")
+    lasd_reduction: Literal["mean", "sum"] = Field(
+        "mean", description="per layer pair: the mean over the B² entries (the author's F.mse_loss) or "
+        "their sum (eq. 5's squared Frobenius norm, B² times larger)"
+    )
+    simcse_temperature: float = Field(0.1, gt=0, description="τ of SimCSE (the author's script: 0.1)")
+
+    @model_validator(mode="after")
+    def _something_to_train(self) -> "EmbeddingLossSpec":
+        if not (self.simcse_weight or self.tamd_weight or self.lasd_weight):
+            raise ValueError("simcse_weight, tamd_weight and lasd_weight are all 0: nothing to train")
+        return self
+
+
+class EmbeddingRecipe(Strict):
+    """A sentence-embedding distillation (``task: embedding``, TALAS): an encoder student learns
+    a teacher's stored sentence embeddings (``mta embed``; built at first use from ``teacher``
+    when ``data`` names rows). The teacher model itself is never loaded for training."""
+
+    name: str
+    seed: int = 42
+    output_dir: str
+    task: Literal["embedding"]
+    teacher: Optional[TeacherEncoderSpec] = Field(
+        None, description="the embedding teacher, loaded only to embed data rows at first use; null: "
+        "data names `mta embed` directories"
+    )
+    student: StudentEncoderSpec
+    data: EmbeddingDataSpec
+    loss: EmbeddingLossSpec = EmbeddingLossSpec()
+    train: TrainSpec
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict,
+        description="DeepSpeed settings the schema does not model, merged in verbatim",
+    )
+    source: Optional[str] = Field(None, description="the file this recipe was read from")
+
+    @model_validator(mode="after")
+    def _no_llm_train_keys(self) -> "EmbeddingRecipe":
+        fields = TrainSpec.model_fields
+        named = [key for key in LLM_ONLY_TRAIN_KEYS
+                 if key in fields and getattr(self.train, key) != fields[key].get_default(call_default_factory=True)]
+        if getattr(self.train, "select_by", "loss") == "rouge":
+            named.insert(0, "select_by")
+        if named:
+            raise PydanticCustomError("task_setting", "{message}", {
+                "message": f"{named[0]} is a key of task: llm recipes (generation and the LLM teacher); "
+                "a task: embedding recipe does not read it: remove it", "within": ("train", named[0]),
+            })
+        return self
+
+    @model_validator(mode="after")
+    def _student_dtype_fits_the_precision(self) -> "EmbeddingRecipe":
+        dtype, precision = self.student.dtype, self.train.precision
+        if dtype not in ("fp32", precision):
+            fix = f"use student.dtype=fp32 or {precision}" if precision != "auto" else "use student.dtype=fp32"
+            raise ValueError(
+                f"student.dtype={dtype} cannot train with train.precision={precision}; "
+                f"{fix}, or train.precision={dtype}"
+            )
+        return self
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed_settings_are_checked(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        problem = deepspeed_problem(settings, TrainSpec.model_fields)
+        if problem is not None:
+            within, message = problem
+            raise PydanticCustomError("deepspeed_setting", "{message}", {"message": message, "within": within})
+        return settings
+
+    @property
+    def dev_sample_new_tokens(self) -> int:
+        """No generation: an encoder has nothing to sample."""
+        return 0
+
+    resolve = Recipe.resolve
+
+
+AnyRecipe = Union[Recipe, EmbeddingRecipe]
+TASK_SCHEMAS: dict[str, type[BaseModel]] = {"llm": Recipe, "embedding": EmbeddingRecipe}
+
+
+class _TaskOnly(BaseModel):
+    """A recipe's ``task`` alone, checked first: against the wrong schema every other key would
+    be an error too."""
+
+    model_config = ConfigDict(extra="ignore")
+    task: Literal["llm", "embedding"] = Recipe.model_fields["task"]
+
+
+def recipe_schema(raw: Any) -> type[BaseModel]:
+    """The schema a recipe mapping is read with: by its ``task`` (default llm; a value that is no
+    task is reported by ``Recipe``'s own check of the key)."""
+    task = raw.get("task", "llm") if isinstance(raw, dict) else "llm"
+    return TASK_SCHEMAS.get(task, Recipe) if isinstance(task, str) else Recipe
+
+
 # --- the recipe against the models --------------------------------------------------------
 
 # Config keys that bound a model's positions, by the name the config itself uses.
@@ -640,9 +919,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
     return raw
 
 
-def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
-    """The schema class that a (pydantic) error location points into, for listing its keys."""
-    model: type[BaseModel] = Recipe
+def _section_model(path: tuple[str | int, ...], root: type[BaseModel] | None = None) -> type[BaseModel] | None:
+    """The schema class that a (pydantic) error location points into, for listing its keys
+    (``root``: the recipe schema, default ``Recipe``)."""
+    model: type[BaseModel] = root or Recipe
     for part in path:
         if isinstance(part, int) or part not in model.model_fields:
             continue
@@ -653,8 +933,8 @@ def _section_model(path: tuple[str | int, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _field_description(path: tuple[str | int, ...]) -> str | None:
-    model = _section_model(path[:-1]) if path else None
+def _field_description(path: tuple[str | int, ...], root: type[BaseModel] | None = None) -> str | None:
+    model = _section_model(path[:-1], root) if path else None
     field = model.model_fields.get(str(path[-1])) if model else None
     return field.description if field else None
 
@@ -747,22 +1027,41 @@ def _key_text(path: tuple[Any, ...]) -> str:
     return ".".join(part_text(part) for part in path)
 
 
-def _unknown_key(path: tuple[Any, ...]) -> str:
-    model = _section_model(path[:-1])
+def _unknown_key(path: tuple[Any, ...], root: type[BaseModel] | None = None) -> str:
+    model = _section_model(path[:-1], root)
     if model is None:
         return "unknown key (check its spelling and the section it is in)"
     allowed = ", ".join(model.model_fields)
     key = str(path[-1])
+    other_task = _other_task_with_key(path, root or Recipe)
+    if other_task:
+        this_task = next(task for task, schema in TASK_SCHEMAS.items() if schema is (root or Recipe))
+        return (f"unknown key in a task: {this_task} recipe: {key} is a key of task: {other_task} recipes "
+                f"(allowed here: {allowed})")
     match = close_match(key, model.model_fields)
     if match:
         return f"unknown key: did you mean {match}? (allowed here: {allowed})"
-    elsewhere = _sections_with_key(key)
+    elsewhere = _sections_with_key(key, root)
     if elsewhere:
         return f"unknown key here: {key} is a key of {' and '.join(elsewhere)} (allowed here: {allowed})"
     return f"unknown key (check its spelling and the section it is in); allowed here: {allowed}"
 
 
-def _sections_with_key(key: str) -> list[str]:
+def _other_task_with_key(path: tuple[Any, ...], root: type[BaseModel]) -> str | None:
+    """The other task whose schema has the key at ``path`` (``loss.dsa_weight`` in an embedding
+    recipe: llm), or None."""
+    for task, schema in TASK_SCHEMAS.items():
+        if schema is root:
+            continue
+        model = _section_model(path[:-1], schema)
+        if model is not None and str(path[-1]) in model.model_fields and (
+            len(path) == 1 or str(path[0]) in schema.model_fields
+        ):
+            return task
+    return None
+
+
+def _sections_with_key(key: str, root: type[BaseModel] | None = None) -> list[str]:
     found = []
 
     def search(model: type[BaseModel], prefix: str) -> None:
@@ -772,18 +1071,18 @@ def _sections_with_key(key: str) -> list[str]:
             for nested in _models_in(field.annotation):
                 search(nested, f"{prefix}{name}.")
 
-    search(Recipe, "")
+    search(root or Recipe, "")
     return found
 
 
-def _describe(item: dict[str, Any], path: tuple[Any, ...]) -> str:
+def _describe(item: dict[str, Any], path: tuple[Any, ...], root: type[BaseModel] | None = None) -> str:
     kind, given = item["type"], item.get("input")
-    if kind == "extra_forbidden" or (kind == "invalid_key" and _section_model(path[:-1])):
-        return _unknown_key(path)
+    if kind == "extra_forbidden" or (kind == "invalid_key" and _section_model(path[:-1], root)):
+        return _unknown_key(path, root)
     if kind == "invalid_key" or tuple(item["loc"][-1:]) == ("[key]",):
         return f"a key must be a name (got {given!r}); quote it if it is one"
     if kind == "literal_error":
-        hint = _field_description(path)
+        hint = _field_description(path, root)
         return f"{given!r} is not allowed; use one of {item['ctx']['expected']}" + (
             f" ({hint})" if hint else ""
         )
@@ -799,15 +1098,19 @@ def _describe(item: dict[str, Any], path: tuple[Any, ...]) -> str:
 
 def _format_validation_error(
     source: str, error: ValidationError, text: str = "", overridden: dict[str, str] | None = None,
-    raw: Any = None,
+    raw: Any = None, locations: dict[tuple[Any, ...], str] | None = None, *,
+    schema: type[BaseModel] | None = None,
 ) -> str:
     """One line per problem: ``line N: key: what is wrong and what is allowed``.
 
     ``text`` (the file) gives the line numbers, ``overridden`` (``key -> 'key=value'``) names the
     override a key came from instead, ``raw`` (the mapping that was validated) keeps keys that
-    are not names, such as ``train lr`` or ``1``.
+    are not names, such as ``train lr`` or ``1``. ``locations`` (``{key path: "line N"}``, or
+    ``"PARENT.yaml line N"`` for a key an extended recipe set) replaces ``text``'s lines.
+    ``schema``: the recipe class validated (default ``Recipe``; ``recipe_schema``).
     """
-    lines_by_key = _key_lines(text) if text else {}
+    if locations is None:
+        locations = {path: f"line {line}" for path, line in (_key_lines(text) if text else {}).items()}
     overridden = overridden or {}
     lines = [f"{source}: invalid recipe"]
     for item in error.errors():
@@ -819,15 +1122,14 @@ def _format_validation_error(
              if _override_covers(tuple(name.split(".")), parts)),
             "",
         )
-        line = next(
-            (lines_by_key[path[:depth]] for depth in range(len(path), 0, -1)
-             if path[:depth] in lines_by_key),
+        location = next(
+            (locations[path[:depth]] for depth in range(len(path), 0, -1) if path[:depth] in locations),
             None,
         )
-        where = f"line {line}: " if line and not origin else ""
+        where = f"{location}: " if location and not origin else ""
         # Whole-recipe checks (loc empty) name their keys in the message itself.
         named = f"{key}: " if key else ""
-        lines.append(f"  {where}{named}{_describe(item, path)}{origin}")
+        lines.append(f"  {where}{named}{_describe(item, path, schema)}{origin}")
     return "\n".join(lines)
 
 
@@ -840,33 +1142,24 @@ def _override_covers(override: tuple[str, ...], key: tuple[str, ...]) -> bool:
     return len(key) > 1 and key[0] == "deepspeed" and override[: len(key)] == key
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read, override and validate a recipe; raise ``MtaError`` naming the key on any problem."""
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> AnyRecipe:
+    """Read (with the parents it ``extends``), override and validate a recipe; raise ``MtaError``
+    naming the file, line and key on any problem."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_RECIPE_BYTES:
-            raise MtaError(
-                f"{path}: {size:,} bytes is not a recipe (a recipe is a few KB; the limit is "
-                f"{MAX_RECIPE_BYTES:,})"
-            )
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as error:
-        raise MtaError(f"recipe file not found: {path}") from error
-    except UnicodeDecodeError as error:
-        raise MtaError(f"{path}: not a UTF-8 text file ({error})") from error
-    raw = load_yaml(text, str(path))
-    if not isinstance(raw, dict):
-        raise MtaError(f"{path}: a recipe is a YAML mapping, got {type(raw).__name__}")
-    raw = apply_overrides(raw, overrides)
+    chain = recipe_chain(path)
+    raw = apply_overrides(merged_recipe(chain), overrides)
     raw.setdefault("source", str(path))
     overridden = {item.partition("=")[0].strip(): item for item in overrides}
+    schema = recipe_schema(raw)  # task: embedding -> EmbeddingRecipe
     try:
-        return Recipe.model_validate(raw)
+        _TaskOnly.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as error:
-        raise MtaError(_format_validation_error(str(path), error, text, overridden, raw)) from error
+        locations = key_locations(chain, _key_lines)
+        raise MtaError(_format_validation_error(str(path), error, "", overridden, raw, locations,
+                                                schema=schema)) from error
 
 
-def recipe_to_yaml(recipe: Recipe) -> str:
+def recipe_to_yaml(recipe: AnyRecipe) -> str:
     """The fully resolved recipe (defaults filled in), as saved beside every checkpoint."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

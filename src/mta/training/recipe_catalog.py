@@ -202,6 +202,15 @@ def plan_copy(name: str, dest: Path, directory: Path = SHIPPED_DIR) -> tuple[str
             rewritten[".".join(key)] = (written, target)
     for start, end, value in sorted(edits, reverse=True):
         text = text[:start] + value + text[end:]
+    parent = _extends(text, recipe.path)
+    if parent is not None:  # the shared part it extends is copied beside it, as it is
+        parent_text, parent_plan = plan_copy(parent, dest, directory)
+        shipped_parent = shipped_recipe(parent, directory).path
+        if parent_text != shipped_parent.read_text(encoding="utf-8"):
+            raise MtaError(f"{shipped_parent}: a recipe that others extend must name its files "
+                           f"inside its own directory")
+        files += [(file.source, file.destination) for file in parent_plan.files]
+        files.append((shipped_parent, parent_plan.recipe))
     unique = {destination: source for source, destination in files}
     copied = [
         CopiedFile(source, destination,
@@ -209,6 +218,17 @@ def plan_copy(name: str, dest: Path, directory: Path = SHIPPED_DIR) -> tuple[str
         for destination, source in sorted(unique.items())
     ]
     return text, RecipeCopy(dest / f"{recipe.name}.yaml", copied, rewritten)
+
+
+def _extends(text: str, source: Path) -> str | None:
+    """The shipped recipe a shipped recipe's ``extends:`` names (a sibling file), or None."""
+    raw = load_yaml(text, str(source))
+    parent = raw.get("extends") if isinstance(raw, dict) else None
+    if parent is None:
+        return None
+    if not isinstance(parent, str) or not (source.parent / f"{parent.removesuffix('.yaml')}.yaml").is_file():
+        raise MtaError(f"{source}: extends: {parent!r}: a shipped recipe extends a recipe beside it")
+    return parent
 
 
 def copy_recipe(

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from mta.errors import MtaError
-from mta.training.recipe import Recipe, _models_in
+from mta.training.recipe import Recipe, _models_in, recipe_schema
 from mta.training.recipe_yaml import load_yaml
 
 SAVED_RECIPE = "recipe.yaml"
@@ -182,7 +182,7 @@ def resume_changes(saved: dict[str, Any], new: Recipe) -> ResumeChanges:
     """Compare a checkpoint's saved recipe mapping with the recipe a resume was given."""
     changes = ResumeChanges()
     for change in _differences(_with_defaults(saved), new.model_dump(mode="json"), ()):
-        mutable = change.key in MUTABLE_KEYS or not _known_to_schema(change.key.split("."))
+        mutable = change.key in MUTABLE_KEYS or not _known_to_schema(change.key.split("."), type(new))
         (changes.applied if mutable else changes.refused).append(change)
     return changes
 
@@ -216,10 +216,11 @@ def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     """The saved mapping as ``model_dump(mode="json")`` would give it today: keys it lacks take
     their defaults. Validated when it still validates (paths are not checked there); otherwise
     (the schema has since tightened) each missing key takes its field's default as written."""
+    schema = recipe_schema(saved)  # the checkpoint's task: llm (Recipe) or embedding
     try:
-        return Recipe.model_validate(saved).model_dump(mode="json")
+        return schema.model_validate(saved).model_dump(mode="json")
     except ValidationError:
-        return _fill_defaults(Recipe, saved)
+        return _fill_defaults(schema, saved)
 
 
 def _fill_defaults(model: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
@@ -263,9 +264,9 @@ def _same(old: Any, new: Any) -> bool:
     return old == new
 
 
-def _known_to_schema(parts: list[str]) -> bool:
+def _known_to_schema(parts: list[str], schema: type[BaseModel] = Recipe) -> bool:
     """Whether the schema still has this key (anything under ``deepspeed`` is free-form)."""
-    model: type[BaseModel] | None = Recipe
+    model: type[BaseModel] | None = schema
     for part in parts:
         if model is None:
             return True  # inside a free-form mapping

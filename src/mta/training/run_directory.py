@@ -1,7 +1,7 @@
 """Whose ``output_dir`` this is: one run per directory, never mixed with another's.
 
 A run's outputs are ``run.json`` (its identity, written when it starts), ``checkpoints/``,
-``final/`` and ``metrics.jsonl``. The directory also holds caches that are valid for any run,
+``final/``, ``best/`` and ``metrics.jsonl``. The directory also holds caches that are valid for any run,
 ``data/`` (annotations made on first use, keyed by their content) and ``models/`` (tiny models
 and tokenizers, keyed by their description); they are never removed here.
 
@@ -27,7 +27,8 @@ from mta.files import atomic_write_json
 
 RUN_RECORD = "run.json"
 # Everything a run writes of its own; a later output of a run belongs here too.
-RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "metrics.jsonl", "generated", "tensorboard", "tracking.json")
+RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "best", "metrics.jsonl", "generated", "tensorboard",
+               "tracking.json")
 CACHES = ("data", "models")
 
 

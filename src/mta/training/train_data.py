@@ -4,9 +4,10 @@ A JSONL, Parquet or CSV file or a ``datasets`` save_to_disk directory (its colum
 ``data.fields``: :mod:`mta.data.sources`) is annotated on first use (through ``mta.data.annotate.annotate_file``, the code
 behind ``mta annotate``) into ``OUTPUT_DIR/data/<split>``, reused while its input and settings
 are unchanged. A directory is read as it is. Either way the artefact must have been built for
-the recipe's tokenizers, lengths and prompt template (``data.template``; an artefact that
+the recipe's tokenizers, lengths, prompt template (``data.template``; an artefact that
 records none was built with ``alpaca``; for ``chat`` also the student tokenizer's chat template,
-by its sha256), or the run stops and names the command that rebuilds it.
+by its sha256) and span rule (``data.span_rule``; none recorded: ``paper``), or the run stops and
+names the command that rebuilds it.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ def check_manifest(
     student_tokenizer: str,
     fingerprints: dict[str, str],
 ) -> None:
-    """Refuse an artefact built for other tokenizers, other length limits or another prompt
-    template, naming a command that builds a fitting one into a new directory (the existing one
-    is left as it is)."""
+    """Refuse an artefact built for other tokenizers, other length limits, another prompt
+    template or another span rule (``data.span_rule``), naming a command that builds a fitting
+    one into a new directory (the existing one is left as it is)."""
     manifest = annotations.manifest
     problems = []
     for side, tokenizer in (("teacher", teacher_tokenizer), ("student", student_tokenizer)):
@@ -91,6 +92,9 @@ def check_manifest(
         if manifest.get(length) != wanted:
             problems.append(f"its {length} is {manifest.get(length)} but data.{length} is {wanted}")
     problems += _template_problems(manifest, recipe.data.template, student_tokenizer)
+    built_rule = manifest.get("span_rule", "paper")  # an artefact that records none: the paper's rule
+    if built_rule != recipe.data.span_rule:
+        problems.append(f"its span rule is {built_rule} but data.span_rule is {recipe.data.span_rule}")
     if problems:
         raise MtaError(
             f"{key}: the annotations in {annotations.directory} do not fit this recipe: "
@@ -140,7 +144,7 @@ def _rebuild_hint(
         max_length=settings.max_length, max_prompt_length=settings.max_prompt_length,
         spacy_model=settings.spacy_model, word_spans=settings.word_spans,
         truncate_prompt=settings.truncate_prompt, on_error=annotations.manifest.get("on_error"),
-        fields=dict(settings.fields),
+        fields=dict(settings.fields), span_rule=settings.span_rule,
     )
     if settings.template != "alpaca":  # annotate_command knows no template; alpaca is the default
         command += f" --template {settings.template}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import tokenizer_fingerprint
-from mta.training import checkpointing, engine as engines, resume_rules, run_directory
+from mta.training import asam, checkpointing, engine as engines, lora, resume_rules, run_directory, utilisation
 from mta.training.train_data import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
 from mta.training.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
@@ -35,6 +35,8 @@ from mta.data.artefact_schema import reannotate_command
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.recipe import Recipe, check_generation_fits, check_sequence_lengths
 from mta.training.student_samples import OffPolicyBatches, dev_cross_entropy
+from mta.training.selection import Selector
+from mta.training.utilisation import StepFlops
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ class Run:
     resume_from: Optional[Path] = None  # the checkpoint to continue from, checked against the recipe
     off_policy: Optional[OffPolicyBatches] = None  # generation: on (the student's own samples)
     messages: list[str] = field(default_factory=list)
+    selector: Optional[Selector] = None  # data.dev: OUT/best/ by train.select_by
+    precision: Optional[engines.TrainingPrecision] = None  # train.precision on this device
+    flops: Optional[StepFlops] = None  # model FLOPs per micro batch (metrics: flops_per_s, mfu)
 
     def close(self) -> None:
         """Release the engine and the span workers (every run ends here, also after an error)."""
@@ -88,9 +93,16 @@ class Run:
 
 def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
     """Claim the output directory, load models and data, check they fit together, and start
-    the DeepSpeed engine."""
+    the DeepSpeed engine. A ``task: embedding`` recipe is built by ``mta.training.embedding_run``."""
+    if recipe.task == "embedding":
+        from mta.training.embedding_run import build_embedding_run
+
+        return build_embedding_run(recipe, reporter, resume=resume, overwrite=overwrite)
     rank, world_size = engines.init_distributed()
     device = distributed.local_device()
+    precision = engines.resolve_training_precision(recipe.train, device)  # fp16 on a CPU: refused now
+    if device.type == "cpu":
+        engines.keep_freed_memory()  # each step reuses the large blocks the last one freed
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
     owner = run_directory.claim(output_dir, recipe.name, resume=resume, overwrite=overwrite)
     resume_from = checkpointing.resolve_resume(resume, output_dir)
@@ -114,6 +126,8 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
         }
     student, tokenizer = student_loaded.model, student_loaded.tokenizer
     teacher_model = teacher_loaded.model if teacher_loaded else None
+    if teacher_model is not None and precision.frozen_dtype is not None and teacher_model.dtype == torch.float32:
+        teacher_model.to(precision.frozen_dtype)  # CPU bf16: held in bf16, its products are bf16 anyway
     check_sequence_lengths(recipe.data, student.config, "student", model=recipe.student.path,
                            sample_new_tokens=recipe.dev_sample_new_tokens, source=recipe.source)
     if teacher_model is not None:
@@ -168,7 +182,8 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
     model = DistillationModel(student, objective, fdd_final_norm=recipe.loss.fdd_final_norm)
     engine = engines.initialize(
-        model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size
+        model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size,
+        precision=precision,
     )
     sampled = None
     if recipe.generation.mode != "off":
@@ -196,16 +211,24 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
             if recipe.train.teacher_zero3 else teacher.to(device)
         )
 
-    messages = _summary(
+    flops = StepFlops(engine.module, engine.module.student, teacher)
+    messages = [precision.describe()] + _summary(
         recipe, accumulation, world_size, schedule, total_steps, splits,
         has_teacher=teacher_model is not None, same_tokenizer=same_tokenizer,
         vocab_size=len(tokenizer), layer_pairs=layer_pairs, fdd_pairs=fdd_pairs,
     )
     if resumed_with is not None:
         messages += resumed_with.log_lines()
+    if recipe.student.lora is not None:
+        adapters = lora.trainable_parameters(student)
+        messages.append(lora.describe(recipe.student.lora, adapters,
+                                      sum(p.numel() for p in student.parameters()) - adapters))
+    selector = Selector(recipe, output_dir, owner.run_id, dev_table=splits["dev"].table,
+                        tokenizer=tokenizer) if splits["dev"] is not None else None
     return Run(
         recipe, output_dir, owner.run_id, engine, teacher, tokenizer, examples["train"], examples["dev"],
-        schedule, total_steps, rank, world_size, device, resume_from, sampled, messages,
+        schedule, total_steps, rank, world_size, device, resume_from, sampled, messages, selector,
+        precision=precision, flops=flops,
     )
 
 
@@ -214,6 +237,8 @@ class Trainer:
         self.run = run
         self.reporter = reporter
         self._orders: dict[int, list[np.ndarray]] = {}
+        spec = run.recipe.train.asam
+        self.asam = asam.Asam.for_engine(spec, run.engine) if spec is not None else None
 
     def micro_batches(self, step: int) -> Iterator[TrainBatch]:
         """This process's micro batches of global step ``step`` (a function of seed and step),
@@ -221,16 +246,26 @@ class Trainer:
         run = self.run
         epoch, step_in_epoch = run.schedule.locate(step)
         if epoch not in self._orders:
+            # task: embedding: uniformly random micro batches (SimCSE's and LASD's in-batch
+            # comparisons), as TALAS's author's shuffled DataLoader; LLMs: length-grouped pools.
+            pools = {"group_factor": 1} if run.recipe.task == "embedding" else {}
             self._orders = {epoch: micro_batch_order(
                 run.train.student_lengths, run.recipe.train.micro_batch_size,
-                seed=run.recipe.seed, epoch=epoch, paired=run.train.pair_ids is not None,
+                seed=run.recipe.seed, epoch=epoch, paired=run.train.pair_ids is not None, **pools,
             )}
         indices = run.schedule.micro_batch_indices(step_in_epoch, run.rank)
         for k, rows in enumerate(self._orders[epoch][index] for index in indices):
             gold = run.train.batch(rows)
             # Its gold rows, or the student's own responses to their prompts, or rows from the
             # replay buffer (the same decision on every rank).
-            yield gold if run.off_policy is None else run.off_policy.batch(step, k, rows, gold)[0]
+            batch = gold if run.off_policy is None else self._off_policy_batch(step, k, rows, gold)
+            # The authors pad every batch to max_length, and their importance averages those rows.
+            reference = run.recipe.task == "llm" and run.recipe.loss.reference_code
+            yield batch.padded_to(run.recipe.data.max_length, run.train.pad_ids) if reference else batch
+
+    def _off_policy_batch(self, step: int, k: int, rows: np.ndarray, gold: TrainBatch) -> TrainBatch:
+        with self.run.precision.context():  # the student's own samples: bf16 products in a CPU bf16 run
+            return self.run.off_policy.batch(step, k, rows, gold)[0]
 
     def teacher_forward(self, batch: TrainBatch):
         if self.run.teacher is None:
@@ -238,22 +273,49 @@ class Trainer:
         return self.run.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
 
     def step(self, step: int) -> dict[str, float]:
-        """One optimizer step; returns the mean of each loss component over its micro batches."""
+        """One optimizer step; returns the mean of each loss component over its micro batches.
+
+        With ``train.asam`` the window runs twice (``mta.training.asam``): its gradient at w sets
+        ε, the window runs again at w + ε, and the optimizer applies that gradient to w."""
+        window = (batch.to(self.run.device) for batch in self.micro_batches(step))
+        if self.asam is None:
+            totals, tokens = self.run_window(window, step)
+        else:
+            window = list(window)  # the same micro batches, replayed at w + ε
+            with self.asam.perturbed(self.window_losses(window, step), step=step):
+                totals, tokens = self.run_window(window, step)
+        self.run.engine.step()  # the window's last micro batch: the optimizer updates w
+        self.stop_unless_finite_weights(step)
+        count = self.run.schedule.accumulation
+        return {name: value / count for name, value in totals.items()} | {"tokens": tokens, "flops": self.run.flops.take()}
+
+    def run_window(self, window: Iterable[TrainBatch], step: int) -> tuple[dict[str, float], int]:
+        """Forward and backward of each micro batch, DeepSpeed accumulating the gradient (its step
+        after every micro batch but the last, which is the caller's); the loss sums and tokens."""
         engine = self.run.engine
         totals: dict[str, float] = {}
         tokens = 0
-        for batch in self.micro_batches(step):
-            batch = batch.to(self.run.device)
-            losses = engine(batch, self.teacher_forward(batch))
+        for k, batch in enumerate(window):
+            if k:
+                engine.step()  # inside the window: DeepSpeed only counts the micro batch
+            with self.run.precision.context():
+                losses = engine(batch, self.teacher_forward(batch))
             self.stop_unless_finite_loss(losses, step, batch)
             engine.backward(losses["total"])
-            engine.step()
             for name, value in losses.items():
                 totals[name] = totals.get(name, 0.0) + value.item()
             tokens += batch.num_tokens
-        self.stop_unless_finite_weights(step)
-        count = self.run.schedule.accumulation
-        return {name: value / count for name, value in totals.items()} | {"tokens": tokens}
+            self.run.flops.count(batch)
+        return totals, tokens
+
+    def window_losses(self, window: list[TrainBatch], step: int) -> Iterator[torch.Tensor]:
+        """ASAM's first pass: each micro batch's total loss at w, outside the engine (no
+        DeepSpeed gradient bookkeeping), one at a time."""
+        for batch in window:
+            with self.run.precision.context():
+                losses = self.run.engine.module(batch, self.teacher_forward(batch))
+            self.stop_unless_finite_loss(losses, step, batch)
+            yield losses["total"]
 
     def stop_unless_finite_loss(self, losses: dict[str, torch.Tensor], step: int, batch: TrainBatch) -> None:
         """Every process stops (none waits forever) before a non-finite loss is applied."""
@@ -303,6 +365,8 @@ class Trainer:
             record["generation/dev_ce"] = dev_cross_entropy(run.engine.module.student, ce_batches, run.device)
             run.off_policy.update_threshold(record["generation/dev_ce"])
             record["generation/threshold"] = run.off_policy.state.threshold
+        if run.selector is not None:  # select_by=rouge: dev/rougeL of sampled responses
+            record.update(run.selector.measure(run.engine.module.student))
         record["samples"] = self.sample_generations(step)
         run.engine.train()
         return record
@@ -316,7 +380,7 @@ class Trainer:
         """
         run = self.run
         count = min(run.recipe.train.num_sample_generations, len(run.dev))
-        if count == 0:
+        if count == 0 or run.recipe.task != "llm":  # an encoder generates nothing
             return []
         rows = np.arange(count)
         dev_batch = run.dev.batch(rows)
@@ -347,6 +411,8 @@ class Trainer:
             if run.off_policy is not None:
                 run.off_policy.restore(run.resume_from)
             reporter.message(f"resumed from {run.resume_from} at step {start}")
+            for line in run.selector.restore(start) if run.selector is not None else ():
+                log.info(line)
         metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if run.resume_from else None)
         # train.report_to: every record metrics.jsonl gets also goes to these (main process only).
         trackers = tracking.open_trackers(
@@ -362,6 +428,7 @@ class Trainer:
             if run.dev is not None and start == 0:  # the baseline later dev losses compare with
                 self._evaluate_and_log(0, metrics, trackers)
             window = LossWindow()
+            peak_flops = utilisation.device_peak_flops(run.device)  # None on a CPU: mfu null
             for step in range(start, run.total_steps):
                 window.add(self.step(step))
                 done = step + 1
@@ -375,6 +442,7 @@ class Trainer:
                     )
                     if run.off_policy is not None:
                         record.update(run.off_policy.log_fields())
+                    record["mfu"] = utilisation.mfu(record["flops_per_s"], peak_flops, run.world_size)
                     if main:
                         metrics.write(record)
                         trackers.log(record)
@@ -385,6 +453,9 @@ class Trainer:
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)
             self.save(run.total_steps)
+            if run.selector is not None and (note := run.selector.closing_note()) is not None:
+                log.warning(note)
+                reporter.message(note)
             return checkpointing.save_final(run.engine, run.tokenizer, recipe, run.output_dir)
         except BaseException:
             trackers.close(failed=True)
@@ -394,11 +465,14 @@ class Trainer:
             reporter.stop()
 
     def _evaluate_and_log(self, step: int, metrics: MetricsLog, trackers: tracking.Trackers) -> None:
-        record = self.evaluate(step)
+        with self.run.precision.context():  # dev loss and samples: bf16 products in a CPU bf16 run
+            record = self.evaluate(step)
         if self.run.rank == 0:
             metrics.write(record)
             trackers.log(record)
         self.reporter.record(record)
+        if self.run.selector is not None:  # after metrics.jsonl has the record best/ is chosen on
+            self.run.selector.consider(step, record, self.run.engine)
 
     def save(self, step: int) -> Path:
         state = checkpointing.TrainerState(step=step, total_steps=self.run.total_steps, run_id=self.run.run_id)

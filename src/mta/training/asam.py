@@ -1,0 +1,148 @@
+"""ASAM (Kwon et al., 2021: adaptive sharpness-aware minimisation) around any recipe's optimizer.
+
+``train.asam: {rho, eta, scope}`` makes every optimizer step two passes over its accumulation
+window (``Trainer.step``):
+
+1. g = the window's gradient at the weights w: every micro batch forward and backward, summed
+   over the processes. It is taken with ``torch.autograd.grad``, so DeepSpeed's own gradient
+   buffers and hooks never see it.
+2. ε = ρ · T_w² · g / ‖T_w · g‖₂ with T_w = |w| + η element-wise, the norm over every trainable
+   parameter (student and projectors); ``scope: weights`` keeps T_w = 1 (plain SAM) on the
+   parameters whose name does not end in ``weight`` (biases, LayerNorm shifts), as Kwon et al.'s
+   code does.
+3. A copy of w is kept and w ← w + ε; the same micro batches then run forward and backward
+   through the engine exactly as in a step without ASAM (DeepSpeed accumulates g′ = ∇L(w + ε)).
+4. w is restored from the copy (never as w + ε − ε, which drifts in bf16), then the engine's
+   step applies g′ to w: clipping, ZeRO, loss scaling and the schedule as in any step.
+
+When ‖T_w · g‖ is 0 or not finite nothing is perturbed (step 3 runs at w) and a warning names
+the step. The logged losses are the second pass's, at w + ε (as TALAS's author logs them).
+
+DeepSpeed: ZeRO 0, 1 and 2 keep every weight whole on every process (ZeRO 1/2 partition the
+optimizer states and gradients, and update fp32 master copies that the perturbation never
+touches), so steps 1-4 work unchanged and every process computes the same ε from the same
+summed g. ZeRO-3 is refused (``ZERO3_REFUSAL``). Nothing of ASAM outlives a step (the copy of w
+is dropped after it), so checkpoints hold no ASAM state and a resumed run continues
+bit-identically: the dropout of both passes comes from the checkpointed RNG.
+
+Cost: two forward and two backward passes per step, one copy of the trainable weights, and
+one fp32 gradient buffer while ε is formed.
+
+The defaults are TALAS's author's ([A] ``train_asam.py``: ``pytorch_optimizer.SAM(adaptive=True,
+rho=0.05)``, i.e. T_w = |w| with no η, on every parameter). Two things [A] does differently: it
+clips the student's part of g to norm 1 before forming ε (a uniform rescale of only the student
+parameters, which shifts ε's share between student and projectors; here g is unclipped), and it
+adds 1e-12 to the norm where this skips the perturbation.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from mta import distributed
+from mta.errors import MtaError
+
+if TYPE_CHECKING:
+    from mta.training.recipe import AsamSpec
+
+log = logging.getLogger(__name__)
+
+ZERO3_REFUSAL = (
+    "ASAM does not run under train.zero_stage=3: ZeRO-3 keeps each weight as shards that DeepSpeed "
+    "gathers only inside its forward and backward, and reduces gradients into shards during backward, "
+    "while ASAM needs the whole gradient at w without an optimizer step and perturbs the whole weights "
+    "in place (DeepSpeed has no sharpness-aware step of its own). Use train.zero_stage 1 or 2 (ZeRO-2 "
+    "partitions gradients and optimizer states; the weights stay whole), or train.asam=null"
+)
+
+
+def perturbation(
+    weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], adaptive: Sequence[bool], *,
+    rho: float, eta: float,
+) -> Optional[list[torch.Tensor]]:
+    """ASAM's ε for each parameter, or None when ‖T_w · g‖ is 0 or not finite.
+
+    weights, grads: each parameter's value and gradient (same shapes); adaptive: per parameter,
+    whether T_w = |w| + η (else T_w = 1). ε_i = ρ · T_i² g_i / ‖T · g‖₂, the norm over all of
+    them. Computed in fp32 at least (float64 stays float64); each ε in its weight's dtype.
+    """
+    scales, scaled = [], []
+    for weight, grad, is_adaptive in zip(weights, grads, adaptive):
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        scale = weight.detach().to(wide).abs() + eta if is_adaptive else None
+        scales.append(scale)
+        scaled.append(grad.to(wide) * scale if is_adaptive else grad.to(wide))
+    if not scaled:
+        return None
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part) for part in scaled]))
+    if not bool(torch.isfinite(norm)) or norm.item() == 0.0:
+        return None
+    factor = rho / norm
+    return [
+        (part * factor * (scale if scale is not None else 1.0)).to(weight.dtype)
+        for part, scale, weight in zip(scaled, scales, weights)
+    ]
+
+
+class Asam:
+    """ASAM over ``module``'s trainable parameters (the engine's module: student + projectors).
+
+    ``perturbed(losses)`` is the whole of it: the gradient of ``losses`` (each micro batch's
+    total loss at w) sets ε, the block runs at w + ε, and w is back on exit (also after an error).
+    """
+
+    def __init__(self, spec: "AsamSpec", module: nn.Module):
+        self.rho, self.eta = spec.rho, spec.eta
+        named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        self.params = [param for _, param in named]
+        self.adaptive = [spec.scope == "all" or name.endswith("weight") for name, _ in named]
+        self.skipped = 0
+
+    @classmethod
+    def for_engine(cls, spec: "AsamSpec", engine) -> "Asam":
+        """ASAM around a DeepSpeed engine's module; ``MtaError`` under ZeRO-3."""
+        if engine.zero_optimization_partition_weights():
+            raise MtaError(ZERO3_REFUSAL)
+        return cls(spec, engine.module)
+
+    def gradient(self, losses: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Σ ∂loss/∂w over ``losses`` (one backward each, its graph freed) and the processes, in
+        fp32; a parameter a loss does not reach gets zeros. ``.grad`` is left untouched."""
+        total = [torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32)) for param in self.params]
+        for loss in losses:
+            grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            for buffer, grad in zip(total, grads):
+                if grad is not None:
+                    buffer.add_(grad.to(buffer.dtype))
+        distributed.sum_tensors_over_ranks(total)
+        return total
+
+    @contextmanager
+    def perturbed(self, losses: Iterable[torch.Tensor], *, step: Optional[int] = None) -> Iterator[bool]:
+        """w ← w + ε inside the block, ε from the gradient of ``losses``; w restored from a copy on
+        exit. Yields whether w was perturbed (False: ‖T_w · g‖ was 0 or not finite)."""
+        epsilon = perturbation(
+            self.params, self.gradient(losses), self.adaptive, rho=self.rho, eta=self.eta
+        )
+        if epsilon is None:
+            self.skipped += 1
+            log.warning("ASAM: the gradient%s is zero or not finite; this step is not perturbed",
+                        f" of step {step + 1}" if step is not None else "")
+            yield False
+            return
+        with torch.no_grad():
+            saved = [param.detach().clone() for param in self.params]
+            for param, delta in zip(self.params, epsilon):
+                param.add_(delta)
+        del epsilon
+        try:
+            yield True
+        finally:
+            with torch.no_grad():
+                for param, weight in zip(self.params, saved):
+                    param.copy_(weight)  # in place: DeepSpeed's flat buffers keep their views

@@ -1,0 +1,278 @@
+"""An embedding recipe (``task: embedding``, TALAS) as a ``Run`` of the one training loop.
+
+``mta.training.trainer.build_run`` hands a ``task: embedding`` recipe to ``build_embedding_run``,
+which builds what the loop needs from it: the encoder student (``AutoModel``; a ``tiny``
+encoder built at first use), the teacher's stored embeddings of ``data.train`` / ``data.dev``
+(``mta.training.embedding_data``; the teacher model is loaded only to embed rows at first use),
+``EmbeddingObjective`` and the DeepSpeed engine. ``Trainer`` then runs it exactly as an LLM run:
+batches, accumulation, ASAM, checkpoints, resume, dev loss, ``final/`` (here a Hugging Face
+encoder that is also a sentence-transformers model: ``mta.embedding.export``).
+
+``plan_embedding_run`` is the same recipe for ``mta distill --dry-run``: meta-device models, no
+weights, no data read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from mta import distributed
+from mta.errors import MtaError
+from mta.hashing import file_sha256, json_sha256
+from mta.reporting import Reporter
+from mta.training import checkpointing, engine as engines, resume_rules, run_directory
+from mta.training.batching import StepSchedule
+from mta.training.embedding_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
+from mta.training.embedding_objective import EmbeddingDistillationModel, EmbeddingObjective
+from mta.training.recipe import EmbeddingRecipe, EncoderSpec, position_limit
+
+KEY_LENGTH = 12
+
+
+def encoder_source(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str) -> tuple[str, str]:
+    """``(model, tokenizer)`` directories or hub names of ``recipe.<role>``, building a ``tiny``
+    encoder first: its WordPiece tokenizer trained on ``tiny.tokenizer_corpus`` into
+    ``output_dir/models/wordpiece-<vocab>-<key>`` (shared by encoders of one corpus and size), the
+    model at ``<path>-<key>`` under ``output_dir`` (``mta.models.tiny_encoders``)."""
+    if spec.tiny is None:
+        model, tokenizer = (recipe.resolve(written, f"{role}.{key}") for written, key in
+                            ((spec.path, "path"), (spec.tokenizer_path, "tokenizer")))
+        return (str(model) if model.exists() else spec.path,
+                str(tokenizer) if tokenizer.exists() else spec.tokenizer_path)
+    from mta.models.tiny import corpus_texts
+    from mta.models.tiny_encoders import build_tiny_encoder, build_wordpiece_tokenizer
+
+    tiny = spec.tiny
+    output_dir = recipe.resolve(recipe.output_dir, "output_dir")
+    if spec.tokenizer:
+        tokenizer_dir = recipe.resolve(spec.tokenizer, f"{role}.tokenizer")
+    else:
+        corpus = recipe.resolve(tiny.tokenizer_corpus, f"{role}.tiny.tokenizer_corpus")
+        if not corpus.is_file():
+            raise MtaError(f"{role}.tiny.tokenizer_corpus: no such file {corpus}")
+        key = json_sha256({"corpus": file_sha256(corpus), "vocab_size": tiny.vocab_size})[:KEY_LENGTH]
+        tokenizer_dir = output_dir / "models" / f"wordpiece-{tiny.vocab_size}-{key}"
+        build_wordpiece_tokenizer(tokenizer_dir, vocab_size=tiny.vocab_size, texts=corpus_texts(corpus))
+    directory = Path(spec.path).expanduser()
+    model_dir = build_tiny_encoder(
+        directory if directory.is_absolute() else output_dir / directory, layers=tiny.num_layers,
+        hidden=tiny.hidden_size, heads=tiny.num_heads, vocab_size=None, seed=tiny.seed, tokenizer=tokenizer_dir,
+        max_position=max(512, recipe.data.max_length),
+    )
+    return str(model_dir), str(tokenizer_dir)
+
+
+def check_text_length(recipe: EmbeddingRecipe, config) -> None:
+    """Refuse ``data.max_length`` beyond the student's positions (RoBERTa-style models, MPNet
+    among them, number positions from padding_idx + 1: two fewer)."""
+    found = position_limit(config)
+    if found is None:
+        return
+    limit, attribute = found
+    offset = 2 if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "mpnet") else 0
+    if recipe.data.max_length > limit - offset:
+        where = f"{recipe.source}: " if recipe.source else ""
+        raise MtaError(
+            f"{where}data.max_length={recipe.data.max_length:,} is longer than the student "
+            f"({recipe.student.path}) takes: {limit - offset:,} tokens ({attribute} {limit:,} in its config); "
+            f"set data.max_length to at most {limit - offset:,}"
+        )
+
+
+def load_student(recipe: EmbeddingRecipe):
+    """The student encoder (``AutoModel``, weights in ``student.dtype``) and its tokenizer."""
+    from transformers import AutoModel
+
+    from mta.dtypes import torch_dtype
+    from mta.models.hub import load_pretrained
+    from mta.models.tokenizers import load_tokenizer
+
+    model_path, tokenizer_path = encoder_source(recipe.student, recipe, "student")
+    tokenizer = load_tokenizer(tokenizer_path)
+    try:
+        model = load_pretrained(AutoModel.from_pretrained, model_path, what="student.path",
+                                dtype=torch_dtype(recipe.student.dtype))
+    except MtaError:
+        raise
+    except Exception as error:  # OSError, ValueError, hub errors...
+        raise MtaError(
+            f"student.path: cannot load an encoder from '{model_path}' with AutoModel: {error}. Give a "
+            "local Hugging Face or sentence-transformers directory, or a hub name in the Hugging Face cache"
+        ) from error
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise MtaError(
+            f"student: the tokenizer '{tokenizer_path}' has {len(tokenizer)} tokens but the model "
+            f"'{model_path}' only {model.get_input_embeddings().num_embeddings} embedding rows; set "
+            "student.tokenizer to the model's own tokenizer"
+        )
+    return model, tokenizer
+
+
+def build_embedding_run(recipe: EmbeddingRecipe, reporter: Reporter, *, resume: Optional[str] = None,
+                        overwrite: bool = False):
+    """``build_run`` for ``task: embedding``: claim the output directory, load the student and
+    the teacher embeddings, check they fit, start the DeepSpeed engine."""
+    from mta.training.trainer import Run
+    from mta.training.utilisation import StepFlops
+
+    rank, world_size = engines.init_distributed()
+    device = distributed.local_device()
+    precision = engines.resolve_training_precision(recipe.train, device)
+    output_dir = recipe.resolve(recipe.output_dir, "output_dir")
+    owner = run_directory.claim(output_dir, recipe.name, resume=resume, overwrite=overwrite)
+    resume_from = checkpointing.resolve_resume(resume, output_dir)
+    resumed_with = resume_rules.check_resume(resume_from, recipe) if resume_from is not None else None
+
+    # Rank 0 builds tiny models and embeds rows first; the others then find them cached.
+    with distributed.main_process_first():
+        student, tokenizer = load_student(recipe)
+        teacher = encoder_source(recipe.teacher, recipe, "teacher")[0] if recipe.teacher is not None else None
+        splits = {split: load_teacher_embeddings(recipe, split, teacher_model=teacher,
+                                                 reporter=reporter if rank == 0 else None)
+                  for split in ("train", "dev")}
+    check_text_length(recipe, student.config)
+    train, dev = splits["train"], splits["dev"]
+    if dev is not None and dev.dimension != train.dimension:
+        raise MtaError(f"data.dev's teacher embeddings are {dev.dimension} wide, data.train's {train.dimension}: "
+                       "embed both with the same teacher")
+    config = student.config.get_text_config()
+    torch.manual_seed(recipe.seed)  # the TAMD projections' initialisation follows the recipe's seed
+    objective = EmbeddingObjective(recipe.loss, num_layers=config.num_hidden_layers, student_dim=config.hidden_size,
+                                   teacher_dim=train.dimension, pooling=recipe.student.pooling)
+    examples = {split: EmbeddingExamples(found, tokenizer, recipe.data.max_length) if found is not None else None
+                for split, found in splits.items()}
+    accumulation = recipe.train.accumulation_steps(world_size)
+    schedule = StepSchedule(len(examples["train"]), recipe.train.micro_batch_size, accumulation, world_size)
+    total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
+    model = EmbeddingDistillationModel(student, objective, max_seq_length=recipe.data.max_length)
+    engine = engines.initialize(model, model.projector_parameters(), recipe.train, recipe.deepspeed,
+                                total_steps, world_size, precision)
+    messages = [precision.describe(), *_summary(recipe, objective, accumulation, world_size, schedule,
+                                                total_steps, splits)]
+    if resumed_with is not None:
+        messages += resumed_with.log_lines()
+    return Run(
+        recipe=recipe, output_dir=output_dir, run_id=owner.run_id, engine=engine, teacher=None, tokenizer=tokenizer,
+        train=examples["train"], dev=examples["dev"], schedule=schedule, total_steps=total_steps, rank=rank,
+        world_size=world_size, device=device, resume_from=resume_from, messages=messages, precision=precision,
+        flops=StepFlops(engine.module, engine.module.student),
+    )
+
+
+def _summary(recipe: EmbeddingRecipe, objective: EmbeddingObjective, accumulation: int, world_size: int,
+             schedule: StepSchedule, total_steps: int, splits: dict) -> list[str]:
+    """What a person should know before the first step: batch, data, the terms and layers."""
+    train, loss = recipe.train, recipe.loss
+    lines = [
+        f"global batch {train.batch_size} = {train.micro_batch_size} per device × {accumulation} accumulation × "
+        f"{world_size} process(es); {total_steps} steps, {schedule.steps_per_epoch} per epoch over "
+        f"{schedule.num_rows} texts; SimCSE and LASD compare the {train.micro_batch_size} texts of a micro batch",
+    ]
+    lines += [describe_embeddings(split, found) for split, found in splits.items() if found is not None]
+    top = objective.num_layers
+    terms = []
+    if loss.simcse_weight:
+        terms.append(f"{loss.simcse_weight:g}·SimCSE (τ {loss.simcse_temperature:g}, layer {top}, two dropout passes)")
+    if loss.tamd_weight:
+        anchored = ", ".join(str(layer) for layer in range(top - objective.anchored + 1, top + 1))
+        terms.append(f"{loss.tamd_weight:g}·TAMD (layers {anchored} → the teacher)")
+    if loss.lasd_weight:
+        terms.append(f"{loss.lasd_weight:g}·LASD (layers 1..{top}, {loss.lasd_reduction} per pair"
+                     f"{', guide detached' if loss.lasd_detach else ''})")
+    lines.append(f"student pooling {recipe.student.pooling}; loss " + " + ".join(terms))
+    if train.asam is not None:
+        lines.append(f"ASAM: ρ {train.asam.rho:g}, η {train.asam.eta:g}, T_w on {train.asam.scope} parameters "
+                     "(two passes per step)")
+    return lines
+
+
+# --------------------------------------------------------------------------- --dry-run
+
+
+def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
+    """``mta.training.dry_run.plan_run`` for ``task: embedding``: the student on the meta device
+    (from ``student.config``, its ``tiny`` description, a local directory or the Hugging Face
+    cache), the TAMD projections, batch and memory; the teacher is never loaded for training, so
+    it is planned only as a note (its embeddings are data)."""
+    from transformers import AutoModel
+
+    from mta.training import dry_run
+
+    if world_size < 1:
+        raise MtaError(f"world size must be at least 1, got {world_size}")
+    train = recipe.train
+    accumulation = train.accumulation_steps(world_size)
+    config, source = _encoder_config(recipe.student, recipe, "student")
+    check_text_length(recipe, config)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    limit = dry_run.position_limit(config)
+    student = dry_run.ModelPlan(
+        role="student", name=recipe.student.path, config_source=source, architecture=type(model).__name__,
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
+        vocab_rows=model.get_input_embeddings().num_embeddings, parameters=dry_run.parameter_count(model),
+        dtype=recipe.student.dtype, max_positions=limit[0] if limit else None,
+    )
+    notes: list[str] = []
+    teacher_dim = None
+    if recipe.teacher is not None:
+        try:
+            teacher_config, _ = _encoder_config(recipe.teacher, recipe, "teacher")
+            teacher_dim = teacher_config.hidden_size
+        except MtaError as error:
+            notes.append(f"teacher: {error}")
+    loss = recipe.loss
+    if loss.tamd_weight and loss.tamd_layers > student.num_layers:
+        raise MtaError(f"loss.tamd_layers={loss.tamd_layers} anchors more layers than the student has "
+                       f"({student.num_layers}); use at most {student.num_layers}")
+    projectors = 0
+    if loss.tamd_weight:
+        if teacher_dim is None:
+            notes.append("TAMD's projections are d_S × d_T each; d_T is the teacher embeddings' width, known "
+                         "when they are read")
+        else:
+            projectors = loss.tamd_layers * student.hidden_size * teacher_dim
+        first = student.num_layers - loss.tamd_layers + 1
+        notes.append(f"TAMD anchors student layers {first}..{student.num_layers} (bias-free d_S→d_T projections)")
+    notes.append(f"student pooling {recipe.student.pooling}; teacher embeddings: data.train "
+                 f"({recipe.data.train})" + (f", built at first use with {recipe.teacher.path}" if recipe.teacher else ""))
+    if train.asam is not None:
+        notes.append(f"ASAM (ρ {train.asam.rho:g}): two forward and backward passes per step, one copy of the weights")
+    notes.extend(dry_run._data_notes(recipe))
+    memory = dry_run.estimate_memory(
+        student, None, trainable_extra=projectors, aligned_teacher_layers=0, precision=train.precision,
+        zero_stage=train.zero_stage, teacher_zero3=False, world_size=world_size,
+        micro_batch_size=train.micro_batch_size, sequence_length=recipe.data.max_length,
+    )
+    # An encoder has no LM head: no logits. SimCSE's second pass keeps its own activations.
+    tokens = train.micro_batch_size * recipe.data.max_length
+    logits = tokens * student.vocab_rows * ((2 if train.precision != "fp32" else 4) + 4) * 2
+    passes = 2 if loss.simcse_weight else 1
+    memory = dataclasses.replace(memory, activations=int((memory.activations - logits) * passes))
+    return dry_run.RunPlan(
+        name=recipe.name, student=student, teacher=None, layers=[], projector_parameters=projectors,
+        world_size=world_size, micro_batch_size=train.micro_batch_size, accumulation_steps=accumulation,
+        global_batch=train.micro_batch_size * accumulation * world_size, zero_stage=train.zero_stage,
+        teacher_zero3=False, precision=train.precision, memory=memory, notes=notes, projectors="TAMD projection",
+    )
+
+
+def _encoder_config(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str):
+    """The encoder's architecture config, offline: ``<role>.config``, ``<role>.tiny`` (the
+    ``BertConfig`` ``build_tiny_encoder`` writes), a local directory, the Hugging Face cache."""
+    from transformers import BertConfig
+
+    from mta.training import dry_run
+
+    if spec.tiny is not None and spec.config is None:
+        tiny = spec.tiny
+        return BertConfig(
+            vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
+            num_attention_heads=tiny.num_heads, intermediate_size=4 * tiny.hidden_size,
+            max_position_embeddings=max(512, recipe.data.max_length),
+        ), "tiny: built at first use"
+    return dry_run.load_model_config(spec, recipe, role)

@@ -1,0 +1,42 @@
+"""The GPU step benchmark's --smoke mode: the paper's three bases, alone and with MTA, through
+the real objective in a DeepSpeed ZeRO-1 engine, at tiny widths on this CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_paper_shapes_benchmark_runs_every_part_in_smoke_mode(tmp_path):
+    out = tmp_path / "paper_shapes.json"
+    env = subprocess_env()
+    result = subprocess.run(
+        [sys.executable, "bench/paper_shapes.py", "--smoke", "--budget-s", "0", "--output", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["setup"]["smoke"] is True and payload["setup"]["zero_stage"] == 1
+    results = payload["results"]
+    assert sorted(results) == ["distillm", "distillm2", "fdd"]
+    for part, result in results.items():
+        assert result["rounds"] >= 3
+        assert sorted(result["variants"]) == sorted([part, f"{part}_mta"])
+        for variant in result["variants"].values():
+            assert len(variant["seconds_per_step"]) == result["rounds"]
+            assert variant["seconds_per_step_median"] > 0 and variant["tokens_per_s"] > 0
+            # Model FLOPs: at least 6·N·tokens of the student (the teacher's forward on top).
+            assert variant["model_flops_per_step"] >= 6 * result["student_parameters"] * result["tokens_per_step"] * 0.5
+            assert variant["mfu"] is None and variant["peak_memory_gib"] is None  # a CPU
+        assert result["ratio_mta_to_base"] == pytest.approx(
+            result["variants"][f"{part}_mta"]["seconds_per_step_median"]
+            / result["variants"][part]["seconds_per_step_median"])
