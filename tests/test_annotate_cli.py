@@ -81,6 +81,31 @@ def test_recipe_supplies_tokenizers_and_lengths(tmp_path, tiny_tokenizer_dir, ot
     assert manifest["student"]["name"] == str(other_tokenizer_dir)
 
 
+def test_a_tiny_recipes_tokenizers_are_built_and_training_accepts_the_artefact(tmp_path, monkeypatch):
+    # `--recipe tiny`: its models are built at first use, not Hub names; the artefact must be the
+    # one training checks against the same recipe.
+    from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
+    from mta.training.model_loading import tokenizer_sources
+    from mta.training.recipe import load_recipe
+    from mta.training.train_data import check_manifest
+
+    monkeypatch.chdir(tmp_path)
+    lines = EXAMPLES.read_text(encoding="utf-8").splitlines()[:4]
+    (tmp_path / "four.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    result = invoke("annotate", "four.jsonl", "--recipe", "tiny-cross", "-o", "out", "--workers", 1)
+    assert result.exit_code == 0, result.output
+    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "tiny-cross.yaml")
+    sources = tokenizer_sources(recipe)
+    assert sources["teacher"] != sources["student"]  # two tokenizers, from two corpora
+    annotations = read_annotations(tmp_path / "out")
+    assert (annotations.manifest["teacher"]["name"], annotations.manifest["student"]["name"]) == (
+        sources["teacher"], sources["student"])
+    assert annotations.table.column("boundary_spans").null_count == 0
+    fingerprints = {side: tokenizer_fingerprint(load_tokenizer(path)) for side, path in sources.items()}
+    # What training checks before it uses an artefact: no error.
+    check_manifest(annotations, recipe, "data.train", sources["teacher"], sources["student"], fingerprints)
+
+
 def test_shard_option_and_merge(tmp_path, annotated, tiny_tokenizer_dir, other_tokenizer_dir):
     out = tmp_path / "sharded"
     common = ["--teacher", tiny_tokenizer_dir, "--student", other_tokenizer_dir, "-o", out,

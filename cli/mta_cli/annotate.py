@@ -151,13 +151,18 @@ def annotate(
         fields=_parse_fields(field),
     )
     if recipe is not None:
+        from mta.training.model_loading import tokenizer_sources
         from mta.training.recipe import load_recipe
         from mta.training.recipe_catalog import find_recipe
 
         loaded = load_recipe(find_recipe(recipe).path)
         if options["fields"] is not None:  # --field adds to the recipe's mapping
             options["fields"] = {**loaded.data.fields, **options["fields"]}
-        settings = AnnotateSettings.from_recipe(loaded, teacher=teacher, student=student, **options)
+        # The tokenizers training will load (a tiny recipe's are built here at first use).
+        sources = tokenizer_sources(loaded) if teacher is None or student is None else {}
+        settings = AnnotateSettings.from_recipe(
+            loaded, teacher=teacher or sources["teacher"], student=student or sources["student"], **options
+        )
     else:
         if teacher is None or student is None:
             raise MtaError("give --teacher and --student (the same value works for both), or --recipe")

@@ -8,7 +8,6 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
@@ -34,6 +33,7 @@ def demo_embed(
     """
     quiet_third_party(verbose)
     from mta.demo.embedding import EmbedDemoSettings, estimated_seconds, run_embedding_demo, table, write_report
+    from mta_cli.demo import print_results
 
     console = Console(stderr=True)
     settings = EmbedDemoSettings.quick() if quick else EmbedDemoSettings.full()
@@ -45,11 +45,4 @@ def demo_embed(
     with make_reporter(console) as reporter:
         results = run_embedding_demo(settings, out_dir, data_dir=data_dir, reporter=reporter)
     markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
-    header, body = table(results)
-    rich = Table(title=f"mta demo-embed ({settings.name})")
-    for index, column in enumerate(header):
-        rich.add_column(column, justify="left" if index == 0 else "right")
-    for row in body:
-        rich.add_row(*row)
-    Console().print(rich)
-    console.print(f"[green]table:[/] {markdown}\n[green]picture:[/] {picture}")
+    print_results(f"mta demo-embed ({settings.name})", *table(results), markdown, picture)

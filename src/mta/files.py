@@ -251,6 +251,16 @@ def disk_full_is_reported(what: str | Path) -> Iterator[None]:
         ) from error
 
 
+def make_output_directory(path: Path, option: str = "-o") -> None:
+    """``mkdir -p path`` for a stage's output; a full disk or a refused permission is one
+    ``MtaError`` naming ``option`` and the directory."""
+    try:
+        with disk_full_is_reported(path):
+            path.mkdir(parents=True, exist_ok=True)
+    except PermissionError as error:
+        raise MtaError(f"cannot create {option} {path}: {error.strerror}; choose another directory") from error
+
+
 # --------------------------------------------------------------------------- exclusive locks
 
 # flock on a filesystem that does not implement it (some NFS / Lustre mounts).

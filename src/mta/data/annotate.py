@@ -49,7 +49,7 @@ from mta.data.span_extraction import SpanExtractor, WordSpans, check_span_rule, 
 from mta.data.token_ranges import SpanRule
 from mta import distributed
 from mta.errors import MtaError
-from mta.files import disk_full_is_reported
+from mta.files import disk_full_is_reported, make_output_directory
 from mta.reporting import Reporter, SilentReporter
 from mta.hashing import json_sha256
 
@@ -220,11 +220,7 @@ def run_annotate(
             raise source.error(problem)
 
     created = not out_dir.exists()
-    try:
-        with disk_full_is_reported(out_dir):
-            out_dir.mkdir(parents=True, exist_ok=True)
-    except PermissionError as error:
-        raise MtaError(f"cannot create -o {out_dir}: {error.strerror}; choose another directory") from error
+    make_output_directory(out_dir)
     try:
         with disk_full_is_reported(out_dir), shard_lock(out_dir, shard, num_shards) as unsupported:
             if unsupported:

@@ -52,6 +52,10 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 CLS_ATTENTION_MODULE = "cls_attention_pooling.CLSAttentionPooling"
 
 
+# What an encoder may be, for the errors that cannot load one.
+ENCODER_SOURCES = ("give a local Hugging Face or sentence-transformers directory, or a hub name in the "
+                   "Hugging Face cache")
+
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """``[B, T, D]`` states, ``[B, T]`` mask (1 = token, 0 = padding) -> ``[B, D]`` in ``hidden``'s
     dtype. A row with no real token pools to zeros (mean) or its first position (cls, last)."""
@@ -252,15 +256,10 @@ def plan_encoder(
     from mta.models.hub import load_pretrained
 
     settings = resolve_pooling(name_or_path, pooling, normalize)
-    try:
-        config = load_pretrained(AutoConfig.from_pretrained, name_or_path, what="encoder")
-    except MtaError:
-        raise
-    except Exception as error:  # OSError, ValueError, hub errors...
-        raise MtaError(
-            f"cannot read an encoder config from '{name_or_path}': {error}. Give a local Hugging Face or "
-            "sentence-transformers directory (or a hub name in the Hugging Face cache)"
-        ) from error
+    config = load_pretrained(
+        AutoConfig.from_pretrained, name_or_path, what="encoder",
+        otherwise=f"cannot read an encoder config from '{name_or_path}' ({ENCODER_SOURCES})",
+    )
     limit = max_length or settings.max_seq_length or DEFAULT_MAX_LENGTH
     positions = getattr(config, "max_position_embeddings", None)
     if positions:
@@ -290,15 +289,10 @@ def load_encoder(
 
     plan = plan or plan_encoder(name_or_path, pooling=pooling, normalize=normalize, max_length=max_length)
     tokenizer = load_tokenizer(name_or_path)
-    try:
-        model = load_pretrained(AutoModel.from_pretrained, name_or_path, what="encoder", dtype=dtype)
-    except MtaError:
-        raise
-    except Exception as error:  # OSError, ValueError, hub errors...
-        raise MtaError(
-            f"cannot load an encoder from '{name_or_path}' with AutoModel: {error}. Give a local "
-            "Hugging Face or sentence-transformers directory (or a hub name in the Hugging Face cache)"
-        ) from error
+    model = load_pretrained(
+        AutoModel.from_pretrained, name_or_path, what="encoder", dtype=dtype,
+        otherwise=f"cannot load an encoder from '{name_or_path}' with AutoModel ({ENCODER_SOURCES})",
+    )
     device = torch.device(device)
     model.to(device).eval()
     return SentenceEncoder(model, tokenizer, plan.pooling, plan.max_length, device)

@@ -88,7 +88,7 @@ from mta.data.sources import InputSource, input_identity, open_source
 from mta.dtypes import resolve_dtype
 from mta.embedding.encoder import AUTO, EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
 from mta.errors import MtaError
-from mta.files import Journal, atomic_path, disk_full_is_reported, read_jsonl_lenient
+from mta.files import Journal, atomic_path, disk_full_is_reported, make_output_directory, read_jsonl_lenient
 from mta.hashing import directory_checksums, file_sha256, json_sha256
 from mta.reporting import Reporter, SilentReporter
 from mta.versions import package_versions
@@ -274,37 +274,13 @@ class EmbedOutcome:
     resumed_rows: int = 0  # rows a previous, killed run had finished
 
 
-def build_teacher_embeddings(
-    teacher: str | Path,
-    data: str | Path,
-    output: str | Path,
-    *,
-    pooling: str = AUTO,
-    normalize: Optional[bool] = None,
-    max_length: Optional[int] = None,
-    batch_size: int = 64,
-    dtype: str = "auto",
-    device: str = "auto",
-    text_field: Optional[str] = None,
-    on_error: Literal["fail", "skip"] = "fail",
-    reporter: Optional[Reporter] = None,
-    shard: Optional[tuple[int, int]] = None,
-    force: bool = False,
-) -> Path:
+def build_teacher_embeddings(teacher: str | Path, data: str | Path, output: str | Path, **options: Any) -> Path:
     """Embed every text of ``data`` with ``teacher`` into ``output`` (or reuse it); return ``output``.
 
-    pooling: ``auto`` (a sentence-transformers directory's own, else mean), ``mean``, ``cls``,
-    ``max`` or ``last`` (:mod:`mta.embedding.encoder`); normalize: None follows the config.
-    max_length: tokens per text (None: the teacher's ``max_seq_length``, else 256). dtype:
-    ``auto`` (bf16 where the device computes it natively, else fp32: ``mta.dtypes``), ``fp32``, ``bf16``, ``fp16``.
-    shard: ``(index, count)``, or None for this process's rank in the launcher's group.
-    See the module docstring for the text rule, the files and resumption.
+    ``options`` are :func:`run_embed`'s (pooling, normalize, max_length, batch_size, dtype,
+    device, text_field, on_error, reporter, shard, force).
     """
-    return run_embed(
-        teacher, data, output, pooling=pooling, normalize=normalize, max_length=max_length,
-        batch_size=batch_size, dtype=dtype, device=device, text_field=text_field, on_error=on_error,
-        reporter=reporter, shard=shard, force=force,
-    ).directory
+    return run_embed(teacher, data, output, **options).directory
 
 
 def run_embed(
@@ -324,7 +300,16 @@ def run_embed(
     shard: Optional[tuple[int, int]] = None,
     force: bool = False,
 ) -> EmbedOutcome:
-    """:func:`build_teacher_embeddings`, returning what the run did (the CLI reports it)."""
+    """Embed every text of ``data`` with ``teacher`` into ``output`` (or reuse it); returns what
+    the run did (the CLI reports it; :func:`build_teacher_embeddings` returns the directory).
+
+    pooling: ``auto`` (a sentence-transformers directory's own, else mean), ``mean``, ``cls``,
+    ``max`` or ``last`` (:mod:`mta.embedding.encoder`); normalize: None follows the config.
+    max_length: tokens per text (None: the teacher's ``max_seq_length``, else 256). dtype:
+    ``auto`` (bf16 where the device computes it natively, else fp32: ``mta.dtypes``), ``fp32``,
+    ``bf16``, ``fp16``. shard: ``(index, count)``, or None for this process's rank in the
+    launcher's group. See the module docstring for the text rule, the files and resumption.
+    """
     if batch_size < 1:
         raise MtaError(f"--batch-size must be at least 1, got {batch_size}")
     if max_length is not None and max_length < 2:
@@ -376,11 +361,7 @@ def _run_shard(
             return reused  # the teacher's weights are never loaded
     texts, ids, problems = _shard_texts(source, text_field, on_error, shard, num_shards)
     created = not out_dir.exists()
-    try:
-        with disk_full_is_reported(out_dir):
-            out_dir.mkdir(parents=True, exist_ok=True)
-    except PermissionError as error:
-        raise MtaError(f"cannot create -o {out_dir}: {error.strerror}; choose another directory") from error
+    make_output_directory(out_dir)
     try:
         with disk_full_is_reported(out_dir), shard_lock(out_dir, shard, num_shards, command="mta embed") as unsupported:
             if unsupported:

@@ -179,10 +179,11 @@ def _looks_for_adapters(loader: Callable[..., Any]) -> bool:
 
 def load_pretrained(
     loader: Callable[..., T], name_or_path: str | Path, *, what: str = "model", filename: str = MODEL_FILE,
-    **kwargs: Any,
+    otherwise: Optional[str] = None, **kwargs: Any,
 ) -> T:
     """``loader(name_or_path, **kwargs)`` (a ``from_pretrained``) after :func:`load_options`;
-    a failure the Hub explains becomes an ``MtaError`` naming the name, any other propagates."""
+    a failure the Hub explains becomes an ``MtaError`` naming the name; any other propagates, or
+    with ``otherwise`` (what could not be done and the fix) becomes ``MtaError("{otherwise}: {error}")``."""
     options = load_options(name_or_path, what=what, filename=filename)
     if options.get("local_files_only") and _looks_for_adapters(loader):
         # With peft installed, an Auto* model's from_pretrained first looks for an
@@ -193,7 +194,11 @@ def load_pretrained(
     try:
         return loader(target, **options, **kwargs)
     except Exception as error:
+        if isinstance(error, MtaError):
+            raise
         problem = hub_problem(name_or_path, error, what=what)
         if problem is not None:
             raise MtaError(problem) from error
+        if otherwise is not None:  # OSError, ValueError, a file transformers cannot read...
+            raise MtaError(f"{otherwise}: {error}") from error
         raise

@@ -93,16 +93,11 @@ def load_student(recipe: EmbeddingRecipe):
 
     model_path, tokenizer_path = encoder_source(recipe.student, recipe, "student")
     tokenizer = load_tokenizer(tokenizer_path)
-    try:
-        model = load_pretrained(AutoModel.from_pretrained, model_path, what="student.path",
-                                dtype=torch_dtype(recipe.student.dtype))
-    except MtaError:
-        raise
-    except Exception as error:  # OSError, ValueError, hub errors...
-        raise MtaError(
-            f"student.path: cannot load an encoder from '{model_path}' with AutoModel: {error}. Give a "
-            "local Hugging Face or sentence-transformers directory, or a hub name in the Hugging Face cache"
-        ) from error
+    model = load_pretrained(
+        AutoModel.from_pretrained, model_path, what="student.path", dtype=torch_dtype(recipe.student.dtype),
+        otherwise=f"student.path: cannot load an encoder from '{model_path}' with AutoModel (give a local "
+        "Hugging Face or sentence-transformers directory, or a hub name in the Hugging Face cache)",
+    )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise MtaError(
             f"student: the tokenizer '{tokenizer_path}' has {len(tokenizer)} tokens but the model "

@@ -64,6 +64,16 @@ def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
     return str(model_dir), str(tokenizer_dir)
 
 
+def tokenizer_sources(recipe: Recipe) -> dict[str, str]:
+    """``{"teacher": …, "student": …}``: where each side's tokenizer loads from, as training loads
+    it (a ``tiny:`` model and its tokenizer are built at first use, under ``output_dir``), so an
+    artefact annotated with them is the one training accepts. Without a teacher (plain SFT) the
+    student's tokenizer stands on both sides."""
+    student = model_source(recipe.student, recipe, "student")[1]
+    teacher = model_source(recipe.teacher, recipe, "teacher")[1] if recipe.teacher else student
+    return {"teacher": teacher, "student": student}
+
+
 def _existing_or_hub(resolved: Path, written: str) -> str:
     return str(resolved) if resolved.exists() else written
 
@@ -82,20 +92,14 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
     With ``spec.lora`` the model comes with its LoRA adapters, all else frozen (``mta.training.lora``)."""
     model_path, tokenizer_path = model_source(spec, recipe, role)
     tokenizer = load_tokenizer(tokenizer_path)
-    try:
-        # Eager attention: the same maths on every backend, and the tiny models gain nothing
-        # from fused kernels on CPU.
-        model = load_pretrained(
-            AutoModelForCausalLM.from_pretrained, model_path, what=f"{role}.path",
-            dtype=torch_dtype(spec.dtype), attn_implementation="eager",
-        )
-    except MtaError:
-        raise
-    except Exception as error:  # OSError, ValueError, hub errors...
-        raise MtaError(
-            f"{role}.path: cannot load a causal LM from '{model_path}': {error}. Give a local "
-            "model directory or a hub name that is in the Hugging Face cache."
-        ) from error
+    # Eager attention: the same maths on every backend, and the tiny models gain nothing from
+    # fused kernels on CPU.
+    model = load_pretrained(
+        AutoModelForCausalLM.from_pretrained, model_path, what=f"{role}.path",
+        otherwise=f"{role}.path: cannot load a causal LM from '{model_path}' (give a local model "
+        "directory or a hub name that is in the Hugging Face cache)",
+        dtype=torch_dtype(spec.dtype), attn_implementation="eager",
+    )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise MtaError(
             f"{role}: the tokenizer '{tokenizer_path}' has {len(tokenizer)} tokens but the model "

@@ -430,7 +430,55 @@ def unset_variables(written: str) -> list[str]:
     return sorted(named - set(os.environ))
 
 
-class Recipe(Strict):
+class RecipeChecks(Strict):
+    """What every recipe schema (``Recipe``, ``EmbeddingRecipe``) checks and offers: its
+    ``student.dtype`` against ``train.precision``, the ``deepspeed:`` passthrough, and paths."""
+
+    @model_validator(mode="after")
+    def _student_dtype_fits_the_precision(self):
+        # DeepSpeed casts an fp32 student to the training precision and keeps fp32 master
+        # weights; a 16-bit student trained in another precision would lose them silently.
+        dtype, precision = self.student.dtype, self.train.precision
+        if dtype not in ("fp32", precision):
+            fix = "use student.dtype=fp32" if precision in ("fp32", "auto") else f"use student.dtype=fp32 or {precision}"
+            raise ValueError(
+                f"student.dtype={dtype} cannot train with train.precision={precision}; "
+                f"{fix}, or train.precision={dtype}"
+            )
+        return self
+
+    @field_validator("deepspeed", check_fields=False)
+    @classmethod
+    def _deepspeed_settings_are_checked(cls, settings: dict[str, Any]) -> dict[str, Any]:
+        problem = deepspeed_problem(settings, TrainSpec.model_fields)
+        if problem is not None:
+            within, message = problem
+            # `within` is the key path inside the mapping, for the error's line number.
+            raise PydanticCustomError("deepspeed_setting", "{message}", {"message": message, "within": within})
+        return settings
+
+    def resolve(self, written: str, key: str | None = None) -> Path:
+        """A path written in the recipe, with environment variables expanded (module docstring).
+
+        ``key`` (e.g. ``"data.train"``) names the recipe key in the error for an unset variable.
+        """
+        missing = unset_variables(written)
+        if missing:
+            where = f"{self.source}: " if self.source else ""
+            what = f"{key}={written!r}" if key else repr(written)
+            exports = " ".join(f"{name}=..." for name in missing)
+            raise MtaError(
+                f"{where}{what} uses the environment variable {', '.join(missing)}, which is not "
+                f"set; export {exports} (see the recipe's header comment) or override {key or 'it'}"
+            )
+        path = Path(os.path.expandvars(written)).expanduser()
+        if path.is_absolute() or self.source is None or path.exists():
+            return path
+        beside = Path(self.source).parent / path
+        return beside if beside.exists() else path
+
+
+class Recipe(RecipeChecks):
     name: str
     seed: int = 42
     output_dir: str
@@ -513,19 +561,6 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
-    def _student_dtype_fits_the_precision(self) -> "Recipe":
-        # DeepSpeed casts an fp32 student to the training precision and keeps fp32 master
-        # weights; a 16-bit student trained in another precision would lose them silently.
-        dtype, precision = self.student.dtype, self.train.precision
-        if dtype not in ("fp32", precision):
-            fix = f"use student.dtype=fp32 or {precision}" if precision != "auto" else "use student.dtype=fp32"
-            raise ValueError(
-                f"student.dtype={dtype} cannot train with train.precision={precision}; "
-                f"{fix}, or train.precision={dtype}"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _generation_fits(self) -> "Recipe":
         problem = generation_problem(self)
         if problem is not None:
@@ -533,16 +568,6 @@ class Recipe(Strict):
             # `within` is the key the problem is about, for the error's line number.
             raise PydanticCustomError("generation_setting", "{message}", {"message": message, "within": within})
         return self
-
-    @field_validator("deepspeed")
-    @classmethod
-    def _deepspeed_settings_are_checked(cls, settings: dict[str, Any]) -> dict[str, Any]:
-        problem = deepspeed_problem(settings, TrainSpec.model_fields)
-        if problem is not None:
-            within, message = problem
-            # `within` is the key path inside the mapping, for the error's line number.
-            raise PydanticCustomError("deepspeed_setting", "{message}", {"message": message, "within": within})
-        return settings
 
     @property
     def dev_sample_new_tokens(self) -> int:
@@ -560,25 +585,6 @@ class Recipe(Strict):
             return self.generation.max_new_tokens
         return self.data.max_length - self.data.max_prompt_length
 
-    def resolve(self, written: str, key: str | None = None) -> Path:
-        """A path written in the recipe, with environment variables expanded (module docstring).
-
-        ``key`` (e.g. ``"data.train"``) names the recipe key in the error for an unset variable.
-        """
-        missing = unset_variables(written)
-        if missing:
-            where = f"{self.source}: " if self.source else ""
-            what = f"{key}={written!r}" if key else repr(written)
-            exports = " ".join(f"{name}=..." for name in missing)
-            raise MtaError(
-                f"{where}{what} uses the environment variable {', '.join(missing)}, which is not "
-                f"set; export {exports} (see the recipe's header comment) or override {key or 'it'}"
-            )
-        path = Path(os.path.expandvars(written)).expanduser()
-        if path.is_absolute() or self.source is None or path.exists():
-            return path
-        beside = Path(self.source).parent / path
-        return beside if beside.exists() else path
 
 
 # --- student-generated responses -----------------------------------------------------------
@@ -743,7 +749,7 @@ class EmbeddingLossSpec(Strict):
         return self
 
 
-class EmbeddingRecipe(Strict):
+class EmbeddingRecipe(RecipeChecks):
     """A sentence-embedding distillation (``task: embedding``, TALAS): an encoder student learns
     a teacher's stored sentence embeddings (``mta embed``; built at first use from ``teacher``
     when ``data`` names rows). The teacher model itself is never loaded for training."""
@@ -780,32 +786,10 @@ class EmbeddingRecipe(Strict):
             })
         return self
 
-    @model_validator(mode="after")
-    def _student_dtype_fits_the_precision(self) -> "EmbeddingRecipe":
-        dtype, precision = self.student.dtype, self.train.precision
-        if dtype not in ("fp32", precision):
-            fix = f"use student.dtype=fp32 or {precision}" if precision != "auto" else "use student.dtype=fp32"
-            raise ValueError(
-                f"student.dtype={dtype} cannot train with train.precision={precision}; "
-                f"{fix}, or train.precision={dtype}"
-            )
-        return self
-
-    @field_validator("deepspeed")
-    @classmethod
-    def _deepspeed_settings_are_checked(cls, settings: dict[str, Any]) -> dict[str, Any]:
-        problem = deepspeed_problem(settings, TrainSpec.model_fields)
-        if problem is not None:
-            within, message = problem
-            raise PydanticCustomError("deepspeed_setting", "{message}", {"message": message, "within": within})
-        return settings
-
     @property
     def dev_sample_new_tokens(self) -> int:
         """No generation: an encoder has nothing to sample."""
         return 0
-
-    resolve = Recipe.resolve
 
 
 AnyRecipe = Union[Recipe, EmbeddingRecipe]
