@@ -22,7 +22,6 @@ import torch
 
 from mta import distributed
 from mta.errors import MtaError
-from mta.hashing import file_sha256, json_sha256
 from mta.reporting import Reporter
 from mta.training import checkpointing, engine as engines, resume_rules, run_directory
 from mta.training.batching import StepSchedule
@@ -38,11 +37,10 @@ def encoder_source(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str) -> tup
     encoder first: its WordPiece tokenizer trained on ``tiny.tokenizer_corpus`` into
     ``output_dir/models/wordpiece-<vocab>-<key>`` (shared by encoders of one corpus and size), the
     model at ``<path>-<key>`` under ``output_dir`` (``mta.models.tiny_encoders``)."""
+    from mta.training.model_loading import local_or_hub_sources, tiny_tokenizer_corpus
+
     if spec.tiny is None:
-        model, tokenizer = (recipe.resolve(written, f"{role}.{key}") for written, key in
-                            ((spec.path, "path"), (spec.tokenizer_path, "tokenizer")))
-        return (str(model) if model.exists() else spec.path,
-                str(tokenizer) if tokenizer.exists() else spec.tokenizer_path)
+        return local_or_hub_sources(spec, recipe, role)
     from mta.models.tiny import corpus_texts
     from mta.models.tiny_encoders import build_tiny_encoder, build_wordpiece_tokenizer
 
@@ -51,10 +49,7 @@ def encoder_source(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str) -> tup
     if spec.tokenizer:
         tokenizer_dir = recipe.resolve(spec.tokenizer, f"{role}.tokenizer")
     else:
-        corpus = recipe.resolve(tiny.tokenizer_corpus, f"{role}.tiny.tokenizer_corpus")
-        if not corpus.is_file():
-            raise MtaError(f"{role}.tiny.tokenizer_corpus: no such file {corpus}")
-        key = json_sha256({"corpus": file_sha256(corpus), "vocab_size": tiny.vocab_size})[:KEY_LENGTH]
+        corpus, key = tiny_tokenizer_corpus(spec, recipe, role)
         tokenizer_dir = output_dir / "models" / f"wordpiece-{tiny.vocab_size}-{key}"
         build_wordpiece_tokenizer(tokenizer_dir, vocab_size=tiny.vocab_size, texts=corpus_texts(corpus))
     directory = Path(spec.path).expanduser()

@@ -37,18 +37,13 @@ def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
     hash of the corpus bytes, so a tiny teacher and student of the same vocabulary share it.
     """
     if spec.tiny is None:
-        model = recipe.resolve(spec.path, f"{role}.path")
-        tokenizer = recipe.resolve(spec.tokenizer_path, f"{role}.tokenizer")
-        return _existing_or_hub(model, spec.path), _existing_or_hub(tokenizer, spec.tokenizer_path)
+        return local_or_hub_sources(spec, recipe, role)
     tiny = spec.tiny
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
     if spec.tokenizer:
         tokenizer_dir = recipe.resolve(spec.tokenizer, f"{role}.tokenizer")
     else:
-        corpus = recipe.resolve(tiny.tokenizer_corpus, f"{role}.tiny.tokenizer_corpus")
-        if not corpus.is_file():
-            raise MtaError(f"{role}.tiny.tokenizer_corpus: no such file {corpus}")
-        key = json_sha256({"corpus": file_sha256(corpus), "vocab_size": tiny.vocab_size})[:KEY_LENGTH]
+        corpus, key = tiny_tokenizer_corpus(spec, recipe, role)
         tokenizer_dir = output_dir / "models" / f"tokenizer-{tiny.vocab_size}-{key}"
         build_tiny_tokenizer(corpus, tokenizer_dir, vocab_size=tiny.vocab_size)
     description = tiny.model_dump(exclude={"tokenizer_corpus", "vocab_size"})
@@ -62,6 +57,23 @@ def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
         hidden_size=tiny.hidden_size, num_heads=tiny.num_heads, seed=tiny.seed,
     )
     return str(model_dir), str(tokenizer_dir)
+
+
+def local_or_hub_sources(spec, recipe, role: str) -> tuple[str, str]:
+    """``(model, tokenizer)`` of a spec that names them: a directory when it exists (beside the
+    recipe or from the working directory), else the name as written (a Hub name)."""
+    model = recipe.resolve(spec.path, f"{role}.path")
+    tokenizer = recipe.resolve(spec.tokenizer_path, f"{role}.tokenizer")
+    return _existing_or_hub(model, spec.path), _existing_or_hub(tokenizer, spec.tokenizer_path)
+
+
+def tiny_tokenizer_corpus(spec, recipe, role: str) -> tuple[Path, str]:
+    """The corpus a ``tiny`` model's tokenizer trains on, and the cache key of what it is built
+    from (the corpus bytes and the vocabulary size): one key rule for causal LMs and encoders."""
+    corpus = recipe.resolve(spec.tiny.tokenizer_corpus, f"{role}.tiny.tokenizer_corpus")
+    if not corpus.is_file():
+        raise MtaError(f"{role}.tiny.tokenizer_corpus: no such file {corpus}")
+    return corpus, json_sha256({"corpus": file_sha256(corpus), "vocab_size": spec.tiny.vocab_size})[:KEY_LENGTH]
 
 
 def tokenizer_sources(recipe: Recipe) -> dict[str, str]:
