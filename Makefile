@@ -56,7 +56,7 @@ demo: $(STAMP)
 demo-quick: $(STAMP)
 	$(MTA) demo --quick
 
-# TALAS on real sentence encoders (mta.demo.embedding): mpnet teacher, a 3-layer MiniLM student.
+# TALAS on real sentence encoders (mta.embedding.demo): mpnet teacher, a 3-layer MiniLM student.
 demo-embed: $(EMBED_STAMP)
 	$(MTA) demo-embed
 

@@ -13,7 +13,7 @@ bf16 seconds: > 1 means bf16 is faster). Measured:
   CPU: torch autocast over fp32 weights, gradients and optimizer state); ``ds_bf16`` (DeepSpeed's
   own bf16 mode: bf16 weights and gradients, fp32 master weights in the optimizer), the
   alternative mta does not take on a CPU, for the record. GFLOP/s count ``6·N·tokens``
-  (``mta.training.utilisation``). The first two steps of each fresh engine are timed apart (the
+  (``mta.training.lifecycle.utilisation``). The first two steps of each fresh engine are timed apart (the
   first variant's are a fresh process's);
 - sampling 32 new tokens (exactly: ``min_new_tokens``) for 16 prompts of 40-100 tokens with the
   demo's 30-layer teacher shape through ``HFGenerator`` (what ``mta evaluate`` runs): fp32 against
@@ -52,11 +52,11 @@ from mta.dtypes import cpu_bf16_instructions, cpu_has_native_bf16  # noqa: E402
 from mta.files import atomic_write_json  # noqa: E402
 from mta.generation import HFGenerator, SamplingParams, sampling_seed  # noqa: E402
 from mta.training import engine as engines  # noqa: E402
-from mta.training.recipe import TrainSpec  # noqa: E402
-from mta.training.utilisation import StepFlops  # noqa: E402
+from mta.training.config.schema import TrainSpec  # noqa: E402
+from mta.training.lifecycle.utilisation import StepFlops  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "src" / "mta" / "recipes" / "configs"
+CONFIGS = REPO / "recipes" / "configs"
 STUDENT_CONFIG = CONFIGS / "smollm2-135m-10layers.json"
 TEACHER_CONFIG = CONFIGS / "smollm2-135m-instruct.json"
 RESULTS = REPO / "bench" / "results" / "cpu_precision.json"

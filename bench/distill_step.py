@@ -73,7 +73,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from mta.data.token_ranges import token_ranges
 from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.data.artefact import read_annotations
+from mta.store.artefact import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.files import atomic_write_json
 from mta.data.span_extraction import SpanExtractor, load_spacy
@@ -82,10 +82,10 @@ import mta.losses.sra as sra_module
 from mta.models.tiny import corpus_texts
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
 from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
-from mta.training.layers import auto_fdd_layers, resolve_layer_map, resolve_sra_layers
+from mta.training.config.layers import auto_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.training.engine import build_optimizer
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.recipe import LossSpec, TrainSpec
+from mta.training.config.schema import LossSpec, TrainSpec
 from mta.training.teacher import FrozenTeacher, LogitLens
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
@@ -160,7 +160,7 @@ def shared_dir() -> Path:
 def write_rows(work: Path, count: int) -> tuple[Path, str]:
     """The first ``count`` rows of Dolly train (or of the repo's examples) as a JSONL file."""
     dolly = shared_dir() / "data" / "instruct" / "dolly" / "train.jsonl"
-    source = dolly if dolly.exists() else REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+    source = dolly if dolly.exists() else REPO / "recipes" / "examples" / "tiny.jsonl"
     with open(source, encoding="utf-8") as handle:
         lines = [line for line in handle if line.strip()]
     # The 36 example rows are repeated when Dolly is absent.
@@ -172,7 +172,7 @@ def write_rows(work: Path, count: int) -> tuple[Path, str]:
 
 def small_tokenizer(work: Path, vocab_size: int) -> Path:
     dolly = shared_dir() / "data" / "instruct" / "dolly" / "train.jsonl"
-    corpus = dolly if dolly.exists() else REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+    corpus = dolly if dolly.exists() else REPO / "recipes" / "examples" / "tiny.jsonl"
     out = work / f"bpe{vocab_size}"
     if not (out / "tokenizer.json").exists():
         train_byte_level_tokenizer(corpus_texts(corpus), vocab_size, out)

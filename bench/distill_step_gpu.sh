@@ -3,7 +3,7 @@
 # and GPT-2-medium-like widths in bf16 autocast. A few minutes on one H100/H200.
 #
 # Needs a CUDA build of torch with mta installed (`pip install -e .`). On a machine without
-# ../shared the rows come from src/mta/recipes/examples/ and the 50k case is simulated; the JSON
+# ../shared the rows come from recipes/examples/ and the 50k case is simulated; the JSON
 # says so.
 # Results go to bench/results/ (and to $OUT too when the runner sets it).
 #

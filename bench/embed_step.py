@@ -157,8 +157,8 @@ def _step_trainer(variant: dict, student, args, device: torch.device):
     from types import SimpleNamespace
 
     from mta.training import engine as engines
-    from mta.training.embedding_objective import EmbeddingDistillationModel, EmbeddingObjective
-    from mta.training.recipe import AsamSpec, EmbeddingLossSpec, TrainSpec
+    from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
+    from mta.training.config.schema import AsamSpec, EmbeddingLossSpec, TrainSpec
     from mta.training.trainer import Trainer
 
     asam = AsamSpec(**variant["asam"]) if variant["asam"] is not None else None
@@ -183,7 +183,7 @@ def _step_trainer(variant: dict, student, args, device: torch.device):
 
 def _step_batches(args, vocab: int, count: int):
     """Right-padded random token batches, lengths between half the limit and the limit (CLS first)."""
-    from mta.training.embedding_data import EmbeddingBatch
+    from mta.embedding.training_data import EmbeddingBatch
 
     g = torch.Generator().manual_seed(1)
     batches = []
@@ -280,7 +280,7 @@ def step(args) -> dict:
 
 
 def teacher_directory(name: str) -> Path:
-    from mta.models.sentence_encoders import ENCODERS, convert_packaged_encoder
+    from mta.embedding.sentence_encoders import ENCODERS, convert_packaged_encoder
 
     if name in ENCODERS:
         return convert_packaged_encoder(name)

@@ -2,7 +2,7 @@
 generated text cost in it.
 
 Every step samples the student's responses to a micro batch's prompts and trains on them, with
-the pieces `mta distill` uses: `mta.training.student_samples.OffPolicyBatches` (generation with
+the pieces `mta distill` uses: `mta.training.sampling.micro_batches.OffPolicyBatches` (generation with
 `mta.generation`, spans with `mta.data.online_spans`), `DistillationModel`, `FrozenTeacher` and
 the optimizer of `mta.training.engine`. Four variants, the same prompts and seeds:
 
@@ -42,15 +42,15 @@ import numpy as np
 import torch
 
 from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.data.artefact import read_annotations
+from mta.store.artefact import read_annotations
 from mta.data.online_spans import PendingSpans, SpanParser
 from mta.files import atomic_write_json
 from mta.models.tokenizers import load_tokenizer
 from mta.training.batching import AnnotatedExamples, micro_batch_order
-from mta.training.layers import resolve_layer_map
+from mta.training.config.layers import resolve_layer_map
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.recipe import LossSpec, Recipe
-from mta.training.student_samples import OffPolicyBatches
+from mta.training.config.schema import LossSpec, Recipe
+from mta.training.sampling.micro_batches import OffPolicyBatches
 from mta.training.teacher import FrozenTeacher
 
 from distill_step import PRESETS, Sizes, TrainingStep, small_tokenizer, synchronize, tiny_llama, write_rows

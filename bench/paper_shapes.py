@@ -13,7 +13,7 @@ a real batch gives it. Parts, each its own flag and time budget:
     fdd         FDD vs FDD + MTA                     (recipe gpt2-fdd)
 
 For every variant: median step seconds, tokens/s, model FLOP/s and model-FLOPs utilisation
-(``mta.training.utilisation``, the numbers ``metrics.jsonl`` logs: 6·N·tokens for the student,
+(``mta.training.lifecycle.utilisation``, the numbers ``metrics.jsonl`` logs: 6·N·tokens for the student,
 2·N·tokens for the teacher forward, against the device's dense bf16 peak), and peak memory. Variants of a part are interleaved, rounds
 until the part's budget is spent (at least ``MIN_ROUNDS``).
 
@@ -41,12 +41,12 @@ from mta.files import atomic_write_json
 from mta.losses.span_masks import SpanBatch
 from mta.training import engine as engines
 from mta.training.batching import TokenBatch, TrainBatch
-from mta.training.layers import resolve_fdd_layers, resolve_layer_map
+from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.recipe import load_recipe
-from mta.training.recipe_catalog import SHIPPED_DIR
+from mta.training.config.schema import load_recipe
+from mta.training.config.catalog import SHIPPED_DIR
 from mta.training.teacher import FrozenTeacher, LogitLens
-from mta.training.utilisation import StepFlops, device_peak_flops
+from mta.training.lifecycle.utilisation import StepFlops, device_peak_flops
 from interleaving import interleaved_rounds
 from machine import created, describe_machine
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
 # `auto` precision as on a CPU without bf16 instructions (fp32), here and in every subprocess, so
 # the suite computes the same on every machine; tests of bf16 ask for it (tests/test_cpu_precision.py).
 os.environ["MTA_CPU_BF16"] = "0"

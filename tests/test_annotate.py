@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from mta.data import artefact
+from mta.store import artefact
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.data.artefact import merge_shards, read_annotations
+from mta.store.artefact import merge_shards, read_annotations
 from mta.data.prompts import alpaca_prompt
 from mta.data.span_extraction import WORD, SpanExtractor, load_spacy
 from mta.errors import MtaError

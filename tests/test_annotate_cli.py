@@ -13,7 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from mta.data.artefact import read_annotations
+from mta.store.artefact import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.errors import MtaError
 from mta_cli.main import app
@@ -86,7 +86,7 @@ def test_a_tiny_recipes_tokenizers_are_built_and_training_accepts_the_artefact(t
     # one training checks against the same recipe.
     from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
     from mta.training.model_loading import tokenizer_sources
-    from mta.training.recipe import load_recipe
+    from mta.training.config.schema import load_recipe
     from mta.training.train_data import check_manifest
 
     monkeypatch.chdir(tmp_path)
@@ -94,7 +94,7 @@ def test_a_tiny_recipes_tokenizers_are_built_and_training_accepts_the_artefact(t
     (tmp_path / "four.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     result = invoke("annotate", "four.jsonl", "--recipe", "tiny-cross", "-o", "out", "--workers", 1)
     assert result.exit_code == 0, result.output
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "tiny-cross.yaml")
+    recipe = load_recipe(REPO / "recipes" / "tiny-cross.yaml")
     sources = tokenizer_sources(recipe)
     assert sources["teacher"] != sources["student"]  # two tokenizers, from two corpora
     annotations = read_annotations(tmp_path / "out")

@@ -19,9 +19,10 @@ import pytest
 from typer.testing import CliRunner
 
 from mta.data import annotate as annotate_module
-from mta.data import artefact, truncation
+from mta.data import truncation
+from mta.store import artefact
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.data.artefact import merge_shards, read_annotations
+from mta.store.artefact import merge_shards, read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.span_extraction import SpanExtractor
 from mta.errors import MtaError
@@ -89,7 +90,7 @@ def copy(tmp_path, built) -> Path:
 HOLDER = """
 import sys
 from pathlib import Path
-from mta.data.artefact import merge_lock, shard_lock
+from mta.store.artefact import merge_lock, shard_lock
 out, which = Path(sys.argv[1]), sys.argv[2]
 if which == "merge":
     lock = merge_lock(out)
@@ -525,7 +526,7 @@ def test_mismatched_annotations_name_a_command_into_a_new_directory_that_works(
     tmp_path, copy, small, settings, tiny_tokenizer_dir, other_tokenizer_dir
 ):
     from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
-    from mta.training.recipe import Recipe
+    from mta.training.config.schema import Recipe
     from mta.training.train_data import check_manifest
     from mta_cli.main import app
 

@@ -16,12 +16,12 @@ from torch import nn
 
 from mta.errors import MtaError
 from mta.training.asam import Asam, perturbation
-from mta.training.recipe import AsamSpec, TrainSpec, load_recipe
+from mta.training.config.schema import AsamSpec, TrainSpec, load_recipe
 
 from test_distill import one_thread  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "src" / "mta" / "recipes" / "tiny.yaml"
+TINY = REPO / "recipes" / "tiny.yaml"
 
 
 # ---------------------------------------------------------------- ε
@@ -232,7 +232,7 @@ def test_the_tiny_llm_recipe_trains_with_asam_and_it_changes_the_steps(tmp_path)
     the same run without ASAM (the gradient is taken at w + ε, not at w)."""
     from safetensors.torch import load_file
 
-    from mta.training.metrics import read_metrics
+    from mta.training.lifecycle.metrics import read_metrics
     from mta.training.trainer import run_distillation
 
     common = ["train.max_steps=2", "train.save_interval=2", "train.eval_interval=100", "train.log_interval=1",

@@ -20,9 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mta.errors import MtaError
 from mta.hashing import CHECKSUMS, checksum_text, directory_checksums, read_checksums
-from mta.training import checkpointing, engine as engines, safe_loading
-from mta.training.checkpointing import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-from mta.training.recipe import load_recipe
+from mta.training import engine as engines
+from mta.training.lifecycle import checkpointing
+from mta.training.lifecycle import safe_loading
+from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
+from mta.training.config.schema import load_recipe
 
 from test_distill import one_thread, write_recipe  # noqa: F401  (fixtures)
 
@@ -115,7 +117,7 @@ def _rewrite_checksums(checkpoint: Path) -> None:
 # --------------------------------------------------------------------------- restricted loading
 
 # What DeepSpeed pickles beyond tensors and plain values, per ZeRO stage (fp32 and bf16 alike):
-# the allow-list in mta.training.safe_loading is their union, plus fp16's DynamicLossScaler.
+# the allow-list in mta.training.lifecycle.safe_loading is their union, plus fp16's DynamicLossScaler.
 ZERO = "deepspeed.runtime.zero.config.ZeroStageEnum"
 SCALER = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
 FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
@@ -281,7 +283,7 @@ def test_a_checkpoint_of_older_mta_resumes_with_a_warning(saved, tmp_path, caplo
     state = json.loads((older / "trainer_state.json").read_text())
     del state["run_id"]
     (older / "trainer_state.json").write_text(json.dumps(state))
-    with caplog.at_level(logging.WARNING, logger="mta.training.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="mta.training.lifecycle.checkpointing"):
         loaded = load_checkpoint(saved["engine"], older)
     assert (loaded.step, loaded.run_id) == (4, "")
     assert f"{older} has no {CHECKSUMS}" in caplog.text

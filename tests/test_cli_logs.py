@@ -21,8 +21,8 @@ import torch
 from rich.console import Console
 
 from mta.errors import MtaError
-from mta.training.checkpointing import latest_checkpoint
-from mta.training.metrics import read_metrics
+from mta.training.lifecycle.checkpointing import latest_checkpoint
+from mta.training.lifecycle.metrics import read_metrics
 from mta_cli import quiet
 from mta_cli.reporting import PlainReporter, RichReporter, make_reporter
 

@@ -19,16 +19,16 @@ import mta.dtypes
 from mta.dtypes import bf16_flags, cpu_has_native_bf16, resolve_dtype
 from mta.errors import MtaError
 from mta.training import engine as engines
-from mta.training import utilisation
-from mta.training.metrics import read_metrics
-from mta.training.recipe import TrainSpec, load_recipe
+from mta.training.lifecycle import utilisation
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.config.schema import TrainSpec, load_recipe
 
 from test_distill import one_thread  # noqa: F401  (fixture)
 from test_evaluate_command import FAST, data_dir, run_cli  # noqa: F401  (fixture)
 from test_evaluate_perplexity import loop_sums
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "src" / "mta" / "recipes" / "tiny.yaml"
+TINY = REPO / "recipes" / "tiny.yaml"
 CPU = torch.device("cpu")
 
 

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from mta.data import annotate as annotate_module
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.data.artefact import META, read_annotations
+from mta.store.artefact import META, read_annotations
 from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, SCHEMA, SCHEMA_VERSION
 from mta.data.prompts import alpaca_prompt
 from mta.errors import MtaError
@@ -279,7 +279,7 @@ def test_recipe_data_fields_read_a_save_to_disk_directory(tmp_path, settings, ti
     from pydantic import ValidationError
 
     from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
-    from mta.training.recipe import Recipe
+    from mta.training.config.schema import Recipe
     from mta.training.train_data import load_split
 
     inputs = write_inputs(tmp_path / "in", source_rows())

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _data_dir(root: Path) -> Path:
     """A MiniLLM-layout directory made of the repo's example rows (no ../shared needed)."""
-    examples = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+    examples = REPO / "recipes" / "examples" / "tiny.jsonl"
     rows = examples.read_text(encoding="utf-8").splitlines()
     for relative, chosen in {
         "dolly/train.jsonl": rows,

@@ -17,15 +17,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mta.errors import MtaError
-from mta.training.metrics import read_metrics
+from mta.training.lifecycle.metrics import read_metrics
 from mta.training.objective import DistillationObjective
-from mta.training.recipe import load_recipe
+from mta.training.config.schema import load_recipe
 from mta.training.trainer import NonFiniteLoss, run_distillation
 
 from conftest import subprocess_env, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
 LENGTHS = {"max_length": 384, "max_prompt_length": 256}
 
 

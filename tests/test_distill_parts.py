@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from mta.models.tiny import build_tiny_model
 from mta.training.engine import deepspeed_config, lr_multiplier
 from mta.training.teacher import FrozenTeacher
-from mta.training.recipe import load_recipe
+from mta.training.config.schema import load_recipe
 
 from conftest import EXAMPLES, subprocess_env
 
@@ -106,7 +106,7 @@ def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(t
     torch.testing.assert_close(lens(hidden), head(norm(hidden)))
 
 def _tiny(*overrides):
-    return load_recipe(REPO / "src" / "mta" / "recipes" / "tiny.yaml", list(overrides))
+    return load_recipe(REPO / "recipes" / "tiny.yaml", list(overrides))
 
 
 def test_deepspeed_config_keeps_the_global_batch_and_passes_extras_through():
@@ -136,9 +136,9 @@ def test_dry_run_and_bad_overrides_from_the_command_line():
     from mta_cli.main import app
 
     runner = CliRunner()
-    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "tiny.yaml"), "--dry-run"])
+    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"), "--dry-run"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "tiny.yaml"), "train.lrr=1"])
+    result = runner.invoke(app, ["distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"), "train.lrr=1"])
     assert result.exit_code != 0 and "train.lrr" in str(result.exception)
 
 
@@ -151,7 +151,7 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     env = subprocess_env()
     out = tmp_path / "tiny"
     result = subprocess.run(
-        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "tiny.yaml"),
+        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"),
          f"output_dir={out}", "train.max_steps=4", "train.eval_interval=4", "train.save_interval=2"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
@@ -177,9 +177,9 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     ],
 )
 def test_a_term_with_weight_zero_is_neither_built_nor_computed(weights, terms, projectors, teacher_logits):
-    from mta.training.layers import auto_layer_map
+    from mta.training.config.layers import auto_layer_map
     from mta.training.objective import DistillationObjective
-    from mta.training.recipe import LossSpec
+    from mta.training.config.schema import LossSpec
 
     spec = LossSpec(base="fkl", **weights)
     pairs = auto_layer_map(4, 4) if spec.alignment_terms else []

@@ -21,13 +21,13 @@ from mta.training.dry_run import (
     plan_model,
     plan_run,
 )
-from mta.training.recipe import ModelSpec, TinyModel, load_recipe
+from mta.training.config.schema import ModelSpec, TinyModel, load_recipe
 
 from conftest import MINIMAL_RECIPE
 from mta_cli.dry_run_tables import render_plan
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "src" / "mta" / "recipes").glob("*.yaml"))
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 
@@ -176,12 +176,12 @@ PUBLISHED_PARAMETERS = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
 def test_paper_configs_give_the_published_parameter_counts(name):
-    plan = plan_run(load_recipe(REPO / "src" / "mta" / "recipes" / name))
+    plan = plan_run(load_recipe(REPO / "recipes" / name))
     assert (plan.teacher.parameters, plan.student.parameters) == PUBLISHED_PARAMETERS[name]
 
 
 def test_qwen_configs_keep_the_padded_embedding_rows():
-    plan = plan_run(load_recipe(REPO / "src" / "mta" / "recipes" / "qwen.yaml"))
+    plan = plan_run(load_recipe(REPO / "recipes" / "qwen.yaml"))
     assert plan.teacher.vocab_rows == plan.student.vocab_rows == 151_936  # 151,646 real tokens
     assert (plan.teacher.num_layers, plan.student.num_layers) == (24, 24)
     assert (plan.teacher.hidden_size, plan.student.hidden_size) == (2048, 1024)
@@ -191,7 +191,7 @@ def test_qwen_configs_keep_the_padded_embedding_rows():
 
 
 def test_cross_tokenizer_plan_projects_spans_between_widths():
-    plan = plan_run(load_recipe(REPO / "src" / "mta" / "recipes" / "cross-tokenizer.yaml"), world_size=2)
+    plan = plan_run(load_recipe(REPO / "recipes" / "cross-tokenizer.yaml"), world_size=2)
     assert [(p.student, p.teacher, p.granularity) for p in plan.layers] == [
         (6, 12, "word"), (9, 18, "phrase"), (12, 24, "phrase")
     ]
@@ -240,7 +240,7 @@ def test_config_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("abc123")
     (snapshot / "config.json").write_text(
-        (REPO / "src" / "mta" / "recipes" / "configs" / "gpt2.json").read_text(encoding="utf-8")
+        (REPO / "recipes" / "configs" / "gpt2.json").read_text(encoding="utf-8")
     )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     recipe = load_recipe(write_recipe(tmp_path, "unused", "some-org/student"))
@@ -251,14 +251,14 @@ def test_config_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
 
 def test_missing_config_file_is_named(tmp_path):
     recipe = load_recipe(
-        REPO / "src" / "mta" / "recipes" / "gpt2.yaml", ["student.config=configs/gpt2-small.json"]
+        REPO / "recipes" / "gpt2.yaml", ["student.config=configs/gpt2-small.json"]
     )
     with pytest.raises(MtaError, match="student.config='configs/gpt2-small.json' does not exist"):
         plan_run(recipe)
 
 
 def test_layer_pair_past_the_teacher_depth_fails_the_dry_run():
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml", ["loss.layers.2.1=49"])
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["loss.layers.2.1=49"])
     with pytest.raises(MtaError, match=r"loss.layers\[2\]: teacher layer 49 does not exist"):
         plan_run(recipe)
 
@@ -278,7 +278,7 @@ def test_global_batch_stays_fixed_across_world_sizes(tmp_path):
 
 def test_missing_data_is_a_note_not_an_error(monkeypatch):
     monkeypatch.delenv("MTA_DATA_DIR", raising=False)
-    plan = plan_run(load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml"))
+    plan = plan_run(load_recipe(REPO / "recipes" / "gpt2.yaml"))
     assert plan.notes == [
         "data.train and data.dev use $MTA_DATA_DIR, which is not set: export MTA_DATA_DIR=... "
         "before training"
@@ -287,7 +287,7 @@ def test_missing_data_is_a_note_not_an_error(monkeypatch):
 
 def test_missing_data_file_is_a_note(tmp_path, monkeypatch):
     monkeypatch.setenv("MTA_DATA_DIR", str(tmp_path))
-    plan = plan_run(load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml"))
+    plan = plan_run(load_recipe(REPO / "recipes" / "gpt2.yaml"))
     assert plan.notes == [
         f"data.train: {tmp_path}/dolly/train.jsonl does not exist yet",
         f"data.dev: {tmp_path}/dolly/dev.jsonl does not exist yet",
@@ -299,7 +299,7 @@ def test_missing_data_file_is_a_note(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def gpt2_plan():
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml", ["train.micro_batch_size=2"])
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["train.micro_batch_size=2"])
     return plan_run(recipe, world_size=8)
 
 
@@ -347,7 +347,7 @@ def test_model_state_bytes_follow_the_zero_paper(gpt2_plan):
 def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
     """gpt2.yaml on 8 devices, micro batch 2, ZeRO-1, bf16: every term recomputed from counts
     made here with estimate_memory's documented formula, and printed as such."""
-    path = REPO / "src" / "mta" / "recipes" / "gpt2.yaml"
+    path = REPO / "recipes" / "gpt2.yaml"
     recipe = load_recipe(path)
     student_config, student_model, student_count = independent_model(recipe.student, path)
     teacher_config, teacher_model, teacher_count = independent_model(recipe.teacher, path)
@@ -389,7 +389,7 @@ def test_activations_grow_with_the_micro_batch(gpt2_plan):
 
 
 def test_recipe_zero3_plan_is_smaller_than_zero1():
-    recipe = REPO / "src" / "mta" / "recipes" / "opt.yaml"
+    recipe = REPO / "recipes" / "opt.yaml"
     zero1 = plan_run(load_recipe(recipe, ["train.micro_batch_size=2"]), world_size=8)
     zero3 = plan_run(
         load_recipe(
@@ -419,7 +419,7 @@ def test_rendered_plan_shows_counts_layers_batch_and_memory(gpt2_plan):
 
 def test_without_alignment_no_layers_and_no_projectors_are_planned():
     recipe = load_recipe(
-        REPO / "src" / "mta" / "recipes" / "gpt2.yaml", ["loss.dsa_weight=0", "loss.hra_weight=0"]
+        REPO / "recipes" / "gpt2.yaml", ["loss.dsa_weight=0", "loss.hra_weight=0"]
     )
     plan = plan_run(recipe)
     assert plan.layers == [] and plan.projector_parameters == 0
@@ -427,8 +427,8 @@ def test_without_alignment_no_layers_and_no_projectors_are_planned():
 
 
 def test_dsa_without_hra_aligns_layers_but_plans_no_projector():
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml", ["loss.hra_weight=0"])
-    with_hra = plan_run(load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml"))
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["loss.hra_weight=0"])
+    with_hra = plan_run(load_recipe(REPO / "recipes" / "gpt2.yaml"))
     plan = plan_run(recipe)
     assert plan.layers == with_hra.layers and len(plan.layers) == 3
     assert plan.projector_parameters == 0 < with_hra.projector_parameters
@@ -443,7 +443,7 @@ def test_cli_dry_run_prints_the_plan_and_exits(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("COLUMNS", "160")
     result = CliRunner().invoke(
-        app, ["distill", "--recipe", str(REPO / "src" / "mta" / "recipes" / "opt.yaml"), "--dry-run",
+        app, ["distill", "--recipe", str(REPO / "recipes" / "opt.yaml"), "--dry-run",
               "train.zero_stage=3"]
     )
     assert result.exit_code == 0, result.output

@@ -31,7 +31,7 @@ from mta.embedding.teacher_embeddings import (
 from mta.errors import MtaError
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples"
+EXAMPLES = REPO / "recipes" / "examples"
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,7 @@ def fp32_on_the_cpu(monkeypatch):
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory) -> dict[str, Path]:
     """A sentence-transformers teacher (mean + Normalize) and a plain HF encoder (no modules)."""
-    from mta.models.tiny_encoders import build_tiny_encoder
+    from mta.embedding.tiny_encoders import build_tiny_encoder
 
     root = tmp_path_factory.mktemp("encoders")
     return {

@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from mta.errors import MtaError
-from mta.training.metrics import read_metrics
-from mta.training.recipe import EmbeddingLossSpec, load_recipe
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.config.schema import EmbeddingLossSpec, load_recipe
 
 from test_distill import one_thread  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = REPO / "src" / "mta" / "recipes"
+RECIPES = REPO / "recipes"
 TINY_EMBED = RECIPES / "tiny-embed.yaml"
 TALAS = RECIPES / "talas-minilm.yaml"
 TEXTS = ["The council approved new river bicycle lanes.", "Water the plant when the soil is dry.", "short"]
@@ -127,7 +127,7 @@ def test_rows_without_a_teacher_are_refused_naming_the_fix(tmp_path):
 
 
 def _objective(**loss):
-    from mta.training.embedding_objective import EmbeddingObjective
+    from mta.embedding.objective import EmbeddingObjective
 
     torch.manual_seed(0)
     return EmbeddingObjective(EmbeddingLossSpec(**loss), num_layers=3, student_dim=6, teacher_dim=5,
@@ -221,7 +221,7 @@ def test_the_recipe_s_pooling_names_are_the_encoder_s():
 
     from mta.embedding.encoder import AUTO, POOLINGS
     from mta.embedding.export import STOCK_POOLINGS
-    from mta.training.recipe import StudentEncoderSpec, TeacherEncoderSpec
+    from mta.training.config.schema import StudentEncoderSpec, TeacherEncoderSpec
 
     names = {field: set(typing.get_args(spec.model_fields["pooling"].annotation))
              for field, spec in (("teacher", TeacherEncoderSpec), ("student", StudentEncoderSpec))}

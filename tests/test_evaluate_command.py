@@ -27,7 +27,7 @@ from mta.scoring import completion_text
 from conftest import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
 FAST = ["--seeds", "10,20", "--max-new-tokens", "6", "--max-prompt-length", "48", "--limit", "3"]
 
 

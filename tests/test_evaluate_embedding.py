@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from mta.evaluation.embedding import (
+from mta.embedding.evaluation import (
     TASKS,
     average_precision,
     macro_f1,
@@ -24,7 +24,7 @@ from mta.evaluation.embedding import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples"
+EXAMPLES = REPO / "recipes" / "examples"
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +155,7 @@ def write_task_files(directory: Path) -> None:
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory):
-    from mta.models.tiny_encoders import build_tiny_encoder
+    from mta.embedding.tiny_encoders import build_tiny_encoder
 
     root = tmp_path_factory.mktemp("encoders")
     teacher = build_tiny_encoder(root / "teacher", layers=2, hidden=32, heads=4, seed=1, pooling="mean", normalize=True, max_position=64)

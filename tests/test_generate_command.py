@@ -249,7 +249,7 @@ def test_help_lists_the_sampling_defaults():
     assert "chosen" in text and "rejected" in text and "DistiLLM-2" in text
     defaults = PairSettings()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.8, 0.95, 0)
-    from mta_cli import generate as cli
+    from mta_cli.commands import generate as cli
 
     assert (cli.TEMPERATURE, cli.TOP_P, cli.TOP_K, cli.MAX_NEW_TOKENS, cli.MAX_PROMPT_LENGTH, cli.BATCH_SIZE, cli.SEED) == (
         defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_new_tokens,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mta.errors import MtaError
-from mta.training.layers import LayerPair, auto_layer_map, resolve_layer_map
-from mta.training.recipe import load_recipe
+from mta.training.config.layers import LayerPair, auto_layer_map, resolve_layer_map
+from mta.training.config.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_one_layer_student_keeps_only_existing_layers():
 
 
 def test_auto_reproduces_the_published_gpt2_map_in_the_recipe():
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml")
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
     assert resolve_layer_map("auto", 12, 48) == recipe.loss.layers
     assert resolve_layer_map(recipe.loss.layers, 12, 48) == recipe.loss.layers
 
@@ -93,7 +93,7 @@ def test_out_of_range_layers_are_named(pair, message):
 
 
 def test_qwen_map_does_not_fit_a_smaller_teacher():
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "qwen.yaml")
+    recipe = load_recipe(REPO / "recipes" / "qwen.yaml")
     with pytest.raises(MtaError, match=r"loss.layers\[5\]: teacher layer 24"):
         resolve_layer_map(recipe.loss.layers, 24, 22)
 
@@ -113,7 +113,7 @@ def test_auto_needs_layers():
 
 
 def test_the_fdd_auto_pairs_are_the_published_gpt2_ones_and_follow_the_depths():
-    from mta.training.layers import LayerIndexPair, auto_fdd_layers, resolve_fdd_layers
+    from mta.training.config.layers import LayerIndexPair, auto_fdd_layers, resolve_fdd_layers
 
     assert [(p.student, p.teacher) for p in auto_fdd_layers(12, 48)] == [(4, 16), (6, 24), (8, 32)]
     assert [(p.student, p.teacher) for p in auto_fdd_layers(24, 32)] == [(8, 11), (12, 16), (16, 21)]

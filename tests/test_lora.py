@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from mta.errors import MtaError
 from mta.training import lora
-from mta.training.recipe import LoraSpec, load_recipe
-from mta.training.resume_rules import read_saved_recipe, resume_changes
+from mta.training.config.schema import LoraSpec, load_recipe
+from mta.training.config.resume_rules import read_saved_recipe, resume_changes
 from mta.training.trainer import run_distillation
 
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
@@ -176,7 +176,7 @@ def test_the_merge_is_the_adapter_applied_once(tiny_tokenizer_dir, tmp_path, mod
 
 
 def test_lora_keys_are_checked(tiny_model_dir):
-    recipe = REPO / "src" / "mta" / "recipes" / "tiny.yaml"
+    recipe = REPO / "recipes" / "tiny.yaml"
     with pytest.raises(MtaError, match="teacher.lora: LoRA trains the student"):
         load_recipe(recipe, ["teacher.lora.r=4"])
     with pytest.raises(MtaError, match="student.lora.target_modules: name at least one module"):

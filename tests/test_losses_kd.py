@@ -260,7 +260,7 @@ def test_backward_keeps_no_fp32_copy_of_the_logits():
 def _recipe_base_loss_names() -> list[str]:
     from typing import get_args
 
-    from mta.training.recipe import BaseLossName
+    from mta.training.config.schema import BaseLossName
 
     return sorted(get_args(BaseLossName))
 
@@ -275,7 +275,7 @@ def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name
     and run on a small batch: the documented number, and 0 where teacher equals student."""
     from mta.training.batching import TokenBatch, TrainBatch
     from mta.training.objective import DistillationObjective
-    from mta.training.recipe import LossSpec
+    from mta.training.config.schema import LossSpec
     from mta.training.teacher import TeacherOutput
 
     vocab, tau = 13, 2.0

@@ -13,9 +13,9 @@ import pytest
 
 from mta.data.artefact_schema import SCHEMA_VERSION
 from mta.errors import MtaError
-from mta.training import off_policy
+from mta.training.sampling import policy
 from mta.training.batching import AnnotatedExamples
-from mta.training.off_policy import (
+from mta.training.sampling.policy import (
     ReplayBuffer,
     SamplingState,
     agreed_buffer_flags,
@@ -35,7 +35,7 @@ from mta.training.off_policy import (
     write_generated_rows,
     write_state,
 )
-from mta.training.recipe import GenerationSpec, Recipe
+from mta.training.config.schema import GenerationSpec, Recipe
 
 SEED = 42
 ADAPTIVE = GenerationSpec(mode="adaptive")

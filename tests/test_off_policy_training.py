@@ -12,12 +12,12 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from mta.data.artefact import read_annotations
+from mta.store.artefact import read_annotations
 from mta.data.online_spans import PendingSpans
-from mta.training import off_policy
+from mta.training.sampling import policy
 from mta.training.batching import AnnotatedExamples
-from mta.training.metrics import read_metrics
-from mta.training.recipe import load_recipe
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.config.schema import load_recipe
 from mta.training.trainer import Trainer, run_distillation
 
 from conftest import torchrun

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from mta.errors import MtaError
-from mta.training.deepspeed_settings import deepspeed_setting_names
-from mta.training.recipe import (
+from mta.training.config.deepspeed_settings import deepspeed_setting_names
+from mta.training.config.schema import (
     LayerPair,
     check_sequence_lengths,
     load_recipe,
@@ -20,7 +20,7 @@ from mta.training.recipe import (
 from conftest import MINIMAL_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "src" / "mta" / "recipes").glob("*.yaml"))
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 MINIMAL = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model")
 
@@ -81,7 +81,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_paper_recipes_carry_the_published_setting(name):
     teacher, student, base, dsa, hra, layers = PUBLISHED[name]
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / name)
+    recipe = load_recipe(REPO / "recipes" / name)
     assert (recipe.teacher.path, recipe.student.path) == (teacher, student)
     assert (recipe.loss.base, recipe.loss.dsa_weight, recipe.loss.hra_weight) == (base, dsa, hra)
     expected = layers if layers == "auto" else [
@@ -148,7 +148,7 @@ def test_override_creates_nested_keys_and_indexes_lists(tmp_path):
 
 
 def test_override_indexes_into_the_layer_list_of_a_file():
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml", ["loss.layers.2.1=47"])
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["loss.layers.2.1=47"])
     assert recipe.loss.layers[2] == LayerPair(student=12, teacher=47, granularity="phrase")
 
 
@@ -175,7 +175,7 @@ def test_later_override_wins_and_null_removes_the_teacher(tmp_path):
 def test_bad_override_syntax_is_an_error(tmp_path, override, message):
     if message is None:  # a list that exists, indexed past its end
         override, message = "loss.layers.3.0=1", "loss.layers.3 indexes a list of 3 items"
-        assert message in error_of(REPO / "src" / "mta" / "recipes" / "gpt2.yaml", (override,))
+        assert message in error_of(REPO / "recipes" / "gpt2.yaml", (override,))
         return
     assert message in error_of(write(tmp_path, MINIMAL), (override,))
 
@@ -377,8 +377,8 @@ class Config:
 def test_position_limits_come_from_the_config_under_its_own_name():
     from transformers import AutoConfig
 
-    gpt2 = AutoConfig.from_pretrained(str(REPO / "src/mta/recipes/configs/gpt2.json"))
-    opt = AutoConfig.from_pretrained(str(REPO / "src/mta/recipes/configs/opt-1.3b.json"))
+    gpt2 = AutoConfig.from_pretrained(str(REPO / "recipes/configs/gpt2.json"))
+    opt = AutoConfig.from_pretrained(str(REPO / "recipes/configs/opt-1.3b.json"))
     assert position_limit(gpt2) == (1024, "n_positions")
     assert position_limit(opt) == (2048, "max_position_embeddings")
     assert position_limit(Config(model_type="rwkv")) is None
@@ -412,7 +412,7 @@ def test_the_dry_run_refuses_a_length_past_either_model(monkeypatch):
     from mta.training.dry_run import plan_run
 
     monkeypatch.delenv("MTA_DATA_DIR", raising=False)
-    gpt2 = REPO / "src" / "mta" / "recipes" / "gpt2.yaml"
+    gpt2 = REPO / "recipes" / "gpt2.yaml"
     with pytest.raises(MtaError) as caught:
         plan_run(load_recipe(gpt2, ["data.max_length=100000"]))
     assert str(caught.value).startswith(
@@ -430,13 +430,13 @@ def test_environment_variables_in_paths_are_expanded(tmp_path, monkeypatch):
     (data / "dolly").mkdir(parents=True)
     (data / "dolly" / "train.jsonl").write_text("{}\n")
     monkeypatch.setenv("MTA_DATA_DIR", str(data))
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml")
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
     assert recipe.resolve(recipe.data.train) == data / "dolly" / "train.jsonl"
 
 
 def test_unset_environment_variable_is_named(monkeypatch):
     monkeypatch.delenv("MTA_DATA_DIR", raising=False)
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / "gpt2.yaml")
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml")
     with pytest.raises(MtaError) as caught:
         recipe.resolve(recipe.data.train, key="data.train")
     assert "data.train" in str(caught.value) and "export MTA_DATA_DIR=" in str(caught.value)
@@ -456,7 +456,7 @@ def test_relative_paths_resolve_beside_the_recipe_when_they_exist_there(tmp_path
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_paper_data_paths_match_the_shared_instruct_layout(name, shared, monkeypatch):
     monkeypatch.setenv("MTA_DATA_DIR", str(shared / "data" / "instruct"))
-    recipe = load_recipe(REPO / "src" / "mta" / "recipes" / name)
+    recipe = load_recipe(REPO / "recipes" / name)
     assert recipe.resolve(recipe.data.train, "data.train").is_file()
     assert recipe.resolve(recipe.data.dev, "data.dev").is_file()
 
@@ -542,7 +542,7 @@ def test_bad_generation_values_name_the_key(tmp_path, override, message):
 
 
 def test_generation_that_needs_one_tokenizer_is_refused_across_tokenizers(tmp_path):
-    from mta.training.recipe import check_generation_fits
+    from mta.training.config.schema import check_generation_fits
 
     recipe = load_recipe(write(tmp_path, GENERATING))
     check_generation_fits(recipe, same_tokenizer=True)

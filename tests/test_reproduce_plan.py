@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mta.training.recipe import LayerPair, load_recipe
-from mta.training.recipe_catalog import find_recipe
+from mta.training.config.schema import LayerPair, load_recipe
+from mta.training.config.catalog import find_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = ["gpt2-fdd", "gpt2-distillm", "gpt2-distillm2", "qwen-fdd", "qwen-distillm", "qwen-distillm2",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoTokenizer
 
-from mta.training.checkpointing import TrainerState, load_checkpoint, save_checkpoint
+from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, save_checkpoint
 
 from test_checkpoint_faults import _recipe, _step, new_engine  # noqa: F401  (fixture)
 from test_distill import one_thread  # noqa: F401  (fixture)

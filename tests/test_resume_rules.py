@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from mta.errors import MtaError
-from mta.training.recipe import load_recipe, recipe_to_yaml
-from mta.training.resume_rules import (
+from mta.training.config.schema import load_recipe, recipe_to_yaml
+from mta.training.config.resume_rules import (
     ABSENT,
     MUTABLE_KEYS,
     Change,

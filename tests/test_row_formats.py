@@ -13,12 +13,12 @@ import pytest
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
-from mta.data.artefact import read_annotations
+from mta.store.artefact import read_annotations
 from mta.data.prompts import alpaca_prompt, prompt_style, recorded_template
 from mta.data.rows import RowProblem, read_rows
 from mta.errors import MtaError
 from mta.evaluation.datasets import load_rows
-from mta.training.recipe import load_recipe
+from mta.training.config.schema import load_recipe
 from mta.training.train_data import check_manifest
 from mta_cli.main import app
 
@@ -321,7 +321,7 @@ def test_evaluation_rows_use_the_same_prompt_building(tmp_path, chat_tokenizer_d
 
 def test_mta_distill_trains_on_conversations_with_the_chat_template(tmp_path, teacher_dir, tiny_model_dir):
     student = with_chat_template(tiny_model_dir, tmp_path / "student")
-    examples = [json.loads(line) for line in (REPO / "src/mta/recipes/examples/tiny.jsonl").read_text().splitlines()[:8]]
+    examples = [json.loads(line) for line in (REPO / "recipes/examples/tiny.jsonl").read_text().splitlines()[:8]]
     conversations = [
         {"messages": [{"role": "user", "content": row["instruction"]}, {"role": "assistant", "content": row["output"]}]}
         for row in examples

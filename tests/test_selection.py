@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mta.data.artefact import read_annotations
+from mta.store.artefact import read_annotations
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation.datasets import resolve_benchmarks
@@ -22,9 +22,10 @@ from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.hashing import directory_checksums, read_checksums
 from mta.models.tokenizers import load_tokenizer
 from mta.scoring import completion_text, rouge_l
-from mta.training import checkpointing, selection
-from mta.training.metrics import read_metrics
-from mta.training.recipe import load_recipe
+from mta.training.lifecycle import checkpointing
+from mta.training.lifecycle import selection
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.config.schema import load_recipe
 from mta.training.trainer import run_distillation
 
 from test_distill import LENGTHS, one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
@@ -156,7 +157,7 @@ def test_best_is_kept_only_when_it_is_the_best_up_to_the_resumed_step(tmp_path, 
 
 def test_rouge_selection_needs_a_dev_split(tmp_path):
     with pytest.raises(MtaError, match="select_by=rouge samples responses to dev prompts: set data.dev"):
-        load_recipe(Path(__file__).resolve().parents[1] / "src" / "mta" / "recipes" / "tiny.yaml",
+        load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml",
                     ["train.select_by=rouge", "data.dev=null"])
 
 

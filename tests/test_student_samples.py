@@ -1,4 +1,4 @@
-"""The off-policy micro batch (mta.training.student_samples) on scripted generations: what the
+"""The off-policy micro batch (mta.training.sampling.micro_batches) on scripted generations: what the
 models are given, what is a target, which spans the loss reads and when it waits for them.
 
 The generator is scripted (the student's sampling is tested in test_generation and end to end
@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from mta.data.annotate import AnnotateSettings
-from mta.data.artefact import read_annotations
+from mta.store.artefact import read_annotations
 from mta.data.online_spans import GeneratedRow, SpanParser, annotate_generated
 from mta.generation import Completion
 from mta.models.tokenizers import load_tokenizer
-from mta.training import student_samples
+from mta.training.sampling import micro_batches
 from mta.training.batching import IGNORE_INDEX, AnnotatedExamples, DeferredSpans
-from mta.training.recipe import Recipe
-from mta.training.student_samples import OffPolicyBatches
+from mta.training.config.schema import Recipe
+from mta.training.sampling.micro_batches import OffPolicyBatches
 
 from test_distill import LENGTHS, same_data  # noqa: F401  (fixture)
 

@@ -16,14 +16,14 @@ from typer.testing import CliRunner
 
 from mta import tracking
 from mta.errors import MtaError
-from mta.training.metrics import read_metrics
-from mta.training.recipe import load_recipe
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.config.schema import load_recipe
 from mta.training.trainer import run_distillation
 
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "src" / "mta" / "recipes" / "examples" / "tiny.jsonl"
+EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
 ALL = ["tensorboard", "wandb", "mlflow"]
 SFT = {"base": "ce", "dsa_weight": 0, "hra_weight": 0}  # no teacher to build
 

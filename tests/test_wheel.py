@@ -24,7 +24,7 @@ EXPECTED_IN_WHEEL = [
     "mta/demo/pipeline.py",
     "mta/generation/generator.py",
     "mta_cli/main.py",
-    "mta_cli/recipes.py",
+    "mta_cli/commands/recipes.py",
     "mta/recipes/tiny.yaml",
     "mta/recipes/gpt2.yaml",
     "mta/recipes/smollm2-demo.yaml",
@@ -47,10 +47,10 @@ def installed(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy2(REPO / name, source / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
-    for name in ("src", "cli"):
+    for name in ("src", "cli", "recipes"):
         shutil.copytree(REPO / name, source / name, ignore=ignore)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
@@ -86,7 +86,8 @@ def test_the_wheel_holds_every_package_and_the_package_data(installed):
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
     missing = [name for name in EXPECTED_IN_WHEEL if name not in names]
     assert not missing, missing
-    shipped = {p.relative_to(REPO / "src").as_posix() for p in (REPO / "src" / "mta" / "recipes").rglob("*")
+    # The top-level recipes/ (the one copy in git) lands in the wheel as mta/recipes/.
+    shipped = {"mta/" + p.relative_to(REPO).as_posix() for p in (REPO / "recipes").rglob("*")
                if p.is_file() and "__pycache__" not in p.parts}
     assert shipped <= names, sorted(shipped - names)
     # Every module of the source tree made it (no package forgotten by a hand-kept list).
@@ -134,10 +135,10 @@ def test_an_editable_install_reads_the_recipes_from_the_source_tree(installed, t
     _run([*installed["pip"], "--python", str(python), "install", "--no-deps", "--no-index", "-q",
           "--no-build-isolation", "--ignore-installed", "-e", str(installed["source"])],
          cwd=tmp_path, env=_clean_env())
-    code = ("from mta.training.recipe_catalog import SHIPPED_DIR as d; "
+    code = ("from mta.training.config.catalog import SHIPPED_DIR as d; "
             "print(d); print(sorted(p.name for p in d.glob('*.yaml')))")
     result = _run([str(python), "-c", code],
                   cwd=installed["work"], env=_clean_env())
     shipped, names = result.stdout.splitlines()
-    assert Path(shipped) == installed["source"] / "src" / "mta" / "recipes"
+    assert Path(shipped) == installed["source"] / "recipes"
     assert "'tiny.yaml'" in names

@@ -62,7 +62,7 @@ def loss_summary(record: dict[str, Any]) -> str:
 
 def utilisation_summary(record: dict[str, Any]) -> str:
     """`` · 190 GFLOP/s`` (`` · 312.4 TFLOP/s · MFU 31.6%`` on a known GPU) from a train record's
-    ``flops_per_s`` and ``mfu`` (mta.training.utilisation); empty when the record has none."""
+    ``flops_per_s`` and ``mfu`` (mta.training.lifecycle.utilisation); empty when the record has none."""
     flops = record.get("flops_per_s")
     if not flops:
         return ""

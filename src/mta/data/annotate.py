@@ -4,7 +4,7 @@ The input may also be a Parquet or CSV file or a ``datasets`` save_to_disk direc
 columns optionally read under other names (``fields``): :mod:`mta.data.sources`.
 Rows stream from the file in chunks to worker processes (spaCy is the cost), come back as Arrow
 record batches in input order, and go into one Parquet part per shard; the part, the shard
-manifest and ``manifest.json`` are written atomically (see :mod:`mta.data.artefact`). A complete
+manifest and ``manifest.json`` are written atomically (see :mod:`mta.store.artefact`). A complete
 artefact built from the same input bytes with the same settings, whose parts still match their
 sha256, is reused unless ``force``. A writer holds its shard's lock from before it computes until
 its shard is published, so a second writer of the same shard is refused; a full disk is reported
@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 import mta
 from mta.data.example_annotator import ChunkResult, ExampleAnnotator
-from mta.data.artefact import (
+from mta.store.artefact import (
     MAX_SKIPPED_EXAMPLES,
     PartWriter,
     commit_shard,
@@ -125,7 +125,7 @@ class AnnotateSettings:
 
     @classmethod
     def from_recipe(cls, recipe, **overrides: Any) -> "AnnotateSettings":
-        """Tokenizers and data settings of a :class:`mta.training.recipe.Recipe`.
+        """Tokenizers and data settings of a :class:`mta.training.config.schema.Recipe`.
 
         Without a teacher (plain SFT) the student's tokenizer stands on both sides.
         """

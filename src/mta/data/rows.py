@@ -270,7 +270,7 @@ def _strip_line(number: int, raw: bytes) -> bytes:
 def check_input_file(path: Path) -> None:
     """Refuse an input that is not a readable file, saying what it is and what to give instead."""
     if path.is_dir():
-        from mta.data.artefact import holds_artefact  # either layout (.mta/manifest.json or manifest.json)
+        from mta.store.artefact import holds_artefact  # either layout (.mta/manifest.json or manifest.json)
 
         if holds_artefact(path):
             raise MtaError(

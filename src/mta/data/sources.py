@@ -234,7 +234,7 @@ def open_source(path: str | Path, fields: Optional[Mapping[str, str]] = None) ->
     if problems:
         raise MtaError(f"field mapping {_mapping(fields)}: " + "; ".join(problems))
     if path.is_dir():
-        from mta.data.artefact import holds_artefact
+        from mta.store.artefact import holds_artefact
 
         if not holds_artefact(path) and is_dataset_directory(path):
             if (path / "dataset_dict.json").is_file():

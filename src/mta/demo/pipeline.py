@@ -26,12 +26,13 @@ from mta.evaluation.datasets import default_data_dir
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
-from mta.training.checkpointing import latest_checkpoint
+from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.engine import resolve_training_precision
-from mta.training.recipe import Recipe, load_recipe
+from mta.training.config.schema import Recipe, load_recipe
 from mta.training.trainer import run_distillation
+from mta.training.config.catalog import SHIPPED_DIR
 
-DEMO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-demo.yaml"  # package data
+DEMO_RECIPE = SHIPPED_DIR / "smollm2-demo.yaml"
 SETTINGS_FILE = "demo.json"
 # Bumped when a demo directory written earlier cannot be continued (2: run.json, fingerprints).
 DEMO_LAYOUT = 2

@@ -85,7 +85,7 @@ def write_sentence_transformers_files(directory: str | Path, *, pooling: str, hi
     with ``pooling`` (``mean``, ``cls`` or ``cls_attention``) over ``hidden``-wide states."""
     directory = Path(directory)
     if pooling in STOCK_POOLINGS:
-        from mta.models.tiny_encoders import write_sentence_transformers_modules
+        from mta.embedding.tiny_encoders import write_sentence_transformers_modules
 
         write_sentence_transformers_modules(directory, hidden=hidden, pooling=pooling, normalize=False,
                                             max_seq_length=max_seq_length)

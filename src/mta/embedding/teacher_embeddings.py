@@ -18,7 +18,7 @@ TALAS's students learn only from the teacher's final sentence embeddings, precom
 A row with none of these, or whose text is empty or blank, is a problem: ``on_error="fail"``
 stops at the first one, naming its line; ``"skip"`` counts it by reason.
 
-**Output** directory: the annotate artefact's layout (:mod:`mta.data.artefact`: parts listed
+**Output** directory: the annotate artefact's layout (:mod:`mta.store.artefact`: parts listed
 with sha256 and rows by ``.mta/manifest.json``, written last; shards, locks, staging), so pandas,
 pyarrow and ``datasets`` read ``DIR/*.parquet`` as one table. Columns: ``id`` int64 (the input
 row's 0-based index), ``text`` string (exactly what the teacher encoded, before truncation),
@@ -66,7 +66,7 @@ import torch
 
 import mta
 from mta import distributed
-from mta.data.artefact import (
+from mta.store.artefact import (
     MAX_SKIPPED_EXAMPLES,
     META,
     PartWriter,

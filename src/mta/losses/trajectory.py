@@ -24,7 +24,7 @@ HiddenStates = Union[Sequence[torch.Tensor], Mapping[int, torch.Tensor]]
 
 
 class LayerPairLike(Protocol):
-    """A ``mta.training.recipe.LayerPair`` or anything shaped like it."""
+    """A ``mta.training.config.schema.LayerPair`` or anything shaped like it."""
 
     student: int
     teacher: int

@@ -48,7 +48,7 @@ from mta import distributed
 from mta.errors import MtaError
 
 if TYPE_CHECKING:
-    from mta.training.recipe import AsamSpec
+    from mta.training.config.schema import AsamSpec
 
 log = logging.getLogger(__name__)
 

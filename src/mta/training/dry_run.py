@@ -19,8 +19,8 @@ from mta.dtypes import BYTES_PER_ELEMENT, resolve_precision
 from mta.errors import MtaError
 from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import load_tokenizer
-from mta.training.layers import LayerPair, resolve_layer_map, resolve_sra_layers
-from mta.training.recipe import (
+from mta.training.config.layers import LayerPair, resolve_layer_map, resolve_sra_layers
+from mta.training.config.schema import (
     ModelSpec,
     Recipe,
     TinyModel,
@@ -276,7 +276,7 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     the global batch cannot be split over ``world_size`` devices.
     """
     if recipe.task == "embedding":
-        from mta.training.embedding_run import plan_embedding_run
+        from mta.embedding.training_run import plan_embedding_run
 
         return plan_embedding_run(recipe, world_size)
     if world_size < 1:

@@ -41,7 +41,7 @@ import torch
 
 from mta.dtypes import DTYPES, auto_reason, resolve_precision
 from mta.errors import MtaError
-from mta.training.recipe import TrainSpec
+from mta.training.config.schema import TrainSpec
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def restart_schedule(engine, train: TrainSpec, step: int, total_steps: int) -> N
     """After a resume at ``step``: each group's base rate is the recipe's (a resume may change
     ``train.lr`` / ``train.projector_lr``), under the schedule planned for ``total_steps`` (a
     resume may change the length). Loading the checkpoint restored the old rates; this is the
-    rule ``mta.training.resume_rules.LR_RULE`` states.
+    rule ``mta.training.config.resume_rules.LR_RULE`` states.
     """
     scheduler = engine.lr_scheduler
     bases = {"student": train.lr, "projectors": train.projector_lr}

@@ -35,7 +35,7 @@ import torch
 from mta.errors import MtaError
 
 if TYPE_CHECKING:
-    from mta.training.recipe import LoraSpec
+    from mta.training.config.schema import LoraSpec
 
 ADAPTER_DIR = "adapter"
 ADAPTER_NAME = "default"  # peft's name for a model's only adapter

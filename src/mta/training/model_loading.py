@@ -19,7 +19,7 @@ from mta.models.hub import load_pretrained
 from mta.models.tiny import build_tiny_model, build_tiny_tokenizer
 from mta.hashing import file_sha256, json_sha256
 from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
-from mta.training.recipe import ModelSpec, Recipe
+from mta.training.config.schema import ModelSpec, Recipe
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from mta.losses.sra import SpanRepresentationLoss, last_token_attention
 from mta.losses.kd import build_base_loss
 from mta.training.batching import TrainBatch
 from mta.training.teacher import LogitLens, TeacherOutput
-from mta.training.recipe import LayerIndexPair, LayerPair, LossSpec
+from mta.training.config.schema import LayerIndexPair, LayerPair, LossSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from mta.data.artefact import Annotations, read_annotations
+from mta.store.artefact import Annotations, read_annotations
 from mta.data.prompts import ChatTemplate, recorded_template
 from mta.errors import MtaError
 from mta.reporting import Reporter
-from mta.training.recipe import Recipe
+from mta.training.config.schema import Recipe
 
 
 def load_split(

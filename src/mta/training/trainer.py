@@ -21,22 +21,26 @@ from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import tokenizer_fingerprint
-from mta.training import asam, checkpointing, engine as engines, lora, resume_rules, run_directory, utilisation
+from mta.training import asam, engine as engines, lora
+from mta.training.lifecycle import checkpointing
+from mta.training.config import resume_rules
+from mta.training.lifecycle import run_directory
+from mta.training.lifecycle import utilisation
 from mta.training.train_data import load_split
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
-from mta.training.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
+from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
-from mta.training.metrics import LossWindow, MetricsLog, loss_record
+from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
 from mta.training.teacher import FrozenTeacher, LogitLens
 from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.data.artefact_schema import reannotate_command
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.recipe import Recipe, check_generation_fits, check_sequence_lengths
-from mta.training.student_samples import OffPolicyBatches, dev_cross_entropy
-from mta.training.selection import Selector
-from mta.training.utilisation import StepFlops
+from mta.training.config.schema import Recipe, check_generation_fits, check_sequence_lengths
+from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
+from mta.training.lifecycle.selection import Selector
+from mta.training.lifecycle.utilisation import StepFlops
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class NonFiniteWeights(MtaError):
 
 
 # What a person can do about a non-finite step and that really works (a resume may lower the
-# learning rate: see mta.training.resume_rules).
+# learning rate: see mta.training.config.resume_rules).
 NON_FINITE_ADVICE = (
     "lower the learning rate and continue from that checkpoint with `--resume auto train.lr=<lower>`; "
     "with fp16, train in bf16 or fp32 instead (a new run: --overwrite or another output_dir)"
@@ -93,9 +97,9 @@ class Run:
 
 def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
     """Claim the output directory, load models and data, check they fit together, and start
-    the DeepSpeed engine. A ``task: embedding`` recipe is built by ``mta.training.embedding_run``."""
+    the DeepSpeed engine. A ``task: embedding`` recipe is built by ``mta.embedding.training_run``."""
     if recipe.task == "embedding":
-        from mta.training.embedding_run import build_embedding_run
+        from mta.embedding.training_run import build_embedding_run
 
         return build_embedding_run(recipe, reporter, resume=resume, overwrite=overwrite)
     rank, world_size = engines.init_distributed()
@@ -553,7 +557,7 @@ def run_distillation(
     resume: None (a new run: ``output_dir`` must hold no other run's outputs), ``"auto"`` (the
     newest complete checkpoint of ``output_dir`` if there is one, else a new run) or a checkpoint
     directory. overwrite: remove the outputs of the run in ``output_dir`` first (its caches stay);
-    see ``mta.training.run_directory``. Several runs may follow each other in one process: each
+    see ``mta.training.lifecycle.run_directory``. Several runs may follow each other in one process: each
     builds its own engine and releases it at the end.
     """
     reporter = reporter or SilentReporter()

@@ -23,8 +23,8 @@ from torch import nn
 from mta.embedding.encoder import pool
 from mta.errors import MtaError
 from mta.losses.talas import TeacherAnchor, lasd_loss, simcse_loss
-from mta.training.embedding_data import EmbeddingBatch
-from mta.training.recipe import EmbeddingLossSpec
+from mta.embedding.training_data import EmbeddingBatch
+from mta.training.config.schema import EmbeddingLossSpec
 
 
 class EmbeddingObjective(nn.Module):

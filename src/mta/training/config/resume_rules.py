@@ -22,7 +22,7 @@ run planned for the new total from the start has at ``s``. The rate therefore st
 resume (up for a longer run, down for a shorter one); warmup is unchanged. A checkpoint already
 past the new total is refused (``check_resume_length``).
 
-Student generation (``generation:``, ``mta.training.off_policy``): ``mode``, ``schedule``,
+Student generation (``generation:``, ``mta.training.sampling.policy``): ``mode``, ``schedule``,
 ``init_threshold``, ``buffer_size``, ``max_new_tokens`` and ``dev_rows`` are fixed. They decide
 which rows the run trains on and what its saved sampling state and replay buffers mean: the
 checkpoint's threshold grew from that ``init_threshold`` under that schedule, its reference dev
@@ -48,8 +48,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from mta.errors import MtaError
-from mta.training.recipe import Recipe, _models_in, recipe_schema
-from mta.training.recipe_yaml import load_yaml
+from mta.training.config.schema import Recipe, _models_in, recipe_schema
+from mta.training.config.yaml_reader import load_yaml
 
 SAVED_RECIPE = "recipe.yaml"
 

@@ -15,7 +15,7 @@ import math
 from typing import Any, Iterable, Optional
 
 from mta.errors import close_match
-from mta.training.recipe_yaml import yaml_text
+from mta.training.config.yaml_reader import yaml_text
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ def demo_embed(
     memory. Re-running reuses every finished stage; --quick and full overwrite each other.
     """
     quiet_third_party(verbose)
-    from mta.demo.embedding import EmbedDemoSettings, estimated_seconds, run_embedding_demo, table, write_report
-    from mta_cli.demo import print_results
+    from mta.embedding.demo import EmbedDemoSettings, estimated_seconds, run_embedding_demo, table, write_report
+    from mta_cli.commands.demo import print_results
 
     console = Console(stderr=True)
     settings = EmbedDemoSettings.quick() if quick else EmbedDemoSettings.full()

@@ -14,7 +14,7 @@ from mta_cli.reporting import make_reporter
 
 def rich_table(results: dict) -> Table:
     """The comparison table of results.md (the same cells), for the terminal."""
-    from mta.evaluation.embedding import table_rows
+    from mta.embedding.evaluation import table_rows
 
     header, body = table_rows(results)
     table = Table(title="embedding evaluation")
@@ -31,8 +31,8 @@ def evaluate_embedding(
     tasks_dir: Optional[Path], max_pairs: int, batch_size: int, limit: Optional[int], dtype: str, device: str,
 ) -> None:
     """Teacher agreement and the nine tasks of each encoder checkpoint (see
-    :mod:`mta.evaluation.embedding`); writes OUT/results.json and OUT/results.md."""
-    from mta.evaluation.embedding import EmbeddingEvalSettings, evaluate_embedding_checkpoints
+    :mod:`mta.embedding.evaluation`); writes OUT/results.json and OUT/results.md."""
+    from mta.embedding.evaluation import EmbeddingEvalSettings, evaluate_embedding_checkpoints
 
     console = Console()
     settings = EmbeddingEvalSettings(
@@ -47,7 +47,7 @@ def evaluate_embedding(
         )
     if int(os.environ.get("RANK", 0)) == 0:
         console.print(rich_table(results))
-        from mta.evaluation.embedding import unavailable_tasks
+        from mta.embedding.evaluation import unavailable_tasks
 
         for reason, titles in unavailable_tasks(results).items():
             console.print(f"[yellow]not run:[/] {', '.join(titles)}: {reason}", highlight=False)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.annotate import OnError, _parse_shard
+from mta_cli.commands.annotate import OnError, _parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal, Sequence, Union
 
 from mta.errors import MtaError
-from mta.training.recipe import LayerIndexPair, LayerPair
+from mta.training.config.schema import LayerIndexPair, LayerPair
 
 __all__ = ["LayerIndexPair", "LayerPair", "auto_fdd_layers", "auto_layer_map", "resolve_fdd_layers", "resolve_layer_map", "resolve_sra_layers"]
 

@@ -20,7 +20,7 @@ def list_recipes() -> None:
 
     Run one with `mta distill --recipe NAME`; copy one to edit with `mta recipes copy NAME`.
     """
-    from mta.training.recipe_catalog import SHIPPED_DIR, shipped_recipes
+    from mta.training.config.catalog import SHIPPED_DIR, shipped_recipes
 
     table = Table(title=f"shipped recipes ({SHIPPED_DIR})", title_justify="left")
     table.add_column("name", style="bold cyan", no_wrap=True)
@@ -42,7 +42,7 @@ def copy(
     Existing files that differ are not overwritten unless --force. Then edit the copy and run
     `mta distill --recipe DEST/NAME.yaml`.
     """
-    from mta.training.recipe_catalog import copy_recipe
+    from mta.training.config.catalog import copy_recipe
 
     copied = copy_recipe(name, dest, force=force)
     console = Console()

@@ -132,7 +132,7 @@ def annotate(
     """
     quiet_third_party(verbose)
     from mta.data.annotate import AnnotateSettings, run_annotate
-    from mta.data.artefact import manifest_path, merge_shards
+    from mta.store.artefact import manifest_path, merge_shards
 
     console = Console(stderr=True)
     if merge is not None:
@@ -152,8 +152,8 @@ def annotate(
     )
     if recipe is not None:
         from mta.training.model_loading import tokenizer_sources
-        from mta.training.recipe import load_recipe
-        from mta.training.recipe_catalog import find_recipe
+        from mta.training.config.schema import load_recipe
+        from mta.training.config.catalog import find_recipe
 
         loaded = load_recipe(find_recipe(recipe).path)
         if options["fields"] is not None:  # --field adds to the recipe's mapping

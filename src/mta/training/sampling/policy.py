@@ -1,6 +1,6 @@
 """DistiLLM's adaptive off-policy sampling: which micro batches train on the student's own text.
 
-The recipe's ``generation:`` section (``mta.training.recipe.GenerationSpec``) picks a mode:
+The recipe's ``generation:`` section (``mta.training.config.schema.GenerationSpec``) picks a mode:
 
 - ``off`` (the default): every micro batch is the reference ("gold") micro batch.
 - ``always``: every micro batch is generated: the student samples responses for the micro
@@ -95,7 +95,7 @@ from mta.data.artefact_schema import COLUMNS, SCHEMA, SCHEMA_VERSION
 from mta.errors import MtaError
 from mta.files import atomic_path, atomic_write_json
 from mta.generation.sampling import SamplingParams, sampling_seed
-from mta.training.recipe import GenerationSchedule, GenerationSpec, Recipe
+from mta.training.config.schema import GenerationSchedule, GenerationSpec, Recipe
 
 Source = Literal["gold", "generated", "buffer"]
 SOURCES: tuple[str, ...] = get_args(Source)

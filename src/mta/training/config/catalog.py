@@ -1,6 +1,9 @@
 """The recipes shipped inside the package: list them, pick one by name, copy one out to edit.
 
-The shipped files are package data in ``mta/recipes/``: ``NAME.yaml`` beside the files its
+The shipped files live once in git, in the repository's top-level ``recipes/``; the wheel ships
+them as package data ``mta/recipes/`` (``pyproject.toml`` maps the package ``mta.recipes`` to
+that folder), and ``SHIPPED_DIR`` finds whichever of the two this mta runs from (an installed
+wheel, or a clone installed with ``pip install -e .``). ``NAME.yaml`` sits beside the files its
 relative paths name (``configs/*.json`` architectures, ``examples/tiny.jsonl`` rows), so a
 shipped recipe works from an installed wheel exactly as from a clone; ``Recipe.resolve`` finds
 those files beside the recipe, while outputs (``output_dir``) that do not exist there stay
@@ -26,9 +29,16 @@ import yaml
 
 from mta.errors import MtaError
 from mta.files import atomic_write_bytes, atomic_write_text
-from mta.training.recipe_yaml import load_yaml
+from mta.training.config.yaml_reader import load_yaml
 
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "recipes"
+def _shipped_dir() -> Path:
+    """``mta/recipes/`` inside an installed wheel, else the clone's top-level ``recipes/``."""
+    package = Path(__file__).resolve().parents[2]  # .../mta
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parents[1] / "recipes"
+
+
+SHIPPED_DIR = _shipped_dir()
 
 # The keys whose values name inputs that exist before a run: what a copy must carry along.
 # Outputs (output_dir, a tiny model's path, built under output_dir) are not copied, and a value

@@ -3,7 +3,7 @@
 ``mta.training.trainer.build_run`` hands a ``task: embedding`` recipe to ``build_embedding_run``,
 which builds what the loop needs from it: the encoder student (``AutoModel``; a ``tiny``
 encoder built at first use), the teacher's stored embeddings of ``data.train`` / ``data.dev``
-(``mta.training.embedding_data``; the teacher model is loaded only to embed rows at first use),
+(``mta.embedding.training_data``; the teacher model is loaded only to embed rows at first use),
 ``EmbeddingObjective`` and the DeepSpeed engine. ``Trainer`` then runs it exactly as an LLM run:
 batches, accumulation, ASAM, checkpoints, resume, dev loss, ``final/`` (here a Hugging Face
 encoder that is also a sentence-transformers model: ``mta.embedding.export``).
@@ -23,11 +23,14 @@ import torch
 from mta import distributed
 from mta.errors import MtaError
 from mta.reporting import Reporter
-from mta.training import checkpointing, engine as engines, resume_rules, run_directory
+from mta.training import engine as engines
+from mta.training.lifecycle import checkpointing
+from mta.training.config import resume_rules
+from mta.training.lifecycle import run_directory
 from mta.training.batching import StepSchedule
-from mta.training.embedding_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
-from mta.training.embedding_objective import EmbeddingDistillationModel, EmbeddingObjective
-from mta.training.recipe import EmbeddingRecipe, EncoderSpec, position_limit
+from mta.embedding.training_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
+from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
+from mta.training.config.schema import EmbeddingRecipe, EncoderSpec, position_limit
 
 KEY_LENGTH = 12
 
@@ -36,13 +39,13 @@ def encoder_source(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str) -> tup
     """``(model, tokenizer)`` directories or hub names of ``recipe.<role>``, building a ``tiny``
     encoder first: its WordPiece tokenizer trained on ``tiny.tokenizer_corpus`` into
     ``output_dir/models/wordpiece-<vocab>-<key>`` (shared by encoders of one corpus and size), the
-    model at ``<path>-<key>`` under ``output_dir`` (``mta.models.tiny_encoders``)."""
+    model at ``<path>-<key>`` under ``output_dir`` (``mta.embedding.tiny_encoders``)."""
     from mta.training.model_loading import local_or_hub_sources, tiny_tokenizer_corpus
 
     if spec.tiny is None:
         return local_or_hub_sources(spec, recipe, role)
     from mta.models.tiny import corpus_texts
-    from mta.models.tiny_encoders import build_tiny_encoder, build_wordpiece_tokenizer
+    from mta.embedding.tiny_encoders import build_tiny_encoder, build_wordpiece_tokenizer
 
     tiny = spec.tiny
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
@@ -107,7 +110,7 @@ def build_embedding_run(recipe: EmbeddingRecipe, reporter: Reporter, *, resume: 
     """``build_run`` for ``task: embedding``: claim the output directory, load the student and
     the teacher embeddings, check they fit, start the DeepSpeed engine."""
     from mta.training.trainer import Run
-    from mta.training.utilisation import StepFlops
+    from mta.training.lifecycle.utilisation import StepFlops
 
     rank, world_size = engines.init_distributed()
     device = distributed.local_device()

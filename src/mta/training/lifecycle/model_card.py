@@ -19,8 +19,8 @@ import yaml
 from mta.errors import MtaError
 from mta.files import atomic_write_text
 from mta.hashing import json_sha256
-from mta.training.metrics import read_metrics
-from mta.training.recipe import ModelSpec, Recipe
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.config.schema import ModelSpec, Recipe
 from mta.versions import package_versions
 
 CARD = "README.md"
@@ -70,7 +70,7 @@ def _datasets(paths: Iterable[Optional[str]]) -> list[str]:
 
 def _loss(recipe: Recipe) -> str:
     loss = recipe.loss
-    if recipe.task == "embedding":  # TALAS (mta.training.embedding_objective)
+    if recipe.task == "embedding":  # TALAS (mta.embedding.objective)
         terms = (("SimCSE", loss.simcse_weight), ("TAMD", loss.tamd_weight), ("LASD", loss.lasd_weight))
         text = " + ".join(f"{weight:g}·{name}" for name, weight in terms if weight)
         return text + (" with ASAM" if recipe.train.asam is not None else "")

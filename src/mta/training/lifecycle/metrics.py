@@ -29,7 +29,7 @@ def loss_record(split: str, step: int, losses: dict[str, float]) -> dict[str, An
 
 class LossWindow:
     """Loss components, tokens and model FLOPs since the last log line; losses averaged per step
-    when logged, tokens and FLOPs per second (``mta.training.utilisation`` counts the FLOPs)."""
+    when logged, tokens and FLOPs per second (``mta.training.lifecycle.utilisation`` counts the FLOPs)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}

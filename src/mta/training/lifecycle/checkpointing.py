@@ -9,10 +9,10 @@ Layout under the run's output directory::
         trainer_state.json                                (step, RNG state, run_id)
         checksums.sha256                                  (sha256 of every file above; last)
     final/                          the last weights, Hugging Face format + recipe + versions
-                                    + README.md (model card, mta.training.model_card)
+                                    + README.md (model card, mta.training.lifecycle.model_card)
                                     + checksums.sha256
     best/                           as final/, the weights of the best dev evaluation by
-                                    train.select_by, + selection.json (mta.training.selection)
+                                    train.select_by, + selection.json (mta.training.lifecycle.selection)
 
 A LoRA student (``student.lora``) is exported with its adapters merged into the weights
 (``mta.training.lora``), never with an adapter_config.json beside them; each checkpoint also
@@ -27,11 +27,11 @@ partial directory. ``complete_checkpoints`` lists the published ones (``step-N``
 Resuming refuses a checkpoint that is not what was written, before loading anything from it: a
 file whose sha256 differs from ``checksums.sha256``, a listed file that is missing, an unlisted
 one, a ``deepspeed/`` state that is absent or a state file that needs a type outside
-``mta.training.safe_loading``'s allow-list, an unreadable ``trainer_state.json``. The message
+``mta.training.lifecycle.safe_loading``'s allow-list, an unreadable ``trainer_state.json``. The message
 names the file(s) and offers the newest other checkpoint that passes the same checks
 (``--resume <path>``). A checkpoint written before checksum lists existed (older mta) has none:
 it is resumed after the same structural checks, with a logged warning that its bytes could not
-be verified. Every ``.pt`` file is read through ``mta.training.safe_loading`` (no code runs
+be verified. Every ``.pt`` file is read through ``mta.training.lifecycle.safe_loading`` (no code runs
 from a checkpoint).
 
 Pruning keeps the newest ``train.keep_checkpoints`` of *this run's* checkpoints (same
@@ -57,9 +57,10 @@ from mta import distributed
 from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory
 from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
-from mta.training import lora, safe_loading
-from mta.training.recipe import Recipe, recipe_to_yaml
-from mta.training.model_card import write_model_card
+from mta.training import lora
+from mta.training.lifecycle import safe_loading
+from mta.training.config.schema import Recipe, recipe_to_yaml
+from mta.training.lifecycle.model_card import write_model_card
 from mta.versions import package_versions
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 DEEPSPEED_DIR = "deepspeed"
 DEEPSPEED_TAG = "state"
-BEST_DIR = "best"  # the student selected by train.select_by (mta.training.selection)
+BEST_DIR = "best"  # the student selected by train.select_by (mta.training.lifecycle.selection)
 SELECTION_FILE = "selection.json"
 
 
@@ -78,7 +79,7 @@ class TrainerState:
 
     step: optimizer steps completed; the batches to come follow from it (see
     ``mta.training.batching``). rng: the ``torch`` CPU generator state of each rank (dropout).
-    run_id: the run that wrote the checkpoint (``mta.training.run_directory``); ``""`` in
+    run_id: the run that wrote the checkpoint (``mta.training.lifecycle.run_directory``); ``""`` in
     checkpoints of older mta.
     """
 
@@ -345,7 +346,7 @@ def save_checkpoint(
 
 def load_checkpoint(engine, path: Path) -> TrainerState:
     """Verify ``path`` (``verify_checkpoint``), then restore weights, optimizer, schedule and
-    this rank's RNG from it, reading DeepSpeed's files through ``mta.training.safe_loading``."""
+    this rank's RNG from it, reading DeepSpeed's files through ``mta.training.lifecycle.safe_loading``."""
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
     path = Path(path)
@@ -394,7 +395,7 @@ def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, outpu
 def save_best(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path,
               selection: dict) -> Path:
     """``best/``: the student now, in Hugging Face format like ``final/``, with
-    ``selection.json`` (``selection``: the metric, its value, the step; ``mta.training.selection``)
+    ``selection.json`` (``selection``: the metric, its value, the step; ``mta.training.lifecycle.selection``)
     and a model card that names them; it replaces an earlier ``best/`` only once whole."""
     def card(directory: Path) -> None:
         atomic_write_json(directory / SELECTION_FILE, selection)

@@ -1,5 +1,5 @@
 """Where each micro batch of an off-policy run comes from: the gold rows, the student's own
-samples of their prompts, or the replay buffer (``mta.training.off_policy`` decides which).
+samples of their prompts, or the replay buffer (``mta.training.sampling.policy`` decides which).
 
 ``OffPolicyBatches.batch(step, k, rows, gold)`` returns the micro batch to train on. For a
 *generated* one, the student (possibly in the middle of a ZeRO-3 step, see ``mta.generation``)
@@ -34,9 +34,9 @@ from mta.data.online_spans import GeneratedRow, PendingSpans, SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator
 from mta.losses.span_masks import SpanBatch
-from mta.training import off_policy
+from mta.training.sampling import policy
 from mta.training.batching import AnnotatedExamples, DeferredSpans, TrainBatch
-from mta.training.recipe import Recipe
+from mta.training.config.schema import Recipe
 
 GENERATED_DIR = "generated"
 

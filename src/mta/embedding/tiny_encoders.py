@@ -2,7 +2,7 @@
 
 The embedding side of :mod:`mta.models.tiny`: a random ``BertModel`` (loads with
 ``AutoModel.from_pretrained``) with a WordPiece tokenizer beside it, trained in a second on the
-example texts shipped in ``src/mta/recipes/examples/*.jsonl`` (every string field of every
+example texts shipped in ``recipes/examples/*.jsonl`` (every string field of every
 row), ``[CLS] text [SEP]`` framing, lower-cased like ``bert-base-uncased``.
 
 Directories are keyed on what they are built from, as the recipe's tiny causal models are: the
@@ -24,8 +24,9 @@ from typing import Optional
 from mta.files import atomic_directory, atomic_write_json
 from mta.hashing import json_sha256
 from mta.models.tiny import corpus_texts, keyed_directory
+from mta.training.config.catalog import SHIPPED_DIR
 
-EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "recipes" / "examples"
+EXAMPLES_DIR = SHIPPED_DIR / "examples"
 WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # ids 0..4, in this order
 POOLING_MODES = ("mean", "cls", "max")
 

@@ -9,12 +9,12 @@ Paths in a recipe (data, configs, tokenizers, models, output) are resolved when 
 variable is an error that names it, never a silently literal ``$VAR`` directory); an absolute
 path, or a relative one that exists from the working directory, is taken as written; otherwise
 a relative path that exists beside the recipe file is taken from there (so ``configs/gpt2.json``
-in the shipped ``gpt2.yaml`` means ``src/mta/recipes/configs/gpt2.json``); anything else, such as
+in the shipped ``gpt2.yaml`` means ``recipes/configs/gpt2.json``); anything else, such as
 an output directory still to be created or a hub name like ``gpt2``, stays relative to the working
 directory (also for a shipped recipe: its runs never land inside the installed package).
 
-YAML is read by ``mta.training.recipe_yaml`` (hostile documents refused before anything is built),
-and the ``deepspeed:`` passthrough is checked by ``mta.training.deepspeed_settings``. Numbers must be
+YAML is read by ``mta.training.config.yaml_reader`` (hostile documents refused before anything is built),
+and the ``deepspeed:`` passthrough is checked by ``mta.training.config.deepspeed_settings``. Numbers must be
 finite everywhere.
 """
 
@@ -42,9 +42,9 @@ from pydantic_core import PydanticCustomError
 
 from mta.data.prompts import Template
 from mta.errors import MtaError, close_match
-from mta.training.deepspeed_settings import deepspeed_problem
-from mta.training.recipe_extends import key_locations, merged_recipe, recipe_chain
-from mta.training.recipe_yaml import BoundedLoader, Refused, load_yaml, yaml_text
+from mta.training.config.deepspeed_settings import deepspeed_problem
+from mta.training.config.extends import key_locations, merged_recipe, recipe_chain
+from mta.training.config.yaml_reader import BoundedLoader, Refused, load_yaml, yaml_text
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class TrainSpec(Strict):
     num_sample_generations: int = Field(2, ge=0, le=8)
     sample_max_new_tokens: int = Field(48, ge=1)
     select_by: Literal["loss", "rouge"] = Field(
-        "loss", description="what OUT/best/ keeps (mta.training.selection): the lowest dev loss, or the "
+        "loss", description="what OUT/best/ keeps (mta.training.lifecycle.selection): the lowest dev loss, or the "
         "highest dev ROUGE-L of sampled responses (the published numbers' selection), at each eval_interval"
     )
     select_rows: int = Field(500, ge=1, description="select_by=rouge: the first dev rows sampled, one seed")
@@ -377,7 +377,7 @@ GenerationSchedule = Literal["decreasing", "constant", "increasing"]
 class GenerationSpec(Strict):
     """Student-generated responses during training (DistiLLM's adaptive off-policy sampling).
 
-    What each mode does, and how the threshold moves, is ``mta.training.off_policy``'s docstring;
+    What each mode does, and how the threshold moves, is ``mta.training.sampling.policy``'s docstring;
     which base losses and tokenizers it works with is checked by ``Recipe`` (here) and by
     ``check_generation_fits`` (once the tokenizers are loaded).
     """
@@ -665,7 +665,7 @@ LLM_ONLY_TRAIN_KEYS = ("teacher_zero3", "num_sample_generations", "sample_max_ne
 
 
 class TinyEncoder(Strict):
-    """Build a random BERT encoder (``mta.models.tiny_encoders``) and a WordPiece tokenizer trained
+    """Build a random BERT encoder (``mta.embedding.tiny_encoders``) and a WordPiece tokenizer trained
     on ``tokenizer_corpus`` at first use (CPU runs and tests)."""
 
     model_type: Literal["bert"] = "bert"

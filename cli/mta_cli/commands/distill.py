@@ -12,8 +12,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from mta.training.recipe import load_recipe
-from mta.training.recipe_catalog import find_recipe
+from mta.training.config.schema import load_recipe
+from mta.training.config.catalog import find_recipe
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
@@ -28,7 +28,7 @@ def resume_command(recipe: str, overrides: List[str], *, verbose: bool = False) 
 def interrupted_line(output_dir: Path, command: str) -> str:
     """One line for Ctrl-C: the newest complete checkpoint under ``output_dir`` and the command
     that continues from it (``--resume auto`` finds it, or starts at step 0 when there is none)."""
-    from mta.training.checkpointing import checkpoints_dir, complete_checkpoints
+    from mta.training.lifecycle.checkpointing import checkpoints_dir, complete_checkpoints
 
     found = complete_checkpoints(output_dir)
     if found:

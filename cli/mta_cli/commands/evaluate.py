@@ -13,7 +13,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.annotate import TemplateChoice
+from mta_cli.commands.annotate import TemplateChoice
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
@@ -77,7 +77,7 @@ def evaluate(
     ),
     task: str = typer.Option(
         "llm", "--task", help="llm (the default: generation, ROUGE-L) or embedding (sentence encoders: "
-        "teacher agreement on held-out texts and the TALAS author's nine tasks; see mta_cli.evaluate_embedding)."
+        "teacher agreement on held-out texts and the TALAS author's nine tasks; see mta_cli.commands.evaluate_embedding)."
     ),
     teacher: Optional[str] = typer.Option(None, "--teacher", help="--task embedding: the teacher that embeds --data's held-out texts."),
     data: Optional[Path] = typer.Option(None, "--data", help="--task embedding: held-out texts (any input `mta embed` reads)."),
@@ -112,7 +112,7 @@ def evaluate(
     """
     quiet_third_party(verbose)  # our bars only: no per-checkpoint weight-loading bar
     if task == "embedding":
-        from mta_cli.evaluate_embedding import evaluate_embedding
+        from mta_cli.commands.evaluate_embedding import evaluate_embedding
 
         return evaluate_embedding(
             checkpoints, out=out, names=_csv(names, "--names") if names is not None else None,

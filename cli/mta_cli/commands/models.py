@@ -49,7 +49,7 @@ def smollm2(output: OutputDir = None, force: Force = False) -> None:
 
 def _packaged_encoder(which: str, output: Optional[Path], force: bool) -> None:
     from mta.models.cache import SOURCE_RECORD
-    from mta.models.sentence_encoders import ENCODERS, convert_packaged_encoder
+    from mta.embedding.sentence_encoders import ENCODERS, convert_packaged_encoder
 
     with console.status(f"converting {ENCODERS[which].name}") as status:
         directory = convert_packaged_encoder(which, output, force=force, report=status.update)

@@ -44,9 +44,9 @@ from mta import distributed
 from mta.data.artefact_schema import PROMPT_CHARS, ROLE, TEXT
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.scoring import completion_text, rouge_l
-from mta.training import checkpointing
-from mta.training.metrics import read_metrics
-from mta.training.recipe import Recipe
+from mta.training.lifecycle import checkpointing
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.config.schema import Recipe
 
 log = logging.getLogger(__name__)
 

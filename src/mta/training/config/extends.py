@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from mta.errors import MtaError
-from mta.training.recipe_catalog import INPUT_PATH_KEYS, SHIPPED_DIR
-from mta.training.recipe_yaml import MAX_RECIPE_BYTES, load_yaml
+from mta.training.config.catalog import INPUT_PATH_KEYS, SHIPPED_DIR
+from mta.training.config.yaml_reader import MAX_RECIPE_BYTES, load_yaml
 
 EXTENDS = "extends"
 MAX_DEPTH = 4

@@ -44,8 +44,9 @@ from mta.errors import MtaError
 from mta.files import atomic_path, atomic_write_json, atomic_write_text
 from mta.reporting import Reporter, SilentReporter
 from mta.tables import markdown_table
+from mta.training.config.catalog import SHIPPED_DIR
 
-TALAS_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "talas-minilm.yaml"  # package data
+TALAS_RECIPE = SHIPPED_DIR / "talas-minilm.yaml"
 SETTINGS_FILE = "demo.json"
 START_LABEL = "pruned start"  # the students' common initialisation, untrained
 DEMO_LAYOUT = 1
@@ -206,8 +207,8 @@ def run_embedding_demo(
     from mta.dtypes import resolve_precision
     from mta.embedding.teacher_embeddings import build_teacher_embeddings
     from mta.evaluation.datasets import default_data_dir
-    from mta.evaluation.embedding import EmbeddingEvalSettings, evaluate_embedding_checkpoints
-    from mta.models.sentence_encoders import convert_packaged_encoder, prune_encoder
+    from mta.embedding.evaluation import EmbeddingEvalSettings, evaluate_embedding_checkpoints
+    from mta.embedding.sentence_encoders import convert_packaged_encoder, prune_encoder
 
     reporter = reporter or SilentReporter()
     root = Path(out_dir)
@@ -328,7 +329,7 @@ def _distill(recipe_path, variant: EmbedVariant, seed: int, settings: EmbedDemoS
         "train.log_interval=1", f"train.save_interval={settings.steps}", f"train.eval_interval={settings.steps}",
         "train.keep_checkpoints=1", *variant.overrides,
     ]
-    from mta.training.recipe import load_recipe
+    from mta.training.config.schema import load_recipe
 
     load_recipe(recipe_path, overrides)  # a bad override fails here, before a process starts
     reporter.message(f"distill: {variant.name}, seed {seed}")
@@ -378,8 +379,8 @@ def _train_in_child(recipe_path: str, overrides: list[str], channel) -> None:
     """The child process: train, then send step times, peak memory and the final directory."""
     try:
         from mta.distributed import local_device
-        from mta.training.checkpointing import latest_checkpoint
-        from mta.training.recipe import load_recipe
+        from mta.training.lifecycle.checkpointing import latest_checkpoint
+        from mta.training.config.schema import load_recipe
         from mta.training.trainer import run_distillation
 
         recipe = load_recipe(recipe_path, overrides)

@@ -1,0 +1,1 @@
+"""mta_cli.commands"""

@@ -1,0 +1,1 @@
+"""mta.training.sampling"""
