@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from mta import distributed
-from mta.store.artefact import manifest_path
+from mta.store.layout import manifest_path
 from mta.files import atomic_write_json
 from paths import portable
 

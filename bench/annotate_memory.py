@@ -36,7 +36,7 @@ from itertools import cycle, islice
 from pathlib import Path
 
 from mta import distributed
-from mta.store.artefact import manifest_path
+from mta.store.layout import manifest_path
 from mta.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,7 +121,7 @@ def main() -> None:
             src = args.reference_src.resolve()
             reference = measure(inputs["huge_1"], Path(scratch) / "out-reference", args.tokenizer,
                                 pythonpath=f"{src / 'src'}{os.pathsep}{src / 'cli'}")
-            from mta.store.artefact import read_annotations
+            from mta.store.read import read_annotations
 
             reference["same_table_as_huge_1"] = read_annotations(Path(scratch) / "out-reference").table.equals(
                 read_annotations(Path(scratch) / "out-huge_1").table

@@ -73,7 +73,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from mta.data.token_ranges import token_ranges
 from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.files import atomic_write_json
 from mta.data.span_extraction import SpanExtractor, load_spacy
@@ -86,7 +86,8 @@ from mta.training.config.layers import auto_fdd_layers, resolve_layer_map, resol
 from mta.training.engine import build_optimizer
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.config.schema import LossSpec, TrainSpec
-from mta.training.teacher import FrozenTeacher, LogitLens
+from mta.training.logit_lens import LogitLens
+from mta.training.teacher import FrozenTeacher
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
 from paths import portable

@@ -158,7 +158,8 @@ def _step_trainer(variant: dict, student, args, device: torch.device):
 
     from mta.training import engine as engines
     from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
-    from mta.training.config.schema import AsamSpec, EmbeddingLossSpec, TrainSpec
+    from mta.embedding.recipe import EmbeddingLossSpec
+    from mta.training.config.schema import AsamSpec, TrainSpec
     from mta.training.trainer import Trainer
 
     asam = AsamSpec(**variant["asam"]) if variant["asam"] is not None else None

@@ -7,8 +7,8 @@ the pieces `mta distill` uses: `mta.training.sampling.micro_batches.OffPolicyBat
 the optimizer of `mta.training.engine`. Four variants, the same prompts and seeds:
 
     base_generation   generation, then the base loss (srkl) alone: no spans needed
-    mta_online        + 2·DSA + 0.2·HRA, spans parsed in a worker process while the teacher and
-                      student forwards run (what `mta distill` does)
+    mta_online        + 2·DSA + 0.2·HRA, spans parsed in a worker process while the teacher
+                      forward runs, asked for before the student's (what `mta distill` does)
     mta_sync          the same, spans parsed in the training process right after generation,
                       as the published code does at every step
     mta_given         the same, spans ready at once (parsed beforehand for the same texts): the
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.online_spans import PendingSpans, SpanParser
 from mta.files import atomic_write_json
 from mta.models.tokenizers import load_tokenizer
@@ -53,7 +53,7 @@ from mta.training.config.schema import LossSpec, Recipe
 from mta.training.sampling.micro_batches import OffPolicyBatches
 from mta.training.teacher import FrozenTeacher
 
-from distill_step import PRESETS, Sizes, TrainingStep, small_tokenizer, synchronize, tiny_llama, write_rows
+from distill_step import PRESETS, TRAIN, Sizes, TrainingStep, small_tokenizer, synchronize, tiny_llama, write_rows
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
 from paths import portable
@@ -92,7 +92,8 @@ class Variant:
 
 class OnPolicyStep(TrainingStep):
     """One step: the student generates for micro batch ``index``'s prompts, then the training
-    step of ``distill_step.TrainingStep`` runs on what it generated."""
+    step of ``distill_step.TrainingStep`` runs on what it generated, its spans asked for after
+    the teacher forward as ``Trainer.run_window`` asks."""
 
     def __init__(self, sampled: OffPolicyBatches, rows: list[np.ndarray], gold, *args):
         super().__init__(*args)
@@ -105,8 +106,15 @@ class OnPolicyStep(TrainingStep):
         before = self.sampled.window["generation_s"]
         batch, source = self.sampled.batch(index, 0, self.rows[index], self.gold[index])
         assert source == "generated"
-        self.batches = {index: batch}
-        super().__call__(index)
+        batch = batch.to(self.device)
+        with self.mixed():
+            teacher_out = self.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+            batch = self.sampled.with_spans(batch)
+            losses = self.model(batch, teacher_out)
+        losses["total"].backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), TRAIN.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         self.sampled.settle()  # the trainer settles before the next micro batch
         self.generation_s += self.sampled.window["generation_s"] - before
 

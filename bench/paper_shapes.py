@@ -43,9 +43,10 @@ from mta.training import engine as engines
 from mta.training.batching import TokenBatch, TrainBatch
 from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.config.catalog import SHIPPED_DIR
-from mta.training.teacher import FrozenTeacher, LogitLens
+from mta.training.logit_lens import LogitLens
+from mta.training.teacher import FrozenTeacher
 from mta.training.lifecycle.utilisation import StepFlops, device_peak_flops
 from interleaving import interleaved_rounds
 from machine import created, describe_machine

@@ -35,13 +35,13 @@ def torchrun(argv: Sequence[str], *, processes: int = 2, timeout: float = 300) -
     """Run ``python -m torch.distributed.run --nproc-per-node N argv...`` with one torch thread
     per process and no launcher variables inherited; kill the launcher and its workers on a
     hang. Asserts a zero exit; returns stderr (what a failing test shows)."""
-    from mta.training.engine import _free_port
+    from mta.distributed import free_port
 
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "cli"), str(REPO / "src"), env.get("PYTHONPATH", "")])
     process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-         "--master-port", str(_free_port()), *map(str, argv)],
+         "--master-port", str(free_port()), *map(str, argv)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

@@ -13,9 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from mta.store import artefact
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.artefact import merge_shards, read_annotations
+from mta.data.artefact_schema import SCHEMA
+from mta.store.layout import manifest_path
+from mta.store.publish import PartWriter, merge_shards
+from mta.store.read import read_annotations
 from mta.data.prompts import alpaca_prompt
 from mta.data.span_extraction import WORD, SpanExtractor, load_spacy
 from mta.errors import MtaError
@@ -182,7 +184,7 @@ def test_the_parquet_files_open_in_pandas_pyarrow_and_duckdb(two_tokenizer_artef
     assert [list(ids) for ids in frame["student_input_ids"]] == table.column("student_input_ids").to_pylist()
 
     assert pq.read_table(parts[0]).equals(table)
-    assert pq.read_table(parts[0]).schema.equals(artefact.SCHEMA)
+    assert pq.read_table(parts[0]).schema.equals(SCHEMA)
 
     spans = duckdb.sql(
         f"select id, unnest(phrase_spans, recursive := true) "
@@ -282,7 +284,7 @@ def test_a_crash_while_writing_keeps_the_previous_artefact(tmp_path, two_tokeniz
     def crash(self, batch):
         raise Interrupted("power cut")
 
-    monkeypatch.setattr(artefact.PartWriter, "write", crash)
+    monkeypatch.setattr(PartWriter, "write", crash)
     with pytest.raises(Interrupted):
         run_annotate(data, out, two_tokenizer_settings, force=True)
     assert sorted(p.name for p in out.iterdir()) == listing  # no temp file, no new part
@@ -312,7 +314,7 @@ def test_shards_merge_into_the_unsharded_table(tmp_path, two_tokenizer_settings,
     assert merged.manifest["rows"] == whole.manifest["rows"]
     assert merged.manifest["skipped"] == whole.manifest["skipped"]
 
-    artefact.manifest_path(out).unlink()  # `mta annotate --merge` rebuilds it from the shard manifests
+    manifest_path(out).unlink()  # `mta annotate --merge` rebuilds it from the shard manifests
     assert merge_shards(out)["rows"] == whole.manifest["rows"]
     # The same input and settings, unsharded: the complete sharded artefact is reused.
     assert run_annotate(input_file, out, two_tokenizer_settings).reused

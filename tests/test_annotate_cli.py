@@ -13,7 +13,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.errors import MtaError
 from mta_cli.main import app
@@ -86,7 +86,7 @@ def test_a_tiny_recipes_tokenizers_are_built_and_training_accepts_the_artefact(t
     # one training checks against the same recipe.
     from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
     from mta.training.model_loading import tokenizer_sources
-    from mta.training.config.schema import load_recipe
+    from mta.training.config.loading import load_recipe
     from mta.training.train_data import check_manifest
 
     monkeypatch.chdir(tmp_path)

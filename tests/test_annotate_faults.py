@@ -20,9 +20,10 @@ from typer.testing import CliRunner
 
 from mta.data import annotate as annotate_module
 from mta.data import truncation
-from mta.store import artefact
+from mta.store import locks, publish
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.artefact import merge_shards, read_annotations
+from mta.store.publish import merge_shards
+from mta.store.read import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.span_extraction import SpanExtractor
 from mta.errors import MtaError
@@ -90,7 +91,7 @@ def copy(tmp_path, built) -> Path:
 HOLDER = """
 import sys
 from pathlib import Path
-from mta.store.artefact import merge_lock, shard_lock
+from mta.store.locks import merge_lock, shard_lock
 out, which = Path(sys.argv[1]), sys.argv[2]
 if which == "merge":
     lock = merge_lock(out)
@@ -154,7 +155,7 @@ def test_other_shards_run_beside_a_held_one_and_the_merge_waits_for_its_lock(
         kill(holder)
     merger = hold(out, "merge")
     try:
-        monkeypatch.setattr(artefact, "MERGE_LOCK_WAIT_S", 0.0)  # refuse instead of waiting
+        monkeypatch.setattr(locks, "MERGE_LOCK_WAIT_S", 0.0)  # refuse instead of waiting
         with pytest.raises(MtaError, match=rf"\.lock-merge has been held by pid {merger.pid} on "):
             run_annotate(small, out, settings, shard=0, num_shards=2)
         assert not (out / ".mta" / "manifest.json").exists()
@@ -366,7 +367,7 @@ class FullDisk(pq.ParquetWriter):
 
 def test_a_full_disk_while_writing_the_part_loses_nothing(copy, small, settings, monkeypatch, capsys):
     before, table = listing(copy), read_annotations(copy).table
-    monkeypatch.setattr(artefact.pq, "ParquetWriter", FullDisk)
+    monkeypatch.setattr(publish.pq, "ParquetWriter", FullDisk)
     code, message = cli(monkeypatch, capsys, *annotate_args(small, copy, settings, "--force"))
     assert code == 2
     assert f"disk full while writing {copy}/.mta/staging/part-00000-of-00001-" in message
@@ -386,7 +387,7 @@ def test_a_full_disk_while_publishing_the_shard_loses_nothing(copy, small, setti
     def full(path, payload):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(artefact, "atomic_write_json", full)
+    monkeypatch.setattr(publish, "atomic_write_json", full)
     with pytest.raises(MtaError, match=rf"disk full while writing {copy}; nothing was lost"):
         run_annotate(small, copy, settings, force=True)
     assert listing(copy) == before  # the new part, referenced by nothing, was removed

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,174 @@ def test_no_library_module_imports_presentation_libraries():
     for path in SRC.rglob("*.py"):
         presentation = {name for name in _imported(path) if name.split(".")[0] in ("rich", "typer")}
         assert not presentation, f"{path.relative_to(SRC)} imports {sorted(presentation)}"
+
+
+# --- the module graph: no cycles, no private names across modules ----------------------------
+
+ROOTS = {"mta": SRC, "mta_cli": SRC.parents[1] / "cli" / "mta_cli"}
+TESTS = Path(__file__).resolve().parent
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of ``mta`` and ``mta_cli`` by dotted name (a package by its ``__init__``)."""
+    modules = {}
+    for package, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            parts = (package, *path.relative_to(root).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = _module_files()
+
+
+def _outside_type_checking(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of ``tree`` that run: everything but the bodies of ``if TYPE_CHECKING:``."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skipped.update(id(sub) for child in node.body for sub in ast.walk(child))
+    return [node for node in ast.walk(tree) if id(node) not in skipped]
+
+
+def _owner(name: str) -> str | None:
+    """The module of ours that a dotted name lives in (``mta.x.f`` -> ``mta.x``), if any."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str | None, path: Path) -> tuple[set[str], list[str]]:
+    """The modules of ours that ``path`` imports (at any depth, lazy imports included) and the
+    private names it takes from other modules (``from m import _x``, ``m._x``)."""
+    is_package = path.name == "__init__.py"
+    imported, private, aliases = set(), [], {}
+    for node in _outside_type_checking(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (target := _owner(alias.name)) is not None:
+                    imported.add(target)
+                    aliases[alias.asname or alias.name] = alias.name if alias.asname else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                base = (module or "").split(".")[: None if is_package else -1]
+                source = ".".join(base[: len(base) - node.level + 1] + ([source] if source else []))
+            if source.split(".")[0] not in ROOTS:
+                continue
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in MODULES:
+                    aliases[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    private.append(f"from {source} import {alias.name}")
+                if (target := _owner(full)) is not None:
+                    imported.add(target)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and aliases.get(node.value.id) in MODULES):
+            private.append(f"{aliases[node.value.id]}.{node.attr}")
+    imported.discard(module)
+    return imported, private
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_through_three_modules():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_between_modules():
+    """Lazy imports inside functions count (they only postpone the cycle); ``TYPE_CHECKING``
+    blocks do not (they never run)."""
+    graph = {module: _imports(module, path)[0] for module, path in MODULES.items()}
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_no_private_name_is_used_from_another_module():
+    """A function another module needs is public and lives where both reach it. Tests are held
+    to the same rule: they exercise the public surface (or the function is made public)."""
+    used = {str(path.relative_to(SRC.parents[1])): _imports(module, path)[1] for module, path in MODULES.items()}
+    used |= {str(path.relative_to(SRC.parents[1])): _imports(None, path)[1] for path in TESTS.rglob("*.py")}
+    assert not {where: names for where, names in used.items() if names}
+
+
+def test_the_private_name_finder_sees_both_forms(tmp_path):
+    path = tmp_path / "user.py"
+    path.write_text("from mta.files import _x\nimport mta.hashing as h\nh._y()\nfrom mta import files\nfiles._z\n")
+    assert sorted(_imports(None, path)[1]) == ["from mta.files import _x", "mta.files._z", "mta.hashing._y"]
+
+
+# --- ARCHITECTURE.md's module map is the tree --------------------------------------------------
+
+REPO = SRC.parents[1]
+ENTRY = re.compile(r"^(?P<indent>(?:  )*)(?P<name>[\w.]+(?:/[\w.]+)*/|\w+\.py)(?:  |$)")
+
+
+def _module_map(text: str) -> set[str]:
+    """The files ARCHITECTURE.md's module map lists, as paths from the repository root: each
+    entry is ``name.py`` or ``folder/`` at two spaces per level inside the map's code block."""
+    block = text.split("## Module map", 1)[1].split("```", 2)[1]
+    listed, folders = set(), []
+    for line in block.splitlines():
+        if not (entry := ENTRY.match(line)):
+            continue
+        depth, name = len(entry["indent"]) // 2, entry["name"]
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+            listed.add("/".join(folders) + "/__init__.py")
+        else:
+            listed.add("/".join([*folders, name]))
+    return listed
+
+
+def test_the_module_map_parser_reads_nested_folders():
+    text = "## Module map\n```\nsrc/mta/\n  a.py  one\n  sub/  two\n    b.py  three\n  c.py  four\n```\n"
+    assert _module_map(text) == {"src/mta/__init__.py", "src/mta/a.py", "src/mta/sub/__init__.py",
+                                 "src/mta/sub/b.py", "src/mta/c.py"}
+
+
+def test_every_module_is_in_the_architecture_module_map_and_every_listed_module_exists():
+    listed = _module_map((REPO / "ARCHITECTURE.md").read_text(encoding="utf-8"))
+    present = {str(path.relative_to(REPO)) for path in MODULES.values()}
+    assert not sorted(present - listed), f"missing from ARCHITECTURE.md's module map: {sorted(present - listed)}"
+    assert not sorted(listed - present), f"listed in ARCHITECTURE.md but absent: {sorted(listed - present)}"

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from mta.data import artefact_schema
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.artefact import merge_shards, read_annotations
+from mta.store.publish import merge_shards
+from mta.store.read import read_annotations
 from mta.data.artefact_schema import (
     SPAN_V1,
     NotDerivable,

@@ -16,7 +16,8 @@ from torch import nn
 
 from mta.errors import MtaError
 from mta.training.asam import Asam, perturbation
-from mta.training.config.schema import AsamSpec, TrainSpec, load_recipe
+from mta.training.config.loading import load_recipe
+from mta.training.config.schema import AsamSpec, TrainSpec
 
 from test_distill import one_thread  # noqa: F401  (fixture)
 
@@ -169,6 +170,7 @@ def _trainer(zero_stage: int, asam_spec):
         engine=engine, device=torch.device("cpu"), teacher=None, schedule=SimpleNamespace(accumulation=2),
         recipe=SimpleNamespace(train=train), precision=SimpleNamespace(context=contextlib.nullcontext),
         flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0), output_dir=Path("."),
+        off_policy=None,
     )
     trainer = Trainer(run, reporter=None)
     return trainer, engine

@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.pairs import PairSettings, generate_pairs
 from mta.training import trainer as trainer_module
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.trainer import run_distillation
 
 from conftest import EXAMPLES

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mta.data.annotate import run_annotate
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.artefact_schema import BOUNDARY_SPAN, BOUNDARY_SPANS, SCHEMAS, reannotate_command
 from mta.data.token_ranges import boundary_spans
 from mta.errors import MtaError

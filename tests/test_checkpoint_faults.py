@@ -24,7 +24,7 @@ from mta.training import engine as engines
 from mta.training.lifecycle import checkpointing
 from mta.training.lifecycle import safe_loading
 from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 
 from test_distill import one_thread, write_recipe  # noqa: F401  (fixtures)
 
@@ -84,7 +84,7 @@ def _step(engine, seed: int) -> None:
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in checkpointing._student_state_dict(engine).items()}
+    return {k: v.clone() for k, v in checkpointing.student_state_dict(engine).items()}
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from mta.errors import MtaError
 from mta.training.lifecycle import checkpointing as checkpoint
 from mta.training.lifecycle.checkpointing import complete_checkpoints, latest_checkpoint, resolve_resume
 from mta.training.lifecycle.metrics import MetricsLog, read_metrics
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.trainer import run_distillation
 
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
@@ -63,7 +63,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoints(
         train={"max_steps": 8, "save_interval": 1, "keep_checkpoints": 2},
     ))
     saves = {"n": 0}
-    real_export = checkpoint._export_hf
+    real_export = checkpoint.export_student
 
     def crash_on_fourth(engine, tokenizer, recipe, directory, **options):
         saves["n"] += 1
@@ -71,14 +71,14 @@ def test_crash_while_saving_keeps_the_previous_checkpoints(
         if saves["n"] == 4:
             raise KeyboardInterrupt("simulated crash half-way through a checkpoint")
 
-    monkeypatch.setattr(checkpoint, "_export_hf", crash_on_fourth)
+    monkeypatch.setattr(checkpoint, "export_student", crash_on_fourth)
     with pytest.raises(KeyboardInterrupt):
         run_distillation(recipe)
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     # Only the newest two complete ones are kept; the interrupted one was removed.
     assert names == ["step-2", "step-3"]
     assert latest_checkpoint(out).name == "step-3"
-    monkeypatch.setattr(checkpoint, "_export_hf", real_export)
+    monkeypatch.setattr(checkpoint, "export_student", real_export)
     final = run_distillation(recipe, resume="auto")
     assert final.name == "final"
     names = sorted(p.name for p in (out / "checkpoints").iterdir())

@@ -21,7 +21,8 @@ from mta.errors import MtaError
 from mta.training import engine as engines
 from mta.training.lifecycle import utilisation
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import TrainSpec, load_recipe
+from mta.training.config.loading import load_recipe
+from mta.training.config.schema import TrainSpec
 
 from test_distill import one_thread  # noqa: F401  (fixture)
 from test_evaluate_command import FAST, data_dir, run_cli  # noqa: F401  (fixture)

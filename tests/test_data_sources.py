@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 
 from mta.data import annotate as annotate_module
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.artefact import META, read_annotations
+from mta.store.layout import META
+from mta.store.read import read_annotations
 from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, SCHEMA, SCHEMA_VERSION
 from mta.data.prompts import alpaca_prompt
 from mta.errors import MtaError

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mta.demo.pipeline import run_demo
-from mta.demo.report import parameter_count, table, write_report
+from mta.demo.report import table, write_report
 from mta.demo.settings import VARIANTS, DemoSettings
 from mta.evaluation.datasets import load_rows
 from mta.models.tokenizers import load_tokenizer
@@ -88,6 +88,8 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
 
 def test_parameter_count_reads_the_safetensors_headers(tiny_model_dir):
     from transformers import AutoModelForCausalLM
+
+    from mta.models.weights import parameter_count
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert parameter_count(tiny_model_dir) == sum(p.numel() for p in model.parameters())

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from mta.errors import MtaError
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.objective import DistillationObjective
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.trainer import NonFiniteLoss, run_distillation
 
 from conftest import subprocess_env, torchrun

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from mta.models.tiny import build_tiny_model
 from mta.training.engine import deepspeed_config, lr_multiplier
 from mta.training.teacher import FrozenTeacher
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 
 from conftest import EXAMPLES, subprocess_env
 
@@ -53,7 +53,7 @@ def test_teacher_with_a_logit_loss_runs_whole(tiny_model_dir):
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny_tokenizer_dir, tmp_path_factory,
                                                                             model_type):
-    from mta.training.teacher import LogitLens
+    from mta.training.logit_lens import LogitLens
 
     directory = build_tiny_model(
         tiny_tokenizer_dir, tmp_path_factory.getbasetemp() / f"teacher-{model_type}", model_type=model_type
@@ -80,8 +80,8 @@ def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny
 @pytest.mark.parametrize("zero3", [False, True])
 def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(tiny_tokenizer_dir,
                                                                               tmp_path_factory, zero3, monkeypatch):
-    from mta.training import teacher as teacher_module
-    from mta.training.teacher import LogitLens, is_zero3_partitioned
+    from mta.training import logit_lens
+    from mta.training.logit_lens import LogitLens, is_zero3_partitioned
 
     directory = build_tiny_model(tiny_tokenizer_dir, tmp_path_factory.getbasetemp() / "lens-rows")
     model = AutoModelForCausalLM.from_pretrained(directory)
@@ -90,7 +90,7 @@ def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(t
     head.register_forward_hook(lambda *_: calls.append("head"))
     assert not is_zero3_partitioned(head.weight)
     if zero3:  # as if DeepSpeed ZeRO-3 partitioned the head (it marks such parameters with ds_id)
-        monkeypatch.setattr(teacher_module, "is_zero3_partitioned", lambda parameter: True)
+        monkeypatch.setattr(logit_lens, "is_zero3_partitioned", lambda parameter: True)
     lens = LogitLens(model, final_norm=True, num_layers=4).for_layer(2)
     rows = torch.tensor([7, 0, 311, 7, 42])
     hidden = torch.randn(3, head.in_features, requires_grad=True)

@@ -21,7 +21,8 @@ from mta.training.dry_run import (
     plan_model,
     plan_run,
 )
-from mta.training.config.schema import ModelSpec, TinyModel, load_recipe
+from mta.training.config.loading import load_recipe
+from mta.training.config.schema import ModelSpec, TinyModel
 
 from conftest import MINIMAL_RECIPE
 from mta_cli.dry_run_tables import render_plan

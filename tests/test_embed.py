@@ -21,7 +21,8 @@ import torch
 
 from mta.embedding import encoder as encoder_module
 from mta.embedding import teacher_embeddings as stage
-from mta.embedding.encoder import pool, read_sentence_transformers_config
+from mta.embedding.export import read_sentence_transformers_config
+from mta.embedding.pooling import pool
 from mta.embedding.teacher_embeddings import (
     build_teacher_embeddings,
     embedding_text,

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from mta.errors import MtaError
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import EmbeddingLossSpec, load_recipe
+from mta.embedding.recipe import EmbeddingLossSpec
+from mta.training.config.loading import load_recipe
 
 from test_distill import one_thread  # noqa: F401  (fixture)
 
@@ -65,7 +66,7 @@ def test_final_loads_with_sentence_transformers_and_automodel_giving_mta_s_pooli
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from mta.embedding.encoder import cls_attention_pool
+    from mta.embedding.pooling import cls_attention_pool
 
     final = trained["final"]
     for name in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
@@ -135,7 +136,7 @@ def _objective(**loss):
 
 
 def test_the_objective_is_the_weighted_terms_of_the_right_layers_and_ignores_padding():
-    from mta.embedding.encoder import pool
+    from mta.embedding.pooling import pool
     from mta.losses.talas import lasd_loss, simcse_loss
 
     objective = _objective()
@@ -219,9 +220,9 @@ def test_embedding_keys_in_an_llm_recipe_are_refused_and_a_task_must_be_known(tm
 def test_the_recipe_s_pooling_names_are_the_encoder_s():
     import typing
 
-    from mta.embedding.encoder import AUTO, POOLINGS
+    from mta.embedding.pooling import AUTO, POOLINGS
     from mta.embedding.export import STOCK_POOLINGS
-    from mta.training.config.schema import StudentEncoderSpec, TeacherEncoderSpec
+    from mta.embedding.recipe import StudentEncoderSpec, TeacherEncoderSpec
 
     names = {field: set(typing.get_args(spec.model_fields["pooling"].annotation))
              for field, spec in (("teacher", TeacherEncoderSpec), ("student", StudentEncoderSpec))}

@@ -325,7 +325,7 @@ def test_final_carries_a_model_card_that_the_hub_library_reads(tmp_path, tiny_mo
 
     from mta.hashing import json_sha256, read_checksums
     from mta.training.lifecycle import checkpointing
-    from mta.training.config.schema import load_recipe
+    from mta.training.config.loading import load_recipe
     from mta.training.config.catalog import find_recipe
     from mta.versions import package_versions
 
@@ -368,7 +368,7 @@ def test_final_carries_a_model_card_that_the_hub_library_reads(tmp_path, tiny_mo
 
 def test_the_card_of_a_tiny_run_names_no_hub_base_model(tmp_path, monkeypatch):
     from mta.training.lifecycle.model_card import model_card
-    from mta.training.config.schema import load_recipe
+    from mta.training.config.loading import load_recipe
     from mta.training.config.catalog import find_recipe
 
     monkeypatch.chdir(tmp_path)

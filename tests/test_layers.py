@@ -9,7 +9,7 @@ import pytest
 
 from mta.errors import MtaError
 from mta.training.config.layers import LayerPair, auto_layer_map, resolve_layer_map
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from mta.errors import MtaError
 from mta.training import lora
-from mta.training.config.schema import LoraSpec, load_recipe
+from mta.training.config.loading import load_recipe
+from mta.training.config.schema import LoraSpec
 from mta.training.config.resume_rules import read_saved_recipe, resume_changes
 from mta.training.trainer import run_distillation
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from mta.embedding.encoder import cls_attention_pool, pool
+from mta.embedding.pooling import cls_attention_pool, pool
 from mta.losses.talas import TeacherAnchor, lasd_loss, simcse_loss, tamd_loss
 
 L, B, D_S, D_T, T = 4, 5, 6, 7, 9

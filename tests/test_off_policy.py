@@ -16,24 +16,26 @@ from mta.errors import MtaError
 from mta.training.sampling import policy
 from mta.training.batching import AnnotatedExamples
 from mta.training.sampling.policy import (
-    ReplayBuffer,
     SamplingState,
-    agreed_buffer_flags,
     agreed_dev_loss,
-    buffer_file,
     buffer_generator,
     choose,
     decide,
     draw,
     generation_params,
     generation_seeds,
-    read_generated_rows,
     read_state,
-    rows_table,
     schedule_value,
     update_threshold,
-    write_generated_rows,
     write_state,
+)
+from mta.training.sampling.replay_buffer import (
+    ReplayBuffer,
+    agreed_buffer_flags,
+    buffer_file,
+    read_generated_rows,
+    rows_table,
+    write_generated_rows,
 )
 from mta.training.config.schema import GenerationSpec, Recipe
 
@@ -95,7 +97,7 @@ def test_off_and_always_ignore_the_draw_and_the_buffer():
 
 
 def test_a_buffer_decision_on_an_empty_buffer_generates(monkeypatch):
-    monkeypatch.setattr(off_policy, "draw", lambda seed, step, micro_batch: 0.9)
+    monkeypatch.setattr(policy, "draw", lambda seed, step, micro_batch: 0.9)
     state = SamplingState(1.0)
     assert decide(state, ADAPTIVE, 9, 10, 0, True, False, SEED) == "buffer"
     assert decide(state, ADAPTIVE, 9, 10, 0, True, True, SEED) == "generated"
@@ -106,7 +108,7 @@ def test_the_state_machine_on_scripted_draws_and_dev_losses(monkeypatch):
     spec = GenerationSpec(mode="adaptive", threshold_step=0.5, buffer_size=2)
     draws = iter([0.05, 0.40, 0.30, 0.70])
     dev_losses = iter([2.0, 2.15, 2.2, 2.3])  # at step 0, then after steps 1, 2 and 3
-    monkeypatch.setattr(off_policy, "draw", lambda seed, step, micro_batch: next(draws))
+    monkeypatch.setattr(policy, "draw", lambda seed, step, micro_batch: next(draws))
     buffer, state, trace = ReplayBuffer(spec.buffer_size), SamplingState.initial(spec), []
     state = update_threshold(state, spec, next(dev_losses))
     assert (state.threshold, state.reference_loss) == (0.0, 2.0)

@@ -12,12 +12,12 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.online_spans import PendingSpans
-from mta.training.sampling import policy
+from mta.training.sampling import policy, replay_buffer
 from mta.training.batching import AnnotatedExamples
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.trainer import Trainer, run_distillation
 
 from conftest import torchrun
@@ -67,8 +67,8 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_i
     with pytest.raises(_Interrupted):
         run_distillation(load_recipe(path))
     checkpoint = tmp_path / "b" / "checkpoints" / "step-4"
-    state = json.loads((checkpoint / off_policy.STATE_FILE).read_text())
-    buffered, _ = off_policy.read_generated_rows(checkpoint / off_policy.buffer_file(0))
+    state = json.loads((checkpoint / policy.STATE_FILE).read_text())
+    buffered, _ = replay_buffer.read_generated_rows(checkpoint / replay_buffer.buffer_file(0))
     assert len(buffered) == 4 and state["micro_batches"]["generated"] > 0
     monkeypatch.setattr(Trainer, "step", real_step)
     resumed = run_distillation(load_recipe(path), resume="auto")

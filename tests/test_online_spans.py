@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.encoding import BYTE_LEVEL_CHARS, TokenizerSide
 from mta.data.online_spans import (
     GeneratedRow, SpanParser, annotate_generated, generated_row, online_annotator,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.errors import MtaError
 
 from conftest import EXAMPLES

@@ -9,7 +9,7 @@ import yaml
 from typer.testing import CliRunner
 
 from mta.errors import MtaError
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.config.catalog import (
     INPUT_PATH_KEYS,
     SHIPPED_DIR,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.config.yaml_reader import MAX_RECIPE_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, load_yaml
 
 from conftest import MINIMAL_RECIPE
@@ -68,7 +68,7 @@ def test_an_alias_bomb_is_refused_within_a_small_memory_and_time_budget(tmp_path
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
         resource.setrlimit(resource.RLIMIT_CPU, (60, 60))
         from mta.errors import MtaError
-        from mta.training.config.schema import load_recipe
+        from mta.training.config.loading import load_recipe
         try:
             load_recipe({str(path)!r})
         except MtaError as error:

@@ -9,13 +9,9 @@ import yaml
 
 from mta.errors import MtaError
 from mta.training.config.deepspeed_settings import deepspeed_setting_names
-from mta.training.config.schema import (
-    LayerPair,
-    check_sequence_lengths,
-    load_recipe,
-    position_limit,
-    recipe_to_yaml,
-)
+from mta.training.config.loading import load_recipe, recipe_to_yaml
+from mta.training.config.model_checks import check_sequence_lengths, position_limit
+from mta.training.config.schema import LayerPair
 
 from conftest import MINIMAL_RECIPE
 
@@ -542,7 +538,7 @@ def test_bad_generation_values_name_the_key(tmp_path, override, message):
 
 
 def test_generation_that_needs_one_tokenizer_is_refused_across_tokenizers(tmp_path):
-    from mta.training.config.schema import check_generation_fits
+    from mta.training.config.model_checks import check_generation_fits
 
     recipe = load_recipe(write(tmp_path, GENERATING))
     check_generation_fits(recipe, same_tokenizer=True)

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from mta.data.annotate import AnnotateSettings, _run_key, run_annotate
-from mta.store.artefact import read_annotations
+from mta.data.annotate import AnnotateSettings, annotate_run_key, run_annotate
+from mta.store.read import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.span_extraction import VERB_PHRASE_PATTERN, SpanExtractor, load_spacy
 from mta.data.token_ranges import token_ranges
@@ -401,9 +401,9 @@ def test_an_artefact_without_a_rule_is_the_papers_and_a_mismatch_is_refused(tmp_
 def test_a_papers_artefact_keeps_its_run_key():
     description = {"input": {"sha256": "x", "rows": 1}, "teacher": {"fingerprint": "a"},
                    "student": {"fingerprint": "b"}, "template": {"name": "alpaca"}}
-    old = _run_key(description)
-    assert _run_key({**description, "span_rule": "paper"}) == old
-    assert _run_key({**description, "span_rule": "reference"}) != old
+    old = annotate_run_key(description)
+    assert annotate_run_key({**description, "span_rule": "paper"}) == old
+    assert annotate_run_key({**description, "span_rule": "reference"}) != old
 
 
 ROWS = [

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from mta.errors import MtaError
-from mta.training.config.schema import load_recipe, recipe_to_yaml
+from mta.training.config.loading import load_recipe, recipe_to_yaml
 from mta.training.config.resume_rules import (
     ABSENT,
     MUTABLE_KEYS,

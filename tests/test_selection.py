@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation.datasets import resolve_benchmarks
@@ -25,7 +25,7 @@ from mta.scoring import completion_text, rouge_l
 from mta.training.lifecycle import checkpointing
 from mta.training.lifecycle import selection
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.trainer import run_distillation
 
 from test_distill import LENGTHS, one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)

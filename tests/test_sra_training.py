@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.trainer import Trainer, run_distillation
 
 from test_distill import one_thread, weights  # noqa: F401  (fixtures)

@@ -1,5 +1,5 @@
 """The off-policy micro batch (mta.training.sampling.micro_batches) on scripted generations: what the
-models are given, what is a target, which spans the loss reads and when it waits for them.
+models are given, what is a target, which spans the loss reads and when they are waited for.
 
 The generator is scripted (the student's sampling is tested in test_generation and end to end
 in test_off_policy_training), so each edge case is exact: EOS as the first token, nothing
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from mta.data.annotate import AnnotateSettings
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.online_spans import GeneratedRow, SpanParser, annotate_generated
 from mta.generation import Completion
 from mta.models.tokenizers import load_tokenizer
 from mta.training.sampling import micro_batches
-from mta.training.batching import IGNORE_INDEX, AnnotatedExamples, DeferredSpans
+from mta.training.batching import IGNORE_INDEX, AnnotatedExamples
 from mta.training.config.schema import Recipe
 from mta.training.sampling.micro_batches import OffPolicyBatches
 
@@ -107,15 +107,16 @@ def test_a_generated_micro_batch_trains_on_the_ids_generated_and_their_spans(
 ):
     table = read_annotations(same_data).table
     ScriptedGenerator.script = scripted(tokenizer)
-    monkeypatch.setattr(student_samples, "HFGenerator", ScriptedGenerator)
+    monkeypatch.setattr(micro_batches, "HFGenerator", ScriptedGenerator)
     with SpanParser(settings, workers=0) as span_parser:
         parser = CountingParser(span_parser)
         batches = off_policy(table, tokenizer, parser, save_generated=True)
         rows = np.arange(4)
         gold = AnnotatedExamples(table, student_pad_id=0, granularities=GRANULARITIES).batch(rows)
         batch, source = batches.batch(0, 0, rows, gold)
-        assert source == "generated" and isinstance(batch.spans, DeferredSpans)
-        assert parser.waits == 0, "the spans were waited for before the forwards"
+        assert source == "generated" and batch.pending_spans is not None and batch.spans == {}
+        assert parser.waits == 0, "the spans were waited for before the teacher forward"
+        assert batch.to("cpu").padded_to(64, {"student": 0, "teacher": 0}).pending_spans is batch.pending_spans
 
         eos = tokenizer.eos_token_id
         expected_rows = []
@@ -134,16 +135,19 @@ def test_a_generated_micro_batch_trains_on_the_ids_generated_and_their_spans(
             expected_rows.append(GeneratedRow(row["text"][: row["prompt_chars"]], prompt, response,
                                               finished=finished, id=row["id"]))
 
-        # The spans the loss reads are those of the same rows parsed directly, waited for once.
+        # The spans the loss reads (asked for after the teacher forward) are those of the same
+        # rows parsed directly, waited for once.
         want = AnnotatedExamples(
             annotate_generated(span_parser.annotator, expected_rows).batch, student_pad_id=0,
             granularities=GRANULARITIES,
         ).batch(rows).spans
-        device_spans = batch.to("cpu").spans
+        with_spans = batches.with_spans(batch.to("cpu"))
+        assert with_spans.pending_spans is None and batches.with_spans(with_spans) is with_spans
+        device_spans = with_spans.spans
         for name in GRANULARITIES:
             for field in ("student_start", "student_end", "teacher_start", "teacher_end", "mask"):
                 assert torch.equal(getattr(device_spans[name], field), getattr(want[name], field)), (name, field)
-        assert parser.waits == 1
+        assert batches.with_spans(batch).spans.keys() == set(GRANULARITIES) and parser.waits == 1
         assert want["word"].mask[2].any(), "the full-budget row has words"
 
         # Settled before the next decision: into the buffer, as the rows the spans came from.
@@ -163,12 +167,12 @@ def test_a_generated_micro_batch_trains_on_the_ids_generated_and_their_spans(
 def test_the_parsed_rows_must_hold_the_ids_trained_on(same_data, tokenizer, settings, monkeypatch):  # noqa: F811
     table = read_annotations(same_data).table
     ScriptedGenerator.script = scripted(tokenizer)
-    monkeypatch.setattr(student_samples, "HFGenerator", ScriptedGenerator)
+    monkeypatch.setattr(micro_batches, "HFGenerator", ScriptedGenerator)
     with SpanParser(settings, workers=0) as parser:
         batches = off_policy(table, tokenizer, parser, mode="always")
         rows = np.arange(4)
         gold = AnnotatedExamples(table, student_pad_id=0, granularities=GRANULARITIES).batch(rows)
         batch, _ = batches.batch(0, 0, rows, gold)
         batch.student.input_ids[2, -1] += 1  # as if a worker's tokenizer differed
-        with pytest.raises(student_samples.MtaError, match="differ from the ids generated"):
-            batch.spans["word"]
+        with pytest.raises(micro_batches.MtaError, match="differ from the ids generated"):
+            batches.with_spans(batch)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from mta import tracking
 from mta.errors import MtaError
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.trainer import run_distillation
 
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.artefact import read_annotations
+from mta.store.read import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.truncation import FittedText, fit_to_limits
 

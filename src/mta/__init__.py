@@ -18,4 +18,4 @@ The command-line interface lives in the separate ``mta_cli`` package and only pa
 arguments and reports; everything it does is callable from here.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -9,6 +9,7 @@ helpers below are safe to call anywhere.
 from __future__ import annotations
 
 import os
+import socket
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -49,6 +50,13 @@ def main_process_first() -> Iterator[None]:
     finally:
         if is_distributed() and is_main():
             dist.barrier()
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now (a world's MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def available_cores() -> int:

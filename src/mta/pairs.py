@@ -38,7 +38,7 @@ from typing import Any, Iterator, Literal, Optional, Sequence
 import torch
 
 from mta import distributed
-from mta.store.artefact import MAX_SKIPPED_EXAMPLES
+from mta.store.manifests import MAX_SKIPPED_EXAMPLES
 from mta.data.rows import INVALID_TEXT, Example, RowProblem, check_input_file, read_rows, summarize_input
 from mta.dtypes import DTYPES, dtype_name, resolve_dtype
 from mta.errors import MtaError

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.options import OnError, TemplateChoice, parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
@@ -23,27 +24,6 @@ class WordSpansChoice(str, Enum):
 class SpanRuleChoice(str, Enum):  # mta.data.token_ranges.SPAN_RULES
     paper = "paper"
     reference = "reference"
-
-
-class OnError(str, Enum):
-    fail = "fail"
-    skip = "skip"
-
-
-class TemplateChoice(str, Enum):  # mta.data.prompts.TEMPLATES
-    alpaca = "alpaca"
-    chat = "chat"
-    none = "none"
-
-
-def _parse_shard(text: str) -> tuple[int, int]:
-    index, sep, count = text.partition("/")
-    try:
-        if not sep:
-            raise ValueError
-        return int(index), int(count)
-    except ValueError:
-        raise MtaError(f"--shard '{text}' must look like I/N, e.g. 0/8 (I counts from 0)") from None
 
 
 def _parse_fields(texts: Optional[list[str]]) -> Optional[dict[str, str]]:
@@ -132,7 +112,8 @@ def annotate(
     """
     quiet_third_party(verbose)
     from mta.data.annotate import AnnotateSettings, run_annotate
-    from mta.store.artefact import manifest_path, merge_shards
+    from mta.store.layout import manifest_path
+    from mta.store.publish import merge_shards
 
     console = Console(stderr=True)
     if merge is not None:
@@ -152,7 +133,7 @@ def annotate(
     )
     if recipe is not None:
         from mta.training.model_loading import tokenizer_sources
-        from mta.training.config.schema import load_recipe
+        from mta.training.config.loading import load_recipe
         from mta.training.config.catalog import find_recipe
 
         loaded = load_recipe(find_recipe(recipe).path)
@@ -170,7 +151,7 @@ def annotate(
             teacher=teacher, student=student,
             **{key: value for key, value in options.items() if value is not None},
         )
-    shard_index, num_shards = _parse_shard(shard) if shard else (0, 1)
+    shard_index, num_shards = parse_shard(shard) if shard else (0, 1)
 
     with make_reporter(console) as reporter:
         outcome = run_annotate(

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
-from mta_cli.reporting import make_reporter
+from mta_cli.results import run_demo_command
 
 
 def demo(
@@ -34,26 +31,8 @@ def demo(
     from mta.demo.report import table, write_report
     from mta.demo.settings import DemoSettings
 
-    console = Console(stderr=True)
     settings = DemoSettings.quick() if quick else DemoSettings.full()
-    console.print(
-        f"[bold]mta demo ({settings.name})[/]: about {settings.estimated_seconds() / 60:.0f} min on a "
-        f"2-core CPU; output in {out_dir}/"
+    run_demo_command(
+        f"mta demo ({settings.name})", settings.estimated_seconds(), out_dir,
+        lambda reporter: run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter), write_report, table,
     )
-    started = time.perf_counter()
-    with make_reporter(console) as reporter:
-        results = run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter)
-    markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
-
-    print_results(f"mta demo ({settings.name})", *table(results), markdown, picture)
-
-
-def print_results(title: str, header, body, markdown, picture) -> None:
-    """A demo's results table on stdout, then where its results.md and picture are (stderr)."""
-    rich = Table(title=title)
-    for index, column in enumerate(header):
-        rich.add_column(column, justify="left" if index == 0 else "right")
-    for row in body:
-        rich.add_row(*row)
-    Console().print(rich)
-    Console(stderr=True).print(f"[green]table:[/] {markdown}\n[green]picture:[/] {picture}")

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
-from mta_cli.reporting import make_reporter
+from mta_cli.results import run_demo_command
 
 
 def demo_embed(
@@ -33,16 +31,9 @@ def demo_embed(
     """
     quiet_third_party(verbose)
     from mta.embedding.demo import EmbedDemoSettings, estimated_seconds, run_embedding_demo, table, write_report
-    from mta_cli.commands.demo import print_results
 
-    console = Console(stderr=True)
     settings = EmbedDemoSettings.quick() if quick else EmbedDemoSettings.full()
-    console.print(
-        f"[bold]mta demo-embed ({settings.name})[/]: about {estimated_seconds(settings) / 60:.0f} min on a "
-        f"2-core CPU; output in {out_dir}/"
+    run_demo_command(
+        f"mta demo-embed ({settings.name})", estimated_seconds(settings), out_dir,
+        lambda reporter: run_embedding_demo(settings, out_dir, data_dir=data_dir, reporter=reporter), write_report, table,
     )
-    started = time.perf_counter()
-    with make_reporter(console) as reporter:
-        results = run_embedding_demo(settings, out_dir, data_dir=data_dir, reporter=reporter)
-    markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
-    print_results(f"mta demo-embed ({settings.name})", *table(results), markdown, picture)

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from mta.training.config.schema import load_recipe
+from mta.training.config.loading import load_recipe
 from mta.training.config.catalog import find_recipe
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 

@@ -11,12 +11,12 @@ from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.commands.annotate import OnError, _parse_shard
+from mta_cli.options import OnError, parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
 
-class PoolingChoice(str, Enum):  # mta.embedding.encoder: AUTO + POOLINGS
+class PoolingChoice(str, Enum):  # mta.embedding.pooling: AUTO + POOLINGS
     auto = "auto"
     mean = "mean"
     cls = "cls"
@@ -69,7 +69,7 @@ def embed(
     from mta.embedding.teacher_embeddings import run_embed
 
     console = Console(stderr=True)
-    shard_spec = _parse_shard(shard) if shard else None
+    shard_spec = parse_shard(shard) if shard else None
     if batch_size < 1:
         raise MtaError(f"--batch-size must be at least 1, got {batch_size}")
     with make_reporter(console) as reporter:

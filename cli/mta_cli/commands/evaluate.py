@@ -13,25 +13,17 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.commands.annotate import TemplateChoice
+from mta_cli.options import TemplateChoice
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
+from mta_cli.results import comparison_table
 
 
 def rich_table(results: dict) -> Table:
     """The comparison table of results.md (the same cells), for the terminal."""
     from mta.evaluation.report import table_rows
 
-    header, body = table_rows(results)
-    table = Table(title="ROUGE-L (mean ± std over seeds)")
-    for i, column in enumerate(header):
-        if i == 0:
-            table.add_column(column, overflow="fold", min_width=12)
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
-    for row in body:
-        table.add_row(*row)
-    return table
+    return comparison_table("ROUGE-L (mean ± std over seeds)", *table_rows(results))
 
 
 def _csv(value: str, what: str) -> list[str]:

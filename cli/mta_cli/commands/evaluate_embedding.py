@@ -10,19 +10,14 @@ from rich.console import Console
 from rich.table import Table
 
 from mta_cli.reporting import make_reporter
+from mta_cli.results import comparison_table
 
 
 def rich_table(results: dict) -> Table:
     """The comparison table of results.md (the same cells), for the terminal."""
     from mta.embedding.evaluation import table_rows
 
-    header, body = table_rows(results)
-    table = Table(title="embedding evaluation")
-    for i, column in enumerate(header):
-        table.add_column(column, overflow="fold", min_width=12) if i == 0 else table.add_column(column, justify="right", no_wrap=True)
-    for row in body:
-        table.add_row(*row)
-    return table
+    return comparison_table("embedding evaluation", *table_rows(results))
 
 
 def evaluate_embedding(

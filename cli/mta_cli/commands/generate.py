@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from mta_cli.commands.annotate import OnError
+from mta_cli.options import OnError
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 

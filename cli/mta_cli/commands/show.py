@@ -23,7 +23,7 @@ def show(
     """Print one row: its text with phrase (NP cyan, VP magenta) and word (underlined) spans,
     the teacher's and the student's tokens, and each span's token range on both sides.
     """
-    from mta.store.artefact import read_annotations
+    from mta.store.read import read_annotations
 
     console = Console()
     annotations = read_annotations(out_dir)

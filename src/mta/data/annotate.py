@@ -4,7 +4,7 @@ The input may also be a Parquet or CSV file or a ``datasets`` save_to_disk direc
 columns optionally read under other names (``fields``): :mod:`mta.data.sources`.
 Rows stream from the file in chunks to worker processes (spaCy is the cost), come back as Arrow
 record batches in input order, and go into one Parquet part per shard; the part, the shard
-manifest and ``manifest.json`` are written atomically (see :mod:`mta.store.artefact`). A complete
+manifest and ``manifest.json`` are written atomically (see :mod:`mta.store`). A complete
 artefact built from the same input bytes with the same settings, whose parts still match their
 sha256, is reused unless ``force``. A writer holds its shard's lock from before it computes until
 its shard is published, so a second writer of the same shard is refused; a full disk is reported
@@ -16,9 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing
-import os
 import secrets
-import signal
 from collections import Counter, deque
 from contextlib import closing
 from dataclasses import dataclass
@@ -26,20 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Optional
 
 import mta
-from mta.data.example_annotator import ChunkResult, ExampleAnnotator
-from mta.store.artefact import (
-    MAX_SKIPPED_EXAMPLES,
-    PartWriter,
-    commit_shard,
-    finish_publishing,
-    part_is_intact,
-    read_manifest,
-    read_shard_manifest,
-    remove_if_empty,
-    shard_lock,
-    staged_part,
-    try_merge,
-)
+from mta.data.example_annotator import ChunkResult, ExampleAnnotator, annotate_in_worker, init_annotator_worker
 from mta.data.artefact_schema import SCHEMA_VERSION, VERSION_KEY
 from mta.data.encoding import TokenizerSide
 from mta.data.prompts import PromptStyle, Template, check_template, prompt_style
@@ -52,6 +37,11 @@ from mta.errors import MtaError
 from mta.files import disk_full_is_reported, make_output_directory
 from mta.reporting import Reporter, SilentReporter
 from mta.hashing import json_sha256
+from mta.store.layout import remove_if_empty, staged_part
+from mta.store.locks import shard_lock
+from mta.store.manifests import MAX_SKIPPED_EXAMPLES
+from mta.store.publish import PartWriter, commit_shard, finish_publishing
+from mta.store.reuse import reusable_output
 
 CHUNK_ROWS = 64  # examples per task sent to a worker; one spaCy batch
 # A chunk also ends once its rows hold this many characters, so a file of multi-megabyte rows
@@ -207,7 +197,7 @@ def run_annotate(
     # One text for both sides: a chat prompt is rendered with the student's template.
     style = prompt_style(settings.template, settings.student, rendered_by="student")
     description = _describe(source, summary, settings, teacher, student, spacy_name, spacy_version, style)
-    run_key = _run_key(description)
+    run_key = annotate_run_key(description)
 
     if not force:
         reused = _reusable(out_dir, run_key, shard, num_shards)
@@ -282,7 +272,7 @@ def _describe(
     }
 
 
-def _run_key(description: dict[str, Any]) -> str:
+def annotate_run_key(description: dict[str, Any]) -> str:
     """Hash of what decides the content: input bytes, vocabularies, spaCy, settings, versions.
 
     Paths and tokenizer names are left out: the same bytes elsewhere give the same artefact.
@@ -303,23 +293,12 @@ def _run_key(description: dict[str, Any]) -> str:
 
 
 def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> AnnotateOutcome | None:
-    """The outcome of an earlier run with the same key whose parts are intact (sha256), if any."""
-    if not out_dir.is_dir():
+    """The outcome of an earlier run with the same key whose parts are intact (sha256), if any
+    (:func:`mta.store.reuse.reusable_output`)."""
+    earlier = reusable_output(out_dir, run_key, shard, num_shards)
+    if earlier is None:
         return None
-    finish_publishing(out_dir)  # a layout 1 directory is adopted; a cut-short publish finished
-    manifest = read_manifest(out_dir)
-    if manifest is not None and manifest.get("run_key") == run_key and all(
-        part_is_intact(out_dir, part) for part in manifest["parts"]
-    ):
-        return AnnotateOutcome(out_dir, {}, manifest, reused=True)
-    shard_manifest = read_shard_manifest(out_dir, shard, num_shards)
-    if (
-        shard_manifest is not None
-        and shard_manifest.get("run_key") == run_key
-        and part_is_intact(out_dir, shard_manifest["part"])
-    ):
-        return AnnotateOutcome(out_dir, shard_manifest, try_merge(out_dir, run_key, num_shards), True)
-    return None
+    return AnnotateOutcome(out_dir, earlier.shard_manifest, earlier.manifest, reused=True)
 
 
 def _annotate_shard(
@@ -418,21 +397,6 @@ def _chunks(items: Iterable[Example], size: int, max_chars: int = CHUNK_CHARS) -
 
 # --------------------------------------------------------------------------- worker processes
 
-_WORKER_ANNOTATOR: ExampleAnnotator | None = None
-
-
-def _init_worker(source: ExampleAnnotator | Callable[[], ExampleAnnotator]) -> None:
-    global _WORKER_ANNOTATOR
-    # Ctrl-C is the parent's to handle: it stops the pool and deletes the unfinished part.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; no nested threads
-    _WORKER_ANNOTATOR = source if isinstance(source, ExampleAnnotator) else source()
-
-
-def _annotate_in_worker(chunk: list[Example]) -> ChunkResult:
-    assert _WORKER_ANNOTATOR is not None, "worker used before _init_worker"
-    return _WORKER_ANNOTATOR.annotate(chunk)
-
 
 def map_chunks(
     build: Callable[[], ExampleAnnotator], chunks: Iterator[list[Example]], workers: int
@@ -452,10 +416,10 @@ def map_chunks(
         context, source = multiprocessing.get_context("fork"), build()
     else:
         context, source = multiprocessing.get_context("spawn"), build
-    with context.Pool(workers, initializer=_init_worker, initargs=(source,)) as pool:
+    with context.Pool(workers, initializer=init_annotator_worker, initargs=(source,)) as pool:
         pending: deque = deque()
         for chunk in chunks:
-            pending.append(pool.apply_async(_annotate_in_worker, (chunk,)))
+            pending.append(pool.apply_async(annotate_in_worker, (chunk,)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:

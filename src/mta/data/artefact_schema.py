@@ -42,7 +42,7 @@ rebuilds the directory (:func:`reannotate_command`).
 Layouts. How the files of an artefact sit in its directory is versioned apart from the table:
 ``LAYOUT_VERSION`` (manifest key ``layout_version``) changes when files move, ``SCHEMA_VERSION``
 when the columns do; a layout change leaves the rows as they are, so it needs no upgrade step.
-``LAYOUTS[n]`` says what layout ``n`` is (:mod:`mta.store.artefact` reads each one):
+``LAYOUTS[n]`` says what layout ``n`` is (:mod:`mta.store.read` reads each one):
 
 - layout 1 (mta 0.1, schema versions 1 and 2): ``manifest.json``, the shard manifests, the lock
   files and the parts side by side in the directory. Its manifest carries no ``layout_version``.
@@ -52,7 +52,7 @@ when the columns do; a layout change leaves the rows as they are, so it needs no
   everything else lives under ``.mta/``, which every one of them skips.
 
 Bumping the layout: describe it in ``LAYOUTS``, set ``LAYOUT_VERSION``, keep reading the older
-layouts in :mod:`mta.store.artefact` (``tests/test_data_sources.py`` reads each), and describe
+layouts in :mod:`mta.store` (``tests/test_data_sources.py`` reads each), and describe
 it in the changelog. An mta meeting a newer layout refuses it, naming the upgrade.
 """
 

@@ -12,9 +12,11 @@ settled; parsing, alignment and the Arrow rows are one code path for both:
 
 from __future__ import annotations
 
+import os
+import signal
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -279,3 +281,26 @@ class ExampleAnnotator:
             text, prompt_chars, bool(finished), False, tuple(encodings), text[prompt_chars:]
         )
         return fitted, (row_ids[0], row_ids[1])
+
+
+# --------------------------------------------------------------------------- worker processes
+# The pool initializer and task of the processes that run an annotator: ``mta annotate``
+# (:func:`mta.data.annotate.map_chunks`) and the trainer's span parser (:mod:`mta.data.online_spans`).
+
+_WORKER_ANNOTATOR: ExampleAnnotator | None = None
+
+
+def init_annotator_worker(source: ExampleAnnotator | Callable[[], ExampleAnnotator]) -> None:
+    """Install this worker process's annotator: ``source`` itself (inherited by fork), or what
+    it builds (spawn)."""
+    global _WORKER_ANNOTATOR
+    # Ctrl-C is the parent's to handle: it stops the pool and deletes the unfinished part.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; no nested threads
+    _WORKER_ANNOTATOR = source if isinstance(source, ExampleAnnotator) else source()
+
+
+def annotate_in_worker(chunk: Sequence[Example | GeneratedRow]) -> ChunkResult:
+    """One chunk annotated by this worker's annotator (:func:`init_annotator_worker`)."""
+    assert _WORKER_ANNOTATOR is not None, "worker used before init_annotator_worker"
+    return _WORKER_ANNOTATOR.annotate(chunk)

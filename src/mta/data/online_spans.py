@@ -14,8 +14,8 @@ whose docstring states the rule for a character split between tokens or cut off 
 A side that shares the tokenizer gets the same ids; another tokenizer encodes ``text``.
 
 :class:`SpanParser` runs that in a pool of worker processes built by annotate's own worker
-machinery (:func:`mta.data.annotate._init_worker` / ``_annotate_in_worker``, fork where the
-platform has it, so the workers inherit the loaded spaCy pipeline). The trainer submits a batch
+machinery (:func:`mta.data.example_annotator.init_annotator_worker` / ``annotate_in_worker``,
+fork where the platform has it, so the workers inherit the loaded spaCy pipeline). The trainer submits a batch
 right after generation and collects it before the loss::
 
     settings = AnnotateSettings.from_recipe(recipe)
@@ -47,11 +47,16 @@ from typing import Optional, Sequence
 
 import pyarrow as pa
 
-from mta.data import annotate as annotate_stage
 from mta.data.annotate import AnnotateSettings, build_annotator
 from mta.data.artefact_schema import SCHEMA
 from mta.data.encoding import TokenizerSide
-from mta.data.example_annotator import ChunkResult, ExampleAnnotator, GeneratedRow
+from mta.data.example_annotator import (
+    ChunkResult,
+    ExampleAnnotator,
+    GeneratedRow,
+    annotate_in_worker,
+    init_annotator_worker,
+)
 from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
 
@@ -200,7 +205,7 @@ def _die_with_parent() -> None:
 def _init_online_worker(source) -> None:
     _limit_threads()
     _die_with_parent()
-    annotate_stage._init_worker(source)  # SIGINT left to the trainer; the annotator installed
+    init_annotator_worker(source)  # SIGINT left to the trainer; the annotator installed
 
 
 def _split(rows: Sequence[GeneratedRow], parts: int) -> list[list[GeneratedRow]]:
@@ -286,7 +291,7 @@ class SpanParser:
             )
             try:
                 # Forks every worker now (not in the middle of a step) and checks they came up.
-                warm = [self._executor.submit(annotate_stage._annotate_in_worker, []) for _ in range(self.workers)]
+                warm = [self._executor.submit(annotate_in_worker, []) for _ in range(self.workers)]
                 PendingSpans(warm, self.result_timeout_s).result()
             except BaseException:
                 self.close()
@@ -348,7 +353,7 @@ class SpanParser:
                 return PendingSpans([_completed(error=error)], self.result_timeout_s)
         try:
             futures = [
-                self._executor.submit(annotate_stage._annotate_in_worker, chunk)
+                self._executor.submit(annotate_in_worker, chunk)
                 for chunk in _split(rows, self.workers)
             ]
         except BrokenProcessPool as error:

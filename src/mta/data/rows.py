@@ -225,7 +225,7 @@ def _check_encodable(name: str, text: str) -> None:
 def _parse_line(raw: bytes, row_id: int, line: int, pairs: bool = False, style: PromptStyle = ALPACA) -> list[Row]:
     """The example(s) of one line (two for a pair row), or its problem; ``pairs``: the file's
     kind, as its first row decides; ``style``: how prompts are built."""
-    record = _decoded(raw)
+    record = decode_line(raw)
     if isinstance(record, _Invalid):
         return [RowProblem(row_id, line, record.reason, record.message)]
     try:
@@ -246,8 +246,8 @@ def _parse_line(raw: bytes, row_id: int, line: int, pairs: bool = False, style: 
     return [Example(row_id, line, prompt, response)]
 
 
-def _decoded(raw: bytes) -> Any:
-    """One line's JSON object, or the ``_Invalid`` saying why it is none."""
+def decode_line(raw: bytes) -> Any:
+    """One JSONL line's JSON object, or the ``PromptProblem`` (an ``_Invalid``) saying why it is none."""
     try:
         decoded = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -270,7 +270,7 @@ def _strip_line(number: int, raw: bytes) -> bytes:
 def check_input_file(path: Path) -> None:
     """Refuse an input that is not a readable file, saying what it is and what to give instead."""
     if path.is_dir():
-        from mta.store.artefact import holds_artefact  # either layout (.mta/manifest.json or manifest.json)
+        from mta.store.layout import holds_artefact  # either layout (.mta/manifest.json or manifest.json)
 
         if holds_artefact(path):
             raise MtaError(
@@ -298,8 +298,8 @@ def _open(path: Path):
         raise MtaError(f"cannot read the input file {path}: {error.strerror}") from error
 
 
-def _data_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, bytes without the newline) of every non-blank line."""
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes without the newline) of every non-blank line of a JSONL file."""
     with _open(path) as handle:
         for number, raw in enumerate(handle, 1):
             raw = _strip_line(number, raw)
@@ -316,17 +316,17 @@ def read_rows(
     Only the selected rows are decoded, so every shard reads the file but parses its share.
     """
     pairs = None
-    for row_id, (line, raw) in enumerate(_data_lines(Path(path))):
+    for row_id, (line, raw) in enumerate(jsonl_lines(Path(path))):
         if pairs is None:  # the first row decides the file's kind, for every shard
-            pairs = is_pair_record(_decoded(raw))
+            pairs = is_pair_record(decode_line(raw))
         if row_id % num_shards == shard:
             yield from _parse_line(raw, row_id, line, pairs, style)
 
 
 def is_pair_file(path: str | Path) -> bool:
     """Whether the file's rows are pairs (its first row decides; see the module docstring)."""
-    for _, raw in _data_lines(Path(path)):
-        return is_pair_record(_decoded(raw))
+    for _, raw in jsonl_lines(Path(path)):
+        return is_pair_record(decode_line(raw))
     return False
 
 
@@ -398,11 +398,11 @@ def read_mapped_rows(
 ) -> Iterator[Row]:
     """:func:`read_rows` for a JSONL file whose columns ``fields`` reads as the format keys."""
     pairs = None
-    for row_id, (line, raw) in enumerate(_data_lines(Path(path))):
+    for row_id, (line, raw) in enumerate(jsonl_lines(Path(path))):
         if pairs is None:
-            pairs = is_pair_record(map_fields(_decoded(raw), fields))
+            pairs = is_pair_record(map_fields(decode_line(raw), fields))
         if row_id % num_shards == shard:
-            record = _decoded(raw)
+            record = decode_line(raw)
             if not isinstance(record, _Invalid):
                 raw = record_bytes(map_fields(record, fields))
             yield from _parse_line(raw, row_id, line, pairs, style)
@@ -410,8 +410,8 @@ def read_mapped_rows(
 
 def is_mapped_pair_file(path: str | Path, fields: Mapping[str, str]) -> bool:
     """:func:`is_pair_file` with the file's columns read through ``fields``."""
-    for _, raw in _data_lines(Path(path)):
-        return is_pair_record(map_fields(_decoded(raw), fields))
+    for _, raw in jsonl_lines(Path(path)):
+        return is_pair_record(map_fields(decode_line(raw), fields))
     return False
 
 

@@ -38,17 +38,18 @@ from mta.data.rows import (
     Row,
     RowProblem,
     check_input_file,
+    decode_line,
     field_problems,
     is_mapped_pair_file,
     is_pair_file,
     is_pair_record,
+    jsonl_lines,
     map_fields,
     read_mapped_rows,
     read_rows,
     record_rows,
     summarize_input,
 )
-from mta.data.rows import _data_lines, _decoded  # the JSONL line reader, shared with read_rows
 from mta.errors import MtaError
 from mta.hashing import directory_checksums, file_sha256, json_sha256
 
@@ -133,9 +134,9 @@ class JsonlSource(InputSource):
         return is_mapped_pair_file(self.path, self.fields)
 
     def records(self, *, shard: int = 0, num_shards: int = 1) -> Iterator[tuple[int, int, Any]]:
-        for row_id, (line, raw) in enumerate(_data_lines(self.path)):
+        for row_id, (line, raw) in enumerate(jsonl_lines(self.path)):
             if row_id % num_shards == shard:
-                record = _decoded(raw)
+                record = decode_line(raw)
                 if isinstance(record, PromptProblem):  # rows' _Invalid: not a JSON object
                     yield row_id, line, RowProblem(row_id, line, record.reason, record.message)
                 else:
@@ -234,7 +235,7 @@ def open_source(path: str | Path, fields: Optional[Mapping[str, str]] = None) ->
     if problems:
         raise MtaError(f"field mapping {_mapping(fields)}: " + "; ".join(problems))
     if path.is_dir():
-        from mta.store.artefact import holds_artefact
+        from mta.store.layout import holds_artefact
 
         if not holds_artefact(path) and is_dataset_directory(path):
             if (path / "dataset_dict.json").is_file():

@@ -28,7 +28,8 @@ from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
 from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.engine import resolve_training_precision
-from mta.training.config.schema import Recipe, load_recipe
+from mta.training.config.loading import load_recipe
+from mta.training.config.schema import Recipe
 from mta.training.trainer import run_distillation
 from mta.training.config.catalog import SHIPPED_DIR
 
@@ -123,16 +124,23 @@ def run_demo(
 def _claim(paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> None:
     """Start over when the directory holds a demo of the other size (quick overwrites full), or
     one an mta with another directory layout wrote (its runs and predictions would be refused)."""
-    stamp = paths.root / SETTINGS_FILE
     # The precision as resolved here: on a machine where auto means another, the runs and the
     # predictions (whose claims name their dtype) are redone.
     precision = resolve_precision(settings.precision, local_device())
-    wanted = json.dumps({**asdict(settings), "layout": DEMO_LAYOUT, "resolved_precision": precision}, sort_keys=True)
-    if stamp.exists() and json.dumps(json.loads(stamp.read_text()), sort_keys=True) != wanted:
-        reporter.message(f"{paths.root} holds a demo with other settings: starting it over")
-        shutil.rmtree(paths.root)
-    paths.root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(stamp, wanted + "\n")
+    claim_demo_directory(paths.root, {**asdict(settings), "layout": DEMO_LAYOUT, "resolved_precision": precision}, reporter)
+
+
+def claim_demo_directory(root: Path, stamp: dict, reporter: Reporter) -> None:
+    """Make ``root`` a demo's directory stamped ``stamp`` (its settings, in ``demo.json``): a
+    directory stamped otherwise is deleted first (``reporter`` says so), so a demo of other
+    settings is started over rather than continued."""
+    stamp_path = root / SETTINGS_FILE
+    wanted = json.dumps(stamp, sort_keys=True)
+    if stamp_path.exists() and json.dumps(json.loads(stamp_path.read_text()), sort_keys=True) != wanted:
+        reporter.message(f"{root} holds a demo with other settings: starting it over")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(stamp_path, wanted + "\n")
 
 
 def _path_overrides(teacher: Path, paths: DemoPaths) -> list[str]:
@@ -152,19 +160,25 @@ def _sample_dolly(data_dir: Path, paths: DemoPaths, settings: DemoSettings, reci
         "dev": (data_dir / "dolly" / "dev.jsonl", settings.dev_rows),
     }
     for split, (source, count) in wanted.items():
-        target = paths.data(split)
-        if target.exists():
-            continue
-        if not source.exists():
-            raise MtaError(
-                f"the demo needs {source}; set MTA_DATA_DIR to a directory holding dolly/train.jsonl "
-                "and dolly/dev.jsonl (`mta data download` fetches them where the Hugging Face Hub "
-                "is reachable)"
-            )
-        lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
-        count = min(count, len(lines))
-        chosen = sorted(random.Random(0).sample(range(len(lines)), count)) if split == "train" else range(count)
-        atomic_write_text(target, "".join(lines[i] + "\n" for i in chosen))
+        copy_dolly_rows(source, paths.data(split), count, sample=split == "train", demo="the demo")
+
+
+def copy_dolly_rows(source: Path, target: Path, count: int, *, sample: bool, demo: str) -> None:
+    """``count`` rows of the Dolly file ``source`` into ``target``: drawn with seed 0 (kept in file
+    order) when ``sample``, else the first ones; an existing ``target`` is kept. ``demo`` names
+    the demo in the error for a missing ``source``."""
+    if target.exists():
+        return
+    if not source.exists():
+        raise MtaError(
+            f"{demo} needs {source}; set MTA_DATA_DIR to a directory holding dolly/train.jsonl "
+            "and dolly/dev.jsonl (`mta data download` fetches them where the Hugging Face Hub "
+            "is reachable)"
+        )
+    lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    count = min(count, len(lines))
+    chosen = sorted(random.Random(0).sample(range(len(lines)), count)) if sample else range(count)
+    atomic_write_text(target, "".join(lines[i] + "\n" for i in chosen))
 
 
 def _distill(recipe: Recipe, variant: Variant, reporter: Reporter) -> tuple[Path, float]:

@@ -1,4 +1,11 @@
-"""The demo's table (``results.md``, the terminal) and picture (``summary.png``)."""
+"""A demo's report: ``results.md`` (and the terminal table), ``results.json``, ``summary.png``.
+
+The parts every demo's report shares (``mta demo`` here, ``mta demo-embed`` in
+:mod:`mta.embedding.demo`): the heading of results.md (:func:`report_heading`), the files
+(:func:`write_report_files`), a run's training records (:func:`train_records`) and the pieces of
+the picture (:func:`pyplot`, :func:`plot_training_losses`, :func:`bar_positions`,
+:func:`save_figure`). Then the LLM demo's own table, notes and picture.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,7 @@ import json
 import platform
 import time
 from pathlib import Path
-
-from safetensors import safe_open
+from typing import Callable, Mapping, Sequence
 
 from mta import distributed
 from mta.demo.settings import VARIANTS
@@ -15,6 +21,77 @@ from mta.files import atomic_path, atomic_write_text
 from mta.tables import markdown_table
 from mta.evaluation.datasets import BENCHMARKS
 from mta.evaluation.results import averages
+from mta.models.weights import parameter_count
+
+RESULTS_MARKDOWN, RESULTS_JSON, SUMMARY_PICTURE = "results.md", "results.json", "summary.png"
+
+
+# --------------------------------------------------------------------------- shared by the demos
+
+
+def report_heading(title: str, precision: str, elapsed_seconds: float) -> list[str]:
+    """The first lines of a demo's results.md: its title, then when, where, at what precision and
+    in how long it ran."""
+    return [
+        f"# {title}",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {platform.machine()}, "
+        f"{distributed.available_cores()} cores, {precision} · whole demo {elapsed_seconds / 60:.1f} min",
+        "",
+    ]
+
+
+def write_report_files(out_dir: str | Path, lines: Sequence[str], plot: Callable[[Path], None]) -> tuple[Path, Path]:
+    """``lines`` as ``out_dir/results.md``, then ``plot(out_dir/summary.png)``; returns both paths."""
+    out_dir = Path(out_dir)
+    markdown = out_dir / RESULTS_MARKDOWN
+    atomic_write_text(markdown, "\n".join(lines))
+    picture = out_dir / SUMMARY_PICTURE
+    plot(picture)
+    return markdown, picture
+
+
+def train_records(metrics: str | Path) -> list[dict]:
+    """The training records (not the dev ones) of a run's ``metrics.jsonl``, in order."""
+    records = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("split", "train") == "train"]
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_training_losses(axes, runs: Mapping[str, Sequence[dict]], *, fontsize: int) -> None:
+    """One loss curve per run (``{label: train_records(...)}``) on ``axes``."""
+    for label, train in runs.items():
+        axes.plot([r["step"] for r in train], [r["loss"] for r in train], marker=".", label=label)
+    axes.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss")
+    axes.legend(fontsize=fontsize)
+
+
+def bar_positions(series: int, groups: int) -> tuple[float, list[list[float]]]:
+    """Grouped bars: their width and, per series, its bar's x in each of ``groups`` groups
+    (group g centred on x = g)."""
+    width = 0.8 / max(series, 1)
+    return width, [[x + (i - (series - 1) / 2) * width for x in range(groups)] for i in range(series)]
+
+
+def save_figure(figure, path: Path) -> None:
+    """Lay ``figure`` out, write it as a PNG (atomically) and close it."""
+    figure.tight_layout()
+    with atomic_path(path) as partial:
+        figure.savefig(partial, dpi=110, format="png")
+    pyplot().close(figure)
+
+
+# --------------------------------------------------------------------------- the LLM demo
+
 
 BASE_VARIANT, MTA_VARIANT = "kd", "mta"  # the comparison that says what MTA adds to its base loss
 
@@ -43,20 +120,6 @@ def perplexity_note(results: dict) -> str:
         sentence += (f"; {mta} against {base}: {ppl[mta]:.2f} vs {ppl[base]:.2f} "
                      f"({abs(change):.1f} % {word})")
     return sentence.rstrip("; ") + "."
-
-
-def parameter_count(model_dir: str | Path) -> int:
-    """Parameters stored in a checkpoint's safetensors files, read from their headers only."""
-    total = 0
-    for shard in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as handle:
-            for name in handle.keys():
-                shape = handle.get_slice(name).get_shape()
-                count = 1
-                for size in shape:
-                    count *= size
-                total += count
-    return total
 
 
 def table(results: dict) -> tuple[list[str], list[list[str]]]:
@@ -98,11 +161,7 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
     header, body = table(results)
     demo = results["settings"]["demo"]
     lines = [
-        f"# mta demo ({demo['name']})",
-        "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {platform.machine()}, "
-        f"{distributed.available_cores()} cores, {_precision(results)} · whole demo {elapsed_seconds / 60:.1f} min",
-        "",
+        *report_heading(f"mta demo ({demo['name']})", _precision(results), elapsed_seconds),
         *markdown_table(header, body),
         "",
         f"ROUGE-L: F x 100, max over references, mean ± population std over seeds "
@@ -118,40 +177,23 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
     note = perplexity_note(results)
     if note:
         lines += [note, ""]
-    markdown = out_dir / "results.md"
-    atomic_write_text(markdown, "\n".join(lines))
-    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
-    picture = out_dir / "summary.png"
-    plot_summary(results, picture)
-    return markdown, picture
+    atomic_write_text(out_dir / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
+    return write_report_files(out_dir, lines, lambda picture: plot_summary(results, picture))
 
 
 def plot_summary(results: dict, path: Path) -> None:
     """Left: training loss of the three runs. Right: ROUGE-L per model and set, with std bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (curves, bars) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for label, metrics in results["metrics"].items():
-        records = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
-        train = [r for r in records if r.get("split", "train") == "train"]
-        curves.plot([r["step"] for r in train], [r["loss"] for r in train], marker=".", label=label)
-    curves.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss")
-    curves.legend(fontsize=8)
+    figure, (curves, bars) = pyplot().subplots(1, 2, figsize=(13, 4.8))
+    plot_training_losses(curves, {label: train_records(metrics) for label, metrics in results["metrics"].items()},
+                         fontsize=8)
 
     labels = list(results["checkpoints"])
     set_names = list(next(iter(results["checkpoints"].values()))["sets"])
-    width = 0.8 / max(len(labels), 1)
-    for i, label in enumerate(labels):
+    width, positions = bar_positions(len(labels), len(set_names))
+    for label, at in zip(labels, positions):
         scores = [results["checkpoints"][label]["sets"][s]["rougeL"] for s in set_names]
-        positions = [x + (i - (len(labels) - 1) / 2) * width for x in range(len(set_names))]
-        bars.bar(positions, [s["mean"] for s in scores], width, yerr=[s["std"] for s in scores], label=label, capsize=2)
+        bars.bar(at, [s["mean"] for s in scores], width, yerr=[s["std"] for s in scores], label=label, capsize=2)
     bars.set_xticks(range(len(set_names)), [BENCHMARKS[s].title for s in set_names])
     bars.set(title="ROUGE-L (mean ± std over seeds)", ylabel="ROUGE-L")
     bars.legend(fontsize=8)
-    figure.tight_layout()
-    with atomic_path(path) as partial:
-        figure.savefig(partial, dpi=110, format="png")
-    plt.close(figure)
+    save_figure(figure, path)

@@ -1,7 +1,9 @@
 """Sentence embeddings: encoders and their pooling, and the teacher-embeddings stage (`mta embed`).
 
+- :mod:`mta.embedding.pooling`: ``pool`` (mean / cls / max / last / cls_attention), ``PoolingConfig``;
 - :mod:`mta.embedding.encoder`: ``load_encoder`` (``AutoModel`` + tokenizer + pooling, a
-  sentence-transformers directory's own pipeline read), ``pool`` (mean / cls / max / last);
+  sentence-transformers directory's own pipeline read);
+- :mod:`mta.embedding.export`: the sentence-transformers directory format, read and written;
 - :mod:`mta.embedding.teacher_embeddings`: ``build_teacher_embeddings`` (the stage: batched,
   resumable, sharded), ``read_teacher_embeddings`` -> ``TeacherEmbeddings`` (what distillation
   reads: ids, texts, ``[n, d]`` float32 embeddings, manifest).
@@ -10,7 +12,8 @@ Imported by training (TALAS reads the teacher's vectors) and evaluation (the pro
 held-out texts); it imports neither.
 """
 
-from mta.embedding.encoder import POOLINGS, EncoderPlan, PoolingConfig, SentenceEncoder, load_encoder, plan_encoder, pool
+from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
+from mta.embedding.pooling import POOLINGS, PoolingConfig, pool
 from mta.embedding.teacher_embeddings import (
     TeacherEmbeddings,
     build_teacher_embeddings,

@@ -32,22 +32,30 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from mta.demo.report import (
+    RESULTS_JSON,
+    bar_positions,
+    plot_training_losses,
+    pyplot,
+    report_heading,
+    save_figure,
+    train_records,
+    write_report_files,
+)
 from mta.errors import MtaError
-from mta.files import atomic_path, atomic_write_json, atomic_write_text
+from mta.evaluation.results import mean_std
+from mta.files import atomic_write_json
 from mta.reporting import Reporter, SilentReporter
 from mta.tables import markdown_table
 from mta.training.config.catalog import SHIPPED_DIR
 
 TALAS_RECIPE = SHIPPED_DIR / "talas-minilm.yaml"
-SETTINGS_FILE = "demo.json"
 START_LABEL = "pruned start"  # the students' common initialisation, untrained
 DEMO_LAYOUT = 1
 
@@ -273,37 +281,24 @@ def _directory_name(label: str) -> str:
 def _claim(root: Path, settings: EmbedDemoSettings, precision: str, reporter: Reporter) -> None:
     """Start over when the directory holds a demo of other settings (quick and full overwrite
     each other)."""
-    stamp = root / SETTINGS_FILE
-    wanted = json.dumps({**asdict(settings), "layout": DEMO_LAYOUT, "resolved_precision": precision}, sort_keys=True)
-    if stamp.exists() and json.dumps(json.loads(stamp.read_text()), sort_keys=True) != wanted:
-        reporter.message(f"{root} holds a demo with other settings: starting it over")
-        shutil.rmtree(root)
-    root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(stamp, wanted + "\n")
+    from mta.demo.pipeline import claim_demo_directory
+
+    claim_demo_directory(root, {**asdict(settings), "layout": DEMO_LAYOUT, "resolved_precision": precision}, reporter)
 
 
 def _sample_dolly(data_dir: Path, root: Path, settings: EmbedDemoSettings) -> dict[str, Path]:
     """A seeded sample of Dolly train rows (training) and the first Dolly dev rows (held out;
     the MiniLLM protocol's test set, dolly/valid.jsonl, is never read)."""
+    from mta.demo.pipeline import copy_dolly_rows
+
     wanted = {
         "train": (data_dir / "dolly" / "train.jsonl", settings.train_texts, True),
         "held-out": (data_dir / "dolly" / "dev.jsonl", settings.held_out_texts, False),
     }
     paths = {}
     for split, (source, count, sample) in wanted.items():
-        target = root / "data" / f"{split}.jsonl"
-        paths[split] = target
-        if target.exists():
-            continue
-        if not source.exists():
-            raise MtaError(
-                f"the embedding demo needs {source}; set MTA_DATA_DIR to a directory holding dolly/train.jsonl "
-                "and dolly/dev.jsonl (`mta data download` fetches them where the Hugging Face Hub is reachable)"
-            )
-        lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
-        count = min(count, len(lines))
-        chosen = sorted(random.Random(0).sample(range(len(lines)), count)) if sample else range(count)
-        atomic_write_text(target, "".join(lines[i] + "\n" for i in chosen))
+        paths[split] = root / "data" / f"{split}.jsonl"
+        copy_dolly_rows(source, paths[split], count, sample=sample, demo="the embedding demo")
     return paths
 
 
@@ -329,7 +324,7 @@ def _distill(recipe_path, variant: EmbedVariant, seed: int, settings: EmbedDemoS
         "train.log_interval=1", f"train.save_interval={settings.steps}", f"train.eval_interval={settings.steps}",
         "train.keep_checkpoints=1", *variant.overrides,
     ]
-    from mta.training.config.schema import load_recipe
+    from mta.training.config.loading import load_recipe
 
     load_recipe(recipe_path, overrides)  # a bad override fails here, before a process starts
     reporter.message(f"distill: {variant.name}, seed {seed}")
@@ -380,7 +375,7 @@ def _train_in_child(recipe_path: str, overrides: list[str], channel) -> None:
     try:
         from mta.distributed import local_device
         from mta.training.lifecycle.checkpointing import latest_checkpoint
-        from mta.training.config.schema import load_recipe
+        from mta.training.config.loading import load_recipe
         from mta.training.trainer import run_distillation
 
         recipe = load_recipe(recipe_path, overrides)
@@ -405,17 +400,22 @@ def _train_in_child(recipe_path: str, overrides: list[str], channel) -> None:
         channel.put(("error", f"training failed: {type(error).__name__}: {error}"))
 
 
+def _train_records(metrics: Path) -> list[dict]:
+    """A run's training records; none before its metrics.jsonl exists."""
+    return train_records(metrics) if metrics.is_file() else []
+
+
 def _final_loss(metrics: Path) -> Optional[float]:
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    train = [line for line in lines if line.get("split", "train") == "train"]
+    train = _train_records(metrics)
     return train[-1]["loss"] if train else None
 
 
-def _mean_std(values: list[float]) -> dict:
+def _mean_std(values: list[Optional[float]]) -> dict:
+    """mean, population std and count of the values that are there (None: missing)."""
     values = [v for v in values if v is not None]
     if not values:
         return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+    return {**mean_std(values), "n": len(values)}
 
 
 def summarise(by_label: dict, runs: dict, settings: EmbedDemoSettings) -> dict:
@@ -507,19 +507,12 @@ def reading(results: dict) -> str:
 
 def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> tuple[Path, Path]:
     """results.json, results.md and summary.png in ``out_dir``; returns the two last paths."""
-    import platform
-
-    from mta import distributed
-
     out_dir = Path(out_dir)
     header, body = table(results)
     demo = results["settings"]["demo"]
     held = results["held_out"]
     lines = [
-        f"# mta demo-embed ({demo['name']})", "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {platform.machine()}, "
-        f"{distributed.available_cores()} cores, {results['settings']['precision']} · whole demo {elapsed_seconds / 60:.1f} min",
-        "",
+        *report_heading(f"mta demo-embed ({demo['name']})", results['settings']['precision'], elapsed_seconds),
         *markdown_table(header, body), "",
         f"Teacher: {Path(results['settings']['teacher']).name}; students: {demo['student_layers']} of "
         f"{Path(results['settings']['student_source']).name}'s layers, {demo['steps']} steps of {demo['batch_size']} "
@@ -533,37 +526,22 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
         "while training, over the libraries and data loaded before). s / step: median step time after the first.", "",
         reading(results), "",
     ]
-    markdown = out_dir / "results.md"
-    atomic_write_text(markdown, "\n".join(lines))
-    atomic_write_json(out_dir / "results.json", results)
-    picture = out_dir / "summary.png"
-    plot_summary(results, picture)
-    return markdown, picture
+    atomic_write_json(out_dir / RESULTS_JSON, results)
+    return write_report_files(out_dir, lines, lambda picture: plot_summary(results, picture))
 
 
 def plot_summary(results: dict, path: Path) -> None:
     """Left: training loss per run. Middle: agreement ρ and NN recall (mean ± std over seeds,
     references as lines). Right: seconds per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (curves, bars, steps) = plt.subplots(1, 3, figsize=(16, 4.6))
-    for label, run in results["runs"].items():
-        metrics = Path(run["metrics"])
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-        train = [r for r in records if r.get("split", "train") == "train"]
-        curves.plot([r["step"] for r in train], [r["loss"] for r in train], marker=".", label=label)
-    curves.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss")
-    curves.legend(fontsize=7)
+    figure, (curves, bars, steps) = pyplot().subplots(1, 3, figsize=(16, 4.6))
+    plot_training_losses(curves, {label: _train_records(Path(run["metrics"])) for label, run in results["runs"].items()},
+                         fontsize=7)
 
     summary = results["summary"]
     metrics = ["spearman", *[k for k in next(iter(summary.values())) if k.startswith("recall@")]]
-    width = 0.8 / max(len(summary), 1)
-    for i, (name, stats) in enumerate(summary.items()):
-        positions = [x + (i - (len(summary) - 1) / 2) * width for x in range(len(metrics))]
-        bars.bar(positions, [stats[m]["mean"] or 0 for m in metrics], width,
+    width, positions = bar_positions(len(summary), len(metrics))
+    for (name, stats), at in zip(summary.items(), positions):
+        bars.bar(at, [stats[m]["mean"] or 0 for m in metrics], width,
                  yerr=[stats[m]["std"] or 0 for m in metrics], label=name, capsize=2)
     for (label, run), style in zip(((l, r) for l, r in results["checkpoints"].items() if "/seed-" not in l), ("--", ":")):
         for x, metric in enumerate(metrics):
@@ -577,10 +555,7 @@ def plot_summary(results: dict, path: Path) -> None:
     steps.bar(names, [summary[n]["step_seconds"]["mean"] or 0 for n in names],
               yerr=[summary[n]["step_seconds"]["std"] or 0 for n in names], capsize=3, color="tab:gray")
     steps.set(title="seconds per training step", ylabel="s")
-    figure.tight_layout()
-    with atomic_path(path) as partial:
-        figure.savefig(partial, dpi=110, format="png")
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def estimated_seconds(settings: EmbedDemoSettings) -> float:

@@ -47,7 +47,8 @@ import torch
 
 from mta import distributed
 from mta.dtypes import dtype_name, resolve_dtype
-from mta.embedding.encoder import AUTO, load_encoder
+from mta.embedding.encoder import load_encoder
+from mta.embedding.pooling import AUTO
 from mta.embedding.teacher_embeddings import TeacherEmbeddings, build_teacher_embeddings, read_teacher_embeddings
 from mta.errors import MtaError
 from mta.evaluation.model_files import checkpoint_fingerprint

@@ -20,11 +20,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mta.embedding.encoder import pool
+from mta.embedding.pooling import pool
 from mta.errors import MtaError
 from mta.losses.talas import TeacherAnchor, lasd_loss, simcse_loss
 from mta.embedding.training_data import EmbeddingBatch
-from mta.training.config.schema import EmbeddingLossSpec
+from mta.embedding.recipe import EmbeddingLossSpec
 
 
 class EmbeddingObjective(nn.Module):

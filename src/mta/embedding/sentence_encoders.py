@@ -30,11 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from mta.embedding.export import copy_sentence_transformers_files, read_sentence_transformers_config
 from mta.errors import MtaError
 from mta.files import atomic_directory
 from mta.hashing import file_sha256
 from mta.models.cache import already_built, model_cache_dir, write_source_record
 from mta.models.packaged import packaged_file
+from mta.models.weights import stored_parameters
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,6 @@ def _unpack(archive: Path, root: str, target: Path, spec: PackagedEncoder) -> No
 
 def _check(directory: Path, spec: PackagedEncoder) -> dict:
     """What the record says of the model; ``MtaError`` when it is not an encoder mta reads."""
-    from mta.embedding.encoder import read_sentence_transformers_config
-
     config_path = directory / "config.json"
     if not config_path.is_file() or not (directory / "model.safetensors").is_file() or not (directory / "tokenizer.json").is_file():
         raise MtaError(
@@ -147,10 +147,7 @@ def _check(directory: Path, spec: PackagedEncoder) -> dict:
     pooling = read_sentence_transformers_config(directory)
     if pooling is None:
         raise MtaError(f"{spec.name}: the archive has no modules.json (not a sentence-transformers model)")
-    from safetensors import safe_open
-
-    with safe_open(str(directory / "model.safetensors"), framework="pt") as weights:
-        parameters = sum(_numel(weights.get_slice(key).get_shape()) for key in weights.keys())
+    parameters = stored_parameters(directory / "model.safetensors")
     return {
         "model_type": config.get("model_type"),
         "num_layers": config.get("num_hidden_layers"),
@@ -160,20 +157,6 @@ def _check(directory: Path, spec: PackagedEncoder) -> dict:
         "pooling": pooling.record(),
         "max_seq_length": pooling.max_seq_length,
     }
-
-
-def _numel(shape) -> int:
-    total = 1
-    for size in shape:
-        total *= int(size)
-    return total
-
-
-# Files of a sentence-transformers directory that describe the pipeline, not the weights: a
-# pruned copy keeps them (its pooling and normalisation are the source's).
-SENTENCE_TRANSFORMERS_FILES = (
-    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling/config.json",
-)
 
 
 def prune_encoder(
@@ -214,9 +197,6 @@ def prune_encoder(
     with atomic_directory(out_dir) as staging:
         student.save_pretrained(staging)
         load_tokenizer(source).save_pretrained(str(staging))
-        for name in SENTENCE_TRANSFORMERS_FILES:
-            if (source / name).is_file():
-                (staging / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source / name, staging / name)
+        copy_sentence_transformers_files(source, staging)
         atomic_write_json(staging / INIT_RECORD, record)
     return record

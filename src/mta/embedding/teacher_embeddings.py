@@ -18,7 +18,7 @@ TALAS's students learn only from the teacher's final sentence embeddings, precom
 A row with none of these, or whose text is empty or blank, is a problem: ``on_error="fail"``
 stops at the first one, naming its line; ``"skip"`` counts it by reason.
 
-**Output** directory: the annotate artefact's layout (:mod:`mta.store.artefact`: parts listed
+**Output** directory: the annotate artefact's layout (:mod:`mta.store`: parts listed
 with sha256 and rows by ``.mta/manifest.json``, written last; shards, locks, staging), so pandas,
 pyarrow and ``datasets`` read ``DIR/*.parquet`` as one table. Columns: ``id`` int64 (the input
 row's 0-based index), ``text`` string (exactly what the teacher encoded, before truncation),
@@ -66,31 +66,20 @@ import torch
 
 import mta
 from mta import distributed
-from mta.store.artefact import (
-    MAX_SKIPPED_EXAMPLES,
-    META,
-    PartWriter,
-    _part_path,
-    commit_shard,
-    finish_publishing,
-    manifest_path,
-    part_is_intact,
-    read_manifest,
-    read_shard_manifest,
-    remove_if_empty,
-    shard_lock,
-    staged_part,
-    staging_directory,
-    try_merge,
-)
 from mta.data.rows import INVALID_TEXT, MISSING_FIELD, WRONG_TYPE, RowProblem
 from mta.data.sources import InputSource, input_identity, open_source
 from mta.dtypes import resolve_dtype
-from mta.embedding.encoder import AUTO, EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
+from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
+from mta.embedding.pooling import AUTO
 from mta.errors import MtaError
 from mta.files import Journal, atomic_path, disk_full_is_reported, make_output_directory, read_jsonl_lenient
 from mta.hashing import directory_checksums, file_sha256, json_sha256
 from mta.reporting import Reporter, SilentReporter
+from mta.store.layout import META, manifest_path, part_path, remove_if_empty, staged_part, staging_directory
+from mta.store.locks import shard_lock
+from mta.store.manifests import MAX_SKIPPED_EXAMPLES, read_manifest
+from mta.store.publish import PartWriter, commit_shard, finish_publishing
+from mta.store.reuse import reusable_output
 from mta.versions import package_versions
 
 log = logging.getLogger(__name__)
@@ -219,7 +208,7 @@ def read_teacher_embeddings(directory: str | Path) -> TeacherEmbeddings:
         )
     tables = []
     for part in manifest["parts"]:
-        path = _part_path(directory, part["file"])
+        path = part_path(directory, part["file"])
         if not path.is_file():
             raise MtaError(f"{path} is listed in the manifest but missing; re-run `mta embed ... --force`")
         if part.get("sha256") is not None and file_sha256(path) != part["sha256"]:
@@ -304,7 +293,7 @@ def run_embed(
     the run did (the CLI reports it; :func:`build_teacher_embeddings` returns the directory).
 
     pooling: ``auto`` (a sentence-transformers directory's own, else mean), ``mean``, ``cls``,
-    ``max`` or ``last`` (:mod:`mta.embedding.encoder`); normalize: None follows the config.
+    ``max`` or ``last`` (:mod:`mta.embedding.pooling`); normalize: None follows the config.
     max_length: tokens per text (None: the teacher's ``max_seq_length``, else 256). dtype:
     ``auto`` (bf16 where the device computes it natively, else fp32: ``mta.dtypes``), ``fp32``,
     ``bf16``, ``fp16``. shard: ``(index, count)``, or None for this process's rank in the
@@ -436,18 +425,10 @@ def _run_key(description: dict) -> str:
 
 
 def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> EmbedOutcome | None:
-    if not out_dir.is_dir() or not (out_dir / META).is_dir():
-        return None
-    finish_publishing(out_dir)
-    manifest = read_manifest(out_dir)
-    if manifest is not None and manifest.get("run_key") == run_key and all(
-        part_is_intact(out_dir, part) for part in manifest["parts"]
-    ):
-        return EmbedOutcome(out_dir, manifest, reused=True)
-    shard_manifest = read_shard_manifest(out_dir, shard, num_shards)
-    if shard_manifest is not None and shard_manifest.get("run_key") == run_key and part_is_intact(out_dir, shard_manifest["part"]):
-        return EmbedOutcome(out_dir, try_merge(out_dir, run_key, num_shards), reused=True)
-    return None
+    """The outcome of an earlier run with the same key whose parts are intact (sha256), if any
+    (:func:`mta.store.reuse.reusable_output`)."""
+    earlier = reusable_output(out_dir, run_key, shard, num_shards)
+    return None if earlier is None else EmbedOutcome(out_dir, earlier.manifest, reused=True)
 
 
 def _shard_texts(source: InputSource, text_field, on_error, shard: int, num_shards: int):

@@ -12,8 +12,9 @@ a new directory instead of reusing or overwriting the old one, and an existing o
 Both the tokenizer and the model directory appear atomically (:func:`mta.files.atomic_directory`).
 
 With ``pooling`` the directory is also a sentence-transformers model (``modules.json``,
-``sentence_bert_config.json``, ``1_Pooling/config.json``, ``2_Normalize`` when ``normalize``), so
-``SentenceTransformer(dir)`` loads it and ``mta embed`` reads its pooling as it reads a real one's.
+``sentence_bert_config.json``, ``1_Pooling/config.json``, ``2_Normalize`` when ``normalize``:
+:func:`mta.embedding.export.write_sentence_transformers_modules`), so ``SentenceTransformer(dir)``
+loads it and ``mta embed`` reads its pooling as it reads a real one's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from mta.files import atomic_directory, atomic_write_json
+from mta.embedding.export import write_sentence_transformers_modules
+from mta.files import atomic_directory
 from mta.hashing import json_sha256
 from mta.models.tiny import corpus_texts, keyed_directory
 from mta.training.config.catalog import SHIPPED_DIR
@@ -143,29 +145,3 @@ def build_tiny_encoder(
             )
     return out_dir
 
-
-def write_sentence_transformers_modules(
-    directory: str | Path, *, hidden: int, pooling: str, normalize: bool, max_seq_length: int
-) -> None:
-    """The files that make a Hugging Face encoder directory a sentence-transformers model:
-    Transformer (the directory itself) -> Pooling (``pooling``) [-> Normalize]."""
-    directory = Path(directory)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        (directory / "2_Normalize").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(directory / "modules.json", modules)
-    atomic_write_json(directory / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
-    atomic_write_json(directory / "1_Pooling" / "config.json", {
-        "word_embedding_dimension": hidden,
-        "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean",
-        "pooling_mode_max_tokens": pooling == "max",
-        "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": False,
-        "include_prompt": True,
-    })

@@ -1,12 +1,13 @@
 """An embedding recipe (``task: embedding``, TALAS) as a ``Run`` of the one training loop.
 
-``mta.training.trainer.build_run`` hands a ``task: embedding`` recipe to ``build_embedding_run``,
-which builds what the loop needs from it: the encoder student (``AutoModel``; a ``tiny``
-encoder built at first use), the teacher's stored embeddings of ``data.train`` / ``data.dev``
-(``mta.embedding.training_data``; the teacher model is loaded only to embed rows at first use),
-``EmbeddingObjective`` and the DeepSpeed engine. ``Trainer`` then runs it exactly as an LLM run:
-batches, accumulation, ASAM, checkpoints, resume, dev loss, ``final/`` (here a Hugging Face
-encoder that is also a sentence-transformers model: ``mta.embedding.export``).
+``mta.training.trainer.build_run`` hands a ``task: embedding`` recipe to ``build_embedding_run``
+(through the task registry: ``mta.embedding.task``), which builds what the loop needs from it:
+the encoder student (``AutoModel``; a ``tiny`` encoder built at first use), the teacher's stored
+embeddings of ``data.train`` / ``data.dev`` (``mta.embedding.training_data``; the teacher model is
+loaded only to embed rows at first use), ``EmbeddingObjective`` and the DeepSpeed engine.
+``Trainer`` then runs it exactly as an LLM run: batches, accumulation, ASAM, checkpoints, resume,
+dev loss, ``final/`` (here a Hugging Face encoder that is also a sentence-transformers model:
+``mta.embedding.export``).
 
 ``plan_embedding_run`` is the same recipe for ``mta distill --dry-run``: meta-device models, no
 weights, no data read.
@@ -30,7 +31,16 @@ from mta.training.lifecycle import run_directory
 from mta.training.batching import StepSchedule
 from mta.embedding.training_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
 from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
-from mta.training.config.schema import EmbeddingRecipe, EncoderSpec, position_limit
+from mta.embedding.recipe import EmbeddingRecipe, EncoderSpec
+from mta.training.config.model_checks import position_limit
+from mta.training.dry_run import (
+    ModelPlan,
+    RunPlan,
+    data_notes,
+    estimate_memory,
+    load_model_config,
+    parameter_count,
+)
 
 KEY_LENGTH = 12
 
@@ -193,8 +203,6 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
     it is planned only as a note (its embeddings are data)."""
     from transformers import AutoModel
 
-    from mta.training import dry_run
-
     if world_size < 1:
         raise MtaError(f"world size must be at least 1, got {world_size}")
     train = recipe.train
@@ -203,11 +211,11 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
     check_text_length(recipe, config)
     with torch.device("meta"):
         model = AutoModel.from_config(config)
-    limit = dry_run.position_limit(config)
-    student = dry_run.ModelPlan(
+    limit = position_limit(config)
+    student = ModelPlan(
         role="student", name=recipe.student.path, config_source=source, architecture=type(model).__name__,
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-        vocab_rows=model.get_input_embeddings().num_embeddings, parameters=dry_run.parameter_count(model),
+        vocab_rows=model.get_input_embeddings().num_embeddings, parameters=parameter_count(model),
         dtype=recipe.student.dtype, max_positions=limit[0] if limit else None,
     )
     notes: list[str] = []
@@ -235,8 +243,8 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
                  f"({recipe.data.train})" + (f", built at first use with {recipe.teacher.path}" if recipe.teacher else ""))
     if train.asam is not None:
         notes.append(f"ASAM (ρ {train.asam.rho:g}): two forward and backward passes per step, one copy of the weights")
-    notes.extend(dry_run._data_notes(recipe))
-    memory = dry_run.estimate_memory(
+    notes.extend(data_notes(recipe))
+    memory = estimate_memory(
         student, None, trainable_extra=projectors, aligned_teacher_layers=0, precision=train.precision,
         zero_stage=train.zero_stage, teacher_zero3=False, world_size=world_size,
         micro_batch_size=train.micro_batch_size, sequence_length=recipe.data.max_length,
@@ -246,7 +254,7 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
     logits = tokens * student.vocab_rows * ((2 if train.precision != "fp32" else 4) + 4) * 2
     passes = 2 if loss.simcse_weight else 1
     memory = dataclasses.replace(memory, activations=int((memory.activations - logits) * passes))
-    return dry_run.RunPlan(
+    return RunPlan(
         name=recipe.name, student=student, teacher=None, layers=[], projector_parameters=projectors,
         world_size=world_size, micro_batch_size=train.micro_batch_size, accumulation_steps=accumulation,
         global_batch=train.micro_batch_size * accumulation * world_size, zero_stage=train.zero_stage,
@@ -259,8 +267,6 @@ def _encoder_config(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str):
     ``BertConfig`` ``build_tiny_encoder`` writes), a local directory, the Hugging Face cache."""
     from transformers import BertConfig
 
-    from mta.training import dry_run
-
     if spec.tiny is not None and spec.config is None:
         tiny = spec.tiny
         return BertConfig(
@@ -268,4 +274,4 @@ def _encoder_config(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str):
             num_attention_heads=tiny.num_heads, intermediate_size=4 * tiny.hidden_size,
             max_position_embeddings=max(512, recipe.data.max_length),
         ), "tiny: built at first use"
-    return dry_run.load_model_config(spec, recipe, role)
+    return load_model_config(spec, recipe, role)

@@ -26,7 +26,7 @@ from mta.losses.divergences import kl
 from mta.losses.dsa import COS_EPS, WEIGHT_EPS, dynamic_structural_alignment
 from mta.losses.pooling import MASS_EPS
 from mta.losses.span_masks import SpanBatch, span_token_mask
-from mta.losses.trajectory import _project
+from mta.losses.trajectory import apply_projector
 
 # The port's defaults (ICARE code/arguments.py: --sra-geom-weight 50.0; the logit term enters
 # its total with weight 1; --kd-temperature 1.0).
@@ -34,7 +34,7 @@ GEOMETRY_WEIGHT = 50.0
 LOGIT_WEIGHT = 1.0
 
 # (hidden [n, d], vocab_rows [k]) -> logits [n, k] over those rows of that side's vocabulary, in
-# their order (final norm + LM head, composed by the caller: mta.training.teacher.LogitLens.for_layer).
+# their order (final norm + LM head, composed by the caller: mta.training.logit_lens.LogitLens.for_layer).
 Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Space markers of byte-level BPE (GPT-2's byte-to-unicode map sends " " to "Ġ") and SentencePiece.
@@ -224,7 +224,7 @@ class SpanRepresentationLoss(nn.Module):
         for index in range(self.num_pairs):  # over layer pairs (a handful), not spans
             student = torch.bmm(student_matrix, student_states[index].float())
             teacher = torch.bmm(teacher_matrix, teacher_states[index].detach().float())
-            projected = _project(self.projectors[index], student)
+            projected = apply_projector(self.projectors[index], student)
             span_terms.append(_sequence_mean(1.0 - _cosine(projected, teacher), span_weights))
         span_loss = torch.stack(span_terms).mean()
 

@@ -1,7 +1,7 @@
 """TALAS's loss terms (arXiv 2606.21851; ../shared/docs/TALAS.md §3-6), on pooled sentence embeddings.
 
 Each student layer l = 1..L is pooled into a sentence embedding e_l (``[L, B, d_S]``; the pooling
-is the caller's, ``mta.embedding.encoder.pool``); the teacher gives one embedding per text
+is the caller's, ``mta.embedding.pooling.pool``); the teacher gives one embedding per text
 (``[B, d_T]``, stored by ``mta embed``).
 
 - TAMD (:class:`TeacherAnchor`): the top K layers each get ``1 − cos(W_l e_l, e_T)`` through one

@@ -177,12 +177,12 @@ class TrajectoryAlignmentLoss(nn.Module):
                 ))
             if "hra" in terms and self.same_tokenizer:
                 terms["hra"].append(self._hra(
-                    _project(self.projectors[index], student_hidden), teacher_hidden,
+                    apply_projector(self.projectors[index], student_hidden), teacher_hidden,
                     teacher_weights[teacher_layer], span_tokens[granularity],
                 ))
             elif "hra" in terms:
                 terms["hra"].append(self._hra(
-                    _project(self.projectors[index], student_spans), teacher_spans, salience, span_mask,
+                    apply_projector(self.projectors[index], student_spans), teacher_spans, salience, span_mask,
                 ))
         return {term: torch.stack(values).mean() for term, values in terms.items()}
 
@@ -217,6 +217,6 @@ def _layer(hidden_states: HiddenStates, index: int, side: str) -> torch.Tensor:
         ) from error
 
 
-def _project(projector: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+def apply_projector(projector: nn.Linear, states: torch.Tensor) -> torch.Tensor:
     """Apply a projector in its own dtype (the engine may hold it in bf16); result in fp32."""
     return projector(states.to(projector.weight.dtype)).float()

@@ -119,7 +119,7 @@ def prune_layers(model: PreTrainedModel, keep: list[int], *, build=None) -> PreT
     Embeddings, final norm and LM head are copied unchanged; block ``keep[i]`` of the source
     becomes block ``i``. The source model is left untouched. ``build(config, dtype=...)`` makes
     the fresh model: ``AutoModelForCausalLM.from_config`` by default, ``AutoModel.from_config``
-    for an encoder (``mta.embedding.sentence_encoders.prune_encoder``).
+    for an encoder (the embedding wing prunes its encoders through this).
     """
     prefix, blocks = decoder_blocks(model)
     num_layers = len(blocks)

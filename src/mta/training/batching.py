@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -54,57 +54,29 @@ class TokenBatch:
                           pad(self.labels, (0, extra), value=IGNORE_INDEX))
 
 
-class DeferredSpans(Mapping):
-    """The spans of a micro batch whose rows are still being parsed (``mta.data.online_spans``):
-    a read-only ``{granularity: SpanBatch}`` that calls ``resolve()`` at its first use — in the
-    loss, after both forwards — and moves the result to ``device``. ``to`` never waits."""
-
-    def __init__(self, resolve: Callable[[], Mapping[str, SpanBatch]], device: Optional[torch.device | str] = None):
-        self._resolve = resolve
-        self._device = device
-        self._spans: Optional[dict[str, SpanBatch]] = None
-
-    def _resolved(self) -> dict[str, SpanBatch]:
-        if self._spans is None:
-            spans = self._resolve()
-            self._spans = {name: s if self._device is None else s.to(self._device) for name, s in spans.items()}
-        return self._spans
-
-    def __getitem__(self, name: str) -> SpanBatch:
-        return self._resolved()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._resolved())
-
-    def __len__(self) -> int:
-        return len(self._resolved())
-
-    def to(self, device: torch.device | str) -> "DeferredSpans":
-        if self._spans is not None:
-            return DeferredSpans(lambda: self._spans, device)
-        return DeferredSpans(self._resolve, device)
-
-
 @dataclass
 class TrainBatch:
-    """A micro batch: the row ids it holds, both models' tokens and the spans per granularity
-    (a ``DeferredSpans`` while the rows of a generated micro batch are parsed). chosen:
-    ``[batch]`` bool for pair rows (True: the teacher's response), None otherwise."""
+    """A micro batch: the row ids it holds, both models' tokens and the spans per granularity.
+    chosen: ``[batch]`` bool for pair rows (True: the teacher's response), None otherwise.
+    pending_spans: set on a generated micro batch while the span workers parse its rows (its
+    ``spans`` are empty until then): the handle ``OffPolicyBatches.with_spans`` (in
+    ``mta.training.sampling.micro_batches``) waits on; None otherwise."""
 
     row_ids: list[str]
     student: TokenBatch
     teacher: Optional[TokenBatch]
     spans: Mapping[str, SpanBatch]
     chosen: Optional[torch.Tensor] = None
+    pending_spans: Optional[Any] = None
 
     def to(self, device: torch.device | str) -> "TrainBatch":
-        spans = self.spans
         return TrainBatch(
             self.row_ids,
             self.student.to(device),
             None if self.teacher is None else self.teacher.to(device),
-            spans.to(device) if isinstance(spans, DeferredSpans) else {n: s.to(device) for n, s in spans.items()},
+            {name: spans.to(device) for name, spans in self.spans.items()},
             None if self.chosen is None else self.chosen.to(device),
+            self.pending_spans,
         )
 
     def padded_to(self, width: int, pad_ids: Mapping[str, int]) -> "TrainBatch":
@@ -114,7 +86,7 @@ class TrainBatch:
         return TrainBatch(
             self.row_ids, self.student.padded_to(width, pad_ids["student"]),
             None if self.teacher is None else self.teacher.padded_to(width, pad_ids["teacher"]),
-            self.spans, self.chosen,
+            self.spans, self.chosen, self.pending_spans,
         )
 
     @property

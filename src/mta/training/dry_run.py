@@ -20,14 +20,9 @@ from mta.errors import MtaError
 from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import load_tokenizer
 from mta.training.config.layers import LayerPair, resolve_layer_map, resolve_sra_layers
-from mta.training.config.schema import (
-    ModelSpec,
-    Recipe,
-    TinyModel,
-    check_sequence_lengths,
-    position_limit,
-    unset_variables,
-)
+from mta.training.config.model_checks import check_sequence_lengths, position_limit
+from mta.training.config.schema import ModelSpec, Recipe, TinyModel, unset_variables
+from mta.training.tasks import task_of
 
 GIB = 1024**3
 
@@ -269,16 +264,19 @@ def estimate_memory(
 
 
 def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
-    """Everything ``--dry-run`` reports for ``recipe`` on ``world_size`` devices; no weights.
+    """Everything ``--dry-run`` reports for ``recipe`` on ``world_size`` devices; no weights. The
+    recipe's task plans it (``mta.training.tasks``): ``plan_llm_run`` for ``task: llm``,
+    ``mta.embedding.training_run`` for ``task: embedding``."""
+    return task_of(recipe).plan_run(recipe, world_size)
+
+
+def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
+    """``plan_run`` for ``task: llm``.
 
     Raises ``MtaError`` when a config cannot be found offline, ``data.max_length`` (or the dev
     samples) needs more positions than a model has, a layer pair points past a model's depth, or
     the global batch cannot be split over ``world_size`` devices.
     """
-    if recipe.task == "embedding":
-        from mta.embedding.training_run import plan_embedding_run
-
-        return plan_embedding_run(recipe, world_size)
     if world_size < 1:
         raise MtaError(f"world size must be at least 1, got {world_size}")
     train = recipe.train
@@ -320,7 +318,7 @@ def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         from mta.training import lora
 
         notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
-    notes.extend(_data_notes(recipe))
+    notes.extend(data_notes(recipe))
 
     memory = estimate_memory(
         student,
@@ -368,8 +366,9 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"
 
 
-def _data_notes(recipe: Recipe) -> list[str]:
-    # A dry run reports missing data instead of failing: planning is useful before the download.
+def data_notes(recipe: Recipe) -> list[str]:
+    """What is missing of ``data.train`` / ``data.dev``: a dry run reports it instead of failing
+    (planning is useful before the download)."""
     notes, unset = [], {}
     for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
         if written is None:

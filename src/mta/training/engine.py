@@ -33,23 +33,17 @@ import logging
 import math
 import os
 import platform
-import socket
 from dataclasses import dataclass
 from typing import Any, ContextManager, Optional
 
 import torch
 
+from mta import distributed
 from mta.dtypes import DTYPES, auto_reason, resolve_precision
 from mta.errors import MtaError
 from mta.training.config.schema import TrainSpec
 
 log = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_distributed() -> tuple[int, int]:
@@ -62,7 +56,7 @@ def init_distributed() -> tuple[int, int]:
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(distributed.free_port()))
     world_size = int(os.environ["WORLD_SIZE"])
     if not torch.cuda.is_available():
         # DeepSpeed JIT-compiles a shared-memory all-reduce kernel for CPU groups (minutes of

@@ -21,7 +21,8 @@ from mta.losses.importance import token_importance
 from mta.losses.sra import SpanRepresentationLoss, last_token_attention
 from mta.losses.kd import build_base_loss
 from mta.training.batching import TrainBatch
-from mta.training.teacher import LogitLens, TeacherOutput
+from mta.training.logit_lens import LogitLens
+from mta.training.teacher import TeacherOutput
 from mta.training.config.schema import LayerIndexPair, LayerPair, LossSpec
 
 log = logging.getLogger(__name__)

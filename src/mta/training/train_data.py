@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from mta.store.artefact import Annotations, read_annotations
+from mta.store.read import Annotations, read_annotations
 from mta.data.prompts import ChatTemplate, recorded_template
 from mta.errors import MtaError
 from mta.reporting import Reporter

@@ -33,14 +33,17 @@ from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
 from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
-from mta.training.teacher import FrozenTeacher, LogitLens
+from mta.training.logit_lens import LogitLens
+from mta.training.teacher import FrozenTeacher
 from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.data.artefact_schema import reannotate_command
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.config.schema import Recipe, check_generation_fits, check_sequence_lengths
+from mta.training.config.model_checks import check_generation_fits, check_sequence_lengths
+from mta.training.config.schema import Recipe
 from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
+from mta.training.tasks import task_of
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ NON_FINITE_ADVICE = (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """Everything one training run holds, built by ``build_run``."""
 
@@ -96,12 +99,14 @@ class Run:
 
 
 def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
-    """Claim the output directory, load models and data, check they fit together, and start
-    the DeepSpeed engine. A ``task: embedding`` recipe is built by ``mta.embedding.training_run``."""
-    if recipe.task == "embedding":
-        from mta.embedding.training_run import build_embedding_run
+    """The run of ``recipe``, built by its task (``mta.training.tasks``): ``build_llm_run`` for
+    ``task: llm``, ``mta.embedding.training_run`` for ``task: embedding``."""
+    return task_of(recipe).build_run(recipe, reporter, resume=resume, overwrite=overwrite)
 
-        return build_embedding_run(recipe, reporter, resume=resume, overwrite=overwrite)
+
+def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
+    """Claim the output directory, load models and data, check they fit together, and start
+    the DeepSpeed engine."""
     rank, world_size = engines.init_distributed()
     device = distributed.local_device()
     precision = engines.resolve_training_precision(recipe.train, device)  # fp16 on a CPU: refused now
@@ -230,9 +235,10 @@ def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = Non
     selector = Selector(recipe, output_dir, owner.run_id, dev_table=splits["dev"].table,
                         tokenizer=tokenizer) if splits["dev"] is not None else None
     return Run(
-        recipe, output_dir, owner.run_id, engine, teacher, tokenizer, examples["train"], examples["dev"],
-        schedule, total_steps, rank, world_size, device, resume_from, sampled, messages, selector,
-        precision=precision, flops=flops,
+        recipe=recipe, output_dir=output_dir, run_id=owner.run_id, engine=engine, teacher=teacher,
+        tokenizer=tokenizer, train=examples["train"], dev=examples["dev"], schedule=schedule,
+        total_steps=total_steps, rank=rank, world_size=world_size, device=device, resume_from=resume_from,
+        off_policy=sampled, messages=messages, selector=selector, precision=precision, flops=flops,
     )
 
 
@@ -250,9 +256,10 @@ class Trainer:
         run = self.run
         epoch, step_in_epoch = run.schedule.locate(step)
         if epoch not in self._orders:
-            # task: embedding: uniformly random micro batches (SimCSE's and LASD's in-batch
-            # comparisons), as TALAS's author's shuffled DataLoader; LLMs: length-grouped pools.
-            pools = {"group_factor": 1} if run.recipe.task == "embedding" else {}
+            # The task's pools (mta.training.tasks): TALAS's uniformly random micro batches, or
+            # the length-grouped ones of micro_batch_order's default.
+            group_factor = task_of(run.recipe).group_factor
+            pools = {"group_factor": group_factor} if group_factor is not None else {}
             self._orders = {epoch: micro_batch_order(
                 run.train.student_lengths, run.recipe.train.micro_batch_size,
                 seed=run.recipe.seed, epoch=epoch, paired=run.train.pair_ids is not None, **pools,
@@ -264,7 +271,7 @@ class Trainer:
             # replay buffer (the same decision on every rank).
             batch = gold if run.off_policy is None else self._off_policy_batch(step, k, rows, gold)
             # The authors pad every batch to max_length, and their importance averages those rows.
-            reference = run.recipe.task == "llm" and run.recipe.loss.reference_code
+            reference = task_of(run.recipe).reference_padding and run.recipe.loss.reference_code
             yield batch.padded_to(run.recipe.data.max_length, run.train.pad_ids) if reference else batch
 
     def _off_policy_batch(self, step: int, k: int, rows: np.ndarray, gold: TrainBatch) -> TrainBatch:
@@ -275,6 +282,11 @@ class Trainer:
         if self.run.teacher is None:
             return None
         return self.run.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+
+    def with_spans(self, batch: TrainBatch) -> TrainBatch:
+        """The micro batch with its spans: a generated one's, parsed in the span workers since it
+        was generated, are waited for here (after the teacher forward); others have them."""
+        return batch if self.run.off_policy is None else self.run.off_policy.with_spans(batch)
 
     def step(self, step: int) -> dict[str, float]:
         """One optimizer step; returns the mean of each loss component over its micro batches.
@@ -303,7 +315,9 @@ class Trainer:
             if k:
                 engine.step()  # inside the window: DeepSpeed only counts the micro batch
             with self.run.precision.context():
-                losses = engine(batch, self.teacher_forward(batch))
+                teacher_out = self.teacher_forward(batch)
+                batch = self.with_spans(batch)
+                losses = engine(batch, teacher_out)
             self.stop_unless_finite_loss(losses, step, batch)
             engine.backward(losses["total"])
             for name, value in losses.items():
@@ -317,7 +331,9 @@ class Trainer:
         DeepSpeed gradient bookkeeping), one at a time."""
         for batch in window:
             with self.run.precision.context():
-                losses = self.run.engine.module(batch, self.teacher_forward(batch))
+                teacher_out = self.teacher_forward(batch)
+                batch = self.with_spans(batch)
+                losses = self.run.engine.module(batch, teacher_out)
             self.stop_unless_finite_loss(losses, step, batch)
             yield losses["total"]
 
@@ -384,7 +400,7 @@ class Trainer:
         """
         run = self.run
         count = min(run.recipe.train.num_sample_generations, len(run.dev))
-        if count == 0 or run.recipe.task != "llm":  # an encoder generates nothing
+        if count == 0 or not task_of(run.recipe).samples_dev_prompts:  # an encoder generates nothing
             return []
         rows = np.arange(count)
         dev_batch = run.dev.batch(rows)

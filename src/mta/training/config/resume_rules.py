@@ -48,7 +48,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from mta.errors import MtaError
-from mta.training.config.schema import Recipe, _models_in, recipe_schema
+from mta.training.config.loading import recipe_schema
+from mta.training.config.schema import Recipe, models_in
 from mta.training.config.yaml_reader import load_yaml
 
 SAVED_RECIPE = "recipe.yaml"
@@ -226,7 +227,7 @@ def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
 def _fill_defaults(model: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
     filled = dict(data)
     for name, info in model.model_fields.items():
-        nested = _models_in(info.annotation)
+        nested = models_in(info.annotation)
         if name in filled:
             if nested and isinstance(filled[name], dict):
                 filled[name] = _fill_defaults(nested[0], filled[name])
@@ -272,7 +273,7 @@ def _known_to_schema(parts: list[str], schema: type[BaseModel] = Recipe) -> bool
             return True  # inside a free-form mapping
         if part not in model.model_fields:
             return False
-        nested = _models_in(model.model_fields[part].annotation)
+        nested = models_in(model.model_fields[part].annotation)
         model = nested[0] if nested else None
     return True
 

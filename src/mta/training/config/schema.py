@@ -1,8 +1,11 @@
 """Recipes: one YAML file names everything a distillation run needs, validated against code.
 
-Unknown keys are errors, every error names the file, the line, the key and what is allowed, and
-``key=value`` overrides from the command line are applied before validation so they are
-checked exactly like the file.
+This module holds what every task's recipe shares (``Strict``, ``TrainSpec``, ``RecipeChecks``)
+and the LLM recipe (``Recipe``, ``task: llm``); the embedding recipe is ``mta.embedding.recipe``
+(TALAS). A file is read by ``mta.training.config.loading.load_recipe``, which picks the schema by
+``task`` (``mta.training.tasks``); ``key=value`` overrides (``mta.training.config.overrides``) are
+applied before validation so they are checked exactly like the file; the recipe against the
+models' configs and tokenizers is ``mta.training.config.model_checks``.
 
 Paths in a recipe (data, configs, tokenizers, models, output) are resolved when used, by
 ``Recipe.resolve``: ``~`` and ``$VAR`` / ``${VAR}`` are expanded from the environment (an unset
@@ -13,9 +16,8 @@ in the shipped ``gpt2.yaml`` means ``recipes/configs/gpt2.json``); anything else
 an output directory still to be created or a hub name like ``gpt2``, stays relative to the working
 directory (also for a shipped recipe: its runs never land inside the installed package).
 
-YAML is read by ``mta.training.config.yaml_reader`` (hostile documents refused before anything is built),
-and the ``deepspeed:`` passthrough is checked by ``mta.training.config.deepspeed_settings``. Numbers must be
-finite everywhere.
+The ``deepspeed:`` passthrough is checked by ``mta.training.config.deepspeed_settings``. Numbers
+must be finite everywhere.
 """
 
 from __future__ import annotations
@@ -27,24 +29,20 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from mta.data.prompts import Template
-from mta.errors import MtaError, close_match
+from mta.errors import MtaError
 from mta.training.config.deepspeed_settings import deepspeed_problem
-from mta.training.config.extends import key_locations, merged_recipe, recipe_chain
-from mta.training.config.yaml_reader import BoundedLoader, Refused, load_yaml, yaml_text
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +377,7 @@ class GenerationSpec(Strict):
 
     What each mode does, and how the threshold moves, is ``mta.training.sampling.policy``'s docstring;
     which base losses and tokenizers it works with is checked by ``Recipe`` (here) and by
-    ``check_generation_fits`` (once the tokenizers are loaded).
+    ``mta.training.config.model_checks.check_generation_fits`` (once the tokenizers are loaded).
     """
 
     mode: GenerationMode = Field(
@@ -585,8 +583,6 @@ class Recipe(RecipeChecks):
             return self.generation.max_new_tokens
         return self.data.max_length - self.data.max_prompt_length
 
-
-
 # --- student-generated responses -----------------------------------------------------------
 
 # Why generated text needs a teacher logit loss: the reason every refusal below gives.
@@ -600,7 +596,7 @@ ON_POLICY_NEEDS_LOGITS = (
 def generation_problem(recipe: "Recipe") -> Optional[tuple[tuple[str, ...], str]]:
     """The first way ``recipe.generation`` does not fit the rest of the recipe, as ``(key path,
     message)``, or None. Checked when the recipe validates; what needs the tokenizers is
-    ``check_generation_fits``."""
+    ``mta.training.config.model_checks.check_generation_fits``."""
     spec = recipe.generation
     if spec.mode == "off":
         return None
@@ -637,513 +633,9 @@ def generation_problem(recipe: "Recipe") -> Optional[tuple[tuple[str, ...], str]
     return None
 
 
-def check_generation_fits(recipe: "Recipe", same_tokenizer: bool) -> None:
-    """Refuse student generation where the loaded tokenizers leave no teacher logit loss.
-
-    The trainer calls it once the tokenizers are loaded (``same_tokenizer``: the teacher's and the
-    student's vocabulary fingerprints are equal). Across tokenizers the base loss can only be ce
-    on the reference (docs/method.md §5), so generated text would have no teacher signal. Raises
-    ``MtaError`` naming the keys; passes when ``generation.mode`` is off.
-    """
-    if recipe.generation.mode == "off" or same_tokenizer:
-        return
-    where = f"{recipe.source}: " if recipe.source else ""
-    raise MtaError(
-        f"{where}generation.mode={recipe.generation.mode} needs the teacher and the student to share "
-        f"a tokenizer, and these differ ({recipe.teacher.tokenizer_path} vs "
-        f"{recipe.student.tokenizer_path}): across tokenizers there is no logit loss, and "
-        f"{ON_POLICY_NEEDS_LOGITS}. Set generation.mode=off, or use a teacher with the student's tokenizer"
-    )
-
-
-# --- embedding recipes (task: embedding) --------------------------------------------------
-
-# Keys of the shared train: section that only LLM distillation reads (an embedding recipe that
-# sets one to anything but its default is refused; the defaults stay in its resolved recipe, unread).
-LLM_ONLY_TRAIN_KEYS = ("teacher_zero3", "num_sample_generations", "sample_max_new_tokens", "save_generated",
-                       "select_rows")
-
-
-class TinyEncoder(Strict):
-    """Build a random BERT encoder (``mta.embedding.tiny_encoders``) and a WordPiece tokenizer trained
-    on ``tokenizer_corpus`` at first use (CPU runs and tests)."""
-
-    model_type: Literal["bert"] = "bert"
-    num_layers: int = Field(4, ge=1)
-    hidden_size: int = Field(32, ge=4)
-    num_heads: int = Field(4, ge=1)
-    tokenizer_corpus: str = Field(description="JSONL whose text trains the WordPiece tokenizer")
-    vocab_size: int = Field(512, ge=100)
-    seed: int = 0
-
-
-class EncoderSpec(Strict):
-    path: str = Field(description="hub name or local directory of a Hugging Face encoder (AutoModel) "
-                      "or a sentence-transformers model")
-    tokenizer: Optional[str] = Field(None, description="tokenizer name or directory; default: path")
-    dtype: Precision = "fp32"
-    config: Optional[str] = Field(
-        None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
-    )
-    tiny: Optional[TinyEncoder] = None
-
-    @property
-    def tokenizer_path(self) -> str:
-        return self.tokenizer or self.path
-
-
-class StudentEncoderSpec(EncoderSpec):
-    pooling: Literal["cls_attention", "mean", "cls"] = Field(
-        "cls_attention", description="how each layer's states become its sentence embedding, and the "
-        "exported model's pooling: cls_attention (TALAS's author: attention with the CLS state as the "
-        "query), mean or cls (mta.embedding.encoder.pool)"
-    )
-
-
-class TeacherEncoderSpec(EncoderSpec):
-    pooling: Literal["auto", "mean", "cls", "max", "last", "cls_attention"] = Field(
-        "auto", description="the teacher's pooling when its embeddings are built at first use: auto "
-        "(its sentence-transformers config, else mean), or a mode (TALAS's author: cls for BGE-M3, "
-        "last for Qwen3-Embedding)"
-    )
-
-
-class EmbeddingDataSpec(Strict):
-    train: str = Field(
-        description="an `mta embed` output directory (the teacher's embeddings), or rows embedded with "
-        "the recipe's teacher at first use into OUT/embeddings/train: a JSONL, Parquet or CSV file or "
-        "a datasets save_to_disk directory"
-    )
-    dev: Optional[str] = Field(None, description="the same for the dev loss; null: no dev evaluation")
-    max_length: int = Field(256, ge=2, description="tokens per text, special tokens included: the "
-                            "student's, and the teacher's when it embeds at first use (TALAS's author: 256)")
-    text_field: Optional[str] = Field(
-        None, description="the column holding each row's text; null: text, else instruction + input + "
-        "response, else prompt + response (mta.embedding.teacher_embeddings)"
-    )
-
-
-class EmbeddingLossSpec(Strict):
-    """λ1·SimCSE + λ2·TAMD + λ3·LASD (mta.losses.talas; TALAS's defaults: 0.001 / 0.75 / 1)."""
-
-    simcse_weight: float = Field(0.001, ge=0, description="λ1: SimCSE, the batch encoded twice with "
-                                 "dropout, InfoNCE on the last layer")
-    tamd_weight: float = Field(0.75, ge=0, description="λ2: TAMD, 1 − cos(W_l e_l, e_teacher) on the "
-                               "top tamd_layers layers")
-    lasd_weight: float = Field(1.0, ge=0, description="λ3: LASD, each layer's in-batch cosine matrix "
-                               "pulled towards the layer above's")
-    tamd_layers: int = Field(2, ge=1, description="K: the top student layers anchored to the teacher "
-                             "(TALAS: 2)")
-    lasd_detach: bool = Field(False, description="detach the upper layer's matrix (the guide); the "
-                              "author's code does not")
-    lasd_reduction: Literal["mean", "sum"] = Field(
-        "mean", description="per layer pair: the mean over the B² entries (the author's F.mse_loss) or "
-        "their sum (eq. 5's squared Frobenius norm, B² times larger)"
-    )
-    simcse_temperature: float = Field(0.1, gt=0, description="τ of SimCSE (the author's script: 0.1)")
-
-    @model_validator(mode="after")
-    def _something_to_train(self) -> "EmbeddingLossSpec":
-        if not (self.simcse_weight or self.tamd_weight or self.lasd_weight):
-            raise ValueError("simcse_weight, tamd_weight and lasd_weight are all 0: nothing to train")
-        return self
-
-
-class EmbeddingRecipe(RecipeChecks):
-    """A sentence-embedding distillation (``task: embedding``, TALAS): an encoder student learns
-    a teacher's stored sentence embeddings (``mta embed``; built at first use from ``teacher``
-    when ``data`` names rows). The teacher model itself is never loaded for training."""
-
-    name: str
-    seed: int = 42
-    output_dir: str
-    task: Literal["embedding"]
-    teacher: Optional[TeacherEncoderSpec] = Field(
-        None, description="the embedding teacher, loaded only to embed data rows at first use; null: "
-        "data names `mta embed` directories"
-    )
-    student: StudentEncoderSpec
-    data: EmbeddingDataSpec
-    loss: EmbeddingLossSpec = EmbeddingLossSpec()
-    train: TrainSpec
-    deepspeed: dict[str, Any] = Field(
-        default_factory=dict,
-        description="DeepSpeed settings the schema does not model, merged in verbatim",
-    )
-    source: Optional[str] = Field(None, description="the file this recipe was read from")
-
-    @model_validator(mode="after")
-    def _no_llm_train_keys(self) -> "EmbeddingRecipe":
-        fields = TrainSpec.model_fields
-        named = [key for key in LLM_ONLY_TRAIN_KEYS
-                 if key in fields and getattr(self.train, key) != fields[key].get_default(call_default_factory=True)]
-        if getattr(self.train, "select_by", "loss") == "rouge":
-            named.insert(0, "select_by")
-        if named:
-            raise PydanticCustomError("task_setting", "{message}", {
-                "message": f"{named[0]} is a key of task: llm recipes (generation and the LLM teacher); "
-                "a task: embedding recipe does not read it: remove it", "within": ("train", named[0]),
-            })
-        return self
-
-    @property
-    def dev_sample_new_tokens(self) -> int:
-        """No generation: an encoder has nothing to sample."""
-        return 0
-
-
-AnyRecipe = Union[Recipe, EmbeddingRecipe]
-TASK_SCHEMAS: dict[str, type[BaseModel]] = {"llm": Recipe, "embedding": EmbeddingRecipe}
-
-
-class _TaskOnly(BaseModel):
-    """A recipe's ``task`` alone, checked first: against the wrong schema every other key would
-    be an error too."""
-
-    model_config = ConfigDict(extra="ignore")
-    task: Literal["llm", "embedding"] = Recipe.model_fields["task"]
-
-
-def recipe_schema(raw: Any) -> type[BaseModel]:
-    """The schema a recipe mapping is read with: by its ``task`` (default llm; a value that is no
-    task is reported by ``Recipe``'s own check of the key)."""
-    task = raw.get("task", "llm") if isinstance(raw, dict) else "llm"
-    return TASK_SCHEMAS.get(task, Recipe) if isinstance(task, str) else Recipe
-
-
-# --- the recipe against the models --------------------------------------------------------
-
-# Config keys that bound a model's positions, by the name the config itself uses.
-POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions")
-
-
-def position_limit(config: Any) -> Optional[tuple[int, str]]:
-    """``(positions, config key)`` a Hugging Face model config allows, or None if it has no limit
-    (a model without ``max_position_embeddings`` / ``n_positions``)."""
-    own = vars(config) if hasattr(config, "__dict__") else {}
-    # The config's own key first: GPT-2's config also answers to max_position_embeddings.
-    for read in (own.get, lambda attribute: getattr(config, attribute, None)):
-        for attribute in POSITION_LIMIT_KEYS:
-            value = read(attribute)
-            if type(value) is int and value > 0:
-                return value, attribute
-    return None
-
-
-def check_sequence_lengths(
-    data: DataSpec, config: Any, role: str, *, model: Optional[str] = None,
-    sample_new_tokens: int = 0, source: Optional[str] = None,
-) -> None:
-    """Refuse ``data.max_length`` beyond the positions ``config`` (the ``role`` model's) has.
-
-    ``role`` is ``"student"`` or ``"teacher"``; ``model`` names it in the message (default: the
-    config's ``name_or_path``). ``sample_new_tokens``: the dev samples the student generates
-    (``Recipe.dev_sample_new_tokens``) extend a prompt of up to ``data.max_prompt_length``
-    tokens, so those must fit too. ``source`` (the recipe file) starts the message. Raises
-    ``MtaError`` naming the key, the model and its limit; a config without a limit passes.
-    """
-    found = position_limit(config)
-    if found is None:
-        return
-    limit, attribute = found
-    name = model or getattr(config, "name_or_path", "") or getattr(config, "model_type", "") or role
-    what = f"the {role} ({name}) has {limit:,} positions ({attribute} in its config)"
-    where = f"{source}: " if source else ""
-    if data.max_length > limit:
-        raise MtaError(
-            f"{where}data.max_length={data.max_length:,} is longer than {what}; set data.max_length to at "
-            f"most {limit:,} (and data.max_prompt_length below it)"
-        )
-    sampled = data.max_prompt_length + sample_new_tokens
-    if sample_new_tokens and sampled > limit:
-        raise MtaError(
-            f"{where}dev samples need up to data.max_prompt_length + train.sample_max_new_tokens = "
-            f"{data.max_prompt_length:,} + {sample_new_tokens:,} = {sampled:,} positions, more than "
-            f"{what}; lower train.sample_max_new_tokens to at most "
-            f"{max(limit - data.max_prompt_length, 0):,} (or train.num_sample_generations=0)"
-        )
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` strings to a nested mapping, in order; values are YAML scalars.
-
-    Missing mappings on the way are created (``deepspeed.zero_optimization.offload_param.device=
-    cpu``), a numeric part indexes a list (``loss.layers.0.teacher=20``) and the recipe's
-    validation then checks the result exactly like a value written in the file.
-    """
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        parts = key.strip().split(".")
-        if not sep or not all(parts):
-            raise MtaError(
-                f"override {override!r} is not of the form key.path=value (e.g. train.lr=5e-5)"
-            )
-        value = load_yaml(text, f"override {override!r}")
-        node: Any = raw
-        for depth, part in enumerate(parts):
-            here = ".".join(parts[: depth + 1])
-            last = depth == len(parts) - 1
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise MtaError(
-                        f"override {override!r}: {here} indexes a list of {len(node)} items; "
-                        f"use an index from 0 to {len(node) - 1}"
-                    )
-                part = int(part)
-            elif not isinstance(node, dict):
-                raise MtaError(
-                    f"override {override!r}: {'.'.join(parts[:depth])} is a value, not a mapping"
-                )
-            if last:
-                node[part] = value
-            else:
-                if isinstance(node, dict) and node.get(part) is None:
-                    node[part] = {}
-                node = node[part]
-    return raw
-
-
-def _section_model(path: tuple[str | int, ...], root: type[BaseModel] | None = None) -> type[BaseModel] | None:
-    """The schema class that a (pydantic) error location points into, for listing its keys
-    (``root``: the recipe schema, default ``Recipe``)."""
-    model: type[BaseModel] = root or Recipe
-    for part in path:
-        if isinstance(part, int) or part not in model.model_fields:
-            continue
-        nested = _models_in(model.model_fields[part].annotation)
-        if not nested:
-            return None
-        model = nested[0]
-    return model
-
-
-def _field_description(path: tuple[str | int, ...], root: type[BaseModel] | None = None) -> str | None:
-    model = _section_model(path[:-1], root) if path else None
-    field = model.model_fields.get(str(path[-1])) if model else None
-    return field.description if field else None
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The schema classes a field's annotation names (``Optional[ModelSpec]`` -> ``[ModelSpec]``):
+    the sections below a key, for walking a recipe schema."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    return [model for arg in typing.get_args(annotation) for model in _models_in(arg)]
-
-
-def _key_lines(text: str) -> dict[tuple[Any, ...], int]:
-    """1-based line of every key and list item of a YAML document, by its key path.
-
-    Keys are taken as YAML reads them (``1:`` is the int 1, as in the loaded mapping); a node
-    reached again through an alias is not walked twice.
-    """
-    lines: dict[tuple[Any, ...], int] = {}
-    walked: set[int] = set()
-    loader = BoundedLoader(text)
-
-    def walk(node: yaml.Node, path: tuple[Any, ...]) -> None:
-        if id(node) in walked:
-            return
-        walked.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                if not isinstance(key_node, yaml.ScalarNode):
-                    continue
-                try:
-                    key = loader.construct_object(key_node)
-                except yaml.YAMLError:
-                    key = key_node.value
-                child = path + (key,)
-                lines[child] = key_node.start_mark.line + 1
-                walk(value_node, child)
-        elif isinstance(node, yaml.SequenceNode):
-            for index, item in enumerate(node.value):
-                lines[path + (index,)] = item.start_mark.line + 1
-                walk(item, path + (index,))
-
-    try:
-        root = loader.get_single_node()
-        if root is not None:
-            walk(root, ())
-    except (yaml.YAMLError, Refused, RecursionError):
-        pass
-    finally:
-        loader.dispose()
-    return lines
-
-
-def _file_path(item: dict[str, Any], raw: Any) -> tuple[Any, ...]:
-    """The key path of an error in the file's terms: pydantic's location without the parts that
-    are not keys of the file (union branch tags such as ``list[LayerPair]``, ``[key]``), plus
-    the path inside a free-form mapping that a validator reported (``ctx['within']``)."""
-    loc = tuple(item["loc"]) + tuple((item.get("ctx") or {}).get("within", ()))
-    path: list[Any] = []
-    node = raw
-    for position, part in enumerate(loc):
-        if part == "[key]":
-            continue
-        if isinstance(node, dict) and part not in node:
-            # pydantic spells some keys as text (a `null:` key is located as "None").
-            part = next((key for key in node if not isinstance(key, str) and str(key) == part), part)
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and type(part) is int and 0 <= part < len(node):
-            node = node[part]
-        elif (isinstance(part, str) and part.isidentifier()) or type(part) is int or (
-            # The key an unknown-key error is about is always a key of the file.
-            position == len(loc) - 1 and item["type"] in ("extra_forbidden", "invalid_key")
-        ):
-            node = None  # a schema key the file does not have (a missing key)
-        else:
-            continue
-        path.append(part)
-    return tuple(path)
-
-
-def _key_text(path: tuple[Any, ...]) -> str:
-    """``train.lr``; a key that is not a plain name is quoted (``'train lr'``) or spelt as YAML
-    (``null``, ``true``), so the reader sees exactly what the file says."""
-    def part_text(part: Any) -> str:
-        if part is None or isinstance(part, bool):
-            return yaml_text(part)
-        if isinstance(part, str) and re.fullmatch(r"[\w-]+", part) or type(part) is int:
-            return str(part)
-        return repr(part)
-
-    return ".".join(part_text(part) for part in path)
-
-
-def _unknown_key(path: tuple[Any, ...], root: type[BaseModel] | None = None) -> str:
-    model = _section_model(path[:-1], root)
-    if model is None:
-        return "unknown key (check its spelling and the section it is in)"
-    allowed = ", ".join(model.model_fields)
-    key = str(path[-1])
-    other_task = _other_task_with_key(path, root or Recipe)
-    if other_task:
-        this_task = next(task for task, schema in TASK_SCHEMAS.items() if schema is (root or Recipe))
-        return (f"unknown key in a task: {this_task} recipe: {key} is a key of task: {other_task} recipes "
-                f"(allowed here: {allowed})")
-    match = close_match(key, model.model_fields)
-    if match:
-        return f"unknown key: did you mean {match}? (allowed here: {allowed})"
-    elsewhere = _sections_with_key(key, root)
-    if elsewhere:
-        return f"unknown key here: {key} is a key of {' and '.join(elsewhere)} (allowed here: {allowed})"
-    return f"unknown key (check its spelling and the section it is in); allowed here: {allowed}"
-
-
-def _other_task_with_key(path: tuple[Any, ...], root: type[BaseModel]) -> str | None:
-    """The other task whose schema has the key at ``path`` (``loss.dsa_weight`` in an embedding
-    recipe: llm), or None."""
-    for task, schema in TASK_SCHEMAS.items():
-        if schema is root:
-            continue
-        model = _section_model(path[:-1], schema)
-        if model is not None and str(path[-1]) in model.model_fields and (
-            len(path) == 1 or str(path[0]) in schema.model_fields
-        ):
-            return task
-    return None
-
-
-def _sections_with_key(key: str, root: type[BaseModel] | None = None) -> list[str]:
-    found = []
-
-    def search(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            if name == key and prefix:
-                found.append(prefix.rstrip("."))
-            for nested in _models_in(field.annotation):
-                search(nested, f"{prefix}{name}.")
-
-    search(root or Recipe, "")
-    return found
-
-
-def _describe(item: dict[str, Any], path: tuple[Any, ...], root: type[BaseModel] | None = None) -> str:
-    kind, given = item["type"], item.get("input")
-    if kind == "extra_forbidden" or (kind == "invalid_key" and _section_model(path[:-1], root)):
-        return _unknown_key(path, root)
-    if kind == "invalid_key" or tuple(item["loc"][-1:]) == ("[key]",):
-        return f"a key must be a name (got {given!r}); quote it if it is one"
-    if kind == "literal_error":
-        hint = _field_description(path, root)
-        return f"{given!r} is not allowed; use one of {item['ctx']['expected']}" + (
-            f" ({hint})" if hint else ""
-        )
-    if kind == "missing":
-        return "required key is missing"
-    if kind == "finite_number":
-        return f"must be a finite number (got {given!r})"
-    message = item["msg"].removeprefix("Value error, ")
-    if kind.endswith(("_type", "_parsing")) or kind.startswith(("greater", "less")):
-        message += f" (got {given!r})"
-    return message
-
-
-def _format_validation_error(
-    source: str, error: ValidationError, text: str = "", overridden: dict[str, str] | None = None,
-    raw: Any = None, locations: dict[tuple[Any, ...], str] | None = None, *,
-    schema: type[BaseModel] | None = None,
-) -> str:
-    """One line per problem: ``line N: key: what is wrong and what is allowed``.
-
-    ``text`` (the file) gives the line numbers, ``overridden`` (``key -> 'key=value'``) names the
-    override a key came from instead, ``raw`` (the mapping that was validated) keeps keys that
-    are not names, such as ``train lr`` or ``1``. ``locations`` (``{key path: "line N"}``, or
-    ``"PARENT.yaml line N"`` for a key an extended recipe set) replaces ``text``'s lines.
-    ``schema``: the recipe class validated (default ``Recipe``; ``recipe_schema``).
-    """
-    if locations is None:
-        locations = {path: f"line {line}" for path, line in (_key_lines(text) if text else {}).items()}
-    overridden = overridden or {}
-    lines = [f"{source}: invalid recipe"]
-    for item in error.errors():
-        path = _file_path(item, raw)
-        key = _key_text(path)
-        parts = tuple(str(part) for part in path)
-        origin = next(
-            (f" (from override {override!r})" for name, override in overridden.items()
-             if _override_covers(tuple(name.split(".")), parts)),
-            "",
-        )
-        location = next(
-            (locations[path[:depth]] for depth in range(len(path), 0, -1) if path[:depth] in locations),
-            None,
-        )
-        where = f"{location}: " if location and not origin else ""
-        # Whole-recipe checks (loc empty) name their keys in the message itself.
-        named = f"{key}: " if key else ""
-        lines.append(f"  {where}{named}{_describe(item, path, schema)}{origin}")
-    return "\n".join(lines)
-
-
-def _override_covers(override: tuple[str, ...], key: tuple[str, ...]) -> bool:
-    """Whether an error at ``key`` comes from the override of ``override``: the override set
-    the key or a mapping above it, or (inside the free-form deepspeed: mapping, where whole
-    sections are refused) a key below it."""
-    if key[: len(override)] == override:
-        return True
-    return len(key) > 1 and key[0] == "deepspeed" and override[: len(key)] == key
-
-
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> AnyRecipe:
-    """Read (with the parents it ``extends``), override and validate a recipe; raise ``MtaError``
-    naming the file, line and key on any problem."""
-    path = Path(path)
-    chain = recipe_chain(path)
-    raw = apply_overrides(merged_recipe(chain), overrides)
-    raw.setdefault("source", str(path))
-    overridden = {item.partition("=")[0].strip(): item for item in overrides}
-    schema = recipe_schema(raw)  # task: embedding -> EmbeddingRecipe
-    try:
-        _TaskOnly.model_validate(raw)
-        return schema.model_validate(raw)
-    except ValidationError as error:
-        locations = key_locations(chain, _key_lines)
-        raise MtaError(_format_validation_error(str(path), error, "", overridden, raw, locations,
-                                                schema=schema)) from error
-
-
-def recipe_to_yaml(recipe: AnyRecipe) -> str:
-    """The fully resolved recipe (defaults filled in), as saved beside every checkpoint."""
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    return [model for arg in typing.get_args(annotation) for model in models_in(arg)]

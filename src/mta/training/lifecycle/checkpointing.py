@@ -59,7 +59,8 @@ from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publis
 from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
 from mta.training import lora
 from mta.training.lifecycle import safe_loading
-from mta.training.config.schema import Recipe, recipe_to_yaml
+from mta.training.config.loading import recipe_to_yaml
+from mta.training.config.schema import Recipe
 from mta.training.lifecycle.model_card import write_model_card
 from mta.versions import package_versions
 
@@ -227,7 +228,7 @@ def verify_checkpoint(path: Path) -> None:
 
 # --------------------------------------------------------------------------- saving
 
-def _student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
+def student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
     """The student's full state dict (on rank 0; under ZeRO-3 None elsewhere). Every rank calls."""
     if engine.zero_optimization_partition_weights():
         # Gathers one layer at a time onto rank 0's CPU (what accelerate's get_state_dict uses),
@@ -238,7 +239,7 @@ def _student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
     return engine.module.student.state_dict()
 
 
-def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path,
+def export_student(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path,
                *, adapter: bool = False) -> None:
     """The student in Hugging Face format (+ tokenizer, recipe, versions) into ``directory``.
 
@@ -246,7 +247,7 @@ def _export_hf(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, direc
     written with its adapters merged (``mta.training.lora``), and with ``adapter`` its adapter
     alone also into ``directory/adapter/`` (checkpoints).
     """
-    state = _student_state_dict(engine)
+    state = student_state_dict(engine)
     if distributed.is_main():
         directory.mkdir(parents=True, exist_ok=True)
         student = engine.module.student
@@ -325,7 +326,7 @@ def save_checkpoint(
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         distributed.barrier()
-        _export_hf(engine, tokenizer, recipe, partial, adapter=True)
+        export_student(engine, tokenizer, recipe, partial, adapter=True)
         engine.save_checkpoint(str(partial / DEEPSPEED_DIR), tag=DEEPSPEED_TAG)
         if extra_state is not None:
             extra_state(partial)
@@ -415,7 +416,7 @@ def _save_student(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, fi
         if distributed.is_main():
             shutil.rmtree(partial, ignore_errors=True)
         distributed.barrier()
-        _export_hf(engine, tokenizer, recipe, partial)
+        export_student(engine, tokenizer, recipe, partial)
         if distributed.is_main():
             finish(partial)
             _write_checksums(partial)

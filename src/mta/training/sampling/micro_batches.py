@@ -7,19 +7,21 @@ samples a response to each gold row's prompt — every rank generates together, 
 takes the same decision — and the batch's tokens are those ids at once (labels on the response
 tokens only, as for annotated rows), while the spans of prompt + response are parsed by
 ``mta.data.online_spans`` (the code of ``mta annotate``, on the ids the models see) in worker
-processes: the batch's ``spans`` are a ``DeferredSpans`` that waits for them only when the loss
-reads them, after the teacher and student forwards. Before the next micro batch is decided
-(and before logging or saving) the parsed rows are settled: checked to hold exactly the ids
-trained on, pushed into the buffer and kept for ``save_generated``. Each rank keeps its own
-buffer. State (threshold, counts) and buffers are saved with every checkpoint
-as JSON and Parquet (``save`` / ``restore``), never pickled; ``train.save_generated`` also writes
-each step's generated and replayed rows to ``OUT/generated/``.
+processes. Such a batch comes back with its spans pending (``TrainBatch.pending_spans``, a
+``GeneratedMicroBatch``); the trainer runs the teacher forward meanwhile and then asks for them,
+explicitly, with ``with_spans(batch)`` before the student's forward and loss. The parsed rows
+are settled once (at ``with_spans``, or at the latest before the next micro batch is decided,
+before logging and before saving): checked to hold exactly the ids trained on, pushed into the
+buffer and kept for ``save_generated``. Each rank keeps its own buffer (``replay_buffer``).
+State (threshold, counts) and buffers are saved with every checkpoint as JSON and Parquet
+(``save`` / ``restore``), never pickled; ``train.save_generated`` also writes each step's
+generated and replayed rows to ``OUT/generated/``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,16 +36,20 @@ from mta.data.online_spans import GeneratedRow, PendingSpans, SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator
 from mta.losses.span_masks import SpanBatch
-from mta.training.sampling import policy
-from mta.training.batching import AnnotatedExamples, DeferredSpans, TrainBatch
+from mta.training.batching import AnnotatedExamples, TrainBatch
 from mta.training.config.schema import Recipe
+from mta.training.sampling import policy
+from mta.training.sampling.replay_buffer import (
+    ReplayBuffer, agreed_buffer_flags, buffer_file, rows_table, write_generated_rows,
+)
 
 GENERATED_DIR = "generated"
 
 
 @dataclass
-class _Parsing:
-    """A generated micro batch in training while its rows are parsed."""
+class GeneratedMicroBatch:
+    """A generated micro batch in training while the span workers parse its rows: the handle a
+    batch carries as ``TrainBatch.pending_spans`` until ``OffPolicyBatches.with_spans``."""
 
     step: int
     micro_batch: int
@@ -66,12 +72,12 @@ class OffPolicyBatches:
         self.recipe = recipe
         self.model = model
         self.spec = recipe.generation
-        self.state = off_policy.SamplingState.initial(self.spec)
-        self.buffer = off_policy.ReplayBuffer(self.spec.buffer_size) if self.spec.mode == "adaptive" else None
+        self.state = policy.SamplingState.initial(self.spec)
+        self.buffer = ReplayBuffer(self.spec.buffer_size) if self.spec.mode == "adaptive" else None
         self.parser = parser
         self.tokenizer = tokenizer
         self.total_steps = total_steps
-        self.params = off_policy.generation_params(recipe)
+        self.params = policy.generation_params(recipe)
         self._examples = dict(student_pad_id=pad_ids["student"], teacher_pad_id=pad_ids["teacher"],
                               with_teacher=with_teacher, granularities=granularities)
         self._ids = table.column(ID).to_numpy()
@@ -80,7 +86,7 @@ class OffPolicyBatches:
         self._student_ids = table.column(INPUT_IDS["student"])
         self._prompt_len = table.column(PROMPT_LEN["student"]).to_numpy()
         self._saved: list[tuple[list[dict], int, str]] = []  # (rows, micro batch, source) of this step
-        self._parsing: Optional[_Parsing] = None  # the generated micro batch whose spans are parsed
+        self._parsing: Optional[GeneratedMicroBatch] = None  # the last generated micro batch, until settled
         self.window = {"generated_tokens": 0, "generation_s": 0.0, "span_wait_s": 0.0}
         self._counted = dict(self.state.micro_batches)  # the counts at the last log line
 
@@ -88,44 +94,51 @@ class OffPolicyBatches:
 
     def batch(self, step: int, micro_batch: int, rows: np.ndarray, gold: TrainBatch) -> tuple[TrainBatch, str]:
         """The micro batch to train on in place of ``gold`` (table positions ``rows``), and its
-        source: ``"gold"``, ``"generated"`` or ``"buffer"``. A generated batch's spans are
-        parsed while it trains (``DeferredSpans``)."""
+        source: ``"gold"``, ``"generated"`` or ``"buffer"``. A generated batch's spans are being
+        parsed: it holds none yet (``pending_spans`` is set) until ``with_spans``."""
         self.settle()
-        full, empty = off_policy.agreed_buffer_flags(self.buffer) if self.buffer is not None else (False, True)
-        source = off_policy.decide(self.state, self.spec, step, self.total_steps, micro_batch, full, empty,
-                                   self.recipe.seed)
+        full, empty = agreed_buffer_flags(self.buffer) if self.buffer is not None else (False, True)
+        source = policy.decide(self.state, self.spec, step, self.total_steps, micro_batch, full, empty,
+                               self.recipe.seed)
         self.state = self.state.count(source)
         if source == "gold":
             return gold, source
         if source == "buffer":
-            generator = off_policy.buffer_generator(self.recipe.seed, step, micro_batch, distributed.rank())
+            generator = policy.buffer_generator(self.recipe.seed, step, micro_batch, distributed.rank())
             sampled = self.buffer.sample(len(rows), generator)
             if self.recipe.train.save_generated:
                 self._saved.append((sampled, micro_batch, source))
-            examples = AnnotatedExamples(off_policy.rows_table(sampled), **self._examples)
+            examples = AnnotatedExamples(rows_table(sampled), **self._examples)
             return examples.batch(np.arange(len(examples))), source
         generated = self._generate(step, rows)
         tokens = self._token_batch(generated)
-        parsing = _Parsing(step, micro_batch, tokens, self.parser.submit(generated))
-        self._parsing = parsing
-        spans = DeferredSpans(lambda: self._parsed(parsing))
-        return TrainBatch(tokens.row_ids, tokens.student, tokens.teacher, spans), source
+        self._parsing = GeneratedMicroBatch(step, micro_batch, tokens, self.parser.submit(generated))
+        return replace(tokens, pending_spans=self._parsing), source
+
+    def with_spans(self, batch: TrainBatch) -> TrainBatch:
+        """``batch`` with its spans, on its device: a generated micro batch's are waited for here
+        (parsed since it was generated) and its rows settled; any other batch is returned as is."""
+        if batch.pending_spans is None:
+            return batch
+        spans = self._parsed(batch.pending_spans)
+        device = batch.student.input_ids.device
+        return replace(batch, spans={name: s.to(device) for name, s in spans.items()}, pending_spans=None)
 
     def settle(self) -> None:
-        """Wait for the generated micro batch being parsed, if any, and file its rows: into the
+        """Wait for the last generated micro batch's rows, if not yet, and file them: into the
         buffer and, with ``save_generated``, the rows of this step."""
         parsing, self._parsing = self._parsing, None
         if parsing is not None:
             self._parsed(parsing)
 
-    def _parsed(self, parsing: _Parsing) -> dict[str, SpanBatch]:
+    def _parsed(self, parsing: GeneratedMicroBatch) -> dict[str, SpanBatch]:
         """The spans of ``parsing`` (waiting for them once), its rows settled."""
         if parsing.spans is not None:
             return parsing.spans
         started = time.perf_counter()
         result = parsing.pending.result()
         self.window["span_wait_s"] += time.perf_counter() - started
-        table = off_policy.rows_table(result.batch)
+        table = rows_table(result.batch)
         parsed = AnnotatedExamples(table, **self._examples).batch(np.arange(table.num_rows))
         _check_same_tokens(parsed, parsing.tokens)
         rows = table.to_pylist()
@@ -139,7 +152,7 @@ class OffPolicyBatches:
     def _generate(self, step: int, rows: np.ndarray) -> list[GeneratedRow]:
         """The student's responses to the prompts of table rows ``rows``, EOS kept when it stopped."""
         prompts = [self._student_ids[int(row)].values.to_numpy()[: self._prompt_len[row]].tolist() for row in rows]
-        seeds = off_policy.generation_seeds(self.recipe.seed, step, [int(self._ids[row]) for row in rows])
+        seeds = policy.generation_seeds(self.recipe.seed, step, [int(self._ids[row]) for row in rows])
         started = time.perf_counter()
         generator = HFGenerator(self.model, self.tokenizer, self.params, batch_size=len(rows))
         completions = sorted((c for batch in generator.generate(prompts, seeds) for c in batch),
@@ -172,7 +185,7 @@ class OffPolicyBatches:
 
     def update_threshold(self, dev_cross_entropy: float) -> None:
         """After a dev evaluation: DistiLLM's threshold rule on the dev cross-entropy."""
-        self.state = off_policy.update_threshold(self.state, self.spec, off_policy.agreed_dev_loss(dev_cross_entropy))
+        self.state = policy.update_threshold(self.state, self.spec, policy.agreed_dev_loss(dev_cross_entropy))
 
     def log_fields(self) -> dict[str, float]:
         """The generation fields of a train record, for the window since the last one: τ (in
@@ -201,24 +214,24 @@ class OffPolicyBatches:
             "source": [source for sampled, _, source in self._saved for _ in sampled],
         }
         path = output_dir / GENERATED_DIR / f"step-{step:06d}-rank-{distributed.rank()}.parquet"
-        off_policy.write_generated_rows(path, rows, [step] * len(rows), extra=extra)
+        write_generated_rows(path, rows, [step] * len(rows), extra=extra)
         self._saved = []
 
     def save(self, checkpoint: Path) -> None:
         """Into a checkpoint being written (every rank calls): the state and this rank's buffer."""
         self.settle()
         if distributed.is_main():
-            off_policy.write_state(checkpoint / off_policy.STATE_FILE, self.state)
+            policy.write_state(checkpoint / policy.STATE_FILE, self.state)
         if self.buffer is not None:
-            self.buffer.write(checkpoint / off_policy.buffer_file(distributed.rank()))
+            self.buffer.write(checkpoint / buffer_file(distributed.rank()))
 
     def restore(self, checkpoint: Path) -> None:
         """The state and this rank's buffer as ``save`` wrote them into ``checkpoint``."""
-        self.state = off_policy.read_state(checkpoint / off_policy.STATE_FILE)
+        self.state = policy.read_state(checkpoint / policy.STATE_FILE)
         self._counted = dict(self.state.micro_batches)
         if self.buffer is not None:
-            self.buffer = off_policy.ReplayBuffer.read(
-                checkpoint / off_policy.buffer_file(distributed.rank()), self.spec.buffer_size
+            self.buffer = ReplayBuffer.read(
+                checkpoint / buffer_file(distributed.rank()), self.spec.buffer_size
             )
 
 

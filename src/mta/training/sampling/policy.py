@@ -8,8 +8,9 @@ The recipe's ``generation:`` section (``mta.training.config.schema.GenerationSpe
 - ``adaptive``: DistiLLM's adaptive student-generated-output (SGO) scheduler, below.
 
 **Adaptive.** State (``SamplingState``): a threshold τ (``init_threshold``, 0.0), the reference
-dev loss L₀ and a FIFO replay buffer of generated rows (``ReplayBuffer``, ``buffer_size`` rows,
-1000). For micro batch ``k`` of optimizer step ``step`` (0-based, as ``Trainer.step`` gets it) of
+dev loss L₀ and a FIFO replay buffer of generated rows (``replay_buffer.ReplayBuffer``,
+``buffer_size`` rows, 1000). For micro batch ``k`` of optimizer step ``step`` (0-based, as
+``Trainer.step`` gets it) of
 ``T`` steps, with ``t = step + 1`` (the published 1-based ``global_step``):
 
 1. draw ``r ~ U[0, 1)`` (``draw``) and take the schedule value ``s`` (``schedule_value``):
@@ -36,7 +37,8 @@ exactly the decisions an uninterrupted one makes (given the saved state and buff
 
 **Stored state** is never pickled: ``SamplingState.to_json`` (``write_state`` / ``read_state``)
 and the buffer as a Parquet file of the annotate artefact's columns plus ``step``
-(``ReplayBuffer.write`` / ``read``; ``write_generated_rows`` / ``read_generated_rows`` for any generated rows).
+(``replay_buffer``: ``ReplayBuffer.write`` / ``read``; ``write_generated_rows`` /
+``read_generated_rows`` for any generated rows).
 
 **Where the published code differs** (``jongwooko/distillm`` ``finetune.py``,
 ``distillm/buffer.py``, ``distillm/sampler.py``; ``wind123mountain/MTA``
@@ -81,19 +83,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Optional, Sequence, Union, get_args
+from typing import Any, Iterable, Literal, Mapping, Optional, get_args
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mta import distributed
-from mta.data.artefact_schema import COLUMNS, SCHEMA, SCHEMA_VERSION
 from mta.errors import MtaError
-from mta.files import atomic_path, atomic_write_json
+from mta.files import atomic_write_json
 from mta.generation.sampling import SamplingParams, sampling_seed
 from mta.training.config.schema import GenerationSchedule, GenerationSpec, Recipe
 
@@ -105,21 +103,12 @@ DRAW_PURPOSE = "off-policy/draw"  # r of micro batch k of a step, the same on ev
 BUFFER_PURPOSE = "off-policy/buffer/rank-{rank}"  # a rank's draw of rows from its buffer
 GENERATE_PURPOSE = "off-policy/generate"  # the noise of a generated response, keyed by its row id
 
-STEP_COLUMN = "step"
-ROWS_SCHEMA = SCHEMA.append(pa.field(STEP_COLUMN, pa.int64()))
-ROWS_METADATA = {b"mta.rows": b"generated", b"mta.schema_version": str(SCHEMA_VERSION).encode()}
 STATE_FORMAT = "mta.off_policy.state/1"
 
 _UNIT = 2.0**-53
 
-# Suggested names inside a checkpoint directory (the checkpoint's owner decides where they go).
+# The suggested name inside a checkpoint directory (the checkpoint's owner decides where it goes).
 STATE_FILE = "off_policy_state.json"  # written by rank 0: the state is the same on every rank
-BUFFER_FILE = "replay_buffer-rank-{rank:05d}.parquet"  # one per rank
-
-
-def buffer_file(rank: int) -> str:
-    """The file name of rank ``rank``'s replay buffer in a checkpoint."""
-    return BUFFER_FILE.format(rank=rank)
 
 
 # --------------------------------------------------------------------------- the decision
@@ -328,147 +317,7 @@ def generation_params(recipe: Recipe) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=recipe.generation_max_new_tokens)
 
 
-# --------------------------------------------------------------------------- generated rows
-
-
-Rows = Union[Sequence[Mapping[str, Any]], pa.RecordBatch, pa.Table]
-
-
-def rows_table(rows: Rows) -> pa.Table:
-    """Rows (mappings of exactly the annotate artefact's columns, or a record batch / table of
-    its schema, as ``mta.data.online_spans`` returns them) as an Arrow table of that schema, the
-    table ``batching.AnnotatedExamples`` reads. ``ValueError`` names a row or a schema whose
-    columns differ; Arrow refuses a value of the wrong type."""
-    if isinstance(rows, (pa.RecordBatch, pa.Table)):
-        if not rows.schema.equals(SCHEMA, check_metadata=False):
-            raise ValueError(f"generated rows must have the annotate schema; got columns {rows.schema.names}")
-        return pa.Table.from_batches([rows]) if isinstance(rows, pa.RecordBatch) else rows
-    for position, row in enumerate(rows):
-        if set(row) != set(COLUMNS):
-            missing, extra = sorted(set(COLUMNS) - set(row)), sorted(set(row) - set(COLUMNS))
-            raise ValueError(
-                f"generated row {position} does not have the annotate columns: missing {missing}, "
-                f"unexpected {extra}"
-            )
-    return pa.Table.from_pylist([dict(row) for row in rows], schema=SCHEMA)
-
-
-def write_generated_rows(path: str | Path, rows: Rows, steps: Sequence[int],
-               extra: Optional[Mapping[str, Sequence[Any]]] = None) -> None:
-    """Write generated ``rows`` with the ``step`` each was generated at as one Parquet file
-    (annotate columns + ``step``, the schema version in its metadata), atomically. ``extra``:
-    more columns, one value per row (``OUT/generated/`` adds ``micro_batch`` and ``source``;
-    ``read_generated_rows`` reads only files without them)."""
-    table = rows_table(rows)
-    if len(steps) != table.num_rows:
-        raise ValueError(f"{table.num_rows} rows but {len(steps)} steps")
-    table = table.append_column(pa.field(STEP_COLUMN, pa.int64()), pa.array(steps, pa.int64()))
-    for name, values in (extra or {}).items():
-        if len(values) != table.num_rows:
-            raise ValueError(f"{table.num_rows} rows but {len(values)} values of {name}")
-        table = table.append_column(name, pa.array(list(values)))
-    with atomic_path(path) as temporary:
-        pq.write_table(table.replace_schema_metadata(ROWS_METADATA), temporary, compression="zstd")
-
-
-def read_generated_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
-    """``(rows, steps)`` as ``write_generated_rows`` wrote them; ``MtaError`` naming the file otherwise."""
-    try:
-        table = pq.read_table(path)
-    except FileNotFoundError as error:
-        raise MtaError(f"{path}: the generated rows are missing") from error
-    except (pa.ArrowException, OSError) as error:
-        raise MtaError(f"{path}: not a readable Parquet file ({error}): it is corrupt or truncated") from error
-    metadata = table.schema.metadata or {}
-    version = metadata.get(b"mta.schema_version", b"?").decode(errors="replace")
-    if version != str(SCHEMA_VERSION) or not table.schema.equals(ROWS_SCHEMA, check_metadata=False):
-        raise MtaError(
-            f"{path}: not generated rows of annotate schema version {SCHEMA_VERSION} (found version "
-            f"{version}, columns {table.column_names}); it was written by another mta version"
-        )
-    steps = table.column(STEP_COLUMN).to_pylist()
-    return table.drop_columns([STEP_COLUMN]).to_pylist(), steps
-
-
-class ReplayBuffer:
-    """A rank's FIFO buffer of generated rows (annotate columns), ``capacity`` rows at most.
-
-    ``push`` appends a micro batch's rows (the oldest fall out when full), ``sample`` draws rows
-    uniformly without replacement, ``write`` / ``read`` keep it in a Parquet file (oldest first).
-    Rows are stored as Arrow gives them back, so a row read from the file equals the row pushed.
-    """
-
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError(f"a replay buffer holds at least 1 row, got capacity {capacity}")
-        self.capacity = capacity
-        self._rows: deque[dict[str, Any]] = deque(maxlen=capacity)
-        self._steps: deque[int] = deque(maxlen=capacity)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @property
-    def full(self) -> bool:
-        return len(self._rows) == self.capacity
-
-    @property
-    def empty(self) -> bool:
-        return not self._rows
-
-    def push(self, rows: Rows, step: int) -> None:
-        """Append ``rows`` generated at ``step``, evicting the oldest rows past ``capacity``.
-        The rows are checked against the annotate schema first (nothing is added on an error)."""
-        checked = rows_table(rows).to_pylist()
-        self._rows.extend(checked)
-        self._steps.extend([int(step)] * len(checked))
-
-    def rows(self) -> list[dict[str, Any]]:
-        """The rows, oldest first."""
-        return list(self._rows)
-
-    def steps(self) -> list[int]:
-        """The step each row was generated at, oldest first."""
-        return list(self._steps)
-
-    def sample(self, count: int, generator: np.random.Generator) -> list[dict[str, Any]]:
-        """``count`` distinct rows drawn uniformly (as the published ``random.sample``) with
-        ``generator`` (``buffer_generator``); ``ValueError`` if the buffer holds fewer. The rows
-        are the buffer's own objects: build a batch from them (``rows_table``), do not edit them."""
-        if count > len(self._rows):
-            raise ValueError(f"cannot draw {count} rows from a replay buffer holding {len(self._rows)}")
-        picked = generator.choice(len(self._rows), size=count, replace=False)
-        return [self._rows[int(index)] for index in picked]
-
-    def write(self, path: str | Path) -> None:
-        """Save the rows and their steps (oldest first) to ``path`` (``write_generated_rows``)."""
-        write_generated_rows(path, self.rows(), self.steps())
-
-    @classmethod
-    def read(cls, path: str | Path, capacity: int) -> "ReplayBuffer":
-        """The buffer ``write`` saved; ``MtaError`` if it holds more than ``capacity`` rows."""
-        rows, steps = read_generated_rows(path)
-        if len(rows) > capacity:
-            raise MtaError(
-                f"{path} holds {len(rows)} generated rows, more than generation.buffer_size={capacity}"
-            )
-        buffer = cls(capacity)
-        buffer._rows.extend(rows)
-        buffer._steps.extend(steps)
-        return buffer
-
-
 # --------------------------------------------------------------------------- agreement over ranks
-
-
-def agreed_buffer_flags(buffer: ReplayBuffer) -> tuple[bool, bool]:
-    """``(buffer_full, buffer_empty)`` for ``decide``, the same on every rank: full on every
-    rank, empty on some rank (two all-reduces; the local answer without a process group).
-
-    Ranks push the same number of rows only while no generated row is dropped, so the flags are
-    agreed rather than assumed. A buffer never shrinks: once agreed full it stays full.
-    """
-    return distributed.all_ranks_agree(buffer.full), not distributed.all_ranks_agree(not buffer.empty)
 
 
 def agreed_dev_loss(dev_loss: float) -> float:

@@ -1,0 +1,148 @@
+"""The embedding recipe (``task: embedding``, TALAS): ``EmbeddingRecipe`` and its sections.
+
+It shares the LLM recipe's ``train:`` section (``TrainSpec``) and checks (``RecipeChecks``,
+``mta.training.config.schema``); ``load_recipe`` reads a ``task: embedding`` file with it through
+the task registry (``mta.embedding.task``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from mta.training.config.schema import Precision, RecipeChecks, Strict, TrainSpec
+
+# Keys of the shared train: section that only LLM distillation reads (an embedding recipe that
+# sets one to anything but its default is refused; the defaults stay in its resolved recipe, unread).
+LLM_ONLY_TRAIN_KEYS = ("teacher_zero3", "num_sample_generations", "sample_max_new_tokens", "save_generated",
+                       "select_rows")
+
+
+class TinyEncoder(Strict):
+    """Build a random BERT encoder (``mta.embedding.tiny_encoders``) and a WordPiece tokenizer trained
+    on ``tokenizer_corpus`` at first use (CPU runs and tests)."""
+
+    model_type: Literal["bert"] = "bert"
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(32, ge=4)
+    num_heads: int = Field(4, ge=1)
+    tokenizer_corpus: str = Field(description="JSONL whose text trains the WordPiece tokenizer")
+    vocab_size: int = Field(512, ge=100)
+    seed: int = 0
+
+
+class EncoderSpec(Strict):
+    path: str = Field(description="hub name or local directory of a Hugging Face encoder (AutoModel) "
+                      "or a sentence-transformers model")
+    tokenizer: Optional[str] = Field(None, description="tokenizer name or directory; default: path")
+    dtype: Precision = "fp32"
+    config: Optional[str] = Field(
+        None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
+    )
+    tiny: Optional[TinyEncoder] = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+
+class StudentEncoderSpec(EncoderSpec):
+    pooling: Literal["cls_attention", "mean", "cls"] = Field(
+        "cls_attention", description="how each layer's states become its sentence embedding, and the "
+        "exported model's pooling: cls_attention (TALAS's author: attention with the CLS state as the "
+        "query), mean or cls (mta.embedding.pooling.pool)"
+    )
+
+
+class TeacherEncoderSpec(EncoderSpec):
+    pooling: Literal["auto", "mean", "cls", "max", "last", "cls_attention"] = Field(
+        "auto", description="the teacher's pooling when its embeddings are built at first use: auto "
+        "(its sentence-transformers config, else mean), or a mode (TALAS's author: cls for BGE-M3, "
+        "last for Qwen3-Embedding)"
+    )
+
+
+class EmbeddingDataSpec(Strict):
+    train: str = Field(
+        description="an `mta embed` output directory (the teacher's embeddings), or rows embedded with "
+        "the recipe's teacher at first use into OUT/embeddings/train: a JSONL, Parquet or CSV file or "
+        "a datasets save_to_disk directory"
+    )
+    dev: Optional[str] = Field(None, description="the same for the dev loss; null: no dev evaluation")
+    max_length: int = Field(256, ge=2, description="tokens per text, special tokens included: the "
+                            "student's, and the teacher's when it embeds at first use (TALAS's author: 256)")
+    text_field: Optional[str] = Field(
+        None, description="the column holding each row's text; null: text, else instruction + input + "
+        "response, else prompt + response (mta.embedding.teacher_embeddings)"
+    )
+
+
+class EmbeddingLossSpec(Strict):
+    """λ1·SimCSE + λ2·TAMD + λ3·LASD (mta.losses.talas; TALAS's defaults: 0.001 / 0.75 / 1)."""
+
+    simcse_weight: float = Field(0.001, ge=0, description="λ1: SimCSE, the batch encoded twice with "
+                                 "dropout, InfoNCE on the last layer")
+    tamd_weight: float = Field(0.75, ge=0, description="λ2: TAMD, 1 − cos(W_l e_l, e_teacher) on the "
+                               "top tamd_layers layers")
+    lasd_weight: float = Field(1.0, ge=0, description="λ3: LASD, each layer's in-batch cosine matrix "
+                               "pulled towards the layer above's")
+    tamd_layers: int = Field(2, ge=1, description="K: the top student layers anchored to the teacher "
+                             "(TALAS: 2)")
+    lasd_detach: bool = Field(False, description="detach the upper layer's matrix (the guide); the "
+                              "author's code does not")
+    lasd_reduction: Literal["mean", "sum"] = Field(
+        "mean", description="per layer pair: the mean over the B² entries (the author's F.mse_loss) or "
+        "their sum (eq. 5's squared Frobenius norm, B² times larger)"
+    )
+    simcse_temperature: float = Field(0.1, gt=0, description="τ of SimCSE (the author's script: 0.1)")
+
+    @model_validator(mode="after")
+    def _something_to_train(self) -> "EmbeddingLossSpec":
+        if not (self.simcse_weight or self.tamd_weight or self.lasd_weight):
+            raise ValueError("simcse_weight, tamd_weight and lasd_weight are all 0: nothing to train")
+        return self
+
+
+class EmbeddingRecipe(RecipeChecks):
+    """A sentence-embedding distillation (``task: embedding``, TALAS): an encoder student learns
+    a teacher's stored sentence embeddings (``mta embed``; built at first use from ``teacher``
+    when ``data`` names rows). The teacher model itself is never loaded for training."""
+
+    name: str
+    seed: int = 42
+    output_dir: str
+    task: Literal["embedding"]
+    teacher: Optional[TeacherEncoderSpec] = Field(
+        None, description="the embedding teacher, loaded only to embed data rows at first use; null: "
+        "data names `mta embed` directories"
+    )
+    student: StudentEncoderSpec
+    data: EmbeddingDataSpec
+    loss: EmbeddingLossSpec = EmbeddingLossSpec()
+    train: TrainSpec
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict,
+        description="DeepSpeed settings the schema does not model, merged in verbatim",
+    )
+    source: Optional[str] = Field(None, description="the file this recipe was read from")
+
+    @model_validator(mode="after")
+    def _no_llm_train_keys(self) -> "EmbeddingRecipe":
+        fields = TrainSpec.model_fields
+        named = [key for key in LLM_ONLY_TRAIN_KEYS
+                 if key in fields and getattr(self.train, key) != fields[key].get_default(call_default_factory=True)]
+        if getattr(self.train, "select_by", "loss") == "rouge":
+            named.insert(0, "select_by")
+        if named:
+            raise PydanticCustomError("task_setting", "{message}", {
+                "message": f"{named[0]} is a key of task: llm recipes (generation and the LLM teacher); "
+                "a task: embedding recipe does not read it: remove it", "within": ("train", named[0]),
+            })
+        return self
+
+    @property
+    def dev_sample_new_tokens(self) -> int:
+        """No generation: an encoder has nothing to sample."""
+        return 0
