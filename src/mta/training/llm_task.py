@@ -12,6 +12,7 @@ LLM_TASK = Task(
     schema=Recipe,
     builder="mta.training.trainer:build_llm_run",
     planner="mta.training.dry_run:plan_llm_run",
+    card_facts="mta.training.lifecycle.model_card:llm_card_facts",
     group_factor=None,  # length-grouped pools: a micro batch pads little
     samples_dev_prompts=True,
     reference_padding=True,  # the authors pad every batch to max_length (loss.reference_code)

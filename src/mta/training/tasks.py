@@ -32,6 +32,7 @@ class Task:
     schema: type  # the recipe class load_recipe validates a file of this task with
     builder: str  # "module:function" (recipe, reporter, *, resume, overwrite) -> trainer.Run
     planner: str  # "module:function" (recipe, world_size) -> dry_run.RunPlan
+    card_facts: str  # "module:function" (recipe) -> lifecycle.model_card.CardFacts of its exports
     group_factor: Optional[int] = None  # micro batches per length-sorted pool; None: micro_batch_order's
     samples_dev_prompts: bool = True  # each evaluation samples the student's continuations of dev prompts
     reference_padding: bool = True  # loss.reference_code pads every micro batch to data.max_length
@@ -43,6 +44,11 @@ class Task:
     def plan_run(self, recipe: Any, world_size: int = 1) -> Any:
         """The ``RunPlan`` ``mta distill --dry-run`` shows for ``recipe``; no weights loaded."""
         return _named_object(self.planner)(recipe, world_size)
+
+
+    def card(self, recipe: Any) -> Any:
+        """What the model card of an exported student of ``recipe`` says for this task."""
+        return _named_object(self.card_facts)(recipe)
 
 
 def task_named(name: str) -> Task:

@@ -11,6 +11,7 @@ recipe, the mapping ``recipe.yaml`` beside the card holds, so the card names exa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -21,6 +22,7 @@ from mta.files import atomic_write_text
 from mta.hashing import json_sha256
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.config.schema import ModelSpec, Recipe
+from mta.training.tasks import task_of
 from mta.versions import package_versions
 
 CARD = "README.md"
@@ -33,7 +35,7 @@ def recipe_hash(recipe: Recipe) -> str:
     return "sha256:" + json_sha256(recipe.model_dump(mode="json"))
 
 
-def _hub_name(spec: Optional[ModelSpec], recipe: Recipe) -> Optional[str]:
+def hub_name(spec: Optional[ModelSpec], recipe: Recipe) -> Optional[str]:
     """The spec's model as a Hub name, or None (no model, a tiny one, a local directory)."""
     from mta.models.hub import is_hub_name
 
@@ -46,7 +48,7 @@ def _hub_name(spec: Optional[ModelSpec], recipe: Recipe) -> Optional[str]:
     return spec.path if is_hub_name(str(resolved)) and str(resolved) == spec.path else None
 
 
-def _describe(spec: Optional[ModelSpec]) -> str:
+def describe_model(spec: Optional[ModelSpec]) -> str:
     if spec is None:
         return "none (plain SFT on the reference responses)"
     if spec.tiny is not None:
@@ -68,60 +70,57 @@ def _datasets(paths: Iterable[Optional[str]]) -> list[str]:
     return found
 
 
-def _loss(recipe: Recipe) -> str:
+@dataclass(frozen=True)
+class CardFacts:
+    """What a card says that depends on the recipe's task (``mta.training.tasks.Task.card``)."""
+
+    metadata: dict[str, Any]  # the YAML front matter
+    intro: str  # what the directory is and how to load it
+    loss: str  # the objective, e.g. "1·srkl + 1·DSA + 1·HRA"
+    teacher: str  # the teacher row of the table
+    data_limits: str  # the data row's lengths
+
+
+def loss_terms(terms: Iterable[tuple[str, float]]) -> str:
+    """``weight·name`` of each term with a non-zero weight, joined by `` + ``."""
+    return " + ".join(f"{weight:g}·{name}" for name, weight in terms if weight)
+
+
+def base_metadata(recipe: Any, *, library: str, pipeline: str) -> dict[str, Any]:
+    """Front matter every task's card starts from: library, pipeline tag and ``base_model``."""
+    meta: dict[str, Any] = {"library_name": library, "pipeline_tag": pipeline}
+    base_model = hub_name(recipe.student, recipe)
+    if base_model:
+        meta["base_model"] = base_model
+    return meta
+
+
+def llm_card_facts(recipe: Recipe) -> CardFacts:
+    """The card of a causal-LM student (``task: llm``)."""
     loss = recipe.loss
-    if recipe.task == "embedding":  # TALAS (mta.embedding.objective)
-        terms = (("SimCSE", loss.simcse_weight), ("TAMD", loss.tamd_weight), ("LASD", loss.lasd_weight))
-        text = " + ".join(f"{weight:g}·{name}" for name, weight in terms if weight)
-        return text + (" with ASAM" if recipe.train.asam is not None else "")
-    terms = [f"{loss.base_weight:g}·{loss.base}"] if loss.base_weight else []
-    terms += [f"{weight:g}·{name}" for name, weight in
-              (("DSA", loss.dsa_weight), ("HRA", loss.hra_weight), ("FDD", loss.fdd_weight)) if weight]
-    return " + ".join(terms)
+    terms = [(loss.base, loss.base_weight), ("DSA", loss.dsa_weight), ("HRA", loss.hra_weight),
+             ("FDD", loss.fdd_weight)]
+    meta = base_metadata(recipe, library="transformers", pipeline="text-generation")
+    datasets = _datasets([recipe.data.train, recipe.data.dev])
+    if datasets:
+        meta["datasets"] = datasets
+    meta["tags"] = ["mta", "knowledge-distillation", loss.base] + [
+        name for name, weight in (("dsa", loss.dsa_weight), ("hra", loss.hra_weight), ("fdd", loss.fdd_weight))
+        if weight]
+    return CardFacts(
+        metadata=meta,
+        intro="A student trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment). "
+              "It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained(\"<this directory>\")`; "
+              "`sha256sum -c checksums.sha256` verifies its files.",
+        loss=loss_terms(terms),
+        teacher=describe_model(recipe.teacher),
+        data_limits=f"at most {recipe.data.max_length} tokens, {recipe.data.max_prompt_length} of prompt",
+    )
 
 
 def metadata(recipe: Recipe) -> dict[str, Any]:
     """The card's YAML front matter."""
-    if recipe.task == "embedding":
-        return _embedding_metadata(recipe)
-    tags = ["mta", "knowledge-distillation", recipe.loss.base]
-    tags += [name for name, weight in (("dsa", recipe.loss.dsa_weight), ("hra", recipe.loss.hra_weight),
-                                       ("fdd", recipe.loss.fdd_weight)) if weight]
-    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-generation"}
-    base_model = _hub_name(recipe.student, recipe)
-    if base_model:
-        meta["base_model"] = base_model
-    datasets = _datasets([recipe.data.train, recipe.data.dev])
-    if datasets:
-        meta["datasets"] = datasets
-    meta["tags"] = tags
-    return meta
-
-
-def _embedding_metadata(recipe) -> dict[str, Any]:
-    loss = recipe.loss
-    meta: dict[str, Any] = {"library_name": "sentence-transformers", "pipeline_tag": "sentence-similarity"}
-    base_model = _hub_name(recipe.student, recipe)
-    if base_model:
-        meta["base_model"] = base_model
-    meta["tags"] = ["mta", "knowledge-distillation", "sentence-transformers", "talas"] + [
-        name for name, weight in (("simcse", loss.simcse_weight), ("tamd", loss.tamd_weight),
-                                  ("lasd", loss.lasd_weight)) if weight] + (["asam"] if recipe.train.asam else [])
-    return meta
-
-
-# What the directory is and how to load it, by recipe task.
-INTRO = {
-    "llm": "A student trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment). "
-           "It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained(\"<this directory>\")`; "
-           "`sha256sum -c checksums.sha256` verifies its files.",
-    "embedding": "A sentence-embedding student distilled with mta (TALAS: teacher-anchored upper layers, "
-                 "layer-aligned self-distillation). It is a Hugging Face encoder "
-                 "(`AutoModel.from_pretrained(\"<this directory>\")`) and a sentence-transformers model: "
-                 "`SentenceTransformer(\"<this directory>\")`, with `trust_remote_code=True` when its "
-                 "pooling is cls_attention (the module is `cls_attention_pooling.py` here); "
-                 "`sha256sum -c checksums.sha256` verifies its files.",
-}
+    return task_of(recipe).card(recipe).metadata
 
 
 def last_dev_metrics(records: Iterable[dict], step: Optional[int] = None) -> Optional[dict]:
@@ -137,16 +136,15 @@ def model_card(recipe: Recipe, *, step: Optional[int] = None, dev: Optional[dict
     """The card's text: front matter, then what the student is and how it was made.
     ``selection``: a ``best/`` student's selection.json (the metric, its value and step)."""
     version = package_versions(("mta",))["mta"] or "unknown"
-    front = yaml.safe_dump(metadata(recipe), sort_keys=False, allow_unicode=True).strip()
+    facts = task_of(recipe).card(recipe)
+    front = yaml.safe_dump(facts.metadata, sort_keys=False, allow_unicode=True).strip()
     data = f"train `{recipe.data.train}`" + (f", dev `{recipe.data.dev}`" if recipe.data.dev else "")
     rows = [
-        ("teacher", _describe(recipe.teacher) if recipe.teacher is not None or recipe.task == "llm"
-         else f"its stored embeddings in `{recipe.data.train}`"),
-        ("student start", _describe(recipe.student)),
+        ("teacher", facts.teacher),
+        ("student start", describe_model(recipe.student)),
         ("recipe", f"`{recipe.name}`, {recipe_hash(recipe)} (the resolved recipe: recipe.yaml beside this card)"),
-        ("loss", _loss(recipe)),
-        ("data", f"{data}; at most {recipe.data.max_length} tokens"
-         + (f", {recipe.data.max_prompt_length} of prompt" if recipe.task == "llm" else "")),
+        ("loss", facts.loss),
+        ("data", f"{data}; {facts.data_limits}"),
         ("steps", (f"{step}" if step is not None else "not recorded")
          + f" (global batch {recipe.train.batch_size}, lr {recipe.train.lr:g}, {recipe.train.precision})"),
         ("mta", version),
@@ -161,7 +159,7 @@ def model_card(recipe: Recipe, *, step: Optional[int] = None, dev: Optional[dict
     lines = [
         "---", front, "---", "",
         f"# {recipe.name}: distilled student ({what})", "",
-        INTRO[recipe.task], "",
+        facts.intro, "",
         "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows), "",
     ]
     if dev:
