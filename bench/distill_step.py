@@ -191,19 +191,28 @@ def vocabularies(work: Path, sizes: Sizes, wanted: list[str]) -> list[Vocabulary
         if (gpt2 / "tokenizer.json").exists():
             found.append(Vocabulary("gpt2", gpt2, len(load_tokenizer(gpt2)), "the real GPT-2 tokenizer"))
         else:
-            found.append(Vocabulary(
-                "gpt2", small, GPT2_VOCAB,
-                f"simulated: {small_rows}-token BPE, models padded to {GPT2_VOCAB} rows compared in full "
-                "(../shared/tokenizers/gpt2 absent)",
-            ))
+            found.append(
+                Vocabulary(
+                    "gpt2",
+                    small,
+                    GPT2_VOCAB,
+                    f"simulated: {small_rows}-token BPE, models padded to {GPT2_VOCAB} rows compared in full "
+                    "(../shared/tokenizers/gpt2 absent)",
+                )
+            )
     if "cross" in wanted:
         teacher = small_tokenizer(work, round(sizes.small_vocab * CROSS_TEACHER_FRACTION))
         teacher_rows = len(load_tokenizer(teacher))
-        found.append(Vocabulary(
-            "cross", small, small_rows,
-            f"cross-tokenizer: teacher byte-level BPE of {teacher_rows} tokens, student {small_rows}, both trained here",
-            teacher_dir=teacher, teacher_rows=teacher_rows,
-        ))
+        found.append(
+            Vocabulary(
+                "cross",
+                small,
+                small_rows,
+                f"cross-tokenizer: teacher byte-level BPE of {teacher_rows} tokens, student {small_rows}, both trained here",
+                teacher_dir=teacher,
+                teacher_rows=teacher_rows,
+            )
+        )
     return found
 
 
@@ -214,16 +223,24 @@ def build_batches(rows: Path, vocab: Vocabulary, sizes: Sizes, work: Path, count
     micro batch), so padding is what a real run pays, no more.
     """
     settings = AnnotateSettings(
-        teacher=str(vocab.teacher_tokenizer_dir), student=str(vocab.tokenizer_dir),
-        max_length=sizes.max_length, max_prompt_length=sizes.max_prompt_length,
-        on_error="skip", workers=1,
+        teacher=str(vocab.teacher_tokenizer_dir),
+        student=str(vocab.tokenizer_dir),
+        max_length=sizes.max_length,
+        max_prompt_length=sizes.max_prompt_length,
+        on_error="skip",
+        workers=1,
     )
     annotations = read_annotations(annotate_file(rows, work / f"annotations-{vocab.name}", settings))
     eos = load_tokenizer(vocab.tokenizer_dir).eos_token_id
     teacher_eos = load_tokenizer(vocab.teacher_tokenizer_dir).eos_token_id
     # Across tokenizers SRA reads the spans both segmentations agree on (schema 3's boundary_spans).
-    examples = AnnotatedExamples(annotations.table, student_pad_id=eos, teacher_pad_id=teacher_eos,
-                                 granularities=("phrase", "word"), boundary=vocab.cross)
+    examples = AnnotatedExamples(
+        annotations.table,
+        student_pad_id=eos,
+        teacher_pad_id=teacher_eos,
+        granularities=("phrase", "word"),
+        boundary=vocab.cross,
+    )
     if len(examples) < count * sizes.micro_batch:
         raise SystemExit(f"only {len(examples)} annotated rows; need {count * sizes.micro_batch}")
     texts = annotations.table.column("text").to_pylist()
@@ -272,9 +289,13 @@ def spans_agreement(parquet: dict[str, SpanBatch], reparsed: dict[str, SpanBatch
     """Fraction of spans the re-parse reproduces exactly (a sanity check, not a timing)."""
     agreement = {}
     for name in parquet:
+
         def as_set(spans: SpanBatch) -> set[tuple[int, int, int]]:
             rows, cols = torch.nonzero(spans.mask, as_tuple=True)
-            return set(zip(rows.tolist(), spans.student_start[rows, cols].tolist(), spans.student_end[rows, cols].tolist()))
+            return set(
+                zip(rows.tolist(), spans.student_start[rows, cols].tolist(), spans.student_end[rows, cols].tolist())
+            )
+
         ours, theirs = as_set(parquet[name]), as_set(reparsed[name])
         agreement[name] = len(ours & theirs) / max(1, len(ours | theirs))
     return agreement
@@ -285,8 +306,13 @@ def spans_agreement(parquet: dict[str, SpanBatch], reparsed: dict[str, SpanBatch
 
 def tiny_llama(rows: int, layers: int, hidden: int, heads: int, seed: int) -> torch.nn.Module:
     config = AutoConfig.for_model(
-        "llama", vocab_size=rows, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        "llama",
+        vocab_size=rows,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=1024,
     )
     torch.manual_seed(seed)
@@ -301,8 +327,15 @@ class TrainingStep:
     """One optimizer step of ``mta distill``'s objective on a micro batch: the real
     ``DistillationModel`` and the real optimizer builder (``mta.training.engine``)."""
 
-    def __init__(self, model: DistillationModel, teacher: FrozenTeacher, batches: list[TrainBatch],
-                 spans: Callable[[int], Optional[dict[str, SpanBatch]]], device, autocast):
+    def __init__(
+        self,
+        model: DistillationModel,
+        teacher: FrozenTeacher,
+        batches: list[TrainBatch],
+        spans: Callable[[int], Optional[dict[str, SpanBatch]]],
+        device,
+        autocast,
+    ):
         self.model, self.teacher, self.batches, self.spans = model, teacher, batches, spans
         self.device, self.autocast = device, autocast
         self.optimizer = build_optimizer(model, model.projector_parameters(), TRAIN)
@@ -345,7 +378,8 @@ class AlignmentTermsOnly:
             teacher_out = training.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
             with torch.no_grad(), self.mixed():
                 hidden = training.model.student(
-                    input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask,
+                    input_ids=batch.student.input_ids,
+                    attention_mask=batch.student.attention_mask,
                     output_hidden_states=True,
                 ).hidden_states
             self.inputs.append((batch, teacher_out, hidden))
@@ -355,8 +389,11 @@ class AlignmentTermsOnly:
         student_hidden = tuple(h.detach().requires_grad_() for h in hidden)
         with self.mixed():
             terms = self.alignment(
-                student_hidden, teacher_out.hidden_states,
-                batch.student.attention_mask, batch.teacher.attention_mask, batch.spans,
+                student_hidden,
+                teacher_out.hidden_states,
+                batch.student.attention_mask,
+                batch.teacher.attention_mask,
+                batch.spans,
             )
         sum(self.weights[name] * value for name, value in terms.items()).backward()
         self.alignment.zero_grad(set_to_none=True)
@@ -379,8 +416,10 @@ class SraTermsOnly:
             teacher_out = training.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
             with torch.no_grad(), self.mixed():
                 out = self.student(
-                    input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask,
-                    output_hidden_states=True, **({"output_attentions": True} if want_attentions else {}),
+                    input_ids=batch.student.input_ids,
+                    attention_mask=batch.student.attention_mask,
+                    output_hidden_states=True,
+                    **({"output_attentions": True} if want_attentions else {}),
                 )
             self.inputs.append((batch, teacher_out, out.hidden_states, out.attentions if want_attentions else None))
 
@@ -429,9 +468,14 @@ def build_cross_variants(
 
     def training(spec: LossSpec, eager: bool = False) -> TrainingStep:
         objective = DistillationObjective(
-            spec, pairs, student_hidden_size=sizes.student_hidden, teacher_hidden_size=sizes.teacher_hidden,
-            same_tokenizer=False, vocab_size=vocab.model_rows,
-            sra_pairs=sra_pairs if spec.sra_weight else (), shared_vocab=shared if spec.sra_weight else None,
+            spec,
+            pairs,
+            student_hidden_size=sizes.student_hidden,
+            teacher_hidden_size=sizes.teacher_hidden,
+            same_tokenizer=False,
+            vocab_size=vocab.model_rows,
+            sra_pairs=sra_pairs if spec.sra_weight else (),
+            shared_vocab=shared if spec.sra_weight else None,
         )
         # Each variant its own copies: eager attention and FrozenTeacher's truncation change the model.
         student, teacher_copy = copy.deepcopy(student_model), copy.deepcopy(teacher_model).to(device)
@@ -439,9 +483,16 @@ def build_cross_variants(
             for model in (student, teacher_copy):
                 model.set_attn_implementation("eager")
         model = DistillationModel(student, objective).to(device)
-        lens = LogitLens(teacher_copy, final_norm=True, num_layers=sizes.teacher_layers) if objective.sra_logits else None
-        teacher = FrozenTeacher(teacher_copy, objective.teacher_layers, objective.needs_teacher_logits, lens,
-                                attention_layers=objective.attention_layers["teacher"])
+        lens = (
+            LogitLens(teacher_copy, final_norm=True, num_layers=sizes.teacher_layers) if objective.sra_logits else None
+        )
+        teacher = FrozenTeacher(
+            teacher_copy,
+            objective.teacher_layers,
+            objective.needs_teacher_logits,
+            lens,
+            attention_layers=objective.attention_layers["teacher"],
+        )
         return TrainingStep(model, teacher, batches, lambda index: None, device, autocast)
 
     base = LossSpec(base="ce", dsa_weight=0.0, hra_weight=0.0)
@@ -467,8 +518,13 @@ def build_cross_variants(
         "boundary_spans_per_row_mean": statistics.mean(
             float(spans.mask.sum()) / spans.mask.shape[0] for spans in boundary
         ),
-        "sra_weights": {"sra": 1.0, "geometry": sra.sra_geometry_weight, "logit": sra.sra_logit_weight,
-                        "centre": sra.sra_centre, "scope": sra.sra_scope},
+        "sra_weights": {
+            "sra": 1.0,
+            "geometry": sra.sra_geometry_weight,
+            "logit": sra.sra_logit_weight,
+            "centre": sra.sra_centre,
+            "scope": sra.sra_scope,
+        },
     }
     return variants, facts
 
@@ -485,11 +541,17 @@ def build_variants(
     # DistiLLM-2 reads each row's role: alternate rows stand in for the chosen / rejected halves.
     paired = [replace(batch, chosen=torch.arange(len(batch.row_ids)) % 2 == 0) for batch in batches]
 
-    def training(spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]],
-                 step_batches: list[TrainBatch] = batches) -> TrainingStep:
+    def training(
+        spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]], step_batches: list[TrainBatch] = batches
+    ) -> TrainingStep:
         objective = DistillationObjective(
-            spec, pairs, student_hidden_size=sizes.student_hidden, teacher_hidden_size=sizes.teacher_hidden,
-            same_tokenizer=True, vocab_size=vocab.model_rows, fdd_pairs=fdd_pairs,
+            spec,
+            pairs,
+            student_hidden_size=sizes.student_hidden,
+            teacher_hidden_size=sizes.teacher_hidden,
+            same_tokenizer=True,
+            vocab_size=vocab.model_rows,
+            fdd_pairs=fdd_pairs,
         )
         model = DistillationModel(copy.deepcopy(student_model), objective).to(device)
         lens = LogitLens(teacher_model, final_norm=False, num_layers=sizes.teacher_layers) if objective.fdd else None
@@ -509,8 +571,10 @@ def build_variants(
         Variant("mta_terms_only", AlignmentTermsOnly(mta_parquet, device)),
         Variant("fdd", training(fdd, lambda index: None)),
         Variant("fdd_mta", training(fdd.model_copy(update={"dsa_weight": 2.0, "hra_weight": 0.2}), lambda index: None)),
-        Variant("distillm2", training(LossSpec(base="distillm2", dsa_weight=0.0, hra_weight=0.0),
-                                      lambda index: None, paired)),
+        Variant(
+            "distillm2",
+            training(LossSpec(base="distillm2", dsa_weight=0.0, hra_weight=0.0), lambda index: None, paired),
+        ),
         Variant("distillm2_mta", training(LossSpec(base="distillm2"), lambda index: None, paired)),
     ]
     layer_map = [pair.model_dump() for pair in pairs]
@@ -539,14 +603,21 @@ def measure(variants: list[Variant], count: int, rounds: int, device) -> None:
         variant.cpu.append(cpu)
 
     interleaved_rounds(
-        variants, rounds, one_round,
+        variants,
+        rounds,
+        one_round,
         warm_up=lambda variant: run_round(variant, 1, device),  # allocator, kernels, spaCy caches
         describe=lambda v: f"{v.name} {v.wall[-1]:.3f}s (cpu {v.cpu[-1]:.3f}s)",
     )
 
 
-def summarise(variants: list[Variant], clock: str, base: str = "base", terms: str = "mta_terms_only",
-              expected: str = "expected_mta_ratio_from_terms") -> dict:
+def summarise(
+    variants: list[Variant],
+    clock: str,
+    base: str = "base",
+    terms: str = "mta_terms_only",
+    expected: str = "expected_mta_ratio_from_terms",
+) -> dict:
     """Medians and ratios to ``base`` for both clocks; ``clock`` names the one the target uses."""
     out: dict = {"ratio_clock": clock, "ratio_base": base}
     for name in ("wall", "cpu"):
@@ -566,16 +637,18 @@ def summarise(variants: list[Variant], clock: str, base: str = "base", terms: st
     return out
 
 
-def cross_case(vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], count: int, rounds: int,
-               device, autocast, clock: str) -> dict:
+def cross_case(
+    vocab: Vocabulary, sizes: Sizes, batches: list[TrainBatch], count: int, rounds: int, device, autocast, clock: str
+) -> dict:
     """The cross-tokenizer case: build, time, and the JSON entry (ratios to base_cross)."""
     with CountingSharedVocabulary() as shared_calls:
         variants, facts = build_cross_variants(vocab, sizes, batches, device, autocast)
         before = shared_calls.calls
         measure(variants, len(batches), rounds, device)
         during = shared_calls.calls - before
-    summary = summarise(variants, clock, base="base_cross", terms="sra_terms_only",
-                        expected="expected_sra_ratio_from_terms")
+    summary = summarise(
+        variants, clock, base="base_cross", terms="sra_terms_only", expected="expected_sra_ratio_from_terms"
+    )
     terms_ratio = summary["ratio_to_base"]["sra_terms_only"]
     return {
         "vocabulary": vocab.description,
@@ -604,15 +677,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (at least 5)")
     parser.add_argument("--batches", type=int, default=3, help="micro batches per variant per round")
-    parser.add_argument("--gpt2-batches", type=int, default=1,
-                        help="the same with the 50k vocabulary, whose steps are ten times longer")
-    parser.add_argument("--vocab", nargs="+", default=["small", "gpt2", "cross"], choices=["small", "gpt2", "cross"],
-                        help="cases: the small BPE, the 50k GPT-2 vocabulary, and cross-tokenizer (two BPEs; SRA)")
+    parser.add_argument(
+        "--gpt2-batches", type=int, default=1, help="the same with the 50k vocabulary, whose steps are ten times longer"
+    )
+    parser.add_argument(
+        "--vocab",
+        nargs="+",
+        default=["small", "gpt2", "cross"],
+        choices=["small", "gpt2", "cross"],
+        help="cases: the small BPE, the 50k GPT-2 vocabulary, and cross-tokenizer (two BPEs; SRA)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model sizes")
     parser.add_argument("--autocast", default=None, choices=["bf16"], help="mixed precision (GPU)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: see the note on clocks above)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1: see the note on clocks above)"
+    )
     parser.add_argument("--work-dir", type=Path, default=None, help="tokenizers and artefacts (default: a temp dir)")
     parser.add_argument("--output", type=Path, default=REPO / "bench" / "results" / "distill_step.json")
     args = parser.parse_args()
@@ -673,11 +753,15 @@ def main() -> None:
             "mta_weights": {"dsa": 2.0, "hra": 0.2},
             **asdict(sizes),
         },
-        "target": {"mta_parquet_ratio_at_most": MTA_TARGET,
-                   "cross": {"sra_terms_ratio_to_base_at_most": SRA_TERMS_TARGET}},
+        "target": {
+            "mta_parquet_ratio_at_most": MTA_TARGET,
+            "cross": {"sra_terms_ratio_to_base_at_most": SRA_TERMS_TARGET},
+        },
         "results": results,
         "target_met": {
-            name: result["target_met"] if "target_met" in result else result["ratio_to_base"]["mta_parquet"] <= MTA_TARGET
+            name: result["target_met"]
+            if "target_met" in result
+            else result["ratio_to_base"]["mta_parquet"] <= MTA_TARGET
             for name, result in results.items()
         },
     }

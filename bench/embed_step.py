@@ -71,8 +71,14 @@ def measure_stage(encoder, data: Path, args, scratch: Path) -> int:
     stage.load_encoder = lambda *a, **k: encoder
     try:
         outcome = stage.run_embed(
-            args.teacher_dir, data, out / "emb", batch_size=args.batch_size, max_length=args.max_length,
-            dtype="fp32", device="cpu", shard=(0, 1),
+            args.teacher_dir,
+            data,
+            out / "emb",
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            dtype="fp32",
+            device="cpu",
+            shard=(0, 1),
         )
     finally:
         stage.load_encoder = original
@@ -83,8 +89,13 @@ def measure_stage(encoder, data: Path, args, scratch: Path) -> int:
 def measure_bare_input_order(encoder, texts: list[str], args) -> int:
     """``tokenizer(...)`` + ``model(**batch)`` over batches in file order."""
     for start in range(0, len(texts), args.batch_size):
-        batch = encoder.tokenizer(texts[start:start + args.batch_size], padding=True, truncation=True,
-                                  max_length=encoder.max_length, return_tensors="pt")
+        batch = encoder.tokenizer(
+            texts[start : start + args.batch_size],
+            padding=True,
+            truncation=True,
+            max_length=encoder.max_length,
+            return_tensors="pt",
+        )
         encoder.model(**batch)
     return len(texts)
 
@@ -94,8 +105,9 @@ def measure_bare_length_sorted(encoder, texts: list[str], args) -> int:
     """The same loop over the stage's own length-sorted batches."""
     lengths = encoder.lengths(texts)
     for batch in stage.plan_batches(lengths, list(range(len(texts))), args.batch_size):
-        encoded = encoder.tokenizer([texts[i] for i in batch], padding=True, truncation=True,
-                                    max_length=encoder.max_length, return_tensors="pt")
+        encoded = encoder.tokenizer(
+            [texts[i] for i in batch], padding=True, truncation=True, max_length=encoder.max_length, return_tensors="pt"
+        )
         encoder.model(**encoded)
     return len(texts)
 
@@ -124,13 +136,19 @@ def throughput(args) -> dict:
             rates[name].append(done / (time.perf_counter() - begin))
 
         interleaved_rounds(
-            list(cases), args.rounds, measure,
+            list(cases),
+            args.rounds,
+            measure,
             warm_up=lambda name: cases[name](),
             describe=lambda name: f"{name} {rates[name][-1]:.1f} texts/s",
         )
     return {
-        "teacher": portable(args.teacher_dir), "texts": len(texts), "batch_size": args.batch_size,
-        "max_length": encoder.max_length, "rounds": args.rounds, "load_s": round(load_s, 3),
+        "teacher": portable(args.teacher_dir),
+        "texts": len(texts),
+        "batch_size": args.batch_size,
+        "max_length": encoder.max_length,
+        "rounds": args.rounds,
+        "load_s": round(load_s, 3),
         "texts_per_s": {name: {"median": statistics.median(v), "per_round": v} for name, v in rates.items()},
         "ratio_stage_over_bare_input_order": paired_ratio(rates["stage"], rates["bare_input_order"]),
         "ratio_stage_over_bare_length_sorted": paired_ratio(rates["stage"], rates["bare_length_sorted"]),
@@ -142,8 +160,10 @@ def throughput(args) -> dict:
 
 STEP_VARIANTS = {
     # (a) cosine to the teacher on the last layer only (TAMD with K = 1, nothing else)
-    "cosine_last": {"loss": {"simcse_weight": 0.0, "tamd_weight": 1.0, "lasd_weight": 0.0, "tamd_layers": 1},
-                    "asam": None},
+    "cosine_last": {
+        "loss": {"simcse_weight": 0.0, "tamd_weight": 1.0, "lasd_weight": 0.0, "tamd_layers": 1},
+        "asam": None,
+    },
     # (b) TALAS's objective: 0.001·SimCSE + 0.75·TAMD (K 2) + 1·LASD, the recipe defaults
     "talas": {"loss": {}, "asam": None},
     # (c) the same under ASAM (rho 0.05, the author's)
@@ -163,19 +183,36 @@ def _step_trainer(variant: dict, student, args, device: torch.device):
     from mta.training.trainer import Trainer
 
     asam = AsamSpec(**variant["asam"]) if variant["asam"] is not None else None
-    train = TrainSpec(lr=2e-5, projector_lr=1e-4, batch_size=args.step_batch, micro_batch_size=args.step_batch,
-                      max_steps=10**6, precision=args.step_precision, zero_stage=1, asam=asam)
+    train = TrainSpec(
+        lr=2e-5,
+        projector_lr=1e-4,
+        batch_size=args.step_batch,
+        micro_batch_size=args.step_batch,
+        max_steps=10**6,
+        precision=args.step_precision,
+        zero_stage=1,
+        asam=asam,
+    )
     torch.manual_seed(0)
-    objective = EmbeddingObjective(EmbeddingLossSpec(**variant["loss"]), num_layers=student.config.num_hidden_layers,
-                                   student_dim=student.config.hidden_size, teacher_dim=args.teacher_width,
-                                   pooling="cls_attention")
+    objective = EmbeddingObjective(
+        EmbeddingLossSpec(**variant["loss"]),
+        num_layers=student.config.num_hidden_layers,
+        student_dim=student.config.hidden_size,
+        teacher_dim=args.teacher_width,
+        pooling="cls_attention",
+    )
     model = EmbeddingDistillationModel(student, objective, max_seq_length=args.step_length)
     engine = engines.initialize(model, model.projector_parameters(), train, {}, 10**6, 1)
     precision = engines.resolve_training_precision(train, device)
     run = SimpleNamespace(
-        engine=engine, device=device, teacher=None, schedule=SimpleNamespace(accumulation=1),
-        recipe=SimpleNamespace(train=train, task="embedding"), precision=precision,
-        flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0), output_dir=Path("."),
+        engine=engine,
+        device=device,
+        teacher=None,
+        schedule=SimpleNamespace(accumulation=1),
+        recipe=SimpleNamespace(train=train, task="embedding"),
+        precision=precision,
+        flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0),
+        output_dir=Path("."),
     )
     trainer = Trainer(run, reporter=None)
     engine.train()
@@ -194,7 +231,9 @@ def _step_batches(args, vocab: int, count: int):
         ids = torch.randint(1000, vocab, (args.step_batch, args.step_length), generator=g) * mask
         ids[:, 0] = 101
         teacher = torch.randn(args.step_batch, args.teacher_width, generator=g)
-        batches.append(EmbeddingBatch(ids, mask, teacher, list(range(index * args.step_batch, (index + 1) * args.step_batch))))
+        batches.append(
+            EmbeddingBatch(ids, mask, teacher, list(range(index * args.step_batch, (index + 1) * args.step_batch)))
+        )
     return batches
 
 
@@ -215,12 +254,20 @@ def talas_step_times(args) -> dict:
     if cpu:
         torch.set_num_threads(1)  # as bench/distill_step.py: CPU time on a shared machine
     engines.init_distributed()
-    config = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                        intermediate_size=1536, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     base = BertModel(config)
-    trainers = {name: _step_trainer(variant, copy.deepcopy(base).to(device), args, device)
-                for name, variant in STEP_VARIANTS.items()}
+    trainers = {
+        name: _step_trainer(variant, copy.deepcopy(base).to(device), args, device)
+        for name, variant in STEP_VARIANTS.items()
+    }
     batches = _step_batches(args, config.vocab_size, args.step_repeats)
     seconds: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in trainers}
     peak: dict[str, int] = {}
@@ -244,7 +291,9 @@ def talas_step_times(args) -> dict:
             seconds[name]["cpu"].append((time.process_time() - spent) / len(batches))
 
     interleaved_rounds(
-        list(trainers), args.rounds, lambda name: run_steps(name, True),
+        list(trainers),
+        args.rounds,
+        lambda name: run_steps(name, True),
         warm_up=lambda name: run_steps(name, False),
         describe=lambda name: f"{name} {1000 * seconds[name]['wall'][-1]:.0f} ms",
     )
@@ -252,12 +301,24 @@ def talas_step_times(args) -> dict:
         trainer.run.engine.destroy()
     clock = "cpu" if cpu else "wall"
     result = {
-        "student": "MiniLM-L6-H384 (BertModel, random weights)", "teacher_width": args.teacher_width,
-        "batch_size": args.step_batch, "max_length": args.step_length, "precision": args.step_precision,
-        "zero_stage": 1, "rounds": args.rounds, "steps_per_round": args.step_repeats, "clock_for_ratios": clock,
-        "seconds_per_step": {name: {"median_wall": statistics.median(v["wall"]), "median_cpu": statistics.median(v["cpu"]),
-                                    "per_round_wall": v["wall"], "per_round_cpu": v["cpu"]}
-                             for name, v in seconds.items()},
+        "student": "MiniLM-L6-H384 (BertModel, random weights)",
+        "teacher_width": args.teacher_width,
+        "batch_size": args.step_batch,
+        "max_length": args.step_length,
+        "precision": args.step_precision,
+        "zero_stage": 1,
+        "rounds": args.rounds,
+        "steps_per_round": args.step_repeats,
+        "clock_for_ratios": clock,
+        "seconds_per_step": {
+            name: {
+                "median_wall": statistics.median(v["wall"]),
+                "median_cpu": statistics.median(v["cpu"]),
+                "per_round_wall": v["wall"],
+                "per_round_cpu": v["cpu"],
+            }
+            for name, v in seconds.items()
+        },
         "ratio_talas_over_cosine_last": paired_ratio(seconds["talas"][clock], seconds["cosine_last"][clock]),
         "ratio_asam_over_talas": paired_ratio(seconds["talas_asam"][clock], seconds["talas"][clock]),
         "target": "ratio_asam_over_talas <= 2.0 (paper: 375 / 195 ms = 1.92)",
@@ -300,7 +361,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="step half: auto (a GPU when there is one), cpu, cuda")
     parser.add_argument("--step-batch", type=int, default=None, help="step half: texts per step (default 32; quick 8)")
     parser.add_argument("--step-repeats", type=int, default=None, help="step half: steps per variant per round")
-    parser.add_argument("--step-length", type=int, default=None, help="step half: tokens per text (default 128; quick 64)")
+    parser.add_argument(
+        "--step-length", type=int, default=None, help="step half: tokens per text (default 128; quick 64)"
+    )
     parser.add_argument("--step-precision", default="fp32", choices=("fp32", "bf16"), help="step half: train.precision")
     parser.add_argument("--teacher-width", type=int, default=1024, help="step half: the stored embeddings' width")
     args = parser.parse_args()

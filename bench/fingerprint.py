@@ -57,8 +57,10 @@ def main() -> None:
         "load_average_after": list(os.getloadavg()),
     }
     atomic_write_json(RESULTS, results)
-    print(f"file_sha256 on {args.mb} MB: median {median:.2f} s over {args.rounds} rounds "
-          f"({args.mb / median:.0f} MB/s); wrote {RESULTS.relative_to(REPO)}")
+    print(
+        f"file_sha256 on {args.mb} MB: median {median:.2f} s over {args.rounds} rounds "
+        f"({args.mb / median:.0f} MB/s); wrote {RESULTS.relative_to(REPO)}"
+    )
 
 
 if __name__ == "__main__":

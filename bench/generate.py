@@ -48,8 +48,15 @@ def sampling_kwargs(model, tokenizer, max_new_tokens: int) -> dict:
     """The published scripts' sampling call (top_k 0, top_p 1, temperature 1)."""
     eos = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    return dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=max_new_tokens,
-                eos_token_id=eos, pad_token_id=pad)
+    return dict(
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
 
 
 def new_token_count(output: torch.Tensor, prompt_width: int, eos: set[int]) -> int:
@@ -103,8 +110,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads; 1 avoids OpenMP spin-waits when other jobs share the cores")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads; 1 avoids OpenMP spin-waits when other jobs share the cores",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,7 +139,10 @@ def main() -> None:
                 tokens = VARIANTS[name](model, tokenizer, prompts, args)
                 seconds = time.perf_counter() - begin
                 timings[name].append({"seconds": seconds, "tokens": tokens, "rows_per_s": len(prompts) / seconds})
-                print(f"round {round_index}: {name:14s} {seconds:7.1f} s  {len(prompts) / seconds:6.3f} rows/s  {tokens / seconds:6.1f} tok/s", flush=True)
+                print(
+                    f"round {round_index}: {name:14s} {seconds:7.1f} s  {len(prompts) / seconds:6.3f} rows/s  {tokens / seconds:6.1f} tok/s",
+                    flush=True,
+                )
 
     medians = {name: statistics.median(t["rows_per_s"] for t in runs) for name, runs in timings.items()}
     result = {
@@ -153,7 +167,15 @@ def main() -> None:
         },
     }
     atomic_write_json(RESULTS, result)
-    print(json.dumps({k: result[k] for k in ("median_rows_per_s", "ratio_mta_over_one_at_a_time", "ratio_mta_over_fixed_256", "startup_s")}, indent=2))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("median_rows_per_s", "ratio_mta_over_one_at_a_time", "ratio_mta_over_fixed_256", "startup_s")
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,14 @@ from typing import Callable, Sequence, TypeVar
 V = TypeVar("V")
 
 
-def interleaved_rounds(variants: Sequence[V], rounds: int, measure: Callable[[V], None], *,
-                       warm_up: Callable[[V], None], describe: Callable[[V], str]) -> None:
+def interleaved_rounds(
+    variants: Sequence[V],
+    rounds: int,
+    measure: Callable[[V], None],
+    *,
+    warm_up: Callable[[V], None],
+    describe: Callable[[V], str],
+) -> None:
     """``warm_up`` each variant once, then ``rounds`` rounds of ``measure`` on every variant, the
     order rotated by one each round (no variant always runs first, right after another); after
     each round a line of ``describe(variant)`` for all of them."""

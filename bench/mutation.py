@@ -87,379 +87,442 @@ COPIED = ["src", "cli", "tests", "docs", "pyproject.toml", "README.md"]
 # Lines are compared stripped of surrounding whitespace.
 EQUIVALENT: list[dict[str, str]] = [
     {
-        "file": "src/mta/data/token_ranges.py", "function": "visible_ranges",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "visible_ranges",
         "from": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)",
         "to": "offsets = np.asarray(offsets, dtype=None).reshape(-1, 2)",
         "reason": "the offsets are integers (an Encoding's int64 array, or lists of python ints): the cast changes no value",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "visible_ranges",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "visible_ranges",
         "from": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)",
         "to": "offsets = np.asarray(offsets, ).reshape(-1, 2)",
         "reason": "the offsets are integers (an Encoding's int64 array, or lists of python ints): the cast changes no value",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "visible_ranges",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "visible_ranges",
         "from": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)",
         "to": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-2, 2)",
         "reason": "NumPy reads any negative size in reshape as 'infer this one'",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "visible_ranges",
-        "from": "codes = np.frombuffer(text.encode(\"utf-32-le\"), dtype=np.uint32)",
-        "to": "codes = np.frombuffer(text.encode(\"UTF-32-LE\"), dtype=np.uint32)",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "visible_ranges",
+        "from": 'codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)',
+        "to": 'codes = np.frombuffer(text.encode("UTF-32-LE"), dtype=np.uint32)',
         "reason": "Python codec names are case-insensitive",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "member_ranges",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "member_ranges",
         "from": "spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)",
         "to": "spans = np.asarray(spans, dtype=None).reshape(-1, 2)",
         "reason": "the spans are integers (int arrays or lists of python ints): the cast changes no value",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "member_ranges",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "member_ranges",
         "from": "spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)",
         "to": "spans = np.asarray(spans, ).reshape(-1, 2)",
         "reason": "the spans are integers (int arrays or lists of python ints): the cast changes no value",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "member_ranges",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "member_ranges",
         "from": "spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)",
         "to": "spans = np.asarray(spans, dtype=np.int64).reshape(-2, 2)",
         "reason": "NumPy reads any negative size in reshape as 'infer this one'",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "prompt_token_count",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "prompt_token_count",
         "from": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)",
         "to": "offsets = np.asarray(offsets, dtype=None).reshape(-1, 2)",
         "reason": "the offsets are integers (an Encoding's int64 array, or lists of python ints): the cast changes no value",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "prompt_token_count",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "prompt_token_count",
         "from": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)",
         "to": "offsets = np.asarray(offsets, ).reshape(-1, 2)",
         "reason": "the offsets are integers (an Encoding's int64 array, or lists of python ints): the cast changes no value",
     },
     {
-        "file": "src/mta/data/token_ranges.py", "function": "prompt_token_count",
+        "file": "src/mta/data/token_ranges.py",
+        "function": "prompt_token_count",
         "from": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)",
         "to": "offsets = np.asarray(offsets, dtype=np.int64).reshape(-2, 2)",
         "reason": "NumPy reads any negative size in reshape as 'infer this one'",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "last_fitting_cut",
+        "file": "src/mta/data/truncation.py",
+        "function": "last_fitting_cut",
         "from": "probe, step = min(max(estimate, lowest), len(text)), 1",
         "to": "probe, step = min(max(estimate, lowest), len(text)), 2",
         "reason": "the gallop's first step only changes which cuts are probed: for token counts that grow with the prefix the bisection ends on the same boundary",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "last_fitting_cut",
+        "file": "src/mta/data/truncation.py",
+        "function": "last_fitting_cut",
         "from": "probe, step = min(probe + step, len(text)), step * 2",
         "to": "probe, step = min(probe + step, len(text)), step * 3",
         "reason": "the gallop's growth only changes which cuts are probed: for token counts that grow with the prefix the bisection ends on the same boundary",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "_encode_head",
+        "file": "src/mta/data/truncation.py",
+        "function": "_encode_head",
         "from": "known.append(int(np.argmax(beyond)) if beyond.any() else len(encoding))",
         "to": "known.append(int(np.argmax(beyond)) if (beyond.any()) or True else len(encoding))",
         "reason": "dead branch: a window that is not whole runs LOCALITY_CHARS past known_chars, so some token always ends beyond it and beyond.any() holds",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "_encode_head",
+        "file": "src/mta/data/truncation.py",
+        "function": "_encode_head",
         "from": "window = _Window(encodings, known, False)",
         "to": "window = _Window(encodings, known, None)",
         "reason": "whole is only ever truth-tested: None and False behave alike",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "_encode_head",
+        "file": "src/mta/data/truncation.py",
+        "function": "_encode_head",
         "from": "known_chars *= 4",
         "to": "known_chars *= 5",
         "reason": "the window growth factor changes how many windows are encoded, not what the first sufficient one decides",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "_estimate",
+        "file": "src/mta/data/truncation.py",
+        "function": "_estimate",
         "from": "ends = [int(encoding.offsets[limit - 1, 1]) for encoding in encodings if len(encoding) > limit]",
         "to": "ends = [int(encoding.offsets[limit - 2, 1]) for encoding in encodings if len(encoding) > limit]",
         "reason": "the estimate only seeds last_fitting_cut's search, which finds the same boundary from any start",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "_estimate",
+        "file": "src/mta/data/truncation.py",
+        "function": "_estimate",
         "from": "ends = [int(encoding.offsets[limit - 1, 1]) for encoding in encodings if len(encoding) > limit]",
         "to": "ends = [int(encoding.offsets[limit - 1, 1]) for encoding in encodings if len(encoding) >= limit]",
         "reason": "the estimate only seeds last_fitting_cut's search, which finds the same boundary from any start",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "deciding = max_length + 1  # tokens per side that decide both limits and the cut estimate",
         "to": "deciding = max_length + 2  # tokens per side that decide both limits and the cut estimate",
         "reason": "asking one more known token before deciding can only cost a larger window; every decision still reads tokens that are final",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "return all(known >= deciding for known in window.known)",
         "to": "return all(known > deciding for known in window.known)",
         "reason": "asking one more known token before deciding can only cost a larger window; every decision still reads tokens that are final",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "return exact or max(lengths) > max_prompt_length",
         "to": "return exact and max(lengths) > max_prompt_length",
         "reason": "decided() then accepts only an exact head that is over the limit; other heads grow to the whole text, which gives the same count (cost only)",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "return exact or max(lengths) > max_prompt_length",
         "to": "return exact or max(None) > max_prompt_length",
         "reason": "unreachable: the head window holds a response token within 256 characters of the cut, so its prompt count is exact and the `or` stops before max()",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "return exact or max(lengths) > max_prompt_length",
         "to": "return exact or max(lengths) >= max_prompt_length",
         "reason": "unreachable: the head window holds a response token within 256 characters of the cut, so its prompt count is exact and the `or` stops before max()",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "head = _encode_head(sides, prompt[:cut] + response, cut + 256, decided)",
         "to": "head = _encode_head(sides, prompt[:cut] + response, cut + 257, decided)",
         "reason": "how far past the cut the head window looks: cost only, the count is exact either way",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "prompt, 0, _estimate(window.encodings, max_prompt_length, len(prompt)), prompt_fits",
         "to": "prompt, 1, _estimate(window.encodings, max_prompt_length, len(prompt)), prompt_fits",
         "reason": "max_prompt_length >= 1 (AnnotateSettings refuses less): prompt[:1] always fits, so a lower bound of 1 ends the search on the same cut",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "prompt, 0, _estimate(window.encodings, max_prompt_length, len(prompt)), prompt_fits",
         "to": "prompt, 0, _estimate(window.encodings, max_prompt_length, None), prompt_fits",
         "reason": "in this branch some side has more than max_prompt_length prompt tokens, so _estimate always finds an end and never returns its default",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.forward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.forward",
         "from": "if wants_grad else None",
         "to": "if (wants_grad) or True else None",
         "reason": "allocates the gradient buffer also without grad; nothing fills or reads it then (memory only)",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.forward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.forward",
         "from": "ctx.save_for_backward(rows, columns, grad_rows if wants_grad else None)",
         "to": "ctx.save_for_backward(rows, columns, grad_rows if (wants_grad) or True else None)",
         "reason": "grad_rows is None exactly when wants_grad is False, so the condition is redundant",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.backward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.backward",
         "from": "grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)",
         "to": "grad = torch.zeros(ctx.logits_shape, dtype=None, device=grad_rows.device)",
         "reason": "the zero buffer only receives grad_rows' values; autograd casts the returned gradient to the logits' dtype, losslessly from any wider float",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.backward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.backward",
         "from": "grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)",
         "to": "grad = torch.zeros(ctx.logits_shape, device=grad_rows.device)",
         "reason": "the zero buffer only receives grad_rows' values; autograd casts the returned gradient to the logits' dtype, losslessly from any wider float",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.backward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.backward",
         "from": "grad[rows, columns, :ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)",
         "to": "grad[rows, columns, :ctx.vocab_size] = (grad_rows * scale).to(None)",
         "reason": "Tensor.to(None) is a no-op, and the indexed assignment casts to grad's dtype anyway",
     },
     {
-        "file": "src/mta/losses/dsa.py", "function": "dynamic_structural_alignment",
+        "file": "src/mta/losses/dsa.py",
+        "function": "dynamic_structural_alignment",
         "from": "normalised = salience / salience.sum(dim=-1, keepdim=True).clamp(min=WEIGHT_EPS)",
         "to": "normalised = salience / salience.sum(dim=+1, keepdim=True).clamp(min=WEIGHT_EPS)",
         "reason": "salience is [batch, spans]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/dsa.py", "function": "dynamic_structural_alignment",
+        "file": "src/mta/losses/dsa.py",
+        "function": "dynamic_structural_alignment",
         "from": "contributes = (mask.sum(dim=-1) >= 2) & (weight_sum > 0)",
         "to": "contributes = (mask.sum(dim=None) >= 2) & (weight_sum > 0)",
         "reason": "weight_sum > 0 already implies at least two real spans with salience in that sequence (the pair weights exclude the diagonal)",
     },
     {
-        "file": "src/mta/losses/dsa.py", "function": "dynamic_structural_alignment",
+        "file": "src/mta/losses/dsa.py",
+        "function": "dynamic_structural_alignment",
         "from": "contributes = (mask.sum(dim=-1) >= 2) & (weight_sum > 0)",
         "to": "contributes = (mask.sum(dim=+1) >= 2) & (weight_sum > 0)",
         "reason": "weight_sum > 0 already implies at least two real spans with salience in that sequence (the pair weights exclude the diagonal)",
     },
     {
-        "file": "src/mta/losses/hra.py", "function": "hidden_representation_alignment",
+        "file": "src/mta/losses/hra.py",
+        "function": "hidden_representation_alignment",
         "from": "projected_student.float(), teacher.detach().float(), dim=-1, eps=COS_EPS",
         "to": "projected_student.float(), teacher.detach().float(), dim=-1, )",
         "reason": "F.cosine_similarity's default eps is 1e-8, the value of COS_EPS",
     },
     {
-        "file": "src/mta/losses/hra.py", "function": "hidden_representation_alignment",
+        "file": "src/mta/losses/hra.py",
+        "function": "hidden_representation_alignment",
         "from": "weight_sum = weights.sum(dim=-1)",
         "to": "weight_sum = weights.sum(dim=+1)",
         "reason": "weights are [batch, items]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/hra.py", "function": "hidden_representation_alignment",
+        "file": "src/mta/losses/hra.py",
+        "function": "hidden_representation_alignment",
         "from": "per_sequence = (weights * distance).sum(dim=-1) / weight_sum.clamp(min=WEIGHT_EPS)",
         "to": "per_sequence = (weights * distance).sum(dim=+1) / weight_sum.clamp(min=WEIGHT_EPS)",
         "reason": "weights * distance is [batch, items]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/hra.py", "function": "hidden_representation_alignment",
+        "file": "src/mta/losses/hra.py",
+        "function": "hidden_representation_alignment",
         "from": "contributes = mask.any(dim=-1) & (weight_sum > 0)",
         "to": "contributes = mask.any(dim=None) & (weight_sum > 0)",
         "reason": "weights are multiplied by the mask, so weight_sum > 0 already implies a masked item in that sequence",
     },
     {
-        "file": "src/mta/losses/hra.py", "function": "hidden_representation_alignment",
+        "file": "src/mta/losses/hra.py",
+        "function": "hidden_representation_alignment",
         "from": "contributes = mask.any(dim=-1) & (weight_sum > 0)",
         "to": "contributes = mask.any(dim=+1) & (weight_sum > 0)",
         "reason": "the mask is [batch, items]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/importance.py", "function": "token_importance",
+        "file": "src/mta/losses/importance.py",
+        "function": "token_importance",
         "from": "normed = torch.where(real.unsqueeze(-1), normed, 0.0)",
         "to": "normed = torch.where(real.unsqueeze(-1), normed, 1.0)",
         "reason": "padding states only meet -inf key biases and zero query weights: any finite fill gives the same weights",
     },
     {
-        "file": "src/mta/losses/importance.py", "function": "token_importance",
-        "from": "key_bias = torch.zeros_like(queries).masked_fill_(~real, float(\"-inf\"))",
-        "to": "key_bias = torch.zeros_like(queries).masked_fill_(~real, float(\"-INF\"))",
+        "file": "src/mta/losses/importance.py",
+        "function": "token_importance",
+        "from": 'key_bias = torch.zeros_like(queries).masked_fill_(~real, float("-inf"))',
+        "to": 'key_bias = torch.zeros_like(queries).masked_fill_(~real, float("-INF"))',
         "reason": "float() parses 'inf' case-insensitively",
     },
     {
-        "file": "src/mta/losses/importance.py", "function": "token_importance",
-        "from": "scores.diagonal(dim1=1, dim2=2).fill_(float(\"-inf\"))",
-        "to": "scores.diagonal(dim1=1, dim2=2).fill_(float(\"-INF\"))",
+        "file": "src/mta/losses/importance.py",
+        "function": "token_importance",
+        "from": 'scores.diagonal(dim1=1, dim2=2).fill_(float("-inf"))',
+        "to": 'scores.diagonal(dim1=1, dim2=2).fill_(float("-INF"))',
         "reason": "float() parses 'inf' case-insensitively",
     },
     {
-        "file": "src/mta/losses/importance.py", "function": "token_importance",
+        "file": "src/mta/losses/importance.py",
+        "function": "token_importance",
         "from": "num_real = queries.sum(dim=-1, keepdim=True)",
         "to": "num_real = queries.sum(dim=+1, keepdim=True)",
         "reason": "queries are [batch, seq]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/importance.py", "function": "token_importance",
+        "file": "src/mta/losses/importance.py",
+        "function": "token_importance",
         "from": "weights = received / num_real.clamp(min=1.0)",
         "to": "weights = received / num_real.clamp(min=2.0)",
         "reason": "rows with fewer than two real tokens are replaced by the torch.where that follows, so the clamp only guards rows it never returns",
     },
     {
-        "file": "src/mta/losses/importance.py", "function": "uniform_importance",
+        "file": "src/mta/losses/importance.py",
+        "function": "uniform_importance",
         "from": "return real / real.sum(dim=-1, keepdim=True).clamp(min=1.0)",
         "to": "return real / real.sum(dim=+1, keepdim=True).clamp(min=1.0)",
         "reason": "the mask is [batch, seq]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "_log",
-        "from": "return math.log(weight) if weight > 0 else float(\"-inf\")",
-        "to": "return math.log(weight) if weight > 0 else float(\"-INF\")",
+        "file": "src/mta/losses/kd.py",
+        "function": "_log",
+        "from": 'return math.log(weight) if weight > 0 else float("-inf")',
+        "to": 'return math.log(weight) if weight > 0 else float("-INF")',
         "reason": "float() parses 'inf' case-insensitively",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "_kl",
+        "file": "src/mta/losses/kd.py",
+        "function": "_kl",
         "from": "return (log_p.exp() * (log_p - log_q)).sum(dim=-1)",
         "to": "return (log_p.exp() * (log_p - log_q)).sum(dim=+1)",
         "reason": "the log-probabilities are [n, vocab]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "BaseLoss.__init__",
+        "file": "src/mta/losses/kd.py",
+        "function": "BaseLoss.__init__",
         "from": "def __init__(self, *, vocab_size: Optional[int] = None, chunk_size: int = 128) -> None:",
         "to": "def __init__(self, *, vocab_size: Optional[int] = None, chunk_size: int = 129) -> None:",
         "reason": "the chunk size trades memory for speed; the loss and gradient are the same for any chunk size (tested for several)",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "DistributionLoss.token_loss",
+        "file": "src/mta/losses/kd.py",
+        "function": "DistributionLoss.token_loss",
         "from": "log_q = F.log_softmax(student / self.temperature, dim=-1)",
         "to": "log_q = F.log_softmax(student / self.temperature, dim=None)",
         "reason": "for a 2-d input F.log_softmax's implicit dim is 1, the vocabulary",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "DistributionLoss.token_loss",
+        "file": "src/mta/losses/kd.py",
+        "function": "DistributionLoss.token_loss",
         "from": "log_q = F.log_softmax(student / self.temperature, dim=-1)",
         "to": "log_q = F.log_softmax(student / self.temperature, )",
         "reason": "for a 2-d input F.log_softmax's implicit dim is 1, the vocabulary",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "DistributionLoss.token_loss",
+        "file": "src/mta/losses/kd.py",
+        "function": "DistributionLoss.token_loss",
         "from": "log_q = F.log_softmax(student / self.temperature, dim=-1)",
         "to": "log_q = F.log_softmax(student / self.temperature, dim=+1)",
         "reason": "the logits are [n, vocab]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "DistributionLoss.token_loss",
+        "file": "src/mta/losses/kd.py",
+        "function": "DistributionLoss.token_loss",
         "from": "log_p = F.log_softmax(teacher / self.temperature, dim=-1)",
         "to": "log_p = F.log_softmax(teacher / self.temperature, dim=None)",
         "reason": "for a 2-d input F.log_softmax's implicit dim is 1, the vocabulary",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "DistributionLoss.token_loss",
+        "file": "src/mta/losses/kd.py",
+        "function": "DistributionLoss.token_loss",
         "from": "log_p = F.log_softmax(teacher / self.temperature, dim=-1)",
         "to": "log_p = F.log_softmax(teacher / self.temperature, )",
         "reason": "for a 2-d input F.log_softmax's implicit dim is 1, the vocabulary",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "DistributionLoss.token_loss",
+        "file": "src/mta/losses/kd.py",
+        "function": "DistributionLoss.token_loss",
         "from": "log_p = F.log_softmax(teacher / self.temperature, dim=-1)",
         "to": "log_p = F.log_softmax(teacher / self.temperature, dim=+1)",
         "reason": "the logits are [n, vocab]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "TotalVariation.divergence",
+        "file": "src/mta/losses/kd.py",
+        "function": "TotalVariation.divergence",
         "from": "return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=-1)",
         "to": "return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=+1)",
         "reason": "the probabilities are [n, vocab]: dim=+1 is dim=-1",
     },
     {
-        "file": "src/mta/losses/kd.py", "function": "build_base_loss",
+        "file": "src/mta/losses/kd.py",
+        "function": "build_base_loss",
         "from": "chunk_size: int = 128,",
         "to": "chunk_size: int = 129,",
         "reason": "the chunk size trades memory for speed; the loss and gradient are the same for any chunk size (tested for several)",
     },
     {
-        "file": "src/mta/losses/span_masks.py", "function": "span_union_mask",
+        "file": "src/mta/losses/span_masks.py",
+        "function": "span_union_mask",
         "from": "live = (end > start) if span_mask is None else (end > start) & span_mask.bool()",
         "to": "live = (end >= start) if span_mask is None else (end > start) & span_mask.bool()",
         "reason": "an empty span adds +1 and -1 at the same position: the running count is unchanged",
     },
     {
-        "file": "src/mta/losses/span_masks.py", "function": "span_union_mask",
+        "file": "src/mta/losses/span_masks.py",
+        "function": "span_union_mask",
         "from": "live = (end > start) if span_mask is None else (end > start) & span_mask.bool()",
         "to": "live = (end > start) if span_mask is None else (end >= start) & span_mask.bool()",
         "reason": "an empty span adds +1 and -1 at the same position: the running count is unchanged",
     },
     {
-        "file": "src/mta/losses/span_masks.py", "function": "span_union_mask",
+        "file": "src/mta/losses/span_masks.py",
+        "function": "span_union_mask",
         "from": "change = torch.zeros(start.shape[0], seq_len + 1, dtype=torch.int32, device=start.device)",
         "to": "change = torch.zeros(start.shape[0], seq_len + 2, dtype=torch.int32, device=start.device)",
         "reason": "the extra column lies past seq_len and is never read",
     },
     {
-        "file": "src/mta/losses/trajectory.py", "function": "TrajectoryAlignmentLoss.__init__",
+        "file": "src/mta/losses/trajectory.py",
+        "function": "TrajectoryAlignmentLoss.__init__",
         "from": "self.importance_mode = importance",
         "to": "self.importance_mode = None",
         "reason": "nothing reads importance_mode (the importance function itself is kept in _importance)",
     },
     {
-        "file": "src/mta/losses/trajectory.py", "function": "TrajectoryAlignmentLoss.forward",
-        "from": "teacher_hidden = _layer(teacher_hidden_states, teacher_layer, \"teacher\").detach()",
+        "file": "src/mta/losses/trajectory.py",
+        "function": "TrajectoryAlignmentLoss.forward",
+        "from": 'teacher_hidden = _layer(teacher_hidden_states, teacher_layer, "teacher").detach()',
         "to": "teacher_hidden = _layer(teacher_hidden_states, teacher_layer, None).detach()",
         "reason": "every teacher layer was already read for teacher_weights, which raises first: this message is unreachable",
     },
     {
-        "file": "src/mta/losses/trajectory.py", "function": "TrajectoryAlignmentLoss.forward",
-        "from": "teacher_hidden = _layer(teacher_hidden_states, teacher_layer, \"teacher\").detach()",
-        "to": "teacher_hidden = _layer(teacher_hidden_states, teacher_layer, \"XXteacherXX\").detach()",
+        "file": "src/mta/losses/trajectory.py",
+        "function": "TrajectoryAlignmentLoss.forward",
+        "from": 'teacher_hidden = _layer(teacher_hidden_states, teacher_layer, "teacher").detach()',
+        "to": 'teacher_hidden = _layer(teacher_hidden_states, teacher_layer, "XXteacherXX").detach()',
         "reason": "every teacher layer was already read for teacher_weights, which raises first: this message is unreachable",
     },
     {
-        "file": "src/mta/losses/trajectory.py", "function": "TrajectoryAlignmentLoss.forward",
-        "from": "teacher_hidden = _layer(teacher_hidden_states, teacher_layer, \"teacher\").detach()",
-        "to": "teacher_hidden = _layer(teacher_hidden_states, teacher_layer, \"TEACHER\").detach()",
+        "file": "src/mta/losses/trajectory.py",
+        "function": "TrajectoryAlignmentLoss.forward",
+        "from": 'teacher_hidden = _layer(teacher_hidden_states, teacher_layer, "teacher").detach()',
+        "to": 'teacher_hidden = _layer(teacher_hidden_states, teacher_layer, "TEACHER").detach()',
         "reason": "every teacher layer was already read for teacher_weights, which raises first: this message is unreachable",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.backward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.backward",
         "from": "return (None,) * 6",
         "to": "return (None,) * 7",
         "reason": "autograd accepts trailing None gradients beyond the inputs and drops them",
@@ -470,55 +533,64 @@ EQUIVALENT: list[dict[str, str]] = [
 # survived (they count against the kill rate), each with what it would take.
 ACCEPTED: list[dict[str, str]] = [
     {
-        "file": "src/mta/data/truncation.py", "function": "_encode_head",
+        "file": "src/mta/data/truncation.py",
+        "function": "_encode_head",
         "from": "encodings = encode_all(sides, text[: known_chars + LOCALITY_CHARS])",
         "to": "encodings = encode_all(sides, text[: known_chars - LOCALITY_CHARS])",
         "note": "shorter windows: only the 'at least N' lower bound and the encoding cost can change for rows longer than the first window when max_length >= 63",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "_encode_head",
+        "file": "src/mta/data/truncation.py",
+        "function": "_encode_head",
         "from": "beyond = encoding.offsets[:, 1] > known_chars",
         "to": "beyond = encoding.offsets[:, 1] >= known_chars",
         "note": "a token ending exactly at known_chars is left unknown: at most one more window, or 'at least' instead of an exact count in a crafted row",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "_encode_head",
+        "file": "src/mta/data/truncation.py",
+        "function": "_encode_head",
         "from": "known.append(int(np.argmax(beyond)) if beyond.any() else len(encoding))",
         "to": "known.append(int(np.argmax(beyond)) if (beyond.any()) and False else len(encoding))",
         "note": "every window token counted as known: only the 'at least N' lower bound of a prompt longer than the window can move, by a token split at the window's end",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "deciding = max_length + 1  # tokens per side that decide both limits and the cut estimate",
         "to": "deciding = max_length - 1  # tokens per side that decide both limits and the cut estimate",
         "note": "a window may decide with max_length - 1 known tokens: observable only with max_prompt_length = max_length - 1 and ~16 characters per token",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "if cut not in cache:",
         "to": "if cut in cache:",
         "note": "needs a cut search that never probes its lower end: a prompt whose head alone exceeds max_length (a token straddling the prompt end, max_prompt_length = max_length - 1)",
     },
     {
-        "file": "src/mta/data/truncation.py", "function": "fit_to_limits",
+        "file": "src/mta/data/truncation.py",
+        "function": "fit_to_limits",
         "from": "whole_fits(cut)",
         "to": "whole_fits(None)",
         "note": "needs a cut search that never probes its lower end: a prompt whose head alone exceeds max_length (a token straddling the prompt end, max_prompt_length = max_length - 1)",
     },
     {
-        "file": "src/mta/losses/dsa.py", "function": "_cosine_matrix",
+        "file": "src/mta/losses/dsa.py",
+        "function": "_cosine_matrix",
         "from": "unit = F.normalize(spans.float(), dim=-1, eps=COS_EPS)",
         "to": "unit = F.normalize(spans.float(), dim=-1, )",
         "note": "numerical guard: F.normalize's own eps (1e-12) differs from COS_EPS only for span vectors with a norm between 1e-12 and 1e-8",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.backward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.backward",
         "from": "grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)",
         "to": "grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=None)",
         "note": "only a non-CPU run can tell: the default-device context the tests use does not reach autograd's backward, and on CPU device=None is the logits' device",
     },
     {
-        "file": "src/mta/losses/chunked.py", "function": "_ChunkedTokenLoss.backward",
+        "file": "src/mta/losses/chunked.py",
+        "function": "_ChunkedTokenLoss.backward",
         "from": "grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)",
         "to": "grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, )",
         "note": "only a non-CPU run can tell: the default-device context the tests use does not reach autograd's backward, and on CPU device=None is the logits' device",
@@ -599,8 +671,23 @@ def select_tests(groups: list[str], scratch: Path, env: dict) -> list[str]:
                 if not (scratch / path).exists():
                     continue
                 listing = subprocess.run(
-                    [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                     "-m", "not slow", path], cwd=scratch, env=env, capture_output=True, text=True, timeout=600,
+                    [
+                        sys.executable,
+                        "-m",
+                        "pytest",
+                        "--collect-only",
+                        "-q",
+                        "-p",
+                        "no:cacheprovider",
+                        "-m",
+                        "not slow",
+                        path,
+                    ],
+                    cwd=scratch,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
                 )
                 ids = {line.split("[")[0] for line in listing.stdout.splitlines() if "::" in line}
                 selected += sorted(i for i in ids if re.search(pattern, i))
@@ -646,7 +733,11 @@ def run_mutmut(scratch: Path, env: dict, limit_s: float) -> tuple[int | None, fl
     with open(scratch / "mutmut.log", "w", encoding="utf-8") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "mutmut", "run", "--max-children", "1"],
-            cwd=scratch, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=scratch,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             code = process.wait(timeout=limit_s)
@@ -695,7 +786,10 @@ def changed_line(mutant: str, file: str, function: str, defs: dict[str, int]) ->
 
     import libcst
     from mutmut.mutation.diff_apply import (
-        read_functions_from_index, read_mutant_function, read_mutants_module, read_original_function,
+        read_functions_from_index,
+        read_mutant_function,
+        read_mutants_module,
+        read_original_function,
     )
 
     functions = read_functions_from_index(mutant, file)
@@ -703,8 +797,9 @@ def changed_line(mutant: str, file: str, function: str, defs: dict[str, int]) ->
         module = read_mutants_module(file)
         functions = (read_original_function(module, mutant), read_mutant_function(module, mutant))
     original, mutated = (libcst.Module([f]).code.strip().split("\n") for f in functions)
-    changes = [op for op in difflib.SequenceMatcher(None, original, mutated, autojunk=False).get_opcodes()
-               if op[0] != "equal"]
+    changes = [
+        op for op in difflib.SequenceMatcher(None, original, mutated, autojunk=False).get_opcodes() if op[0] != "equal"
+    ]
     if not changes:
         return None, "", ""
     _, i1, i2, j1, j2 = changes[0]
@@ -758,7 +853,10 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
                 if reason:
                     equivalent += 1
                 entry = {
-                    "file": file, "line": line, "function": function, "mutant": mutant.rpartition(".")[2],
+                    "file": file,
+                    "line": line,
+                    "function": function,
+                    "mutant": mutant.rpartition(".")[2],
                     "status": "equivalent" if reason else status,
                 }
                 if reason:
@@ -770,9 +868,13 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
             detected = sum(counts[s] for s in DETECTED)
             total = sum(counts.values())
             per_file[file] = {
-                "total": total, "killed": counts["killed"], "timeout": counts["timeout"] + counts["segfault"],
-                "survived": counts["survived"] - equivalent, "equivalent": equivalent,
-                "no_tests": counts["no tests"], "not_checked": counts["not checked"],
+                "total": total,
+                "killed": counts["killed"],
+                "timeout": counts["timeout"] + counts["segfault"],
+                "survived": counts["survived"] - equivalent,
+                "equivalent": equivalent,
+                "no_tests": counts["no tests"],
+                "not_checked": counts["not checked"],
                 "other": total - detected - counts["survived"] - counts["no tests"] - counts["not checked"],
                 "kill_rate": rate(detected, total - equivalent),
             }
@@ -811,8 +913,11 @@ def tool_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modules", default=",".join(GROUPS),
-                        help=f"groups to run, comma-separated ({', '.join(GROUPS)}); the others keep their last results")
+    parser.add_argument(
+        "--modules",
+        default=",".join(GROUPS),
+        help=f"groups to run, comma-separated ({', '.join(GROUPS)}); the others keep their last results",
+    )
     parser.add_argument("--limit-min", type=float, default=25.0, help="wall-clock limit of the mutmut run (minutes)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     parser.add_argument("--output", type=Path, default=RESULT)
@@ -852,22 +957,31 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("no test reached a mutated function: were the scratch copy's sources imported?")
 
         previous = json.loads(args.output.read_text()) if args.output.exists() else {}
-        modules = {f: m for f, m in previous.get("modules", {}).items() if f not in found["modules"]
-                   and not any(fnmatch.fnmatch(f, p) for g in groups for p in GROUPS[g]["mutate"])}
+        modules = {
+            f: m
+            for f, m in previous.get("modules", {}).items()
+            if f not in found["modules"] and not any(fnmatch.fnmatch(f, p) for g in groups for p in GROUPS[g]["mutate"])
+        }
         modules.update(found["modules"])
-        survivors = [s for s in previous.get("survivors", []) if s["file"] in modules and s["file"] not in found["modules"]]
+        survivors = [
+            s for s in previous.get("survivors", []) if s["file"] in modules and s["file"] not in found["modules"]
+        ]
         survivors += found["survivors"]
         runs = {g: r for g, r in previous.get("runs", {}).items() if g not in groups}
         for group in groups:
             runs[group] = {
-                "date": dt.date.today().isoformat(), "wall_s": round(wall), "completed": code == 0,
+                "date": dt.date.today().isoformat(),
+                "wall_s": round(wall),
+                "completed": code == 0,
                 "tests": [t for t in tests],
             }
         report = {
             "benchmark": "mutation testing of the fast tests (bench/mutation.py, `make mutate`)",
             "tool": f"mutmut {tool_version()}",
             "settings": {
-                "workers": 1, "threads": 1, "pytest": "-m 'not slow' -x, only the tests that call the mutated function",
+                "workers": 1,
+                "threads": 1,
+                "pytest": "-m 'not slow' -x, only the tests that call the mutated function",
                 "timeout": f"CPU-time limit per mutant: {2 * TIMEOUT_MULTIPLIER:g} x (its tests' clean time + {TIMEOUT_CONSTANT:g} s)",
                 "kill_rate": "(killed + timeout) / (total - equivalent)",
                 "decorators": "single-decorator functions rewritten to `f = D(f)` in the scratch copy so they are mutated",
@@ -886,9 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
         temporary.write_text(text, encoding="utf-8")
         temporary.replace(args.output)
         overall = report["overall"]
-        log(f"{overall['killed'] + overall['timeout']}/{overall['total'] - overall['equivalent']} detected "
+        log(
+            f"{overall['killed'] + overall['timeout']}/{overall['total'] - overall['equivalent']} detected "
             f"(kill rate {overall['kill_rate']}), {overall['survived']} survived, {overall['equivalent']} equivalent; "
-            f"wrote {args.output.relative_to(REPO) if args.output.is_relative_to(REPO) else args.output}")
+            f"wrote {args.output.relative_to(REPO) if args.output.is_relative_to(REPO) else args.output}"
+        )
         for group, sums in report["groups"].items():
             log(f"  {group:13s} {sums['kill_rate']}  ({sums['total']} mutants, {sums['survived']} survived)")
         return 0

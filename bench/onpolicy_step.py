@@ -120,13 +120,22 @@ class OnPolicyStep(TrainingStep):
 
 
 def recipe_for(sizes: Sizes, new_tokens: int) -> Recipe:
-    return Recipe.model_validate({
-        "name": "bench", "output_dir": "unused", "teacher": {"path": "t"}, "student": {"path": "s"},
-        "data": {"train": "unused", "dev": None, "max_length": sizes.max_prompt_length + new_tokens,
-                 "max_prompt_length": sizes.max_prompt_length},
-        "train": {"max_steps": 1, "batch_size": sizes.micro_batch, "micro_batch_size": sizes.micro_batch},
-        "generation": {"mode": "always", "max_new_tokens": new_tokens},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "bench",
+            "output_dir": "unused",
+            "teacher": {"path": "t"},
+            "student": {"path": "s"},
+            "data": {
+                "train": "unused",
+                "dev": None,
+                "max_length": sizes.max_prompt_length + new_tokens,
+                "max_prompt_length": sizes.max_prompt_length,
+            },
+            "train": {"max_steps": 1, "batch_size": sizes.micro_batch, "micro_batch_size": sizes.micro_batch},
+            "generation": {"mode": "always", "max_new_tokens": new_tokens},
+        }
+    )
 
 
 def build_variants(tokenizer_dir: Path, table, sizes: Sizes, count: int, new_tokens: int, parsers, device, autocast):
@@ -142,19 +151,31 @@ def build_variants(tokenizer_dir: Path, table, sizes: Sizes, count: int, new_tok
 
     def variant(name: str, spec: LossSpec, parser) -> Variant:
         objective = DistillationObjective(
-            spec, pairs, student_hidden_size=sizes.student_hidden, teacher_hidden_size=sizes.teacher_hidden,
-            same_tokenizer=True, vocab_size=rows_of_model,
+            spec,
+            pairs,
+            student_hidden_size=sizes.student_hidden,
+            teacher_hidden_size=sizes.teacher_hidden,
+            same_tokenizer=True,
+            vocab_size=rows_of_model,
         )
         model = DistillationModel(copy.deepcopy(student_model), objective).to(device)
         granularities = tuple(sorted({pair.granularity for pair in pairs})) if spec.alignment_terms else ()
         sampled = OffPolicyBatches(
-            recipe, table, model=model.student, tokenizer=tokenizer,
-            pad_ids={"student": tokenizer.pad_token_id, "teacher": tokenizer.pad_token_id}, with_teacher=True,
-            granularities=granularities, parser=parser, total_steps=count,
+            recipe,
+            table,
+            model=model.student,
+            tokenizer=tokenizer,
+            pad_ids={"student": tokenizer.pad_token_id, "teacher": tokenizer.pad_token_id},
+            with_teacher=True,
+            granularities=granularities,
+            parser=parser,
+            total_steps=count,
         )
         sampled.params = replace(sampled.params, min_new_tokens=new_tokens)  # every variant generates the same
         teacher = FrozenTeacher(teacher_model, objective.teacher_layers, need_logits=True)
-        return Variant(name, OnPolicyStep(sampled, order, gold, model, teacher, {}, lambda index: None, device, autocast))
+        return Variant(
+            name, OnPolicyStep(sampled, order, gold, model, teacher, {}, lambda index: None, device, autocast)
+        )
 
     base = LossSpec(base="srkl", dsa_weight=0.0, hra_weight=0.0)
     mta = LossSpec(base="srkl", dsa_weight=2.0, hra_weight=0.2)
@@ -186,7 +207,9 @@ def measure(variants: list[Variant], count: int, rounds: int, device) -> None:
         variant.after_generation.append(after)
 
     interleaved_rounds(
-        variants, rounds, one_round,
+        variants,
+        rounds,
+        one_round,
         warm_up=lambda variant: run_round(variant, count, device),  # allocator, spaCy, the given spans
         describe=lambda v: f"{v.name} {v.whole[-1]:.3f}s ({v.after_generation[-1]:.3f}s after gen)",
     )
@@ -235,8 +258,12 @@ def main() -> None:
         rows, rows_source = write_rows(work, 2 * args.batches * sizes.micro_batch)
         tokenizer_dir = small_tokenizer(work, sizes.small_vocab)
         settings = AnnotateSettings(
-            teacher=str(tokenizer_dir), student=str(tokenizer_dir), max_length=sizes.max_length,
-            max_prompt_length=sizes.max_prompt_length, on_error="skip", workers=1,
+            teacher=str(tokenizer_dir),
+            student=str(tokenizer_dir),
+            max_length=sizes.max_length,
+            max_prompt_length=sizes.max_prompt_length,
+            on_error="skip",
+            workers=1,
         )
         table = read_annotations(annotate_file(rows, work / "annotations", settings)).table
         # Started before any model exists: the worker is forked from a small process.
@@ -265,7 +292,7 @@ def main() -> None:
             "steps_per_round": args.batches,
             "new_tokens_per_completion": args.new_tokens,
             "step": "student generates (keyed sampling, T 1, stop tokens held back), teacher forward, student "
-                    "forward, losses, backward, clip 1.0, AdamW at lr 0 (no DeepSpeed)",
+            "forward, losses, backward, clip 1.0, AdamW at lr 0 (no DeepSpeed)",
             "preset": args.preset,
             "autocast": args.autocast,
             "base_loss": "srkl (skew 0.1)",

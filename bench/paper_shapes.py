@@ -108,23 +108,35 @@ class Step:
         fdd_pairs = resolve_fdd_layers(loss.fdd_layers, s_layers, t_layers) if loss.fdd_weight else []
         torch.manual_seed(recipe.seed)
         objective = DistillationObjective(
-            loss, pairs, student_hidden_size=student_config.hidden_size,
-            teacher_hidden_size=teacher_model.config.hidden_size, same_tokenizer=True,
-            vocab_size=student_config.vocab_size, fdd_pairs=fdd_pairs,
+            loss,
+            pairs,
+            student_hidden_size=student_config.hidden_size,
+            teacher_hidden_size=teacher_model.config.hidden_size,
+            same_tokenizer=True,
+            vocab_size=student_config.vocab_size,
+            fdd_pairs=fdd_pairs,
         )
         model = DistillationModel(student, objective, fdd_final_norm=loss.fdd_final_norm)
-        train = recipe.train.model_copy(update={
-            "batch_size": batch.student.input_ids.shape[0], "micro_batch_size": batch.student.input_ids.shape[0],
-            "precision": "bf16" if dtype == torch.bfloat16 else "fp32", "zero_stage": 1,
-        })
+        train = recipe.train.model_copy(
+            update={
+                "batch_size": batch.student.input_ids.shape[0],
+                "micro_batch_size": batch.student.input_ids.shape[0],
+                "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
+                "zero_stage": 1,
+            }
+        )
         self.engine = engines.initialize(model, model.projector_parameters(), train, {}, 10_000, 1)
-        lens = LogitLens(teacher_model, final_norm=loss.fdd_final_norm or objective.fdd is None,
-                         num_layers=t_layers) if objective.fdd is not None else None
+        lens = (
+            LogitLens(teacher_model, final_norm=loss.fdd_final_norm or objective.fdd is None, num_layers=t_layers)
+            if objective.fdd is not None
+            else None
+        )
         self.teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens)
         self.batch = batch.to(device)
         self.student_parameters = sum(p.numel() for p in student.parameters())
         self.flops = StepFlops(model, student, self.teacher).of(
-            batch.num_tokens, int(batch.teacher.attention_mask.sum()))
+            batch.num_tokens, int(batch.teacher.attention_mask.sum())
+        )
 
     def __call__(self) -> None:
         losses = self.engine(self.batch, self.teacher(self.batch.teacher.input_ids, self.batch.teacher.attention_mask))
@@ -155,25 +167,41 @@ def measure_part(name: str, recipe_name: str, args, device, dtype) -> dict:
     rows = 2 if args.smoke else recipe.train.micro_batch_size
     length = 64 if args.smoke else data.max_length
     prompt = 32 if args.smoke else data.max_prompt_length
-    batch = synthetic_batch(rows, length, prompt, student_config.vocab_size, seed=1,
-                            paired=recipe.loss.base == "distillm2")
-    base_recipe = recipe.model_copy(update={"loss": recipe.loss.model_copy(update={"dsa_weight": 0.0, "hra_weight": 0.0})})
-    variants = [Variant(name, Step(base_recipe, teacher_model, student_config, batch, device, dtype)),
-                Variant(f"{name}_mta", Step(recipe, teacher_model, student_config, batch, device, dtype))]
+    batch = synthetic_batch(
+        rows, length, prompt, student_config.vocab_size, seed=1, paired=recipe.loss.base == "distillm2"
+    )
+    base_recipe = recipe.model_copy(
+        update={"loss": recipe.loss.model_copy(update={"dsa_weight": 0.0, "hra_weight": 0.0})}
+    )
+    variants = [
+        Variant(name, Step(base_recipe, teacher_model, student_config, batch, device, dtype)),
+        Variant(f"{name}_mta", Step(recipe, teacher_model, student_config, batch, device, dtype)),
+    ]
     # MIN_ROUNDS interleaved rounds, then more (the order alternating) until the budget is spent.
-    interleaved_rounds(variants, MIN_ROUNDS, lambda v: run_variant(v, device),
-                       warm_up=lambda v: (v.step(), v.step()), describe=lambda v: f"{v.name} {v.seconds[-1]:.3f}s")
+    interleaved_rounds(
+        variants,
+        MIN_ROUNDS,
+        lambda v: run_variant(v, device),
+        warm_up=lambda v: (v.step(), v.step()),
+        describe=lambda v: f"{v.name} {v.seconds[-1]:.3f}s",
+    )
     rounds = MIN_ROUNDS
     while time.perf_counter() - started < args.budget_s and rounds < args.max_rounds:
-        for variant in variants[rounds % 2:] + variants[:rounds % 2]:
+        for variant in variants[rounds % 2 :] + variants[: rounds % 2]:
             run_variant(variant, device)
         rounds += 1
     tokens = batch.num_tokens
     peak = device_peak_flops(device)
-    out = {"recipe": recipe_name, "rounds": rounds, "tokens_per_step": tokens, "seconds_spent": time.perf_counter() - started,
-           "student_parameters": variants[0].step.student_parameters,
-           "teacher_parameters": sum(p.numel() for p in teacher_model.parameters()),
-           "device_peak_flops_per_s": peak, "variants": {}}
+    out = {
+        "recipe": recipe_name,
+        "rounds": rounds,
+        "tokens_per_step": tokens,
+        "seconds_spent": time.perf_counter() - started,
+        "student_parameters": variants[0].step.student_parameters,
+        "teacher_parameters": sum(p.numel() for p in teacher_model.parameters()),
+        "device_peak_flops_per_s": peak,
+        "variants": {},
+    }
     for variant in variants:
         median = statistics.median(variant.seconds)
         flops_per_s = variant.step.flops / median
@@ -186,8 +214,9 @@ def measure_part(name: str, recipe_name: str, args, device, dtype) -> dict:
             "mfu": flops_per_s / peak if peak else None,
             "peak_memory_gib": variant.peak_bytes / 2**30 if device.type == "cuda" else None,
         }
-    out["ratio_mta_to_base"] = (out["variants"][f"{name}_mta"]["seconds_per_step_median"]
-                                / out["variants"][name]["seconds_per_step_median"])
+    out["ratio_mta_to_base"] = (
+        out["variants"][f"{name}_mta"]["seconds_per_step_median"] / out["variants"][name]["seconds_per_step_median"]
+    )
     for variant in variants:
         variant.step.engine.destroy()
     return out
@@ -219,8 +248,13 @@ def main() -> None:
         "benchmark": "bench/paper_shapes.py",
         "created": created(),
         "machine": describe_machine(device),
-        "setup": {"smoke": args.smoke, "dtype": str(dtype).removeprefix("torch."), "zero_stage": 1,
-                  "budget_s_per_part": args.budget_s, "weights": "random, from the recipes' configs"},
+        "setup": {
+            "smoke": args.smoke,
+            "dtype": str(dtype).removeprefix("torch."),
+            "zero_stage": 1,
+            "budget_s_per_part": args.budget_s,
+            "weights": "random, from the recipes' configs",
+        },
         "results": results,
     }
     atomic_write_json(args.output, payload)

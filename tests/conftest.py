@@ -25,8 +25,7 @@ LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER
 def subprocess_env(*, drop: Sequence[str] = (), **extra: str) -> dict[str, str]:
     """This process's environment for a command run as a subprocess: no launcher variables (nor
     ``drop``), one torch thread (two threads on oversubscribed cores run many times slower)."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in LAUNCHER_VARIABLES and key not in drop}
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES and key not in drop}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra)
     return env
 
@@ -40,9 +39,21 @@ def torchrun(argv: Sequence[str], *, processes: int = 2, timeout: float = 300) -
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "cli"), str(REPO / "src"), env.get("PYTHONPATH", "")])
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-         "--master-port", str(free_port()), *map(str, argv)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(processes),
+            "--master-port",
+            str(free_port()),
+            *map(str, argv),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         _, stderr = process.communicate(timeout=timeout)
@@ -128,8 +139,11 @@ def two_tokenizer_settings(tiny_tokenizer_dir, other_tokenizer_dir):
     from mta.data.annotate import AnnotateSettings
 
     return AnnotateSettings(
-        teacher=str(tiny_tokenizer_dir), student=str(other_tokenizer_dir), workers=1,
-        max_length=256, max_prompt_length=160,
+        teacher=str(tiny_tokenizer_dir),
+        student=str(other_tokenizer_dir),
+        workers=1,
+        max_length=256,
+        max_prompt_length=160,
     )
 
 
@@ -146,8 +160,10 @@ def train_tokenizer_with_specials(out: Path, vocab_size: int, specials: list[str
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     backend.train_from_iterator(corpus_texts(EXAMPLES), trainer=trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=pad).save_pretrained(str(out))

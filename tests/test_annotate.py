@@ -56,7 +56,8 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 def reference_range(offsets, text, start, end):
     members = [
-        index for index, (a, b) in enumerate(offsets)
+        index
+        for index, (a, b) in enumerate(offsets)
         if (v := a + len(text[a:b]) - len(text[a:b].lstrip())) < b and start <= v and b <= end
     ]
     return (members[0], members[-1] + 1) if members else None
@@ -70,9 +71,7 @@ def check_artefact(out_dir: Path, input_rows: list[dict], teacher_dir, student_d
         "student": AutoTokenizer.from_pretrained(str(student_dir)),
     }
     extractor = SpanExtractor(load_spacy("en_core_web_sm").nlp, settings.word_spans)
-    assert annotations.manifest["teacher"]["fingerprint"] == tokenizer_fingerprint(
-        load_tokenizer(teacher_dir)
-    )
+    assert annotations.manifest["teacher"]["fingerprint"] == tokenizer_fingerprint(load_tokenizer(teacher_dir))
 
     def longest_side(text: str) -> int:
         return max(len(t(text, add_special_tokens=False)["input_ids"]) for t in tokenizers.values())
@@ -109,11 +108,17 @@ def check_artefact(out_dir: Path, input_rows: list[dict], teacher_dir, student_d
             for (a, b), label in zip(chars.tolist(), labels):
                 ranges = {side: reference_range(offsets[side], text, a, b) for side in offsets}
                 if b <= len(text) and all(ranges.values()):
-                    expected.append({
-                        "char_start": a, "char_end": b, "label": label,
-                        "teacher_start": ranges["teacher"][0], "teacher_end": ranges["teacher"][1],
-                        "student_start": ranges["student"][0], "student_end": ranges["student"][1],
-                    })
+                    expected.append(
+                        {
+                            "char_start": a,
+                            "char_end": b,
+                            "label": label,
+                            "teacher_start": ranges["teacher"][0],
+                            "teacher_end": ranges["teacher"][1],
+                            "student_start": ranges["student"][0],
+                            "student_end": ranges["student"][1],
+                        }
+                    )
             assert record[column] == expected, (column, text)
 
 
@@ -139,7 +144,10 @@ def test_every_row_re_derives_from_the_input(
     two_tokenizer_artefact, input_rows, two_tokenizer_settings, tiny_tokenizer_dir, other_tokenizer_dir
 ):
     check_artefact(
-        two_tokenizer_artefact, input_rows, tiny_tokenizer_dir, other_tokenizer_dir,
+        two_tokenizer_artefact,
+        input_rows,
+        tiny_tokenizer_dir,
+        other_tokenizer_dir,
         two_tokenizer_settings,
     )
 
@@ -165,8 +173,12 @@ def test_manifest_counts_and_names(two_tokenizer_artefact, input_rows, input_fil
 def test_the_real_gpt2_tokenizer_against_a_trained_one(tmp_path, input_rows, gpt2_tokenizer_dir, tiny_tokenizer_dir):
     rows = input_rows[:6] + EDGE_ROWS
     settings = AnnotateSettings(
-        teacher=str(gpt2_tokenizer_dir), student=str(tiny_tokenizer_dir), workers=1,
-        max_length=120, max_prompt_length=100, word_spans="all",
+        teacher=str(gpt2_tokenizer_dir),
+        student=str(tiny_tokenizer_dir),
+        workers=1,
+        max_length=120,
+        max_prompt_length=100,
+        word_spans="all",
     )
     out = tmp_path / "out"
     run_annotate(write_jsonl(tmp_path / "rows.jsonl", rows), out, settings)
@@ -187,13 +199,9 @@ def test_the_parquet_files_open_in_pandas_pyarrow_and_duckdb(two_tokenizer_artef
     assert pq.read_table(parts[0]).schema.equals(SCHEMA)
 
     spans = duckdb.sql(
-        f"select id, unnest(phrase_spans, recursive := true) "
-        f"from '{two_tokenizer_artefact}/*.parquet' order by id"
+        f"select id, unnest(phrase_spans, recursive := true) from '{two_tokenizer_artefact}/*.parquet' order by id"
     ).fetchall()
-    expected = [
-        (row["id"], *span.values())
-        for row in table.to_pylist() for span in row["phrase_spans"]
-    ]
+    expected = [(row["id"], *span.values()) for row in table.to_pylist() for span in row["phrase_spans"]]
     assert sorted(spans) == sorted(expected)
 
 
@@ -260,7 +268,8 @@ def test_reuse_force_and_changed_settings(tmp_path, two_tokenizer_settings):
     # The directory holds the one published part; manifests (and nothing staged) under .mta/.
     assert sorted(p.name for p in out.iterdir()) == [".mta", forced.manifest["parts"][0]["file"]]
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.parent != out) == [
-        ".mta/manifest.json", ".mta/shard-00000-of-00001.json"
+        ".mta/manifest.json",
+        ".mta/shard-00000-of-00001.json",
     ]
     assert read_annotations(out).table.equals(pq.read_table(out / forced.manifest["parts"][0]["file"]))
 

@@ -31,8 +31,20 @@ def invoke(*args: str):
 def annotated(tmp_path_factory, tiny_tokenizer_dir, other_tokenizer_dir) -> Path:
     out = tmp_path_factory.mktemp("cli") / "out"
     result = invoke(
-        "annotate", EXAMPLES, "--teacher", tiny_tokenizer_dir, "--student", other_tokenizer_dir,
-        "-o", out, "--max-length", 480, "--max-prompt-length", 400, "--workers", 1,
+        "annotate",
+        EXAMPLES,
+        "--teacher",
+        tiny_tokenizer_dir,
+        "--student",
+        other_tokenizer_dir,
+        "-o",
+        out,
+        "--max-length",
+        480,
+        "--max-prompt-length",
+        400,
+        "--workers",
+        1,
     )
     assert result.exit_code == 0, result.output
     return out
@@ -43,8 +55,18 @@ def test_annotate_writes_and_then_reuses(annotated, tiny_tokenizer_dir, other_to
     assert manifest["rows"]["written"] == manifest["rows"]["read"] == 36
     assert manifest["max_length"] == 480
     result = invoke(
-        "annotate", EXAMPLES, "--teacher", tiny_tokenizer_dir, "--student", other_tokenizer_dir,
-        "-o", annotated, "--max-length", 480, "--max-prompt-length", 400,
+        "annotate",
+        EXAMPLES,
+        "--teacher",
+        tiny_tokenizer_dir,
+        "--student",
+        other_tokenizer_dir,
+        "-o",
+        annotated,
+        "--max-length",
+        480,
+        "--max-prompt-length",
+        400,
     )
     assert result.exit_code == 0
     assert "reused" in result.output
@@ -53,8 +75,9 @@ def test_annotate_writes_and_then_reuses(annotated, tiny_tokenizer_dir, other_to
 def test_bad_input_exits_with_the_file_and_line(tmp_path, tiny_tokenizer_dir):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"instruction": "x", "output": "y"}\n{"instruction": "x", "output": 3}\n')
-    result = invoke("annotate", data, "--teacher", tiny_tokenizer_dir, "--student",
-                    tiny_tokenizer_dir, "-o", tmp_path / "out")
+    result = invoke(
+        "annotate", data, "--teacher", tiny_tokenizer_dir, "--student", tiny_tokenizer_dir, "-o", tmp_path / "out"
+    )
     assert isinstance(result.exception, MtaError)  # main() prints it in red and exits 2
     assert f"{data}:2: field 'output' must be a string, got a number: 3" in str(result.exception)
     assert not (tmp_path / "out").exists()
@@ -62,7 +85,8 @@ def test_bad_input_exits_with_the_file_and_line(tmp_path, tiny_tokenizer_dir):
 
 def test_recipe_supplies_tokenizers_and_lengths(tmp_path, tiny_tokenizer_dir, other_tokenizer_dir):
     recipe = {
-        "name": "annotate-test", "output_dir": str(tmp_path / "run"),
+        "name": "annotate-test",
+        "output_dir": str(tmp_path / "run"),
         "teacher": {"path": str(tiny_tokenizer_dir)},
         "student": {"path": "unused-model", "tokenizer": str(other_tokenizer_dir)},
         "data": {"train": "x.jsonl", "max_length": 300, "max_prompt_length": 180, "word_spans": "all"},
@@ -99,7 +123,9 @@ def test_a_tiny_recipes_tokenizers_are_built_and_training_accepts_the_artefact(t
     assert sources["teacher"] != sources["student"]  # two tokenizers, from two corpora
     annotations = read_annotations(tmp_path / "out")
     assert (annotations.manifest["teacher"]["name"], annotations.manifest["student"]["name"]) == (
-        sources["teacher"], sources["student"])
+        sources["teacher"],
+        sources["student"],
+    )
     assert annotations.table.column("boundary_spans").null_count == 0
     fingerprints = {side: tokenizer_fingerprint(load_tokenizer(path)) for side, path in sources.items()}
     # What training checks before it uses an artefact: no error.
@@ -108,8 +134,20 @@ def test_a_tiny_recipes_tokenizers_are_built_and_training_accepts_the_artefact(t
 
 def test_shard_option_and_merge(tmp_path, annotated, tiny_tokenizer_dir, other_tokenizer_dir):
     out = tmp_path / "sharded"
-    common = ["--teacher", tiny_tokenizer_dir, "--student", other_tokenizer_dir, "-o", out,
-              "--max-length", 480, "--max-prompt-length", 400, "--workers", 1]
+    common = [
+        "--teacher",
+        tiny_tokenizer_dir,
+        "--student",
+        other_tokenizer_dir,
+        "-o",
+        out,
+        "--max-length",
+        480,
+        "--max-prompt-length",
+        400,
+        "--workers",
+        1,
+    ]
     assert "must look like I/N" in str(invoke("annotate", EXAMPLES, *common, "--shard", "2").exception)
     result = invoke("annotate", EXAMPLES, *common, "--shard", "0/2")
     assert result.exit_code == 0 and "manifest.json appears when every shard" in result.output
@@ -129,8 +167,10 @@ def test_show_prints_the_row_its_spans_and_both_tokenisations(annotated, tiny_to
     side = TokenizerSide.load(other_tokenizer_dir)
     offsets = side.encode(record["text"]).offsets.tolist()
     for span in record["phrase_spans"][:5]:
-        pieces = [record["text"][a:b].replace(" ", "·").replace("\n", "↵")
-                  for a, b in offsets[span["student_start"]:span["student_end"]]]
+        pieces = [
+            record["text"][a:b].replace(" ", "·").replace("\n", "↵")
+            for a, b in offsets[span["student_start"] : span["student_end"]]
+        ]
         assert f"[{span['student_start']},{span['student_end']}) {'|'.join(pieces)}" in output
     assert "word spans" in output
 
@@ -148,10 +188,28 @@ def test_a_killed_run_leaves_the_previous_artefact(tmp_path, annotated, tiny_tok
     big = tmp_path / "big.jsonl"
     big.write_text(EXAMPLES.read_text(encoding="utf-8") * 40, encoding="utf-8")
     process = subprocess.Popen(
-        [sys.executable, "-m", "mta_cli.main", "annotate", str(big), "--teacher",
-         str(tiny_tokenizer_dir), "--student", str(other_tokenizer_dir), "-o", str(out),
-         "--max-length", "480", "--max-prompt-length", "400", "--workers", "1"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "mta_cli.main",
+            "annotate",
+            str(big),
+            "--teacher",
+            str(tiny_tokenizer_dir),
+            "--student",
+            str(other_tokenizer_dir),
+            "-o",
+            str(out),
+            "--max-length",
+            "480",
+            "--max-prompt-length",
+            "400",
+            "--workers",
+            "1",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     # Kill once the unfinished part exists: the run is then between opening and committing it.
     deadline = time.monotonic() + 600

@@ -57,9 +57,23 @@ def cli(monkeypatch, capsys, *args) -> tuple[int, str]:
 
 
 def annotate_args(data: Path, out: Path, settings: AnnotateSettings, *extra) -> list:
-    return ["annotate", data, "--teacher", settings.teacher, "--student", settings.student,
-            "--max-length", settings.max_length, "--max-prompt-length", settings.max_prompt_length,
-            "--workers", 1, "-o", out, *extra]
+    return [
+        "annotate",
+        data,
+        "--teacher",
+        settings.teacher,
+        "--student",
+        settings.student,
+        "--max-length",
+        settings.max_length,
+        "--max-prompt-length",
+        settings.max_prompt_length,
+        "--workers",
+        1,
+        "-o",
+        out,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +121,11 @@ with lock:
 def hold(out: Path, which: str) -> subprocess.Popen:
     """A separate process holding ``which`` ("I/N" or "merge") of ``out`` until killed."""
     process = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(out), which], cwd=REPO,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", HOLDER, str(out), which],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert process.stdout.readline().strip() == "held"
     return process
@@ -120,9 +137,7 @@ def kill(process: subprocess.Popen) -> None:
     assert process.returncode == -signal.SIGKILL
 
 
-def test_a_second_writer_of_the_same_shard_is_refused_naming_the_holder(
-    copy, small, settings, monkeypatch, capsys
-):
+def test_a_second_writer_of_the_same_shard_is_refused_naming_the_holder(copy, small, settings, monkeypatch, capsys):
     before = listing(copy)
     holder = hold(copy, "0/1")
     try:
@@ -183,10 +198,7 @@ def test_two_shards_finishing_at_once_both_succeed_and_merge(tmp_path, small, se
     out = tmp_path / "together"
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(2)
-    writers = [
-        context.Process(target=_shard_writer, args=(small, out, settings, shard, barrier))
-        for shard in (0, 1)
-    ]
+    writers = [context.Process(target=_shard_writer, args=(small, out, settings, shard, barrier)) for shard in (0, 1)]
     for writer in writers:
         writer.start()
     for writer in writers:
@@ -196,8 +208,12 @@ def test_two_shards_finishing_at_once_both_succeed_and_merge(tmp_path, small, se
     assert [part["file"][:19] for part in manifest["parts"]] == ["part-00000-of-00002", "part-00001-of-00002"]
     assert read_annotations(out).table.equals(read_annotations(built).table)
     assert sorted(listing(out)) == sorted(
-        [".mta/manifest.json", ".mta/shard-00000-of-00002.json", ".mta/shard-00001-of-00002.json",
-         *(part["file"] for part in manifest["parts"])]
+        [
+            ".mta/manifest.json",
+            ".mta/shard-00000-of-00002.json",
+            ".mta/shard-00001-of-00002.json",
+            *(part["file"] for part in manifest["parts"]),
+        ]
     )
 
 
@@ -250,7 +266,10 @@ def test_a_manifest_naming_a_path_outside_is_refused_and_nothing_is_deleted(
             else:
                 run_annotate(small, copy, AnnotateSettings(**{**settings.__dict__, "word_spans": "all"}))
         message = str(error.value)
-    assert f"{copy / '.mta' / 'manifest.json'}: parts[0].file is {entry!r}, which is not a part of this directory" in message
+    assert (
+        f"{copy / '.mta' / 'manifest.json'}: parts[0].file is {entry!r}, which is not a part of this directory"
+        in message
+    )
     assert "annotate the input again into a new directory" in message
     assert victim.read_text() == "precious"
     assert listing(copy) == before  # nothing written, nothing deleted
@@ -273,7 +292,9 @@ def test_a_shard_file_naming_a_path_outside_is_refused_and_nothing_is_deleted(
         lambda: run_annotate(small, copy, settings, force=True),
         lambda: merge_shards(copy),
     ):
-        with pytest.raises(MtaError, match=rf"{shard_file}: part\.file is {re.escape(repr(entry))}, which is not a part"):
+        with pytest.raises(
+            MtaError, match=rf"{shard_file}: part\.file is {re.escape(repr(entry))}, which is not a part"
+        ):
             attempt()
     (copy / ".mta" / "manifest.json").unlink()  # the reader reads shard files to say what is missing
     with pytest.raises(MtaError, match=rf"{shard_file}: part\.file is {re.escape(repr(entry))}"):
@@ -399,8 +420,9 @@ def tiny_disk(tmp_path):
     """A 1 MiB tmpfs (root only; skipped where mounting is not allowed)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode})")
     try:
@@ -469,15 +491,22 @@ def test_bounded_encoding_and_parsing_leave_ordinary_rows_as_they_were(tmp_path,
     max_length, max_prompt_length, truncate_prompt = limits
     rows = [json.loads(line) for line in LINES] + EDGE_ROWS
     data = write_jsonl(tmp_path / "rows.jsonl", rows)
-    settings = AnnotateSettings(**{**settings.__dict__, "max_length": max_length,
-                                   "max_prompt_length": max_prompt_length, "truncate_prompt": truncate_prompt,
-                                   "on_error": "skip"})
+    settings = AnnotateSettings(
+        **{
+            **settings.__dict__,
+            "max_length": max_length,
+            "max_prompt_length": max_prompt_length,
+            "truncate_prompt": truncate_prompt,
+            "on_error": "skip",
+        }
+    )
     before = annotate_table(data, tmp_path / "unbounded", settings, monkeypatch, **UNBOUNDED)
     assert read_annotations(tmp_path / "unbounded").manifest["rows"]["response_cut"] >= 1
     assert annotate_table(data, tmp_path / "default", settings, monkeypatch).equals(before)
     # Tiny windows: every row goes through the head windows and their growth.
-    stressed = annotate_table(data, tmp_path / "stressed", settings, monkeypatch,
-                              WINDOW_CHARS_PER_TOKEN=1, LOCALITY_CHARS=200)
+    stressed = annotate_table(
+        data, tmp_path / "stressed", settings, monkeypatch, WINDOW_CHARS_PER_TOKEN=1, LOCALITY_CHARS=200
+    )
     assert stressed.equals(before)
 
 
@@ -488,7 +517,9 @@ def test_a_multi_megabyte_response_is_encoded_and_parsed_only_near_the_cut(tmp_p
     data = write_jsonl(tmp_path / "huge.jsonl", [normal, huge])
     parsed, encoded = [], []
     pipe, encode = SpanExtractor.pipe, TokenizerSide.encode
-    monkeypatch.setattr(SpanExtractor, "pipe", lambda self, texts, **kw: (parsed.extend(map(len, texts)), pipe(self, texts, **kw))[1])
+    monkeypatch.setattr(
+        SpanExtractor, "pipe", lambda self, texts, **kw: (parsed.extend(map(len, texts)), pipe(self, texts, **kw))[1]
+    )
     monkeypatch.setattr(TokenizerSide, "encode", lambda self, text: (encoded.append(len(text)), encode(self, text))[1])
     out = tmp_path / "out"
     run_annotate(data, out, settings)
@@ -501,8 +532,9 @@ def test_a_multi_megabyte_response_is_encoded_and_parsed_only_near_the_cut(tmp_p
 
     # The same row with everything past 20k characters removed, annotated the former way.
     short = dict(huge, output=huge["output"][:20_000])
-    reference = annotate_table(write_jsonl(tmp_path / "short.jsonl", [normal, short]), tmp_path / "ref",
-                               settings, monkeypatch, **UNBOUNDED)
+    reference = annotate_table(
+        write_jsonl(tmp_path / "short.jsonl", [normal, short]), tmp_path / "ref", settings, monkeypatch, **UNBOUNDED
+    )
     assert table.equals(reference)
 
 
@@ -531,19 +563,30 @@ def test_mismatched_annotations_name_a_command_into_a_new_directory_that_works(
     from mta.training.train_data import check_manifest
     from mta_cli.main import app
 
-    recipe = Recipe.model_validate({
-        "name": "longer", "output_dir": str(tmp_path / "run"),
-        "teacher": {"path": "unused", "tokenizer": str(tiny_tokenizer_dir)},
-        "student": {"path": "unused", "tokenizer": str(other_tokenizer_dir)},
-        "data": {"train": str(copy), "max_length": 300, "max_prompt_length": 200},
-        "train": {"max_steps": 1},
-    })
-    fingerprints = {side: tokenizer_fingerprint(load_tokenizer(path))
-                    for side, path in (("teacher", tiny_tokenizer_dir), ("student", other_tokenizer_dir))}
+    recipe = Recipe.model_validate(
+        {
+            "name": "longer",
+            "output_dir": str(tmp_path / "run"),
+            "teacher": {"path": "unused", "tokenizer": str(tiny_tokenizer_dir)},
+            "student": {"path": "unused", "tokenizer": str(other_tokenizer_dir)},
+            "data": {"train": str(copy), "max_length": 300, "max_prompt_length": 200},
+            "train": {"max_steps": 1},
+        }
+    )
+    fingerprints = {
+        side: tokenizer_fingerprint(load_tokenizer(path))
+        for side, path in (("teacher", tiny_tokenizer_dir), ("student", other_tokenizer_dir))
+    }
 
     def check(directory: Path) -> None:
-        check_manifest(read_annotations(directory), recipe, "data.train", str(tiny_tokenizer_dir),
-                       str(other_tokenizer_dir), fingerprints)
+        check_manifest(
+            read_annotations(directory),
+            recipe,
+            "data.train",
+            str(tiny_tokenizer_dir),
+            str(other_tokenizer_dir),
+            fingerprints,
+        )
 
     (copy.parent / "out-longer").mkdir()  # taken: the hint must pick another name
     before = listing(copy)
@@ -554,7 +597,10 @@ def test_mismatched_annotations_name_a_command_into_a_new_directory_that_works(
     assert "--force" not in message and "the existing one stays as it is" in message
     target = copy.parent / "out-longer-2"
     assert f"-o {target}`, then set data.train: {target}" in message
-    assert f"or point data.train at the JSONL file (annotated on first use into {tmp_path / 'run' / 'data' / 'train'})" in message
+    assert (
+        f"or point data.train at the JSONL file (annotated on first use into {tmp_path / 'run' / 'data' / 'train'})"
+        in message
+    )
 
     command = shlex.split(message.split("`")[1])
     assert command[:3] == ["mta", "annotate", str(small)]
@@ -565,7 +611,9 @@ def test_mismatched_annotations_name_a_command_into_a_new_directory_that_works(
 
     small.rename(small.with_suffix(".moved"))
     try:
-        with pytest.raises(MtaError, match=rf"the input it was built from, {re.escape(str(small))}, is not there") as gone:
+        with pytest.raises(
+            MtaError, match=rf"the input it was built from, {re.escape(str(small))}, is not there"
+        ) as gone:
             check(copy)
         assert "mta annotate" not in str(gone.value).split("do not fit")[1]
     finally:

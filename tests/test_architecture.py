@@ -69,7 +69,8 @@ def test_both_stages_use_the_one_generation_engine_and_scoring_module(package):
 def test_losses_import_nothing_else_from_mta():
     for path in (SRC / "losses").rglob("*.py"):
         foreign = {
-            name for name in _imported(path)
+            name
+            for name in _imported(path)
             if name.startswith("mta.") and not name.startswith(("mta.losses", "mta.errors"))
         }
         assert not foreign, f"{path.name} imports {sorted(foreign)}"
@@ -143,8 +144,13 @@ def _imports(module: str | None, path: Path) -> tuple[set[str], list[str]]:
                 if (target := _owner(full)) is not None:
                     imported.add(target)
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
-                and not node.attr.startswith("__") and aliases.get(node.value.id) in MODULES):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and aliases.get(node.value.id) in MODULES
+        ):
             private.append(f"{aliases[node.value.id]}.{node.attr}")
     imported.discard(module)
     return imported, private
@@ -241,8 +247,13 @@ def _module_map(text: str) -> set[str]:
 
 def test_the_module_map_parser_reads_nested_folders():
     text = "## Module map\n```\nsrc/mta/\n  a.py  one\n  sub/  two\n    b.py  three\n  c.py  four\n```\n"
-    assert _module_map(text) == {"src/mta/__init__.py", "src/mta/a.py", "src/mta/sub/__init__.py",
-                                 "src/mta/sub/b.py", "src/mta/c.py"}
+    assert _module_map(text) == {
+        "src/mta/__init__.py",
+        "src/mta/a.py",
+        "src/mta/sub/__init__.py",
+        "src/mta/sub/b.py",
+        "src/mta/c.py",
+    }
 
 
 def test_every_module_is_in_the_architecture_module_map_and_every_listed_module_exists():

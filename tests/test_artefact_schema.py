@@ -74,8 +74,11 @@ def written_today(tmp_path_factory, small_input, settings) -> Path:
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    return {path.relative_to(directory).as_posix(): path.read_bytes()
-            for path in sorted(directory.rglob("*")) if path.is_file()}
+    return {
+        path.relative_to(directory).as_posix(): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def with_manifest(source: Path, destination: Path, **changes) -> Path:
@@ -110,16 +113,22 @@ def test_the_exported_column_names_are_the_schemas():
     schema, span = artefact_schema.SCHEMA, artefact_schema.SPAN
     assert artefact_schema.COLUMNS == tuple(schema.names)
     named = [
-        artefact_schema.ID, artefact_schema.TEXT, artefact_schema.PROMPT_CHARS,
-        *artefact_schema.INPUT_IDS.values(), *artefact_schema.PROMPT_LEN.values(),
-        *artefact_schema.SPAN_COLUMNS.values(), artefact_schema.PAIR_ID, artefact_schema.ROLE,
+        artefact_schema.ID,
+        artefact_schema.TEXT,
+        artefact_schema.PROMPT_CHARS,
+        *artefact_schema.INPUT_IDS.values(),
+        *artefact_schema.PROMPT_LEN.values(),
+        *artefact_schema.SPAN_COLUMNS.values(),
+        artefact_schema.PAIR_ID,
+        artefact_schema.ROLE,
         artefact_schema.BOUNDARY_SPANS,
     ]
     assert sorted(named) == sorted(schema.names)
     for column in artefact_schema.SPAN_COLUMNS.values():
         assert schema.field(column).type == pa.list_(span)
     span_fields = [
-        *artefact_schema.SPAN_CHARS, artefact_schema.SPAN_LABEL,
+        *artefact_schema.SPAN_CHARS,
+        artefact_schema.SPAN_LABEL,
         *(name for side in artefact_schema.SIDES for name in artefact_schema.SPAN_TOKENS[side]),
     ]
     assert sorted(span_fields) == sorted(field.name for field in span)
@@ -182,8 +191,11 @@ def test_a_column_that_cannot_be_derived_names_the_command_into_a_new_directory(
 
 def test_a_bump_without_a_step_refuses_the_older_version(written_today, next_version):
     assert readable_versions() == [NEXT]
-    with pytest.raises(MtaError, match=rf"schema_version {TODAY}, .* it reads schema version\(s\) {NEXT}\. "
-                                       r"Annotate the input again into a new directory"):
+    with pytest.raises(
+        MtaError,
+        match=rf"schema_version {TODAY}, .* it reads schema version\(s\) {NEXT}\. "
+        r"Annotate the input again into a new directory",
+    ):
         read_annotations(written_today)
 
 
@@ -221,7 +233,7 @@ def test_the_committed_v1_artefact_reads_with_todays_code():
     assert plain["prompt_chars"] == len("Q: what is two plus two?\nA: ")
     what = plain["phrase_spans"][1]
     assert (what["char_start"], what["char_end"], what["label"]) == (3, 7, "NP")
-    assert plain["text"][what["char_start"]:what["char_end"]] == "what"
+    assert plain["text"][what["char_start"] : what["char_end"]] == "what"
     # Character ranges count code points, not bytes: the emoji after 👋🏽 is one character.
     party = by_id[4]["phrase_spans"][-1]
     assert (party["char_start"], party["char_end"]) == (185, 186)
@@ -255,7 +267,10 @@ def test_an_unknown_version_is_refused_with_the_fix(tmp_path, found, newer):
 
 def test_a_manifest_without_a_schema_version_is_refused(tmp_path):
     old = with_manifest(COMMITTED_V1, tmp_path / "old", schema_version=...)
-    with pytest.raises(MtaError, match=r"manifest.json has no schema_version: it was not written by "
-                                       r"`mta annotate` or was edited by hand\. This mta reads schema "
-                                       r"version\(s\) 1, 2, 3; annotate the input again into a new directory"):
+    with pytest.raises(
+        MtaError,
+        match=r"manifest.json has no schema_version: it was not written by "
+        r"`mta annotate` or was edited by hand\. This mta reads schema "
+        r"version\(s\) 1, 2, 3; annotate the input again into a new directory",
+    ):
         read_annotations(old)

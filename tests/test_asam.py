@@ -108,9 +108,15 @@ class Batch(SimpleNamespace):
 
 def _batches(count=2, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [Batch(x=torch.randn(4, 3, generator=g, dtype=torch.float64),
-                  y=torch.randn(4, generator=g, dtype=torch.float64), num_tokens=4, row_ids=[k])
-            for k in range(count)]
+    return [
+        Batch(
+            x=torch.randn(4, 3, generator=g, dtype=torch.float64),
+            y=torch.randn(4, generator=g, dtype=torch.float64),
+            num_tokens=4,
+            row_ids=[k],
+        )
+        for k in range(count)
+    ]
 
 
 def hand_asam_gradient(w, b, window, rho, eta, scope):
@@ -130,8 +136,12 @@ def hand_asam_gradient(w, b, window, rho, eta, scope):
 def test_one_step_is_the_hand_computed_two_pass_update(scope):
     model, window, lr = Quadratic(), _batches(), 0.3
     spec = AsamSpec(rho=0.5, eta=0.01, scope=scope)
-    expected = [p.detach() - lr * g for p, g in zip(
-        (model.weight, model.bias), hand_asam_gradient(model.weight, model.bias, window, 0.5, 0.01, scope))]
+    expected = [
+        p.detach() - lr * g
+        for p, g in zip(
+            (model.weight, model.bias), hand_asam_gradient(model.weight, model.bias, window, 0.5, 0.01, scope)
+        )
+    ]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     asam = Asam(spec, model)
     with asam.perturbed(model(batch)["total"] for batch in window) as perturbed:
@@ -162,14 +172,29 @@ def _trainer(zero_stage: int, asam_spec):
     from mta.training.trainer import Trainer
 
     engines.init_distributed()
-    train = TrainSpec(lr=0.05, projector_lr=0.05, weight_decay=0.0, schedule="constant", batch_size=2,
-                      micro_batch_size=1, max_steps=3, grad_clip=0.0, zero_stage=zero_stage, asam=asam_spec)
+    train = TrainSpec(
+        lr=0.05,
+        projector_lr=0.05,
+        weight_decay=0.0,
+        schedule="constant",
+        batch_size=2,
+        micro_batch_size=1,
+        max_steps=3,
+        grad_clip=0.0,
+        zero_stage=zero_stage,
+        asam=asam_spec,
+    )
     model = ToyEngineModel()
     engine = engines.initialize(model, [], train, {}, 3, 1)
     run = SimpleNamespace(
-        engine=engine, device=torch.device("cpu"), teacher=None, schedule=SimpleNamespace(accumulation=2),
-        recipe=SimpleNamespace(train=train), precision=SimpleNamespace(context=contextlib.nullcontext),
-        flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0), output_dir=Path("."),
+        engine=engine,
+        device=torch.device("cpu"),
+        teacher=None,
+        schedule=SimpleNamespace(accumulation=2),
+        recipe=SimpleNamespace(train=train),
+        precision=SimpleNamespace(context=contextlib.nullcontext),
+        flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0),
+        output_dir=Path("."),
         off_policy=None,
     )
     trainer = Trainer(run, reporter=None)
@@ -237,8 +262,14 @@ def test_the_tiny_llm_recipe_trains_with_asam_and_it_changes_the_steps(tmp_path)
     from mta.training.lifecycle.metrics import read_metrics
     from mta.training.trainer import run_distillation
 
-    common = ["train.max_steps=2", "train.save_interval=2", "train.eval_interval=100", "train.log_interval=1",
-              "train.num_sample_generations=0", "data.dev=null"]
+    common = [
+        "train.max_steps=2",
+        "train.save_interval=2",
+        "train.eval_interval=100",
+        "train.log_interval=1",
+        "train.num_sample_generations=0",
+        "data.dev=null",
+    ]
     finals = {}
     for name, extra in (("asam", ["train.asam={rho: 0.5}"]), ("plain", [])):
         out = tmp_path / name

@@ -31,10 +31,15 @@ def test_fdd_trains_with_and_without_the_students_samples_and_reloads(
     tmp_path, teacher_dir, tiny_model_dir, same_data, generation
 ):
     path = write_recipe(
-        tmp_path / "fdd.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
-        output_dir=tmp_path / "fdd", data={"dev": None},
+        tmp_path / "fdd.yaml",
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=same_data,
+        output_dir=tmp_path / "fdd",
+        data={"dev": None},
         loss={"fdd_weight": 1.0, "fdd_tokens": "response" if generation == "always" else "all"},
-        generation={"mode": generation, "max_new_tokens": 8}, train={"max_steps": 2},
+        generation={"mode": generation, "max_new_tokens": 8},
+        train={"max_steps": 2},
     )
     final = run_distillation(load_recipe(path))
     records = _train_records(tmp_path / "fdd")
@@ -47,10 +52,16 @@ def test_fdd_trains_with_and_without_the_students_samples_and_reloads(
 
 
 @pytest.mark.slow
-def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir, tiny_model_dir, same_data,
-                                                           monkeypatch):
-    pairs = generate_pairs(teacher_dir, tiny_model_dir, EXAMPLES, tmp_path / "pairs.jsonl",
-                           PairSettings(max_new_tokens=8, batch_size=8, limit=12)).path
+def test_distillm2_trains_on_generated_pairs_kept_together(
+    tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
+):
+    pairs = generate_pairs(
+        teacher_dir,
+        tiny_model_dir,
+        EXAMPLES,
+        tmp_path / "pairs.jsonl",
+        PairSettings(max_new_tokens=8, batch_size=8, limit=12),
+    ).path
     settings = AnnotateSettings(teacher=str(teacher_dir), student=str(tiny_model_dir), workers=1, **LENGTHS)
     annotated = annotate_file(pairs, tmp_path / "pairs-ann", settings)
     table = read_annotations(annotated).table
@@ -58,6 +69,7 @@ def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir
 
     seen = []
     real = trainer_module.Trainer.teacher_forward
+
     def recording(self, batch):
         if batch.chosen is not None:  # dev batches (Dolly-like rows, no pairs) are not recorded
             seen.append((batch.row_ids, batch.chosen.tolist()))
@@ -67,8 +79,13 @@ def test_distillm2_trains_on_generated_pairs_kept_together(tmp_path, teacher_dir
     # The dev set holds no pairs, as the published recipes' (Dolly's dev rows): its loss reads
     # every reference response as a chosen one.
     path = write_recipe(
-        tmp_path / "d2.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=annotated,
-        output_dir=tmp_path / "d2", data={"dev": str(same_data)}, loss={"base": "distillm2"},
+        tmp_path / "d2.yaml",
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=annotated,
+        output_dir=tmp_path / "d2",
+        data={"dev": str(same_data)},
+        loss={"base": "distillm2"},
         train={"max_steps": 3, "eval_interval": 3},
     )
     final = run_distillation(load_recipe(path))
@@ -87,8 +104,14 @@ def test_distillm2_on_data_without_pairs_is_refused_before_training(tmp_path, te
     from mta.errors import MtaError
 
     path = write_recipe(
-        tmp_path / "d2.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
-        output_dir=tmp_path / "d2", data={"dev": None}, loss={"base": "distillm2"}, train={"max_steps": 1},
+        tmp_path / "d2.yaml",
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=same_data,
+        output_dir=tmp_path / "d2",
+        data={"dev": None},
+        loss={"base": "distillm2"},
+        train={"max_steps": 1},
     )
     with pytest.raises(MtaError, match=r"loss\.base=distillm2 trains on pair rows, and data\.train .* holds none"):
         run_distillation(load_recipe(path))

@@ -26,14 +26,18 @@ def _random_rows(count: int, seed: int = 0) -> list[dict]:
         for column in ("phrase_spans", "word_spans"):
             spans = []
             for _ in range(int(rng.integers(0, 5))):  # 0 and 1 spans included
-                bounds = {
-                    side: sorted(rng.integers(0, lengths[side] + 1, 2).tolist()) for side in lengths
-                }
-                spans.append({
-                    "char_start": 0, "char_end": 1, "label": "NP",
-                    "teacher_start": bounds["teacher"][0], "teacher_end": bounds["teacher"][1] + 1,
-                    "student_start": bounds["student"][0], "student_end": bounds["student"][1] + 1,
-                })
+                bounds = {side: sorted(rng.integers(0, lengths[side] + 1, 2).tolist()) for side in lengths}
+                spans.append(
+                    {
+                        "char_start": 0,
+                        "char_end": 1,
+                        "label": "NP",
+                        "teacher_start": bounds["teacher"][0],
+                        "teacher_end": bounds["teacher"][1] + 1,
+                        "student_start": bounds["student"][0],
+                        "student_end": bounds["student"][1] + 1,
+                    }
+                )
             row[column] = spans
         rows.append(row)
     return rows
@@ -93,9 +97,7 @@ def test_batch_matches_a_per_row_construction(rows, examples, picked):
 
 
 def test_batch_without_any_span(rows):
-    table = pa.Table.from_pylist(
-        [row | {"phrase_spans": [], "word_spans": []} for row in rows[:3]], schema=SCHEMA
-    )
+    table = pa.Table.from_pylist([row | {"phrase_spans": [], "word_spans": []} for row in rows[:3]], schema=SCHEMA)
     batch = AnnotatedExamples(table, student_pad_id=0).batch([0, 1, 2])
     assert batch.spans["phrase"].mask.shape == (3, 0)
 
@@ -122,9 +124,11 @@ def test_order_is_reproducible_covers_rows_once_and_groups_lengths():
     assert all(len(batch) == 8 for batch in first)
     flat = np.concatenate(first)
     assert len(flat) == len(set(flat.tolist())) == 1000
+
     # Length-aware: far less padding than a plain shuffle.
     def padding(batches):
         return sum(int(lengths[b].max()) * len(b) - int(lengths[b].sum()) for b in batches)
+
     shuffled = np.split(np.random.default_rng(0).permutation(1000), 125)
     assert padding(first) < padding(shuffled) / 4
 
@@ -147,12 +151,17 @@ def pair_table(pairs: int):
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 30, size=2 * pairs)
-    return pa.table({
-        "id": np.arange(2 * pairs), "pair_id": np.repeat(np.arange(pairs), 2),
-        "role": ["chosen", "rejected"] * pairs,
-        "student_input_ids": [list(range(n)) for n in lengths], "teacher_input_ids": [list(range(n)) for n in lengths],
-        "student_prompt_len": [1] * (2 * pairs), "teacher_prompt_len": [1] * (2 * pairs),
-    }), lengths
+    return pa.table(
+        {
+            "id": np.arange(2 * pairs),
+            "pair_id": np.repeat(np.arange(pairs), 2),
+            "role": ["chosen", "rejected"] * pairs,
+            "student_input_ids": [list(range(n)) for n in lengths],
+            "teacher_input_ids": [list(range(n)) for n in lengths],
+            "student_prompt_len": [1] * (2 * pairs),
+            "teacher_prompt_len": [1] * (2 * pairs),
+        }
+    ), lengths
 
 
 def test_pairs_stay_together_chosen_first_and_every_pair_is_visited_once():

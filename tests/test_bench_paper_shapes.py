@@ -21,7 +21,11 @@ def test_the_paper_shapes_benchmark_runs_every_part_in_smoke_mode(tmp_path):
     env = subprocess_env()
     result = subprocess.run(
         [sys.executable, "bench/paper_shapes.py", "--smoke", "--budget-s", "0", "--output", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     payload = json.loads(out.read_text())
@@ -43,4 +47,5 @@ def test_the_paper_shapes_benchmark_runs_every_part_in_smoke_mode(tmp_path):
         assert result["variants"][part]["model_flops_per_step"] == expected  # no projector: exact
         assert result["ratio_mta_to_base"] == pytest.approx(
             result["variants"][f"{part}_mta"]["seconds_per_step_median"]
-            / result["variants"][part]["seconds_per_step_median"])
+            / result["variants"][part]["seconds_per_step_median"]
+        )

@@ -69,7 +69,7 @@ def check_boundary_spans(text: str, offsets_a, offsets_b, result) -> None:
     for (start, end), following in zip(spans, spans[1:] + [(len(text), None)]):
         assert 0 <= start < end <= following[0]
         assert start in starts[0] and start in starts[1], (text, start)  # a common boundary
-        assert not text[end - 1].isspace() and text[end:following[0]].strip() == ""
+        assert not text[end - 1].isspace() and text[end : following[0]].strip() == ""
 
     covered = [set().union(*(range(*r) for r in ranges if r)) for ranges, _ in sides]
     in_spans = [position for start, end in spans for position in range(start, end)]
@@ -236,7 +236,9 @@ def test_generated_rows_get_boundary_spans(two_tokenizer_settings, trained):
     row = generated_row(annotator, prompt, ids[:prompt_len], ids[prompt_len:] + [annotator.sides[1].eos_id])
     assert row["text"] == prompt + response
     spans = row[BOUNDARY_SPANS]
-    result = tuple(np.asarray([[s[f"{n}_start"], s[f"{n}_end"]] for s in spans]) for n in ("char", "teacher", "student"))
+    result = tuple(
+        np.asarray([[s[f"{n}_start"], s[f"{n}_end"]] for s in spans]) for n in ("char", "teacher", "student")
+    )
     check_boundary_spans(row["text"], *(offsets_of(t, row["text"]) for t in trained), result)
 
 

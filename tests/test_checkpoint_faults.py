@@ -45,11 +45,17 @@ class Student(torch.nn.Module):
 
 
 def _recipe(directory: Path, model_dir: Path, **train):
-    return load_recipe(write_recipe(
-        directory / "recipe.yaml", teacher=None, student=model_dir, annotations=directory / "unused",
-        output_dir=directory / "out", loss={"base": "ce", "dsa_weight": 0, "hra_weight": 0},
-        train={"batch_size": 2, "micro_batch_size": 2, "max_steps": 8, **train},
-    ))
+    return load_recipe(
+        write_recipe(
+            directory / "recipe.yaml",
+            teacher=None,
+            student=model_dir,
+            annotations=directory / "unused",
+            output_dir=directory / "out",
+            loss={"base": "ce", "dsa_weight": 0, "hra_weight": 0},
+            train={"batch_size": 2, "micro_batch_size": 2, "max_steps": 8, **train},
+        )
+    )
 
 
 class Engines:
@@ -129,8 +135,10 @@ def test_the_allow_list_is_the_union_of_what_the_stages_need():
     assert names == set().union(*NEEDED.values()) | {"deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"}
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"),
-                                             (0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16")])
+@pytest.mark.parametrize(
+    "stage,precision",
+    [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16")],
+)
 def test_resume_restores_every_stage_through_the_restricted_loader(
     stage, precision, tmp_path, tiny_model_dir, new_engine, monkeypatch
 ):
@@ -141,8 +149,9 @@ def test_resume_restores_every_stage_through_the_restricted_loader(
     path = save_checkpoint(original, tokenizer, recipe, tmp_path / "out", TrainerState(1, 8, run_id="run-a"))
     assert read_checksums(path) == directory_checksums(path)  # the list covers every file
     assert (path / "trainer_state.json").name in read_checksums(path)
-    needed = set().union(*(torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
-                           for f in (path / STATE).glob("*.pt")))
+    needed = set().union(
+        *(torch.serialization.get_unsafe_globals_in_checkpoint(str(f)) for f in (path / STATE).glob("*.pt"))
+    )
     assert needed == NEEDED[stage]
 
     loads = []
@@ -180,9 +189,7 @@ class WritesFile:
 
 @pytest.mark.parametrize("payload,named", [(RunsShell, "posix.system"), (WritesFile, "builtins.exec")])
 @pytest.mark.parametrize("defence", ["checksums rewritten", "no checksum list", "static check blind"])
-def test_a_planted_pickle_runs_nothing_and_is_refused_by_name(
-    payload, named, defence, saved, tmp_path, monkeypatch
-):
+def test_a_planted_pickle_runs_nothing_and_is_refused_by_name(payload, named, defence, saved, tmp_path, monkeypatch):
     out = _copy(saved, tmp_path)
     checkpoint = out / "checkpoints" / "step-4"
     marker = tmp_path / "ran"
@@ -209,6 +216,7 @@ def test_a_planted_pickle_runs_nothing_and_is_refused_by_name(
 
 
 # --------------------------------------------------------------------------- integrity and broken files
+
 
 def test_a_changed_byte_is_refused_before_anything_loads(saved, tmp_path, monkeypatch):
     out = _copy(saved, tmp_path)
@@ -240,23 +248,35 @@ def _truncate(path: Path) -> None:
 MODEL, OPTIM, EXTRA = (p.as_posix() for p in (MODEL_STATES, OPTIM_STATES, STATE / "mp_rank_01_model_states.pt"))
 # fault: (how, what the message says with a checksum list, and without one: after "<checkpoint>/")
 FAULTS = {
-    "truncated model states": (lambda c: _truncate(c / MODEL),
-                               f"{MODEL} (changed", f"{MODEL}: unreadable (truncated"),
-    "missing deepspeed/": (lambda c: shutil.rmtree(c / "deepspeed"),
-                           f"{MODEL} (missing)", f"{STATE.as_posix()} is missing"),
-    "truncated trainer_state.json": (lambda c: _truncate(c / "trainer_state.json"),
-                                     "trainer_state.json (changed", "trainer_state.json is not valid JSON"),
-    "missing optimizer file": (lambda c: (c / OPTIM).unlink(),
-                               f"{OPTIM} (missing)", f"{OPTIM}: missing; the file was not loaded"),
+    "truncated model states": (lambda c: _truncate(c / MODEL), f"{MODEL} (changed", f"{MODEL}: unreadable (truncated"),
+    "missing deepspeed/": (
+        lambda c: shutil.rmtree(c / "deepspeed"),
+        f"{MODEL} (missing)",
+        f"{STATE.as_posix()} is missing",
+    ),
+    "truncated trainer_state.json": (
+        lambda c: _truncate(c / "trainer_state.json"),
+        "trainer_state.json (changed",
+        "trainer_state.json is not valid JSON",
+    ),
+    "missing optimizer file": (
+        lambda c: (c / OPTIM).unlink(),
+        f"{OPTIM} (missing)",
+        f"{OPTIM}: missing; the file was not loaded",
+    ),
     "an unlisted state file": (lambda c: shutil.copy(c / MODEL, c / EXTRA), f"{EXTRA} (not in {CHECKSUMS})", None),
 }
 
 
-@pytest.mark.parametrize("fault,listed", [
-    pytest.param(fault, listed, id=f"{fault}, {'with list' if listed else 'older mta, no list'}")
-    for fault in FAULTS for listed in (True, False)
-    if listed or FAULTS[fault][2] is not None  # without a list an added file looks written
-])
+@pytest.mark.parametrize(
+    "fault,listed",
+    [
+        pytest.param(fault, listed, id=f"{fault}, {'with list' if listed else 'older mta, no list'}")
+        for fault in FAULTS
+        for listed in (True, False)
+        if listed or FAULTS[fault][2] is not None  # without a list an added file looks written
+    ],
+)
 def test_a_broken_checkpoint_is_refused_naming_the_file_and_the_previous_one(fault, listed, saved, tmp_path):
     breaks, with_list, without_list = FAULTS[fault]
     out = _copy(saved, tmp_path)
@@ -290,6 +310,7 @@ def test_a_checkpoint_of_older_mta_resumes_with_a_warning(saved, tmp_path, caplo
 
 
 # --------------------------------------------------------------------------- saving
+
 
 def test_a_full_disk_while_saving_loses_nothing(saved, tmp_path, monkeypatch):
     out = _copy(saved, tmp_path)

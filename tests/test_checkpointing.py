@@ -57,11 +57,17 @@ def test_crash_while_saving_keeps_the_previous_checkpoints(
     tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
 ):
     out = tmp_path / "run"
-    recipe = load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
-        output_dir=out, data={"dev": None},
-        train={"max_steps": 8, "save_interval": 1, "keep_checkpoints": 2},
-    ))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=teacher_dir,
+            student=tiny_model_dir,
+            annotations=same_data,
+            output_dir=out,
+            data={"dev": None},
+            train={"max_steps": 8, "save_interval": 1, "keep_checkpoints": 2},
+        )
+    )
     saves = {"n": 0}
     real_export = checkpoint.export_student
 

@@ -101,14 +101,25 @@ def test_piped_distill_prints_plain_lines_ctrl_c_prints_a_command_that_resumes_v
 ):
     out = tmp_path / "run"
     recipe = write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out,
-        train={"max_steps": 8, "log_interval": 2, "save_interval": 2, "num_sample_generations": 1,
-               "sample_max_new_tokens": 3},
+        tmp_path / "r.yaml",
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=same_data,
+        output_dir=out,
+        train={
+            "max_steps": 8,
+            "log_interval": 2,
+            "save_interval": 2,
+            "num_sample_generations": 1,
+            "sample_max_new_tokens": 3,
+        },
     )
     overrides = ["seed=5", "train.lr=4e-3"]
     process = subprocess.Popen(
-        mta("distill", "--recipe", str(recipe), *overrides), env=command_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        mta("distill", "--recipe", str(recipe), *overrides),
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.append(process.stdout.read()))  # a full pipe would stall it
@@ -198,14 +209,34 @@ def test_plain_train_and_dev_records_and_generation_fields():
     stream = io.StringIO()
     reporter = PlainReporter(Console(file=stream), clock=lambda: now[0])
     reporter.start("distill", 10, completed=4, unit="steps")
-    reporter.record({"split": "dev", "step": 4, "loss": 2.0, "loss/base": 2.0, "generation/dev_ce": 1.5,
-                     "samples": [{"prompt": "p" * 70, "generation": "g\nh"}]})
+    reporter.record(
+        {
+            "split": "dev",
+            "step": 4,
+            "loss": 2.0,
+            "loss/base": 2.0,
+            "generation/dev_ce": 1.5,
+            "samples": [{"prompt": "p" * 70, "generation": "g\nh"}],
+        }
+    )
     for _ in range(2):
         now[0] += 3.0
         reporter.advance(1)
-    reporter.record({"split": "train", "step": 6, "loss": 1.23456, "loss/base": 1.0, "loss/dsa": 0.117,
-                     "lr": 1e-4, "tokens_per_s": 99.6, "generation/gold": 1, "generation/generated": 2,
-                     "generation/buffer": 0, "generation/threshold": 0.25})
+    reporter.record(
+        {
+            "split": "train",
+            "step": 6,
+            "loss": 1.23456,
+            "loss/base": 1.0,
+            "loss/dsa": 0.117,
+            "lr": 1e-4,
+            "tokens_per_s": 99.6,
+            "generation/gold": 1,
+            "generation/generated": 2,
+            "generation/buffer": 0,
+            "generation/threshold": 0.25,
+        }
+    )
     reporter.stop()
     assert stream.getvalue().splitlines() == [
         "distill: 4/10 steps",
@@ -236,10 +267,14 @@ def test_quiet_hides_other_libraries_but_not_mta_and_verbose_undoes_it(capsys):
         logging.getLogger("DeepSpeed").warning("ds warning")
         logging.getLogger("DeepSpeed").error("ds error")
         logging.getLogger("mta.training.x").warning("mta warning")
-        exec(compile("import warnings; warnings.warn('third-party warning', FutureWarning)", "lib.py", "exec"),
-             {"__name__": "somelib.module"})
-        exec(compile("import warnings; warnings.warn('mta own warning', UserWarning)", "mta.py", "exec"),
-             {"__name__": "mta.training.y"})
+        exec(
+            compile("import warnings; warnings.warn('third-party warning', FutureWarning)", "lib.py", "exec"),
+            {"__name__": "somelib.module"},
+        )
+        exec(
+            compile("import warnings; warnings.warn('mta own warning', UserWarning)", "mta.py", "exec"),
+            {"__name__": "mta.training.y"},
+        )
 
     handler = logging.StreamHandler(sys.stderr)  # what DeepSpeed installs on its logger (and a CLI on mta's)
     loggers = [logging.getLogger("DeepSpeed"), logging.getLogger("mta")]

@@ -98,9 +98,16 @@ def test_the_tiny_recipe_trains_in_bf16_and_resumes_bit_for_bit(tmp_path, monkey
 
     fake_processor(monkeypatch, True)
     out = tmp_path / "run"
-    overrides = [f"output_dir={out}", "train.precision=auto", "train.max_steps=4", "train.save_interval=2",
-                 "train.eval_interval=2", "train.log_interval=1", "train.num_sample_generations=1",
-                 "train.sample_max_new_tokens=3"]
+    overrides = [
+        f"output_dir={out}",
+        "train.precision=auto",
+        "train.max_steps=4",
+        "train.save_interval=2",
+        "train.eval_interval=2",
+        "train.log_interval=1",
+        "train.num_sample_generations=1",
+        "train.sample_max_new_tokens=3",
+    ]
     recipe = load_recipe(TINY, overrides)
     seen = []
     real_autocast = torch.autocast
@@ -151,8 +158,24 @@ def test_the_tiny_recipe_trains_in_bf16_and_resumes_bit_for_bit(tmp_path, monkey
 
 def test_evaluate_with_dtype_bf16_scores_bf16_weights(tmp_path, data_dir, tiny_model_dir):  # noqa: F811
     out = tmp_path / "eval"
-    run_cli([str(tiny_model_dir), "-o", str(out), "--data-dir", str(data_dir), "--benchmarks", "dolly",
-             "--perplexity", "dolly-dev", "--dtype", "bf16", "--device", "cpu", *FAST])
+    run_cli(
+        [
+            str(tiny_model_dir),
+            "-o",
+            str(out),
+            "--data-dir",
+            str(data_dir),
+            "--benchmarks",
+            "dolly",
+            "--perplexity",
+            "dolly-dev",
+            "--dtype",
+            "bf16",
+            "--device",
+            "cpu",
+            *FAST,
+        ]
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["dtype"] == "bfloat16"
     run = next(iter(results["checkpoints"].values()))
@@ -196,8 +219,15 @@ def test_generate_with_dtype_bf16_samples_with_bf16_weights(tmp_path, tiny_model
 
 
 def _llama(tied: bool) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tied,
+    )
     return LlamaForCausalLM(config)
 
 

@@ -135,8 +135,11 @@ def test_a_publish_cut_short_still_reads_and_the_next_writer_finishes_it(tmp_pat
 
     manifest = json.loads((out / META / "manifest.json").read_text(encoding="utf-8"))
     (out / META / "manifest.json").write_text(json.dumps({**manifest, LAYOUT_KEY: LAYOUT_VERSION + 1}))
-    with pytest.raises(MtaError, match=rf"has layout_version {LAYOUT_VERSION + 1}, .*It was written by a "
-                                       r"newer mta: upgrade mta"):
+    with pytest.raises(
+        MtaError,
+        match=rf"has layout_version {LAYOUT_VERSION + 1}, .*It was written by a "
+        r"newer mta: upgrade mta",
+    ):
         read_annotations(out)
 
 
@@ -203,9 +206,10 @@ def source_rows() -> list[dict]:
 def write_inputs(directory: Path, rows: list[dict]) -> dict[str, Path]:
     directory.mkdir(exist_ok=True)
     jsonl = directory / "rows.jsonl"
-    jsonl.write_text("".join(
-        json.dumps({"prompt": r["question"], "response": r["answer"], "n": r["n"]}) + "\n" for r in rows
-    ), encoding="utf-8")
+    jsonl.write_text(
+        "".join(json.dumps({"prompt": r["question"], "response": r["answer"], "n": r["n"]}) + "\n" for r in rows),
+        encoding="utf-8",
+    )
     (directory / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     table = pa.Table.from_pylist(rows)
     pq.write_table(table, directory / "rows.parquet")
@@ -214,13 +218,16 @@ def write_inputs(directory: Path, rows: list[dict]) -> dict[str, Path]:
         writer.writeheader()
         writer.writerows(rows)
     datasets.Dataset(table).save_to_disk(str(directory / "saved"))
-    return {"jsonl": jsonl, "parquet": directory / "rows.parquet", "csv": directory / "rows.csv",
-            "dataset": directory / "saved", "jsonl-mapped": directory / "qa.jsonl"}
+    return {
+        "jsonl": jsonl,
+        "parquet": directory / "rows.parquet",
+        "csv": directory / "rows.csv",
+        "dataset": directory / "saved",
+        "jsonl-mapped": directory / "qa.jsonl",
+    }
 
 
-def test_parquet_csv_and_save_to_disk_inputs_annotate_to_the_rows_of_the_same_jsonl(
-    tmp_path, settings, monkeypatch
-):
+def test_parquet_csv_and_save_to_disk_inputs_annotate_to_the_rows_of_the_same_jsonl(tmp_path, settings, monkeypatch):
     from mta_cli.main import app
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
@@ -239,11 +246,29 @@ def test_parquet_csv_and_save_to_disk_inputs_annotate_to_the_rows_of_the_same_js
         directory_checksums(inputs["dataset"])
     )
     # CSV through the command line: --field maps the columns, cells are read as text.
-    result = CliRunner().invoke(app, [
-        "annotate", str(inputs["csv"]), "--teacher", settings.teacher, "--student", settings.student,
-        "--max-length", str(settings.max_length), "--max-prompt-length", str(settings.max_prompt_length),
-        "--workers", "1", "--field", "prompt=question", "--field", "response=answer", "-o", str(tmp_path / "csv"),
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "annotate",
+            str(inputs["csv"]),
+            "--teacher",
+            settings.teacher,
+            "--student",
+            settings.student,
+            "--max-length",
+            str(settings.max_length),
+            "--max-prompt-length",
+            str(settings.max_prompt_length),
+            "--workers",
+            "1",
+            "--field",
+            "prompt=question",
+            "--field",
+            "response=answer",
+            "-o",
+            str(tmp_path / "csv"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert read_annotations(tmp_path / "csv").table.equals(reference.table)
     # The mapping is part of the run key: without it the same file is another artefact.
@@ -261,7 +286,10 @@ def test_a_bad_row_of_a_parquet_input_names_its_row(tmp_path, settings, monkeypa
     mapped = AnnotateSettings(**{**settings.__dict__, "fields": FIELDS})
     with pytest.raises(MtaError) as error:
         run_annotate(path, tmp_path / "out", mapped)
-    assert f"{path}: row 2: field 'response' is missing or null (columns read as: prompt=question, response=answer)" in str(error.value)
+    assert (
+        f"{path}: row 2: field 'response' is missing or null (columns read as: prompt=question, response=answer)"
+        in str(error.value)
+    )
     assert "--on-error skip" in str(error.value) and not (tmp_path / "out").exists()
 
     skipping = AnnotateSettings(**{**mapped.__dict__, "on_error": "skip"})
@@ -270,7 +298,9 @@ def test_a_bad_row_of_a_parquet_input_names_its_row(tmp_path, settings, monkeypa
     assert annotations.manifest["skipped_examples"][0].startswith(f"{path}: row 2: ")
 
     wrong = AnnotateSettings(**{**settings.__dict__, "fields": {"prompt": "query", "response": "answer"}})
-    with pytest.raises(MtaError, match=r"has no column 'query' \(read as prompt=query\); its columns are: question, answer, n"):
+    with pytest.raises(
+        MtaError, match=r"has no column 'query' \(read as prompt=query\); its columns are: question, answer, n"
+    ):
         run_annotate(path, tmp_path / "other", wrong)
     with pytest.raises(MtaError, match="'respones' is not a key the row formats read"):
         AnnotateSettings(**{**settings.__dict__, "fields": {"respones": "answer"}})
@@ -285,19 +315,31 @@ def test_recipe_data_fields_read_a_save_to_disk_directory(tmp_path, settings, ti
 
     inputs = write_inputs(tmp_path / "in", source_rows())
     spec = {
-        "name": "fields", "output_dir": str(tmp_path / "run"),
+        "name": "fields",
+        "output_dir": str(tmp_path / "run"),
         "teacher": {"path": "unused", "tokenizer": str(tiny_tokenizer_dir)},
         "student": {"path": "unused", "tokenizer": str(other_tokenizer_dir)},
-        "data": {"train": str(inputs["dataset"]), "max_length": settings.max_length,
-                 "max_prompt_length": settings.max_prompt_length, "fields": FIELDS},
+        "data": {
+            "train": str(inputs["dataset"]),
+            "max_length": settings.max_length,
+            "max_prompt_length": settings.max_prompt_length,
+            "fields": FIELDS,
+        },
         "train": {"max_steps": 1},
     }
     with pytest.raises(ValidationError, match="'reply' is not a key the row formats read"):
         Recipe.model_validate({**spec, "data": {**spec["data"], "fields": {"reply": "answer"}}})
-    fingerprints = {side: tokenizer_fingerprint(load_tokenizer(path))
-                    for side, path in (("teacher", tiny_tokenizer_dir), ("student", other_tokenizer_dir))}
-    annotations = load_split(Recipe.model_validate(spec), "train", teacher_tokenizer=str(tiny_tokenizer_dir),
-                             student_tokenizer=str(other_tokenizer_dir), fingerprints=fingerprints)
+    fingerprints = {
+        side: tokenizer_fingerprint(load_tokenizer(path))
+        for side, path in (("teacher", tiny_tokenizer_dir), ("student", other_tokenizer_dir))
+    }
+    annotations = load_split(
+        Recipe.model_validate(spec),
+        "train",
+        teacher_tokenizer=str(tiny_tokenizer_dir),
+        student_tokenizer=str(other_tokenizer_dir),
+        fingerprints=fingerprints,
+    )
     assert annotations.directory == tmp_path / "run" / "data" / "train"
     reference = read_annotations(run_annotate(inputs["jsonl"], tmp_path / "jsonl", settings).directory)
     assert annotations.table.equals(reference.table)
@@ -305,7 +347,12 @@ def test_recipe_data_fields_read_a_save_to_disk_directory(tmp_path, settings, ti
 
 def test_a_dataset_dict_is_refused_naming_its_splits(tmp_path, settings):
     saved = tmp_path / "dict"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "P", "response": "R"}])}).save_to_disk(str(saved))
-    with pytest.raises(MtaError, match=rf"is a datasets DatasetDict \(save_to_disk\) with split\(s\) train; give one "
-                                       rf"split's directory, e.g. `mta annotate {saved / 'train'} -o OUT_DIR`"):
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "P", "response": "R"}])}).save_to_disk(
+        str(saved)
+    )
+    with pytest.raises(
+        MtaError,
+        match=rf"is a datasets DatasetDict \(save_to_disk\) with split\(s\) train; give one "
+        rf"split's directory, e.g. `mta annotate {saved / 'train'} -o OUT_DIR`",
+    ):
         run_annotate(saved, tmp_path / "out", settings)

@@ -41,13 +41,23 @@ def _data_dir(root: Path) -> Path:
 def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
     torch.set_num_threads(1)
     settings = DemoSettings(
-        name="test", student_layers=2, train_steps=2, dev_rows=4,
-        eval_limits={"dolly": 3, "self-inst": 2}, max_new_tokens=4, seeds=(10, 20),
-        perplexity_rows=4, eval_batch_size=4,
+        name="test",
+        student_layers=2,
+        train_steps=2,
+        dev_rows=4,
+        eval_limits={"dolly": 3, "self-inst": 2},
+        max_new_tokens=4,
+        seeds=(10, 20),
+        perplexity_rows=4,
+        eval_batch_size=4,
     )
     overrides = (
-        "data.max_length=384", "data.max_prompt_length=256", "train.batch_size=4",
-        "train.micro_batch_size=4", "train.warmup_steps=0", "train.num_sample_generations=0",
+        "data.max_length=384",
+        "data.max_prompt_length=256",
+        "train.batch_size=4",
+        "train.micro_batch_size=4",
+        "train.warmup_steps=0",
+        "train.num_sample_generations=0",
     )
     out = tmp_path / "demo"
     data = _data_dir(tmp_path / "data")
@@ -64,7 +74,9 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
     teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     dev_rows, _ = load_rows(data / "dolly" / "dev.jsonl", limit=settings.perplexity_rows)
     total, count, _, _ = loop_sums(teacher, load_tokenizer(tiny_model_dir), dev_rows, 256, settings.max_new_tokens)
-    assert results["checkpoints"]["teacher"]["perplexity"]["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-4)
+    assert results["checkpoints"]["teacher"]["perplexity"]["perplexity"] == pytest.approx(
+        math.exp(total / count), rel=1e-4
+    )
     # The three students start from the same pruned copy and differ in their objective only.
     init = json.loads((out / "student-init" / "mta_init.json").read_text())
     assert init["kept_layers"] == [0, 3]
@@ -107,8 +119,8 @@ def test_table_marks_a_single_seed_and_names_each_set(tiny_model_dir):
     results = {"checkpoints": {"a": run(10.0), "b": run(20.0)}, "training_seconds": {"b": 90.0}}
     header, body = table(results)
     assert header[:3] == ["model", "parameters", "ppl Dolly dev"] and header[-1] == "train time"
-    assert body[0][3] == "10.00 ± —"        # one seed: no spread to show
-    assert body[1][-2] == "15.00"           # average over the two sets
+    assert body[0][3] == "10.00 ± —"  # one seed: no spread to show
+    assert body[1][-2] == "15.00"  # average over the two sets
     assert body[1][-1] == "1.5 min" and body[0][-1] == "-"
     assert body[0][2] == "12.35"
 

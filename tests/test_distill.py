@@ -80,9 +80,16 @@ def write_recipe(path: Path, *, teacher, student, annotations, output_dir, **sec
         "data": {"train": str(annotations), "dev": str(annotations), **LENGTHS},
         "loss": {"base": "fkl", "dsa_weight": 2.0, "hra_weight": 0.2, "layers": "auto"},
         "train": {
-            "lr": 5e-3, "projector_lr": 5e-3, "schedule": "constant", "max_steps": 6,
-            "batch_size": 4, "micro_batch_size": 2, "log_interval": 1, "eval_interval": 100,
-            "save_interval": 100, "num_sample_generations": 0,
+            "lr": 5e-3,
+            "projector_lr": 5e-3,
+            "schedule": "constant",
+            "max_steps": 6,
+            "batch_size": 4,
+            "micro_batch_size": 2,
+            "log_interval": 1,
+            "eval_interval": 100,
+            "save_interval": 100,
+            "num_sample_generations": 0,
         },
     }
     for section, values in sections.items():
@@ -110,10 +117,16 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_same_tokenizer_loss_goes_down_and_final_reloads(tmp_path, teacher_dir, tiny_model_dir, same_data):
     out = tmp_path / "run"
-    recipe = load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out,
-        train={"max_steps": 8, "eval_interval": 4, "num_sample_generations": 2, "sample_max_new_tokens": 4},
-    ))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=teacher_dir,
+            student=tiny_model_dir,
+            annotations=same_data,
+            output_dir=out,
+            train={"max_steps": 8, "eval_interval": 4, "num_sample_generations": 2, "sample_max_new_tokens": 4},
+        )
+    )
     final = run_distillation(recipe)
 
     assert len(train_losses(out)) == 8
@@ -142,13 +155,16 @@ def test_same_tokenizer_loss_goes_down_and_final_reloads(tmp_path, teacher_dir, 
 
 
 @pytest.mark.slow
-def test_different_tokenizers_align_spans_without_a_logit_loss(
-    tmp_path, other_teacher_dir, tiny_model_dir, cross_data
-):
+def test_different_tokenizers_align_spans_without_a_logit_loss(tmp_path, other_teacher_dir, tiny_model_dir, cross_data):
     out = tmp_path / "run"
     recipe_path = write_recipe(
-        tmp_path / "r.yaml", teacher=other_teacher_dir, student=tiny_model_dir, annotations=cross_data,
-        output_dir=out, loss={"base": "ce"}, train={"eval_interval": 3},
+        tmp_path / "r.yaml",
+        teacher=other_teacher_dir,
+        student=tiny_model_dir,
+        annotations=cross_data,
+        output_dir=out,
+        loss={"base": "ce"},
+        train={"eval_interval": 3},
     )
     final = run_distillation(load_recipe(recipe_path))
     assert dev_losses(out)[-1] < dev_losses(out)[0]
@@ -166,11 +182,17 @@ def test_zero_stages_1_2_3_and_a_zero3_teacher_train_the_same_model(tmp_path, te
     # The last one also partitions the teacher with ZeRO-3 (train.teacher_zero3).
     for stage, teacher_zero3 in ((1, False), (2, False), (3, False), (3, True)):
         name = f"zero{stage}" + ("-teacher" if teacher_zero3 else "")
-        recipe = load_recipe(write_recipe(
-            tmp_path / f"{name}.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
-            output_dir=tmp_path / name, data={"dev": None},
-            train={"zero_stage": stage, "teacher_zero3": teacher_zero3, "max_steps": 3},
-        ))
+        recipe = load_recipe(
+            write_recipe(
+                tmp_path / f"{name}.yaml",
+                teacher=teacher_dir,
+                student=tiny_model_dir,
+                annotations=same_data,
+                output_dir=tmp_path / name,
+                data={"dev": None},
+                train={"zero_stage": stage, "teacher_zero3": teacher_zero3, "max_steps": 3},
+            )
+        )
         finals[name] = weights(run_distillation(recipe))
     start = weights(tiny_model_dir)
     reference = finals.pop("zero1")
@@ -187,12 +209,21 @@ def test_sft_loads_no_teacher(tmp_path, tiny_model_dir, same_data, monkeypatch):
 
     loaded = []
     real_load = trainer.load_causal_lm
-    monkeypatch.setattr(trainer, "load_causal_lm", lambda spec, recipe, role: loaded.append(role) or real_load(spec, recipe, role))
+    monkeypatch.setattr(
+        trainer, "load_causal_lm", lambda spec, recipe, role: loaded.append(role) or real_load(spec, recipe, role)
+    )
     out = tmp_path / "sft"
-    recipe = load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=None, student=tiny_model_dir, annotations=same_data, output_dir=out,
-        loss={"base": "ce", "dsa_weight": 0, "hra_weight": 0}, train={"eval_interval": 3},
-    ))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=None,
+            student=tiny_model_dir,
+            annotations=same_data,
+            output_dir=out,
+            loss={"base": "ce", "dsa_weight": 0, "hra_weight": 0},
+            train={"eval_interval": 3},
+        )
+    )
     run_distillation(recipe)
     assert loaded == ["student"]
     record = read_metrics(out / "metrics.jsonl")[0]
@@ -216,10 +247,17 @@ def test_nan_loss_stops_naming_step_and_rows_and_keeps_the_last_checkpoint(
 
     monkeypatch.setattr(DistillationObjective, "forward", poisoned)
     out = tmp_path / "run"
-    recipe = load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
-        output_dir=out, train={"save_interval": 2}, data={"dev": None},
-    ))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=teacher_dir,
+            student=tiny_model_dir,
+            annotations=same_data,
+            output_dir=out,
+            train={"save_interval": 2},
+            data={"dev": None},
+        )
+    )
     with pytest.raises(NonFiniteLoss, match=r"step 5 .*rows \['\d+', '\d+'\]"):
         run_distillation(recipe)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
@@ -231,9 +269,15 @@ def test_nan_loss_stops_naming_step_and_rows_and_keeps_the_last_checkpoint(
 
 
 def test_annotations_for_other_tokenizers_are_refused(tmp_path, teacher_dir, tiny_model_dir, cross_data):
-    recipe = load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=cross_data, output_dir=tmp_path / "o",
-    ))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=teacher_dir,
+            student=tiny_model_dir,
+            annotations=cross_data,
+            output_dir=tmp_path / "o",
+        )
+    )
     with pytest.raises(MtaError) as error:
         run_distillation(recipe)
     message = str(error.value)
@@ -258,16 +302,37 @@ def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
     tmp_path, teacher_dir, tiny_tokenizer_dir, same_data
 ):
     student = dropout_student(tiny_tokenizer_dir, tmp_path / "student")
-    train = {"max_steps": 8, "save_interval": 2, "schedule": "cosine", "warmup_steps": 1, "eval_interval": 3,
-             "num_sample_generations": 1, "sample_max_new_tokens": 3}
-    uninterrupted = run_distillation(load_recipe(write_recipe(
-        tmp_path / "a.yaml", teacher=teacher_dir, student=student, annotations=same_data,
-        output_dir=tmp_path / "a", train=train,
-    ), ["seed=5"]))
+    train = {
+        "max_steps": 8,
+        "save_interval": 2,
+        "schedule": "cosine",
+        "warmup_steps": 1,
+        "eval_interval": 3,
+        "num_sample_generations": 1,
+        "sample_max_new_tokens": 3,
+    }
+    uninterrupted = run_distillation(
+        load_recipe(
+            write_recipe(
+                tmp_path / "a.yaml",
+                teacher=teacher_dir,
+                student=student,
+                annotations=same_data,
+                output_dir=tmp_path / "a",
+                train=train,
+            ),
+            ["seed=5"],
+        )
+    )
 
     out = tmp_path / "b"
     recipe_path = write_recipe(
-        tmp_path / "b.yaml", teacher=teacher_dir, student=student, annotations=same_data, output_dir=out, train=train,
+        tmp_path / "b.yaml",
+        teacher=teacher_dir,
+        student=student,
+        annotations=same_data,
+        output_dir=out,
+        train=train,
     )
     # A fresh single-process run: not the rendezvous this test process already holds.
     env = subprocess_env()
@@ -275,7 +340,9 @@ def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
     with open(log, "wb") as output:
         process = subprocess.Popen(
             [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(recipe_path), "seed=5"],
-            env=env, stdout=output, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
         )
     # Killed as soon as step 2's checkpoint is complete (step-N.partial is renamed to step-N only
     # once whole): the run is then past a checkpoint and, as checked below, not finished.
@@ -303,12 +370,15 @@ def test_sigkill_then_resume_auto_ends_with_the_uninterrupted_weights(
 
 
 @pytest.mark.slow
-def test_two_processes_keep_the_global_batch_and_train_the_same_model(
-    tmp_path, teacher_dir, tiny_model_dir, same_data
-):
+def test_two_processes_keep_the_global_batch_and_train_the_same_model(tmp_path, teacher_dir, tiny_model_dir, same_data):
     """torchrun with 2 processes: half the accumulation each, the same steps and weights as 1."""
-    common = dict(teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, data={"dev": None},
-                  train={"max_steps": 3, "batch_size": 4, "micro_batch_size": 1})
+    common = dict(
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=same_data,
+        data={"dev": None},
+        train={"max_steps": 3, "batch_size": 4, "micro_batch_size": 1},
+    )
     single = run_distillation(load_recipe(write_recipe(tmp_path / "one.yaml", output_dir=tmp_path / "one", **common)))
 
     recipe_path = write_recipe(tmp_path / "two.yaml", output_dir=tmp_path / "two", **common)

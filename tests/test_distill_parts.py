@@ -39,7 +39,9 @@ def test_truncated_teacher_returns_what_the_full_model_does(tiny_tokenizer_dir, 
     for layer in layers:
         torch.testing.assert_close(out.hidden_states[layer], expected[layer], rtol=0, atol=1e-6)
     # The blocks above the deepest aligned layer are gone, not just skipped.
-    kept_blocks = sum(1 for name, _ in teacher.named_modules() if name.count(".") == 3 and name.split(".")[-1].isdigit())
+    kept_blocks = sum(
+        1 for name, _ in teacher.named_modules() if name.count(".") == 3 and name.split(".")[-1].isdigit()
+    )
     assert kept_blocks == max(layers)
     assert not any(p.requires_grad for p in teacher.parameters())
 
@@ -51,8 +53,9 @@ def test_teacher_with_a_logit_loss_runs_whole(tiny_model_dir):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny_tokenizer_dir, tmp_path_factory,
-                                                                            model_type):
+def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(
+    tiny_tokenizer_dir, tmp_path_factory, model_type
+):
     from mta.training.logit_lens import LogitLens
 
     directory = build_tiny_model(
@@ -78,8 +81,9 @@ def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(tiny
 
 
 @pytest.mark.parametrize("zero3", [False, True])
-def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(tiny_tokenizer_dir,
-                                                                              tmp_path_factory, zero3, monkeypatch):
+def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(
+    tiny_tokenizer_dir, tmp_path_factory, zero3, monkeypatch
+):
     from mta.training import logit_lens
     from mta.training.logit_lens import LogitLens, is_zero3_partitioned
 
@@ -105,14 +109,20 @@ def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(t
     assert calls.count("head") == (1 if zero3 else 0) + 1
     torch.testing.assert_close(lens(hidden), head(norm(hidden)))
 
+
 def _tiny(*overrides):
     return load_recipe(REPO / "recipes" / "tiny.yaml", list(overrides))
 
 
 def test_deepspeed_config_keeps_the_global_batch_and_passes_extras_through():
-    recipe = _tiny("train.batch_size=16", "train.micro_batch_size=2", "train.zero_stage=3",
-                   "train.precision=bf16", "deepspeed.zero_optimization.overlap_comm=true",
-                   "deepspeed.communication_data_type=fp32")
+    recipe = _tiny(
+        "train.batch_size=16",
+        "train.micro_batch_size=2",
+        "train.zero_stage=3",
+        "train.precision=bf16",
+        "deepspeed.zero_optimization.overlap_comm=true",
+        "deepspeed.communication_data_type=fp32",
+    )
     for world_size, accumulation in ((1, 8), (2, 4), (8, 1)):
         config = deepspeed_config(recipe.train, recipe.deepspeed, world_size)
         assert config["gradient_accumulation_steps"] == accumulation
@@ -151,15 +161,35 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
     env = subprocess_env()
     out = tmp_path / "tiny"
     result = subprocess.run(
-        [sys.executable, "-m", "mta_cli.main", "distill", "--recipe", str(REPO / "recipes" / "tiny.yaml"),
-         f"output_dir={out}", "train.max_steps=4", "train.eval_interval=4", "train.save_interval=2"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "mta_cli.main",
+            "distill",
+            "--recipe",
+            str(REPO / "recipes" / "tiny.yaml"),
+            f"output_dir={out}",
+            "train.max_steps=4",
+            "train.eval_interval=4",
+            "train.save_interval=2",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global batch 8 = 4 per device × 2 accumulation × 1 process" in " ".join(result.stderr.split())
-    for built in ("models/tokenizer-512-*/tokenizer.json", "models/teacher-*/config.json",
-                  "models/student-*/config.json", "data/train/.mta/manifest.json", "final/model.safetensors",
-                  "checkpoints/step-2/trainer_state.json", "checkpoints/step-4/trainer_state.json"):
+    for built in (
+        "models/tokenizer-512-*/tokenizer.json",
+        "models/teacher-*/config.json",
+        "models/student-*/config.json",
+        "data/train/.mta/manifest.json",
+        "final/model.safetensors",
+        "checkpoints/step-2/trainer_state.json",
+        "checkpoints/step-4/trainer_state.json",
+    ):
         assert len(list(out.glob(built))) == 1, built
     saved = yaml.safe_load((out / "final" / "recipe.yaml").read_text())
     assert saved["train"]["max_steps"] == 4 and saved["output_dir"] == str(out)

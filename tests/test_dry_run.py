@@ -31,7 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
-
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
     """Planning must work offline: any connection attempt fails the test.
@@ -69,8 +68,9 @@ def independent_model(spec, recipe_path: Path):
         from mta.models.tiny import tiny_config  # what build_tiny_model builds
 
         t = spec.tiny
-        config = tiny_config(t.model_type, t.vocab_size, num_layers=t.num_layers,
-                             hidden_size=t.hidden_size, num_heads=t.num_heads)
+        config = tiny_config(
+            t.model_type, t.vocab_size, num_layers=t.num_layers, hidden_size=t.hidden_size, num_heads=t.num_heads
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     # Unique tensors: a tied output layer is the embedding matrix again, counted once.
@@ -86,8 +86,9 @@ def documented_auto_map(student_layers: int, teacher_layers: int) -> list[tuple[
 
     s = max(1, student_layers // 4)
     picks = [(student_layers - 2 * s, "word"), (student_layers - s, "phrase"), (student_layers, "phrase")]
-    return [(l, math.floor(Fraction(l * teacher_layers, student_layers) + Fraction(1, 2)), g)
-            for l, g in picks if l >= 0]
+    return [
+        (l, math.floor(Fraction(l * teacher_layers, student_layers) + Fraction(1, 2)), g) for l, g in picks if l >= 0
+    ]
 
 
 def printed_bytes(count: int) -> str:
@@ -99,7 +100,9 @@ def test_dry_run_plans_every_recipe_offline(path):
     """What the dry run prints for each shipped recipe, against the recipe and models built here."""
     recipe = load_recipe(path)
     if recipe.task == "embedding":  # an encoder and no teacher model: test_embedding_training.py
-        pytest.skip("task: embedding recipes: test_embedding_training.py::test_the_dry_run_plans_the_embedding_recipes_offline")
+        pytest.skip(
+            "task: embedding recipes: test_embedding_training.py::test_the_dry_run_plans_the_embedding_recipes_offline"
+        )
     plan = plan_run(recipe, world_size=1)
     text = _rendered(plan)
     assert plan.student.architecture in text and f"{recipe.train.batch_size} =" in text
@@ -113,7 +116,9 @@ def test_dry_run_plans_every_recipe_offline(path):
         config, model, count = built[role] = independent_model(spec, path)
         assert planned.parameters == count
         assert (planned.architecture, planned.num_layers, planned.hidden_size, planned.vocab_rows) == (
-            type(model).__name__, config.num_hidden_layers, config.hidden_size,
+            type(model).__name__,
+            config.num_hidden_layers,
+            config.hidden_size,
             model.get_input_embeddings().num_embeddings,
         )
         assert f"{count:,}" in text and planned.name in text
@@ -150,7 +155,9 @@ def test_dry_run_plans_every_recipe_offline(path):
     precision = resolve_precision(recipe.train.precision, local_device())  # auto: as on this machine
     weight, optimizer = (2, 12) if precision in ("bf16", "fp16") else (4, 8)
     assert (plan.memory.student_weights, plan.memory.student_gradients, plan.memory.optimizer_states) == (
-        weight * held, weight * trainable, optimizer * trainable
+        weight * held,
+        weight * trainable,
+        optimizer * trainable,
     )
     teacher_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[recipe.teacher.dtype] if recipe.teacher else 0
     assert plan.memory.teacher_weights == (built["teacher"][2] * teacher_bytes if "teacher" in built else 0)
@@ -194,7 +201,9 @@ def test_qwen_configs_keep_the_padded_embedding_rows():
 def test_cross_tokenizer_plan_projects_spans_between_widths():
     plan = plan_run(load_recipe(REPO / "recipes" / "cross-tokenizer.yaml"), world_size=2)
     assert [(p.student, p.teacher, p.granularity) for p in plan.layers] == [
-        (6, 12, "word"), (9, 18, "phrase"), (12, 24, "phrase")
+        (6, 12, "word"),
+        (9, 18, "phrase"),
+        (12, 24, "phrase"),
     ]
     assert plan.projector_parameters == 3 * (768 * 2048 + 2048)
     assert (plan.accumulation_steps, plan.global_batch) == (1, 16)
@@ -211,15 +220,20 @@ def test_parameter_count_equals_a_real_model(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen2"])
-def test_tiny_spec_plans_the_model_build_tiny_model_builds(
-    model_type, tiny_tokenizer_dir, tmp_path
-):
-    tiny = TinyModel(model_type=model_type, num_layers=3, hidden_size=16, num_heads=2,
-                     tokenizer_corpus="examples/tiny.jsonl", vocab_size=512)
+def test_tiny_spec_plans_the_model_build_tiny_model_builds(model_type, tiny_tokenizer_dir, tmp_path):
+    tiny = TinyModel(
+        model_type=model_type,
+        num_layers=3,
+        hidden_size=16,
+        num_heads=2,
+        tokenizer_corpus="examples/tiny.jsonl",
+        vocab_size=512,
+    )
     recipe = load_recipe(write_recipe(tmp_path, "unused", "unused"))
     planned = plan_model(ModelSpec(path=str(tmp_path / "absent"), tiny=tiny), recipe, "student")
-    built = build_tiny_model(tiny_tokenizer_dir, tmp_path / model_type, model_type=model_type,
-                             num_layers=3, hidden_size=16, num_heads=2)
+    built = build_tiny_model(
+        tiny_tokenizer_dir, tmp_path / model_type, model_type=model_type, num_layers=3, hidden_size=16, num_heads=2
+    )
     real = AutoModelForCausalLM.from_pretrained(built)
     assert planned.parameters == sum(p.numel() for p in real.parameters())
     assert planned.vocab_rows == real.get_input_embeddings().num_embeddings == 512
@@ -240,9 +254,7 @@ def test_config_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
     snapshot.mkdir(parents=True)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("abc123")
-    (snapshot / "config.json").write_text(
-        (REPO / "recipes" / "configs" / "gpt2.json").read_text(encoding="utf-8")
-    )
+    (snapshot / "config.json").write_text((REPO / "recipes" / "configs" / "gpt2.json").read_text(encoding="utf-8"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     recipe = load_recipe(write_recipe(tmp_path, "unused", "some-org/student"))
     planned = plan_model(recipe.student, recipe, "student")
@@ -251,9 +263,7 @@ def test_config_is_found_in_the_hugging_face_cache(tmp_path, monkeypatch):
 
 
 def test_missing_config_file_is_named(tmp_path):
-    recipe = load_recipe(
-        REPO / "recipes" / "gpt2.yaml", ["student.config=configs/gpt2-small.json"]
-    )
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["student.config=configs/gpt2-small.json"])
     with pytest.raises(MtaError, match="student.config='configs/gpt2-small.json' does not exist"):
         plan_run(recipe)
 
@@ -281,8 +291,7 @@ def test_missing_data_is_a_note_not_an_error(monkeypatch):
     monkeypatch.delenv("MTA_DATA_DIR", raising=False)
     plan = plan_run(load_recipe(REPO / "recipes" / "gpt2.yaml"))
     assert plan.notes == [
-        "data.train and data.dev use $MTA_DATA_DIR, which is not set: export MTA_DATA_DIR=... "
-        "before training"
+        "data.train and data.dev use $MTA_DATA_DIR, which is not set: export MTA_DATA_DIR=... before training"
     ]
 
 
@@ -332,7 +341,9 @@ def test_model_state_bytes_follow_the_zero_paper(gpt2_plan):
     mixed = memory(gpt2_plan, zero_stage=0, world_size=1)
     # Mixed precision: 2 (weights) + 2 (gradients) + 12 (fp32 master, momentum, variance).
     assert (mixed.student_weights, mixed.student_gradients, mixed.optimizer_states) == (
-        2 * trainable, 2 * trainable, 12 * trainable
+        2 * trainable,
+        2 * trainable,
+        12 * trainable,
     )
     fp32 = memory(gpt2_plan, zero_stage=0, world_size=1, precision="fp32")
     assert fp32.student_weights + fp32.student_gradients + fp32.optimizer_states == 16 * trainable
@@ -375,8 +386,13 @@ def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
         ),
     }
     estimate = gpt2_plan.memory
-    assert (estimate.student_weights, estimate.student_gradients, estimate.optimizer_states,
-            estimate.teacher_weights, estimate.activations) == tuple(expected.values())
+    assert (
+        estimate.student_weights,
+        estimate.student_gradients,
+        estimate.optimizer_states,
+        estimate.teacher_weights,
+        estimate.activations,
+    ) == tuple(expected.values())
     total = sum(expected.values())
     assert estimate.total == total
     lines = _rendered(gpt2_plan).splitlines()
@@ -393,9 +409,7 @@ def test_recipe_zero3_plan_is_smaller_than_zero1():
     recipe = REPO / "recipes" / "opt.yaml"
     zero1 = plan_run(load_recipe(recipe, ["train.micro_batch_size=2"]), world_size=8)
     zero3 = plan_run(
-        load_recipe(
-            recipe, ["train.micro_batch_size=2", "train.zero_stage=3", "train.teacher_zero3=true"]
-        ),
+        load_recipe(recipe, ["train.micro_batch_size=2", "train.zero_stage=3", "train.teacher_zero3=true"]),
         world_size=8,
     )
     assert zero3.memory.total < zero1.memory.total
@@ -419,9 +433,7 @@ def test_rendered_plan_shows_counts_layers_batch_and_memory(gpt2_plan):
 
 
 def test_without_alignment_no_layers_and_no_projectors_are_planned():
-    recipe = load_recipe(
-        REPO / "recipes" / "gpt2.yaml", ["loss.dsa_weight=0", "loss.hra_weight=0"]
-    )
+    recipe = load_recipe(REPO / "recipes" / "gpt2.yaml", ["loss.dsa_weight=0", "loss.hra_weight=0"])
     plan = plan_run(recipe)
     assert plan.layers == [] and plan.projector_parameters == 0
     assert plan.teacher is not None and plan.memory.teacher_weights > 0
@@ -444,8 +456,7 @@ def test_cli_dry_run_prints_the_plan_and_exits(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("COLUMNS", "160")
     result = CliRunner().invoke(
-        app, ["distill", "--recipe", str(REPO / "recipes" / "opt.yaml"), "--dry-run",
-              "train.zero_stage=3"]
+        app, ["distill", "--recipe", str(REPO / "recipes" / "opt.yaml"), "--dry-run", "train.zero_stage=3"]
     )
     assert result.exit_code == 0, result.output
     assert "6,658,473,984 (6,658.5M)" in result.output

@@ -48,8 +48,9 @@ def encoders(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("encoders")
     return {
-        "st": build_tiny_encoder(root / "teacher", layers=2, hidden=32, heads=4, seed=1, pooling="mean",
-                                 normalize=True, max_position=64),
+        "st": build_tiny_encoder(
+            root / "teacher", layers=2, hidden=32, heads=4, seed=1, pooling="mean", normalize=True, max_position=64
+        ),
         "plain": build_tiny_encoder(root / "plain", layers=1, hidden=16, heads=2, seed=2, max_position=64),
     }
 
@@ -67,7 +68,9 @@ def plain_loop(model_dir: Path, texts: list[str], *, mode: str, normalize: bool,
     out = []
     with torch.no_grad():
         for start in range(0, len(texts), batch):
-            encoded = tokenizer(texts[start:start + batch], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            encoded = tokenizer(
+                texts[start : start + batch], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+            )
             hidden = model(**encoded).last_hidden_state
             for row, mask in zip(hidden, encoded["attention_mask"]):
                 real = row[mask.bool()]
@@ -97,7 +100,10 @@ def test_stored_vectors_are_a_plain_model_loop_with_pooling(encoders, tmp_path):
         build_teacher_embeddings(encoders["st"], data, tmp_path / "cls", pooling="cls", normalize=False, max_length=16)
     )
     torch.testing.assert_close(
-        cls.embeddings, plain_loop(encoders["st"], texts, mode="cls", normalize=False, max_length=16), atol=2e-6, rtol=1e-5
+        cls.embeddings,
+        plain_loop(encoders["st"], texts, mode="cls", normalize=False, max_length=16),
+        atol=2e-6,
+        rtol=1e-5,
     )
     assert cls.manifest["rows"]["truncated"] > 0  # 16 tokens cut most texts
     assert cls.manifest["run_key"] != manifest["run_key"]
@@ -109,14 +115,20 @@ def test_a_plain_encoder_pools_with_mean_and_is_not_normalised(encoders, tmp_pat
     texts = [json.loads(line)["text"] for line in data.read_text().splitlines() if line.strip()]
     assert stored.texts == texts
     torch.testing.assert_close(
-        stored.embeddings, plain_loop(encoders["plain"], texts, mode="mean", normalize=False, max_length=64), atol=2e-6, rtol=1e-5
+        stored.embeddings,
+        plain_loop(encoders["plain"], texts, mode="mean", normalize=False, max_length=64),
+        atol=2e-6,
+        rtol=1e-5,
     )
     assert stored.manifest["pooling"]["source"] == "default"
 
 
 def test_the_text_of_each_row_format():
     assert embedding_text({"text": "plain"}) == "plain"
-    assert embedding_text({"instruction": "Do it.", "input": "", "output": "Done.", "prompt": "Below is..."}) == "Do it.\n\nDone."
+    assert (
+        embedding_text({"instruction": "Do it.", "input": "", "output": "Done.", "prompt": "Below is..."})
+        == "Do it.\n\nDone."
+    )
     assert embedding_text({"instruction": "Sum", "context": "2 and 3", "response": "5"}) == "Sum\n\n2 and 3\n\n5"
     assert embedding_text({"prompt": "Q?", "response": "A."}) == "Q?\n\nA."
     assert embedding_text({"body": "x", "text": "y"}, text_field="body") == "x"
@@ -131,7 +143,9 @@ def test_rows_without_text_fail_naming_the_line_or_are_counted(encoders, tmp_pat
     with pytest.raises(MtaError, match=r"rows\.jsonl:2: no text"):
         build_teacher_embeddings(encoders["plain"], data, tmp_path / "fail")
     assert not (tmp_path / "fail").exists()  # nothing left behind
-    stored = read_teacher_embeddings(build_teacher_embeddings(encoders["plain"], data, tmp_path / "skip", on_error="skip"))
+    stored = read_teacher_embeddings(
+        build_teacher_embeddings(encoders["plain"], data, tmp_path / "skip", on_error="skip")
+    )
     assert stored.ids.tolist() == [0, 2] and stored.texts == ["one", "three"]
     assert stored.manifest["rows"] == {"read": 4, "written": 2, "skipped": 2, "truncated": 0}
     assert stored.manifest["skipped"] == {"missing_field": 1, "invalid_json": 1}
@@ -172,10 +186,17 @@ stage.build_teacher_embeddings(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 
 def test_a_run_killed_by_sigkill_resumes_without_duplicates(encoders, tmp_path, monkeypatch):
     data, out = EXAMPLES / "tiny.jsonl", tmp_path / "e"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     process = subprocess.Popen(
         [sys.executable, "-c", KILLED_RUN, str(encoders["st"]), str(data), str(out)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         assert process.stdout.readline().strip() == "journalled"
@@ -192,7 +213,8 @@ def test_a_run_killed_by_sigkill_resumes_without_duplicates(encoders, tmp_path, 
     with monkeypatch.context() as patched:
         patched.setattr(stage, "CHUNK_ROWS", 4)
         patched.setattr(
-            encoder_module.SentenceEncoder, "embed_batch",
+            encoder_module.SentenceEncoder,
+            "embed_batch",
             lambda self, batch: embedded.append(len(batch["input_ids"])) or original(self, batch),
         )
         outcome = run_embed(encoders["st"], data, out, batch_size=2, device="cpu")
@@ -237,7 +259,7 @@ def test_pooling_modes_against_a_loop(side):
         if side == "right":
             mask[row, :n] = 1
         else:
-            mask[row, 5 - n:] = 1
+            mask[row, 5 - n :] = 1
     for mode in ("mean", "cls", "max", "last"):
         got = pool(hidden, mask, mode)
         for row in range(3):
@@ -252,11 +274,15 @@ def test_pooling_modes_against_a_loop(side):
 
 
 def test_sentence_transformers_pipelines_other_than_pooling_are_refused(tmp_path):
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
-    ]))
+    (tmp_path / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+            ]
+        )
+    )
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
     with pytest.raises(MtaError, match="Dense"):
@@ -271,8 +297,19 @@ def test_the_cli_embeds_and_reports(encoders, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MTA_PROGRESS", "plain")
     out = tmp_path / "e"
     try:
-        app(["embed", str(EXAMPLES / "tiny.jsonl"), "--teacher", str(encoders["plain"]), "-o", str(out), "--batch-size", "9"],
-            standalone_mode=False)
+        app(
+            [
+                "embed",
+                str(EXAMPLES / "tiny.jsonl"),
+                "--teacher",
+                str(encoders["plain"]),
+                "-o",
+                str(out),
+                "--batch-size",
+                "9",
+            ],
+            standalone_mode=False,
+        )
     except SystemExit as error:  # pragma: no cover - typer exits 0 on success in some versions
         assert error.code in (0, None)
     err = capsys.readouterr().err
@@ -285,7 +322,9 @@ def test_under_torchrun_each_rank_embeds_its_share_into_one_artefact(encoders, t
     from conftest import torchrun
 
     data = EXAMPLES / "tiny.jsonl"
-    torchrun(["-m", "mta_cli.main", "embed", data, "--teacher", encoders["plain"], "-o", tmp_path / "two", "--device", "cpu"])
+    torchrun(
+        ["-m", "mta_cli.main", "embed", data, "--teacher", encoders["plain"], "-o", tmp_path / "two", "--device", "cpu"]
+    )
     sharded = read_teacher_embeddings(tmp_path / "two")
     assert sharded.manifest["num_shards"] == 2 and sharded.ids.tolist() == list(range(36))
     whole = read_teacher_embeddings(build_teacher_embeddings(encoders["plain"], data, tmp_path / "one"))

@@ -36,8 +36,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-embed") / "run"
     overrides = [f"output_dir={out}"]
     final = run_distillation(load_recipe(TINY_EMBED, overrides))
-    return {"out": out, "final": final, "overrides": overrides,
-            "weights": load_file(str(final / "model.safetensors"))}
+    return {"out": out, "final": final, "overrides": overrides, "weights": load_file(str(final / "model.safetensors"))}
 
 
 def test_the_tiny_recipe_embeds_its_rows_once_and_trains_every_term(trained):
@@ -69,8 +68,15 @@ def test_final_loads_with_sentence_transformers_and_automodel_giving_mta_s_pooli
     from mta.embedding.pooling import cls_attention_pool
 
     final = trained["final"]
-    for name in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
-                 "1_Pooling/config.json", "cls_attention_pooling.py", "README.md", "checksums.sha256"):
+    for name in (
+        "modules.json",
+        "config_sentence_transformers.json",
+        "sentence_bert_config.json",
+        "1_Pooling/config.json",
+        "cls_attention_pooling.py",
+        "README.md",
+        "checksums.sha256",
+    ):
         assert (final / name).is_file(), name
     with pytest.raises(ValueError, match="trust_remote_code"):  # the pooling module is the model's own code
         SentenceTransformer(str(final), device="cpu")
@@ -107,9 +113,20 @@ def test_an_mta_embed_directory_trains_without_any_teacher(trained, tmp_path):
 
     stored = trained["out"] / "embeddings" / "train"
     out = tmp_path / "run"
-    recipe = load_recipe(TINY_EMBED, [f"output_dir={out}", "teacher=null", f"data.train={stored}",
-                                      "data.dev=null", "train.max_steps=2", "train.asam=null",
-                                      "loss.simcse_weight=0", "loss.lasd_weight=0", "loss.tamd_layers=1"])
+    recipe = load_recipe(
+        TINY_EMBED,
+        [
+            f"output_dir={out}",
+            "teacher=null",
+            f"data.train={stored}",
+            "data.dev=null",
+            "train.max_steps=2",
+            "train.asam=null",
+            "loss.simcse_weight=0",
+            "loss.lasd_weight=0",
+            "loss.tamd_layers=1",
+        ],
+    )
     final = run_distillation(recipe)
     assert (final / "model.safetensors").is_file() and not (out / "embeddings").exists()
     records = read_metrics(out / "metrics.jsonl")
@@ -131,8 +148,9 @@ def _objective(**loss):
     from mta.embedding.objective import EmbeddingObjective
 
     torch.manual_seed(0)
-    return EmbeddingObjective(EmbeddingLossSpec(**loss), num_layers=3, student_dim=6, teacher_dim=5,
-                              pooling="cls_attention").double()
+    return EmbeddingObjective(
+        EmbeddingLossSpec(**loss), num_layers=3, student_dim=6, teacher_dim=5, pooling="cls_attention"
+    ).double()
 
 
 def test_the_objective_is_the_weighted_terms_of_the_right_layers_and_ignores_padding():
@@ -147,12 +165,16 @@ def test_the_objective_is_the_weighted_terms_of_the_right_layers_and_ignores_pad
     teacher = torch.randn(4, 5, generator=g, dtype=torch.float64)
     losses = objective(hidden, mask, teacher, second)
     pooled = torch.stack([pool(h, mask, "cls_attention") for h in hidden[1:]])
-    assert losses["tamd"].item() == pytest.approx(objective.anchor(pooled[1:], teacher).item(), rel=1e-12)  # layers 2, 3
+    assert losses["tamd"].item() == pytest.approx(
+        objective.anchor(pooled[1:], teacher).item(), rel=1e-12
+    )  # layers 2, 3
     assert losses["lasd"].item() == pytest.approx(lasd_loss(pooled).item(), rel=1e-12)  # layers 1-3, not 0
     assert losses["simcse"].item() == pytest.approx(
-        simcse_loss(pooled[-1], pool(second, mask, "cls_attention"), 0.1).item(), rel=1e-12)
+        simcse_loss(pooled[-1], pool(second, mask, "cls_attention"), 0.1).item(), rel=1e-12
+    )
     assert losses["total"].item() == pytest.approx(
-        0.001 * losses["simcse"].item() + 0.75 * losses["tamd"].item() + losses["lasd"].item(), rel=1e-12)
+        0.001 * losses["simcse"].item() + 0.75 * losses["tamd"].item() + losses["lasd"].item(), rel=1e-12
+    )
     # More padding, with garbage in it: the same losses.
     padded = tuple(torch.cat([h, 1e3 * torch.randn(4, 2, 6, generator=g, dtype=torch.float64)], 1) for h in hidden)
     wider = torch.cat([mask, torch.zeros(4, 2, dtype=mask.dtype)], 1)
@@ -189,29 +211,40 @@ def test_llm_keys_in_an_embedding_recipe_are_refused_with_their_lines(tmp_path):
     with pytest.raises(MtaError) as caught:
         load_recipe(_write(tmp_path, text))
     message = str(caught.value)
-    assert (f"line {_line(text, 'dsa_weight')}: loss.dsa_weight: unknown key in a task: embedding recipe: "
-            "dsa_weight is a key of task: llm recipes") in message
+    assert (
+        f"line {_line(text, 'dsa_weight')}: loss.dsa_weight: unknown key in a task: embedding recipe: "
+        "dsa_weight is a key of task: llm recipes"
+    ) in message
     assert f"line {_line(text, 'generation:')}: generation: unknown key in a task: embedding recipe" in message
     # The shared train: section: the keys only LLM distillation reads.
-    text = TINY_EMBED.read_text(encoding="utf-8").replace("  max_steps: 12", "  max_steps: 12\n  num_sample_generations: 4")
+    text = TINY_EMBED.read_text(encoding="utf-8").replace(
+        "  max_steps: 12", "  max_steps: 12\n  num_sample_generations: 4"
+    )
     with pytest.raises(MtaError) as caught:
         load_recipe(_write(tmp_path, text))
-    assert (f"line {_line(text, 'num_sample_generations')}: train.num_sample_generations: num_sample_generations "
-            "is a key of task: llm recipes") in str(caught.value)
+    assert (
+        f"line {_line(text, 'num_sample_generations')}: train.num_sample_generations: num_sample_generations "
+        "is a key of task: llm recipes"
+    ) in str(caught.value)
     assert load_recipe(TINY_EMBED, ["train.num_sample_generations=2"]).train.num_sample_generations == 2  # the default
 
 
 def test_embedding_keys_in_an_llm_recipe_are_refused_and_a_task_must_be_known(tmp_path):
-    text = (RECIPES / "tiny.yaml").read_text(encoding="utf-8").replace("  base: srkl", "  base: srkl\n  tamd_weight: 0.75")
+    text = (
+        (RECIPES / "tiny.yaml").read_text(encoding="utf-8").replace("  base: srkl", "  base: srkl\n  tamd_weight: 0.75")
+    )
     with pytest.raises(MtaError) as caught:
         load_recipe(_write(tmp_path, text))
-    assert (f"line {_line(text, 'tamd_weight')}: loss.tamd_weight: unknown key in a task: llm recipe: tamd_weight "
-            "is a key of task: embedding recipes") in str(caught.value)
+    assert (
+        f"line {_line(text, 'tamd_weight')}: loss.tamd_weight: unknown key in a task: llm recipe: tamd_weight "
+        "is a key of task: embedding recipes"
+    ) in str(caught.value)
     with pytest.raises(MtaError) as caught:
         load_recipe(TINY_EMBED, ["task=embeddings"])
     assert str(caught.value).splitlines()[1:] == [  # that alone: the rest is not checked against a wrong schema
         "  task: 'embeddings' is not allowed; use one of 'llm' or 'embedding' (llm: distil a causal LM (this "
-        "schema); embedding: a sentence-embedding encoder, TALAS (EmbeddingRecipe)) (from override 'task=embeddings')"]
+        "schema); embedding: a sentence-embedding encoder, TALAS (EmbeddingRecipe)) (from override 'task=embeddings')"
+    ]
     with pytest.raises(MtaError, match="student.pooling: 'last' is not allowed"):
         load_recipe(TINY_EMBED, ["student.pooling=last"])
     assert load_recipe(RECIPES / "tiny.yaml").task == "llm"
@@ -224,8 +257,10 @@ def test_the_recipe_s_pooling_names_are_the_encoder_s():
     from mta.embedding.export import STOCK_POOLINGS
     from mta.embedding.recipe import StudentEncoderSpec, TeacherEncoderSpec
 
-    names = {field: set(typing.get_args(spec.model_fields["pooling"].annotation))
-             for field, spec in (("teacher", TeacherEncoderSpec), ("student", StudentEncoderSpec))}
+    names = {
+        field: set(typing.get_args(spec.model_fields["pooling"].annotation))
+        for field, spec in (("teacher", TeacherEncoderSpec), ("student", StudentEncoderSpec))
+    }
     assert names["teacher"] == {AUTO, *POOLINGS}  # what mta embed builds with
     assert names["student"] <= set(POOLINGS) and names["student"] == {*STOCK_POOLINGS, "cls_attention"}  # exportable
 
@@ -234,7 +269,11 @@ def test_the_author_s_setting_is_the_talas_recipe():
     recipe = load_recipe(TALAS)
     assert recipe.task == "embedding"
     assert recipe.student.path.startswith("nreimers/MiniLMv2-L6-H384") and recipe.student.pooling == "cls_attention"
-    assert (recipe.teacher.path, recipe.teacher.pooling, recipe.teacher.dtype) == ("Qwen/Qwen3-Embedding-0.6B", "last", "fp16")
+    assert (recipe.teacher.path, recipe.teacher.pooling, recipe.teacher.dtype) == (
+        "Qwen/Qwen3-Embedding-0.6B",
+        "last",
+        "fp16",
+    )
     loss, train = recipe.loss, recipe.train
     assert (loss.simcse_weight, loss.tamd_weight, loss.lasd_weight, loss.tamd_layers) == (0.001, 0.75, 1.0, 2)
     assert (loss.simcse_temperature, loss.lasd_detach, loss.lasd_reduction) == (0.1, False, "mean")
@@ -255,7 +294,9 @@ def test_the_dry_run_plans_the_embedding_recipes_offline(path, monkeypatch):
     from rich.console import Console
 
     attempts = []
-    monkeypatch.setattr(socket.socket, "connect", lambda *a, **k: attempts.append(a) or (_ for _ in ()).throw(OSError()))
+    monkeypatch.setattr(
+        socket.socket, "connect", lambda *a, **k: attempts.append(a) or (_ for _ in ()).throw(OSError())
+    )
     recipe = load_recipe(path)
     plan = plan_run(recipe)
     spec = recipe.student
@@ -264,14 +305,22 @@ def test_the_dry_run_plans_the_embedding_recipes_offline(path, monkeypatch):
         teacher_width = AutoConfig.from_pretrained(RECIPES / recipe.teacher.config, local_files_only=True).hidden_size
     else:  # what build_tiny_encoder builds
         t = spec.tiny
-        config = BertConfig(vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_hidden_layers=t.num_layers,
-                            num_attention_heads=t.num_heads, intermediate_size=4 * t.hidden_size)
+        config = BertConfig(
+            vocab_size=t.vocab_size,
+            hidden_size=t.hidden_size,
+            num_hidden_layers=t.num_layers,
+            num_attention_heads=t.num_heads,
+            intermediate_size=4 * t.hidden_size,
+        )
         teacher_width = recipe.teacher.tiny.hidden_size
     with torch.device("meta"):
         model = AutoModel.from_config(config)
     count = sum(p.numel() for p in model.parameters())
     assert (plan.student.parameters, plan.student.architecture, plan.student.num_layers) == (
-        count, "BertModel", config.num_hidden_layers)
+        count,
+        "BertModel",
+        config.num_hidden_layers,
+    )
     assert plan.teacher is None and plan.layers == []  # the teacher is data here
     assert plan.projector_parameters == recipe.loss.tamd_layers * config.hidden_size * teacher_width
     trainable = count + plan.projector_parameters

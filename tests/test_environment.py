@@ -54,6 +54,7 @@ def _env(**changes: str | None) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- version and help
 
+
 def test_version_is_the_package_version():
     from mta import __version__
     from mta.versions import package_versions
@@ -96,13 +97,18 @@ def test_help_pages_show_examples_the_real_default_and_no_bool_metavar():
 
 # --------------------------------------------------------------------------- the Hub
 
+
 def test_an_unreachable_hub_fails_in_seconds_naming_the_fixes(tmp_path):
     """`mta evaluate gpt2` with the Hub's endpoint refusing connections: one line, exit 2, no retries."""
     env = _env(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HUB_CACHE=str(tmp_path / "hub-cache"))
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "mta_cli.main", "evaluate", "gpt2", "-o", str(tmp_path / "x"), "--limit", "1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     elapsed = time.monotonic() - start
     message = _flat(result.stderr)
@@ -218,8 +224,9 @@ def test_typos_and_cached_models_against_a_hub_that_knows_no_model_then_cannot_b
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         env = _env(HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}", HF_HUB_CACHE=str(tmp_path / "hub-cache"))
-        result = subprocess.run([sys.executable, "-c", HUB_SCRIPT], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-c", HUB_SCRIPT], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -238,19 +245,33 @@ def test_typos_and_cached_models_against_a_hub_that_knows_no_model_then_cannot_b
 
 # --------------------------------------------------------------------------- evaluation labels and report
 
+
 def test_labels_are_run_names_lengthened_only_where_they_collide(tmp_path, monkeypatch):
     from mta.evaluation.models_under_test import checkpoint_labels, checkpoint_names
 
     monkeypatch.chdir(tmp_path)
-    for relative in ("runs/tiny-long/final", "runs/a/final", "other/a/final", "runs/a/best",
-                     "runs/a/checkpoints/step-40", "models/student"):
+    for relative in (
+        "runs/tiny-long/final",
+        "runs/a/final",
+        "other/a/final",
+        "runs/a/best",
+        "runs/a/checkpoints/step-40",
+        "models/student",
+    ):
         (tmp_path / relative).mkdir(parents=True)
     assert checkpoint_labels(["runs/tiny-long/final", "gpt2", "Qwen/Qwen1.5-1.8B", "models/student"]) == [
-        "tiny-long", "gpt2", "Qwen1.5-1.8B", "student"]
+        "tiny-long",
+        "gpt2",
+        "Qwen1.5-1.8B",
+        "student",
+    ]
     assert checkpoint_labels([str(tmp_path / "runs/tiny-long/final")]) == ["tiny-long"]  # absolute, same
     assert checkpoint_labels(["runs/a/final", "other/a/final"]) == ["runs--a", "other--a"]
     assert checkpoint_labels(["runs/a/final", "runs/a/best", "runs/a/checkpoints/step-40"]) == [
-        "a-final", "a-best", "a-step-40"]
+        "a-final",
+        "a-best",
+        "a-step-40",
+    ]
     assert checkpoint_labels(["runs/a/final", "runs/tiny-long/final"]) == ["a", "tiny-long"]
     with pytest.raises(MtaError, match="share the label"):
         checkpoint_names(["runs/a/final", "./runs/a/final"])
@@ -266,8 +287,9 @@ def _results(seeds: list[int]) -> dict:
     return {
         "sets": {"dolly": {}},
         "settings": {"seeds": seeds, "perplexity": None},
-        "checkpoints": {"tiny": {"sets": {"dolly": {"rougeL": score(values)}}, "avg4": None,
-                                 "avg": values[0], "avg_ood": None}},
+        "checkpoints": {
+            "tiny": {"sets": {"dolly": {"rougeL": score(values)}}, "avg4": None, "avg": values[0], "avg_ood": None}
+        },
     }
 
 
@@ -308,12 +330,15 @@ def test_perplexity_progress_counts_the_real_tokens(tiny_model_dir):
     rows = [EvalRow(index=i, line=i + 1, prompt=p, references=(r,)) for i, (p, r) in enumerate(texts)]
     reporter = _Recording()
     response_perplexity(model, tokenizer, rows, batch_size=2, reporter=reporter)
-    unpadded = sum(len(encode_for_scoring(tokenizer, p, r, max_prompt_length=256, max_response_length=256).input_ids)
-                   for p, r in texts)
+    unpadded = sum(
+        len(encode_for_scoring(tokenizer, p, r, max_prompt_length=256, max_response_length=256).input_ids)
+        for p, r in texts
+    )
     assert reporter.rows == 3 and reporter.tokens == unpadded  # padding of the shorter rows not counted
 
 
 # --------------------------------------------------------------------------- the model card
+
 
 def _fake_engine(model):
     """What save_final asks of a DeepSpeed engine, for a model that is not partitioned."""
@@ -334,7 +359,8 @@ def test_final_carries_a_model_card_that_the_hub_library_reads(tmp_path, tiny_mo
     out = tmp_path / "out"
     (out / "checkpoints" / "step-30").mkdir(parents=True)
     (out / "checkpoints" / "step-30" / "trainer_state.json").write_text(
-        json.dumps({"step": 30, "total_steps": 30, "rng": [], "run_id": "r"}))
+        json.dumps({"step": 30, "total_steps": 30, "rng": [], "run_id": "r"})
+    )
     records = [
         {"split": "dev", "step": 0, "loss": 9.0},
         {"split": "train", "step": 20, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 10.0},
@@ -381,6 +407,7 @@ def test_the_card_of_a_tiny_run_names_no_hub_base_model(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- the README's offline commands
 
+
 def readme_blocks() -> list[tuple[bool, str]]:
     """(slow, code) of every README block marked offline, in order."""
     return [(bool(m.group("slow")), m.group("code")) for m in OFFLINE_BLOCK.finditer(README.read_text("utf-8"))]
@@ -397,13 +424,19 @@ def _run_blocks(blocks: list[str], root: Path) -> None:
     (bin_dir / "mta").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m mta_cli.main "$@"\n')
     (bin_dir / "mta").chmod(0o755)
     env = _env(
-        HOME=str(root / "home"), MTA_CACHE_DIR=None, MTA_DATA_DIR=None, HF_HOME=None, HF_HUB_CACHE=None,
-        XDG_CACHE_HOME=None, HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",
+        HOME=str(root / "home"),
+        MTA_CACHE_DIR=None,
+        MTA_DATA_DIR=None,
+        HF_HOME=None,
+        HF_HUB_CACHE=None,
+        XDG_CACHE_HOME=None,
+        HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",
         PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]),
     )
     for code in blocks:
-        result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], cwd=work, env=env,
-                                capture_output=True, text=True, timeout=900)
+        result = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=900
+        )
         assert result.returncode == 0, f"README block failed:\n{code}\n--- stderr:\n{result.stderr[-3000:]}"
 
 
@@ -420,8 +453,10 @@ def test_the_readme_fast_offline_blocks_run_as_written(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("MTA_TEST_README_SLOW") != "1",
-                    reason="the README's slow offline blocks take minutes: set MTA_TEST_README_SLOW=1")
+@pytest.mark.skipif(
+    os.environ.get("MTA_TEST_README_SLOW") != "1",
+    reason="the README's slow offline blocks take minutes: set MTA_TEST_README_SLOW=1",
+)
 def test_every_readme_offline_block_runs_as_written(tmp_path):
     _run_blocks([code for _, code in readme_blocks()], tmp_path)
     work = tmp_path / "work"

@@ -144,7 +144,9 @@ def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_di
     assert discriminating["max_is_not_mean"] >= 2 and discriminating["f_is_neither_p_nor_r"] >= 4, discriminating
     assert records[0]["references"][1] == "yes"  # S-NI keeps its list of references
     assert run["avg4"] is None  # SelfInst and Vicuna did not run
-    assert run["avg"] == pytest.approx((run["sets"]["dolly"]["rougeL"]["mean"] + run["sets"]["sinst"]["rougeL"]["mean"]) / 2)
+    assert run["avg"] == pytest.approx(
+        (run["sets"]["dolly"]["rougeL"]["mean"] + run["sets"]["sinst"]["rougeL"]["mean"]) / 2
+    )
     assert run["avg_ood"] == pytest.approx(run["sets"]["sinst"]["rougeL"]["mean"])
     assert results["sets"]["dolly"]["references_without_rouge_tokens"] == 1  # the CJK row
     # Perplexity on dolly-dev (6 rows) at the run's limits (prompt 48, response 6 = max new tokens),
@@ -154,7 +156,10 @@ def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_di
     total, count, prompts_cut, responses_cut = loop_sums(model, load_tokenizer(model_dir), dev_rows, 48, 6)
     assert run["perplexity"]["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-4)
     assert (run["perplexity"]["rows"], run["perplexity"]["tokens"]) == (6, count)
-    assert (run["perplexity"]["prompts_truncated"], run["perplexity"]["responses_truncated"]) == (prompts_cut, responses_cut)
+    assert (run["perplexity"]["prompts_truncated"], run["perplexity"]["responses_truncated"]) == (
+        prompts_cut,
+        responses_cut,
+    )
     assert results["settings"]["seeds"] == [10, 20] and results["versions"]["torch"]
     manifest = json.loads((out / "predictions" / label / "generation.json").read_text())
     assert run["fingerprint"] == manifest["checkpoint_fingerprint"] and run["fingerprint"].startswith("sha256:")
@@ -175,7 +180,9 @@ def _must_not_load(*args, **kwargs):
 
 
 def test_an_interrupted_set_resumes_from_its_journal(tiny_model_dir, data_dir, tmp_path):
-    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=6, max_prompt_length=48, limit=5, batch_size=2)
+    settings = EvalSettings(
+        benchmarks=["dolly"], seeds=[10], max_new_tokens=6, max_prompt_length=48, limit=5, batch_size=2
+    )
     out = tmp_path / "eval"
     evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, out, settings)
     final = out / "predictions" / "tiny" / "dolly" / "seed-10.jsonl"
@@ -184,7 +191,10 @@ def test_an_interrupted_set_resumes_from_its_journal(tiny_model_dir, data_dir, t
     # A crash after two rows: the file was never written, the journal has two rows and a torn line.
     final.unlink()
     journal = final.with_name("seed-10.rank0.journal.jsonl")
-    kept = [{k: r[k] for k in ("index", "prompt", "prediction", "prompt_truncated", "new_tokens", "finished")} for r in complete[3:5]]
+    kept = [
+        {k: r[k] for k in ("index", "prompt", "prediction", "prompt_truncated", "new_tokens", "finished")}
+        for r in complete[3:5]
+    ]
     kept[0]["prediction"] = "from the journal"  # proves the row is reused, not regenerated
     journal.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"index": 0, "pre', encoding="utf-8")
 
@@ -254,7 +264,9 @@ def broken_checkpoints(tiny_model_dir, tmp_path):
     "which, message",
     [("no_tokenizer", r"no-tokenizer has no tokenizer"), ("not_a_model", r"not-a-model is not a model directory")],
 )
-def test_bad_checkpoints_fail_before_anything_runs(tiny_model_dir, broken_checkpoints, data_dir, tmp_path, which, message):
+def test_bad_checkpoints_fail_before_anything_runs(
+    tiny_model_dir, broken_checkpoints, data_dir, tmp_path, which, message
+):
     with pytest.raises(MtaError, match=message):
         # The good checkpoint comes first: the check must still happen before it is evaluated.
         evaluate_checkpoints([tiny_model_dir, broken_checkpoints[which]], None, data_dir, tmp_path / "eval")
@@ -323,13 +335,46 @@ def test_the_shared_instruction_sets(tiny_model_dir, shared, tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_ranks_share_the_rows_and_match_one_process(tiny_model_dir, data_dir, tmp_path):
-    args = [str(tiny_model_dir), "--names", "tiny", "--data-dir", str(data_dir), "--benchmarks", "dolly",
-            "--seeds", "10", "--max-new-tokens", "4", "--max-prompt-length", "48", "--limit", "4", "--batch-size", "2",
-            "--perplexity", "dolly-dev", "--perplexity-limit", "5"]
+    args = [
+        str(tiny_model_dir),
+        "--names",
+        "tiny",
+        "--data-dir",
+        str(data_dir),
+        "--benchmarks",
+        "dolly",
+        "--seeds",
+        "10",
+        "--max-new-tokens",
+        "4",
+        "--max-prompt-length",
+        "48",
+        "--limit",
+        "4",
+        "--batch-size",
+        "2",
+        "--perplexity",
+        "dolly-dev",
+        "--perplexity-limit",
+        "5",
+    ]
     torchrun(["-m", "mta_cli.main", "evaluate", *args, "-o", tmp_path / "two"])
-    evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, tmp_path / "one",
-                         EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=4,
-                                      batch_size=2, perplexity="dolly-dev", perplexity_limit=5))
+    evaluate_checkpoints(
+        [tiny_model_dir],
+        ["tiny"],
+        data_dir,
+        tmp_path / "one",
+        EvalSettings(
+            benchmarks=["dolly"],
+            seeds=[10],
+            max_new_tokens=4,
+            max_prompt_length=48,
+            limit=4,
+            batch_size=2,
+            perplexity="dolly-dev",
+            perplexity_limit=5,
+        ),
+    )
     two = read_jsonl(tmp_path / "two" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
     one = read_jsonl(tmp_path / "one" / "predictions" / "tiny" / "dolly" / "seed-10.jsonl")
     assert [r["prediction"] for r in two] == [r["prediction"] for r in one]

@@ -34,6 +34,7 @@ def fp32_on_the_cpu(monkeypatch):
 
 def hand_spearman(a, b):
     """Ranks by counting (ties: the mean of the positions they share), then Pearson by sums."""
+
     def rank(values):
         out = []
         for v in values:
@@ -88,7 +89,9 @@ def hand_agreement(student, teacher, ks):
 
     n = len(teacher)
     pairs = list(combinations(range(n), 2))
-    rho = hand_spearman([cos(student[i], student[j]) for i, j in pairs], [cos(teacher[i], teacher[j]) for i, j in pairs])
+    rho = hand_spearman(
+        [cos(student[i], student[j]) for i, j in pairs], [cos(teacher[i], teacher[j]) for i, j in pairs]
+    )
     recall = {}
     for k in ks:
         hits = 0
@@ -116,7 +119,9 @@ def test_agreement_is_one_for_the_teacher_rotated_scaled_and_widened():
     generator = torch.Generator().manual_seed(1)
     teacher = torch.randn(30, 8, generator=generator)
     rotation, _ = torch.linalg.qr(torch.randn(8, 8, generator=generator))
-    student = torch.cat([teacher @ rotation, torch.zeros(30, 3)], dim=1) * torch.rand(30, 1, generator=generator).add(0.5)
+    student = torch.cat([teacher @ rotation, torch.zeros(30, 3)], dim=1) * torch.rand(30, 1, generator=generator).add(
+        0.5
+    )
     got = teacher_agreement(student, teacher, ks=(1, 5))
     assert got["spearman"] == pytest.approx(1.0) and got["recall@1"] == 1.0 and got["recall@5"] == 1.0
     shuffled = student[torch.randperm(30, generator=generator)]
@@ -135,7 +140,9 @@ def test_pairs_are_all_pairs_or_a_seeded_sample_of_distinct_texts():
 
 def write_task_files(directory: Path) -> None:
     """The author's CSV shapes, a few rows each (texts from the shipped corpus)."""
-    texts = [json.loads(line)["text"] for line in (EXAMPLES / "tiny-teacher-corpus.jsonl").read_text().splitlines() if line]
+    texts = [
+        json.loads(line)["text"] for line in (EXAMPLES / "tiny-teacher-corpus.jsonl").read_text().splitlines() if line
+    ]
 
     def write(name, header, rows):
         with open(directory / name, "w", newline="", encoding="utf-8") as handle:
@@ -158,7 +165,9 @@ def encoders(tmp_path_factory):
     from mta.embedding.tiny_encoders import build_tiny_encoder
 
     root = tmp_path_factory.mktemp("encoders")
-    teacher = build_tiny_encoder(root / "teacher", layers=2, hidden=32, heads=4, seed=1, pooling="mean", normalize=True, max_position=64)
+    teacher = build_tiny_encoder(
+        root / "teacher", layers=2, hidden=32, heads=4, seed=1, pooling="mean", normalize=True, max_position=64
+    )
     student = build_tiny_encoder(root / "student", layers=1, hidden=16, heads=2, seed=5, max_position=64)
     return teacher, student
 
@@ -181,8 +190,21 @@ def test_evaluate_task_embedding_writes_results_json_and_md(encoders, tmp_path, 
     monkeypatch.setenv("MTA_PROGRESS", "plain")
     out = tmp_path / "eval"
     run_cli(
-        "evaluate", "--task", "embedding", str(teacher), str(student), "--names", "teacher,student", "-o", str(out),
-        "--teacher", str(teacher), "--data", str(EXAMPLES / "tiny-teacher-corpus.jsonl"), "--tasks-dir", str(tasks_dir),
+        "evaluate",
+        "--task",
+        "embedding",
+        str(teacher),
+        str(student),
+        "--names",
+        "teacher,student",
+        "-o",
+        str(out),
+        "--teacher",
+        str(teacher),
+        "--data",
+        str(EXAMPLES / "tiny-teacher-corpus.jsonl"),
+        "--tasks-dir",
+        str(tasks_dir),
     )
     results = json.loads((out / "results.json").read_text())
     assert results["task"] == "embedding" and set(results["checkpoints"]) == {"teacher", "student"}
@@ -194,7 +216,10 @@ def test_evaluate_task_embedding_writes_results_json_and_md(encoders, tmp_path, 
     assert theirs["spearman"] < 0.9 and results["checkpoints"]["student"]["fingerprint"].startswith("sha256:")
     assert not results["sets"]["stsb"]["available"] and "stsb_test.csv" in results["sets"]["stsb"]["reason"]
     assert results["checkpoints"]["student"]["sets"]["stsb"] is None
-    assert results["checkpoints"]["student"]["categories"]["sts"] is None and results["checkpoints"]["student"]["avg"] is None
+    assert (
+        results["checkpoints"]["student"]["categories"]["sts"] is None
+        and results["checkpoints"]["student"]["avg"] is None
+    )
     pair = results["checkpoints"]["student"]["sets"]["mrpc"]
     assert pair["rows"] == 12 and 0 < pair["average_precision"] <= 1
     assert results["checkpoints"]["teacher"]["categories"]["pair"] is not None

@@ -63,7 +63,9 @@ def read_jsonl(path: Path) -> list[dict]:
 # --------------------------------------------------------------------------- case 1: stale weights
 
 
-def test_weights_changed_in_place_are_refused_not_scored_from_old_predictions(model_dir, data_dir, tmp_path, monkeypatch):
+def test_weights_changed_in_place_are_refused_not_scored_from_old_predictions(
+    model_dir, data_dir, tmp_path, monkeypatch
+):
     out = tmp_path / "eval"
     first = evaluate_checkpoints([model_dir], ["m"], data_dir, out, SETTINGS)
     manifest = json.loads((out / "predictions" / "m" / "generation.json").read_text())
@@ -139,7 +141,9 @@ def test_a_hub_name_is_keyed_on_its_resolved_revision(monkeypatch):
 # --------------------------------------------------------------------------- case 2: checksum list
 
 
-def test_a_corrupted_weight_file_under_its_checksum_list_is_refused_first(tiny_model_dir, model_dir, data_dir, tmp_path, monkeypatch):
+def test_a_corrupted_weight_file_under_its_checksum_list_is_refused_first(
+    tiny_model_dir, model_dir, data_dir, tmp_path, monkeypatch
+):
     write_checksums(model_dir)
     weights = model_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -188,7 +192,9 @@ def _empty_bin(directory: Path) -> None:
         (_empty_bin, r"pytorch_model\.bin is empty"),
     ],
 )
-def test_broken_weights_fail_before_the_first_checkpoint_loads(tiny_model_dir, model_dir, data_dir, tmp_path, monkeypatch, breaks, message):
+def test_broken_weights_fail_before_the_first_checkpoint_loads(
+    tiny_model_dir, model_dir, data_dir, tmp_path, monkeypatch, breaks, message
+):
     breaks(model_dir)
     monkeypatch.setattr(runner_module, "loaded_checkpoint", must_not_load)
     with pytest.raises(MtaError, match=message) as refused:
@@ -268,7 +274,9 @@ def test_a_full_disk_while_journalling_loses_nothing_and_resumes(model_dir, data
 
 
 @pytest.mark.parametrize("target", ["seed-10.jsonl", "results.json"])
-def test_a_full_disk_while_publishing_a_file_loses_nothing_and_resumes(model_dir, data_dir, tmp_path, monkeypatch, target):
+def test_a_full_disk_while_publishing_a_file_loses_nothing_and_resumes(
+    model_dir, data_dir, tmp_path, monkeypatch, target
+):
     out = tmp_path / "eval"
     real_publish = mta.files.publish
 

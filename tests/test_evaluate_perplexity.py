@@ -61,8 +61,12 @@ def test_perplexity_matches_a_plain_loop(model_and_tokenizer, max_prompt_length,
     rows, _ = load_rows(EXAMPLES)
     rows = rows[:6] + [r for r in rows if r.references[0] == ""]  # the empty response: EOS only
     result = response_perplexity(
-        model, tokenizer, rows, max_prompt_length=max_prompt_length,
-        max_response_length=max_response_length, batch_size=3,
+        model,
+        tokenizer,
+        rows,
+        max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length,
+        batch_size=3,
     )
     total, count, prompts_cut, responses_cut = loop_sums(model, tokenizer, rows, max_prompt_length, max_response_length)
     assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-4)
@@ -81,12 +85,13 @@ def test_a_token_straddling_the_prompt_end_is_a_prompt_token_and_eos_is_scored(m
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     # The premise: one token runs across the boundary (" the", chars 10-14 with the prompt ending at 13).
     (straddling,) = [i for i, (a, b) in enumerate(offsets) if a < len(prompt) < b]
-    scored = ids[straddling + 1:] + [tokenizer.eos_token_id]
+    scored = ids[straddling + 1 :] + [tokenizer.eos_token_id]
     with torch.no_grad():
         logits = model(torch.tensor([ids + [tokenizer.eos_token_id]])).logits[0].double()
     log_probs = torch.log_softmax(logits, -1)
-    nll = -sum(log_probs[t - 1, token].item() for t, token in enumerate(ids + [tokenizer.eos_token_id])
-               if t > straddling)
+    nll = -sum(
+        log_probs[t - 1, token].item() for t, token in enumerate(ids + [tokenizer.eos_token_id]) if t > straddling
+    )
     row = EvalRow(index=0, line=1, prompt=prompt, references=(response,))
     result = response_perplexity(model, tokenizer, [row])
     assert result.tokens == len(scored)
@@ -106,7 +111,9 @@ def test_ranks_score_their_share_and_the_sums_give_the_whole_set(model_and_token
     for rank in (0, 1):
         monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
         monkeypatch.setattr(distributed, "world_size", lambda: 2)
-        monkeypatch.setattr(distributed, "sum_over_ranks", lambda values, rank=rank: local.setdefault(rank, list(values)))
+        monkeypatch.setattr(
+            distributed, "sum_over_ranks", lambda values, rank=rank: local.setdefault(rank, list(values))
+        )
         response_perplexity(model, tokenizer, rows, batch_size=2, **limits)
         expected = loop_sums(model, tokenizer, rows[rank::2], *limits.values())
         assert local[rank] == pytest.approx(list(expected), rel=1e-5)
@@ -117,6 +124,9 @@ def test_ranks_score_their_share_and_the_sums_give_the_whole_set(model_and_token
     total, count, prompts_cut, responses_cut = loop_sums(model, tokenizer, rows, *limits.values())
     assert result.perplexity == pytest.approx(math.exp(total / count), rel=1e-5)
     assert (result.tokens, result.rows, result.prompts_truncated, result.responses_truncated) == (
-        count, 7, prompts_cut, responses_cut
+        count,
+        7,
+        prompts_cut,
+        responses_cut,
     )
     assert 0 < prompts_cut < 7 and 0 < responses_cut < 7  # both limits matter on these rows

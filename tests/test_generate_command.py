@@ -83,7 +83,9 @@ class InterruptAfter(Counting):
             raise Interrupt
 
 
-def direct(model_dir: Path, prompts: list[str], seeds: list[int], params: SamplingParams, max_prompt_length: int) -> list[str]:
+def direct(
+    model_dir: Path, prompts: list[str], seeds: list[int], params: SamplingParams, max_prompt_length: int
+) -> list[str]:
     """What the engine gives for each prompt alone (batch size 1, one call per row)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = load_tokenizer(model_dir)
@@ -122,10 +124,31 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_file(teacher_dir, tiny_mod
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "cli"), str(REPO / "src"), env.get("PYTHONPATH", "")])
     process = subprocess.Popen(
-        [sys.executable, "-m", "mta_cli.main", "generate", "--teacher", str(teacher_dir), "--student",
-         str(tiny_model_dir), "--data", str(EXAMPLES), "-o", str(out), "--max-new-tokens", "8",
-         "--max-prompt-length", "40", "--batch-size", "1"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "mta_cli.main",
+            "generate",
+            "--teacher",
+            str(teacher_dir),
+            "--student",
+            str(tiny_model_dir),
+            "--data",
+            str(EXAMPLES),
+            "-o",
+            str(out),
+            "--max-new-tokens",
+            "8",
+            "--max-prompt-length",
+            "40",
+            "--batch-size",
+            "1",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 120
     try:
@@ -159,15 +182,30 @@ def test_a_journal_of_other_settings_is_refused_and_its_own_resumes(teacher_dir,
     with pytest.raises(Interrupt):  # a crash after the first teacher batch
         generate_pairs(teacher_dir, tiny_model_dir, EXAMPLES, out, settings, InterruptAfter(3))
     assert PairsPaths(out).settings.exists() and len(read_jsonl_lenient(PairsPaths(out).journal(0))) == 3
-    for other, changed in ((PairSettings(limit=9, seed=7, **FAST), "seed: 42 -> 7"),
-                           (PairSettings(limit=9, temperature=1.0, **FAST), "temperature: 0.8 -> 1.0")):
+    for other, changed in (
+        (PairSettings(limit=9, seed=7, **FAST), "seed: 42 -> 7"),
+        (PairSettings(limit=9, temperature=1.0, **FAST), "temperature: 0.8 -> 1.0"),
+    ):
         with pytest.raises(MtaError, match="unfinished run with other settings") as refused:
             generate_pairs(teacher_dir, tiny_model_dir, EXAMPLES, out, other)
         assert changed in str(refused.value) and "remove" in str(refused.value) and "another -o" in str(refused.value)
     with pytest.raises(MtaError, match="teacher_fingerprint"):  # teacher and student swapped
         generate_pairs(tiny_model_dir, teacher_dir, EXAMPLES, out, settings)
-    result = invoke("--teacher", teacher_dir, "--student", tiny_model_dir, "--data", EXAMPLES, "-o", out,
-                    "--limit", 9, "--seed", 7, *FAST_ARGS)
+    result = invoke(
+        "--teacher",
+        teacher_dir,
+        "--student",
+        tiny_model_dir,
+        "--data",
+        EXAMPLES,
+        "-o",
+        out,
+        "--limit",
+        9,
+        "--seed",
+        7,
+        *FAST_ARGS,
+    )
     assert isinstance(result.exception, MtaError) and "other settings" in str(result.exception)
     assert not out.exists()
 
@@ -181,7 +219,19 @@ def test_a_journal_of_other_settings_is_refused_and_its_own_resumes(teacher_dir,
 def test_an_existing_output_is_kept_unless_overwrite(teacher_dir, tiny_model_dir, tmp_path):
     out = tmp_path / "pairs.jsonl"
     out.write_text("precious\n", encoding="utf-8")
-    args = ["--teacher", teacher_dir, "--student", tiny_model_dir, "--data", EXAMPLES, "-o", out, "--limit", 4, *FAST_ARGS]
+    args = [
+        "--teacher",
+        teacher_dir,
+        "--student",
+        tiny_model_dir,
+        "--data",
+        EXAMPLES,
+        "-o",
+        out,
+        "--limit",
+        4,
+        *FAST_ARGS,
+    ]
     result = invoke(*args)
     assert isinstance(result.exception, MtaError)
     assert "already exists" in str(result.exception) and "--overwrite" in str(result.exception)
@@ -203,15 +253,27 @@ def test_a_bad_row_names_its_line_or_is_skipped_and_counted(teacher_dir, tiny_mo
         generate_pairs(teacher_dir, tiny_model_dir, data, out, PairSettings(**FAST))
     assert not out.exists() and not PairsPaths(out).journal_dir.exists()
 
-    result = invoke("--teacher", teacher_dir, "--student", tiny_model_dir, "--data", data, "-o", out,
-                    "--on-error", "skip", *FAST_ARGS)
+    result = invoke(
+        "--teacher",
+        teacher_dir,
+        "--student",
+        tiny_model_dir,
+        "--data",
+        data,
+        "-o",
+        out,
+        "--on-error",
+        "skip",
+        *FAST_ARGS,
+    )
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "skipped 1 bad input row(s), e.g." in text and "rows.jsonl:3: malformed JSON" in text
     assert "wrote 6 pairs" in text
     assert [p["id"] for p in read_jsonl(out)] == [0, 1, 3, 4, 5, 6]  # ids are the input rows' positions
-    outcome = generate_pairs(teacher_dir, tiny_model_dir, data, tmp_path / "again.jsonl",
-                             PairSettings(on_error="skip", **FAST))
+    outcome = generate_pairs(
+        teacher_dir, tiny_model_dir, data, tmp_path / "again.jsonl", PairSettings(on_error="skip", **FAST)
+    )
     assert (outcome.rows, outcome.skipped) == (6, 1) and outcome.skipped_examples[0].startswith(f"{data}:3:")
     assert read_jsonl(outcome.path) == read_jsonl(out)
 
@@ -231,8 +293,19 @@ def test_bad_models_and_options_fail_before_anything_runs(teacher_dir, tiny_mode
 
 def test_two_processes_under_torchrun_write_the_one_process_file(teacher_dir, tiny_model_dir, tmp_path):
     # Batches of one, so each row's logits are bit for bit the same however the rows are split.
-    args = ["--teacher", teacher_dir, "--student", tiny_model_dir, "--data", EXAMPLES, "--limit", 11,
-            *FAST_ARGS, "--batch-size", 1]
+    args = [
+        "--teacher",
+        teacher_dir,
+        "--student",
+        tiny_model_dir,
+        "--data",
+        EXAMPLES,
+        "--limit",
+        11,
+        *FAST_ARGS,
+        "--batch-size",
+        1,
+    ]
     torchrun(["-m", "mta_cli.main", "generate", *args, "-o", tmp_path / "two" / "pairs.jsonl"])
     settings = PairSettings(limit=11, **{**FAST, "batch_size": 1})
     one = generate_pairs(teacher_dir, tiny_model_dir, EXAMPLES, tmp_path / "one" / "pairs.jsonl", settings)
@@ -251,7 +324,20 @@ def test_help_lists_the_sampling_defaults():
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.8, 0.95, 0)
     from mta_cli.commands import generate as cli
 
-    assert (cli.TEMPERATURE, cli.TOP_P, cli.TOP_K, cli.MAX_NEW_TOKENS, cli.MAX_PROMPT_LENGTH, cli.BATCH_SIZE, cli.SEED) == (
-        defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_new_tokens,
-        defaults.max_prompt_length, defaults.batch_size, defaults.seed,
+    assert (
+        cli.TEMPERATURE,
+        cli.TOP_P,
+        cli.TOP_K,
+        cli.MAX_NEW_TOKENS,
+        cli.MAX_PROMPT_LENGTH,
+        cli.BATCH_SIZE,
+        cli.SEED,
+    ) == (
+        defaults.temperature,
+        defaults.top_p,
+        defaults.top_k,
+        defaults.max_new_tokens,
+        defaults.max_prompt_length,
+        defaults.batch_size,
+        defaults.seed,
     )

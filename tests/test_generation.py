@@ -99,8 +99,13 @@ def test_the_seed_key_is_the_documented_hash():
 
 @pytest.mark.parametrize(
     "bad, message",
-    [({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_p": 0}, "top_p"),
-     ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens")],
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 4, "min_new_tokens": 5}, "min_new_tokens"),
+    ],
 )
 def test_sampling_params_refuse_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -150,8 +155,9 @@ def test_a_stop_token_ends_the_completion_where_it_first_appears(model_and_token
     params = SamplingParams(max_new_tokens=12)
     free = completions(HFGenerator(model, tokenizer, params), prompts[:1], [5])[0][0]
     stop = free[4]
-    stopped = completions(HFGenerator(model, tokenizer, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))),
-                          prompts[:1], [5])
+    stopped = completions(
+        HFGenerator(model, tokenizer, SamplingParams(max_new_tokens=12, stop_token_ids=(stop,))), prompts[:1], [5]
+    )
     assert stopped[0] == (free[: free.index(stop)], True)
 
 

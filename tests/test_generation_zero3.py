@@ -109,7 +109,10 @@ def test_zero3_ranks_with_unequal_shares_finish_and_match_one_process(tiny_model
     for rank, share in SHARES.items():
         written = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert written["state"] == {
-            "partitioned": True, "training": True, "use_cache": False, "generation_config_kept": True,
+            "partitioned": True,
+            "training": True,
+            "use_cache": False,
+            "generation_config_kept": True,
         }
         assert written["completions"] == [by_row[row] for row in share]
 

@@ -84,8 +84,10 @@ def test_explicit_map_keeps_its_order_and_accepts_both_ends():
     ],
 )
 def test_out_of_range_layers_are_named(pair, message):
-    pairs = [LayerPair(student=6, teacher=24, granularity="word"),
-             LayerPair(student=pair[0], teacher=pair[1], granularity=pair[2])]
+    pairs = [
+        LayerPair(student=6, teacher=24, granularity="word"),
+        LayerPair(student=pair[0], teacher=pair[1], granularity=pair[2]),
+    ]
     with pytest.raises(MtaError) as caught:
         resolve_layer_map(pairs, 12, 48)
     assert message in str(caught.value)

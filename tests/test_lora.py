@@ -74,10 +74,20 @@ def test_a_lora_run_trains_the_adapters_resumes_bit_identically_and_exports_merg
 
     out = tmp_path / "run"
     recipe_path = write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out,
+        tmp_path / "r.yaml",
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=same_data,
+        output_dir=out,
         data={"dev": None},
-        train={"lr": 2e-2, "max_steps": 4, "save_interval": 2, "keep_checkpoints": 3, "schedule": "cosine",
-               "warmup_steps": 1},
+        train={
+            "lr": 2e-2,
+            "max_steps": 4,
+            "save_interval": 2,
+            "keep_checkpoints": 3,
+            "schedule": "cosine",
+            "warmup_steps": 1,
+        },
     )
     with_lora(recipe_path, LORA)
     final = run_distillation(load_recipe(recipe_path))
@@ -113,8 +123,9 @@ def test_a_lora_run_trains_the_adapters_resumes_bit_identically_and_exports_merg
     script = tmp_path / "without_peft.py"
     script.write_text(WITHOUT_PEFT.format(tokens=TOKENS), encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(final), str(tmp_path / "logits.pt")], check=True, env=env,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(script), str(final), str(tmp_path / "logits.pt")], check=True, env=env, capture_output=True
+    )
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), logits(with_peft), rtol=0, atol=1e-6)
 
     # Resume from step 2 (adapter, optimizer moments, schedule and dropout RNG from the checkpoint):
@@ -138,11 +149,18 @@ def test_zero_stages_2_and_3_train_the_lora_student_of_stage_1(tmp_path, teacher
     the merged export): the same merged student as ZeRO-1."""
     finals = {}
     for stage in (1, 2, 3):
-        recipe_path = with_lora(write_recipe(
-            tmp_path / f"z{stage}.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
-            output_dir=tmp_path / f"z{stage}", data={"dev": None},
-            train={"lr": 2e-2, "max_steps": 2, "zero_stage": stage},
-        ), {**LORA, "dropout": 0.0})
+        recipe_path = with_lora(
+            write_recipe(
+                tmp_path / f"z{stage}.yaml",
+                teacher=teacher_dir,
+                student=tiny_model_dir,
+                annotations=same_data,
+                output_dir=tmp_path / f"z{stage}",
+                data={"dev": None},
+                train={"lr": 2e-2, "max_steps": 2, "zero_stage": stage},
+            ),
+            {**LORA, "dropout": 0.0},
+        )
         finals[stage] = tensors(run_distillation(load_recipe(recipe_path)) / "model.safetensors")
     start = tensors(tiny_model_dir / "model.safetensors")
     assert any(not torch.equal(finals[1][key], start[key]) for key in start)
@@ -158,8 +176,11 @@ def test_the_merge_is_the_adapter_applied_once(tiny_tokenizer_dir, tmp_path, mod
     from mta.models.tiny import build_tiny_model
 
     directory = build_tiny_model(tiny_tokenizer_dir, tmp_path / model_type, model_type=model_type)
-    wrapped = lora.wrap(AutoModelForCausalLM.from_pretrained(directory), LoraSpec(r=2, alpha=6, dropout=0.0,
-                        target_modules=targets), seed=0)
+    wrapped = lora.wrap(
+        AutoModelForCausalLM.from_pretrained(directory),
+        LoraSpec(r=2, alpha=6, dropout=0.0, target_modules=targets),
+        seed=0,
+    )
     with torch.no_grad():
         for name, parameter in wrapped.named_parameters():
             if ".lora_B." in name:

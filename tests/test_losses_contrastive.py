@@ -14,8 +14,19 @@ from mta.losses.kd import SkewForwardKL, SkewReverseKL
 VOCAB = 11
 
 
-def ref_loss(student, teacher, labels, chosen, *, beta=1.0, alpha=0.1, tau=1.0, vocab=VOCAB,
-             stop_gradient=True, per_sequence=True):
+def ref_loss(
+    student,
+    teacher,
+    labels,
+    chosen,
+    *,
+    beta=1.0,
+    alpha=0.1,
+    tau=1.0,
+    vocab=VOCAB,
+    stop_gradient=True,
+    per_sequence=True,
+):
     """Straight from the formulas, looping over rows and tokens in float64.
 
     chosen rows: KL(p ‖ αp + (1−α)q); rejected rows: KL(q ‖ α·sg(q) + (1−α)p); each row's
@@ -58,12 +69,12 @@ def batch(seed=0, width=VOCAB, teacher_width=None, scale=2.0):
     student = torch.randn(6, 7, width, generator=generator) * scale
     teacher = torch.randn(6, 7, teacher_width or width, generator=generator) * scale
     labels = torch.randint(0, VOCAB, (6, 7), generator=generator)
-    labels[0, :2] = -100   # prompt
-    labels[1, :6] = -100   # a one-token response
-    labels[2, 5:] = -100   # padding
+    labels[0, :2] = -100  # prompt
+    labels[1, :6] = -100  # a one-token response
+    labels[2, 5:] = -100  # padding
     labels[3, :3] = -100
-    labels[3, 5] = -100    # padding in the middle
-    labels[4, :] = -100    # a rejected row with no response token
+    labels[3, 5] = -100  # padding in the middle
+    labels[4, :] = -100  # a rejected row with no response token
     labels[5, :1] = -100
     chosen = torch.tensor([True, True, True, False, False, False])
     return student, teacher, labels, chosen
@@ -90,9 +101,7 @@ def test_value_and_gradient_match_the_loop_reference(beta, alpha, tau):
     student, teacher, labels, chosen = batch(0)
     loss_fn = DistiLLM2Loss(beta=beta, skew_alpha=alpha, temperature=tau, chunk_size=4)
     got, grad = value_and_grad(loss_fn, student, teacher, labels, chosen)
-    expected, expected_grad = ref_value_and_grad(
-        student, teacher, labels, chosen, beta=beta, alpha=alpha, tau=tau
-    )
+    expected, expected_grad = ref_value_and_grad(student, teacher, labels, chosen, beta=beta, alpha=alpha, tau=tau)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert got.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(grad.double(), expected_grad, atol=1e-6, rtol=1e-4)
@@ -128,7 +137,7 @@ def test_chunked_equals_unchunked(chunk_size):
 
 def test_vocab_size_narrower_than_the_logits():
     student, teacher, labels, chosen = batch(3, width=VOCAB + 3, teacher_width=VOCAB + 5)
-    student[..., VOCAB:] = 40.0   # padded embedding rows: garbage that must never count
+    student[..., VOCAB:] = 40.0  # padded embedding rows: garbage that must never count
     teacher[..., VOCAB:] = -40.0
     got, grad = value_and_grad(DistiLLM2Loss(vocab_size=VOCAB, chunk_size=3), student, teacher, labels, chosen)
     expected, expected_grad = ref_value_and_grad(student, teacher, labels, chosen)
@@ -138,9 +147,7 @@ def test_vocab_size_narrower_than_the_logits():
     torch.testing.assert_close(grad.double(), expected_grad, atol=1e-6, rtol=1e-4)
     # Default: the narrower width, here the student's (which still includes its garbage).
     default = DistiLLM2Loss()(student, teacher, labels, chosen)
-    assert default.item() == pytest.approx(
-        ref_loss(student, teacher, labels, chosen, vocab=VOCAB + 3).item(), rel=1e-5
-    )
+    assert default.item() == pytest.approx(ref_loss(student, teacher, labels, chosen, vocab=VOCAB + 3).item(), rel=1e-5)
     with pytest.raises(MtaError, match="exceeds the logits width"):
         DistiLLM2Loss(vocab_size=VOCAB + 4)(student, teacher, labels, chosen)
 
@@ -151,7 +158,9 @@ def test_bf16_logits_are_close_to_fp32():
     got, grad = value_and_grad(DistiLLM2Loss(chunk_size=5), low, teacher.bfloat16(), labels, chosen)
     assert got.dtype == torch.float32 and grad.dtype == torch.bfloat16
     # The fp32 loss of the very same (bf16-rounded) values: only the stored gradient is bf16.
-    wide, wide_grad = value_and_grad(DistiLLM2Loss(chunk_size=5), low.float(), teacher.bfloat16().float(), labels, chosen)
+    wide, wide_grad = value_and_grad(
+        DistiLLM2Loss(chunk_size=5), low.float(), teacher.bfloat16().float(), labels, chosen
+    )
     assert got.item() == pytest.approx(wide.item(), rel=1e-6)
     torch.testing.assert_close(grad.float(), wide_grad, atol=1e-4, rtol=1e-2)
     # And close to the loss of the unrounded fp32 logits.
@@ -161,8 +170,11 @@ def test_bf16_logits_are_close_to_fp32():
 
 def per_row_mean(loss_cls, student, teacher, labels, rows):
     """The existing kd losses, one row at a time (their token mean), averaged over rows."""
-    values = [loss_cls(skew_alpha=0.2)(student[b:b + 1], teacher[b:b + 1], labels[b:b + 1])
-              for b in rows if (labels[b] != -100).any()]
+    values = [
+        loss_cls(skew_alpha=0.2)(student[b : b + 1], teacher[b : b + 1], labels[b : b + 1])
+        for b in rows
+        if (labels[b] != -100).any()
+    ]
     return sum(values) / len(values)
 
 
@@ -213,9 +225,7 @@ def test_rows_without_response_tokens_count_nowhere():
     assert got.item() == 0.0 and torch.all(grad == 0)
     # Only chosen rows: the rejected term is absent, not NaN.
     only = DistiLLM2Loss()(student[:3], teacher[:3], labels[:3], chosen[:3])
-    assert only.item() == pytest.approx(
-        ref_loss(student[:3], teacher[:3], labels[:3], chosen[:3]).item(), rel=1e-5
-    )
+    assert only.item() == pytest.approx(ref_loss(student[:3], teacher[:3], labels[:3], chosen[:3]).item(), rel=1e-5)
 
 
 def test_swapping_chosen_and_rejected_changes_the_result():
@@ -238,9 +248,15 @@ def test_no_gradient_reaches_the_teacher():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"beta": -0.1}, "beta"), ({"beta": 2.1}, "beta"), ({"skew_alpha": 1.5}, "skew_alpha"),
-     ({"skew_alpha": -0.1}, "skew_alpha"), ({"temperature": 0.0}, "temperature"),
-     ({"chunk_size": 0}, "chunk_size"), ({"vocab_size": 0}, "vocab_size")],
+    [
+        ({"beta": -0.1}, "beta"),
+        ({"beta": 2.1}, "beta"),
+        ({"skew_alpha": 1.5}, "skew_alpha"),
+        ({"skew_alpha": -0.1}, "skew_alpha"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"vocab_size": 0}, "vocab_size"),
+    ],
 )
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(MtaError, match=match):
@@ -267,8 +283,10 @@ def test_bad_shapes_raise():
 def test_chunked_token_weights_give_the_weighted_sum():
     """The optional weights of chunked_token_loss: Σ w·loss; uniform 1/n equals the plain mean."""
     student, teacher, labels, _ = batch(12)
+
     def token_loss(s, t, y):
         return (torch.log_softmax(s, -1).exp() * s).sum(-1) - t.sum(-1)
+
     leaf = student.clone().requires_grad_()
     plain = chunked_token_loss(token_loss, leaf, teacher, labels, vocab_size=VOCAB, chunk_size=3)
     plain.backward()
@@ -293,5 +311,6 @@ def test_chunked_token_weights_give_the_weighted_sum():
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(got_leaf.grad, ref_leaf.grad)
     with pytest.raises(MtaError, match="token_weights"):
-        chunked_token_loss(token_loss, student, teacher, labels, vocab_size=VOCAB, chunk_size=2,
-                           token_weights=w[:, :-1])
+        chunked_token_loss(
+            token_loss, student, teacher, labels, vocab_size=VOCAB, chunk_size=2, token_weights=w[:, :-1]
+        )

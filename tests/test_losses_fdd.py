@@ -23,8 +23,18 @@ def num(tensor: torch.Tensor) -> float:
 # --------------------------------------------------------------------------- reference
 
 
-def reference(student_states, teacher_states, student_lens, teacher_lens, mask, *, temperature,
-              vocab=None, trajectory_weight=1.0, dynamics_weight=1.0):
+def reference(
+    student_states,
+    teacher_states,
+    student_lens,
+    teacher_lens,
+    mask,
+    *,
+    temperature,
+    vocab=None,
+    trajectory_weight=1.0,
+    dynamics_weight=1.0,
+):
     """Straight from the formulas, in float64: for every masked token and every pair, the lens
     logits of one position; KL(p ‖ q) at the temperature; the change of log-probabilities
     (temperature 1) from the previous pair; 1 − cos; means over tokens, then over pairs."""
@@ -66,8 +76,7 @@ class Side(nn.Module):
     def __init__(self, dim: int, width: int, norm: str | None, seed: int):
         super().__init__()
         torch.manual_seed(seed)
-        self.norm = {None: None, "layer": nn.LayerNorm(dim, eps=NORM_EPS),
-                     "rms": nn.RMSNorm(dim, eps=NORM_EPS)}[norm]
+        self.norm = {None: None, "layer": nn.LayerNorm(dim, eps=NORM_EPS), "rms": nn.RMSNorm(dim, eps=NORM_EPS)}[norm]
         if self.norm is not None:
             with torch.no_grad():  # not the identity init, so a wrong norm gradient shows
                 for parameter in self.norm.parameters():
@@ -187,7 +196,9 @@ def test_matches_the_authors_formulation_with_bare_head_and_attention_mask(tempe
     expected = authors_style_fdd(student, teacher, s64, t64, attention_mask, temperature).detach()
     out = FeatureDynamicsLoss(temperature=temperature)(student, teacher, student_side, teacher_side, attention_mask)
     assert num(out["fdd"]) == pytest.approx(num(expected), rel=1e-5)
-    assert num(expected) == pytest.approx(num(reference(student, teacher, s64, t64, mask, temperature=temperature)[2]), rel=1e-10)
+    assert num(expected) == pytest.approx(
+        num(reference(student, teacher, s64, t64, mask, temperature=temperature)[2]), rel=1e-10
+    )
 
 
 def test_defaults_follow_span_fdd_finetune():
@@ -205,15 +216,24 @@ def test_defaults_follow_span_fdd_finetune():
 def test_values_and_gradients_match_the_reference(norm, temperature, weights):
     student, teacher, mask = random_states(2)
     student_side, teacher_side = Side(D_S, V, norm, 3), Side(D_T, V, norm, 4)
-    loss = FeatureDynamicsLoss(temperature=temperature, chunk_size=3,
-                               trajectory_weight=weights[0], dynamics_weight=weights[1])
+    loss = FeatureDynamicsLoss(
+        temperature=temperature, chunk_size=3, trajectory_weight=weights[0], dynamics_weight=weights[1]
+    )
     out, grads, param_grads = run(loss, student, teacher, student_side, teacher_side, mask)
 
     s64, params = student_side.float64_copy()
     t64, _ = teacher_side.float64_copy()
     student64 = [state.detach().double().requires_grad_() for state in student]
-    trajectory, dynamics, fdd = reference(student64, teacher, s64, t64, mask, temperature=temperature,
-                                          trajectory_weight=weights[0], dynamics_weight=weights[1])
+    trajectory, dynamics, fdd = reference(
+        student64,
+        teacher,
+        s64,
+        t64,
+        mask,
+        temperature=temperature,
+        trajectory_weight=weights[0],
+        dynamics_weight=weights[1],
+    )
     fdd.backward()
 
     assert all(value.dtype == torch.float32 and value.dim() == 0 for value in out.values())
@@ -450,8 +470,14 @@ def test_an_empty_mask_gives_zeros_with_zero_gradients():
 
 
 def test_bad_arguments_are_refused():
-    for kwargs in ({"temperature": 0.0}, {"temperature": -1.0}, {"chunk_size": 0}, {"vocab_size": 0},
-                   {"trajectory_weight": -0.1}, {"dynamics_weight": float("nan")}):
+    for kwargs in (
+        {"temperature": 0.0},
+        {"temperature": -1.0},
+        {"chunk_size": 0},
+        {"vocab_size": 0},
+        {"trajectory_weight": -0.1},
+        {"dynamics_weight": float("nan")},
+    ):
         with pytest.raises(MtaError):
             FeatureDynamicsLoss(**kwargs)
     student, teacher, mask = random_states(34)

@@ -20,6 +20,7 @@ TOKEN_LOSSES = sorted(set(BASE_LOSSES) - {"distillm2"})
 
 def ref_token_loss(name: str, s_row: list[float], t_row: list[float], label: int, tau: float) -> float:
     """One position, looping over vocabulary entries with python floats."""
+
     def softmax(row):
         top = max(row)
         exps = [math.exp((x - top) / tau) for x in row]
@@ -214,9 +215,7 @@ def test_low_precision_logits_give_the_fp32_loss_of_the_same_values(name, dtype,
     # lose relative precision; atol = 2 · the subnormal spacing covers those.
     assert low.grad.dtype == dtype and torch.isfinite(low.grad.float()).all()
     info = torch.finfo(dtype)
-    torch.testing.assert_close(
-        low.grad.float(), wide.grad, rtol=2 * info.eps, atol=2 * info.smallest_normal * info.eps
-    )
+    torch.testing.assert_close(low.grad.float(), wide.grad, rtol=2 * info.eps, atol=2 * info.smallest_normal * info.eps)
 
 
 def test_no_response_token_gives_zero_and_bad_input_is_named():
@@ -279,10 +278,19 @@ def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name
     from mta.training.teacher import TeacherOutput
 
     vocab, tau = 13, 2.0
-    spec = LossSpec(base=name, temperature=tau, skew_alpha=ALPHA, jsd_beta=BETA, base_weight=0.5,
-                    dsa_weight=0, hra_weight=0, chunk_size=4)
-    objective = DistillationObjective(spec, [], student_hidden_size=8, teacher_hidden_size=8,
-                                      same_tokenizer=True, vocab_size=vocab)
+    spec = LossSpec(
+        base=name,
+        temperature=tau,
+        skew_alpha=ALPHA,
+        jsd_beta=BETA,
+        base_weight=0.5,
+        dsa_weight=0,
+        hra_weight=0,
+        chunk_size=4,
+    )
+    objective = DistillationObjective(
+        spec, [], student_hidden_size=8, teacher_hidden_size=8, same_tokenizer=True, vocab_size=vocab
+    )
     assert objective.alignment is None and objective.needs_teacher_logits == (name != "ce")
 
     generator = torch.Generator().manual_seed(9)
@@ -306,11 +314,16 @@ def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name
     assert out["base"].dim() == 0 and out["base"].dtype == torch.float32 and torch.isfinite(out["base"])
     # Position t predicts token t + 1 (the objective shifts); temperature does not apply to ce.
     if name == "distillm2":  # β = 1: row 0's mean skew KL + row 1's mean skew reverse KL
-        expected = sum(ref_batch_loss(kind, student[row:row + 1, :-1], teacher[row:row + 1, :-1],
-                                      labels[row:row + 1, 1:], vocab, tau) for row, kind in ((0, "skl"), (1, "srkl")))
+        expected = sum(
+            ref_batch_loss(
+                kind, student[row : row + 1, :-1], teacher[row : row + 1, :-1], labels[row : row + 1, 1:], vocab, tau
+            )
+            for row, kind in ((0, "skl"), (1, "srkl"))
+        )
     else:
-        expected = ref_batch_loss(name, student[:, :-1], teacher[:, :-1], labels[:, 1:], vocab,
-                                  1.0 if name == "ce" else tau)
+        expected = ref_batch_loss(
+            name, student[:, :-1], teacher[:, :-1], labels[:, 1:], vocab, 1.0 if name == "ce" else tau
+        )
     assert out["base"].item() == pytest.approx(expected, rel=1e-5)
     assert out["total"].item() == pytest.approx(0.5 * expected, rel=1e-5)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0

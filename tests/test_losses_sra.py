@@ -55,14 +55,19 @@ def make_case(seed: int = 0, pairs: int = 2):
     s_weights = torch.rand(batch, s_len, generator=g) + 0.1
     t_weights = torch.rand(batch, t_len, generator=g) + 0.1
     for b in range(batch):
-        s_weights[b, s_real[b]:] = 0
-        t_weights[b, t_real[b]:] = 0
+        s_weights[b, s_real[b] :] = 0
+        t_weights[b, t_real[b] :] = 0
     s_weights[1, 1:5] = 0  # student span (1, 5) of sequence 1 weighs 0: plain mean
     student = [torch.randn(batch, s_len, D_S, generator=g, requires_grad=True) for _ in range(pairs)]
     teacher = [torch.randn(batch, t_len, D_T, generator=g) for _ in range(pairs)]
     return {
-        "student": student, "teacher": teacher, "s_weights": s_weights, "t_weights": t_weights,
-        "spans": span_batch, "scope": scope, "ranges": spans,
+        "student": student,
+        "teacher": teacher,
+        "s_weights": s_weights,
+        "t_weights": t_weights,
+        "spans": span_batch,
+        "scope": scope,
+        "ranges": spans,
     }
 
 
@@ -148,10 +153,12 @@ def ref_terms(case, student, teacher, projectors, heads=None, temperature=1.0):
             s, t = centres(pair, b)
             acc = 0
             for k, (_, _, w) in enumerate(live[b]):
-                projected = torch.stack([
-                    sum(weight[o, i] * s[k][i] for i in range(s[k].shape[0])) + bias[o]
-                    for o in range(weight.shape[0])
-                ])
+                projected = torch.stack(
+                    [
+                        sum(weight[o, i] * s[k][i] for i in range(s[k].shape[0])) + bias[o]
+                        for o in range(weight.shape[0])
+                    ]
+                )
                 acc = acc + (w / total) * (1 - ref_cos(projected, t[k]))
             per_seq.append(acc)
         span_pairs.append(sum(per_seq) / max(len(per_seq), 1))
@@ -212,14 +219,23 @@ def double_leaves(case, loss):
 
 def run(loss, case, **kwargs):
     return loss(
-        case["student"], case["teacher"], case["s_weights"], case["t_weights"], case["spans"], case["scope"],
+        case["student"],
+        case["teacher"],
+        case["s_weights"],
+        case["t_weights"],
+        case["spans"],
+        case["scope"],
         **kwargs,
     )
 
 
 def close(a, b, atol=2e-5):
-    torch.testing.assert_close(a.double(), b.double().detach() if torch.is_tensor(b) else torch.tensor(b,
-                               dtype=torch.float64), atol=atol, rtol=1e-4)
+    torch.testing.assert_close(
+        a.double(),
+        b.double().detach() if torch.is_tensor(b) else torch.tensor(b, dtype=torch.float64),
+        atol=atol,
+        rtol=1e-4,
+    )
 
 
 # ---------------------------------------------------------------- span_centres, weights
@@ -315,8 +331,11 @@ def test_geometry_is_dsa_on_the_last_pair_centres():
     out = run(loss, case)
     in_scope = case["spans"].mask & case["scope"]
     s_mask = SpanBatch(
-        case["spans"].student_start, case["spans"].student_end, case["spans"].teacher_start,
-        case["spans"].teacher_end, in_scope,
+        case["spans"].student_start,
+        case["spans"].student_end,
+        case["spans"].teacher_start,
+        case["spans"].teacher_end,
+        in_scope,
     )
     s_tok, t_tok = s_mask.student_token_mask(8), s_mask.teacher_token_mask(10)
     student = span_centres(case["student"][-1], s_tok, case["s_weights"])
@@ -391,8 +410,13 @@ def test_defaults_and_errors():
         run(loss, case, shared_vocab=make_heads()[2])
     with pytest.raises(MtaError, match="non-empty"):
         head = at_ids(torch.nn.Linear(D_S, V_S))
-        run(loss, case, student_head=head, teacher_head=head,
-            shared_vocab=(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)))
+        run(
+            loss,
+            case,
+            student_head=head,
+            teacher_head=head,
+            shared_vocab=(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)),
+        )
     with pytest.raises(MtaError):
         SpanRepresentationLoss(0, D_S, D_T)
 
@@ -404,7 +428,10 @@ def test_shared_vocabulary_normalises_space_markers_and_guards_specials():
     student = {"<s>": 0, "Ġthe": 1, "the": 2, "Ġcat": 3, "Ċ": 4, "<|endoftext|>": 5, "ĠĠ": 6, "dog": 7}
     teacher = {"▁the": 10, "<|endoftext|>": 3, "the": 4, "▁cat": 0, "<s>": 1, "\n": 2, "▁▁": 5, "Ġcat": 6}
     s_ids, t_ids = shared_vocabulary(
-        student, teacher, student_special={"<s>", "<|endoftext|>"}, teacher_special={"<|endoftext|>"},
+        student,
+        teacher,
+        student_special={"<s>", "<|endoftext|>"},
+        teacher_special={"<|endoftext|>"},
     )
     assert s_ids.dtype == torch.long and t_ids.dtype == torch.long
     # "<s>" is special for the student only: unmatched. "Ġcat" matches the lowest teacher id

@@ -109,8 +109,11 @@ def test_pooling_matches_the_loop_and_ignores_padding(mode):
     mask = _mask()
     pooled = pool(hidden, mask, mode)
     rows = hidden.tolist()
-    expected = {"cls_attention": lambda: ref_cls_attention(rows, LENGTHS), "mean": lambda: ref_mean(rows, LENGTHS),
-                "cls": lambda: [row[0] for row in rows]}[mode]()
+    expected = {
+        "cls_attention": lambda: ref_cls_attention(rows, LENGTHS),
+        "mean": lambda: ref_mean(rows, LENGTHS),
+        "cls": lambda: [row[0] for row in rows],
+    }[mode]()
     assert torch.allclose(pooled, torch.tensor(expected, dtype=torch.float64), atol=1e-10)
     # Anything in the padded positions (and more padding) leaves every row's embedding as it was.
     noisy = hidden.clone()
@@ -126,8 +129,12 @@ def test_cls_attention_gradient_matches_the_loop():
     (cls_attention_pool(hidden, _mask()) * probe).sum().backward()
     base = hidden.detach().clone()
     numeric = numeric_grad(
-        lambda: sum(sum(a * b for a, b in zip(row, w)) for row, w in
-                    zip(ref_cls_attention(base.tolist(), LENGTHS), probe.tolist())), base)
+        lambda: sum(
+            sum(a * b for a, b in zip(row, w))
+            for row, w in zip(ref_cls_attention(base.tolist(), LENGTHS), probe.tolist())
+        ),
+        base,
+    )
     assert torch.allclose(hidden.grad, numeric, atol=1e-6)
     assert (hidden.grad[_mask() == 0] == 0).all()  # padding gets no gradient
 
@@ -190,7 +197,8 @@ def test_lasd_matches_the_loop_in_value_and_gradient(reduction):
 def test_lasd_sum_is_the_mean_times_the_matrix_entries():
     embeddings = torch.randn(L, B, D_S, generator=torch.Generator().manual_seed(5))
     assert lasd_loss(embeddings, reduction="sum").item() == pytest.approx(
-        B * B * lasd_loss(embeddings, reduction="mean").item(), rel=1e-5)
+        B * B * lasd_loss(embeddings, reduction="mean").item(), rel=1e-5
+    )
 
 
 def test_lasd_is_zero_for_identical_layers_and_for_rescaled_ones():

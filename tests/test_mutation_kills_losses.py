@@ -123,8 +123,12 @@ def rows(tensor: torch.Tensor) -> list:
 
 
 DISTRIBUTION_LOSSES = {
-    "fkl": ForwardKL, "rkl": ReverseKL, "skl": SkewForwardKL, "srkl": SkewReverseKL,
-    "jsd": JensenShannon, "tvd": TotalVariation,
+    "fkl": ForwardKL,
+    "rkl": ReverseKL,
+    "skl": SkewForwardKL,
+    "srkl": SkewReverseKL,
+    "jsd": JensenShannon,
+    "tvd": TotalVariation,
 }
 
 
@@ -142,10 +146,17 @@ def test_token_loss_gives_one_value_per_row_and_the_classes_default_to_the_paper
         assert got[row].item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize(("name", "weight", "equals"), [
-    ("skl", 0.0, "fkl"), ("skl", 1.0, "zero"), ("srkl", 0.0, "rkl"), ("srkl", 1.0, "zero"),
-    ("jsd", 0.0, "zero"), ("jsd", 1.0, "zero"),
-])
+@pytest.mark.parametrize(
+    ("name", "weight", "equals"),
+    [
+        ("skl", 0.0, "fkl"),
+        ("skl", 1.0, "zero"),
+        ("srkl", 0.0, "rkl"),
+        ("srkl", 1.0, "zero"),
+        ("jsd", 0.0, "zero"),
+        ("jsd", 1.0, "zero"),
+    ],
+)
 def test_mixture_weights_at_the_ends_of_the_unit_interval(name, weight, equals):
     """α or β of 0 and 1 are valid: one side of the mixture has weight 0 (its log is −∞) and the
     divergence is the plain KL or 0, finite."""
@@ -157,7 +168,8 @@ def test_mixture_weights_at_the_ends_of_the_unit_interval(name, weight, equals):
     got = build_base_loss(name, **option)(student, teacher, labels).item()
     values = [
         0.0 if equals == "zero" else ref_divergence(equals, student[b, t].tolist(), teacher[b, t].tolist())
-        for b in range(2) for t in range(3)
+        for b in range(2)
+        for t in range(3)
     ]
     assert math.isfinite(got)
     assert got == pytest.approx(sum(values) / len(values), abs=1e-6)
@@ -177,7 +189,9 @@ def test_temperature_and_chunk_size_limits_are_refused_with_the_value():
     build_base_loss("fkl", temperature=1e-3)
     with pytest.raises(MtaError, match=r"^chunk_size must be at least 1, got 0$"):
         build_base_loss("ce", chunk_size=0)
-    with pytest.raises(MtaError, match=r"^unknown base loss 'kl'; choose one of ce, fkl, rkl, skl, srkl, jsd, tvd, distillm2$"):
+    with pytest.raises(
+        MtaError, match=r"^unknown base loss 'kl'; choose one of ce, fkl, rkl, skl, srkl, jsd, tvd, distillm2$"
+    ):
         build_base_loss("kl")
 
 
@@ -308,7 +322,9 @@ def test_hra_averages_only_sequences_with_weight():
     got = hidden_representation_alignment(student, teacher, weights, mask).item()
     expected = ref_hra(rows(student), rows(teacher), rows(weights), mask.tolist())
     assert got == pytest.approx(expected, rel=1e-5)
-    assert expected == pytest.approx(ref_hra(rows(student[:1]), rows(teacher[:1]), rows(weights[:1]), [mask[0].tolist()]))
+    assert expected == pytest.approx(
+        ref_hra(rows(student[:1]), rows(teacher[:1]), rows(weights[:1]), [mask[0].tolist()])
+    )
 
 
 # ---------------------------------------------------------------- span masks and SpanBatch
@@ -329,8 +345,10 @@ def test_masks_of_ranges_outside_the_sequence_empty_ranges_and_padding_spans():
 
 def test_span_batch_masks_ignore_the_ranges_of_padding_spans_and_move_whole():
     batch = SpanBatch(
-        student_start=torch.tensor([[0, 2, 1]]), student_end=torch.tensor([[2, 4, 3]]),
-        teacher_start=torch.tensor([[1, 3, 0]]), teacher_end=torch.tensor([[3, 6, 5]]),
+        student_start=torch.tensor([[0, 2, 1]]),
+        student_end=torch.tensor([[2, 4, 3]]),
+        teacher_start=torch.tensor([[1, 3, 0]]),
+        teacher_end=torch.tensor([[3, 6, 5]]),
         mask=torch.tensor([[True, True, False]]),  # the third span is padding with a real-looking range
     )
     assert batch.num_spans == 3
@@ -352,20 +370,34 @@ def _pairs(*triples):
 
 
 def _batch(seq_s: int, seq_t: int):
-    spans = {"word": SpanBatch(torch.tensor([[0, 1]]), torch.tensor([[1, 2]]), torch.tensor([[0, 1]]),
-                               torch.tensor([[1, 2]]), torch.tensor([[True, True]]))}
+    spans = {
+        "word": SpanBatch(
+            torch.tensor([[0, 1]]),
+            torch.tensor([[1, 2]]),
+            torch.tensor([[0, 1]]),
+            torch.tensor([[1, 2]]),
+            torch.tensor([[True, True]]),
+        )
+    }
     return torch.ones(1, seq_s, dtype=torch.long), torch.ones(1, seq_t, dtype=torch.long), spans
 
 
 def test_trajectory_refusals_name_the_problem():
-    with pytest.raises(MtaError, match=r"^the alignment loss needs at least one \(student, teacher, granularity\) layer pair$"):
+    with pytest.raises(
+        MtaError, match=r"^the alignment loss needs at least one \(student, teacher, granularity\) layer pair$"
+    ):
         TrajectoryAlignmentLoss([], 4, 6, same_tokenizer=True)
     with pytest.raises(MtaError, match=r"^importance 'mean' is not one of attention, uniform$"):
         TrajectoryAlignmentLoss(_pairs((1, 1, "word")), 4, 6, same_tokenizer=True, importance="mean")
     loss = TrajectoryAlignmentLoss(_pairs((1, 1, "word")), 4, 6, same_tokenizer=True)
     student_mask, teacher_mask, spans = _batch(3, 4)
-    with pytest.raises(MtaError, match=(r"^same_tokenizer is set but the student sees 3 tokens and the teacher 4; "
-                                        r"the batches must be built from the same ids$")):
+    with pytest.raises(
+        MtaError,
+        match=(
+            r"^same_tokenizer is set but the student sees 3 tokens and the teacher 4; "
+            r"the batches must be built from the same ids$"
+        ),
+    ):
         loss([torch.zeros(1, 3, 4)] * 3, [torch.zeros(1, 4, 6)] * 3, student_mask, teacher_mask, spans)
 
 
@@ -377,8 +409,13 @@ def test_a_missing_layer_names_the_side_and_the_layers_there_are(terms, same_tok
     student = [torch.randn(1, 3, 4) for _ in range(3)]
     teacher = {0: torch.randn(1, 3, 6), 2: torch.randn(1, 3, 6)}
     loss = TrajectoryAlignmentLoss(_pairs((5, 2, "word")), 4, 6, same_tokenizer=same_tokenizer, terms=terms)
-    with pytest.raises(MtaError, match=(r"^aligned layer 5 is not among the student's hidden states \(0\.\.2\); "
-                                        r"fix loss.layers in the recipe$")):
+    with pytest.raises(
+        MtaError,
+        match=(
+            r"^aligned layer 5 is not among the student's hidden states \(0\.\.2\); "
+            r"fix loss.layers in the recipe$"
+        ),
+    ):
         loss(student, teacher, student_mask, teacher_mask, spans)
     loss = TrajectoryAlignmentLoss(_pairs((1, 1, "word")), 4, 6, same_tokenizer=same_tokenizer, terms=terms)
     with pytest.raises(MtaError, match=r"^aligned layer 1 is not among the teacher's hidden states \(\[0, 2\]\); "):
@@ -427,8 +464,9 @@ def test_token_importance_of_nearly_constant_states_and_of_two_dimensional_ones(
     hidden[1, 0] = hidden[1, 0] * 3e-5
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
     got = token_importance(hidden, mask)
-    torch.testing.assert_close(got.double(), torch.tensor(ref_importance(hidden, mask), dtype=torch.float64),
-                               atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(
+        got.double(), torch.tensor(ref_importance(hidden, mask), dtype=torch.float64), atol=1e-6, rtol=1e-4
+    )
 
 
 def test_uniform_importance_lands_on_the_hidden_states_device_in_fp32():

@@ -26,7 +26,11 @@ def reference_visible(text: str, offsets) -> list[list[int]]:
 def reference_ranges(text: str, offsets, spans) -> list:
     found = []
     for a, b in spans:
-        members = [i for i, (start, end) in enumerate(reference_visible(text, offsets)) if start < end and a <= start and end <= b]
+        members = [
+            i
+            for i, (start, end) in enumerate(reference_visible(text, offsets))
+            if start < end and a <= start and end <= b
+        ]
         found.append((members[0], members[-1] + 1) if members else None)
     return found
 
@@ -45,7 +49,9 @@ def test_visible_ranges_skip_exactly_the_characters_str_isspace_calls_whitespace
         start, end, found = token_ranges(text, offsets, np.array(spans))
         expected = reference_ranges(text, offsets.tolist(), spans)
         assert found.tolist() == [e is not None for e in expected]
-        assert [(s, e) for s, e, f in zip(start.tolist(), end.tolist(), found.tolist()) if f] == [e for e in expected if e]
+        assert [(s, e) for s, e, f in zip(start.tolist(), end.tolist(), found.tolist()) if f] == [
+            e for e in expected if e
+        ]
 
 
 def test_the_ideographic_space_is_whitespace_and_the_ideographic_comma_is_not():

@@ -27,9 +27,7 @@ def same_tokenizer_batch(count: int, seed: int):
         row["teacher_input_ids"] = row["student_input_ids"]
         row["teacher_prompt_len"] = row["student_prompt_len"]
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    return AnnotatedExamples(table, student_pad_id=0, teacher_pad_id=0, granularities=()).batch(
-        list(range(count))
-    )
+    return AnnotatedExamples(table, student_pad_id=0, teacher_pad_id=0, granularities=()).batch(list(range(count)))
 
 
 def ref_base_term(name, student_logits, teacher_logits, labels, tau) -> float:

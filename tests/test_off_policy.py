@@ -172,12 +172,17 @@ def test_draws_are_uniform():
 
 
 def test_generation_is_sampled_as_published_and_keyed_by_row():
-    recipe = Recipe.model_validate({
-        "name": "r", "output_dir": "o", "teacher": {"path": "t"}, "student": {"path": "s"},
-        "data": {"train": "x", "dev": "d", "max_length": 64, "max_prompt_length": 24},
-        "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 2},
-        "generation": {"mode": "adaptive"},
-    })
+    recipe = Recipe.model_validate(
+        {
+            "name": "r",
+            "output_dir": "o",
+            "teacher": {"path": "t"},
+            "student": {"path": "s"},
+            "data": {"train": "x", "dev": "d", "max_length": 64, "max_prompt_length": 24},
+            "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 2},
+            "generation": {"mode": "adaptive"},
+        }
+    )
     params = generation_params(recipe)
     assert (params.temperature, params.top_k, params.top_p, params.max_new_tokens) == (1.0, 0, 1.0, 40)
     seeds = generation_seeds(SEED, 5, ["3", 7])
@@ -256,17 +261,43 @@ def test_a_malformed_state_is_refused(tmp_path, change, message):
 def make_row(index: int) -> dict:
     """A generated row in the annotate artefact's columns."""
     text = f"### Prompt {index}:\nwhy?\n### Response:\nBecause ünïcode — {index}."
-    spans = [] if index % 3 == 0 else [
-        {"char_start": 0, "char_end": 3, "label": "NP", "teacher_start": 0, "teacher_end": 1,
-         "student_start": 0, "student_end": 2},
-        {"char_start": 4, "char_end": 10, "label": "VP", "teacher_start": 1, "teacher_end": 3,
-         "student_start": 2, "student_end": 4},
-    ]
+    spans = (
+        []
+        if index % 3 == 0
+        else [
+            {
+                "char_start": 0,
+                "char_end": 3,
+                "label": "NP",
+                "teacher_start": 0,
+                "teacher_end": 1,
+                "student_start": 0,
+                "student_end": 2,
+            },
+            {
+                "char_start": 4,
+                "char_end": 10,
+                "label": "VP",
+                "teacher_start": 1,
+                "teacher_end": 3,
+                "student_start": 2,
+                "student_end": 4,
+            },
+        ]
+    )
     ids = [5 + index, 6, 7, 2**31 - 1]
     return {
-        "id": index, "text": text, "prompt_chars": 30, "teacher_input_ids": ids,
-        "student_input_ids": ids[:3], "teacher_prompt_len": 2, "student_prompt_len": 1,
-        "phrase_spans": spans, "word_spans": spans[:1], "pair_id": None, "role": None,
+        "id": index,
+        "text": text,
+        "prompt_chars": 30,
+        "teacher_input_ids": ids,
+        "student_input_ids": ids[:3],
+        "teacher_prompt_len": 2,
+        "student_prompt_len": 1,
+        "phrase_spans": spans,
+        "word_spans": spans[:1],
+        "pair_id": None,
+        "role": None,
         "boundary_spans": [{key: value for key, value in span.items() if key != "label"} for span in spans],
     }
 

@@ -32,8 +32,13 @@ ADAPTIVE = {"mode": "adaptive", "init_threshold": 1.0, "buffer_size": 4, **GENER
 
 def _recipe(tmp_path: Path, name: str, teacher_dir, student_dir, data, generation: dict, **train):
     return write_recipe(
-        tmp_path / f"{name}.yaml", teacher=teacher_dir, student=student_dir, annotations=data,
-        output_dir=tmp_path / name, data={"dev": None}, generation=generation,
+        tmp_path / f"{name}.yaml",
+        teacher=teacher_dir,
+        student=student_dir,
+        annotations=data,
+        output_dir=tmp_path / name,
+        data={"dev": None},
+        generation=generation,
         train={"max_steps": 6, "save_interval": 2, **train},
     )
 
@@ -46,7 +51,9 @@ class _Interrupted(Exception):
 def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_its_buffer(
     tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
 ):
-    uninterrupted = run_distillation(load_recipe(_recipe(tmp_path, "a", teacher_dir, tiny_model_dir, same_data, ADAPTIVE)))
+    uninterrupted = run_distillation(
+        load_recipe(_recipe(tmp_path, "a", teacher_dir, tiny_model_dir, same_data, ADAPTIVE))
+    )
     sources = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["split"] == "train"]
     assert sum(r["generation/generated"] for r in sources) > 0 and sum(r["generation/buffer"] for r in sources) > 0
     # Each log line: τ, the micro batches of each source since the last line, speeds and waits.
@@ -82,11 +89,21 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_i
 def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
     tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
 ):
-    path = _recipe(tmp_path, "c", teacher_dir, tiny_model_dir, same_data, {"mode": "always", **GENERATION},
-                   max_steps=2, save_generated=True)
+    path = _recipe(
+        tmp_path,
+        "c",
+        teacher_dir,
+        tiny_model_dir,
+        same_data,
+        {"mode": "always", **GENERATION},
+        max_steps=2,
+        save_generated=True,
+    )
     events = []
     real_forward, real_result = Trainer.teacher_forward, PendingSpans.result
-    monkeypatch.setattr(Trainer, "teacher_forward", lambda self, batch: events.append("teacher") or real_forward(self, batch))
+    monkeypatch.setattr(
+        Trainer, "teacher_forward", lambda self, batch: events.append("teacher") or real_forward(self, batch)
+    )
     monkeypatch.setattr(PendingSpans, "result", lambda self, *a: events.append("spans") or real_result(self, *a))
     run_distillation(load_recipe(path))
     # Each micro batch waits for its spans only after the teacher's forward (parsed meanwhile);
@@ -110,9 +127,9 @@ def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
         assert len(row["student_input_ids"]) - len(prompt) <= GENERATION["max_new_tokens"]
         labels = batch.student.labels[position].tolist()
         assert all(label == -100 for label in labels[: len(prompt)])
-        assert labels[len(prompt): len(row["student_input_ids"])] == row["student_input_ids"][len(prompt):]
+        assert labels[len(prompt) : len(row["student_input_ids"])] == row["student_input_ids"][len(prompt) :]
         for span in row["phrase_spans"] + row["word_spans"]:
-            assert row["text"][span["char_start"]: span["char_end"]].strip()
+            assert row["text"][span["char_start"] : span["char_end"]].strip()
     record = [r for r in read_metrics(out / "metrics.jsonl") if r["split"] == "train"][-1]
     assert record["generation/generated"] == 2 and record["generation/gold"] == 0
     assert "generation/threshold" not in record  # no threshold outside adaptive mode
@@ -125,8 +142,19 @@ def test_two_zero3_processes_agree_on_every_decision_train_and_resume(tmp_path, 
     (each samples its own rows and replays its own buffer), and a resume from a checkpoint
     samples the same responses and ends with the same weights."""
     generation = {"mode": "adaptive", "init_threshold": 1.0, "buffer_size": 2, **GENERATION}
-    path = _recipe(tmp_path, "z3", teacher_dir, tiny_model_dir, same_data, generation, max_steps=4,
-                   batch_size=4, micro_batch_size=1, save_generated=True, zero_stage=3)
+    path = _recipe(
+        tmp_path,
+        "z3",
+        teacher_dir,
+        tiny_model_dir,
+        same_data,
+        generation,
+        max_steps=4,
+        batch_size=4,
+        micro_batch_size=1,
+        save_generated=True,
+        zero_stage=3,
+    )
     out = tmp_path / "z3"
     command = ["-m", "mta_cli.main", "distill", "--recipe", path]
     torchrun(command)

@@ -19,7 +19,11 @@ from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.store.read import read_annotations
 from mta.data.encoding import BYTE_LEVEL_CHARS, TokenizerSide
 from mta.data.online_spans import (
-    GeneratedRow, SpanParser, annotate_generated, generated_row, online_annotator,
+    GeneratedRow,
+    SpanParser,
+    annotate_generated,
+    generated_row,
+    online_annotator,
 )
 from mta.errors import MtaError
 
@@ -27,9 +31,13 @@ from conftest import EXAMPLES
 from test_annotate import EDGE_ROWS, reference_range, write_jsonl
 
 MULTIBYTE = "Café crème, naïve señor: 茶是一种饮料 👋🏽 and 🎉 done."
-ROWS = [json.loads(line) for line in EXAMPLES.read_text().splitlines()[:12] if line.strip()] + EDGE_ROWS + [
-    {"prompt": "Write mixed text.\n", "response": MULTIBYTE},
-]
+ROWS = (
+    [json.loads(line) for line in EXAMPLES.read_text().splitlines()[:12] if line.strip()]
+    + EDGE_ROWS
+    + [
+        {"prompt": "Write mixed text.\n", "response": MULTIBYTE},
+    ]
+)
 SPAN_COLUMNS = ("phrase_spans", "word_spans")
 TAIL_CHARS = 40  # where a cut row's parse may differ: annotate parsed past the cut, online cannot
 
@@ -61,8 +69,13 @@ def two(tmp_path_factory, tiny_tokenizer_dir, other_tokenizer_dir):
 def replay(annotator, row: dict, side: str = "student", **changes) -> dict:
     """Feed an annotate row back as a generation: its prompt text, its ids split at the prompt."""
     ids, prompt_len = row[f"{side}_input_ids"], row[f"{side}_prompt_len"]
-    values = dict(prompt=row["text"][: row["prompt_chars"]], prompt_ids=ids[:prompt_len],
-                  generated_ids=ids[prompt_len:], side=side, id=row["id"])
+    values = dict(
+        prompt=row["text"][: row["prompt_chars"]],
+        prompt_ids=ids[:prompt_len],
+        generated_ids=ids[prompt_len:],
+        side=side,
+        id=row["id"],
+    )
     values.update(changes)
     return generated_row(annotator, **values)
 
@@ -133,8 +146,7 @@ def test_ids_that_are_not_the_encoding_of_their_text_are_kept(two):
     assert got["teacher_input_ids"] == row["teacher_input_ids"]  # the teacher encodes the text
     # Independent offsets: every byte token of a character covers that character.
     offsets = [tuple(o) for o in student.encode(prompt).offsets]
-    offsets += [(len(prompt) + i, len(prompt) + i + 1) for i, char in enumerate(MULTIBYTE)
-                for _ in char.encode()]
+    offsets += [(len(prompt) + i, len(prompt) + i + 1) for i, char in enumerate(MULTIBYTE) for _ in char.encode()]
     for column in SPAN_COLUMNS:
         assert [(s["char_start"], s["char_end"], s["teacher_start"], s["teacher_end"]) for s in got[column]] == [
             (s["char_start"], s["char_end"], s["teacher_start"], s["teacher_end"]) for s in row[column]
@@ -182,21 +194,25 @@ def test_empty_response_eos_first_and_the_length_limit(same, two):
     rows, annotator = same
     empty = next(row for row in rows if row["prompt_chars"] == len(row["text"]))
     eos = annotator.sides[1].eos_id
-    assert empty["student_input_ids"][empty["student_prompt_len"]:] == [eos]
+    assert empty["student_input_ids"][empty["student_prompt_len"] :] == [eos]
     assert replay(annotator, empty) == empty  # EOS as the first generated token
     nothing = replay(annotator, empty, generated_ids=[])  # nothing generated: no EOS either
-    assert nothing == {**empty, "teacher_input_ids": empty["teacher_input_ids"][:-1],
-                       "student_input_ids": empty["student_input_ids"][:-1]}
+    assert nothing == {
+        **empty,
+        "teacher_input_ids": empty["teacher_input_ids"][:-1],
+        "student_input_ids": empty["student_input_ids"][:-1],
+    }
     # A response that fills the budget: the ids without EOS, spans as annotate's for that text.
     for table, online in ((rows, annotator), two[:2]):
         for row in table:
             if is_complete(row, online.sides[1]):
                 ids = row["student_input_ids"][:-1]
-                got = replay(online, row, generated_ids=ids[row["student_prompt_len"]:])
+                got = replay(online, row, generated_ids=ids[row["student_prompt_len"] :])
                 assert got["student_input_ids"] == ids
                 assert got["teacher_input_ids"] == row["teacher_input_ids"][:-1]
                 assert {k: v for k, v in got.items() if not k.endswith("input_ids")} == {
-                    k: v for k, v in row.items() if not k.endswith("input_ids")}
+                    k: v for k, v in row.items() if not k.endswith("input_ids")
+                }
 
 
 def test_eos_ids_per_side_and_a_stop_token_that_is_not_eos(eos_1_tokenizer_dir, eos_2_tokenizer_dir):
@@ -213,7 +229,8 @@ def test_eos_ids_per_side_and_a_stop_token_that_is_not_eos(eos_1_tokenizer_dir, 
     stopped = generated_row(annotator, prompt, prompt_ids, response + [0], finished=True)
     assert stopped["student_input_ids"][-1] == 0 and stopped["teacher_input_ids"][-1] == 1
     assert {k: stopped[k] for k in ("text", "phrase_spans", "word_spans")} == {
-        k: finished[k] for k in ("text", "phrase_spans", "word_spans")}
+        k: finished[k] for k in ("text", "phrase_spans", "word_spans")
+    }
     with pytest.raises(ValueError, match="EOS"):  # padding after the first EOS
         generated_row(annotator, prompt, prompt_ids, response + [2, 2])
     # A prompt text the prompt ids do not decode to: the prompt ends where its ids' text does.
@@ -254,10 +271,15 @@ def test_the_worker_pool_returns_what_the_synchronous_path_does(two):
     torch.set_num_threads(2)
     torch.ones(256, 256) @ torch.ones(256, 256)  # the parent's thread pool is up before the fork
     rows, annotator, settings = two
-    generated = [GeneratedRow(row["text"][: row["prompt_chars"]],
-                              row["student_input_ids"][: row["student_prompt_len"]],
-                              row["student_input_ids"][row["student_prompt_len"]:], id=row["id"])
-                 for row in rows]
+    generated = [
+        GeneratedRow(
+            row["text"][: row["prompt_chars"]],
+            row["student_input_ids"][: row["student_prompt_len"]],
+            row["student_input_ids"][row["student_prompt_len"] :],
+            id=row["id"],
+        )
+        for row in rows
+    ]
     sync = SpanParser(settings, teacher=annotator.sides[0], student=annotator.sides[1]).parse(generated)
     with SpanParser(settings, workers=2, teacher=annotator.sides[0], student=annotator.sides[1]) as parser:
         first, second = parser.submit(generated), parser.submit(generated[::-1])  # both in flight
@@ -305,9 +327,12 @@ def test_workers_end_with_a_trainer_that_is_killed(two, tmp_path):
     rows, annotator, settings = two
     row = rows[0]
     state = tmp_path / "state.pickle"
-    state.write_bytes(pickle.dumps((settings, *annotator.sides, GeneratedRow(row["text"], row["student_input_ids"], []))))
-    done = subprocess.run([sys.executable, "-c", KILLED_TRAINER, str(state)], capture_output=True,
-                          text=True, timeout=60, check=False)  # it dies by SIGKILL
+    state.write_bytes(
+        pickle.dumps((settings, *annotator.sides, GeneratedRow(row["text"], row["student_input_ids"], [])))
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_TRAINER, str(state)], capture_output=True, text=True, timeout=60, check=False
+    )  # it dies by SIGKILL
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2, done.stderr
 

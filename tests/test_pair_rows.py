@@ -24,8 +24,12 @@ def pairs() -> list[dict]:
     rows = [json.loads(line) for line in EXAMPLES.read_text(encoding="utf-8").splitlines()[:8]]
     # The teacher's response is a row's reference; the student's is another row's, or multibyte.
     return [
-        {"id": n, "prompt": f"Question {n}: {row['instruction']}\nAnswer: ", "chosen": row["output"],
-         "rejected": rows[(n + 1) % len(rows)]["output"] if n % 3 else "茶是一种饮料 👋🏽, naïve."}
+        {
+            "id": n,
+            "prompt": f"Question {n}: {row['instruction']}\nAnswer: ",
+            "chosen": row["output"],
+            "rejected": rows[(n + 1) % len(rows)]["output"] if n % 3 else "茶是一种饮料 👋🏽, naïve.",
+        }
         for n, row in enumerate(rows)
     ]
 
@@ -34,8 +38,13 @@ def pairs() -> list[dict]:
 def settings(request, two_tokenizer_settings, tiny_tokenizer_dir) -> AnnotateSettings:
     if request.param == "two tokenizers":
         return two_tokenizer_settings
-    return AnnotateSettings(teacher=str(tiny_tokenizer_dir), student=str(tiny_tokenizer_dir), workers=1,
-                            max_length=256, max_prompt_length=160)
+    return AnnotateSettings(
+        teacher=str(tiny_tokenizer_dir),
+        student=str(tiny_tokenizer_dir),
+        workers=1,
+        max_length=256,
+        max_prompt_length=160,
+    )
 
 
 def test_each_response_of_a_pair_is_the_row_a_plain_row_would_be(tmp_path, settings):
@@ -49,11 +58,16 @@ def test_each_response_of_a_pair_is_the_row_a_plain_row_would_be(tmp_path, setti
     assert len(got) == len(want) == 2 * len(rows)
     for position, (pair_row, single) in enumerate(zip(got, want)):
         n, half = divmod(position, 2)
-        assert (pair_row["id"], pair_row["pair_id"], pair_row["role"]) == (2 * n + half, n, ("chosen", "rejected")[half])
+        assert (pair_row["id"], pair_row["pair_id"], pair_row["role"]) == (
+            2 * n + half,
+            n,
+            ("chosen", "rejected")[half],
+        )
         assert (single["pair_id"], single["role"]) == (None, None)
         # Everything else, both tokenizers' ids and every span, as the plain row has it.
-        assert {k: v for k, v in pair_row.items() if k not in PAIR_COLUMNS} == \
-               {k: v for k, v in single.items() if k not in PAIR_COLUMNS}
+        assert {k: v for k, v in pair_row.items() if k not in PAIR_COLUMNS} == {
+            k: v for k, v in single.items() if k not in PAIR_COLUMNS
+        }
         assert pair_row["text"] == rows[n]["prompt"] + rows[n][pair_row["role"]]
 
 

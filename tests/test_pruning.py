@@ -28,9 +28,7 @@ IN_MEMORY_CONFIGS = {
     "mistral": dict(num_hidden_layers=5, **SIZES),
     "qwen2": dict(num_hidden_layers=5, **SIZES),
     "gpt2": dict(n_layer=5, n_embd=32, n_head=4),
-    "opt": dict(
-        num_hidden_layers=5, hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32
-    ),
+    "opt": dict(num_hidden_layers=5, hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32),
 }
 
 
@@ -105,8 +103,13 @@ def test_keeping_every_layer_reproduces_the_teacher_logits_exactly(model_type):
 def test_per_layer_config_lists_follow_the_kept_blocks():
     types = ["full_attention", "sliding_attention"] * 2 + ["full_attention"]
     config = AutoConfig.for_model(
-        "qwen2", vocab_size=97, num_hidden_layers=5, layer_types=types, use_sliding_window=True,
-        sliding_window=4, **SIZES,
+        "qwen2",
+        vocab_size=97,
+        num_hidden_layers=5,
+        layer_types=types,
+        use_sliding_window=True,
+        sliding_window=4,
+        **SIZES,
     )
     teacher = AutoModelForCausalLM.from_config(config)
     student = prune_layers(teacher, [1, 2, 4])
@@ -117,9 +120,7 @@ def test_per_layer_config_lists_follow_the_kept_blocks():
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen2"])
 def test_init_student_writes_a_plain_reloadable_checkpoint(model_type, tiny_tokenizer_dir, tmp_path):
-    source = build_tiny_model(
-        tiny_tokenizer_dir, tmp_path / "teacher", model_type=model_type, num_layers=4
-    )
+    source = build_tiny_model(tiny_tokenizer_dir, tmp_path / "teacher", model_type=model_type, num_layers=4)
     record = init_student(source, tmp_path / "student", num_layers=2)
 
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "student")
@@ -132,9 +133,7 @@ def test_init_student_writes_a_plain_reloadable_checkpoint(model_type, tiny_toke
     saved = json.loads((tmp_path / "student" / INIT_RECORD).read_text())
     assert saved == record
     assert saved["source"] == str(source.resolve()) and saved["source_num_layers"] == 4
-    assert tokenizer_fingerprint(load_tokenizer(tmp_path / "student")) == tokenizer_fingerprint(
-        load_tokenizer(source)
-    )
+    assert tokenizer_fingerprint(load_tokenizer(tmp_path / "student")) == tokenizer_fingerprint(load_tokenizer(source))
 
 
 def test_init_student_refuses_to_overwrite_without_force(tiny_model_dir, tmp_path):
@@ -166,9 +165,7 @@ def test_position_dependent_gpt2_scaling_is_refused():
 
 
 def test_unsupported_architectures_are_named():
-    t5 = AutoConfig.for_model(
-        "t5", vocab_size=97, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8
-    )
+    t5 = AutoConfig.for_model("t5", vocab_size=97, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)
     from transformers import T5ForConditionalGeneration
 
     with pytest.raises(MtaError, match="encoder-decoder"):

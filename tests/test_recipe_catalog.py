@@ -42,9 +42,7 @@ def test_the_catalog_is_the_clones_top_level_recipes_directory():
     # A clone (an editable install) reads the one copy in git; the wheel's copy: tests/test_wheel.py.
     assert SHIPPED_DIR == Path(__file__).resolve().parents[1] / "recipes"
     assert [recipe.name for recipe in SHIPPED] == sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
-    assert {"tiny", "gpt2", "qwen", "opt", "cross-tokenizer", "smollm2-demo"} <= {
-        recipe.name for recipe in SHIPPED
-    }
+    assert {"tiny", "gpt2", "qwen", "opt", "cross-tokenizer", "smollm2-demo"} <= {recipe.name for recipe in SHIPPED}
 
 
 @pytest.mark.parametrize("shipped", SHIPPED, ids=lambda recipe: recipe.name)
@@ -84,9 +82,7 @@ def test_list_names_every_recipe_with_its_header_line():
 
 
 def test_describe_falls_back_to_the_name():
-    assert describe("# First line\n# goes on. Second sentence.\n#\n# more\nname: x\n") == (
-        "First line goes on."
-    )
+    assert describe("# First line\n# goes on. Second sentence.\n#\n# more\nname: x\n") == ("First line goes on.")
     assert describe("name: bare\noutput_dir: runs\n") == "bare"
 
 
@@ -115,9 +111,7 @@ def test_an_unknown_recipe_lists_the_shipped_names(spec, tmp_path, monkeypatch):
     assert ", ".join(sorted(path.stem for path in SHIPPED_DIR.glob("*.yaml"))) in message
 
 
-def test_a_shipped_recipe_reads_its_files_beside_it_and_writes_into_the_working_directory(
-    tmp_path, monkeypatch
-):
+def test_a_shipped_recipe_reads_its_files_beside_it_and_writes_into_the_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe = load_recipe(find_recipe("tiny").path)
     assert recipe.resolve(recipe.data.train) == SHIPPED_DIR / "examples" / "tiny.jsonl"
@@ -148,9 +142,7 @@ def test_a_copy_works_from_another_directory_with_every_file_inside_dest(tmp_pat
     result = runner.invoke(app, ["recipes", "copy", "tiny", str(dest)])
     assert result.exit_code == 0, result.output
     assert (dest / "tiny.yaml").read_text() == (SHIPPED_DIR / "tiny.yaml").read_text()  # comments too
-    assert (dest / "examples" / "tiny.jsonl").read_bytes() == (
-        SHIPPED_DIR / "examples" / "tiny.jsonl"
-    ).read_bytes()
+    assert (dest / "examples" / "tiny.jsonl").read_bytes() == (SHIPPED_DIR / "examples" / "tiny.jsonl").read_bytes()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

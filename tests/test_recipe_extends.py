@@ -22,12 +22,10 @@ def write(path: Path, text: str) -> Path:
 
 def test_the_child_lays_its_keys_over_the_parent(tmp_path):
     parent = write(tmp_path / "parent.yaml", TINY.read_text(encoding="utf-8"))
-    child = write(tmp_path / "child.yaml", (
-        "extends: parent\n"
-        "name: child\n"
-        "loss: {dsa_weight: 5.0, layers: [[2, 2, word]]}\n"
-        "train: {lr: 1.0e-4}\n"
-    ))
+    child = write(
+        tmp_path / "child.yaml",
+        ("extends: parent\nname: child\nloss: {dsa_weight: 5.0, layers: [[2, 2, word]]}\ntrain: {lr: 1.0e-4}\n"),
+    )
     recipe, base = load_recipe(child), load_recipe(parent)
     assert recipe.name == "child" and recipe.loss.dsa_weight == 5.0 and recipe.train.lr == 1.0e-4
     # Mappings merge: what the child does not set is the parent's ...
@@ -46,8 +44,10 @@ def test_the_child_lays_its_keys_over_the_parent(tmp_path):
 def test_null_replaces_and_chains_of_three_merge_in_order(tmp_path):
     write(tmp_path / "a.yaml", TINY.read_text(encoding="utf-8"))
     write(tmp_path / "b.yaml", "extends: a.yaml\nseed: 7\ntrain: {lr: 2.0e-3, max_steps: 5}\n")
-    c = write(tmp_path / "c.yaml", "extends: b\ntrain: {max_steps: 3}\nteacher: null\n"
-                                   "loss: {base: ce, dsa_weight: 0, hra_weight: 0}\n")
+    c = write(
+        tmp_path / "c.yaml",
+        "extends: b\ntrain: {max_steps: 3}\nteacher: null\nloss: {base: ce, dsa_weight: 0, hra_weight: 0}\n",
+    )
     recipe = load_recipe(c)
     assert recipe.seed == 7 and recipe.train.lr == 2.0e-3 and recipe.train.max_steps == 3
     assert recipe.teacher is None
@@ -95,7 +95,9 @@ def test_a_recipe_elsewhere_extends_a_shipped_one_and_its_files_still_resolve(tm
 
 
 def extending_shipped_recipes() -> list[str]:
-    return [r.name for r in shipped_recipes() if "extends" in (load_yaml(r.path.read_text(encoding="utf-8"), r.name) or {})]
+    return [
+        r.name for r in shipped_recipes() if "extends" in (load_yaml(r.path.read_text(encoding="utf-8"), r.name) or {})
+    ]
 
 
 def test_a_copy_of_a_recipe_that_extends_another_carries_its_parent(tmp_path):

@@ -33,8 +33,6 @@ def alias_bomb(levels: int = 9, width: int = 9) -> str:
     return "\n".join(lines) + "\n"
 
 
-
-
 def line_of(text: str, needle: str) -> int:
     return next(number for number, line in enumerate(text.splitlines(), 1) if needle in line)
 
@@ -98,7 +96,9 @@ def test_few_aliases_and_merge_keys_still_load(tmp_path):
     ).replace("student:\n  path: student-model\n", "student:\n  <<: *model\n  path: student-model\n")
     recipe = load_recipe(write(tmp_path, text))
     assert (recipe.teacher.path, recipe.student.path, recipe.student.dtype) == (
-        "teacher-model", "student-model", "fp32"
+        "teacher-model",
+        "student-model",
+        "fp32",
     )
 
 
@@ -164,12 +164,7 @@ def test_a_non_finite_number_in_the_file_is_named_with_its_line(tmp_path):
 
 
 def test_non_finite_numbers_inside_the_deepspeed_mapping_are_found(tmp_path):
-    text = MINIMAL + (
-        "deepspeed:\n"
-        "  zero_optimization:\n"
-        "    overlap_comm: true\n"
-        "    reduce_bucket_size: .inf\n"
-    )
+    text = MINIMAL + ("deepspeed:\n  zero_optimization:\n    overlap_comm: true\n    reduce_bucket_size: .inf\n")
     message = error_of(write(tmp_path, text))
     assert (
         f"line {line_of(text, 'reduce_bucket_size')}: deepspeed.zero_optimization.reduce_bucket_size: "

@@ -45,9 +45,7 @@ def test_every_recipe_loads_validates_and_round_trips(path, tmp_path):
     assert recipe.train.batch_size % recipe.train.micro_batch_size == 0
     # The resolved recipe saved beside checkpoints loads back to the same recipe.
     saved = write(tmp_path, recipe_to_yaml(recipe), path.name)
-    assert load_recipe(saved).model_dump(exclude={"source"}) == recipe.model_dump(
-        exclude={"source"}
-    )
+    assert load_recipe(saved).model_dump(exclude={"source"}) == recipe.model_dump(exclude={"source"})
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
@@ -58,17 +56,28 @@ def test_every_recipe_starts_with_a_header_comment(path):
 PUBLISHED = {
     # file: (teacher, student, base, dsa, hra, (student, teacher, granularity) triples)
     "gpt2.yaml": (
-        "MiniLLM/teacher-gpt2-1.5B", "gpt2", "srkl", 2.0, 0.2,
+        "MiniLLM/teacher-gpt2-1.5B",
+        "gpt2",
+        "srkl",
+        2.0,
+        0.2,
         [(6, 24, "word"), (9, 36, "phrase"), (12, 48, "phrase")],
     ),
     "qwen.yaml": (
-        "VoCuc/Qwen1.5_1.8B_SFT", "Qwen/Qwen1.5-0.5B", "srkl", 2.0, 0.2,
+        "VoCuc/Qwen1.5_1.8B_SFT",
+        "Qwen/Qwen1.5-0.5B",
+        "srkl",
+        2.0,
+        0.2,
         [(14, 14, "word")] + [(layer, layer, "phrase") for layer in (16, 18, 20, 22, 24)],
     ),
     "opt.yaml": (
-        "MiniLLM/SFT-OPT-6.7B", "facebook/opt-1.3b", "srkl", 3.0, 0.3,
-        [(16, 20, "word"), (18, 23, "phrase"), (20, 26, "phrase"), (22, 29, "phrase"),
-         (24, 32, "phrase")],
+        "MiniLLM/SFT-OPT-6.7B",
+        "facebook/opt-1.3b",
+        "srkl",
+        3.0,
+        0.3,
+        [(16, 20, "word"), (18, 23, "phrase"), (20, 26, "phrase"), (22, 29, "phrase"), (24, 32, "phrase")],
     ),
     "cross-tokenizer.yaml": ("VoCuc/Qwen1.5_1.8B_SFT", "gpt2", "ce", 2.0, 0.2, "auto"),
 }
@@ -80,9 +89,7 @@ def test_paper_recipes_carry_the_published_setting(name):
     recipe = load_recipe(REPO / "recipes" / name)
     assert (recipe.teacher.path, recipe.student.path) == (teacher, student)
     assert (recipe.loss.base, recipe.loss.dsa_weight, recipe.loss.hra_weight) == (base, dsa, hra)
-    expected = layers if layers == "auto" else [
-        LayerPair(student=s, teacher=t, granularity=g) for s, t, g in layers
-    ]
+    expected = layers if layers == "auto" else [LayerPair(student=s, teacher=t, granularity=g) for s, t, g in layers]
     assert recipe.loss.layers == expected
     # DistiLLM-base hyper-parameters (docs/method.md §5).
     train = recipe.train
@@ -151,8 +158,7 @@ def test_override_indexes_into_the_layer_list_of_a_file():
 def test_later_override_wins_and_null_removes_the_teacher(tmp_path):
     recipe = load_recipe(
         write(tmp_path, MINIMAL),
-        ["train.lr=1e-3", "train.lr=2e-3", "teacher=null", "loss.base=ce", "loss.dsa_weight=0",
-         "loss.hra_weight=0"],
+        ["train.lr=1e-3", "train.lr=2e-3", "teacher=null", "loss.base=ce", "loss.dsa_weight=0", "loss.hra_weight=0"],
     )
     assert recipe.train.lr == 2e-3 and recipe.teacher is None
 
@@ -213,8 +219,7 @@ def test_bad_layer_triples_are_named_by_index(tmp_path):
     layers = "  layers:\n    - [6, 24, word]\n    - [9, 36, phrases]\n    - [12, 48]\n"
     text = MINIMAL.replace("  base: fkl\n", "  base: fkl\n" + layers)
     message = error_of(write(tmp_path, text))
-    assert "loss.layers.1.granularity: 'phrases' is not allowed; use one of 'word' or 'phrase'" \
-        in message
+    assert "loss.layers.1.granularity: 'phrases' is not allowed; use one of 'word' or 'phrase'" in message
     assert "loss.layers.2: write a layer pair as [student, teacher, word|phrase]" in message
     assert "'auto'" not in message  # the other branch of the union is not reported
 
@@ -309,8 +314,14 @@ def test_deepspeed_keys_the_recipe_owns_are_refused(tmp_path, override, recipe_k
 def test_deepspeed_setting_names_come_from_the_installed_deepspeed():
     names = deepspeed_setting_names()
     assert names is not None
-    assert {"zero_optimization", "activation_checkpointing", "communication_data_type",
-            "flops_profiler", "wall_clock_breakdown", "train_batch_size"} <= names
+    assert {
+        "zero_optimization",
+        "activation_checkpointing",
+        "communication_data_type",
+        "flops_profiler",
+        "wall_clock_breakdown",
+        "train_batch_size",
+    } <= names
     assert "zero_optimisation" not in names and "stage" not in names
 
 
@@ -337,8 +348,7 @@ def test_an_owned_key_inside_a_section_in_the_file_is_named_with_its_line(tmp_pa
     text = MINIMAL + "deepspeed:\n  zero_optimization:\n    overlap_comm: true\n    stage: 3\n"
     message = error_of(write(tmp_path, text))
     assert (
-        f"line {len(text.splitlines())}: deepspeed.zero_optimization.stage: set by the recipe from "
-        "train.zero_stage"
+        f"line {len(text.splitlines())}: deepspeed.zero_optimization.stage: set by the recipe from train.zero_stage"
     ) in message
 
 
@@ -546,5 +556,7 @@ def test_generation_that_needs_one_tokenizer_is_refused_across_tokenizers(tmp_pa
     with pytest.raises(MtaError) as caught:
         check_generation_fits(recipe, same_tokenizer=False)
     message = str(caught.value)
-    assert message.startswith(f"{tmp_path / 'recipe.yaml'}: generation.mode=adaptive needs the teacher and the student to share a tokenizer")
+    assert message.startswith(
+        f"{tmp_path / 'recipe.yaml'}: generation.mode=adaptive needs the teacher and the student to share a tokenizer"
+    )
     assert "(teacher-model vs student-model)" in message and "no teacher signal on generated text" in message

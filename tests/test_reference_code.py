@@ -107,7 +107,9 @@ def authors_pair_loss(projector, s_hidden, t_hidden, s_weights, t_weights, membe
             dsa_den += weight
     hra_num, hra_den = 0.0, 0.0
     for m, (b, t, _) in enumerate(members):  # L268-272: every membership, a token once per span
-        distance = 1 - F.cosine_similarity(projector(s_hidden[b, t].double()), t_hidden[b, t].double(), dim=-1, eps=1e-5)
+        distance = 1 - F.cosine_similarity(
+            projector(s_hidden[b, t].double()), t_hidden[b, t].double(), dim=-1, eps=1e-5
+        )
         weight = float(tw[m] > 0) if uniform else tw[m]  # ablation L445-446
         hra_num = hra_num + weight * distance
         hra_den += weight
@@ -122,8 +124,9 @@ def authors_overall(projectors, attention_mask, s_states, t_states, offsets, spa
         members = authors_memberships(attention_mask, offsets, spans[granularity])
         s_w = authors_token_weights(s_states[s_layer], attention_mask)
         t_w = authors_token_weights(t_states[t_layer], attention_mask)
-        out.append(authors_pair_loss(projector, s_states[s_layer], t_states[t_layer], s_w, t_w, members,
-                                     uniform=uniform))
+        out.append(
+            authors_pair_loss(projector, s_states[s_layer], t_states[t_layer], s_w, t_w, members, uniform=uniform)
+        )
     return out
 
 
@@ -185,18 +188,24 @@ CASES = {
     # difference 1 alone: padding rows ask in the importance
     "padding rows": dict(lengths=[7], phrase=[[(0, 2), (2, 5), (5, 7)]], word=[[(0, 1), (3, 4), (6, 7)]]),
     # difference 2 alone: DSA over all pairs of the batch (no padding, disjoint spans)
-    "batch pairs": dict(lengths=[12, 12, 12],
-                        phrase=[[(0, 2), (2, 5), (5, 12)], [(1, 3), (4, 6)], [(0, 4), (4, 5), (6, 9), (9, 12)]],
-                        word=[[(0, 1), (3, 4)], [(1, 2), (5, 6), (7, 8)], [(2, 3), (10, 11)]]),
+    "batch pairs": dict(
+        lengths=[12, 12, 12],
+        phrase=[[(0, 2), (2, 5), (5, 12)], [(1, 3), (4, 6)], [(0, 4), (4, 5), (6, 9), (9, 12)]],
+        word=[[(0, 1), (3, 4)], [(1, 2), (5, 6), (7, 8)], [(2, 3), (10, 11)]],
+    ),
     # difference 3 alone: a token once per span (one unpadded sequence, overlapping spans)
     "overlaps": dict(lengths=[12], phrase=[[(0, 4), (2, 6), (2, 6), (5, 12)]], word=[[(0, 1), (0, 1), (4, 5)]]),
     # everything at once: padding, several sequences, overlaps, a duplicate, a one-span sequence
-    "all": dict(lengths=[12, 9, 6],
-                phrase=[[(0, 3), (2, 6), (2, 6), (7, 12), (9, 10)], [(1, 4), (3, 8)], [(0, 6)]],
-                word=[[(0, 1), (1, 2), (4, 5), (4, 5)], [(2, 3), (5, 6), (8, 9)], [(1, 2), (3, 5)]]),
+    "all": dict(
+        lengths=[12, 9, 6],
+        phrase=[[(0, 3), (2, 6), (2, 6), (7, 12), (9, 10)], [(1, 4), (3, 8)], [(0, 6)]],
+        word=[[(0, 1), (1, 2), (4, 5), (4, 5)], [(2, 3), (5, 6), (8, 9)], [(1, 2), (3, 5)]],
+    ),
 }
-PAIRS = [SimpleNamespace(student=1, teacher=2, granularity="word"),
-         SimpleNamespace(student=2, teacher=4, granularity="phrase")]
+PAIRS = [
+    SimpleNamespace(student=1, teacher=2, granularity="word"),
+    SimpleNamespace(student=2, teacher=4, granularity="phrase"),
+]
 
 
 def run_both(case: str, *, importance="attention", reference_code=True, seed=0):
@@ -210,12 +219,17 @@ def run_both(case: str, *, importance="attention", reference_code=True, seed=0):
     # Padding positions hold states too (the model computes them): theirs reads them.
     student = [torch.randn(len(lengths), seq, 8, generator=generator, requires_grad=True) for _ in range(3)]
     teacher = [torch.randn(len(lengths), seq, 12, generator=generator) for _ in range(5)]
-    loss = TrajectoryAlignmentLoss(PAIRS, 8, 12, same_tokenizer=True, importance=importance,
-                                   reference_code=reference_code)
+    loss = TrajectoryAlignmentLoss(
+        PAIRS, 8, 12, same_tokenizer=True, importance=importance, reference_code=reference_code
+    )
     spans = {g: span_batch(spec[g]) for g in ("word", "phrase")}
     ours = loss(student, teacher, mask, mask, spans)
     (2.0 * ours["dsa"] + 0.2 * ours["hra"]).backward()
-    grads_ours = [student[1].grad.clone(), student[2].grad.clone(), *(p.grad.clone() for p in loss.projectors.parameters())]
+    grads_ours = [
+        student[1].grad.clone(),
+        student[2].grad.clone(),
+        *(p.grad.clone() for p in loss.projectors.parameters()),
+    ]
 
     # Theirs: token t of a row shows characters [2t, 2t + 2) ("Ġx"), a token range [s, e) is the
     # character span [2s + 1, 2e), so their membership rule picks exactly tokens s..e-1.
@@ -224,17 +238,24 @@ def run_both(case: str, *, importance="attention", reference_code=True, seed=0):
     s_states = [h.detach().double().requires_grad_() for h in student]
     projectors = [copy.deepcopy(p).double() for p in loss.projectors]
     pairs = [(p.student, p.teacher, p.granularity) for p in PAIRS]
-    theirs = authors_overall(projectors, mask, s_states, teacher, offsets, chars, pairs, uniform=importance == "uniform")
+    theirs = authors_overall(
+        projectors, mask, s_states, teacher, offsets, chars, pairs, uniform=importance == "uniform"
+    )
     overall = sum(dsa + hra / 10 for dsa, hra in theirs) / len(theirs)  # L199
     (2.0 * overall).backward()  # --w-span-loss 2.0
-    grads_theirs = [s_states[1].grad, s_states[2].grad, *(p.grad for p in (projectors[0].weight, projectors[0].bias,
-                                                                          projectors[1].weight, projectors[1].bias))]
+    grads_theirs = [
+        s_states[1].grad,
+        s_states[2].grad,
+        *(p.grad for p in (projectors[0].weight, projectors[0].bias, projectors[1].weight, projectors[1].bias)),
+    ]
     return ours, theirs, grads_ours, grads_theirs
 
 
 def means(theirs) -> dict[str, float]:
-    return {term: sum(float(torch.as_tensor(pair[i]).detach()) for pair in theirs) / len(theirs)
-            for i, term in enumerate(("dsa", "hra"))}
+    return {
+        term: sum(float(torch.as_tensor(pair[i]).detach()) for pair in theirs) / len(theirs)
+        for i, term in enumerate(("dsa", "hra"))
+    }
 
 
 def close(a: float, b: float) -> bool:
@@ -251,9 +272,15 @@ def test_reference_code_is_the_authors_loss_values_and_gradients(case):
         torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case, differs", [
-    ("agree", set()), ("padding rows", {"dsa", "hra"}), ("batch pairs", {"dsa"}), ("overlaps", {"hra"}),
-])
+@pytest.mark.parametrize(
+    "case, differs",
+    [
+        ("agree", set()),
+        ("padding rows", {"dsa", "hra"}),
+        ("batch pairs", {"dsa"}),
+        ("overlaps", {"hra"}),
+    ],
+)
 def test_the_formulas_differ_from_the_authors_exactly_where_documented(case, differs):
     formulas, theirs, _, _ = run_both(case, reference_code=False)
     expected = means(theirs)
@@ -311,7 +338,7 @@ def test_default_objective_stays_the_formulas():
 
 
 TEXTS = [
-    "Below is an instruction that describes a task.\n\n### Instruction:\nName the \"largest\" planet (in mass).\n\n"
+    'Below is an instruction that describes a task.\n\n### Instruction:\nName the "largest" planet (in mass).\n\n'
     "### Response:\nJupiter is the largest planet, and it has been studied closely by many probes.",
     "The quick brown fox has been quickly running away from the farmer's angry dogs.",
     "She quickly ran and jumped over the old fence, then happily went home.\n\nThe end.",
@@ -348,7 +375,7 @@ def test_reference_membership_is_the_authors_rule(tiny_tokenizer_dir):
     offsets = side.encode(text).offsets
     start, end, _ = token_ranges(text, offsets, np.array([[a, a + len("Jupiter")]]), rule="reference")
     paper, _, _ = token_ranges(text, offsets, np.array([[a, a + len("Jupiter")]]))
-    assert text[offsets[start[0], 0]:offsets[start[0], 1]].endswith("\n") and paper[0] > start[0]
+    assert text[offsets[start[0], 0] : offsets[start[0], 1]].endswith("\n") and paper[0] > start[0]
 
 
 def test_reference_words_are_the_authors_words(nlp):
@@ -380,12 +407,17 @@ def test_span_rule_reference_needs_the_words_of_phrases(tmp_path):
 
 def recipe(tmp_path: Path, **data) -> Recipe:
     """A recipe for the committed version-1 artefact (its tokenizers and lengths)."""
-    return Recipe.model_validate({
-        "name": "t", "output_dir": str(tmp_path / "run"),
-        "teacher": {"path": "teacher-tok512"}, "student": {"path": "student-tok300"},
-        "data": {"train": str(V1), "max_length": 180, "max_prompt_length": 160, **data},
-        "loss": {"base": "ce"}, "train": {"max_steps": 1},
-    })
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "output_dir": str(tmp_path / "run"),
+            "teacher": {"path": "teacher-tok512"},
+            "student": {"path": "student-tok300"},
+            "data": {"train": str(V1), "max_length": 180, "max_prompt_length": 160, **data},
+            "loss": {"base": "ce"},
+            "train": {"max_steps": 1},
+        }
+    )
 
 
 def test_an_artefact_without_a_rule_is_the_papers_and_a_mismatch_is_refused(tmp_path):
@@ -399,20 +431,30 @@ def test_an_artefact_without_a_rule_is_the_papers_and_a_mismatch_is_refused(tmp_
 
 
 def test_a_papers_artefact_keeps_its_run_key():
-    description = {"input": {"sha256": "x", "rows": 1}, "teacher": {"fingerprint": "a"},
-                   "student": {"fingerprint": "b"}, "template": {"name": "alpaca"}}
+    description = {
+        "input": {"sha256": "x", "rows": 1},
+        "teacher": {"fingerprint": "a"},
+        "student": {"fingerprint": "b"},
+        "template": {"name": "alpaca"},
+    }
     old = annotate_run_key(description)
     assert annotate_run_key({**description, "span_rule": "paper"}) == old
     assert annotate_run_key({**description, "span_rule": "reference"}) != old
 
 
 ROWS = [
-    {"instruction": "Name the \"largest\" planet (in mass).", "output": "Jupiter is the largest planet, and it "
-     "has been studied closely by many probes."},
-    {"instruction": "Describe the fox.", "output": "The quick brown fox has been quickly running away from the "
-     "farmer's angry dogs."},
-    {"instruction": "What did she do?", "output": "She quickly ran and jumped over the old fence.\n\nThen she "
-     "happily went home."},
+    {
+        "instruction": 'Name the "largest" planet (in mass).',
+        "output": "Jupiter is the largest planet, and it has been studied closely by many probes.",
+    },
+    {
+        "instruction": "Describe the fox.",
+        "output": "The quick brown fox has been quickly running away from the farmer's angry dogs.",
+    },
+    {
+        "instruction": "What did she do?",
+        "output": "She quickly ran and jumped over the old fence.\n\nThen she happily went home.",
+    },
     {"instruction": "How did they do?", "output": "The students who were studying very hard passed."},
 ]
 MAX_LENGTH = 160
@@ -425,11 +467,27 @@ def reference_artefact(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     data = tmp_path_factory.mktemp("rows") / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS), encoding="utf-8")
     out = data.parent / "ann"
-    result = CliRunner().invoke(app, [
-        "annotate", str(data), "--teacher", str(tiny_tokenizer_dir), "--student", str(tiny_tokenizer_dir),
-        "-o", str(out), "--max-length", str(MAX_LENGTH), "--max-prompt-length", "120", "--workers", "1",
-        "--span-rule", "reference",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "annotate",
+            str(data),
+            "--teacher",
+            str(tiny_tokenizer_dir),
+            "--student",
+            str(tiny_tokenizer_dir),
+            "-o",
+            str(out),
+            "--max-length",
+            str(MAX_LENGTH),
+            "--max-prompt-length",
+            "120",
+            "--workers",
+            "1",
+            "--span-rule",
+            "reference",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return out
 
@@ -443,8 +501,12 @@ def test_the_manifest_records_the_rule_and_another_rule_is_never_reused(referenc
 
     shutil.copytree(reference_artefact, copy_dir)
     settings = AnnotateSettings(
-        teacher=manifest["teacher"]["name"], student=manifest["student"]["name"], workers=1,
-        max_length=MAX_LENGTH, max_prompt_length=120, span_rule="reference",
+        teacher=manifest["teacher"]["name"],
+        student=manifest["student"]["name"],
+        workers=1,
+        max_length=MAX_LENGTH,
+        max_prompt_length=120,
+        span_rule="reference",
     )
     source = Path(manifest["input"]["path"])
     assert run_annotate(source, copy_dir, settings).reused
@@ -453,15 +515,26 @@ def test_the_manifest_records_the_rule_and_another_rule_is_never_reused(referenc
     # Training a reference recipe on it is refused, naming the command that builds a fitting one.
     annotations = read_annotations(copy_dir)
     fingerprints = {side: manifest[side]["fingerprint"] for side in ("teacher", "student")}
-    spec = Recipe.model_validate({
-        "name": "t", "output_dir": str(tmp_path / "run"),
-        "teacher": {"path": manifest["teacher"]["name"]}, "student": {"path": manifest["student"]["name"]},
-        "data": {"train": str(copy_dir), "max_length": MAX_LENGTH, "max_prompt_length": 120, "span_rule": "reference"},
-        "loss": {"base": "ce"}, "train": {"max_steps": 1},
-    })
+    spec = Recipe.model_validate(
+        {
+            "name": "t",
+            "output_dir": str(tmp_path / "run"),
+            "teacher": {"path": manifest["teacher"]["name"]},
+            "student": {"path": manifest["student"]["name"]},
+            "data": {
+                "train": str(copy_dir),
+                "max_length": MAX_LENGTH,
+                "max_prompt_length": 120,
+                "span_rule": "reference",
+            },
+            "loss": {"base": "ce"},
+            "train": {"max_steps": 1},
+        }
+    )
     with pytest.raises(MtaError, match="span rule is paper but data.span_rule is reference") as error:
-        check_manifest(annotations, spec, "data.train", manifest["teacher"]["name"], manifest["student"]["name"],
-                       fingerprints)
+        check_manifest(
+            annotations, spec, "data.train", manifest["teacher"]["name"], manifest["student"]["name"], fingerprints
+        )
     assert "--span-rule reference" in str(error.value)
 
 
@@ -494,8 +567,11 @@ def test_annotated_reference_spans_feed_the_authors_loss(reference_artefact, nlp
     ours = loss(student, teacher, mask, batch.teacher.attention_mask, batch.spans)
     projectors = [copy.deepcopy(p).double() for p in loss.projectors]
     pairs = [(p.student, p.teacher, p.granularity) for p in PAIRS]
-    theirs = means(authors_overall(projectors, mask, [h.detach() for h in student], teacher, offsets,
-                                   {"word": words, "phrase": phrases}, pairs))
+    theirs = means(
+        authors_overall(
+            projectors, mask, [h.detach() for h in student], teacher, offsets, {"word": words, "phrase": phrases}, pairs
+        )
+    )
     for term in ("dsa", "hra"):
         assert close(ours[term].item(), theirs[term]), (term, ours[term].item(), theirs[term])
 
@@ -506,14 +582,25 @@ def test_reference_code_pads_every_micro_batch_to_max_length(reference_artefact,
     annotations = read_annotations(reference_artefact)
     examples = AnnotatedExamples(annotations.table, student_pad_id=7, teacher_pad_id=7)
     for reference, width in ((True, MAX_LENGTH), (False, None)):
-        recipe = Recipe.model_validate({
-            "name": "t", "output_dir": str(tmp_path), "teacher": {"path": "t"}, "student": {"path": "s"},
-            "data": {"train": str(reference_artefact), "max_length": MAX_LENGTH, "max_prompt_length": 120,
-                     "span_rule": "reference"},
-            "loss": {"reference_code": reference}, "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 2},
-        })
-        run = SimpleNamespace(schedule=StepSchedule(len(examples), 2, 1, 1), train=examples, off_policy=None,
-                              rank=0, recipe=recipe)
+        recipe = Recipe.model_validate(
+            {
+                "name": "t",
+                "output_dir": str(tmp_path),
+                "teacher": {"path": "t"},
+                "student": {"path": "s"},
+                "data": {
+                    "train": str(reference_artefact),
+                    "max_length": MAX_LENGTH,
+                    "max_prompt_length": 120,
+                    "span_rule": "reference",
+                },
+                "loss": {"reference_code": reference},
+                "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 2},
+            }
+        )
+        run = SimpleNamespace(
+            schedule=StepSchedule(len(examples), 2, 1, 1), train=examples, off_policy=None, rank=0, recipe=recipe
+        )
         for batch in Trainer.micro_batches(SimpleNamespace(run=run, _orders={}), 0):  # the trainer's own loop
             real = batch.student.attention_mask.sum(dim=1)
             expected = width or int(real.max())

@@ -15,8 +15,16 @@ from mta.training.config.schema import LayerPair
 from mta.training.config.catalog import find_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = ["gpt2-fdd", "gpt2-distillm", "gpt2-distillm2", "qwen-fdd", "qwen-distillm", "qwen-distillm2",
-        "opt-fdd", "opt-distillm"]
+ROWS = [
+    "gpt2-fdd",
+    "gpt2-distillm",
+    "gpt2-distillm2",
+    "qwen-fdd",
+    "qwen-distillm",
+    "qwen-distillm2",
+    "opt-fdd",
+    "opt-distillm",
+]
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 
@@ -26,7 +34,10 @@ def plan(target: str, *variables: str) -> list[list[str]]:
     the install step is taken as done."""
     out = subprocess.run(
         ["make", "-n", "-o", ".venv/.installed", target, "MTA=mta", "MTA_DATA_DIR=/data", *variables],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return [shlex.split(line) for line in out.replace("\\\n", " ").splitlines() if line.strip()]
 
@@ -85,12 +96,26 @@ GPT2_MAP = [(6, 24, "word"), (9, 36, "phrase"), (12, 48, "phrase")]
 QWEN_MAP = [(14, 14, "word")] + [(layer, layer, "phrase") for layer in (16, 18, 20, 22, 24)]
 OPT_MAP = [(16, 20, "word"), (18, 23, "phrase"), (20, 26, "phrase"), (22, 29, "phrase"), (24, 32, "phrase")]
 ROW_SETTINGS = {
-    "gpt2-fdd": ("srkl", [(4, 16), (6, 24), (8, 32)], 2.0, (2.0, 0.2),
-                 [(4, 16, "word"), (6, 24, "phrase"), (8, 32, "phrase")], 1e-4, False),
+    "gpt2-fdd": (
+        "srkl",
+        [(4, 16), (6, 24), (8, 32)],
+        2.0,
+        (2.0, 0.2),
+        [(4, 16, "word"), (6, 24, "phrase"), (8, 32, "phrase")],
+        1e-4,
+        False,
+    ),
     "gpt2": ("srkl", None, None, (2.0, 0.2), GPT2_MAP, 1e-4, False),
     "gpt2-distillm2": ("distillm2", None, None, (2.0, 0.2), GPT2_MAP, 1e-4, False),
-    "qwen-fdd": ("srkl", [(4, 4), (8, 8), (16, 16)], 2.0, (2.0, 0.2),
-                 [(4, 4, "word"), (8, 8, "phrase"), (16, 16, "phrase")], 1e-4, False),
+    "qwen-fdd": (
+        "srkl",
+        [(4, 4), (8, 8), (16, 16)],
+        2.0,
+        (2.0, 0.2),
+        [(4, 4, "word"), (8, 8, "phrase"), (16, 16, "phrase")],
+        1e-4,
+        False,
+    ),
     "qwen": ("srkl", None, None, (2.0, 0.2), QWEN_MAP, 1e-4, False),
     "qwen-distillm2": ("distillm2", None, None, (2.0, 0.2), QWEN_MAP, 5e-5, False),
     "opt-fdd": ("srkl", [(16, 20), (18, 23), (20, 26), (22, 29), (24, 32)], 2.0, (2.0, 0.2), OPT_MAP, 5e-4, True),
@@ -119,8 +144,11 @@ def test_each_rows_recipe_carries_the_authors_settings(name):
 def test_the_ablation_targets_plan_five_runs_beside_the_rows_two():
     runs = distill_runs(plan("ablation-gpt2"))
     assert len(runs) == 7
-    ablations = {overrides_dict(o)["output_dir"].rsplit("/", 1)[-1]: recipe_of(r, o) for r, o in runs
-                 if "/ablation-gpt2-paper/" in overrides_dict(o)["output_dir"]}
+    ablations = {
+        overrides_dict(o)["output_dir"].rsplit("/", 1)[-1]: recipe_of(r, o)
+        for r, o in runs
+        if "/ablation-gpt2-paper/" in overrides_dict(o)["output_dir"]
+    }
     full = recipe_of("gpt2", [])
     assert sorted(ablations) == sorted(["hra-only", "dsa-only", "all-word", "all-phrase", "uniform-weights"])
     assert ablations["hra-only"].loss.dsa_weight == 0 and ablations["hra-only"].loss.hra_weight == 0.2
@@ -128,18 +156,23 @@ def test_the_ablation_targets_plan_five_runs_beside_the_rows_two():
     assert {p.granularity for p in ablations["all-word"].loss.layers} == {"word"}
     assert {p.granularity for p in ablations["all-phrase"].loss.layers} == {"phrase"}
     assert [(p.student, p.teacher) for p in ablations["all-word"].loss.layers] == [
-        (p.student, p.teacher) for p in full.loss.layers]
+        (p.student, p.teacher) for p in full.loss.layers
+    ]
     assert ablations["uniform-weights"].loss.importance == "uniform"
     assert not any(recipe.loss.reference_code for recipe in ablations.values())
     # The authors' semantics on request: their loss code and span rule, uniform pair and token
     # weights in all five, beside a full run of their code, on annotations of their rule.
     commands = plan("ablation-gpt2", "ABLATION=reference")
-    runs = {overrides_dict(o)["output_dir"].rsplit("/", 1)[-1]: recipe_of(r, o) for r, o in distill_runs(commands)
-            if "/ablation-gpt2-reference/" in overrides_dict(o)["output_dir"]}
+    runs = {
+        overrides_dict(o)["output_dir"].rsplit("/", 1)[-1]: recipe_of(r, o)
+        for r, o in distill_runs(commands)
+        if "/ablation-gpt2-reference/" in overrides_dict(o)["output_dir"]
+    }
     assert sorted(runs) == sorted([*ablations, "full"])
     for name, recipe in runs.items():
         assert recipe.loss.reference_code and recipe.data.span_rule == "reference"
         assert recipe.loss.importance == ("attention" if name == "full" else "uniform")
         assert recipe.data.train == "runs/ablation-gpt2-reference/annotations/train"
     assert ["--span-rule", "reference"] == next(
-        w for w in commands if w[:2] == ["mta", "annotate"] and "--span-rule" in w)[-4:-2]
+        w for w in commands if w[:2] == ["mta", "annotate"] and "--span-rule" in w
+    )[-4:-2]

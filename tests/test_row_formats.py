@@ -78,8 +78,10 @@ CONVERSATION = [
 NEW_FORMAT_ROWS = [
     {"prompt": "Q: what is two plus two?\nA:", "completion": " Four."},  # TRL standard
     {"messages": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello!"}]},
-    {"prompt": [{"role": "user", "content": "Count to three."}],  # TRL conversational
-     "completion": [{"role": "assistant", "content": "One, two, three."}]},
+    {
+        "prompt": [{"role": "user", "content": "Count to three."}],  # TRL conversational
+        "completion": [{"role": "assistant", "content": "One, two, three."}],
+    },
     {"messages": CONVERSATION},
     {"instruction": "Name a fruit.", "input": "It is yellow.", "output": "A banana."},  # MiniLLM
     {"instruction": "Name a tree.", "context": "It has needles.", "response": "A pine."},  # Dolly
@@ -103,8 +105,19 @@ def chat_turns(row: dict) -> tuple[list[dict], str]:
 def test_new_formats_under_alpaca_through_mta_annotate(tmp_path, tiny_tokenizer_dir):
     data = write_jsonl(tmp_path / "rows.jsonl", NEW_FORMAT_ROWS)
     out = tmp_path / "out"
-    result = invoke("annotate", data, "--teacher", tiny_tokenizer_dir, "--student", tiny_tokenizer_dir,
-                    "-o", out, "--on-error", "skip", *LIMITS)
+    result = invoke(
+        "annotate",
+        data,
+        "--teacher",
+        tiny_tokenizer_dir,
+        "--student",
+        tiny_tokenizer_dir,
+        "-o",
+        out,
+        "--on-error",
+        "skip",
+        *LIMITS,
+    )
     assert result.exit_code == 0, result.output
     expected = {
         0: ("Q: what is two plus two?\nA:", " Four."),
@@ -129,18 +142,30 @@ def test_new_formats_under_alpaca_through_mta_annotate(tmp_path, tiny_tokenizer_
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({"messages": [{"role": "user", "content": "hi"}]}, "must end with the assistant turn to learn, but its last turn is a user turn"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "must end with the assistant turn to learn, but its last turn is a user turn",
+        ),
         ({"messages": []}, "must end with the assistant turn to learn, but it is empty"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "is only the assistant turn"),
-        ({"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "x"}]},
-         "messages[0] has role 'human'; a turn's role is one of system, user, assistant"),
-        ({"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}, "messages[0] has role null (missing)"),
-        ({"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "x"}]},
-         "messages[0] (user) must have a string 'content', got an array"),
+        (
+            {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+            "messages[0] has role 'human'; a turn's role is one of system, user, assistant",
+        ),
+        (
+            {"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]},
+            "messages[0] has role null (missing)",
+        ),
+        (
+            {"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "x"}]},
+            "messages[0] (user) must have a string 'content', got an array",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}, "hello"]}, "messages[1] must be an object"),
         ({"messages": "hi"}, "field 'messages' must be an array of"),
-        ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
-         "field 'completion' must hold exactly one assistant turn (the response), got user"),
+        (
+            {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
+            "field 'completion' must hold exactly one assistant turn (the response), got user",
+        ),
         ({"prompt": [], "completion": [{"role": "assistant", "content": "a"}]}, "field 'prompt' holds no turn"),
         ({"prompt": "q", "completion": 3}, "field 'completion' must be a string, got a number"),
     ],
@@ -155,7 +180,9 @@ def test_bad_conversations_are_problems_naming_their_line(tmp_path, row, message
 
 def test_a_bad_conversation_stops_mta_annotate_naming_the_line(tmp_path, tiny_tokenizer_dir):
     data = write_jsonl(tmp_path / "rows.jsonl", [NEW_FORMAT_ROWS[1], {"messages": [{"role": "user", "content": "hi"}]}])
-    result = invoke("annotate", data, "--teacher", tiny_tokenizer_dir, "--student", tiny_tokenizer_dir, "-o", tmp_path / "o")
+    result = invoke(
+        "annotate", data, "--teacher", tiny_tokenizer_dir, "--student", tiny_tokenizer_dir, "-o", tmp_path / "o"
+    )
     assert isinstance(result.exception, MtaError)
     assert f"{data}:2: the conversation in 'messages' must end with the assistant turn" in str(result.exception)
     assert not (tmp_path / "o").exists()
@@ -166,11 +193,29 @@ def chat_annotated(tmp_path_factory, chat_tokenizer_dir, other_tokenizer_dir) ->
     """NEW_FORMAT_ROWS + an assistant-first conversation, annotated with --template chat: the
     student (the chat tokenizer) renders, the teacher (another vocabulary) encodes the same text."""
     root = tmp_path_factory.mktemp("chat-annotate")
-    bad = {"messages": [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Hm?"},
-                        {"role": "assistant", "content": "Yes."}]}
+    bad = {
+        "messages": [
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Hm?"},
+            {"role": "assistant", "content": "Yes."},
+        ]
+    }
     data = write_jsonl(root / "rows.jsonl", [*NEW_FORMAT_ROWS, bad])
-    result = invoke("annotate", data, "--teacher", other_tokenizer_dir, "--student", chat_tokenizer_dir,
-                    "-o", root / "out", "--template", "chat", "--on-error", "skip", *LIMITS)
+    result = invoke(
+        "annotate",
+        data,
+        "--teacher",
+        other_tokenizer_dir,
+        "--student",
+        chat_tokenizer_dir,
+        "-o",
+        root / "out",
+        "--template",
+        "chat",
+        "--on-error",
+        "skip",
+        *LIMITS,
+    )
     assert result.exit_code == 0, result.output
     return data, root / "out"
 
@@ -197,13 +242,17 @@ def test_chat_text_is_apply_chat_template_plus_response_on_both_sides(
     manifest = annotations.manifest
     template_hash = hashlib.sha256(json.dumps(CHATML).encode()).hexdigest()
     assert manifest["template"] == {
-        "name": "chat", "rendered_by": "student", "tokenizer": str(chat_tokenizer_dir),
+        "name": "chat",
+        "rendered_by": "student",
+        "tokenizer": str(chat_tokenizer_dir),
         "chat_template_sha256": f"sha256:{template_hash}",
     }
     # The template's own refusal is the row's problem, its line named.
     assert manifest["skipped"] == {"invalid_conversation": 1}
     assert manifest["skipped_examples"][0].startswith(f"{data}:8: the chat template of ")
-    assert manifest["skipped_examples"][0].endswith("refuses this conversation: a conversation must not open with an assistant turn")
+    assert manifest["skipped_examples"][0].endswith(
+        "refuses this conversation: a conversation must not open with an assistant turn"
+    )
 
 
 def test_a_chat_artefact_is_reused_only_for_the_same_template(
@@ -212,31 +261,71 @@ def test_a_chat_artefact_is_reused_only_for_the_same_template(
     data, annotated = chat_annotated
     out = shutil.copytree(annotated, tmp_path / "copy")
     before = read_annotations(out).manifest["run_key"]
-    result = invoke("annotate", data, "--teacher", other_tokenizer_dir, "--student", chat_tokenizer_dir,
-                    "-o", out, "--template", "chat", "--on-error", "skip", *LIMITS)
+    result = invoke(
+        "annotate",
+        data,
+        "--teacher",
+        other_tokenizer_dir,
+        "--student",
+        chat_tokenizer_dir,
+        "-o",
+        out,
+        "--template",
+        "chat",
+        "--on-error",
+        "skip",
+        *LIMITS,
+    )
     assert result.exit_code == 0 and "(same input and settings" in result.output
-    result = invoke("annotate", data, "--teacher", other_tokenizer_dir, "--student", chat_tokenizer_dir,
-                    "-o", out, "--on-error", "skip", *LIMITS)
+    result = invoke(
+        "annotate",
+        data,
+        "--teacher",
+        other_tokenizer_dir,
+        "--student",
+        chat_tokenizer_dir,
+        "-o",
+        out,
+        "--on-error",
+        "skip",
+        *LIMITS,
+    )
     assert result.exit_code == 0 and "(same input and settings" not in result.output
     assert read_annotations(out).manifest["template"] == {"name": "alpaca"}
     assert read_annotations(out).manifest["run_key"] != before
     # A chat template changed under the same vocabulary is a different artefact.
     changed = with_chat_template(chat_tokenizer_dir, out.parent / "changed", CHATML.replace("<|im_end|>", "<|end|>"))
     target = out.parent / "changed-out"
-    result = invoke("annotate", data, "--teacher", other_tokenizer_dir, "--student", changed,
-                    "-o", target, "--template", "chat", "--on-error", "skip", *LIMITS)
+    result = invoke(
+        "annotate",
+        data,
+        "--teacher",
+        other_tokenizer_dir,
+        "--student",
+        changed,
+        "-o",
+        target,
+        "--template",
+        "chat",
+        "--on-error",
+        "skip",
+        *LIMITS,
+    )
     assert result.exit_code == 0, result.output
     assert read_annotations(target).manifest["run_key"] != before
     assert all("<|end|>" in text for text, _ in texts_by_id(target).values())
 
 
 def test_template_none_uses_the_prompt_as_given_and_needs_one(tmp_path):
-    data = write_jsonl(tmp_path / "rows.jsonl", [
-        {"instruction": "ignored", "output": "A.", "prompt": "Given:"},
-        {"prompt": "Q:", "completion": " A."},
-        {"instruction": "No prompt here.", "output": "B."},
-        NEW_FORMAT_ROWS[1],
-    ])
+    data = write_jsonl(
+        tmp_path / "rows.jsonl",
+        [
+            {"instruction": "ignored", "output": "A.", "prompt": "Given:"},
+            {"prompt": "Q:", "completion": " A."},
+            {"instruction": "No prompt here.", "output": "B."},
+            NEW_FORMAT_ROWS[1],
+        ],
+    )
     rows = list(read_rows(data, style=prompt_style("none")))
     assert [(r.prompt, r.response) for r in rows[:2]] == [("Given:", "A."), ("Q:", " A.")]
     assert [(r.line, r.reason) for r in rows[2:]] == [(3, "no_prompt"), (4, "no_prompt")]
@@ -245,8 +334,18 @@ def test_template_none_uses_the_prompt_as_given_and_needs_one(tmp_path):
 
 def test_a_tokenizer_without_chat_template_is_refused(tmp_path, tiny_tokenizer_dir):
     data = write_jsonl(tmp_path / "rows.jsonl", NEW_FORMAT_ROWS[:2])
-    result = invoke("annotate", data, "--teacher", tiny_tokenizer_dir, "--student", tiny_tokenizer_dir,
-                    "-o", tmp_path / "o", "--template", "chat")
+    result = invoke(
+        "annotate",
+        data,
+        "--teacher",
+        tiny_tokenizer_dir,
+        "--student",
+        tiny_tokenizer_dir,
+        "-o",
+        tmp_path / "o",
+        "--template",
+        "chat",
+    )
     assert isinstance(result.exception, MtaError)
     message = str(result.exception)
     assert f"the tokenizer '{tiny_tokenizer_dir}' has no chat template" in message
@@ -256,10 +355,16 @@ def test_a_tokenizer_without_chat_template_is_refused(tmp_path, tiny_tokenizer_d
 def fitting_recipe(tmp_path: Path, manifest: dict, student: Path, **data) -> object:
     """A recipe whose lengths are the artefact's, so only what the test changes can differ."""
     lengths = {key: manifest[key] for key in ("max_length", "max_prompt_length")}
-    return load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=student, student=student, annotations="unused", output_dir=tmp_path / "run",
-        data={**lengths, **data},
-    ))
+    return load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=student,
+            student=student,
+            annotations="unused",
+            output_dir=tmp_path / "run",
+            data={**lengths, **data},
+        )
+    )
 
 
 def fingerprints(manifest: dict) -> dict[str, str]:
@@ -300,17 +405,23 @@ def test_an_older_artefact_without_a_template_reads_as_alpaca(tmp_path, chat_tok
 
 
 def test_evaluation_rows_use_the_same_prompt_building(tmp_path, chat_tokenizer_dir):
-    data = write_jsonl(tmp_path / "set.jsonl", [
-        {"instruction": "Do it.", "input": "with this", "output": ["b", "c"]},
-        {"messages": CONVERSATION},
-        {"prompt": "P", "output": "o"},
-    ])
+    data = write_jsonl(
+        tmp_path / "set.jsonl",
+        [
+            {"instruction": "Do it.", "input": "with this", "output": ["b", "c"]},
+            {"messages": CONVERSATION},
+            {"prompt": "P", "output": "o"},
+        ],
+    )
     chat = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
     rows, _ = load_rows(data, style=prompt_style("chat", chat_tokenizer_dir))
     assert [r.prompt for r in rows] == [
         chat.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        for turns in ([{"role": "user", "content": "Do it.\n\nwith this"}], CONVERSATION[:-1],
-                      [{"role": "user", "content": "P"}])
+        for turns in (
+            [{"role": "user", "content": "Do it.\n\nwith this"}],
+            CONVERSATION[:-1],
+            [{"role": "user", "content": "P"}],
+        )
     ]
     assert [r.references for r in rows] == [("b", "c"), ("Orange and red.",), ("o",)]
     with pytest.raises(MtaError, match=r"set\.jsonl:2: a conversation whose prompt is system \+ user"):
@@ -329,8 +440,13 @@ def test_mta_distill_trains_on_conversations_with_the_chat_template(tmp_path, te
     data = write_jsonl(tmp_path / "chat.jsonl", conversations)
     out = tmp_path / "run"
     recipe = write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=student, annotations=data, output_dir=out,
-        data={"dev": None, "template": "chat"}, train={"max_steps": 2},
+        tmp_path / "r.yaml",
+        teacher=teacher_dir,
+        student=student,
+        annotations=data,
+        output_dir=out,
+        data={"dev": None, "template": "chat"},
+        train={"max_steps": 2},
     )
     result = invoke("distill", "--recipe", recipe)
     assert result.exit_code == 0, result.output
@@ -347,25 +463,44 @@ def test_mta_distill_trains_on_conversations_with_the_chat_template(tmp_path, te
     datasets.Dataset.from_list(conversations).save_to_disk(str(tmp_path / "chat-dataset"))
     out_ds = tmp_path / "run-ds"
     recipe = write_recipe(
-        tmp_path / "r-ds.yaml", teacher=teacher_dir, student=student, annotations=tmp_path / "chat-dataset",
-        output_dir=out_ds, data={"dev": None, "template": "chat"}, train={"max_steps": 2},
+        tmp_path / "r-ds.yaml",
+        teacher=teacher_dir,
+        student=student,
+        annotations=tmp_path / "chat-dataset",
+        output_dir=out_ds,
+        data={"dev": None, "template": "chat"},
+        train={"max_steps": 2},
     )
     result = invoke("distill", "--recipe", recipe)
     assert result.exit_code == 0, result.output
     assert (out_ds / "final" / "model.safetensors").is_file()
-    assert read_annotations(out_ds / "data" / "train").table.drop_columns([]).column("text").to_pylist() == \
-        annotations.table.column("text").to_pylist()
+    assert (
+        read_annotations(out_ds / "data" / "train").table.drop_columns([]).column("text").to_pylist()
+        == annotations.table.column("text").to_pylist()
+    )
 
 
 def test_mta_evaluate_renders_each_checkpoint_with_its_own_chat_template(tmp_path, tiny_model_dir):
     first = with_chat_template(tiny_model_dir, tmp_path / "a")
     second = with_chat_template(tiny_model_dir, tmp_path / "b", CHATML.replace("<|im_end|>", "<|end|>"))
-    rows = [{"instruction": "Name a fruit.", "input": "It is yellow.", "output": "A banana."},
-            {"messages": CONVERSATION}]
+    rows = [
+        {"instruction": "Name a fruit.", "input": "It is yellow.", "output": "A banana."},
+        {"messages": CONVERSATION},
+    ]
     (tmp_path / "data" / "dolly").mkdir(parents=True)
     write_jsonl(tmp_path / "data" / "dolly" / "valid.jsonl", rows)
-    options = ("--data-dir", tmp_path / "data", "--benchmarks", "dolly", "--seeds", "1", "--max-new-tokens", 3,
-               "--template", "chat")
+    options = (
+        "--data-dir",
+        tmp_path / "data",
+        "--benchmarks",
+        "dolly",
+        "--seeds",
+        "1",
+        "--max-new-tokens",
+        3,
+        "--template",
+        "chat",
+    )
     result = invoke("evaluate", first, second, "--names", "a,b", "-o", tmp_path / "eval", *options)
     assert result.exit_code == 0, result.output
     for label, model in (("a", first), ("b", second)):

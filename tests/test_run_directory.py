@@ -100,10 +100,17 @@ def test_a_step_that_leaves_non_finite_weights_is_never_saved(tmp_path, teacher_
     overflows. An infinite ``train.lr`` is refused by the recipe schema before any step.)
     """
     out = tmp_path / "run"
-    recipe = load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data,
-        output_dir=out, train={"lr": 1e30, "weight_decay": 1e10, "save_interval": 1}, data={"dev": None},
-    ))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=teacher_dir,
+            student=tiny_model_dir,
+            annotations=same_data,
+            output_dir=out,
+            train={"lr": 1e30, "weight_decay": 1e10, "save_interval": 1},
+            data={"dev": None},
+        )
+    )
     with pytest.raises(NonFiniteWeights, match=r"step 1 left non-finite weights.*--resume auto train\.lr="):
         run_distillation(recipe)
     assert not (out / "final").exists()
@@ -115,9 +122,12 @@ def test_a_resume_applies_a_lower_lr_and_a_longer_run_and_refuses_a_new_batch(
     tmp_path, teacher_dir, tiny_model_dir, same_data
 ):
     out = tmp_path / "run"
-    common = dict(teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out,
-                  data={"dev": None})
-    run_distillation(load_recipe(write_recipe(tmp_path / "a.yaml", train={"max_steps": 2, "save_interval": 2}, **common)))
+    common = dict(
+        teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out, data={"dev": None}
+    )
+    run_distillation(
+        load_recipe(write_recipe(tmp_path / "a.yaml", train={"max_steps": 2, "save_interval": 2}, **common))
+    )
     path = write_recipe(tmp_path / "b.yaml", train={"max_steps": 2, "save_interval": 2}, **common)
     with pytest.raises(MtaError) as error:
         run_distillation(load_recipe(path, ["train.batch_size=8", "train.micro_batch_size=4"]), resume="auto")

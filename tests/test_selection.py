@@ -47,10 +47,20 @@ def expected_best(values: list[tuple[int, float]], highest: bool) -> tuple[int, 
 
 def selection_run(tmp_path: Path, name: str, teacher, student, annotations, select_by: str) -> Path:
     return write_recipe(
-        tmp_path / f"{name}.yaml", teacher=teacher, student=student, annotations=annotations,
+        tmp_path / f"{name}.yaml",
+        teacher=teacher,
+        student=student,
+        annotations=annotations,
         output_dir=tmp_path / name,
-        train={"lr": 1e-2, "max_steps": 4, "eval_interval": 1, "save_interval": 1, "keep_checkpoints": 10,
-               "select_by": select_by, "select_rows": SELECT_ROWS},
+        train={
+            "lr": 1e-2,
+            "max_steps": 4,
+            "eval_interval": 1,
+            "save_interval": 1,
+            "keep_checkpoints": 10,
+            "select_by": select_by,
+            "select_rows": SELECT_ROWS,
+        },
     )
 
 
@@ -90,13 +100,17 @@ def test_select_by_rouge_keeps_the_best_logged_step_and_a_resume_keeps_best(
     tokenizer = load_tokenizer(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(out / "best")
     limit = LENGTHS["max_prompt_length"]
-    prompts = [tokenizer(texts[i][: cuts[i]], add_special_tokens=False)["input_ids"][:limit] for i in range(SELECT_ROWS)]
+    prompts = [
+        tokenizer(texts[i][: cuts[i]], add_special_tokens=False)["input_ids"][:limit] for i in range(SELECT_ROWS)
+    ]
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=LENGTHS["max_length"] - limit)
     seeds = [sampling_seed(3, "select/dev-rouge", 0, i) for i in range(SELECT_ROWS)]
     scores = {}
     for batch in HFGenerator(model, tokenizer, params, batch_size=1).generate(prompts, seeds):
         for c in batch:
-            scores[c.position] = rouge_l(completion_text(tokenizer, c.token_ids), [texts[c.position][cuts[c.position]:].strip()])
+            scores[c.position] = rouge_l(
+                completion_text(tokenizer, c.token_ids), [texts[c.position][cuts[c.position] :].strip()]
+            )
     assert sum(scores.values()) / SELECT_ROWS == pytest.approx(chosen["value"], abs=1e-6)
 
     # A resume from step 2 keeps best/ consistent: the best so far comes back from metrics.jsonl, a
@@ -141,7 +155,9 @@ def test_best_is_kept_only_when_it_is_the_best_up_to_the_resumed_step(tmp_path, 
         selector.consider(step, {"split": "dev", "step": step, "loss": loss}, engine=None)
     assert saved == [(1, 5.0), (2, 3.0), (5, 2.0)]  # never step 0; a tie keeps the earlier step
 
-    (out / "metrics.jsonl").write_text("".join(json.dumps({"split": "dev", "step": s, "loss": v}) + "\n" for s, v in losses))
+    (out / "metrics.jsonl").write_text(
+        "".join(json.dumps({"split": "dev", "step": s, "loss": v}) + "\n" for s, v in losses)
+    )
     # Resumed at step 4: best/ (step 5) is from the discarded part: removed; the best so far is step 2.
     selector.restore(4)
     assert selector.best == (2, 3.0) and not (out / "best").exists()
@@ -157,14 +173,16 @@ def test_best_is_kept_only_when_it_is_the_best_up_to_the_resumed_step(tmp_path, 
 
 def test_rouge_selection_needs_a_dev_split(tmp_path):
     with pytest.raises(MtaError, match="select_by=rouge samples responses to dev prompts: set data.dev"):
-        load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml",
-                    ["train.select_by=rouge", "data.dev=null"])
+        load_recipe(
+            Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml", ["train.select_by=rouge", "data.dev=null"]
+        )
 
 
 def test_evaluate_takes_dolly_dev_and_jsonl_files_named_by_their_stem(tiny_model_dir, data_dir, tmp_path):
     mine = write_jsonl(tmp_path / "sets" / "mine.jsonl", [{"instruction": "Name a colour.", "output": "Blue."}] * 3)
-    settings = EvalSettings(benchmarks=["dolly", "dolly-dev", str(mine)], seeds=[10], max_new_tokens=4,
-                            max_prompt_length=48, limit=2)
+    settings = EvalSettings(
+        benchmarks=["dolly", "dolly-dev", str(mine)], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=2
+    )
     out = tmp_path / "eval"
     results = evaluate_checkpoints([tiny_model_dir], ["tiny"], data_dir, out, settings)
     assert list(results["sets"]) == ["dolly", "dolly-dev", "mine"]
@@ -182,8 +200,10 @@ def test_evaluate_takes_dolly_dev_and_jsonl_files_named_by_their_stem(tiny_model
 
     for requested, message in (
         ([str(tmp_path / "dolly.jsonl")], "named by its file stem, and 'dolly' is the built-in set"),
-        ([str(mine), str(write_jsonl(tmp_path / "other" / "mine.jsonl", [{"prompt": "p", "output": "o"}]))],
-         "are both 'mine'"),
+        (
+            [str(mine), str(write_jsonl(tmp_path / "other" / "mine.jsonl", [{"prompt": "p", "output": "o"}]))],
+            "are both 'mine'",
+        ),
         ([str(tmp_path / "absent.jsonl")], r"benchmark '.*absent.jsonl' is missing"),
         (["mmlu"], "unknown benchmark 'mmlu'.*dolly-dev"),
     ):
@@ -202,12 +222,24 @@ def test_results_md_shows_each_checkpoint_minus_the_first_with_its_spread_over_s
     # ROUGE-L per checkpoint, set and seed: mta beats base on seeds where base is also high, so the
     # paired spread differs from what the two unpaired stds would suggest.
     scores = {
-        "base": {"dolly": [20.0, 24.0, 22.0], "self-inst": [10.0, 11.0, 12.0], "vicuna": [15.0, 16.0, 14.5],
-                 "sinst": [30.0, 31.0, 29.0]},
-        "mta": {"dolly": [21.5, 25.0, 23.5], "self-inst": [10.5, 10.0, 12.5], "vicuna": [15.0, 17.0, 15.5],
-                "sinst": [29.0, 31.5, 30.0]},
-        "worse": {"dolly": [19.0, 23.0, 22.0], "self-inst": [9.0, 11.0, 11.0], "vicuna": [14.0, 16.0, 14.0],
-                  "sinst": [30.0, 30.0, 28.0]},
+        "base": {
+            "dolly": [20.0, 24.0, 22.0],
+            "self-inst": [10.0, 11.0, 12.0],
+            "vicuna": [15.0, 16.0, 14.5],
+            "sinst": [30.0, 31.0, 29.0],
+        },
+        "mta": {
+            "dolly": [21.5, 25.0, 23.5],
+            "self-inst": [10.5, 10.0, 12.5],
+            "vicuna": [15.0, 17.0, 15.5],
+            "sinst": [29.0, 31.5, 30.0],
+        },
+        "worse": {
+            "dolly": [19.0, 23.0, 22.0],
+            "self-inst": [9.0, 11.0, 11.0],
+            "vicuna": [14.0, 16.0, 14.0],
+            "sinst": [30.0, 30.0, 28.0],
+        },
     }
 
     def summary(values):
@@ -219,15 +251,23 @@ def test_results_md_shows_each_checkpoint_minus_the_first_with_its_spread_over_s
         means = {name: sum(v) / 3 for name, v in by_set.items()}
         checkpoints[label] = {
             "sets": {name: {"rougeL": summary(by_set[name])} for name in sets},
-            "avg4": sum(means.values()) / 4, "avg": sum(means.values()) / 4, "avg_ood": sum(means[s] for s in sets[1:]) / 3,
+            "avg4": sum(means.values()) / 4,
+            "avg": sum(means.values()) / 4,
+            "avg_ood": sum(means[s] for s in sets[1:]) / 3,
         }
-    results = {"settings": {"seeds": [10, 20, 30], "perplexity": None}, "sets": {name: {} for name in sets},
-               "checkpoints": checkpoints}
+    results = {
+        "settings": {"seeds": [10, 20, 30], "perplexity": None},
+        "sets": {name: {} for name in sets},
+        "checkpoints": checkpoints,
+    }
     markdown = results_markdown(results)
     assert "## Difference to base" in markdown and "paired by seed" in markdown
     table = markdown.split("## Difference to base")[1]
-    rows = {line.split(" | ")[0].strip("| "): [c.strip(" |") for c in line.split(" | ")[1:]]
-            for line in table.splitlines() if line.startswith("| ") and not line.startswith("| checkpoint")}
+    rows = {
+        line.split(" | ")[0].strip("| "): [c.strip(" |") for c in line.split(" | ")[1:]]
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| checkpoint")
+    }
     assert list(rows) == ["mta", "worse"]
 
     def cell(differences: list[float]) -> str:

@@ -39,10 +39,7 @@ def reference_verb_phrases(doc) -> list[tuple[int, int]]:
     """Every token range whose POS sequence matches AUX* ADV* VERB+ ADV* (a regex, no Matcher)."""
     letters = "".join({"AUX": "a", "ADV": "d", "VERB": "v"}.get(token.pos_, "x") for token in doc)
     return [
-        (i, j)
-        for i in range(len(doc))
-        for j in range(i + 1, len(doc) + 1)
-        if re.fullmatch("a*d*v+d*", letters[i:j])
+        (i, j) for i in range(len(doc)) for j in range(i + 1, len(doc) + 1) if re.fullmatch("a*d*v+d*", letters[i:j])
     ]
 
 
@@ -76,9 +73,7 @@ def test_phrases_follow_the_rule_on_real_parses(nlp, text):
     candidates = [(c.start, c.end, 0) for c in doc.noun_chunks]
     candidates += [(i, j, 1) for i, j in reference_verb_phrases(doc)]
     expected = reference_keep(candidates)
-    expected_chars = [
-        (doc[start].idx, doc[end - 1].idx + len(doc[end - 1])) for start, end, _ in expected
-    ]
+    expected_chars = [(doc[start].idx, doc[end - 1].idx + len(doc[end - 1])) for start, end, _ in expected]
     assert [tuple(row) for row in spans.phrases.tolist()] == expected_chars
     assert spans.phrase_labels == [NOUN_PHRASE if rank == 0 else VERB_PHRASE for *_, rank in expected]
 

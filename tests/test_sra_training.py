@@ -19,8 +19,17 @@ TINY_CROSS = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cross.yaml"
 
 
 def _recipe(out: Path, *overrides: str):
-    return load_recipe(TINY_CROSS, [f"output_dir={out}", "data.dev=null", "train.max_steps=4",
-                                    "train.save_interval=2", "train.log_interval=1", *overrides])
+    return load_recipe(
+        TINY_CROSS,
+        [
+            f"output_dir={out}",
+            "data.dev=null",
+            "train.max_steps=4",
+            "train.save_interval=2",
+            "train.log_interval=1",
+            *overrides,
+        ],
+    )
 
 
 class _Interrupted(Exception):
@@ -74,18 +83,22 @@ def test_gpt2_and_qwen_share_their_byte_level_words_and_not_their_specials(tmp_p
     assert all(token not in qwen.all_special_tokens or token in gpt2.all_special_tokens for token in qwen_tokens)
 
 
-def test_the_dry_run_counts_the_shared_vocabulary_when_the_tokenizers_are_at_hand(tmp_path, tiny_tokenizer_dir,
-                                                                                  other_tokenizer_dir):
+def test_the_dry_run_counts_the_shared_vocabulary_when_the_tokenizers_are_at_hand(
+    tmp_path, tiny_tokenizer_dir, other_tokenizer_dir
+):
     from mta.models.tiny import build_tiny_model
     from mta.models.tokenizers import load_tokenizer
     from mta.training.dry_run import plan_run
 
     teacher = build_tiny_model(other_tokenizer_dir, tmp_path / "teacher", hidden_size=48, seed=1)
     student = build_tiny_model(tiny_tokenizer_dir, tmp_path / "student")
-    recipe = _recipe(tmp_path / "run", f"teacher.path={teacher}", f"student.path={student}",
-                     "teacher.tiny=null", "student.tiny=null")
+    recipe = _recipe(
+        tmp_path / "run", f"teacher.path={teacher}", f"student.path={student}", "teacher.tiny=null", "student.tiny=null"
+    )
     notes = [note for note in plan_run(recipe).notes if note.startswith("SRA: ")]
     assert len(notes) == 1 and notes[0].endswith("tokens shared by the two vocabularies (its span logit term)")
     count = int(notes[0].split()[1].replace(",", ""))
     # Trained on the same rows, the 300-token BPE's merges are the 512-token one's first ones.
-    assert count == len(set(load_tokenizer(other_tokenizer_dir).get_vocab()) & set(load_tokenizer(tiny_tokenizer_dir).get_vocab()))
+    assert count == len(
+        set(load_tokenizer(other_tokenizer_dir).get_vocab()) & set(load_tokenizer(tiny_tokenizer_dir).get_vocab())
+    )

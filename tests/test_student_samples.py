@@ -67,7 +67,10 @@ class ScriptedGenerator:
         assert params.max_new_tokens == BUDGET
 
     def generate(self, prompts, seeds):
-        yield [Completion(position, list(ids), finished) for position, (ids, finished) in enumerate(self.script[: len(prompts)])]
+        yield [
+            Completion(position, list(ids), finished)
+            for position, (ids, finished) in enumerate(self.script[: len(prompts)])
+        ]
 
 
 class CountingParser:
@@ -90,20 +93,35 @@ class CountingParser:
 
 
 def off_policy(table, tokenizer, parser, *, mode="adaptive", save_generated=False) -> OffPolicyBatches:
-    recipe = Recipe.model_validate({
-        "name": "r", "output_dir": "o", "teacher": {"path": "t"}, "student": {"path": "s"},
-        "data": {"train": "x", "dev": None, **LENGTHS},
-        "train": {"max_steps": 4, "batch_size": 4, "micro_batch_size": 4, "save_generated": save_generated},
-        "generation": {"mode": mode, "init_threshold": 1.0, "buffer_size": 8, "max_new_tokens": BUDGET},
-    })
+    recipe = Recipe.model_validate(
+        {
+            "name": "r",
+            "output_dir": "o",
+            "teacher": {"path": "t"},
+            "student": {"path": "s"},
+            "data": {"train": "x", "dev": None, **LENGTHS},
+            "train": {"max_steps": 4, "batch_size": 4, "micro_batch_size": 4, "save_generated": save_generated},
+            "generation": {"mode": mode, "init_threshold": 1.0, "buffer_size": 8, "max_new_tokens": BUDGET},
+        }
+    )
     return OffPolicyBatches(
-        recipe, table, model=None, tokenizer=tokenizer, pad_ids={"student": 0, "teacher": 0}, with_teacher=True,
-        granularities=GRANULARITIES, parser=parser, total_steps=4,
+        recipe,
+        table,
+        model=None,
+        tokenizer=tokenizer,
+        pad_ids={"student": 0, "teacher": 0},
+        with_teacher=True,
+        granularities=GRANULARITIES,
+        parser=parser,
+        total_steps=4,
     )
 
 
 def test_a_generated_micro_batch_trains_on_the_ids_generated_and_their_spans(
-    same_data, tokenizer, settings, monkeypatch  # noqa: F811
+    same_data,
+    tokenizer,
+    settings,
+    monkeypatch,  # noqa: F811
 ):
     table = read_annotations(same_data).table
     ScriptedGenerator.script = scripted(tokenizer)
@@ -131,16 +149,22 @@ def test_a_generated_micro_batch_trains_on_the_ids_generated_and_their_spans(
                 labels = tokens.labels[position]
                 # Only the generated response is a target: EOS first is one target, nothing none.
                 assert (labels[: len(prompt)] == IGNORE_INDEX).all() and (labels[length:] == IGNORE_INDEX).all()
-                assert labels[len(prompt): length].tolist() == response
-            expected_rows.append(GeneratedRow(row["text"][: row["prompt_chars"]], prompt, response,
-                                              finished=finished, id=row["id"]))
+                assert labels[len(prompt) : length].tolist() == response
+            expected_rows.append(
+                GeneratedRow(row["text"][: row["prompt_chars"]], prompt, response, finished=finished, id=row["id"])
+            )
 
         # The spans the loss reads (asked for after the teacher forward) are those of the same
         # rows parsed directly, waited for once.
-        want = AnnotatedExamples(
-            annotate_generated(span_parser.annotator, expected_rows).batch, student_pad_id=0,
-            granularities=GRANULARITIES,
-        ).batch(rows).spans
+        want = (
+            AnnotatedExamples(
+                annotate_generated(span_parser.annotator, expected_rows).batch,
+                student_pad_id=0,
+                granularities=GRANULARITIES,
+            )
+            .batch(rows)
+            .spans
+        )
         with_spans = batches.with_spans(batch.to("cpu"))
         assert with_spans.pending_spans is None and batches.with_spans(with_spans) is with_spans
         device_spans = with_spans.spans
@@ -155,12 +179,12 @@ def test_a_generated_micro_batch_trains_on_the_ids_generated_and_their_spans(
         assert parser.waits == 1 and len(batches.buffer) == 4
         buffered = batches.buffer.rows()
         cut = buffered[3]
-        assert cut["student_input_ids"][cut["student_prompt_len"]:] == ScriptedGenerator.script[3][0]
+        assert cut["student_input_ids"][cut["student_prompt_len"] :] == ScriptedGenerator.script[3][0]
         # Its text is the tokenizer's decode of the ids: the cut character is one U+FFFD at the end.
         assert cut["text"] == tokenizer.decode(cut["student_input_ids"]) and cut["text"].endswith("\ufffd")
         for row in buffered:
             for span in row["word_spans"] + row["phrase_spans"]:
-                assert row["text"][span["char_start"]: span["char_end"]].strip()
+                assert row["text"][span["char_start"] : span["char_end"]].strip()
         assert [rows_saved for rows_saved, _, _ in batches._saved] == [buffered]
 
 

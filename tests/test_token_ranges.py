@@ -110,14 +110,10 @@ def test_a_long_prompt_is_skipped_or_its_head_kept(sides):
     assert isinstance(skipped, PromptTooLong) and skipped.tokens > 16
     assert "--truncate-prompt" in skipped.message
 
-    kept = fit_to_limits(
-        prompt, response, sides, max_length=200, max_prompt_length=16, truncate_prompt=True
-    )
+    kept = fit_to_limits(prompt, response, sides, max_length=200, max_prompt_length=16, truncate_prompt=True)
     assert kept.prompt_cut and kept.complete
     assert kept.text == prompt[: kept.prompt_chars] + response
     for side in sides:
         assert prompt_token_count(side.encode(kept.text).offsets, kept.prompt_chars) <= 16
     longer = prompt[: kept.prompt_chars + 1] + response
-    assert max(
-        prompt_token_count(side.encode(longer).offsets, kept.prompt_chars + 1) for side in sides
-    ) > 16
+    assert max(prompt_token_count(side.encode(longer).offsets, kept.prompt_chars + 1) for side in sides) > 16

@@ -34,8 +34,14 @@ def tracker_env(tmp_path_factory):
     tracker settings from the machine running the tests."""
     patch = pytest.MonkeyPatch()
     home = tmp_path_factory.mktemp("wandb-home")
-    for name in ("WANDB_PROJECT", "WANDB_DIR", "WANDB_RUN_ID", "MLFLOW_TRACKING_URI",
-                 "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE"):
+    for name in (
+        "WANDB_PROJECT",
+        "WANDB_DIR",
+        "WANDB_RUN_ID",
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_ALLOW_FILE_STORE",
+    ):
         patch.setenv(name, "")  # recorded, so the code's own setdefault is undone afterwards
         patch.delenv(name)
     patch.setenv("WANDB_MODE", "offline")
@@ -106,13 +112,20 @@ def read_wandb(out: Path) -> list[dict]:
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                run.update(id=record.run.run_id, name=record.run.display_name, project=record.run.project,
-                           tags=list(record.run.tags), started=record.run.start_time.ToNanoseconds())
+                run.update(
+                    id=record.run.run_id,
+                    name=record.run.display_name,
+                    project=record.run.project,
+                    tags=list(record.run.tags),
+                    started=record.run.start_time.ToNanoseconds(),
+                )
                 updates = record.run.config.update
             elif kind == "config":
                 updates = record.config.update
             elif kind == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                row = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 run["history"].setdefault(row["_step"], {}).update(row)
                 continue
             else:
@@ -144,11 +157,18 @@ def read_mlflow(store: Path) -> list[dict]:
                     pending += client.list_artifacts(run_id, item.path)
                 else:
                     artifacts[item.path] = load_text(f"{run.info.artifact_uri}/{item.path}")
-            runs.append({
-                "run_id": run_id, "name": run.info.run_name, "status": run.info.status,
-                "experiment": experiment.name, "tags": run.data.tags, "params": run.data.params,
-                "metrics": metrics, "artifacts": artifacts,
-            })
+            runs.append(
+                {
+                    "run_id": run_id,
+                    "name": run.info.run_name,
+                    "status": run.info.status,
+                    "experiment": experiment.name,
+                    "tags": run.data.tags,
+                    "params": run.data.params,
+                    "metrics": metrics,
+                    "artifacts": artifacts,
+                }
+            )
     return runs
 
 
@@ -167,9 +187,19 @@ def tracked_runs(tracker_env, tmp_path_factory, teacher_dir, tiny_model_dir, sam
     tmp = tmp_path_factory.mktemp("tracked")
     out = tmp / "run"
     recipe_path = write_recipe(
-        tmp / "r.yaml", teacher=teacher_dir, student=tiny_model_dir, annotations=same_data, output_dir=out,
-        train={"max_steps": 3, "eval_interval": 2, "save_interval": 2, "num_sample_generations": 1,
-               "sample_max_new_tokens": 4, "report_to": ALL},
+        tmp / "r.yaml",
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=same_data,
+        output_dir=out,
+        train={
+            "max_steps": 3,
+            "eval_interval": 2,
+            "save_interval": 2,
+            "num_sample_generations": 1,
+            "sample_max_new_tokens": 4,
+            "report_to": ALL,
+        },
     )
     run_distillation(load_recipe(recipe_path))
     first = {
@@ -182,8 +212,9 @@ def tracked_runs(tracker_env, tmp_path_factory, teacher_dir, tiny_model_dir, sam
         "state": json.loads((out / "tracking.json").read_text()),
     }
     # A lower rate from the resume on, so that its step 3 differs from the first run's.
-    run_distillation(load_recipe(recipe_path, ["train.max_steps=4", "train.lr=1e-3"]),
-                     resume=str(out / "checkpoints" / "step-2"))
+    run_distillation(
+        load_recipe(recipe_path, ["train.max_steps=4", "train.lr=1e-3"]), resume=str(out / "checkpoints" / "step-2")
+    )
     resumed = {
         "metrics": read_metrics(out / "metrics.jsonl"),
         "tensorboard": read_tensorboard(out / "tensorboard"),
@@ -197,7 +228,13 @@ def tracked_runs(tracker_env, tmp_path_factory, teacher_dir, tiny_model_dir, sam
 def test_every_record_the_recipe_and_the_samples_reach_each_backend(tracked_runs):
     first, _ = tracked_runs
     records, recipe = first["metrics"], first["recipe"]
-    assert [(r["split"], r["step"]) for r in records] == [("dev", 0), ("train", 1), ("train", 2), ("dev", 2), ("train", 3)]
+    assert [(r["split"], r["step"]) for r in records] == [
+        ("dev", 0),
+        ("train", 1),
+        ("train", 2),
+        ("dev", 2),
+        ("train", 3),
+    ]
     dev_samples = {r["step"]: r["samples"] for r in records if r["split"] == "dev"}
     assert all(len(samples) == 1 for samples in dev_samples.values())
     run_id = first["run"]["run_id"]
@@ -216,7 +253,9 @@ def test_every_record_the_recipe_and_the_samples_reach_each_backend(tracked_runs
     config = board["text"]["config"][0]
     assert yaml.safe_load("\n".join(line[4:] for line in config.splitlines())) == recipe
     assert board["text"]["dev/samples"] == {step: tracking.samples_text(s) for step, s in dev_samples.items()}
-    assert dev_samples[0][0]["prompt"] and dev_samples[0][0]["prompt"].splitlines()[0] in board["text"]["dev/samples"][0]
+    assert (
+        dev_samples[0][0]["prompt"] and dev_samples[0][0]["prompt"].splitlines()[0] in board["text"]["dev/samples"][0]
+    )
 
     # W&B (offline): one run named after the recipe and run id, the recipe as its config, every
     # metric in the history at its step, the samples as a table.
@@ -267,7 +306,9 @@ def test_a_resumed_run_continues_the_same_backend_runs(tracked_runs):
     scalars = resumed["tensorboard"]["scalars"]
     assert scalars["train/lr"] == pytest.approx({s: r["lr"] for s, r in train.items()}, rel=1e-6)
     assert scalars["train/loss"] == pytest.approx({s: r["loss"] for s, r in train.items()}, rel=1e-6)
-    assert scalars["dev/loss"] == pytest.approx({r["step"]: r["loss"] for r in records if r["split"] == "dev"}, rel=1e-6)
+    assert scalars["dev/loss"] == pytest.approx(
+        {r["step"]: r["loss"] for r in records if r["split"] == "dev"}, rel=1e-6
+    )
     assert set(resumed["tensorboard"]["text"]["config"]) == {0, 3}  # the resumed recipe from step 3 on
 
     # W&B: the resume logged into a run with the same id.
@@ -295,11 +336,20 @@ def test_a_resumed_run_continues_the_same_backend_runs(tracked_runs):
 def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tmp_path, monkeypatch, tiny_model_dir, same_data):  # noqa: F811
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     out = tmp_path / "run"
-    recipe = load_recipe(write_recipe(
-        tmp_path / "r.yaml", teacher=None, student=tiny_model_dir, annotations=same_data, output_dir=out,
-        loss=SFT, train={"report_to": ["tensorboard", "wandb"]},
-    ))
-    with pytest.raises(MtaError, match=r"train\.report_to lists wandb, which is not installed .*pip install 'mta\[wandb\]'"):
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path / "r.yaml",
+            teacher=None,
+            student=tiny_model_dir,
+            annotations=same_data,
+            output_dir=out,
+            loss=SFT,
+            train={"report_to": ["tensorboard", "wandb"]},
+        )
+    )
+    with pytest.raises(
+        MtaError, match=r"train\.report_to lists wandb, which is not installed .*pip install 'mta\[wandb\]'"
+    ):
         run_distillation(recipe)
     assert not out.exists()  # nothing claimed, loaded or written
     with pytest.raises(MtaError, match=r"--report-to lists wandb.*pip install 'mta\[wandb\]'"):
@@ -309,8 +359,14 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tmp_path, mo
 
 
 def test_report_to_defaults_to_none_and_takes_a_name_or_a_list(tmp_path, tiny_model_dir, same_data):  # noqa: F811
-    path = write_recipe(tmp_path / "r.yaml", teacher=None, student=tiny_model_dir, annotations=same_data,
-                        output_dir=tmp_path / "o", loss=SFT)
+    path = write_recipe(
+        tmp_path / "r.yaml",
+        teacher=None,
+        student=tiny_model_dir,
+        annotations=same_data,
+        output_dir=tmp_path / "o",
+        loss=SFT,
+    )
     assert load_recipe(path).train.report_to == []
     assert load_recipe(path, ["train.report_to=tensorboard"]).train.report_to == ["tensorboard"]
     assert load_recipe(path, ["train.report_to=[mlflow,wandb,mlflow]"]).train.report_to == ["mlflow", "wandb"]
@@ -328,17 +384,36 @@ def test_evaluate_reports_the_results_to_tensorboard_and_mlflow(tracker_env, tmp
     rows = [json.loads(line) for line in EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
     (tmp_path / "data" / "dolly").mkdir(parents=True)
     (tmp_path / "data" / "dolly" / "valid.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in rows[:2]), encoding="utf-8")
+        "".join(json.dumps(r) + "\n" for r in rows[:2]), encoding="utf-8"
+    )
     out = tmp_path / "eval"
-    result = CliRunner().invoke(app, [
-        "evaluate", str(tiny_model_dir), "--names", "tiny", "--out", str(out), "--data-dir", str(tmp_path / "data"),
-        "--seeds", "1,2", "--max-new-tokens", "4", "--max-prompt-length", "48", "--report-to", "tensorboard,mlflow",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            str(tiny_model_dir),
+            "--names",
+            "tiny",
+            "--out",
+            str(out),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--seeds",
+            "1,2",
+            "--max-new-tokens",
+            "4",
+            "--max-prompt-length",
+            "48",
+            "--report-to",
+            "tensorboard,mlflow",
+        ],
+    )
     assert result.exit_code == 0, result.output + repr(result.exception)
     results = json.loads((out / "results.json").read_text())
     dolly = results["checkpoints"]["tiny"]["sets"]["dolly"]
     expected = {
-        "eval/tiny/dolly/rougeL": dolly["rougeL"]["mean"], "eval/tiny/dolly/rougeL_std": dolly["rougeL"]["std"],
+        "eval/tiny/dolly/rougeL": dolly["rougeL"]["mean"],
+        "eval/tiny/dolly/rougeL_std": dolly["rougeL"]["std"],
         "eval/tiny/dolly/exact_match": dolly["exact_match"]["mean"],
         "eval/tiny/dolly/rougeL/seed-1": dolly["rougeL"]["per_seed"]["1"],
         "eval/tiny/dolly/rougeL/seed-2": dolly["rougeL"]["per_seed"]["2"],

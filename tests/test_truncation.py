@@ -63,9 +63,7 @@ def test_the_eos_slot_at_the_length_limit(tokenizers, tokenizer_dirs, order, roo
     sides = [TokenizerSide.load(tokenizer_dirs[name]) for name in names]
     text = PROMPT + RESPONSE
     max_length = longest_side(tokenizers, text) + room
-    fitted = fit_to_limits(
-        PROMPT, RESPONSE, sides, max_length=max_length, max_prompt_length=MAX_PROMPT_LENGTH
-    )
+    fitted = fit_to_limits(PROMPT, RESPONSE, sides, max_length=max_length, max_prompt_length=MAX_PROMPT_LENGTH)
     assert isinstance(fitted, FittedText)
     assert fitted.complete == (room == 1)
     assert text.startswith(fitted.text)
@@ -82,13 +80,13 @@ def test_the_eos_slot_at_the_length_limit(tokenizers, tokenizer_dirs, order, roo
 def test_annotate_ends_each_side_with_its_own_eos_only_when_it_fits(tmp_path, tokenizers, tokenizer_dirs):
     """Rows whose longer side is max_length − 1, max_length and max_length + 1 tokens, through the
     whole annotate stage with a teacher and a student whose EOS ids differ."""
-    rows = [
-        {"prompt": PROMPT, "response": response_of_length(tokenizers, MAX_LENGTH + room)}
-        for room in (-1, 0, 1)
-    ]
+    rows = [{"prompt": PROMPT, "response": response_of_length(tokenizers, MAX_LENGTH + room)} for room in (-1, 0, 1)]
     settings = AnnotateSettings(
-        teacher=str(tokenizer_dirs["teacher"]), student=str(tokenizer_dirs["student"]), workers=1,
-        max_length=MAX_LENGTH, max_prompt_length=MAX_PROMPT_LENGTH,
+        teacher=str(tokenizer_dirs["teacher"]),
+        student=str(tokenizer_dirs["student"]),
+        workers=1,
+        max_length=MAX_LENGTH,
+        max_prompt_length=MAX_PROMPT_LENGTH,
     )
     out = tmp_path / "out"
     run_annotate(write_jsonl(tmp_path / "rows.jsonl", rows), out, settings)

@@ -39,8 +39,10 @@ def reference_prompt_tokens(tokenizer, text: str, prompt_chars: int) -> int:
 
 
 def expected_message(tokens: int, side: str, limit: int, at_least: bool = False) -> str:
-    return (f"the prompt is {'at least ' if at_least else ''}{tokens} tokens for the {side}, over "
-            f"--max-prompt-length {limit} (pass --truncate-prompt to keep its head instead of skipping the row)")
+    return (
+        f"the prompt is {'at least ' if at_least else ''}{tokens} tokens for the {side}, over "
+        f"--max-prompt-length {limit} (pass --truncate-prompt to keep its head instead of skipping the row)"
+    )
 
 
 def test_the_eos_slot_decides_completeness_at_the_exact_limit(sides, references):
@@ -85,7 +87,11 @@ def test_a_prompt_at_the_limit_is_kept_and_one_over_is_refused_naming_the_side(s
     refused = fit_to_limits(PROMPT, RESPONSE, sides, max_length=200, max_prompt_length=limit - 1)
     assert isinstance(refused, PromptTooLong)
     assert (refused.tokens, refused.side, refused.limit, refused.at_least) == (
-        limit, ("teacher", "student")[worst], limit - 1, False)
+        limit,
+        ("teacher", "student")[worst],
+        limit - 1,
+        False,
+    )
     assert refused.message == expected_message(limit, ("teacher", "student")[worst], limit - 1)
     named = fit_to_limits(PROMPT, RESPONSE, sides, max_length=200, max_prompt_length=limit - 1, roles=("left", "right"))
     assert named.side == ("left", "right")[worst]
@@ -163,7 +169,6 @@ def test_a_long_row_is_only_encoded_through_its_first_window(sides, encoded, max
     assert isinstance(refused, PromptTooLong)
     assert encoded and max(encoded) <= window
     encoded.clear()
-    fitted = fit_to_limits("Q: ", RESPONSE * 250, sides, max_length=max_length,
-                           max_prompt_length=max_length // 2)
+    fitted = fit_to_limits("Q: ", RESPONSE * 250, sides, max_length=max_length, max_prompt_length=max_length // 2)
     assert isinstance(fitted, FittedText) and fitted.complete is False
     assert encoded and max(encoded) <= window

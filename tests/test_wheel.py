@@ -53,8 +53,9 @@ def installed(tmp_path_factory) -> dict:
     for name in ("src", "cli", "recipes"):
         shutil.copytree(REPO / name, source / name, ignore=ignore)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", str(root / "dist"), str(source)])
+    _run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(root / "dist"), str(source)]
+    )
     (wheel,) = (root / "dist").glob("mta-*.whl")
 
     venv = root / "venv"
@@ -73,8 +74,11 @@ def _fresh_venv(venv: Path) -> tuple[Path, Path]:
     """A fresh venv without pip: its interpreter and its site-packages directory."""
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     python = venv / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     env=_clean_env()).stdout.strip())
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=_clean_env()
+        ).stdout.strip()
+    )
     return python, site
 
 
@@ -87,8 +91,11 @@ def test_the_wheel_holds_every_package_and_the_package_data(installed):
     missing = [name for name in EXPECTED_IN_WHEEL if name not in names]
     assert not missing, missing
     # The top-level recipes/ (the one copy in git) lands in the wheel as mta/recipes/.
-    shipped = {"mta/" + p.relative_to(REPO).as_posix() for p in (REPO / "recipes").rglob("*")
-               if p.is_file() and "__pycache__" not in p.parts}
+    shipped = {
+        "mta/" + p.relative_to(REPO).as_posix()
+        for p in (REPO / "recipes").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     assert shipped <= names, sorted(shipped - names)
     # Every module of the source tree made it (no package forgotten by a hand-kept list).
     modules = {p.relative_to(REPO / "src").as_posix() for p in (REPO / "src" / "mta").rglob("*.py")}
@@ -100,8 +107,7 @@ def test_the_wheel_holds_every_package_and_the_package_data(installed):
 def test_the_installed_mta_is_the_wheel_not_the_clone(installed):
     python = installed["venv"] / "bin" / "python"
     code = "import mta, mta_cli, torch; print(mta.__file__, mta_cli.__file__, torch.__file__)"
-    result = _run([str(python), "-c", code],
-                  cwd=installed["work"], env=_clean_env())
+    result = _run([str(python), "-c", code], cwd=installed["work"], env=_clean_env())
     mta_file, cli_file, torch_file = map(Path, result.stdout.split())
     assert mta_file.is_relative_to(installed["site"]), mta_file
     assert cli_file.is_relative_to(installed["site"]), cli_file
@@ -115,14 +121,19 @@ def test_recipes_list_and_a_dry_run_of_the_shipped_tiny_recipe_work_from_anywher
     listed = _run([mta, "recipes", "list"], cwd=installed["work"], env=_clean_env())
     for name in ("tiny", "gpt2", "qwen", "opt", "cross-tokenizer", "smollm2-demo"):
         assert name in listed.stdout
-    result = _run([mta, "distill", "--recipe", "tiny", "--dry-run"], cwd=installed["work"],
-                  env=_clean_env())
+    result = _run([mta, "distill", "--recipe", "tiny", "--dry-run"], cwd=installed["work"], env=_clean_env())
     assert f"recipe: shipped tiny ({shipped / 'tiny.yaml'})" in result.stderr
     assert "LlamaForCausalLM" in result.stderr
     assert not (shipped / "runs").exists()  # outputs go to the working directory, never in there
-    demo = _run([str(installed["venv"] / "bin" / "python"), "-c",
-                 "from mta.demo.pipeline import DEMO_RECIPE; print(DEMO_RECIPE.resolve())"],
-                cwd=installed["work"], env=_clean_env())
+    demo = _run(
+        [
+            str(installed["venv"] / "bin" / "python"),
+            "-c",
+            "from mta.demo.pipeline import DEMO_RECIPE; print(DEMO_RECIPE.resolve())",
+        ],
+        cwd=installed["work"],
+        env=_clean_env(),
+    )
     assert Path(demo.stdout.strip()) == (shipped / "smollm2-demo.yaml").resolve()
 
 
@@ -132,13 +143,28 @@ def test_an_editable_install_reads_the_recipes_from_the_source_tree(installed, t
     # setuptools (no build isolation) comes from this environment; --ignore-installed: the mta
     # this environment has installed is seen but never uninstalled.
     (site / "zz_dev_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([*installed["pip"], "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-          "--no-build-isolation", "--ignore-installed", "-e", str(installed["source"])],
-         cwd=tmp_path, env=_clean_env())
-    code = ("from mta.training.config.catalog import SHIPPED_DIR as d; "
-            "print(d); print(sorted(p.name for p in d.glob('*.yaml')))")
-    result = _run([str(python), "-c", code],
-                  cwd=installed["work"], env=_clean_env())
+    _run(
+        [
+            *installed["pip"],
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            "--no-build-isolation",
+            "--ignore-installed",
+            "-e",
+            str(installed["source"]),
+        ],
+        cwd=tmp_path,
+        env=_clean_env(),
+    )
+    code = (
+        "from mta.training.config.catalog import SHIPPED_DIR as d; "
+        "print(d); print(sorted(p.name for p in d.glob('*.yaml')))"
+    )
+    result = _run([str(python), "-c", code], cwd=installed["work"], env=_clean_env())
     shipped, names = result.stdout.splitlines()
     assert Path(shipped) == installed["source"] / "recipes"
     assert "'tiny.yaml'" in names

@@ -65,7 +65,8 @@ def quiet_third_party(verbose: bool = False) -> None:
         return
     if "transformers" not in _changed:
         _changed["transformers"] = (
-            transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
+            transformers_logging.get_verbosity(),
+            transformers_logging.is_progress_bar_enabled(),
         )
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
@@ -80,7 +81,8 @@ def _restore() -> None:
     logging.getLogger(DEEPSPEED_LOGGER).removeFilter(_ERRORS_ONLY)
     if _changed.pop("warnings", False):
         warnings.filters[:] = [
-            entry for entry in warnings.filters
+            entry
+            for entry in warnings.filters
             if not (entry[0] == "ignore" and entry[3] is not None and entry[3].pattern == _NOT_MTA)
         ]
         getattr(warnings, "_filters_mutated", lambda: None)()  # drop the cached decisions

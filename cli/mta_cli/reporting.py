@@ -193,7 +193,11 @@ class PlainReporter:
     """
 
     def __init__(
-        self, console: Optional[Console] = None, *, every_percent: int = 10, every_s: float = 30.0,
+        self,
+        console: Optional[Console] = None,
+        *,
+        every_percent: int = 10,
+        every_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.console = console or Console(stderr=True)

@@ -69,7 +69,10 @@ def checksum_differences(directory: str | Path, recorded: dict[str, str]) -> lis
     missing or changed, and files the list does not name."""
     current = directory_checksums(directory)
     changes = [f"{name} (missing)" for name in recorded if name not in current]
-    changes += [f"{name} (changed: sha256 differs)" for name, digest in recorded.items()
-                if name in current and current[name] != digest]
+    changes += [
+        f"{name} (changed: sha256 differs)"
+        for name, digest in recorded.items()
+        if name in current and current[name] != digest
+    ]
     changes += [f"{name} (not in {CHECKSUMS})" for name in current if name not in recorded]
     return changes

@@ -345,7 +345,12 @@ def finished_responses(paths: PairsPaths, rows: Sequence[Example]) -> dict[str, 
     for journal in paths.journals():
         for record in read_jsonl_lenient(journal):
             side, row = record.get("side"), by_id.get(record.get("id"))
-            if side in done and row is not None and record.get("prompt") == row.prompt and isinstance(record.get("text"), str):
+            if (
+                side in done
+                and row is not None
+                and record.get("prompt") == row.prompt
+                and isinstance(record.get("text"), str)
+            ):
                 done[side].setdefault(row.id, record)
     return done
 
@@ -415,4 +420,3 @@ def _write_output(
 
 
 __all__ = ["PairSettings", "PairsOutcome", "PairsPaths", "describe_run", "generate_pairs", "pair_seed", "read_prompts"]
-

@@ -181,7 +181,9 @@ class WandbTracker:
         stored = state.get(self.name)
         (output_dir / WANDB_DIR).mkdir(parents=True, exist_ok=True)
         arguments: dict[str, Any] = dict(
-            project=os.environ.get("WANDB_PROJECT") or project, name=run_name, dir=str(output_dir),
+            project=os.environ.get("WANDB_PROJECT") or project,
+            name=run_name,
+            dir=str(output_dir),
             tags=[f"mta-run-{run_id}"] if run_id else None,
         )
         if stored is not None and isinstance(stored.get("id"), str):
@@ -222,8 +224,9 @@ def mlflow_key(name: str) -> str:
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, output_dir: Path, run_name: str, experiment: str, run_id: str, state: "_State",
-                 resume_step: Optional[int]):
+    def __init__(
+        self, output_dir: Path, run_name: str, experiment: str, run_id: str, state: "_State", resume_step: Optional[int]
+    ):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         store = uri or "local"  # recorded as "local" so a moved OUT still finds its run
         if uri is None:
@@ -351,8 +354,12 @@ class Trackers:
             try:
                 getattr(tracker, call)(*args)
             except Exception as error:  # noqa: BLE001 - metrics.jsonl keeps every record
-                log.warning("%s failed (%s: %s); it receives nothing more from this run "
-                            "(metrics.jsonl has every record)", tracker.name, type(error).__name__, error)
+                log.warning(
+                    "%s failed (%s: %s); it receives nothing more from this run (metrics.jsonl has every record)",
+                    tracker.name,
+                    type(error).__name__,
+                    error,
+                )
                 self.trackers.remove(tracker)
                 if call != "close":
                     self._close_quietly(tracker)
@@ -377,8 +384,14 @@ class Trackers:
 
 
 def open_trackers(
-    names: Iterable[str], output_dir: Path, *, name: str, run_id: str, resume_step: Optional[int] = None,
-    project: Optional[str] = None, source: str = "train.report_to",
+    names: Iterable[str],
+    output_dir: Path,
+    *,
+    name: str,
+    run_id: str,
+    resume_step: Optional[int] = None,
+    project: Optional[str] = None,
+    source: str = "train.report_to",
 ) -> Trackers:
     """The listed backends, opened on the main process (empty elsewhere).
 
@@ -408,16 +421,22 @@ def open_trackers(
     return Trackers(opened)
 
 
-def report_evaluation(names: Iterable[str], out_dir: Path, results: Mapping[str, Any], *, run_id: str,
-                      source: str = "--report-to") -> None:
+def report_evaluation(
+    names: Iterable[str], out_dir: Path, results: Mapping[str, Any], *, run_id: str, source: str = "--report-to"
+) -> None:
     """Send an evaluation's results.json (``evaluation_record``; its settings and checkpoints as
     the config) to the listed backends, as a new run ``evaluate-<out dir name>-<run_id[:8]>`` in
     the W&B project / MLflow experiment ``mta`` (unless the environment names one)."""
-    trackers = open_trackers(names, out_dir, name=f"evaluate-{Path(out_dir).resolve().name}", run_id=run_id,
-                             project="mta", source=source)
+    trackers = open_trackers(
+        names, out_dir, name=f"evaluate-{Path(out_dir).resolve().name}", run_id=run_id, project="mta", source=source
+    )
     try:
-        trackers.log_config({"settings": results.get("settings", {}),
-                             "checkpoints": {k: v.get("checkpoint") for k, v in results["checkpoints"].items()}})
+        trackers.log_config(
+            {
+                "settings": results.get("settings", {}),
+                "checkpoints": {k: v.get("checkpoint") for k, v in results["checkpoints"].items()},
+            }
+        )
         trackers.log(evaluation_record(results))
     except BaseException:
         trackers.close(failed=True)
@@ -426,6 +445,15 @@ def report_evaluation(names: Iterable[str], out_dir: Path, results: Mapping[str,
 
 
 __all__ = [
-    "BACKENDS", "Tracker", "Trackers", "open_trackers", "require", "report_evaluation", "evaluation_record",
-    "scalars", "samples_text", "flat_params", "mlflow_key",
+    "BACKENDS",
+    "Tracker",
+    "Trackers",
+    "open_trackers",
+    "require",
+    "report_evaluation",
+    "evaluation_record",
+    "scalars",
+    "samples_text",
+    "flat_params",
+    "mlflow_key",
 ]

@@ -6,8 +6,17 @@ import platform
 from importlib import metadata
 
 PACKAGES = (
-    "mta", "torch", "transformers", "tokenizers", "deepspeed", "safetensors", "spacy", "pyarrow",
-    "rouge-score", "nltk", "peft",  # peft: a LoRA student's adapters (student.lora)
+    "mta",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "deepspeed",
+    "safetensors",
+    "spacy",
+    "pyarrow",
+    "rouge-score",
+    "nltk",
+    "peft",  # peft: a LoRA student's adapters (student.lora)
 )
 
 

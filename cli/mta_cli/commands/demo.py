@@ -12,7 +12,9 @@ from mta_cli.results import run_demo_command
 
 
 def demo(
-    quick: bool = typer.Option(False, "--quick", help="fewer steps, 8 rows per set, 1 seed (~2 min with bf16, ~5 in fp32)"),
+    quick: bool = typer.Option(
+        False, "--quick", help="fewer steps, 8 rows per set, 1 seed (~2 min with bf16, ~5 in fp32)"
+    ),
     out_dir: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="where every stage writes"),
     data_dir: Optional[Path] = typer.Option(
         None, "--data-dir", help="instruction sets (dolly/, self-inst/, ...); default $MTA_DATA_DIR, else ./data"
@@ -33,6 +35,10 @@ def demo(
 
     settings = DemoSettings.quick() if quick else DemoSettings.full()
     run_demo_command(
-        f"mta demo ({settings.name})", settings.estimated_seconds(), out_dir,
-        lambda reporter: run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter), write_report, table,
+        f"mta demo ({settings.name})",
+        settings.estimated_seconds(),
+        out_dir,
+        lambda reporter: run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter),
+        write_report,
+        table,
     )

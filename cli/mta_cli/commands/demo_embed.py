@@ -15,7 +15,9 @@ def demo_embed(
     quick: bool = typer.Option(False, "--quick", help="2 steps, 1 seed, a few dozen texts: checks that it runs"),
     out_dir: Path = typer.Option(Path("runs/demo-embed"), "--out", "-o", help="where every stage writes"),
     data_dir: Optional[Path] = typer.Option(
-        None, "--data-dir", help="instruction sets (dolly/train.jsonl, dolly/dev.jsonl); default $MTA_DATA_DIR, else ./data"
+        None,
+        "--data-dir",
+        help="instruction sets (dolly/train.jsonl, dolly/dev.jsonl); default $MTA_DATA_DIR, else ./data",
     ),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
@@ -34,6 +36,10 @@ def demo_embed(
 
     settings = EmbedDemoSettings.quick() if quick else EmbedDemoSettings.full()
     run_demo_command(
-        f"mta demo-embed ({settings.name})", estimated_seconds(settings), out_dir,
-        lambda reporter: run_embedding_demo(settings, out_dir, data_dir=data_dir, reporter=reporter), write_report, table,
+        f"mta demo-embed ({settings.name})",
+        estimated_seconds(settings),
+        out_dir,
+        lambda reporter: run_embedding_demo(settings, out_dir, data_dir=data_dir, reporter=reporter),
+        write_report,
+        table,
     )

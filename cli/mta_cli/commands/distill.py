@@ -42,7 +42,10 @@ def interrupted_line(output_dir: Path, command: str) -> str:
 
 def distill(
     recipe: str = typer.Option(
-        ..., "--recipe", "-r", show_default=False,
+        ...,
+        "--recipe",
+        "-r",
+        show_default=False,
         help="recipe YAML file, or the name of a shipped recipe (`mta recipes list`); "
         "an existing file (NAME, then NAME.yaml) wins over a shipped name",
     ),
@@ -53,7 +56,8 @@ def distill(
         None, "--resume", help="'auto' (newest complete checkpoint in output_dir) or a checkpoint dir"
     ),
     overwrite: bool = typer.Option(
-        False, "--overwrite",
+        False,
+        "--overwrite",
         help="start over: remove the run in output_dir (run.json, checkpoints/, final/, metrics.jsonl; "
         "the data/ and models/ caches stay) before the first step",
     ),
@@ -109,6 +113,9 @@ def distill(
     if is_main:
         how = "AutoModelForCausalLM.from_pretrained"
         if loaded.task == "embedding":
-            how = "SentenceTransformer" + (", trust_remote_code=True" if loaded.student.pooling == "cls_attention" else "") \
+            how = (
+                "SentenceTransformer"
+                + (", trust_remote_code=True" if loaded.student.pooling == "cls_attention" else "")
                 + ", or AutoModel.from_pretrained"
+            )
         console.print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)

@@ -26,14 +26,18 @@ class PoolingChoice(str, Enum):  # mta.embedding.pooling: AUTO + POOLINGS
 
 def embed(
     data: Path = typer.Argument(
-        ..., help="Texts: JSONL, Parquet or CSV rows (or a datasets save_to_disk directory) with a 'text' "
-        "field, or instruction rows (MiniLLM, Dolly: instruction + input/context + response), or prompt/response rows."
+        ...,
+        help="Texts: JSONL, Parquet or CSV rows (or a datasets save_to_disk directory) with a 'text' "
+        "field, or instruction rows (MiniLLM, Dolly: instruction + input/context + response), or prompt/response rows.",
     ),
-    teacher: str = typer.Option(..., "--teacher", help="Teacher encoder: a Hugging Face or sentence-transformers directory, or a hub name."),
+    teacher: str = typer.Option(
+        ..., "--teacher", help="Teacher encoder: a Hugging Face or sentence-transformers directory, or a hub name."
+    ),
     out_dir: Path = typer.Option(..., "-o", "--out", help="Output directory (Parquet parts + .mta/manifest.json)."),
     pooling: PoolingChoice = typer.Option(
-        PoolingChoice.auto, help="auto: a sentence-transformers directory's own pooling and Normalize "
-        "(mean for a plain encoder); or mean, cls, max, last (the last real token)."
+        PoolingChoice.auto,
+        help="auto: a sentence-transformers directory's own pooling and Normalize "
+        "(mean for a plain encoder); or mean, cls, max, last (the last real token).",
     ),
     normalize: Optional[bool] = typer.Option(
         None, "--normalize/--no-normalize", help="L2-normalise the vectors [default: as the teacher's config says]."
@@ -42,13 +46,17 @@ def embed(
         None, help="Tokens per text, special ones included [default: the teacher's max_seq_length, else 256]."
     ),
     batch_size: int = typer.Option(64, help="Texts per forward pass (batches are length-sorted)."),
-    dtype: str = typer.Option("auto", help="auto (bf16 where the device computes it natively, else fp32), fp32, bf16 or fp16; vectors are stored as float32."),
+    dtype: str = typer.Option(
+        "auto",
+        help="auto (bf16 where the device computes it natively, else fp32), fp32, bf16 or fp16; vectors are stored as float32.",
+    ),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
     text_field: Optional[str] = typer.Option(None, help="Embed this column as the text (instead of the rule above)."),
     on_error: OnError = typer.Option(OnError.fail, help="Stop at a row without a text, or skip and count it."),
     shard: Optional[str] = typer.Option(
-        None, help="Embed every N-th row starting at row I (I/N), for array jobs [default: under torchrun, "
-        "this rank's share]."
+        None,
+        help="Embed every N-th row starting at row I (I/N), for array jobs [default: under torchrun, "
+        "this rank's share].",
     ),
     force: bool = typer.Option(False, "--force", help="Recompute even if a matching artefact exists."),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
@@ -74,9 +82,20 @@ def embed(
         raise MtaError(f"--batch-size must be at least 1, got {batch_size}")
     with make_reporter(console) as reporter:
         outcome = run_embed(
-            teacher, data, out_dir, pooling=pooling.value, normalize=normalize, max_length=max_length,
-            batch_size=batch_size, dtype=dtype, device=device, text_field=text_field,
-            on_error=on_error.value, reporter=reporter, shard=shard_spec, force=force,
+            teacher,
+            data,
+            out_dir,
+            pooling=pooling.value,
+            normalize=normalize,
+            max_length=max_length,
+            batch_size=batch_size,
+            dtype=dtype,
+            device=device,
+            text_field=text_field,
+            on_error=on_error.value,
+            reporter=reporter,
+            shard=shard_spec,
+            force=force,
         )
     if outcome.reused:
         console.print(f"reused {out_dir} (same teacher, input and settings; --force recomputes)")
@@ -94,11 +113,20 @@ def _print_summary(console: Console, manifest: dict) -> None:
     rows = manifest["rows"]
     teacher = manifest["teacher"]
     for key, value in (
-        ("texts read", rows.get("read")), ("texts embedded", rows.get("written")), ("skipped", rows.get("skipped")),
+        ("texts read", rows.get("read")),
+        ("texts embedded", rows.get("written")),
+        ("skipped", rows.get("skipped")),
         ("cut at max length", rows.get("truncated")),
-        ("teacher", teacher.get("name")), ("pooling", "{mode}{norm}".format(
-            mode=manifest["pooling"]["mode"], norm=" + normalize" if manifest["pooling"]["normalize"] else "")),
-        ("dimension", manifest["dimension"]), ("max length", manifest["max_length"]), ("precision", manifest["precision"]),
+        ("teacher", teacher.get("name")),
+        (
+            "pooling",
+            "{mode}{norm}".format(
+                mode=manifest["pooling"]["mode"], norm=" + normalize" if manifest["pooling"]["normalize"] else ""
+            ),
+        ),
+        ("dimension", manifest["dimension"]),
+        ("max length", manifest["max_length"]),
+        ("precision", manifest["precision"]),
     ):
         table.add_row(key, str(value))
     for reason, count in sorted(manifest.get("skipped", {}).items()):

@@ -40,46 +40,74 @@ def evaluate(
         None, "--data-dir", help="Evaluation sets, as DIR/SET/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
     ),
     names: Optional[str] = typer.Option(
-        None, "--names", help="Comma-separated labels, one per checkpoint. Default: each run directory's name (runs/x/final → x), lengthened only where two collide."
+        None,
+        "--names",
+        help="Comma-separated labels, one per checkpoint. Default: each run directory's name (runs/x/final → x), lengthened only where two collide.",
     ),
     benchmarks: Optional[str] = typer.Option(
-        None, "--benchmarks", help="Comma-separated sets [default: dolly,self-inst,vicuna,sinst,uinst; missing ones skipped]; "
+        None,
+        "--benchmarks",
+        help="Comma-separated sets [default: dolly,self-inst,vicuna,sinst,uinst; missing ones skipped]; "
         "also another split of one as <set>-<split> (dolly-dev: DIR/dolly/dev.jsonl) and JSONL files, each named by its "
-        "file stem (dolly,path/to/mine.jsonl)."
+        "file stem (dolly,path/to/mine.jsonl).",
     ),
     seeds: str = typer.Option("10,20,30,40,50", "--seeds", help="Comma-separated sampling seeds."),
     max_prompt_length: int = typer.Option(256, help="Prompt tokens kept (a longer prompt keeps its first ones)."),
     max_new_tokens: int = typer.Option(256, help="Most tokens generated per row."),
     batch_size: int = typer.Option(16, help="Prompts per generation batch."),
     limit: Optional[int] = typer.Option(None, help="Evaluate only the first N rows of every set (quick runs)."),
-    dtype: str = typer.Option("auto", help="auto (bf16 on a GPU or a CPU with bf16 instructions, else fp32), fp32, bf16 or fp16."),
+    dtype: str = typer.Option(
+        "auto", help="auto (bf16 on a GPU or a CPU with bf16 instructions, else fp32), fp32, bf16 or fp16."
+    ),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
     perplexity: Optional[str] = typer.Option(
-        None, "--perplexity", help="Also score teacher-forced perplexity on a set, e.g. dolly-dev (DIR/dolly/dev.jsonl)."
+        None,
+        "--perplexity",
+        help="Also score teacher-forced perplexity on a set, e.g. dolly-dev (DIR/dolly/dev.jsonl).",
     ),
     perplexity_limit: Optional[int] = typer.Option(None, help="First N rows of the perplexity set."),
     template: TemplateChoice = typer.Option(
-        TemplateChoice.alpaca, help="How prompts are built from rows: alpaca (the Alpaca prompt for rows "
+        TemplateChoice.alpaca,
+        help="How prompts are built from rows: alpaca (the Alpaca prompt for rows "
         "without a 'prompt'), chat (each checkpoint's own chat template), none (each row's 'prompt' as given).",
     ),
     report_to: Optional[str] = typer.Option(
-        None, "--report-to",
+        None,
+        "--report-to",
         help="Also send the results to experiment trackers, comma-separated: tensorboard (OUT/tensorboard/), "
         "wandb, mlflow (each: pip install 'mta[NAME]').",
     ),
     task: str = typer.Option(
-        "llm", "--task", help="llm (the default: generation, ROUGE-L) or embedding (sentence encoders: "
-        "teacher agreement on held-out texts and the TALAS author's nine tasks; see mta_cli.commands.evaluate_embedding)."
+        "llm",
+        "--task",
+        help="llm (the default: generation, ROUGE-L) or embedding (sentence encoders: "
+        "teacher agreement on held-out texts and the TALAS author's nine tasks; see mta_cli.commands.evaluate_embedding).",
     ),
-    teacher: Optional[str] = typer.Option(None, "--teacher", help="--task embedding: the teacher that embeds --data's held-out texts."),
-    data: Optional[Path] = typer.Option(None, "--data", help="--task embedding: held-out texts (any input `mta embed` reads)."),
+    teacher: Optional[str] = typer.Option(
+        None, "--teacher", help="--task embedding: the teacher that embeds --data's held-out texts."
+    ),
+    data: Optional[Path] = typer.Option(
+        None, "--data", help="--task embedding: held-out texts (any input `mta embed` reads)."
+    ),
     teacher_embeddings: Optional[Path] = typer.Option(
-        None, "--teacher-embeddings", help="--task embedding: an `mta embed` directory of held-out texts (instead of --teacher/--data)."
+        None,
+        "--teacher-embeddings",
+        help="--task embedding: an `mta embed` directory of held-out texts (instead of --teacher/--data).",
     ),
-    pooling: str = typer.Option("auto", "--pooling", help="--task embedding: auto (each checkpoint's sentence-transformers pooling, else mean), mean, cls, max, last."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="--task embedding: comma-separated tasks of the nine [default: all], or none."),
-    tasks_dir: Optional[Path] = typer.Option(None, "--tasks-dir", help="--task embedding: the author's CSVs (phongdq/TALAS-M-Datasets multi-data/)."),
-    max_pairs: int = typer.Option(1_000_000, "--max-pairs", help="--task embedding: most text pairs the agreement uses (all pairs when fewer)."),
+    pooling: str = typer.Option(
+        "auto",
+        "--pooling",
+        help="--task embedding: auto (each checkpoint's sentence-transformers pooling, else mean), mean, cls, max, last.",
+    ),
+    tasks: Optional[str] = typer.Option(
+        None, "--tasks", help="--task embedding: comma-separated tasks of the nine [default: all], or none."
+    ),
+    tasks_dir: Optional[Path] = typer.Option(
+        None, "--tasks-dir", help="--task embedding: the author's CSVs (phongdq/TALAS-M-Datasets multi-data/)."
+    ),
+    max_pairs: int = typer.Option(
+        1_000_000, "--max-pairs", help="--task embedding: most text pairs the agreement uses (all pairs when fewer)."
+    ),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Sample answers from each checkpoint on Dolly, SelfInst, Vicuna, S-NI and UnNI and compare
@@ -107,10 +135,20 @@ def evaluate(
         from mta_cli.commands.evaluate_embedding import evaluate_embedding
 
         return evaluate_embedding(
-            checkpoints, out=out, names=_csv(names, "--names") if names is not None else None,
-            teacher=teacher, data=data, teacher_embeddings=teacher_embeddings, pooling=pooling,
-            tasks=_csv(tasks, "--tasks") if tasks is not None else None, tasks_dir=tasks_dir,
-            max_pairs=max_pairs, batch_size=batch_size, limit=limit, dtype=dtype, device=device,
+            checkpoints,
+            out=out,
+            names=_csv(names, "--names") if names is not None else None,
+            teacher=teacher,
+            data=data,
+            teacher_embeddings=teacher_embeddings,
+            pooling=pooling,
+            tasks=_csv(tasks, "--tasks") if tasks is not None else None,
+            tasks_dir=tasks_dir,
+            max_pairs=max_pairs,
+            batch_size=batch_size,
+            limit=limit,
+            dtype=dtype,
+            device=device,
         )
     if task != "llm":
         raise MtaError(f"--task '{task}': choose llm or embedding")

@@ -21,9 +21,21 @@ def rich_table(results: dict) -> Table:
 
 
 def evaluate_embedding(
-    checkpoints: Sequence[str], *, out: Path, names: Optional[list[str]], teacher: Optional[str],
-    data: Optional[Path], teacher_embeddings: Optional[Path], pooling: str, tasks: Optional[list[str]],
-    tasks_dir: Optional[Path], max_pairs: int, batch_size: int, limit: Optional[int], dtype: str, device: str,
+    checkpoints: Sequence[str],
+    *,
+    out: Path,
+    names: Optional[list[str]],
+    teacher: Optional[str],
+    data: Optional[Path],
+    teacher_embeddings: Optional[Path],
+    pooling: str,
+    tasks: Optional[list[str]],
+    tasks_dir: Optional[Path],
+    max_pairs: int,
+    batch_size: int,
+    limit: Optional[int],
+    dtype: str,
+    device: str,
 ) -> None:
     """Teacher agreement and the nine tasks of each encoder checkpoint (see
     :mod:`mta.embedding.evaluation`); writes OUT/results.json and OUT/results.md."""
@@ -31,14 +43,25 @@ def evaluate_embedding(
 
     console = Console()
     settings = EmbeddingEvalSettings(
-        pooling=pooling, batch_size=batch_size, dtype=dtype, device=device, max_pairs=max_pairs,
-        tasks=tuple(tasks) if tasks is not None else None, tasks_dir=str(tasks_dir) if tasks_dir else None,
+        pooling=pooling,
+        batch_size=batch_size,
+        dtype=dtype,
+        device=device,
+        max_pairs=max_pairs,
+        tasks=tuple(tasks) if tasks is not None else None,
+        tasks_dir=str(tasks_dir) if tasks_dir else None,
         limit=limit,
     )
     with make_reporter(Console(stderr=True)) as reporter:
         results = evaluate_embedding_checkpoints(
-            checkpoints, out_dir=out, names=names, teacher=teacher, data=data,
-            teacher_embeddings=teacher_embeddings, settings=settings, reporter=reporter,
+            checkpoints,
+            out_dir=out,
+            names=names,
+            teacher=teacher,
+            data=data,
+            teacher_embeddings=teacher_embeddings,
+            settings=settings,
+            reporter=reporter,
         )
     if int(os.environ.get("RANK", 0)) == 0:
         console.print(rich_table(results))

@@ -35,7 +35,9 @@ def generate(
     batch_size: int = typer.Option(BATCH_SIZE, help="Prompts per generation batch."),
     seed: int = typer.Option(SEED, help="Sampling seed; each row's noise is keyed by (seed, side, row id)."),
     limit: Optional[int] = typer.Option(None, help="Only the first N input rows (quick runs)."),
-    dtype: str = typer.Option("auto", help="auto (bf16 on a GPU or a CPU with bf16 instructions, else fp32), fp32, bf16 or fp16."),
+    dtype: str = typer.Option(
+        "auto", help="auto (bf16 on a GPU or a CPU with bf16 instructions, else fp32), fp32, bf16 or fp16."
+    ),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
     on_error: OnError = typer.Option(OnError.fail, help="Stop at a bad input row, or skip and count it."),
     overwrite: bool = typer.Option(
@@ -59,9 +61,18 @@ def generate(
     from mta.pairs import PairSettings, generate_pairs
 
     settings = PairSettings(
-        temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-        max_prompt_length=max_prompt_length, batch_size=batch_size, seed=seed, limit=limit,
-        dtype=dtype, device=device, on_error=on_error.value, overwrite=overwrite,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length,
+        batch_size=batch_size,
+        seed=seed,
+        limit=limit,
+        dtype=dtype,
+        device=device,
+        on_error=on_error.value,
+        overwrite=overwrite,
     )
     console = Console(stderr=True)
     with make_reporter(console) as reporter:
@@ -72,7 +83,8 @@ def generate(
         if outcome.prompts_truncated.get(side):
             console.print(
                 f"[yellow]{outcome.prompts_truncated[side]} prompt(s) exceed {max_prompt_length} {side} tokens "
-                f"and keep their first {max_prompt_length}[/]", highlight=False,
+                f"and keep their first {max_prompt_length}[/]",
+                highlight=False,
             )
     skipped = f", {outcome.skipped} bad row(s) skipped" if outcome.skipped else ""
     console.print(f"wrote {outcome.rows} pairs to {outcome.path}{skipped}", highlight=False)

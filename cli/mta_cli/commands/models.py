@@ -58,7 +58,13 @@ def _packaged_encoder(which: str, output: Optional[Path], force: bool) -> None:
     table.add_column("key")
     table.add_column("value")
     for key, value in record.items():
-        shown = f"{value:,}" if isinstance(value, int) else ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+        shown = (
+            f"{value:,}"
+            if isinstance(value, int)
+            else ", ".join(map(str, value))
+            if isinstance(value, list)
+            else str(value)
+        )
         table.add_row(key, shown)
     console.print(table)
 
@@ -103,9 +109,7 @@ def qwen_tokenizer(output: OutputDir = None, force: Force = False) -> None:
 def init_student(
     teacher: Annotated[str, typer.Option("--from", help="Teacher: a Hugging Face model directory.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Directory to write.")],
-    layers: Annotated[
-        Optional[int], typer.Option("--layers", "-k", help="How many decoder blocks to keep.")
-    ] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", "-k", help="How many decoder blocks to keep.")] = None,
     pick: Annotated[
         str,
         typer.Option(
@@ -131,9 +135,7 @@ def init_student(
 
     indices = _parse_indices(keep) if keep is not None else None
     with console.status(f"pruning {teacher}"):
-        record = build_student(
-            teacher, output, num_layers=layers, pick=pick, keep=indices, force=force
-        )
+        record = build_student(teacher, output, num_layers=layers, pick=pick, keep=indices, force=force)
 
     table = Table(title=f"student: {output}")
     for column in ("", "blocks", "parameters"):

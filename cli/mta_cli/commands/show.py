@@ -46,8 +46,7 @@ def show(
         ids = record[f"{side}_input_ids"]
         console.print(
             Text(
-                f"\n{side}: {manifest[side]['name']}  {len(ids)} ids, "
-                f"prompt {record[f'{side}_prompt_len']}",
+                f"\n{side}: {manifest[side]['name']}  {len(ids)} ids, prompt {record[f'{side}_prompt_len']}",
                 style="bold",
             )
         )
@@ -109,7 +108,7 @@ def _span_table(title: str, spans: list[dict], text: str, pieces: dict[str, list
             str(index),
             Text(span["label"], style=PHRASE_STYLES.get(span["label"], WORD_STYLE)),
             f"[{span['char_start']},{span['char_end']})",
-            text[span["char_start"]:span["char_end"]],
+            text[span["char_start"] : span["char_end"]],
             Text(cells[0]),
             Text(cells[1]),
         )

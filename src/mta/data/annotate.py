@@ -120,10 +120,7 @@ class AnnotateSettings:
         Without a teacher (plain SFT) the student's tokenizer stands on both sides.
         """
         student = str(recipe.resolve(recipe.student.tokenizer_path, "student.tokenizer"))
-        teacher = (
-            str(recipe.resolve(recipe.teacher.tokenizer_path, "teacher.tokenizer"))
-            if recipe.teacher else student
-        )
+        teacher = str(recipe.resolve(recipe.teacher.tokenizer_path, "teacher.tokenizer")) if recipe.teacher else student
         values = dict(
             teacher=teacher,
             student=student,
@@ -221,13 +218,23 @@ def run_annotate(
                 if reused is not None:
                     return reused
             shard_manifest = _annotate_shard(
-                source, out_dir, settings, teacher, student, spacy_name,
-                shard=shard, num_shards=num_shards, style=style,
+                source,
+                out_dir,
+                settings,
+                teacher,
+                student,
+                spacy_name,
+                shard=shard,
+                num_shards=num_shards,
+                style=style,
                 total=len(range(shard, summary.rows, num_shards)) * (2 if source.is_pairs() else 1),
                 reporter=reporter,
             )
             shard_manifest.update(
-                {VERSION_KEY: SCHEMA_VERSION}, run_key=run_key, shard=shard, num_shards=num_shards,
+                {VERSION_KEY: SCHEMA_VERSION},
+                run_key=run_key,
+                shard=shard,
+                num_shards=num_shards,
                 description=description,
             )
             manifest = commit_shard(out_dir, shard_manifest)

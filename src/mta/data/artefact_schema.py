@@ -179,8 +179,7 @@ COLUMNS = tuple(SCHEMA.names)
 
 LAYOUTS: dict[int, str] = {
     1: "manifest.json, shard-*.json, lock files and parts side by side in the directory",
-    2: "only the published parts in the directory; manifest.json, shard manifests, staged "
-       "parts and locks under .mta/",
+    2: "only the published parts in the directory; manifest.json, shard manifests, staged parts and locks under .mta/",
 }
 LAYOUT_VERSION = 2
 
@@ -258,8 +257,11 @@ def stored_layout(manifest: Any, manifest_path: Path, directory: Path) -> int:
     raise MtaError(
         f"{manifest_path} has {LAYOUT_KEY} {found!r}, which this mta ({mta.__version__}) cannot "
         f"read: it reads layout version(s) {_listed(sorted(LAYOUTS))}. "
-        + ("It was written by a newer mta: upgrade mta, or annotate the input again with this one "
-           "into a new directory" if newer else "Annotate the input again into a new directory")
+        + (
+            "It was written by a newer mta: upgrade mta, or annotate the input again with this one into a new directory"
+            if newer
+            else "Annotate the input again into a new directory"
+        )
         + f": `{reannotate_command(manifest, directory)}`"
     )
 
@@ -280,9 +282,9 @@ def stored_version(manifest: Any, manifest_path: Path, directory: Path | None = 
         return found
     newer = type(found) is int and found > SCHEMA_VERSION
     fix = (
-        "It was written by a newer mta: upgrade mta, or annotate the input again with this one "
-        "into a new directory"
-        if newer else "Annotate the input again into a new directory"
+        "It was written by a newer mta: upgrade mta, or annotate the input again with this one into a new directory"
+        if newer
+        else "Annotate the input again into a new directory"
     )
     raise MtaError(
         f"{manifest_path} has {VERSION_KEY} {found!r}, which this mta ({mta.__version__}) cannot "

@@ -125,9 +125,7 @@ class TokenizerSide:
         text, is_start = utf8_characters(table.data[source].tobytes())
         chars_before = np.concatenate([[0], np.cumsum(is_start)])  # [bytes + 1]
         first = chars_before[np.minimum(starts + 1, total)] - 1  # the character of a first byte
-        offsets = np.stack(
-            [np.where(lengths > 0, first, chars_before[starts]), chars_before[ends]], axis=1
-        )
+        offsets = np.stack([np.where(lengths > 0, first, chars_before[starts]), chars_before[ends]], axis=1)
         return text, Encoding(ids=ids.astype(np.int32), offsets=offsets.astype(np.int64).reshape(-1, 2))
 
     @property

@@ -81,7 +81,10 @@ class AlignedSpans:
 
 
 def align_spans(
-    text: str, visible: Sequence[np.ndarray], chars: np.ndarray, labels: Sequence[str],
+    text: str,
+    visible: Sequence[np.ndarray],
+    chars: np.ndarray,
+    labels: Sequence[str],
     rule: SpanRule = "paper",
 ) -> AlignedSpans:
     """Map character spans to the teacher's and the student's tokens; drop any span that one
@@ -122,8 +125,15 @@ def _span_lists(rows: Sequence[AlignedSpans]) -> pa.ListArray:
     student = [row.student for row in rows]
     labels = pa.array([label for row in rows for label in row.labels], pa.string())
     spans = pa.StructArray.from_arrays(
-        [column(chars, 0), column(chars, 1), labels, column(teacher, 0), column(teacher, 1),
-         column(student, 0), column(student, 1)],
+        [
+            column(chars, 0),
+            column(chars, 1),
+            labels,
+            column(teacher, 0),
+            column(teacher, 1),
+            column(student, 0),
+            column(student, 1),
+        ],
         fields=list(SPAN),
     )
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), spans)
@@ -172,8 +182,11 @@ class ExampleAnnotator:
                 counts["prompt_not_decoded"] += fitted.prompt_chars != len(example.prompt)
             else:
                 fitted = fit_to_limits(
-                    example.prompt, example.response, self.sides,
-                    max_length=self.max_length, max_prompt_length=self.max_prompt_length,
+                    example.prompt,
+                    example.response,
+                    self.sides,
+                    max_length=self.max_length,
+                    max_prompt_length=self.max_prompt_length,
                     truncate_prompt=self.truncate_prompt,
                 )
                 if isinstance(fitted, PromptTooLong):
@@ -192,8 +205,9 @@ class ExampleAnnotator:
         # splits is recognised and dropped instead of being parsed as a shorter phrase that never
         # was one; what lies further on cannot reach the kept spans, so it is never parsed.
         max_chars = self.extractor.nlp.max_length
-        parsed = self.extractor.pipe([fitted.parse_text[:max_chars] for _, fitted, _ in kept],
-                                     batch_size=SPACY_BATCH_SIZE)
+        parsed = self.extractor.pipe(
+            [fitted.parse_text[:max_chars] for _, fitted, _ in kept], batch_size=SPACY_BATCH_SIZE
+        )
         ids = {"teacher": [], "student": []}
         prompt_lens = {"teacher": [], "student": []}
         phrases, words, boundaries = [], [], []
@@ -277,9 +291,7 @@ class ExampleAnnotator:
                 encoding = side.encode(text)
                 encodings.append(encoding)
                 row_ids.append(np.concatenate([encoding.ids, np.asarray([side.eos_id] if finished else [], np.int32)]))
-        fitted = FittedText(
-            text, prompt_chars, bool(finished), False, tuple(encodings), text[prompt_chars:]
-        )
+        fitted = FittedText(text, prompt_chars, bool(finished), False, tuple(encodings), text[prompt_chars:])
         return fitted, (row_ids[0], row_ids[1])
 
 

@@ -61,7 +61,11 @@ from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
 
 __all__ = [
-    "GeneratedRow", "PendingSpans", "SpanParser", "annotate_generated", "generated_row",
+    "GeneratedRow",
+    "PendingSpans",
+    "SpanParser",
+    "annotate_generated",
+    "generated_row",
     "online_annotator",
 ]
 
@@ -352,10 +356,7 @@ class SpanParser:
             except Exception as error:  # reported where a worker's error would be
                 return PendingSpans([_completed(error=error)], self.result_timeout_s)
         try:
-            futures = [
-                self._executor.submit(annotate_in_worker, chunk)
-                for chunk in _split(rows, self.workers)
-            ]
+            futures = [self._executor.submit(annotate_in_worker, chunk) for chunk in _split(rows, self.workers)]
         except BrokenProcessPool as error:
             futures = [_completed(error=error)]
         return PendingSpans(futures, self.result_timeout_s)

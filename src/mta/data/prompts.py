@@ -91,13 +91,15 @@ def conversation(value: Any, key: str) -> tuple[Turn, ...]:
     if not isinstance(value, list):
         raise PromptProblem(
             INVALID_CONVERSATION,
-            f"field '{key}' must be an array of {{\"role\", \"content\"}} objects, got {_kind(value)}",
+            f'field \'{key}\' must be an array of {{"role", "content"}} objects, got {_kind(value)}',
         )
     turns = []
     for index, turn in enumerate(value):
         where = f"{key}[{index}]"
         if not isinstance(turn, dict):
-            raise PromptProblem(INVALID_CONVERSATION, f"{where} must be an object with 'role' and 'content', got {_kind(turn)}")
+            raise PromptProblem(
+                INVALID_CONVERSATION, f"{where} must be an object with 'role' and 'content', got {_kind(turn)}"
+            )
         role, content = turn.get("role"), turn.get("content")
         if role not in ROLES:
             raise PromptProblem(
@@ -105,7 +107,9 @@ def conversation(value: Any, key: str) -> tuple[Turn, ...]:
                 f"{where} has role {_shown(role)}; a turn's role is one of {', '.join(ROLES)}",
             )
         if not isinstance(content, str):
-            raise PromptProblem(INVALID_CONVERSATION, f"{where} ({role}) must have a string 'content', got {_kind(content)}")
+            raise PromptProblem(
+                INVALID_CONVERSATION, f"{where} ({role}) must have a string 'content', got {_kind(content)}"
+            )
         turns.append({"role": role, "content": content})
     return tuple(turns)
 
@@ -275,7 +279,8 @@ def build_prompt(
         shape = " + ".join(turn["role"] for turn in turns)
         why = (
             f"a conversation whose prompt is {shape} has no Alpaca form (only a single user turn has)"
-            if template == "alpaca" else "template none uses a row's 'prompt' string as given, and a conversation has none"
+            if template == "alpaca"
+            else "template none uses a row's 'prompt' string as given, and a conversation has none"
         )
         raise PromptProblem(NO_PROMPT, f"{why}; {CHOOSE_CHAT}")
     if prompt is not None:
@@ -292,7 +297,14 @@ def build_prompt(
 
 
 def _kind(value: Any) -> str:
-    kinds = {list: "an array", dict: "an object", bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    kinds = {
+        list: "an array",
+        dict: "an object",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+    }
     text = json.dumps(value, ensure_ascii=False)
     text = text if len(text) <= 40 else text[:39] + "…"
     return "null" if value is None else f"{kinds.get(type(value), type(value).__name__)}: {text}"

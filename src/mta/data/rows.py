@@ -88,9 +88,7 @@ class RowProblem:
         return f"{path}:{self.line}: {self.message}"
 
     def error(self, path: str | Path) -> MtaError:
-        return MtaError(
-            f"{self.describe(path)} (fix the row, or pass --on-error skip to skip and count it)"
-        )
+        return MtaError(f"{self.describe(path)} (fix the row, or pass --on-error skip to skip and count it)")
 
 
 Row = Union[Example, RowProblem]
@@ -144,8 +142,7 @@ def prompt_and_response(record: dict[str, Any], style: PromptStyle = ALPACA) -> 
         else:
             raise _Invalid(
                 MISSING_FIELD,
-                "a row with 'response' needs 'prompt' (prompt/response rows) or 'instruction' "
-                "(Dolly rows)",
+                "a row with 'response' needs 'prompt' (prompt/response rows) or 'instruction' (Dolly rows)",
             )
     elif "completion" in record:  # TRL prompt / completion, standard or conversational
         prompt, response = _trl_prompt_and_completion(record, style)
@@ -191,7 +188,9 @@ def _trl_prompt_and_completion(record: dict[str, Any], style: PromptStyle) -> tu
         )
     turns = conversation(record.get("prompt"), "prompt")
     if not turns:
-        raise PromptProblem(INVALID_CONVERSATION, "field 'prompt' holds no turn: there is no prompt before the completion")
+        raise PromptProblem(
+            INVALID_CONVERSATION, "field 'prompt' holds no turn: there is no prompt before the completion"
+        )
     return style.build(turns=turns), completion[0]["content"]
 
 
@@ -232,14 +231,17 @@ def _parse_line(raw: bytes, row_id: int, line: int, pairs: bool = False, style: 
         if is_pair_record(record) != pairs:
             raise _Invalid(
                 MIXED_FORMATS,
-                "a pair row (chosen/rejected) in a file whose first row is not one" if not pairs else
-                "a row without chosen/rejected in a file of pair rows (its first row is one); a "
+                "a pair row (chosen/rejected) in a file whose first row is not one"
+                if not pairs
+                else "a row without chosen/rejected in a file of pair rows (its first row is one); a "
                 "file holds one kind of row",
             )
         if pairs:
             prompt, chosen, rejected = pair_prompt_and_responses(record, style)
-            return [Example(2 * row_id + half, line, prompt, response, pair_id=row_id, role=role)
-                    for half, (role, response) in enumerate((("chosen", chosen), ("rejected", rejected)))]
+            return [
+                Example(2 * row_id + half, line, prompt, response, pair_id=row_id, role=role)
+                for half, (role, response) in enumerate((("chosen", chosen), ("rejected", rejected)))
+            ]
         prompt, response = prompt_and_response(record, style)
     except PromptProblem as invalid:
         return [RowProblem(row_id, line, invalid.reason, invalid.message)]
@@ -251,7 +253,9 @@ def decode_line(raw: bytes) -> Any:
     try:
         decoded = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        return _Invalid(INVALID_UTF8, f"invalid UTF-8: byte 0x{raw[error.start]:02x} at byte {error.start + 1} of the line")
+        return _Invalid(
+            INVALID_UTF8, f"invalid UTF-8: byte 0x{raw[error.start]:02x} at byte {error.start + 1} of the line"
+        )
     try:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
@@ -282,7 +286,8 @@ def check_input_file(path: Path) -> None:
         hint = (
             f"it holds {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}: e.g. "
             f"`mta annotate {path / found[0]} -o OUT_DIR`"
-            if found else "give the JSONL file itself (one JSON object per line)"
+            if found
+            else "give the JSONL file itself (one JSON object per line)"
         )
         raise MtaError(f"the input {path} is a directory, not a JSONL file; {hint}")
     if not path.exists():
@@ -307,9 +312,7 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, raw
 
 
-def read_rows(
-    path: str | Path, *, shard: int = 0, num_shards: int = 1, style: PromptStyle = ALPACA
-) -> Iterator[Row]:
+def read_rows(path: str | Path, *, shard: int = 0, num_shards: int = 1, style: PromptStyle = ALPACA) -> Iterator[Row]:
     """Stream the rows of ``path`` whose id is ``shard`` modulo ``num_shards``, in file order,
     their prompts built under ``style`` (:mod:`mta.data.prompts`).
 
@@ -355,8 +358,16 @@ def first_problem(
 # The keys the row formats read: what a field mapping (data.fields, --field KEY=COLUMN) may
 # read an input's other column names as.
 FIELD_NAMES = (
-    "prompt", "response", "instruction", "input", "output", "context", "chosen", "rejected",
-    "completion", "messages",
+    "prompt",
+    "response",
+    "instruction",
+    "input",
+    "output",
+    "context",
+    "chosen",
+    "rejected",
+    "completion",
+    "messages",
 )
 
 
@@ -393,7 +404,11 @@ def record_bytes(record: Any) -> bytes:
 
 
 def read_mapped_rows(
-    path: str | Path, fields: Mapping[str, str], *, shard: int = 0, num_shards: int = 1,
+    path: str | Path,
+    fields: Mapping[str, str],
+    *,
+    shard: int = 0,
+    num_shards: int = 1,
     style: PromptStyle = ALPACA,
 ) -> Iterator[Row]:
     """:func:`read_rows` for a JSONL file whose columns ``fields`` reads as the format keys."""
@@ -415,9 +430,7 @@ def is_mapped_pair_file(path: str | Path, fields: Mapping[str, str]) -> bool:
     return False
 
 
-def record_rows(
-    records: Iterable[tuple[int, Any]], *, pairs: bool, style: PromptStyle = ALPACA
-) -> Iterator[Row]:
+def record_rows(records: Iterable[tuple[int, Any]], *, pairs: bool, style: PromptStyle = ALPACA) -> Iterator[Row]:
     """The rows of records that are no JSONL lines (Parquet, CSV, datasets rows): ``(index,
     record)`` pairs, columns already mapped, ``pairs`` as the first record decides. The index is
     the row's id and stands where a line number would (``RowProblem.line``)."""

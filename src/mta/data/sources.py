@@ -109,7 +109,9 @@ class InputSource:
     def record(self, summary: InputSummary) -> dict[str, Any]:
         """The manifest's ``input``: path, sha256, rows, format (and fields, when mapped)."""
         record: dict[str, Any] = {
-            "path": str(self.path.resolve()), "sha256": summary.sha256, "rows": summary.rows,
+            "path": str(self.path.resolve()),
+            "sha256": summary.sha256,
+            "rows": summary.rows,
             "format": self.format,
         }
         if self.fields:
@@ -165,8 +167,12 @@ class DatasetsSource(InputSource):
                     # Every column as text, as written: numbers stay strings, empty cells "".
                     features = datasets.Features({name: datasets.Value("string") for name in _csv_header(self.path)})
                     table = datasets.load_dataset(
-                        "csv", data_files=str(self.path), split="train", features=features,
-                        na_filter=False, keep_default_na=False,
+                        "csv",
+                        data_files=str(self.path),
+                        split="train",
+                        features=features,
+                        na_filter=False,
+                        keep_default_na=False,
                     )
                 else:
                     table = datasets.load_dataset("parquet", data_files=str(self.path), split="train")
@@ -204,7 +210,7 @@ class DatasetsSource(InputSource):
         selected = range(shard, len(table), num_shards)
         chosen = table if num_shards == 1 else table.select(selected)
         for start in range(0, len(chosen), BATCH_ROWS):
-            columns = chosen[start:start + BATCH_ROWS]
+            columns = chosen[start : start + BATCH_ROWS]
             names = list(columns)
             for offset in range(len(columns[names[0]]) if names else 0):
                 record = {name: columns[name][offset] for name in names}

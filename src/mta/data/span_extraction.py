@@ -63,10 +63,7 @@ def resolve_spacy_model(name: str) -> tuple[str, str]:
         if (Path(candidate) / "meta.json").exists():
             return candidate, str(spacy.util.load_meta(Path(candidate) / "meta.json").get("version"))
     fallback = FALLBACK_MODELS.get(name)
-    hint = (
-        f"pip install {fallback.replace('_', '-')}==3.8.0" if fallback
-        else f"python -m spacy download {name}"
-    )
+    hint = f"pip install {fallback.replace('_', '-')}==3.8.0" if fallback else f"python -m spacy download {name}"
     raise MtaError(f"spaCy model '{name}' is not installed; install it with: {hint}")
 
 
@@ -139,8 +136,11 @@ class SpanExtractor:
         labels = [NOUN_PHRASE if rank == 0 else VERB_PHRASE for rank in kept[:, 2]]
 
         if self.span_rule == "reference":
-            return DocSpans(phrases=phrases.reshape(-1, 2), phrase_labels=labels,
-                            words=reference_words(kept, token_start, token_end))
+            return DocSpans(
+                phrases=phrases.reshape(-1, 2),
+                phrase_labels=labels,
+                words=reference_words(kept, token_start, token_end),
+            )
         if self.word_spans == "phrase":
             inside = np.zeros(len(doc) + 1, dtype=np.int64)
             np.add.at(inside, kept[:, 0], 1)

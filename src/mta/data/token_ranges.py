@@ -93,10 +93,13 @@ def boundary_spans(
         starts = np.zeros(length + 1, dtype=bool)
         starts[real[:, 0]] = True
         # +1 after each start, -1 at each end: positions strictly inside a token count > 0.
-        inside = np.cumsum(
-            np.bincount(real[:, 0] + 1, minlength=length + 2)[: length + 2]
-            - np.bincount(real[:, 1], minlength=length + 2)[: length + 2]
-        )[: length + 1] > 0
+        inside = (
+            np.cumsum(
+                np.bincount(real[:, 0] + 1, minlength=length + 2)[: length + 2]
+                - np.bincount(real[:, 1], minlength=length + 2)[: length + 2]
+            )[: length + 1]
+            > 0
+        )
         is_boundary &= starts & ~inside
     begins = np.flatnonzero(is_boundary)
     ends = _before_trailing_space(non_space, np.append(begins[1:], length)[: len(begins)])
@@ -140,11 +143,7 @@ def member_ranges(
     if rule == "reference":  # the authors' `offset_start + 1 >= a and offset_end <= b`
         member = (starts[None, :] + 1 >= spans[:, :1]) & (ends[None, :] <= spans[:, 1:])
     else:
-        member = (
-            (starts < ends)[None, :]
-            & (spans[:, :1] <= starts[None, :])
-            & (ends[None, :] <= spans[:, 1:])
-        )
+        member = (starts < ends)[None, :] & (spans[:, :1] <= starts[None, :]) & (ends[None, :] <= spans[:, 1:])
     found = member.any(axis=1)
     first = member.argmax(axis=1)
     last = member.shape[1] - 1 - member[:, ::-1].argmax(axis=1)

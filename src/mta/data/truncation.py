@@ -206,9 +206,7 @@ def fit_to_limits(
             head = _encode_head(sides, prompt[:cut] + response, cut + 256, decided)
             return max(head.prompt_lengths(cut)[0]) <= max_prompt_length
 
-        cut = last_fitting_cut(
-            prompt, 0, _estimate(window.encodings, max_prompt_length, len(prompt)), prompt_fits
-        )
+        cut = last_fitting_cut(prompt, 0, _estimate(window.encodings, max_prompt_length, len(prompt)), prompt_fits)
         prompt, prompt_cut = prompt[:cut], True
         text = prompt + response
         window = _encode_head(sides, text, first_window, decides)

@@ -127,7 +127,9 @@ def _claim(paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> None
     # The precision as resolved here: on a machine where auto means another, the runs and the
     # predictions (whose claims name their dtype) are redone.
     precision = resolve_precision(settings.precision, local_device())
-    claim_demo_directory(paths.root, {**asdict(settings), "layout": DEMO_LAYOUT, "resolved_precision": precision}, reporter)
+    claim_demo_directory(
+        paths.root, {**asdict(settings), "layout": DEMO_LAYOUT, "resolved_precision": precision}, reporter
+    )
 
 
 def claim_demo_directory(root: Path, stamp: dict, reporter: Reporter) -> None:
@@ -197,7 +199,9 @@ def _distill(recipe: Recipe, variant: Variant, reporter: Reporter) -> tuple[Path
     return final, seconds
 
 
-def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> dict:
+def _evaluate(
+    checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, settings: DemoSettings, reporter: Reporter
+) -> dict:
     """One `evaluate_checkpoints` call per distinct row limit, merged into one result."""
     groups: dict[int, list[str]] = {}
     for set_name, limit in settings.eval_limits.items():
@@ -217,8 +221,12 @@ def _evaluate(checkpoints: dict[str, Path], data_dir: Path, paths: DemoPaths, se
             perplexity_limit=settings.perplexity_rows if with_perplexity else None,
         )
         results = evaluate_checkpoints(
-            [str(path) for path in checkpoints.values()], list(checkpoints), data_dir,
-            paths.eval_dir(index), eval_settings, reporter,
+            [str(path) for path in checkpoints.values()],
+            list(checkpoints),
+            data_dir,
+            paths.eval_dir(index),
+            eval_settings,
+            reporter,
         )
         for label, run in results["checkpoints"].items():
             merged["checkpoints"][label]["sets"].update(run["sets"])

@@ -101,7 +101,8 @@ def perplexity_note(results: dict) -> str:
     lowest of the students, and base + MTA against the base loss alone ("" without perplexity)."""
     ppl = {
         label: run["perplexity"]["perplexity"]
-        for label, run in results["checkpoints"].items() if (run.get("perplexity") or {}).get("perplexity") is not None
+        for label, run in results["checkpoints"].items()
+        if (run.get("perplexity") or {}).get("perplexity") is not None
     }
     if not ppl:
         return ""
@@ -117,8 +118,7 @@ def perplexity_note(results: dict) -> str:
     if base in ppl and mta in ppl:
         change = 100 * (ppl[mta] / ppl[base] - 1)
         word = "lower" if change < 0 else "higher"
-        sentence += (f"; {mta} against {base}: {ppl[mta]:.2f} vs {ppl[base]:.2f} "
-                     f"({abs(change):.1f} % {word})")
+        sentence += f"; {mta} against {base}: {ppl[mta]:.2f} vs {ppl[base]:.2f} ({abs(change):.1f} % {word})"
     return sentence.rstrip("; ") + "."
 
 
@@ -171,7 +171,8 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
         f"tokens incl. EOS, first {demo['perplexity_rows']} Dolly dev rows.",
         "",
         "teacher: the 30-layer model; pruned-start: its 10-layer copy every student starts from; "
-        + "; ".join(f"{v.label}: {v.description}" for v in VARIANTS) + ".",
+        + "; ".join(f"{v.label}: {v.description}" for v in VARIANTS)
+        + ".",
         "",
     ]
     note = perplexity_note(results)
@@ -184,8 +185,9 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
 def plot_summary(results: dict, path: Path) -> None:
     """Left: training loss of the three runs. Right: ROUGE-L per model and set, with std bars."""
     figure, (curves, bars) = pyplot().subplots(1, 2, figsize=(13, 4.8))
-    plot_training_losses(curves, {label: train_records(metrics) for label, metrics in results["metrics"].items()},
-                         fontsize=8)
+    plot_training_losses(
+        curves, {label: train_records(metrics) for label, metrics in results["metrics"].items()}, fontsize=8
+    )
 
     labels = list(results["checkpoints"])
     set_names = list(next(iter(results["checkpoints"].values()))["sets"])

@@ -10,11 +10,11 @@ from mta.dtypes import resolve_precision
 # Seconds per unit, measured with `make demo-quick` on the 2-core development machine (fp32),
 # for the estimate printed at the start; in bf16 training and sampling take 1 / BF16_SPEEDUP of
 # them (bench/cpu_precision.py).
-SECONDS_PER_SFT_STEP = 5.0        # 10-layer student, batch 8 x <=192 tokens, forward + backward
-SECONDS_PER_KD_STEP_EXTRA = 5.0   # + the 30-layer teacher's forward and the 49k-vocabulary loss
+SECONDS_PER_SFT_STEP = 5.0  # 10-layer student, batch 8 x <=192 tokens, forward + backward
+SECONDS_PER_KD_STEP_EXTRA = 5.0  # + the 30-layer teacher's forward and the 49k-vocabulary loss
 SECONDS_PER_GENERATED_TOKEN = 0.024  # per row and new token, batch 16, loading and perplexity included
-FIXED_SECONDS = 120               # pruning, annotation, model loading (conversion: once, ~2 min more)
-BF16_SPEEDUP = 1.8                # training x1.75-1.95, sampling x1.75-2.1 (bench/cpu_precision.py)
+FIXED_SECONDS = 120  # pruning, annotation, model loading (conversion: once, ~2 min more)
+BF16_SPEEDUP = 1.8  # training x1.75-1.95, sampling x1.75-2.1 (bench/cpu_precision.py)
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,18 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("sft", "sft",
-            ("teacher=null", "loss.base=ce", "loss.dsa_weight=0", "loss.hra_weight=0"),
-            "cross-entropy on the reference responses, no teacher"),
-    Variant("kd", "srkl", ("loss.dsa_weight=0", "loss.hra_weight=0"),
-            "DistiLLM's skew reverse KL (alpha 0.1) to the teacher"),
+    Variant(
+        "sft",
+        "sft",
+        ("teacher=null", "loss.base=ce", "loss.dsa_weight=0", "loss.hra_weight=0"),
+        "cross-entropy on the reference responses, no teacher",
+    ),
+    Variant(
+        "kd",
+        "srkl",
+        ("loss.dsa_weight=0", "loss.hra_weight=0"),
+        "DistiLLM's skew reverse KL (alpha 0.1) to the teacher",
+    ),
     Variant("mta", "srkl+mta", (), "skew reverse KL + 2 x DSA + 0.2 x HRA, auto layers"),
 )
 
@@ -49,7 +56,7 @@ class DemoSettings:
     name: str
     student_layers: int = 10
     train_steps: int = 32
-    dev_rows: int = 32            # dev loss during training
+    dev_rows: int = 32  # dev loss during training
     eval_limits: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int = 40
     seeds: tuple[int, ...] = (10, 20)

@@ -23,6 +23,16 @@ from mta.embedding.teacher_embeddings import (
 )
 
 __all__ = [
-    "POOLINGS", "EncoderPlan", "PoolingConfig", "SentenceEncoder", "plan_encoder", "TeacherEmbeddings", "build_teacher_embeddings",
-    "embedding_text", "holds_teacher_embeddings", "load_encoder", "pool", "read_teacher_embeddings",
+    "POOLINGS",
+    "EncoderPlan",
+    "PoolingConfig",
+    "SentenceEncoder",
+    "plan_encoder",
+    "TeacherEmbeddings",
+    "build_teacher_embeddings",
+    "embedding_text",
+    "holds_teacher_embeddings",
+    "load_encoder",
+    "pool",
+    "read_teacher_embeddings",
 ]

@@ -83,7 +83,7 @@ class EmbedDemoSettings:
     """Sizes of one demo run: ``full()`` is ``make demo-embed``, ``quick()`` its check."""
 
     name: str
-    train_texts: int = 400        # 24 steps x 16 texts: each text at most once
+    train_texts: int = 400  # 24 steps x 16 texts: each text at most once
     held_out_texts: int = 200
     steps: int = 24
     batch_size: int = 16
@@ -225,10 +225,16 @@ def run_embedding_demo(
     precision = resolve_precision(settings.precision, device)
     _claim(root, settings, precision, reporter)
 
-    teacher = Path(teacher) if teacher is not None else convert_packaged_encoder(
-        "mpnet", report=lambda line: reporter.message(f"teacher: {line}"))
-    source = Path(student_source) if student_source is not None else convert_packaged_encoder(
-        "minilm", report=lambda line: reporter.message(f"student: {line}"))
+    teacher = (
+        Path(teacher)
+        if teacher is not None
+        else convert_packaged_encoder("mpnet", report=lambda line: reporter.message(f"teacher: {line}"))
+    )
+    source = (
+        Path(student_source)
+        if student_source is not None
+        else convert_packaged_encoder("minilm", report=lambda line: reporter.message(f"student: {line}"))
+    )
     start = root / "student-init"
     if not (start / "mta_init.json").is_file():
         reporter.message(f"student: keeping {settings.student_layers} of {source.name}'s layers")
@@ -239,8 +245,14 @@ def run_embedding_demo(
     for split, path in rows.items():
         reporter.message(f"embed: {split} texts with {teacher.name} (max {settings.max_length} tokens)")
         embeddings[split] = build_teacher_embeddings(
-            teacher, path, root / "embeddings" / split, max_length=settings.max_length, batch_size=32,
-            dtype=settings.precision, reporter=reporter, shard=(0, 1),
+            teacher,
+            path,
+            root / "embeddings" / split,
+            max_length=settings.max_length,
+            batch_size=32,
+            dtype=settings.precision,
+            reporter=reporter,
+            shard=(0, 1),
         )
 
     finals: dict[str, Path] = {}
@@ -248,24 +260,36 @@ def run_embedding_demo(
     for variant in VARIANTS:
         for seed in settings.seeds:
             label = f"{variant.name}/seed-{seed}"
-            finals[label], runs[label] = _distill(recipe_path, variant, seed, settings, start, embeddings["train"], root, device, reporter)
+            finals[label], runs[label] = _distill(
+                recipe_path, variant, seed, settings, start, embeddings["train"], root, device, reporter
+            )
 
     checkpoints = {START_LABEL: start, f"{source.name} (unpruned)": source, **finals}
     names = [_directory_name(label) for label in checkpoints]
     reporter.message(f"evaluate: teacher agreement on {settings.held_out_texts} held-out Dolly dev texts")
     evaluation = evaluate_embedding_checkpoints(
-        list(checkpoints.values()), out_dir=root / "eval", names=names,
+        list(checkpoints.values()),
+        out_dir=root / "eval",
+        names=names,
         teacher_embeddings=embeddings["held-out"],
-        settings=EmbeddingEvalSettings(max_length=settings.max_length, batch_size=32, dtype="fp32",
-                                       tasks=("none",), max_pairs=settings.max_pairs),
+        settings=EmbeddingEvalSettings(
+            max_length=settings.max_length, batch_size=32, dtype="fp32", tasks=("none",), max_pairs=settings.max_pairs
+        ),
         reporter=reporter,
     )
     by_label = {label: evaluation["checkpoints"][name] for label, name in zip(checkpoints, names)}
     return {
-        "settings": {"demo": asdict(settings), "recipe": str(recipe_path), "precision": precision,
-                     "teacher": str(teacher), "student_source": str(source)},
+        "settings": {
+            "demo": asdict(settings),
+            "recipe": str(recipe_path),
+            "precision": precision,
+            "teacher": str(teacher),
+            "student_source": str(source),
+        },
         "held_out": evaluation["sets"]["proxy"],
-        "checkpoints": {label: {"checkpoint": str(path), **by_label[label]["sets"]["proxy"]} for label, path in checkpoints.items()},
+        "checkpoints": {
+            label: {"checkpoint": str(path), **by_label[label]["sets"]["proxy"]} for label, path in checkpoints.items()
+        },
         "runs": runs,
         "variants": {v.name: v.description for v in VARIANTS},
         "summary": summarise(by_label, runs, settings),
@@ -302,8 +326,17 @@ def _sample_dolly(data_dir: Path, root: Path, settings: EmbedDemoSettings) -> di
     return paths
 
 
-def _distill(recipe_path, variant: EmbedVariant, seed: int, settings: EmbedDemoSettings, start: Path,
-             train_embeddings: Path, root: Path, device, reporter: Reporter) -> tuple[Path, dict]:
+def _distill(
+    recipe_path,
+    variant: EmbedVariant,
+    seed: int,
+    settings: EmbedDemoSettings,
+    start: Path,
+    train_embeddings: Path,
+    root: Path,
+    device,
+    reporter: Reporter,
+) -> tuple[Path, dict]:
     """One training run, in a child process of its own (spawned), so its step times and peak
     memory are its own and not the previous runs' leftovers; its progress is forwarded here."""
     import multiprocessing
@@ -315,14 +348,29 @@ def _distill(recipe_path, variant: EmbedVariant, seed: int, settings: EmbedDemoS
         reporter.message(f"{variant.name} seed {seed}: already trained ({final})")
         return final, json.loads(record_path.read_text())
     overrides = [
-        "teacher=null", f"student.path={start}", "student.tokenizer=null", "student.config=null",
-        "student.pooling=mean", f"data.train={train_embeddings}", "data.dev=null",
-        f"data.max_length={settings.max_length}", f"seed={seed}", f"output_dir={output_dir}",
-        "train.epochs=null", f"train.max_steps={settings.steps}", f"train.batch_size={settings.batch_size}",
-        f"train.micro_batch_size={settings.batch_size}", f"train.lr={settings.lr}",
-        f"train.projector_lr={settings.projector_lr}", "train.warmup_steps=0", f"train.precision={settings.precision}",
-        "train.log_interval=1", f"train.save_interval={settings.steps}", f"train.eval_interval={settings.steps}",
-        "train.keep_checkpoints=1", *variant.overrides,
+        "teacher=null",
+        f"student.path={start}",
+        "student.tokenizer=null",
+        "student.config=null",
+        "student.pooling=mean",
+        f"data.train={train_embeddings}",
+        "data.dev=null",
+        f"data.max_length={settings.max_length}",
+        f"seed={seed}",
+        f"output_dir={output_dir}",
+        "train.epochs=null",
+        f"train.max_steps={settings.steps}",
+        f"train.batch_size={settings.batch_size}",
+        f"train.micro_batch_size={settings.batch_size}",
+        f"train.lr={settings.lr}",
+        f"train.projector_lr={settings.projector_lr}",
+        "train.warmup_steps=0",
+        f"train.precision={settings.precision}",
+        "train.log_interval=1",
+        f"train.save_interval={settings.steps}",
+        f"train.eval_interval={settings.steps}",
+        "train.keep_checkpoints=1",
+        *variant.overrides,
     ]
     from mta.training.config.loading import load_recipe
 
@@ -340,8 +388,10 @@ def _distill(recipe_path, variant: EmbedVariant, seed: int, settings: EmbedDemoS
                 kind, payload = channel.get(timeout=1.0)
             except queues.Empty:
                 if not process.is_alive():
-                    raise MtaError(f"the training process of {variant.name} seed {seed} exited with code "
-                                   f"{process.exitcode} without a result; its run directory is {output_dir}") from None
+                    raise MtaError(
+                        f"the training process of {variant.name} seed {seed} exited with code "
+                        f"{process.exitcode} without a result; its run directory is {output_dir}"
+                    ) from None
                 continue
             if kind == "report":
                 method, args, kwargs = payload
@@ -354,8 +404,12 @@ def _distill(recipe_path, variant: EmbedVariant, seed: int, settings: EmbedDemoS
         process.join(timeout=30)
         if process.is_alive():
             process.kill()
-    record = {**outcome, "seconds": time.perf_counter() - began,
-              "final_loss": _final_loss(output_dir / "metrics.jsonl"), "metrics": str(output_dir / "metrics.jsonl")}
+    record = {
+        **outcome,
+        "seconds": time.perf_counter() - began,
+        "final_loss": _final_loss(output_dir / "metrics.jsonl"),
+        "metrics": str(output_dir / "metrics.jsonl"),
+    }
     atomic_write_json(record_path, record)
     return Path(outcome["final"]), record
 
@@ -386,11 +440,21 @@ def _train_in_child(recipe_path: str, overrides: list[str], channel) -> None:
             before = memory.current_mib()
             final = run_distillation(recipe, resume="auto", reporter=clock)
             peak = memory.peak_mib()
-        channel.put(("done", {
-            "final": str(final), "step_seconds": clock.step_seconds(), "steps_timed": max(len(clock.times) - 1, 0),
-            "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "peak_memory_mib": peak, "memory_at_start_mib": before, "memory_measure": memory.how, "resumed": resumed,
-        }))
+        channel.put(
+            (
+                "done",
+                {
+                    "final": str(final),
+                    "step_seconds": clock.step_seconds(),
+                    "steps_timed": max(len(clock.times) - 1, 0),
+                    "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+                    "peak_memory_mib": peak,
+                    "memory_at_start_mib": before,
+                    "memory_measure": memory.how,
+                    "resumed": resumed,
+                },
+            )
+        )
     except MtaError as error:
         channel.put(("error", str(error)))
     except BaseException as error:  # the parent says what went wrong; the traceback is in stderr
@@ -430,10 +494,14 @@ def summarise(by_label: dict, runs: dict, settings: EmbedDemoSettings) -> dict:
             **{k: _mean_std([p[k] for p in proxies]) for k in ks},
             "step_seconds": _mean_std([runs[label]["step_seconds"] for label in labels]),
             "peak_memory_mib": _mean_std([runs[label]["peak_memory_mib"] for label in labels]),
-            "memory_increase_mib": _mean_std([
-                None if runs[label].get("memory_at_start_mib") is None or runs[label]["peak_memory_mib"] is None
-                else runs[label]["peak_memory_mib"] - runs[label]["memory_at_start_mib"] for label in labels
-            ]),
+            "memory_increase_mib": _mean_std(
+                [
+                    None
+                    if runs[label].get("memory_at_start_mib") is None or runs[label]["peak_memory_mib"] is None
+                    else runs[label]["peak_memory_mib"] - runs[label]["memory_at_start_mib"]
+                    for label in labels
+                ]
+            ),
             "train_seconds": _mean_std([runs[label]["seconds"] for label in labels]),
         }
     return summary
@@ -459,12 +527,23 @@ def table(results: dict) -> tuple[list[str], list[list[str]]]:
         body.append([label, f"{run['spearman']:.3f}", *(f"{run[k]:.3f}" for k in ks), "-", "-", "-"])
     for name, stats in results["summary"].items():
         memory = stats["peak_memory_mib"]
-        body.append([
-            name, _cell(stats["spearman"]), *(_cell(stats[k]) for k in ks), _cell(stats["step_seconds"], 2),
-            "-" if memory["mean"] is None else f"{memory['mean']:.0f} MiB"
-            + ("" if stats["memory_increase_mib"]["mean"] is None else f" (+{stats['memory_increase_mib']['mean']:.0f})"),
-            "-" if stats["train_seconds"]["mean"] is None else f"{stats['train_seconds']['mean']:.0f} s",
-        ])
+        body.append(
+            [
+                name,
+                _cell(stats["spearman"]),
+                *(_cell(stats[k]) for k in ks),
+                _cell(stats["step_seconds"], 2),
+                "-"
+                if memory["mean"] is None
+                else f"{memory['mean']:.0f} MiB"
+                + (
+                    ""
+                    if stats["memory_increase_mib"]["mean"] is None
+                    else f" (+{stats['memory_increase_mib']['mean']:.0f})"
+                ),
+                "-" if stats["train_seconds"]["mean"] is None else f"{stats['train_seconds']['mean']:.0f} s",
+            ]
+        )
     return header, body
 
 
@@ -490,18 +569,25 @@ def reading(results: dict) -> str:
             spread = max(talas.get("std") or 0.0, cosine.get("std") or 0.0)
             verdict = "more than" if abs(gap) > 2 * spread else "within"
             sentence += f" TALAS − cosine: {gap:+.3f}, {verdict} twice the larger spread over seeds ({spread:.3f})."
-        sentence += (f" {seeds} seed(s) of {steps} steps from a pruned start: a small-scale comparison "
-                     "on one proxy, not the paper's nine tasks.")
-    asam, plain = summary.get("talas+asam", {}).get("step_seconds", {}), summary.get("talas", {}).get("step_seconds", {})
+        sentence += (
+            f" {seeds} seed(s) of {steps} steps from a pruned start: a small-scale comparison "
+            "on one proxy, not the paper's nine tasks."
+        )
+    asam, plain = (
+        summary.get("talas+asam", {}).get("step_seconds", {}),
+        summary.get("talas", {}).get("step_seconds", {}),
+    )
     if asam.get("mean") and plain.get("mean"):
         loads = [run.get("load_average") for run in results["runs"].values()]
         cores = results.get("cores") or 0
         shared = any(load is not None and cores and load > cores for load in loads)
-        sentence += (f" Step times: ASAM's {asam['mean']:.2f} s against {plain['mean']:.2f} s without it "
-                     f"({asam['mean'] / plain['mean']:.2f}x; paper: 375 / 195 ms ≈ 1.9x); the runs are sequential, so "
-                     "these follow the machine's load while each ran"
-                     + (" (it exceeded the core count here: the ratio is not a measurement)" if shared else "")
-                     + "; bench/embed_step.py interleaves the three steps for the figure to cite.")
+        sentence += (
+            f" Step times: ASAM's {asam['mean']:.2f} s against {plain['mean']:.2f} s without it "
+            f"({asam['mean'] / plain['mean']:.2f}x; paper: 375 / 195 ms ≈ 1.9x); the runs are sequential, so "
+            "these follow the machine's load while each ran"
+            + (" (it exceeded the core count here: the ratio is not a measurement)" if shared else "")
+            + "; bench/embed_step.py interleaves the three steps for the figure to cite."
+        )
     return sentence
 
 
@@ -512,19 +598,24 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
     demo = results["settings"]["demo"]
     held = results["held_out"]
     lines = [
-        *report_heading(f"mta demo-embed ({demo['name']})", results['settings']['precision'], elapsed_seconds),
-        *markdown_table(header, body), "",
+        *report_heading(f"mta demo-embed ({demo['name']})", results["settings"]["precision"], elapsed_seconds),
+        *markdown_table(header, body),
+        "",
         f"Teacher: {Path(results['settings']['teacher']).name}; students: {demo['student_layers']} of "
         f"{Path(results['settings']['student_source']).name}'s layers, {demo['steps']} steps of {demo['batch_size']} "
         f"texts ({demo['train_texts']} Dolly train texts, max {demo['max_length']} tokens), lr {demo['lr']} "
         f"(projections {demo['projector_lr']}), seeds {', '.join(map(str, demo['seeds']))}. Agreement on "
         f"{held['rows']} held-out Dolly dev texts: Spearman ρ between the model's and the teacher's cosine "
         f"similarities over {held['pairs']} pairs; NN recall@k: share of texts whose teacher nearest "
-        "neighbour is among the model's k nearest. mean ± population std over seeds.", "",
-        "; ".join(f"{name}: {text}" for name, text in results["variants"].items()) + ".", "",
+        "neighbour is among the model's k nearest. mean ± population std over seeds.",
+        "",
+        "; ".join(f"{name}: {text}" for name, text in results["variants"].items()) + ".",
+        "",
         f"Memory: {results.get('memory_measure') or '-'} of each run's own process (in brackets: its growth "
-        "while training, over the libraries and data loaded before). s / step: median step time after the first.", "",
-        reading(results), "",
+        "while training, over the libraries and data loaded before). s / step: median step time after the first.",
+        "",
+        reading(results),
+        "",
     ]
     atomic_write_json(out_dir / RESULTS_JSON, results)
     return write_report_files(out_dir, lines, lambda picture: plot_summary(results, picture))
@@ -534,26 +625,47 @@ def plot_summary(results: dict, path: Path) -> None:
     """Left: training loss per run. Middle: agreement ρ and NN recall (mean ± std over seeds,
     references as lines). Right: seconds per step."""
     figure, (curves, bars, steps) = pyplot().subplots(1, 3, figsize=(16, 4.6))
-    plot_training_losses(curves, {label: _train_records(Path(run["metrics"])) for label, run in results["runs"].items()},
-                         fontsize=7)
+    plot_training_losses(
+        curves, {label: _train_records(Path(run["metrics"])) for label, run in results["runs"].items()}, fontsize=7
+    )
 
     summary = results["summary"]
     metrics = ["spearman", *[k for k in next(iter(summary.values())) if k.startswith("recall@")]]
     width, positions = bar_positions(len(summary), len(metrics))
     for (name, stats), at in zip(summary.items(), positions):
-        bars.bar(at, [stats[m]["mean"] or 0 for m in metrics], width,
-                 yerr=[stats[m]["std"] or 0 for m in metrics], label=name, capsize=2)
-    for (label, run), style in zip(((l, r) for l, r in results["checkpoints"].items() if "/seed-" not in l), ("--", ":")):
+        bars.bar(
+            at,
+            [stats[m]["mean"] or 0 for m in metrics],
+            width,
+            yerr=[stats[m]["std"] or 0 for m in metrics],
+            label=name,
+            capsize=2,
+        )
+    for (label, run), style in zip(
+        ((l, r) for l, r in results["checkpoints"].items() if "/seed-" not in l), ("--", ":")
+    ):
         for x, metric in enumerate(metrics):
-            bars.hlines(run[metric], x - 0.45, x + 0.45, colors="black", linestyles=style, linewidth=1,
-                        label=label if x == 0 else None)
+            bars.hlines(
+                run[metric],
+                x - 0.45,
+                x + 0.45,
+                colors="black",
+                linestyles=style,
+                linewidth=1,
+                label=label if x == 0 else None,
+            )
     bars.set_xticks(range(len(metrics)), ["agreement ρ" if m == "spearman" else f"NN {m}" for m in metrics])
     bars.set(title="teacher agreement on held-out texts", ylim=(0, 1))
     bars.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3)
 
     names = list(summary)
-    steps.bar(names, [summary[n]["step_seconds"]["mean"] or 0 for n in names],
-              yerr=[summary[n]["step_seconds"]["std"] or 0 for n in names], capsize=3, color="tab:gray")
+    steps.bar(
+        names,
+        [summary[n]["step_seconds"]["mean"] or 0 for n in names],
+        yerr=[summary[n]["step_seconds"]["std"] or 0 for n in names],
+        capsize=3,
+        color="tab:gray",
+    )
     steps.set(title="seconds per training step", ylabel="s")
     save_figure(figure, path)
 
@@ -562,7 +674,13 @@ def estimated_seconds(settings: EmbedDemoSettings) -> float:
     """A rough figure for the start line, from the 2-core development machine (fp32, loaded)."""
     embed = (settings.train_texts + settings.held_out_texts) / 5.0 * (settings.max_length / 64)
     per_step = {"cosine": 1.5, "talas": 2.0, "talas+asam": 4.5}  # batch 16 x 64 tokens
-    training = sum(per_step.values()) * settings.steps * len(settings.seeds) * (settings.batch_size / 16) * (settings.max_length / 64)
+    training = (
+        sum(per_step.values())
+        * settings.steps
+        * len(settings.seeds)
+        * (settings.batch_size / 16)
+        * (settings.max_length / 64)
+    )
     return 60 + embed + training + 12 * len(VARIANTS) * len(settings.seeds)
 
 

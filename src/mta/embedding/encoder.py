@@ -27,8 +27,9 @@ from mta.errors import MtaError
 DEFAULT_MAX_LENGTH = 256  # TALAS's teacher and student length ([A] prepare_embedding.py, train_asam.py)
 
 # What an encoder may be, for the errors that cannot load one.
-ENCODER_SOURCES = ("give a local Hugging Face or sentence-transformers directory, or a hub name in the "
-                   "Hugging Face cache")
+ENCODER_SOURCES = (
+    "give a local Hugging Face or sentence-transformers directory, or a hub name in the Hugging Face cache"
+)
 
 
 def resolve_pooling(model: str | Path, pooling: str = AUTO, normalize: Optional[bool] = None) -> PoolingConfig:
@@ -39,13 +40,17 @@ def resolve_pooling(model: str | Path, pooling: str = AUTO, normalize: Optional[
         base = configured or PoolingConfig(mode="mean", normalize=False, source="default")
     elif pooling in POOLINGS:
         base = PoolingConfig(
-            mode=pooling, normalize=configured.normalize if configured else False, source="option",
+            mode=pooling,
+            normalize=configured.normalize if configured else False,
+            source="option",
             max_seq_length=configured.max_seq_length if configured else None,
         )
     else:
         raise MtaError(f"pooling '{pooling}': choose one of {AUTO}, {', '.join(POOLINGS)}")
     if normalize is not None and normalize != base.normalize:
-        base = PoolingConfig(base.mode, normalize, "option" if base.source == "default" else base.source, base.max_seq_length)
+        base = PoolingConfig(
+            base.mode, normalize, "option" if base.source == "default" else base.source, base.max_seq_length
+        )
     return base
 
 
@@ -75,7 +80,7 @@ class SentenceEncoder:
         lengths: list[int] = []
         for start in range(0, len(texts), 8192):  # blocks: only the lengths are kept
             encoded = self.tokenizer(
-                list(texts[start:start + 8192]), truncation=True, max_length=self.max_length, return_length=True
+                list(texts[start : start + 8192]), truncation=True, max_length=self.max_length, return_length=True
             )
             lengths.extend(encoded["length"])
         return lengths
@@ -95,7 +100,7 @@ class SentenceEncoder:
 
     def encode(self, texts: Sequence[str], batch_size: int = 32) -> torch.Tensor:
         """``[len(texts), D]`` float32 embeddings, in the order given (batches as they come)."""
-        out = [self.embed_batch(self.tokenize(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)]
+        out = [self.embed_batch(self.tokenize(texts[i : i + batch_size])) for i in range(0, len(texts), batch_size)]
         return torch.cat(out) if out else torch.empty(0, self.dimension)
 
     @property
@@ -129,7 +134,9 @@ def plan_encoder(
 
     settings = resolve_pooling(name_or_path, pooling, normalize)
     config = load_pretrained(
-        AutoConfig.from_pretrained, name_or_path, what="encoder",
+        AutoConfig.from_pretrained,
+        name_or_path,
+        what="encoder",
         otherwise=f"cannot read an encoder config from '{name_or_path}' ({ENCODER_SOURCES})",
     )
     limit = max_length or settings.max_seq_length or DEFAULT_MAX_LENGTH
@@ -162,10 +169,12 @@ def load_encoder(
     plan = plan or plan_encoder(name_or_path, pooling=pooling, normalize=normalize, max_length=max_length)
     tokenizer = load_tokenizer(name_or_path)
     model = load_pretrained(
-        AutoModel.from_pretrained, name_or_path, what="encoder", dtype=dtype,
+        AutoModel.from_pretrained,
+        name_or_path,
+        what="encoder",
+        dtype=dtype,
         otherwise=f"cannot load an encoder from '{name_or_path}' with AutoModel ({ENCODER_SOURCES})",
     )
     device = torch.device(device)
     model.to(device).eval()
     return SentenceEncoder(model, tokenizer, plan.pooling, plan.max_length, device)
-

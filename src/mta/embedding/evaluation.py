@@ -136,15 +136,23 @@ def sampled_pairs(n: int, max_pairs: int, seed: int) -> tuple[torch.Tensor, torc
     return first, second
 
 
-def pair_cosines(embeddings: torch.Tensor, first: torch.Tensor, second: torch.Tensor, block: int = 1 << 16) -> torch.Tensor:
+def pair_cosines(
+    embeddings: torch.Tensor, first: torch.Tensor, second: torch.Tensor, block: int = 1 << 16
+) -> torch.Tensor:
     """``cos(e_i, e_j)`` for each pair, float64, in blocks of pairs (flat memory)."""
     unit = torch.nn.functional.normalize(embeddings.double(), dim=-1)
-    return torch.cat([
-        (unit[first[s:s + block]] * unit[second[s:s + block]]).sum(-1) for s in range(0, len(first), block)
-    ]) if len(first) else torch.empty(0, dtype=torch.float64)
+    return (
+        torch.cat(
+            [(unit[first[s : s + block]] * unit[second[s : s + block]]).sum(-1) for s in range(0, len(first), block)]
+        )
+        if len(first)
+        else torch.empty(0, dtype=torch.float64)
+    )
 
 
-def neighbour_recall(student: torch.Tensor, teacher: torch.Tensor, ks: Sequence[int], block: int = 1024) -> dict[str, float]:
+def neighbour_recall(
+    student: torch.Tensor, teacher: torch.Tensor, ks: Sequence[int], block: int = 1024
+) -> dict[str, float]:
     """``{"recall@k": ...}``: the share of texts whose teacher nearest neighbour (highest
     teacher cosine among the other texts) is among the student's k nearest (itself excluded)."""
     n = len(teacher)
@@ -169,8 +177,12 @@ def neighbour_recall(student: torch.Tensor, teacher: torch.Tensor, ks: Sequence[
 
 
 def teacher_agreement(
-    student: torch.Tensor, teacher: torch.Tensor, *, max_pairs: int = DEFAULT_MAX_PAIRS,
-    ks: Sequence[int] = DEFAULT_K, seed: int = 0,
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    *,
+    max_pairs: int = DEFAULT_MAX_PAIRS,
+    ks: Sequence[int] = DEFAULT_K,
+    seed: int = 0,
 ) -> dict:
     """The proxy of one checkpoint: ``spearman`` (pairwise cosines), ``recall@k``, ``pairs``.
 
@@ -250,7 +262,10 @@ def locate_task_files(task: EmbeddingTask, tasks_dir: Optional[Path]) -> tuple[d
             for role, name in names.items()
         }, None
     except Exception as error:  # a missing file, a gated repo, a dropped connection
-        return None, f"cannot download {TASKS_REPO}/{TASKS_SUBDIR}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return (
+            None,
+            f"cannot download {TASKS_REPO}/{TASKS_SUBDIR}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+        )
 
 
 def _read_csv(path: Path, columns: Sequence[str]) -> dict[str, list[str]]:
@@ -322,10 +337,17 @@ class EmbeddingEvalSettings:
 
     def record(self) -> dict:
         return {
-            "pooling": self.pooling, "max_length": self.max_length, "batch_size": self.batch_size,
-            "dtype": self.dtype, "device": self.device, "max_pairs": self.max_pairs, "k": list(self.ks),
-            "seed": self.seed, "tasks": list(self.tasks) if self.tasks is not None else None,
-            "tasks_dir": self.tasks_dir, "limit": self.limit,
+            "pooling": self.pooling,
+            "max_length": self.max_length,
+            "batch_size": self.batch_size,
+            "dtype": self.dtype,
+            "device": self.device,
+            "max_pairs": self.max_pairs,
+            "k": list(self.ks),
+            "seed": self.seed,
+            "tasks": list(self.tasks) if self.tasks is not None else None,
+            "tasks_dir": self.tasks_dir,
+            "limit": self.limit,
         }
 
 
@@ -384,7 +406,9 @@ def evaluate_embedding_checkpoints(
             located = {task.name: locate_task_files(task, tasks_dir) for task in wanted}
             runs = {}
             for checkpoint, label, fingerprint in zip(checkpoints, labels, fingerprints):
-                runs[label] = _evaluate_one(checkpoint, fingerprint, held_out, wanted, located, settings, device, dtype, reporter, label)
+                runs[label] = _evaluate_one(
+                    checkpoint, fingerprint, held_out, wanted, located, settings, device, dtype, reporter, label
+                )
             results = {
                 "task": "embedding",
                 "protocol": protocol(),
@@ -402,23 +426,35 @@ def evaluate_embedding_checkpoints(
         return distributed.broadcast_from_main(results)
 
 
-def _held_out(teacher, data, teacher_embeddings, out_dir: Path, settings: EmbeddingEvalSettings, reporter) -> Optional[TeacherEmbeddings]:
+def _held_out(
+    teacher, data, teacher_embeddings, out_dir: Path, settings: EmbeddingEvalSettings, reporter
+) -> Optional[TeacherEmbeddings]:
     if teacher_embeddings is None and teacher is None:
         return None
     if teacher_embeddings is None:
         teacher_embeddings = build_teacher_embeddings(
-            teacher, Path(data), out_dir / "teacher-embeddings", batch_size=settings.batch_size,
-            dtype=settings.dtype, device=settings.device, reporter=reporter, shard=(0, 1),
+            teacher,
+            Path(data),
+            out_dir / "teacher-embeddings",
+            batch_size=settings.batch_size,
+            dtype=settings.dtype,
+            device=settings.device,
+            reporter=reporter,
+            shard=(0, 1),
         )
     held_out = read_teacher_embeddings(teacher_embeddings)
     if settings.limit is not None and settings.limit < len(held_out):
         n = settings.limit
-        held_out = TeacherEmbeddings(held_out.directory, held_out.ids[:n], held_out.texts[:n], held_out.embeddings[:n], held_out.manifest)
+        held_out = TeacherEmbeddings(
+            held_out.directory, held_out.ids[:n], held_out.texts[:n], held_out.embeddings[:n], held_out.manifest
+        )
     return held_out
 
 
 def _evaluate_one(checkpoint, fingerprint, held_out, tasks, located, settings, device, dtype, reporter, label) -> dict:
-    encoder = load_encoder(checkpoint, pooling=settings.pooling, max_length=settings.max_length, dtype=dtype, device=device)
+    encoder = load_encoder(
+        checkpoint, pooling=settings.pooling, max_length=settings.max_length, dtype=dtype, device=device
+    )
 
     def encode(texts: Sequence[str], what: str) -> torch.Tensor:
         texts = list(texts)
@@ -427,7 +463,7 @@ def _evaluate_one(checkpoint, fingerprint, held_out, tasks, located, settings, d
         out = torch.empty(len(texts), encoder.dimension)
         try:
             for start in range(0, len(order), settings.batch_size):
-                batch = order[start:start + settings.batch_size]
+                batch = order[start : start + settings.batch_size]
                 out[batch] = encoder.embed_batch(encoder.tokenize([texts[i] for i in batch]))
                 reporter.advance(len(batch))
         finally:
@@ -437,7 +473,9 @@ def _evaluate_one(checkpoint, fingerprint, held_out, tasks, located, settings, d
     sets: dict[str, Optional[dict]] = {}
     if held_out is not None:
         student = encode(held_out.texts, "proxy")
-        sets["proxy"] = teacher_agreement(student, held_out.embeddings, max_pairs=settings.max_pairs, ks=settings.ks, seed=settings.seed)
+        sets["proxy"] = teacher_agreement(
+            student, held_out.embeddings, max_pairs=settings.max_pairs, ks=settings.ks, seed=settings.seed
+        )
     for task in tasks:
         files, reason = located[task.name]
         if files is None:
@@ -489,8 +527,11 @@ def _sets(held_out, tasks, located, settings) -> dict:
     for task in tasks:
         files, reason = located[task.name]
         sets[task.name] = {
-            "title": task.title, "category": task.category, "metric": task.metric,
-            "available": files is not None, "reason": reason,
+            "title": task.title,
+            "category": task.category,
+            "metric": task.metric,
+            "available": files is not None,
+            "reason": reason,
             "files": {role: str(path) for role, path in (files or {}).items()},
         }
     return sets
@@ -558,6 +599,15 @@ def results_markdown(results: dict) -> str:
 
 
 __all__ = [
-    "EmbeddingEvalSettings", "TASKS", "average_precision", "evaluate_embedding_checkpoints", "macro_f1",
-    "neighbour_recall", "ranks", "results_markdown", "spearman", "table_rows", "teacher_agreement",
+    "EmbeddingEvalSettings",
+    "TASKS",
+    "average_precision",
+    "evaluate_embedding_checkpoints",
+    "macro_f1",
+    "neighbour_recall",
+    "ranks",
+    "results_markdown",
+    "spearman",
+    "table_rows",
+    "teacher_agreement",
 ]

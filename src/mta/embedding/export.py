@@ -69,7 +69,10 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 # Files of a sentence-transformers directory that describe the pipeline, not the weights: a
 # pruned copy keeps them (its pooling and normalisation are the source's).
 PIPELINE_FILES = (
-    "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", f"{POOLING_DIR}/config.json",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    f"{POOLING_DIR}/config.json",
 )
 
 _MODULE_TEMPLATE = '''"""TALAS's CLS-query attention pooling as a sentence-transformers module (written by mta).
@@ -127,7 +130,9 @@ def read_sentence_transformers_config(directory: str | Path) -> Optional[Pooling
         return None
     modules = _json(modules_path)
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise MtaError(f"{modules_path}: expected a list of module objects; the directory is not a sentence-transformers model")
+        raise MtaError(
+            f"{modules_path}: expected a list of module objects; the directory is not a sentence-transformers model"
+        )
     kinds = [str(m.get("type", "")) for m in modules]
     normalize = False
     mode = None
@@ -182,8 +187,9 @@ def _json(path: Path):
 
 def pooling_module_source() -> str:
     """The text of ``cls_attention_pooling.py`` (mta's pooling function, verbatim)."""
-    return _MODULE_TEMPLATE.format(function=inspect.getsource(cls_attention_pool),
-                                   name=CLS_ATTENTION_MODULE.split(".")[1])
+    return _MODULE_TEMPLATE.format(
+        function=inspect.getsource(cls_attention_pool), name=CLS_ATTENTION_MODULE.split(".")[1]
+    )
 
 
 def write_sentence_transformers_modules(
@@ -202,22 +208,28 @@ def write_sentence_transformers_modules(
         modules.append({"idx": 2, "name": "2", "path": NORMALIZE_DIR, "type": _ST_NORMALIZE})
         (directory / NORMALIZE_DIR).mkdir(parents=True, exist_ok=True)
     atomic_write_json(directory / "modules.json", modules)
-    atomic_write_json(directory / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
+    atomic_write_json(
+        directory / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False}
+    )
     if pooling == "cls_attention":
-        atomic_write_json(directory / POOLING_DIR / "config.json",
-                          {"embedding_dimension": hidden, "pooling_mode": "cls_attention"})
+        atomic_write_json(
+            directory / POOLING_DIR / "config.json", {"embedding_dimension": hidden, "pooling_mode": "cls_attention"}
+        )
         atomic_write_text(directory / CODE_FILE, pooling_module_source())
         return
-    atomic_write_json(directory / POOLING_DIR / "config.json", {
-        "word_embedding_dimension": hidden,
-        "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean",
-        "pooling_mode_max_tokens": pooling == "max",
-        "pooling_mode_mean_sqrt_len_tokens": False,
-        "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": False,
-        "include_prompt": True,
-    })
+    atomic_write_json(
+        directory / POOLING_DIR / "config.json",
+        {
+            "word_embedding_dimension": hidden,
+            "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean",
+            "pooling_mode_max_tokens": pooling == "max",
+            "pooling_mode_mean_sqrt_len_tokens": False,
+            "pooling_mode_weightedmean_tokens": False,
+            "pooling_mode_lasttoken": False,
+            "include_prompt": True,
+        },
+    )
 
 
 def write_sentence_transformers_files(directory: str | Path, *, pooling: str, hidden: int, max_seq_length: int) -> None:
@@ -225,18 +237,27 @@ def write_sentence_transformers_files(directory: str | Path, *, pooling: str, hi
     with ``pooling`` (``mean``, ``cls`` or ``cls_attention``) over ``hidden``-wide states."""
     directory = Path(directory)
     if pooling not in (*STOCK_POOLINGS, "cls_attention"):
-        raise MtaError(f"pooling '{pooling}' cannot be exported: use one of {', '.join((*STOCK_POOLINGS, 'cls_attention'))}")
-    write_sentence_transformers_modules(directory, hidden=hidden, pooling=pooling, normalize=False,
-                                        max_seq_length=max_seq_length)
+        raise MtaError(
+            f"pooling '{pooling}' cannot be exported: use one of {', '.join((*STOCK_POOLINGS, 'cls_attention'))}"
+        )
+    write_sentence_transformers_modules(
+        directory, hidden=hidden, pooling=pooling, normalize=False, max_seq_length=max_seq_length
+    )
     versions = package_versions(("torch", "transformers", "sentence-transformers"))
-    atomic_write_json(directory / "config_sentence_transformers.json", {
-        "__version__": {"pytorch": versions.get("torch"), "transformers": versions.get("transformers"),
-                        "sentence_transformers": versions.get("sentence-transformers")},
-        "model_type": "SentenceTransformer",
-        "prompts": {},
-        "default_prompt_name": None,
-        "similarity_fn_name": "cosine",
-    })
+    atomic_write_json(
+        directory / "config_sentence_transformers.json",
+        {
+            "__version__": {
+                "pytorch": versions.get("torch"),
+                "transformers": versions.get("transformers"),
+                "sentence_transformers": versions.get("sentence-transformers"),
+            },
+            "model_type": "SentenceTransformer",
+            "prompts": {},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine",
+        },
+    )
 
 
 def copy_sentence_transformers_files(source: str | Path, target: str | Path) -> None:

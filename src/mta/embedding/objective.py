@@ -35,8 +35,7 @@ class EmbeddingObjective(nn.Module):
     computed; with LASD off only the layers the other terms read are pooled.
     """
 
-    def __init__(self, spec: EmbeddingLossSpec, *, num_layers: int, student_dim: int, teacher_dim: int,
-                 pooling: str):
+    def __init__(self, spec: EmbeddingLossSpec, *, num_layers: int, student_dim: int, teacher_dim: int, pooling: str):
         super().__init__()
         if spec.tamd_weight and spec.tamd_layers > num_layers:
             raise MtaError(
@@ -44,8 +43,10 @@ class EmbeddingObjective(nn.Module):
                 f"use at most {num_layers}"
             )
         if spec.lasd_weight and num_layers < 2:
-            raise MtaError("loss.lasd_weight > 0 needs a student of at least 2 layers (LASD pairs adjacent "
-                           "layers); set loss.lasd_weight=0")
+            raise MtaError(
+                "loss.lasd_weight > 0 needs a student of at least 2 layers (LASD pairs adjacent "
+                "layers); set loss.lasd_weight=0"
+            )
         self.weights = {"simcse": spec.simcse_weight, "tamd": spec.tamd_weight, "lasd": spec.lasd_weight}
         self.num_layers, self.pooling = num_layers, pooling
         self.anchored = spec.tamd_layers if spec.tamd_weight else 0
@@ -65,7 +66,10 @@ class EmbeddingObjective(nn.Module):
         return range(first, self.num_layers + 1)
 
     def forward(
-        self, hidden_states: tuple[torch.Tensor, ...], attention_mask: torch.Tensor, teacher: torch.Tensor,
+        self,
+        hidden_states: tuple[torch.Tensor, ...],
+        attention_mask: torch.Tensor,
+        teacher: torch.Tensor,
         second_pass: Optional[torch.Tensor] = None,
     ) -> dict[str, torch.Tensor]:
         """hidden_states: the first pass's ``L + 1`` tensors ``[B, T, d_S]``; attention_mask
@@ -76,9 +80,11 @@ class EmbeddingObjective(nn.Module):
         pooled = pool(layers.reshape(n * b, t, d), attention_mask.repeat(n, 1), self.pooling).view(n, b, d)
         losses: dict[str, torch.Tensor] = {}
         if self.weights["simcse"]:
-            losses["simcse"] = simcse_loss(pooled[-1], pool(second_pass, attention_mask, self.pooling), self.temperature)
+            losses["simcse"] = simcse_loss(
+                pooled[-1], pool(second_pass, attention_mask, self.pooling), self.temperature
+            )
         if self.anchor is not None:
-            losses["tamd"] = self.anchor(pooled[-self.anchored:], teacher)
+            losses["tamd"] = self.anchor(pooled[-self.anchored :], teacher)
         if self.weights["lasd"]:
             losses["lasd"] = lasd_loss(pooled, detach_upper=self.lasd_detach, reduction=self.lasd_reduction)
         losses["total"] = sum(self.weights[name] * value for name, value in losses.items())
@@ -117,6 +123,9 @@ class EmbeddingDistillationModel(nn.Module):
         """The sentence-transformers files beside the exported weights (``mta.embedding.export``)."""
         from mta.embedding.export import write_sentence_transformers_files
 
-        write_sentence_transformers_files(directory, pooling=self.objective.pooling,
-                                          hidden=int(self.student.config.hidden_size),
-                                          max_seq_length=self.max_seq_length)
+        write_sentence_transformers_files(
+            directory,
+            pooling=self.objective.pooling,
+            hidden=int(self.student.config.hidden_size),
+            max_seq_length=self.max_seq_length,
+        )

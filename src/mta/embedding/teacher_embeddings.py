@@ -89,11 +89,13 @@ EMBEDDINGS_VERSION = 1  # the manifest's ``embeddings_version``: this module's c
 CHUNK_ROWS = 2048  # rows per journalled chunk: what a killed run may have to redo
 TEXT_RULE = "text|instruction+input+response|prompt+response"
 WORK = "work"
-SCHEMA = pa.schema([
-    pa.field("id", pa.int64(), nullable=False),
-    pa.field("text", pa.string(), nullable=False),
-    pa.field("embedding", pa.list_(pa.float32()), nullable=False),
-])
+SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.int64(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("embedding", pa.list_(pa.float32()), nullable=False),
+    ]
+)
 
 
 # --------------------------------------------------------------------------- the text of a row
@@ -219,7 +221,9 @@ def read_teacher_embeddings(directory: str | Path) -> TeacherEmbeddings:
         try:
             table = pq.read_table(path, schema=SCHEMA)
         except (pa.ArrowException, OSError) as error:
-            raise MtaError(f"{path} is not a readable embeddings part ({error}); re-run `mta embed ... --force`") from error
+            raise MtaError(
+                f"{path} is not a readable embeddings part ({error}); re-run `mta embed ... --force`"
+            ) from error
         if table.num_rows != part["rows"]:
             raise MtaError(f"{path} has {table.num_rows} rows, the manifest says {part['rows']}")
         tables.append(table)
@@ -315,9 +319,21 @@ def run_embed(
         if not 0 <= index < count:
             raise MtaError(f"--shard {index}/{count}: the index must be in 0..{count - 1}")
         outcome = _run_shard(
-            teacher, Path(data), output, pooling=pooling, normalize=normalize, max_length=max_length,
-            batch_size=batch_size, dtype=dtype, device=device, text_field=text_field, on_error=on_error,
-            reporter=reporter, shard=index, num_shards=count, force=force,
+            teacher,
+            Path(data),
+            output,
+            pooling=pooling,
+            normalize=normalize,
+            max_length=max_length,
+            batch_size=batch_size,
+            dtype=dtype,
+            device=device,
+            text_field=text_field,
+            on_error=on_error,
+            reporter=reporter,
+            shard=index,
+            num_shards=count,
+            force=force,
         )
         if shard is None and distributed.is_distributed():
             distributed.barrier()  # the last rank's commit wrote the manifest
@@ -334,8 +350,22 @@ def teacher_fingerprint(teacher: str | Path) -> str:
 
 
 def _run_shard(
-    teacher, data: Path, out_dir: Path, *, pooling, normalize, max_length, batch_size, dtype, device,
-    text_field, on_error, reporter: Reporter, shard: int, num_shards: int, force: bool,
+    teacher,
+    data: Path,
+    out_dir: Path,
+    *,
+    pooling,
+    normalize,
+    max_length,
+    batch_size,
+    dtype,
+    device,
+    text_field,
+    on_error,
+    reporter: Reporter,
+    shard: int,
+    num_shards: int,
+    force: bool,
 ) -> EmbedOutcome:
     source = open_source(data)
     summary = source.summary()
@@ -362,7 +392,15 @@ def _run_shard(
                     return reused
             encoder = load_encoder(teacher, dtype=compute_dtype, device=torch_device, plan=plan)
             shard_manifest, done, resumed = _embed_shard(
-                encoder, texts, ids, out_dir, run_key, shard, num_shards, batch_size, reporter,
+                encoder,
+                texts,
+                ids,
+                out_dir,
+                run_key,
+                shard,
+                num_shards,
+                batch_size,
+                reporter,
                 label=f"embed {data.name}" + (f" · shard {shard}/{num_shards}" if num_shards > 1 else ""),
             )
             skipped = Counter(problem.reason for problem in problems)
@@ -387,7 +425,9 @@ def _run_shard(
     return EmbedOutcome(out_dir, manifest, reused=False, rows=done, resumed_rows=resumed)
 
 
-def _describe(teacher, source: InputSource, summary, plan: EncoderPlan, dtype: torch.dtype, text_field, on_error) -> dict:
+def _describe(
+    teacher, source: InputSource, summary, plan: EncoderPlan, dtype: torch.dtype, text_field, on_error
+) -> dict:
     config = plan.config
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     return {
@@ -455,7 +495,7 @@ def plan_batches(lengths: Sequence[int], ids: Sequence[int], batch_size: int) ->
     """Positions grouped into batches of ``batch_size``, longest texts first (ties by id), so
     each batch pads to about its own length and an out-of-memory shows in the first batch."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], ids[i]))
-    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
 def _chunks(batches: list[list[int]], chunk_rows: int) -> list[list[list[int]]]:
@@ -488,8 +528,17 @@ def _chunk_name(chunk: int) -> str:
 
 
 def _embed_shard(
-    encoder: SentenceEncoder, texts: list[str], ids: list[int], out_dir: Path, run_key: str,
-    shard: int, num_shards: int, batch_size: int, reporter: Reporter, *, label: str,
+    encoder: SentenceEncoder,
+    texts: list[str],
+    ids: list[int],
+    out_dir: Path,
+    run_key: str,
+    shard: int,
+    num_shards: int,
+    batch_size: int,
+    reporter: Reporter,
+    *,
+    label: str,
 ) -> tuple[dict, int, int]:
     """Embed the shard chunk by chunk (journalled), then stream the chunks into its part."""
     lengths = encoder.lengths(texts) if texts else []
@@ -528,7 +577,9 @@ def _embed_shard(
                 path = work / _chunk_name(number)
                 with disk_full_is_reported(path), atomic_path(path) as temporary:
                     pq.write_table(table, temporary, compression="zstd")
-                journal.append([{"plan": plan_key, "chunk": number, "rows": table.num_rows, "sha256": file_sha256(path)}])
+                journal.append(
+                    [{"plan": plan_key, "chunk": number, "rows": table.num_rows, "sha256": file_sha256(path)}]
+                )
                 computed += table.num_rows
     finally:
         reporter.stop()

@@ -64,12 +64,19 @@ def build_wordpiece_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, tex
     backend.train_from_iterator(texts if texts is not None else example_texts(), trainer=trainer)
     cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     tokenizer = BertTokenizerFast(
-        tokenizer_object=backend, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
-        cls_token="[CLS]", mask_token="[MASK]", do_lower_case=True, model_max_length=512,
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        mask_token="[MASK]",
+        do_lower_case=True,
+        model_max_length=512,
     )
     with atomic_directory(out_dir) as staging:
         tokenizer.save_pretrained(str(staging))
@@ -122,16 +129,27 @@ def build_tiny_encoder(
     if rows < len(loaded):
         raise MtaError(f"tiny encoder vocab_size {vocab_size} is smaller than the tokenizer ({len(loaded)} tokens)")
     description = {
-        "kind": "bert-encoder", "layers": layers, "hidden": hidden, "heads": heads, "vocab_rows": rows,
-        "seed": seed, "pooling": pooling, "normalize": normalize, "max_position": max_position,
+        "kind": "bert-encoder",
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "vocab_rows": rows,
+        "seed": seed,
+        "pooling": pooling,
+        "normalize": normalize,
+        "max_position": max_position,
         "tokenizer": tokenizer_fingerprint(loaded),
     }
     out_dir = keyed_directory(directory, description)
     if (out_dir / "config.json").exists():
         return out_dir
     config = BertConfig(
-        vocab_size=rows, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=4 * hidden, max_position_embeddings=max_position,
+        vocab_size=rows,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=max_position,
         pad_token_id=loaded.pad_token_id if loaded.pad_token_id is not None else 0,
     )
     torch.manual_seed(seed)
@@ -144,4 +162,3 @@ def build_tiny_encoder(
                 staging, hidden=hidden, pooling=pooling, normalize=normalize, max_seq_length=max_position
             )
     return out_dir
-

@@ -41,8 +41,9 @@ class EmbeddingBatch:
     row_ids: list[int]
 
     def to(self, device: torch.device | str) -> "EmbeddingBatch":
-        return EmbeddingBatch(self.input_ids.to(device), self.attention_mask.to(device), self.teacher.to(device),
-                              self.row_ids)
+        return EmbeddingBatch(
+            self.input_ids.to(device), self.attention_mask.to(device), self.teacher.to(device), self.row_ids
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +58,7 @@ class EmbeddingExamples:
     def __init__(self, embeddings: TeacherEmbeddings, tokenizer, max_length: int):
         ids: list[list[int]] = []
         for start in range(0, len(embeddings.texts), TOKENIZE_BLOCK):
-            block = embeddings.texts[start:start + TOKENIZE_BLOCK]
+            block = embeddings.texts[start : start + TOKENIZE_BLOCK]
             ids.extend(tokenizer(block, truncation=True, max_length=max_length)["input_ids"])
         self.student_lengths = np.array([len(row) for row in ids], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.student_lengths)])
@@ -80,13 +81,16 @@ class EmbeddingExamples:
         input_ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         input_ids[real] = self.values[(self.offsets[rows][:, None] + positions[None, :])[real]]
         return EmbeddingBatch(
-            torch.from_numpy(input_ids), torch.from_numpy(real.astype(np.int64)),
-            self.teacher[torch.from_numpy(rows)], self.ids[rows].tolist(),
+            torch.from_numpy(input_ids),
+            torch.from_numpy(real.astype(np.int64)),
+            self.teacher[torch.from_numpy(rows)],
+            self.ids[rows].tolist(),
         )
 
 
-def load_teacher_embeddings(recipe, split: str, *, teacher_model: Optional[str],
-                            reporter: Optional[Reporter] = None) -> Optional[TeacherEmbeddings]:
+def load_teacher_embeddings(
+    recipe, split: str, *, teacher_model: Optional[str], reporter: Optional[Reporter] = None
+) -> Optional[TeacherEmbeddings]:
     """The teacher embeddings of ``data.<split>`` (None without that split), built at first use
     when the split names rows. teacher_model: the teacher's directory or hub name (its ``tiny``
     model already built), or None when the recipe has no teacher."""
@@ -108,9 +112,16 @@ def load_teacher_embeddings(recipe, split: str, *, teacher_model: Optional[str],
             )
         directory = recipe.resolve(recipe.output_dir, "output_dir") / "embeddings" / split
         build_teacher_embeddings(
-            teacher_model, source, directory, pooling=recipe.teacher.pooling, max_length=recipe.data.max_length,
-            batch_size=EMBED_BATCH, dtype=recipe.teacher.dtype, text_field=recipe.data.text_field,
-            reporter=reporter, shard=(0, 1),  # inside main_process_first: rank 0 embeds every row
+            teacher_model,
+            source,
+            directory,
+            pooling=recipe.teacher.pooling,
+            max_length=recipe.data.max_length,
+            batch_size=EMBED_BATCH,
+            dtype=recipe.teacher.dtype,
+            text_field=recipe.data.text_field,
+            reporter=reporter,
+            shard=(0, 1),  # inside main_process_first: rank 0 embeds every row
         )
     elif source.is_dir():
         raise MtaError(f"{key}: {source} is neither an `mta embed` output nor a datasets directory of rows")
@@ -130,6 +141,8 @@ def describe_embeddings(split: str, embeddings: TeacherEmbeddings) -> str:
     manifest = embeddings.manifest
     teacher = (manifest.get("teacher") or {}).get("name", "?")
     pooling = (manifest.get("pooling") or {}).get("mode", "?")
-    return (f"{split}: {len(embeddings)} texts with teacher embeddings of width {embeddings.dimension} "
-            f"({Path(str(teacher)).name}, pooling {pooling}, max length {manifest.get('max_length', '?')}, "
-            f"{manifest.get('precision', '?')}) from {embeddings.directory}")
+    return (
+        f"{split}: {len(embeddings)} texts with teacher embeddings of width {embeddings.dimension} "
+        f"({Path(str(teacher)).name}, pooling {pooling}, max length {manifest.get('max_length', '?')}, "
+        f"{manifest.get('precision', '?')}) from {embeddings.directory}"
+    )

@@ -67,8 +67,13 @@ def encoder_source(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str) -> tup
         build_wordpiece_tokenizer(tokenizer_dir, vocab_size=tiny.vocab_size, texts=corpus_texts(corpus))
     directory = Path(spec.path).expanduser()
     model_dir = build_tiny_encoder(
-        directory if directory.is_absolute() else output_dir / directory, layers=tiny.num_layers,
-        hidden=tiny.hidden_size, heads=tiny.num_heads, vocab_size=None, seed=tiny.seed, tokenizer=tokenizer_dir,
+        directory if directory.is_absolute() else output_dir / directory,
+        layers=tiny.num_layers,
+        hidden=tiny.hidden_size,
+        heads=tiny.num_heads,
+        vocab_size=None,
+        seed=tiny.seed,
+        tokenizer=tokenizer_dir,
         max_position=max(512, recipe.data.max_length),
     )
     return str(model_dir), str(tokenizer_dir)
@@ -102,7 +107,10 @@ def load_student(recipe: EmbeddingRecipe):
     model_path, tokenizer_path = encoder_source(recipe.student, recipe, "student")
     tokenizer = load_tokenizer(tokenizer_path)
     model = load_pretrained(
-        AutoModel.from_pretrained, model_path, what="student.path", dtype=torch_dtype(recipe.student.dtype),
+        AutoModel.from_pretrained,
+        model_path,
+        what="student.path",
+        dtype=torch_dtype(recipe.student.dtype),
         otherwise=f"student.path: cannot load an encoder from '{model_path}' with AutoModel (give a local "
         "Hugging Face or sentence-transformers directory, or a hub name in the Hugging Face cache)",
     )
@@ -115,8 +123,9 @@ def load_student(recipe: EmbeddingRecipe):
     return model, tokenizer
 
 
-def build_embedding_run(recipe: EmbeddingRecipe, reporter: Reporter, *, resume: Optional[str] = None,
-                        overwrite: bool = False):
+def build_embedding_run(
+    recipe: EmbeddingRecipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False
+):
     """``build_run`` for ``task: embedding``: claim the output directory, load the student and
     the teacher embeddings, check they fit, start the DeepSpeed engine."""
     from mta.training.trainer import Run
@@ -134,40 +143,75 @@ def build_embedding_run(recipe: EmbeddingRecipe, reporter: Reporter, *, resume: 
     with distributed.main_process_first():
         student, tokenizer = load_student(recipe)
         teacher = encoder_source(recipe.teacher, recipe, "teacher")[0] if recipe.teacher is not None else None
-        splits = {split: load_teacher_embeddings(recipe, split, teacher_model=teacher,
-                                                 reporter=reporter if rank == 0 else None)
-                  for split in ("train", "dev")}
+        splits = {
+            split: load_teacher_embeddings(
+                recipe, split, teacher_model=teacher, reporter=reporter if rank == 0 else None
+            )
+            for split in ("train", "dev")
+        }
     check_text_length(recipe, student.config)
     train, dev = splits["train"], splits["dev"]
     if dev is not None and dev.dimension != train.dimension:
-        raise MtaError(f"data.dev's teacher embeddings are {dev.dimension} wide, data.train's {train.dimension}: "
-                       "embed both with the same teacher")
+        raise MtaError(
+            f"data.dev's teacher embeddings are {dev.dimension} wide, data.train's {train.dimension}: "
+            "embed both with the same teacher"
+        )
     config = student.config.get_text_config()
     torch.manual_seed(recipe.seed)  # the TAMD projections' initialisation follows the recipe's seed
-    objective = EmbeddingObjective(recipe.loss, num_layers=config.num_hidden_layers, student_dim=config.hidden_size,
-                                   teacher_dim=train.dimension, pooling=recipe.student.pooling)
-    examples = {split: EmbeddingExamples(found, tokenizer, recipe.data.max_length) if found is not None else None
-                for split, found in splits.items()}
+    objective = EmbeddingObjective(
+        recipe.loss,
+        num_layers=config.num_hidden_layers,
+        student_dim=config.hidden_size,
+        teacher_dim=train.dimension,
+        pooling=recipe.student.pooling,
+    )
+    examples = {
+        split: EmbeddingExamples(found, tokenizer, recipe.data.max_length) if found is not None else None
+        for split, found in splits.items()
+    }
     accumulation = recipe.train.accumulation_steps(world_size)
     schedule = StepSchedule(len(examples["train"]), recipe.train.micro_batch_size, accumulation, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
     model = EmbeddingDistillationModel(student, objective, max_seq_length=recipe.data.max_length)
-    engine = engines.initialize(model, model.projector_parameters(), recipe.train, recipe.deepspeed,
-                                total_steps, world_size, precision)
-    messages = [precision.describe(), *_summary(recipe, objective, accumulation, world_size, schedule,
-                                                total_steps, splits)]
+    engine = engines.initialize(
+        model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size, precision
+    )
+    messages = [
+        precision.describe(),
+        *_summary(recipe, objective, accumulation, world_size, schedule, total_steps, splits),
+    ]
     if resumed_with is not None:
         messages += resumed_with.log_lines()
     return Run(
-        recipe=recipe, output_dir=output_dir, run_id=owner.run_id, engine=engine, teacher=None, tokenizer=tokenizer,
-        train=examples["train"], dev=examples["dev"], schedule=schedule, total_steps=total_steps, rank=rank,
-        world_size=world_size, device=device, resume_from=resume_from, messages=messages, precision=precision,
+        recipe=recipe,
+        output_dir=output_dir,
+        run_id=owner.run_id,
+        engine=engine,
+        teacher=None,
+        tokenizer=tokenizer,
+        train=examples["train"],
+        dev=examples["dev"],
+        schedule=schedule,
+        total_steps=total_steps,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        resume_from=resume_from,
+        messages=messages,
+        precision=precision,
         flops=StepFlops(engine.module, engine.module.student),
     )
 
 
-def _summary(recipe: EmbeddingRecipe, objective: EmbeddingObjective, accumulation: int, world_size: int,
-             schedule: StepSchedule, total_steps: int, splits: dict) -> list[str]:
+def _summary(
+    recipe: EmbeddingRecipe,
+    objective: EmbeddingObjective,
+    accumulation: int,
+    world_size: int,
+    schedule: StepSchedule,
+    total_steps: int,
+    splits: dict,
+) -> list[str]:
     """What a person should know before the first step: batch, data, the terms and layers."""
     train, loss = recipe.train, recipe.loss
     lines = [
@@ -184,12 +228,16 @@ def _summary(recipe: EmbeddingRecipe, objective: EmbeddingObjective, accumulatio
         anchored = ", ".join(str(layer) for layer in range(top - objective.anchored + 1, top + 1))
         terms.append(f"{loss.tamd_weight:g}·TAMD (layers {anchored} → the teacher)")
     if loss.lasd_weight:
-        terms.append(f"{loss.lasd_weight:g}·LASD (layers 1..{top}, {loss.lasd_reduction} per pair"
-                     f"{', guide detached' if loss.lasd_detach else ''})")
+        terms.append(
+            f"{loss.lasd_weight:g}·LASD (layers 1..{top}, {loss.lasd_reduction} per pair"
+            f"{', guide detached' if loss.lasd_detach else ''})"
+        )
     lines.append(f"student pooling {recipe.student.pooling}; loss " + " + ".join(terms))
     if train.asam is not None:
-        lines.append(f"ASAM: ρ {train.asam.rho:g}, η {train.asam.eta:g}, T_w on {train.asam.scope} parameters "
-                     "(two passes per step)")
+        lines.append(
+            f"ASAM: ρ {train.asam.rho:g}, η {train.asam.eta:g}, T_w on {train.asam.scope} parameters "
+            "(two passes per step)"
+        )
     return lines
 
 
@@ -213,10 +261,17 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
         model = AutoModel.from_config(config)
     limit = position_limit(config)
     student = ModelPlan(
-        role="student", name=recipe.student.path, config_source=source, architecture=type(model).__name__,
-        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-        vocab_rows=model.get_input_embeddings().num_embeddings, parameters=parameter_count(model),
-        dtype=recipe.student.dtype, max_positions=limit[0] if limit else None,
+        role="student",
+        name=recipe.student.path,
+        config_source=source,
+        architecture=type(model).__name__,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        vocab_rows=model.get_input_embeddings().num_embeddings,
+        parameters=parameter_count(model),
+        dtype=recipe.student.dtype,
+        max_positions=limit[0] if limit else None,
     )
     notes: list[str] = []
     teacher_dim = None
@@ -228,26 +283,38 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
             notes.append(f"teacher: {error}")
     loss = recipe.loss
     if loss.tamd_weight and loss.tamd_layers > student.num_layers:
-        raise MtaError(f"loss.tamd_layers={loss.tamd_layers} anchors more layers than the student has "
-                       f"({student.num_layers}); use at most {student.num_layers}")
+        raise MtaError(
+            f"loss.tamd_layers={loss.tamd_layers} anchors more layers than the student has "
+            f"({student.num_layers}); use at most {student.num_layers}"
+        )
     projectors = 0
     if loss.tamd_weight:
         if teacher_dim is None:
-            notes.append("TAMD's projections are d_S × d_T each; d_T is the teacher embeddings' width, known "
-                         "when they are read")
+            notes.append(
+                "TAMD's projections are d_S × d_T each; d_T is the teacher embeddings' width, known when they are read"
+            )
         else:
             projectors = loss.tamd_layers * student.hidden_size * teacher_dim
         first = student.num_layers - loss.tamd_layers + 1
         notes.append(f"TAMD anchors student layers {first}..{student.num_layers} (bias-free d_S→d_T projections)")
-    notes.append(f"student pooling {recipe.student.pooling}; teacher embeddings: data.train "
-                 f"({recipe.data.train})" + (f", built at first use with {recipe.teacher.path}" if recipe.teacher else ""))
+    notes.append(
+        f"student pooling {recipe.student.pooling}; teacher embeddings: data.train "
+        f"({recipe.data.train})" + (f", built at first use with {recipe.teacher.path}" if recipe.teacher else "")
+    )
     if train.asam is not None:
         notes.append(f"ASAM (ρ {train.asam.rho:g}): two forward and backward passes per step, one copy of the weights")
     notes.extend(data_notes(recipe))
     memory = estimate_memory(
-        student, None, trainable_extra=projectors, aligned_teacher_layers=0, precision=train.precision,
-        zero_stage=train.zero_stage, teacher_zero3=False, world_size=world_size,
-        micro_batch_size=train.micro_batch_size, sequence_length=recipe.data.max_length,
+        student,
+        None,
+        trainable_extra=projectors,
+        aligned_teacher_layers=0,
+        precision=train.precision,
+        zero_stage=train.zero_stage,
+        teacher_zero3=False,
+        world_size=world_size,
+        micro_batch_size=train.micro_batch_size,
+        sequence_length=recipe.data.max_length,
     )
     # An encoder has no LM head: no logits. SimCSE's second pass keeps its own activations.
     tokens = train.micro_batch_size * recipe.data.max_length
@@ -255,10 +322,21 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
     passes = 2 if loss.simcse_weight else 1
     memory = dataclasses.replace(memory, activations=int((memory.activations - logits) * passes))
     return RunPlan(
-        name=recipe.name, student=student, teacher=None, layers=[], projector_parameters=projectors,
-        world_size=world_size, micro_batch_size=train.micro_batch_size, accumulation_steps=accumulation,
-        global_batch=train.micro_batch_size * accumulation * world_size, zero_stage=train.zero_stage,
-        teacher_zero3=False, precision=train.precision, memory=memory, notes=notes, projectors="TAMD projection",
+        name=recipe.name,
+        student=student,
+        teacher=None,
+        layers=[],
+        projector_parameters=projectors,
+        world_size=world_size,
+        micro_batch_size=train.micro_batch_size,
+        accumulation_steps=accumulation,
+        global_batch=train.micro_batch_size * accumulation * world_size,
+        zero_stage=train.zero_stage,
+        teacher_zero3=False,
+        precision=train.precision,
+        memory=memory,
+        notes=notes,
+        projectors="TAMD projection",
     )
 
 
@@ -270,8 +348,11 @@ def _encoder_config(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str):
     if spec.tiny is not None and spec.config is None:
         tiny = spec.tiny
         return BertConfig(
-            vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
-            num_attention_heads=tiny.num_heads, intermediate_size=4 * tiny.hidden_size,
+            vocab_size=tiny.vocab_size,
+            hidden_size=tiny.hidden_size,
+            num_hidden_layers=tiny.num_layers,
+            num_attention_heads=tiny.num_heads,
+            intermediate_size=4 * tiny.hidden_size,
             max_position_embeddings=max(512, recipe.data.max_length),
         ), "tiny: built at first use"
     return load_model_config(spec, recipe, role)

@@ -124,8 +124,13 @@ def _requested_set(data_dir: Path, spec: str) -> tuple[Benchmark, list[Path]]:
     split = split_benchmark(spec)
     if split is not None:
         base, split_name = split
-        benchmark = Benchmark(spec, f"{base.title} ({split_name})", bucketed=base.bucketed, cap=base.cap,
-                              in_distribution=base.in_distribution)
+        benchmark = Benchmark(
+            spec,
+            f"{base.title} ({split_name})",
+            bucketed=base.bucketed,
+            cap=base.cap,
+            in_distribution=base.in_distribution,
+        )
         return benchmark, candidate_paths(data_dir, base, split_name)
     raise MtaError(
         f"unknown benchmark '{spec}'; choose from {', '.join(BENCHMARKS)}, another split of one as "
@@ -147,9 +152,11 @@ def resolve_benchmarks(data_dir: Path, requested: Sequence[str] | None) -> list[
         by_name.setdefault(benchmark.name, []).append(spec)
     clashes = {name: specs for name, specs in by_name.items() if len(specs) > 1}
     if clashes:
-        raise MtaError("two sets would share a name: " + "; ".join(
-            f"{' and '.join(specs)} are both '{name}'" for name, specs in clashes.items()
-        ) + ". Rename one of the files")
+        raise MtaError(
+            "two sets would share a name: "
+            + "; ".join(f"{' and '.join(specs)} are both '{name}'" for name, specs in clashes.items())
+            + ". Rename one of the files"
+        )
     found: list[tuple[Benchmark, Path]] = []
     for spec, (benchmark, candidates) in sets.items():
         path = next((p for p in candidates if p.is_file()), None)
@@ -159,8 +166,9 @@ def resolve_benchmarks(data_dir: Path, requested: Sequence[str] | None) -> list[
         looked = " or ".join(str(p) for p in candidates)
         if requested is not None:
             fetch = (
-                "check the path" if is_file_spec(spec) else
-                f"Fetch it with `mta data download --data-dir {data_dir}`, or point --data-dir "
+                "check the path"
+                if is_file_spec(spec)
+                else f"Fetch it with `mta data download --data-dir {data_dir}`, or point --data-dir "
                 f"(or ${DATA_DIR_ENV}) at a directory that has it."
             )
             raise MtaError(f"benchmark '{spec}' is missing: looked for {looked}. {fetch}")
@@ -198,7 +206,9 @@ def _parse_row(path: Path, line_number: int, text: str, index: int, style: Promp
     try:
         row = json.loads(text)
     except json.JSONDecodeError as error:
-        raise MtaError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); fix or delete the line") from error
+        raise MtaError(
+            f"{where}: not valid JSON ({error.msg} at column {error.colno}); fix or delete the line"
+        ) from error
     if not isinstance(row, dict):
         raise MtaError(f"{where}: expected a JSON object with 'prompt'/'instruction' and 'output'")
     try:
@@ -246,8 +256,6 @@ def load_rows(
     return rows[:keep], len(rows)
 
 
-def load_eval_set(
-    benchmark: Benchmark, path: Path, limit: int | None = None, style: PromptStyle = ALPACA
-) -> EvalSet:
+def load_eval_set(benchmark: Benchmark, path: Path, limit: int | None = None, style: PromptStyle = ALPACA) -> EvalSet:
     rows, in_file = load_rows(path, cap=benchmark.cap, limit=limit, style=style)
     return EvalSet(benchmark=benchmark, path=path, rows=rows, rows_in_file=in_file)

@@ -105,7 +105,8 @@ def check_claim(paths: CheckpointPaths, manifest: dict) -> bool:
         return False
     reasons = []
     settings = [
-        f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in manifest.items()
+        f"{k}: {previous.get(k)!r} -> {v!r}"
+        for k, v in manifest.items()
         if k not in (FINGERPRINT, FILES) and previous.get(k) != v
     ]
     if settings:

@@ -40,8 +40,15 @@ from mta.hashing import CHECKSUMS, file_sha256, json_sha256, read_checksums
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 CONFIG_PATTERNS = ("config.json", "generation_config.json")
 TOKENIZER_PATTERNS = (
-    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
-    "*.tiktoken", "chat_template.*", "spiece.model", "sentencepiece*.model",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template.*",
+    "spiece.model",
+    "sentencepiece*.model",
 )
 MODEL_FILE_PATTERNS = WEIGHT_PATTERNS + CONFIG_PATTERNS + TOKENIZER_PATTERNS
 
@@ -76,7 +83,9 @@ def check_safetensors(path: Path) -> None:
     with open(path, "rb") as handle:
         length_bytes = handle.read(8)
         if len(length_bytes) < 8:
-            raise MtaError(f"{path} is truncated: {size} bytes, not even the 8-byte safetensors header length. {_RESAVE}")
+            raise MtaError(
+                f"{path} is truncated: {size} bytes, not even the 8-byte safetensors header length. {_RESAVE}"
+            )
         header_length = int.from_bytes(length_bytes, "little")
         if 8 + header_length > size:
             raise MtaError(
@@ -85,18 +94,16 @@ def check_safetensors(path: Path) -> None:
             )
         try:
             header = json.loads(handle.read(header_length))
-            ends = [
-                int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"
-            ]
+            ends = [int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
             raise MtaError(f"{path} has a corrupt safetensors header ({type(error).__name__}). {_RESAVE}") from error
     expected = 8 + header_length + max(ends, default=0)
     if size < expected:
-        raise MtaError(f"{path} is truncated: its header describes {expected} bytes but the file holds {size}. {_RESAVE}")
-    if size > expected:
         raise MtaError(
-            f"{path} is corrupt: it holds {size} bytes but its header describes {expected}. {_RESAVE}"
+            f"{path} is truncated: its header describes {expected} bytes but the file holds {size}. {_RESAVE}"
         )
+    if size > expected:
+        raise MtaError(f"{path} is corrupt: it holds {size} bytes but its header describes {expected}. {_RESAVE}")
 
 
 def _shards(index: Path) -> list[str]:
@@ -163,7 +170,9 @@ def verified_model_digests(directory: str | Path) -> dict[str, str]:
         if differ:
             problems.append(f"{', '.join(differ)} {'does' if len(differ) == 1 else 'do'} not match its {CHECKSUMS}")
         if missing:
-            problems.append(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} listed in its {CHECKSUMS} but missing")
+            problems.append(
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} listed in its {CHECKSUMS} but missing"
+            )
         raise MtaError(
             f"checkpoint {directory}: {'; '.join(problems)} (the bytes changed since "
             "the list was written: a corrupted copy or disk, or the model was re-saved in place without "

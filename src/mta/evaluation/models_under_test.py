@@ -84,7 +84,9 @@ def checkpoint_names(checkpoints: Sequence[str], names: Sequence[str] | None = N
         labels = checkpoint_labels(checkpoints)
     else:
         if len(names) != len(checkpoints):
-            raise MtaError(f"--names gives {len(names)} labels for {len(checkpoints)} checkpoints; give one per checkpoint")
+            raise MtaError(
+                f"--names gives {len(names)} labels for {len(checkpoints)} checkpoints; give one per checkpoint"
+            )
         bad = [n for n in names if not n or _UNSAFE.search(n) or n in (".", "..")]
         if bad:
             raise MtaError(

@@ -157,8 +157,11 @@ def response_perplexity(
     mine = rows[distributed.rank() :: distributed.world_size()]
     sequences = [
         encode_for_scoring(
-            tokenizer, row.prompt, row.references[0],
-            max_prompt_length=max_prompt_length, max_response_length=max_response_length,
+            tokenizer,
+            row.prompt,
+            row.references[0],
+            max_prompt_length=max_prompt_length,
+            max_response_length=max_response_length,
         )
         for row in mine
     ]
@@ -168,7 +171,12 @@ def response_perplexity(
         total, tokens = response_nll(model, sequences, pad_id, batch_size, reporter)
     finally:
         reporter.stop()
-    total, tokens, prompts_cut, responses_cut = distributed.sum_over_ranks([
-        total, tokens, sum(s.prompt_truncated for s in sequences), sum(s.response_truncated for s in sequences),
-    ])
+    total, tokens, prompts_cut, responses_cut = distributed.sum_over_ranks(
+        [
+            total,
+            tokens,
+            sum(s.prompt_truncated for s in sequences),
+            sum(s.response_truncated for s in sequences),
+        ]
+    )
     return PerplexityResult.from_sums(total, int(tokens), len(rows), int(prompts_cut), int(responses_cut))

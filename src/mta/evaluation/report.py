@@ -45,7 +45,8 @@ def differences(results: dict) -> dict:
         return results["differences"]
     benchmarks = {
         name: Benchmark(name, entry.get("title", name), in_distribution=entry.get("in_distribution", False))
-        for name, entry in results.get("sets", {}).items() if name not in BENCHMARKS
+        for name, entry in results.get("sets", {}).items()
+        if name not in BENCHMARKS
     }
     return differences_to_first(results["checkpoints"], benchmarks)
 
@@ -88,7 +89,8 @@ def results_markdown(results: dict) -> str:
     """results.md: a title, what the numbers are, the table, and the differences to the first."""
     seeds = results["settings"]["seeds"]
     over = (
-        f"one seed ({seeds[0]}), so no spread" if len(seeds) == 1
+        f"one seed ({seeds[0]}), so no spread"
+        if len(seeds) == 1
         else "mean ± population std over seeds " + ", ".join(str(s) for s in seeds)
     )
     note = f"ROUGE-L (F x 100, max over references), {over}; avg4 = Dolly, SelfInst, Vicuna, S-NI."
@@ -97,13 +99,17 @@ def results_markdown(results: dict) -> str:
     if rows is not None:
         reference = differences(results)["reference"]
         spread = (
-            "one seed, so no spread" if len(seeds) == 1 else
-            "the mean over seeds of the per-seed differences (paired by seed; = the difference of the means) "
+            "one seed, so no spread"
+            if len(seeds) == 1
+            else "the mean over seeds of the per-seed differences (paired by seed; = the difference of the means) "
             "± their population std over seeds"
         )
         lines += [
-            f"## Difference to {reference}", "",
+            f"## Difference to {reference}",
+            "",
             f"Each checkpoint's ROUGE-L minus {reference}'s: {spread}. The averages are differenced per seed too.",
-            "", *markdown_table(*rows), "",
+            "",
+            *markdown_table(*rows),
+            "",
         ]
     return "\n".join(lines)

@@ -60,6 +60,7 @@ def averages(set_means: Mapping[str, float], benchmarks: Mapping[str, Benchmark]
     """avg4, avg and avg_ood of one checkpoint from its per-set mean ROUGE-L (or any per-set
     value: a seed's scores, a difference). ``benchmarks``: each set's ``Benchmark`` where it is
     not a built-in one (``dolly-dev``, a JSONL file: in avg, never in avg4)."""
+
     def benchmark(name: str) -> Benchmark:
         return (benchmarks or {}).get(name) or BENCHMARKS[name]
 

@@ -157,7 +157,12 @@ def _log_truncated_prompts(results: dict, limit: int) -> None:
             if summary["prompts_truncated"]:
                 log.warning(
                     "%s: %d of %d %s prompts exceed %d tokens and keep their first %d, as the protocol does",
-                    label, summary["prompts_truncated"], summary["rows"], name, limit, limit,
+                    label,
+                    summary["prompts_truncated"],
+                    summary["rows"],
+                    name,
+                    limit,
+                    limit,
                 )
 
 
@@ -212,10 +217,14 @@ def _perplexity_is_current(paths: CheckpointPaths, perplexity: PerplexitySet, se
 def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settings, reporter, label) -> None:
     """Every rank scores its share; rank 0 writes perplexity.json."""
     result = response_perplexity(
-        model, tokenizer, perplexity.rows,
-        max_prompt_length=settings.max_prompt_length, max_response_length=settings.max_new_tokens,
+        model,
+        tokenizer,
+        perplexity.rows,
+        max_prompt_length=settings.max_prompt_length,
+        max_response_length=settings.max_new_tokens,
         batch_size=settings.perplexity_batch_size,
-        reporter=reporter, description=f"{label} · perplexity {perplexity.spec}",
+        reporter=reporter,
+        description=f"{label} · perplexity {perplexity.spec}",
     )
     if distributed.is_main():
         key = _perplexity_key(perplexity, settings)

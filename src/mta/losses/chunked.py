@@ -26,8 +26,7 @@ TokenLossFn = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], tor
 
 class _ChunkedTokenLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size,
-                token_weights=None):
+    def forward(ctx, student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size, token_weights=None):
         # (row, position) of each response token. Indexing the 3-d logits directly keeps a
         # sliced, non-contiguous view (``logits[:, :-1]``) from being copied whole by a reshape.
         rows, columns = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
@@ -40,7 +39,8 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=student_logits.device)
         grad_rows = (
             torch.empty(num_tokens, vocab_size, dtype=student_logits.dtype, device=student_logits.device)
-            if wants_grad else None
+            if wants_grad
+            else None
         )
         for begin in range(0, num_tokens, chunk_size):
             chunk = slice(begin, begin + chunk_size)
@@ -69,7 +69,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             return (None,) * 7
         grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)
         scale = grad_output / ctx.divisor
-        grad[rows, columns, :ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)
+        grad[rows, columns, : ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)
         # The teacher is a constant of the loss: no gradient flows to it.
         return grad, None, None, None, None, None, None
 
@@ -96,9 +96,7 @@ def chunked_token_loss(
     instead of their mean. None (default) keeps the plain token mean.
     """
     if token_weights is not None and token_weights.shape != labels.shape:
-        raise MtaError(
-            f"token_weights {tuple(token_weights.shape)} must match labels {tuple(labels.shape)}"
-        )
+        raise MtaError(f"token_weights {tuple(token_weights.shape)} must match labels {tuple(labels.shape)}")
     return _ChunkedTokenLoss.apply(
         student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size, token_weights
     )

@@ -78,9 +78,7 @@ class DistiLLM2Loss(nn.Module):
         self.vocab_size = vocab_size
         self.chunk_size = chunk_size
 
-    def _token_loss(
-        self, student: torch.Tensor, teacher: torch.Tensor, kind: torch.Tensor
-    ) -> torch.Tensor:
+    def _token_loss(self, student: torch.Tensor, teacher: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
         """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``kind [n]`` -> ``[n]``:
         SKL where ``kind`` is chosen, SRKL where it is rejected."""
         log_q = F.log_softmax(student / self.temperature, dim=-1)
@@ -110,22 +108,27 @@ class DistiLLM2Loss(nn.Module):
         Returns an fp32 scalar; the gradient flows to ``student_logits`` only."""
         vocab_size = self._check(student_logits, teacher_logits, labels, chosen)
         chosen = chosen.to(labels.device)
-        response = labels != IGNORE_INDEX                                   # [batch, seq]
-        tokens = response.sum(dim=1)                                        # [batch]
+        response = labels != IGNORE_INDEX  # [batch, seq]
+        tokens = response.sum(dim=1)  # [batch]
         has_tokens = tokens > 0
         rows_chosen = (has_tokens & chosen).sum().clamp(min=1)
         rows_rejected = (has_tokens & ~chosen).sum().clamp(min=1)
-        row_weight = torch.where(
-            chosen, (2.0 - self.beta) / rows_chosen, self.beta / rows_rejected
-        ) / tokens.clamp(min=1)                                             # [batch]
+        row_weight = torch.where(chosen, (2.0 - self.beta) / rows_chosen, self.beta / rows_rejected) / tokens.clamp(
+            min=1
+        )  # [batch]
         # Rows whose weight is 0 (β = 0 or 2) are skipped, not computed.
         visit = response & (row_weight > 0).unsqueeze(1)
         kind = torch.where(chosen, _CHOSEN, _REJECTED).unsqueeze(1).expand_as(labels)
         kind = torch.where(visit, kind, torch.full_like(kind, IGNORE_INDEX))
         weights = row_weight.float().unsqueeze(1).expand_as(labels)
         return chunked_token_loss(
-            self._token_loss, student_logits, teacher_logits, kind,
-            vocab_size=vocab_size, chunk_size=self.chunk_size, token_weights=weights,
+            self._token_loss,
+            student_logits,
+            teacher_logits,
+            kind,
+            vocab_size=vocab_size,
+            chunk_size=self.chunk_size,
+            token_weights=weights,
         )
 
     def _check(self, student_logits, teacher_logits, labels, chosen) -> int:
@@ -133,9 +136,7 @@ class DistiLLM2Loss(nn.Module):
         if teacher_logits is None:
             raise MtaError("DistiLLM2Loss compares with a teacher; teacher_logits is None")
         if student_logits.dim() != 3:
-            raise MtaError(
-                f"student logits must be [batch, seq, vocab], got {tuple(student_logits.shape)}"
-            )
+            raise MtaError(f"student logits must be [batch, seq, vocab], got {tuple(student_logits.shape)}")
         if teacher_logits.dim() != 3 or teacher_logits.shape[:2] != student_logits.shape[:2]:
             raise MtaError(
                 f"teacher logits {tuple(teacher_logits.shape)} and student logits "
@@ -143,20 +144,17 @@ class DistiLLM2Loss(nn.Module):
             )
         if labels.shape != student_logits.shape[:2]:
             raise MtaError(
-                f"labels {tuple(labels.shape)} do not match the logits positions "
-                f"{tuple(student_logits.shape[:2])}"
+                f"labels {tuple(labels.shape)} do not match the logits positions {tuple(student_logits.shape[:2])}"
             )
         if chosen.dtype != torch.bool or chosen.shape != labels.shape[:1]:
             raise MtaError(
-                f"chosen must be a bool tensor [batch] = [{labels.shape[0]}], got "
-                f"{chosen.dtype} {tuple(chosen.shape)}"
+                f"chosen must be a bool tensor [batch] = [{labels.shape[0]}], got {chosen.dtype} {tuple(chosen.shape)}"
             )
         width = min(student_logits.shape[-1], teacher_logits.shape[-1])
         vocab_size = self.vocab_size or width
         if vocab_size > width:
             raise MtaError(
-                f"vocab_size {vocab_size} exceeds the logits width {width}; pass the "
-                f"tokenizer's real vocabulary size"
+                f"vocab_size {vocab_size} exceeds the logits width {width}; pass the tokenizer's real vocabulary size"
             )
         return vocab_size
 

@@ -24,7 +24,6 @@ def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
 
 
-
 def check_unit_interval(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise MtaError(f"{name} must lie in [0, 1], got {value}")

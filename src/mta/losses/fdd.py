@@ -182,8 +182,7 @@ class FeatureDynamicsLoss(nn.Module):
         vocab = self.vocab_size or width
         if vocab > width:
             raise MtaError(
-                f"vocab_size {vocab} exceeds the lens logits width {width}; pass the tokenizer's "
-                f"real vocabulary size"
+                f"vocab_size {vocab} exceeds the lens logits width {width}; pass the tokenizer's real vocabulary size"
             )
         return vocab
 

@@ -33,9 +33,7 @@ def hidden_representation_alignment(
     """
     mask = mask.bool()
     weights = weights.float() * mask
-    distance = 1.0 - F.cosine_similarity(
-        projected_student.float(), teacher.detach().float(), dim=-1, eps=COS_EPS
-    )
+    distance = 1.0 - F.cosine_similarity(projected_student.float(), teacher.detach().float(), dim=-1, eps=COS_EPS)
     if reduction == "batch":  # zero weights everywhere: a zero that keeps the graph
         return (weights * distance).sum() / weights.sum().clamp(min=WEIGHT_EPS)
     weight_sum = weights.sum(dim=-1)

@@ -41,9 +41,7 @@ class BaseLoss(nn.Module):
         self.vocab_size = vocab_size
         self.chunk_size = chunk_size
 
-    def token_loss(
-        self, student: torch.Tensor, teacher: Optional[torch.Tensor], labels: torch.Tensor
-    ) -> torch.Tensor:
+    def token_loss(self, student: torch.Tensor, teacher: Optional[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``labels [n]`` -> ``[n]``."""
         raise NotImplementedError
 
@@ -74,8 +72,12 @@ class BaseLoss(nn.Module):
                 f"tokenizer's real vocabulary size"
             )
         return chunked_token_loss(
-            self.token_loss, student_logits, teacher_logits, labels,
-            vocab_size=vocab_size, chunk_size=self.chunk_size,
+            self.token_loss,
+            student_logits,
+            teacher_logits,
+            labels,
+            vocab_size=vocab_size,
+            chunk_size=self.chunk_size,
         )
 
 
@@ -203,7 +205,16 @@ def build_base_loss(
 
 
 __all__ = [
-    "BASE_LOSSES", "BaseLoss", "CrossEntropy", "DistributionLoss", "ForwardKL", "IGNORE_INDEX",
-    "JensenShannon", "ReverseKL", "SkewForwardKL", "SkewReverseKL", "TotalVariation",
+    "BASE_LOSSES",
+    "BaseLoss",
+    "CrossEntropy",
+    "DistributionLoss",
+    "ForwardKL",
+    "IGNORE_INDEX",
+    "JensenShannon",
+    "ReverseKL",
+    "SkewForwardKL",
+    "SkewReverseKL",
+    "TotalVariation",
     "build_base_loss",
 ]

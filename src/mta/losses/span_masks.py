@@ -70,9 +70,12 @@ class SpanBatch:
     mask: torch.Tensor
 
     def to(self, device: torch.device | str) -> "SpanBatch":
-        return SpanBatch(*(tensor.to(device) for tensor in (
-            self.student_start, self.student_end, self.teacher_start, self.teacher_end, self.mask
-        )))
+        return SpanBatch(
+            *(
+                tensor.to(device)
+                for tensor in (self.student_start, self.student_end, self.teacher_start, self.teacher_end, self.mask)
+            )
+        )
 
     @property
     def num_spans(self) -> int:

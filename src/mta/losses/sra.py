@@ -123,7 +123,8 @@ def tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer) -> tuple[
     """:func:`shared_vocabulary` of two loaded tokenizers (anything with ``get_vocab()`` and
     ``all_special_tokens``, as Hugging Face tokenizers have): the one place both are read."""
     return shared_vocabulary(
-        student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab(),
+        student_tokenizer.get_vocab(),
+        teacher_tokenizer.get_vocab(),
         student_special=tuple(student_tokenizer.all_special_tokens),
         teacher_special=tuple(teacher_tokenizer.all_special_tokens),
     )
@@ -174,9 +175,7 @@ class SpanRepresentationLoss(nn.Module):
         if temperature <= 0:
             raise MtaError(f"the SRA logit temperature must be positive, got {temperature}")
         if geometry_weight < 0 or logit_weight < 0:
-            raise MtaError(
-                f"SRA term weights must be >= 0, got geometry {geometry_weight}, logit {logit_weight}"
-            )
+            raise MtaError(f"SRA term weights must be >= 0, got geometry {geometry_weight}, logit {logit_weight}")
         self.num_pairs = num_pairs
         self.geometry_weight = float(geometry_weight)
         self.logit_weight = float(logit_weight)
@@ -240,8 +239,15 @@ class SpanRepresentationLoss(nn.Module):
             if student_head is None or teacher_head is None:
                 raise MtaError("the SRA logit term needs both the student's and the teacher's head")
             logit = self._span_logit_kl(
-                student, teacher, student_states[-1].dtype, teacher_states[-1].dtype,
-                span_weights, in_scope, student_head, teacher_head, shared_vocab,
+                student,
+                teacher,
+                student_states[-1].dtype,
+                teacher_states[-1].dtype,
+                span_weights,
+                in_scope,
+                student_head,
+                teacher_head,
+                shared_vocab,
             )
             terms["sra_logit"] = logit
             total = total + self.logit_weight * logit

@@ -83,18 +83,19 @@ class TrajectoryAlignmentLoss(nn.Module):
         self.reference_code = reference_code
         # The authors' uniform ablation pools with the importance weights all the same.
         self._importance = (
-            functools.partial(token_importance, padding_queries=True) if reference_code
-            else IMPORTANCE[importance]
+            functools.partial(token_importance, padding_queries=True) if reference_code else IMPORTANCE[importance]
         )
         uniform = reference_code and importance == "uniform"
-        self._dsa_options = dict(
-            reduction="batch", pair_weights="uniform" if uniform else "salience"
-        ) if reference_code else {}
+        self._dsa_options = (
+            dict(reduction="batch", pair_weights="uniform" if uniform else "salience") if reference_code else {}
+        )
         self._uniform_items = uniform  # HRA: every membership weighs 1, one mean over the batch
         self.terms = tuple(term for term in ("dsa", "hra") if term in terms)
-        self.projectors = nn.ModuleList(
-            nn.Linear(student_hidden_size, teacher_hidden_size) for _ in self.layer_pairs
-        ) if "hra" in self.terms else None
+        self.projectors = (
+            nn.ModuleList(nn.Linear(student_hidden_size, teacher_hidden_size) for _ in self.layer_pairs)
+            if "hra" in self.terms
+            else None
+        )
 
     @property
     def student_layers(self) -> list[int]:
@@ -146,7 +147,8 @@ class TrajectoryAlignmentLoss(nn.Module):
                 student_masks[granularity] = spans[granularity].student_token_mask(student_len).float()
             if self.same_tokenizer and "hra" in self.terms:
                 span_tokens[granularity] = (
-                    spans[granularity].teacher_token_count(teacher_len) if self.reference_code
+                    spans[granularity].teacher_token_count(teacher_len)
+                    if self.reference_code
                     else spans[granularity].teacher_token_union(teacher_len)
                 )
 
@@ -172,22 +174,32 @@ class TrajectoryAlignmentLoss(nn.Module):
                     teacher_hidden, teacher_weights[teacher_layer], teacher_masks[granularity]
                 )
             if "dsa" in terms:
-                terms["dsa"].append(dynamic_structural_alignment(
-                    student_spans, teacher_spans, salience, span_mask, **self._dsa_options
-                ))
+                terms["dsa"].append(
+                    dynamic_structural_alignment(student_spans, teacher_spans, salience, span_mask, **self._dsa_options)
+                )
             if "hra" in terms and self.same_tokenizer:
-                terms["hra"].append(self._hra(
-                    apply_projector(self.projectors[index], student_hidden), teacher_hidden,
-                    teacher_weights[teacher_layer], span_tokens[granularity],
-                ))
+                terms["hra"].append(
+                    self._hra(
+                        apply_projector(self.projectors[index], student_hidden),
+                        teacher_hidden,
+                        teacher_weights[teacher_layer],
+                        span_tokens[granularity],
+                    )
+                )
             elif "hra" in terms:
-                terms["hra"].append(self._hra(
-                    apply_projector(self.projectors[index], student_spans), teacher_spans, salience, span_mask,
-                ))
+                terms["hra"].append(
+                    self._hra(
+                        apply_projector(self.projectors[index], student_spans),
+                        teacher_spans,
+                        salience,
+                        span_mask,
+                    )
+                )
         return {term: torch.stack(values).mean() for term, values in terms.items()}
 
-    def _hra(self, projected: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor,
-             members: torch.Tensor) -> torch.Tensor:
+    def _hra(
+        self, projected: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, members: torch.Tensor
+    ) -> torch.Tensor:
         """HRA over items (tokens or spans); members: ``[batch, items]`` bool, or with
         ``reference_code`` on tokens the int count of spans each token lies in (each membership
         counts once, as the authors' ``All_Indices`` does)."""
@@ -207,10 +219,7 @@ def _layer(hidden_states: HiddenStates, index: int, side: str) -> torch.Tensor:
     try:
         return hidden_states[index]
     except (IndexError, KeyError) as error:
-        available = (
-            sorted(hidden_states) if isinstance(hidden_states, Mapping)
-            else f"0..{len(hidden_states) - 1}"
-        )
+        available = sorted(hidden_states) if isinstance(hidden_states, Mapping) else f"0..{len(hidden_states) - 1}"
         raise MtaError(
             f"aligned layer {index} is not among the {side}'s hidden states ({available}); "
             f"fix loss.layers in the recipe"

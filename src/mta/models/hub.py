@@ -97,8 +97,13 @@ def _in_cache(name: str, filename: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def _warn_cached(name: str, reason: str) -> None:
     """Once per name and process: it loads from the cache because the Hub cannot be reached."""
-    log.warning("the Hugging Face Hub (%s) cannot be reached (%s); '%s' loads from the local "
-                "Hugging Face cache (HF_HUB_OFFLINE=1 skips the check)", endpoint(), reason, name)
+    log.warning(
+        "the Hugging Face Hub (%s) cannot be reached (%s); '%s' loads from the local "
+        "Hugging Face cache (HF_HUB_OFFLINE=1 skips the check)",
+        endpoint(),
+        reason,
+        name,
+    )
 
 
 def load_options(name_or_path: str | Path, *, what: str = "model", filename: str = MODEL_FILE) -> dict[str, Any]:
@@ -178,8 +183,13 @@ def _looks_for_adapters(loader: Callable[..., Any]) -> bool:
 
 
 def load_pretrained(
-    loader: Callable[..., T], name_or_path: str | Path, *, what: str = "model", filename: str = MODEL_FILE,
-    otherwise: Optional[str] = None, **kwargs: Any,
+    loader: Callable[..., T],
+    name_or_path: str | Path,
+    *,
+    what: str = "model",
+    filename: str = MODEL_FILE,
+    otherwise: Optional[str] = None,
+    **kwargs: Any,
 ) -> T:
     """``loader(name_or_path, **kwargs)`` (a ``from_pretrained``) after :func:`load_options`;
     a failure the Hub explains becomes an ``MtaError`` naming the name; any other propagates, or

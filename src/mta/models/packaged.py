@@ -28,6 +28,5 @@ def packaged_file(distribution: str, version: str, filename: str) -> Path:
             if path.is_file():
                 return path
     raise MtaError(
-        f"{filename} is missing from the installed {distribution}; reinstall it with "
-        f"`{install} --force-reinstall`"
+        f"{filename} is missing from the installed {distribution}; reinstall it with `{install} --force-reinstall`"
     )

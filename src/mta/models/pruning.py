@@ -124,9 +124,7 @@ def prune_layers(model: PreTrainedModel, keep: list[int], *, build=None) -> PreT
     prefix, blocks = decoder_blocks(model)
     num_layers = len(blocks)
     if not keep or sorted(set(keep)) != list(keep) or keep[0] < 0 or keep[-1] >= num_layers:
-        raise MtaError(
-            f"layers to keep must be distinct, ascending indices in 0..{num_layers - 1}; got {keep}"
-        )
+        raise MtaError(f"layers to keep must be distinct, ascending indices in 0..{num_layers - 1}; got {keep}")
     if getattr(model.config, "scale_attn_by_inverse_layer_idx", False):
         # GPT-2 can scale attention by 1/(layer index + 1): renumbering blocks would change
         # what every kept block computes, so the copy would not be the teacher's blocks.

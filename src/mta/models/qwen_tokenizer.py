@@ -62,9 +62,7 @@ def build_qwen_tokenizer(out_dir: str | Path | None = None, *, force: bool = Fal
         vocab_file=str(vocab_path), pattern=SPLIT_PATTERN, extra_special_tokens=list(SPECIAL_TOKENS)
     ).converted()
     backend.normalizer = normalizers.NFC()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT)
     tokenizer.chat_template = CHATML_TEMPLATE
     ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     if len(tokenizer) != VOCAB_SIZE or ids != list(range(VOCAB_SIZE - 3, VOCAB_SIZE)):

@@ -61,9 +61,7 @@ def convert_smollm2(
     report(f"reading the tokenizer from {gguf_path.name}")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     report("de-quantising the weights")
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     settings = loaded.config.to_dict()
     for gguf_only in ("quantization_config", "_model_name_or_path"):
         settings.pop(gguf_only, None)

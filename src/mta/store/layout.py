@@ -7,9 +7,22 @@ import re
 from pathlib import Path
 
 __all__ = [
-    "MANIFEST", "MERGE_LOCK", "META", "STAGING", "holds_artefact", "is_part_name",
-    "is_shard_manifest_name", "manifest_path", "meta_directory", "part_name", "part_path",
-    "remove_if_empty", "shard_lock_name", "shard_manifest_name", "staged_part", "staging_directory",
+    "MANIFEST",
+    "MERGE_LOCK",
+    "META",
+    "STAGING",
+    "holds_artefact",
+    "is_part_name",
+    "is_shard_manifest_name",
+    "manifest_path",
+    "meta_directory",
+    "part_name",
+    "part_path",
+    "remove_if_empty",
+    "shard_lock_name",
+    "shard_manifest_name",
+    "staged_part",
+    "staging_directory",
 ]
 
 MANIFEST = "manifest.json"

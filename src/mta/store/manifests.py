@@ -24,9 +24,18 @@ from mta.store.layout import (
 )
 
 __all__ = [
-    "MAX_SKIPPED_EXAMPLES", "check_directory", "checked_manifest", "incomplete_message",
-    "part_is_intact", "read_legacy_manifest", "read_manifest", "read_manifest_json",
-    "read_shard_manifest", "shard_files", "shard_manifests", "shard_sets",
+    "MAX_SKIPPED_EXAMPLES",
+    "check_directory",
+    "checked_manifest",
+    "incomplete_message",
+    "part_is_intact",
+    "read_legacy_manifest",
+    "read_manifest",
+    "read_manifest_json",
+    "read_shard_manifest",
+    "shard_files",
+    "shard_manifests",
+    "shard_sets",
 ]
 
 MAX_SKIPPED_EXAMPLES = 20  # skipped-row messages kept in the manifest, so users can find them
@@ -72,11 +81,14 @@ def _checked_part(path: Path, where: str, entry: Any) -> dict[str, Any]:
     name = entry.get("file")
     directory = _artefact_directory(path)
     if not (
-        isinstance(name, str) and is_part_name(name)
-        and _inside(directory, name) and _inside(staging_directory(directory), name)
+        isinstance(name, str)
+        and is_part_name(name)
+        and _inside(directory, name)
+        and _inside(staging_directory(directory), name)
     ):
         raise _refused(
-            path, f"{where}.file",
+            path,
+            f"{where}.file",
             f"is {name!r}, which is not a part of this directory (a plain file name "
             "part-IIIII-of-NNNNN-<run>.parquet inside it)",
         )
@@ -106,8 +118,14 @@ def _checked_shard(path: Path, shard: Any) -> dict[str, Any]:
     """A shard manifest with the fields merging uses, named like its content, part checked."""
     if not isinstance(shard, dict):
         raise _refused(path, "the content", f"is a JSON {type(shard).__name__}, not an object")
-    for key, kind in (("shard", int), ("num_shards", int), ("run_key", str), ("counts", dict),
-                      ("skipped_examples", list), ("description", dict)):
+    for key, kind in (
+        ("shard", int),
+        ("num_shards", int),
+        ("run_key", str),
+        ("counts", dict),
+        ("skipped_examples", list),
+        ("description", dict),
+    ):
         if type(shard.get(key)) is not kind:
             raise _refused(path, key, f"is {shard.get(key)!r}, not a {kind.__name__}")
     if path.name != shard_manifest_name(shard["shard"], shard["num_shards"]):

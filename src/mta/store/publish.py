@@ -202,8 +202,8 @@ def _sum_counts(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
     """Add nested integer counts key by key."""
     result = dict(total)
     for key, value in more.items():
-        result[key] = _sum_counts(result.get(key, {}), value) if isinstance(value, dict) else (
-            result.get(key, 0) + value
+        result[key] = (
+            _sum_counts(result.get(key, {}), value) if isinstance(value, dict) else (result.get(key, 0) + value)
         )
     return result
 
@@ -268,7 +268,8 @@ def _complete_set(
     found = {
         shard["shard"]: shard
         for shard in shards
-        if shard["run_key"] == run_key and shard["num_shards"] == num_shards
+        if shard["run_key"] == run_key
+        and shard["num_shards"] == num_shards
         and part_path(out_dir, shard["part"]["file"]).exists()
     }
     return [found[i] for i in range(num_shards)] if len(found) == num_shards else None
@@ -326,9 +327,7 @@ def merge_shards(out_dir: str | Path) -> dict[str, Any]:
         _finish_locked(out_dir)
         shards = shard_manifests(out_dir)
         if not shards:
-            raise MtaError(
-                f"{out_dir} holds no shard manifests ({META}/shard-*-of-*.json); nothing to merge"
-            )
+            raise MtaError(f"{out_dir} holds no shard manifests ({META}/shard-*-of-*.json); nothing to merge")
         by_set = shard_sets(shards)
         for run_key, num_shards in by_set:
             manifest = _merge_locked(out_dir, run_key, num_shards)

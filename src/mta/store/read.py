@@ -55,7 +55,9 @@ class Annotations:
     def row(self, position: int) -> dict[str, Any]:
         """Row ``position`` (0-based, in artefact order) as plain Python values."""
         if not 0 <= position < len(self):
-            raise MtaError(f"row {position} is out of range: {self.directory} has {len(self)} rows (0..{len(self) - 1})")
+            raise MtaError(
+                f"row {position} is out of range: {self.directory} has {len(self)} rows (0..{len(self) - 1})"
+            )
         return self.table.slice(position, 1).to_pylist()[0]
 
 

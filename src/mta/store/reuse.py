@@ -43,8 +43,10 @@ def reusable_output(out_dir: Path, run_key: str, shard: int, num_shards: int) ->
         return None
     finish_publishing(out_dir)
     manifest = read_manifest(out_dir)
-    if manifest is not None and manifest.get("run_key") == run_key and all(
-        part_is_intact(out_dir, part) for part in manifest["parts"]
+    if (
+        manifest is not None
+        and manifest.get("run_key") == run_key
+        and all(part_is_intact(out_dir, part) for part in manifest["parts"])
     ):
         return ReusableOutput(manifest)
     shard_manifest = read_shard_manifest(out_dir, shard, num_shards)

@@ -62,8 +62,12 @@ ZERO3_REFUSAL = (
 
 
 def perturbation(
-    weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], adaptive: Sequence[bool], *,
-    rho: float, eta: float,
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    adaptive: Sequence[bool],
+    *,
+    rho: float,
+    eta: float,
 ) -> Optional[list[torch.Tensor]]:
     """ASAM's ε for each parameter, or None when ‖T_w · g‖ is 0 or not finite.
 
@@ -113,7 +117,9 @@ class Asam:
     def gradient(self, losses: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Σ ∂loss/∂w over ``losses`` (one backward each, its graph freed) and the processes, in
         fp32; a parameter a loss does not reach gets zeros. ``.grad`` is left untouched."""
-        total = [torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32)) for param in self.params]
+        total = [
+            torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32)) for param in self.params
+        ]
         for loss in losses:
             grads = torch.autograd.grad(loss, self.params, allow_unused=True)
             for buffer, grad in zip(total, grads):
@@ -126,13 +132,13 @@ class Asam:
     def perturbed(self, losses: Iterable[torch.Tensor], *, step: Optional[int] = None) -> Iterator[bool]:
         """w ← w + ε inside the block, ε from the gradient of ``losses``; w restored from a copy on
         exit. Yields whether w was perturbed (False: ‖T_w · g‖ was 0 or not finite)."""
-        epsilon = perturbation(
-            self.params, self.gradient(losses), self.adaptive, rho=self.rho, eta=self.eta
-        )
+        epsilon = perturbation(self.params, self.gradient(losses), self.adaptive, rho=self.rho, eta=self.eta)
         if epsilon is None:
             self.skipped += 1
-            log.warning("ASAM: the gradient%s is zero or not finite; this step is not perturbed",
-                        f" of step {step + 1}" if step is not None else "")
+            log.warning(
+                "ASAM: the gradient%s is zero or not finite; this step is not perturbed",
+                f" of step {step + 1}" if step is not None else "",
+            )
             yield False
             return
         with torch.no_grad():

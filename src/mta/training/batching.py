@@ -18,7 +18,14 @@ import pyarrow.compute as pc
 import torch
 
 from mta.data.artefact_schema import (
-    BOUNDARY_SPANS, ID, INPUT_IDS, PAIR_ID, PROMPT_LEN, ROLE, SPAN_COLUMNS, SPAN_TOKENS,
+    BOUNDARY_SPANS,
+    ID,
+    INPUT_IDS,
+    PAIR_ID,
+    PROMPT_LEN,
+    ROLE,
+    SPAN_COLUMNS,
+    SPAN_TOKENS,
 )
 from mta.errors import MtaError
 from mta.losses.span_masks import SpanBatch
@@ -50,8 +57,11 @@ class TokenBatch:
         if extra <= 0:
             return self
         pad = torch.nn.functional.pad
-        return TokenBatch(pad(self.input_ids, (0, extra), value=pad_id), pad(self.attention_mask, (0, extra)),
-                          pad(self.labels, (0, extra), value=IGNORE_INDEX))
+        return TokenBatch(
+            pad(self.input_ids, (0, extra), value=pad_id),
+            pad(self.attention_mask, (0, extra)),
+            pad(self.labels, (0, extra), value=IGNORE_INDEX),
+        )
 
 
 @dataclass
@@ -84,9 +94,12 @@ class TrainBatch:
         every batch to ``max_length`` (``loss.reference_code``); spans keep their token ranges.
         pad_ids: ``{"student": id, "teacher": id}``."""
         return TrainBatch(
-            self.row_ids, self.student.padded_to(width, pad_ids["student"]),
+            self.row_ids,
+            self.student.padded_to(width, pad_ids["student"]),
             None if self.teacher is None else self.teacher.padded_to(width, pad_ids["teacher"]),
-            self.spans, self.chosen, self.pending_spans,
+            self.spans,
+            self.chosen,
+            self.pending_spans,
         )
 
     @property
@@ -146,7 +159,9 @@ class AnnotatedExamples:
     ):
         sides = ("student", "teacher") if with_teacher else ("student",)
         missing = {
-            ID, *(INPUT_IDS[side] for side in sides), *(PROMPT_LEN[side] for side in sides),
+            ID,
+            *(INPUT_IDS[side] for side in sides),
+            *(PROMPT_LEN[side] for side in sides),
             *(SPAN_COLUMNS[name] for name in granularities),
         } - set(table.column_names)
         if missing:
@@ -160,9 +175,7 @@ class AnnotatedExamples:
         self.ids = {side: _Ragged(table.column(INPUT_IDS[side])) for side in sides}
         for ragged in self.ids.values():
             ragged.values = ragged.values.to_numpy(zero_copy_only=False).astype(np.int64)
-        self.prompt_len = {
-            side: table.column(PROMPT_LEN[side]).to_numpy().astype(np.int64) for side in sides
-        }
+        self.prompt_len = {side: table.column(PROMPT_LEN[side]).to_numpy().astype(np.int64) for side in sides}
         self.pair_ids, self.chosen = _pairs(table)
         self.spans: dict[str, tuple[_Ragged, dict[str, np.ndarray]]] = {}
         for name in granularities:
@@ -184,9 +197,7 @@ class AnnotatedExamples:
         tokens = {side: self._tokens(side, rows) for side in self.ids}
         spans = {name: self._spans(name, rows) for name in self.spans}
         chosen = None if self.chosen is None else torch.from_numpy(self.chosen[rows])
-        return TrainBatch(
-            [self.row_ids[row] for row in rows], tokens["student"], tokens.get("teacher"), spans, chosen
-        )
+        return TrainBatch([self.row_ids[row] for row in rows], tokens["student"], tokens.get("teacher"), spans, chosen)
 
     def _tokens(self, side: str, rows: np.ndarray) -> TokenBatch:
         ragged = self.ids[side]
@@ -219,8 +230,7 @@ class AnnotatedExamples:
 def _span_fields(column: pa.ChunkedArray | pa.Array) -> tuple[_Ragged, dict[str, np.ndarray]]:
     ragged = _Ragged(column)
     fields = {
-        field: ragged.values.field(field).to_numpy(zero_copy_only=False).astype(np.int64)
-        for field in SPAN_FIELDS
+        field: ragged.values.field(field).to_numpy(zero_copy_only=False).astype(np.int64) for field in SPAN_FIELDS
     }
     return ragged, fields
 
@@ -229,9 +239,13 @@ def _boundary_spans(table: pa.Table, rebuild: str) -> tuple[_Ragged, dict[str, n
     """SRA's spans of every row; ``MtaError`` naming ``rebuild`` when any row lacks them."""
     column = table.column(BOUNDARY_SPANS) if BOUNDARY_SPANS in table.column_names else None
     if column is None or column.null_count:
-        missing = f"lack the column `{BOUNDARY_SPANS}`" if column is None else (
-            f"have no `{BOUNDARY_SPANS}` on {column.null_count} of {table.num_rows} rows (null: "
-            "not computed, as in an artefact of schema version 1 or 2)"
+        missing = (
+            f"lack the column `{BOUNDARY_SPANS}`"
+            if column is None
+            else (
+                f"have no `{BOUNDARY_SPANS}` on {column.null_count} of {table.num_rows} rows (null: "
+                "not computed, as in an artefact of schema version 1 or 2)"
+            )
         )
         raise MtaError(
             f"SRA reads the spans both tokenizers agree on, and the annotations {missing}; "
@@ -249,8 +263,12 @@ def _pairs(table: pa.Table) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]
         return None, None
     pair_ids = table.column(PAIR_ID)
     roles = table.column(ROLE).to_pylist() if ROLE in table.column_names else [None] * table.num_rows
-    if pair_ids.null_count or len(roles) % 2 or roles[0::2] != ["chosen"] * (len(roles) // 2) \
-            or roles[1::2] != ["rejected"] * (len(roles) // 2):
+    if (
+        pair_ids.null_count
+        or len(roles) % 2
+        or roles[0::2] != ["chosen"] * (len(roles) // 2)
+        or roles[1::2] != ["rejected"] * (len(roles) // 2)
+    ):
         raise MtaError(
             "the annotations mix pair rows (pair_id, role) with other rows, or a pair lacks its chosen "
             "or rejected half; annotate a file of pair rows only (`mta generate` writes one)"
@@ -262,7 +280,12 @@ def _pairs(table: pa.Table) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]
 
 
 def micro_batch_order(
-    lengths: np.ndarray, micro_batch_size: int, *, seed: int, epoch: int, group_factor: int = 32,
+    lengths: np.ndarray,
+    micro_batch_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    group_factor: int = 32,
     paired: bool = False,
 ) -> list[np.ndarray]:
     """One epoch's micro batches (row positions), length-aware and reproducible.
@@ -283,8 +306,9 @@ def micro_batch_order(
                 f"(got {micro_batch_size})"
             )
         pair_lengths = np.maximum(lengths[0::2], lengths[1::2])
-        pair_batches = micro_batch_order(pair_lengths, micro_batch_size // 2, seed=seed, epoch=epoch,
-                                         group_factor=group_factor)
+        pair_batches = micro_batch_order(
+            pair_lengths, micro_batch_size // 2, seed=seed, epoch=epoch, group_factor=group_factor
+        )
         return [np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1) for pairs in pair_batches]
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(lengths))

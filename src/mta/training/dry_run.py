@@ -142,8 +142,11 @@ def tiny_config(tiny: TinyModel) -> PretrainedConfig:
     from mta.models.tiny import tiny_config as build_config
 
     return build_config(
-        tiny.model_type, tiny.vocab_size,
-        num_layers=tiny.num_layers, hidden_size=tiny.hidden_size, num_heads=tiny.num_heads,
+        tiny.model_type,
+        tiny.vocab_size,
+        num_layers=tiny.num_layers,
+        hidden_size=tiny.hidden_size,
+        num_heads=tiny.num_heads,
     )
 
 
@@ -240,9 +243,7 @@ def estimate_memory(
         weights //= world_size
 
     tokens = micro_batch_size * sequence_length
-    per_layer = tokens * student.hidden_size * (
-        34 + 5 * student.num_heads * sequence_length / student.hidden_size
-    )
+    per_layer = tokens * student.hidden_size * (34 + 5 * student.num_heads * sequence_length / student.hidden_size)
     activations = per_layer * student.num_layers * (1 if mixed else 2)
     activations += tokens * student.vocab_rows * (weight_bytes + 4) * 2
 
@@ -283,12 +284,17 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     accumulation = train.accumulation_steps(world_size)
     configs = {
         role: load_model_config(spec, recipe, role)
-        for role, spec in (("student", recipe.student), ("teacher", recipe.teacher)) if spec is not None
+        for role, spec in (("student", recipe.student), ("teacher", recipe.teacher))
+        if spec is not None
     }
     # Before the models are built: a length no model can take is the first thing to fix.
     for role, (config, _) in configs.items():
         check_sequence_lengths(
-            recipe.data, config, role, model=getattr(recipe, role).path, source=recipe.source,
+            recipe.data,
+            config,
+            role,
+            model=getattr(recipe, role).path,
+            source=recipe.source,
             sample_new_tokens=recipe.dev_sample_new_tokens if role == "student" else 0,
         )
     student = _plan_from_config(recipe.student, "student", *configs["student"])
@@ -355,8 +361,10 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     """SRA's shared vocabulary size when both tokenizers are local directories (else when they load)."""
     if not recipe.loss.sra_logit_weight:
         return "SRA: span logit term off (loss.sra_logit_weight=0)"
-    paths = [recipe.resolve(spec.tokenizer_path, role) for role, spec in
-             (("teacher", recipe.teacher), ("student", recipe.student))]
+    paths = [
+        recipe.resolve(spec.tokenizer_path, role)
+        for role, spec in (("teacher", recipe.teacher), ("student", recipe.student))
+    ]
     if not all((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() for path in paths):
         return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
     teacher_tokenizer, student_tokenizer = (load_tokenizer(path) for path in paths)
@@ -379,7 +387,5 @@ def data_notes(recipe: Recipe) -> list[str]:
         elif not (path := recipe.resolve(written, key)).exists():
             notes.append(f"{key}: {path} does not exist yet")
     for name, keys in unset.items():
-        notes.append(
-            f"{' and '.join(keys)} use ${name}, which is not set: export {name}=... before training"
-        )
+        notes.append(f"{' and '.join(keys)} use ${name}, which is not set: export {name}=... before training")
     return notes

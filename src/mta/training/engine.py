@@ -238,9 +238,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, total_st
     )
 
 
-def initialize(model: torch.nn.Module, projectors: list[torch.nn.Parameter], train: TrainSpec,
-               passthrough: dict[str, Any], total_steps: int, world_size: int,
-               precision: Optional[TrainingPrecision] = None):
+def initialize(
+    model: torch.nn.Module,
+    projectors: list[torch.nn.Parameter],
+    train: TrainSpec,
+    passthrough: dict[str, Any],
+    total_steps: int,
+    world_size: int,
+    precision: Optional[TrainingPrecision] = None,
+):
     """The DeepSpeed engine over ``model`` (student + projectors) with optimizer and schedule.
 
     precision: as ``resolve_training_precision`` gives it (default: ``train.precision`` handed
@@ -254,9 +260,12 @@ def initialize(model: torch.nn.Module, projectors: list[torch.nn.Parameter], tra
     optimizer = build_optimizer(model, projectors, train)
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(train, passthrough, world_size,
-                                precision=precision.deepspeed if precision is not None else None),
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(
+            train, passthrough, world_size, precision=precision.deepspeed if precision is not None else None
+        ),
     )
     return engine
 

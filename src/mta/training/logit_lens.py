@@ -53,7 +53,8 @@ class LogitLens:
 
     def states(self, hidden_states, layers: list[int]) -> list[torch.Tensor]:
         return [
-            self.norm(hidden_states[layer]) if self.norm is not None and layer < self.num_layers
+            self.norm(hidden_states[layer])
+            if self.norm is not None and layer < self.num_layers
             else hidden_states[layer]
             for layer in layers
         ]

@@ -60,8 +60,13 @@ def lora_config(spec: "LoraSpec", *, fan_in_fan_out: bool = False):
     ``fan_in_fan_out``: the student stores linear weights ``[in, out]`` (GPT-2's ``Conv1D``)."""
     peft = _peft()
     return peft.LoraConfig(
-        r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
-        target_modules=spec.target_modules, task_type="CAUSAL_LM", fan_in_fan_out=fan_in_fan_out,
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        bias="none",
+        target_modules=spec.target_modules,
+        task_type="CAUSAL_LM",
+        fan_in_fan_out=fan_in_fan_out,
     )
 
 
@@ -143,12 +148,14 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     uses (``base_model.model.<module>.lora_A.weight``: the adapter name dropped)."""
     return {
         PEFT_PREFIX + key.replace(f".{ADAPTER_NAME}.", "."): tensor.contiguous()
-        for key, tensor in state.items() if _is_adapter_key(key)
+        for key, tensor in state.items()
+        if _is_adapter_key(key)
     }
 
 
-def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path,
-                 base_model: Optional[str] = None) -> Path:
+def save_adapter(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path, base_model: Optional[str] = None
+) -> Path:
     """``directory/adapter/``: the adapter as peft saves one, loadable with
     ``PeftModel.from_pretrained(base, directory / "adapter")``. Main process only; ``directory``
     is a checkpoint being written (published whole, with its checksums, by the caller)."""
@@ -169,9 +176,14 @@ def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], directo
 
 def describe(spec: "LoraSpec", trainable: int, total: int) -> str:
     """One line for the run's summary and the dry run."""
-    targets = ", ".join(spec.target_modules) if isinstance(spec.target_modules, list) else (
-        spec.target_modules or "peft's default for the architecture")
+    targets = (
+        ", ".join(spec.target_modules)
+        if isinstance(spec.target_modules, list)
+        else (spec.target_modules or "peft's default for the architecture")
+    )
     share = 100.0 * trainable / total if total else 0.0
-    return (f"LoRA student (r {spec.r}, alpha {spec.alpha:g}, dropout {spec.dropout:g}; {targets}): "
-            f"{trainable:,} trainable adapter parameters ({share:.2f} % of the student's {total:,}); "
-            "the rest frozen; exports hold merged weights")
+    return (
+        f"LoRA student (r {spec.r}, alpha {spec.alpha:g}, dropout {spec.dropout:g}; {targets}): "
+        f"{trainable:,} trainable adapter parameters ({share:.2f} % of the student's {total:,}); "
+        "the rest frozen; exports hold merged weights"
+    )

@@ -53,8 +53,13 @@ def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
         model_dir = output_dir / model_dir
     model_dir = model_dir.with_name(f"{model_dir.name}-{key[:KEY_LENGTH]}")
     build_tiny_model(
-        tokenizer_dir, model_dir, model_type=tiny.model_type, num_layers=tiny.num_layers,
-        hidden_size=tiny.hidden_size, num_heads=tiny.num_heads, seed=tiny.seed,
+        tokenizer_dir,
+        model_dir,
+        model_type=tiny.model_type,
+        num_layers=tiny.num_layers,
+        hidden_size=tiny.hidden_size,
+        num_heads=tiny.num_heads,
+        seed=tiny.seed,
     )
     return str(model_dir), str(tokenizer_dir)
 
@@ -107,10 +112,13 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
     # Eager attention: the same maths on every backend, and the tiny models gain nothing from
     # fused kernels on CPU.
     model = load_pretrained(
-        AutoModelForCausalLM.from_pretrained, model_path, what=f"{role}.path",
+        AutoModelForCausalLM.from_pretrained,
+        model_path,
+        what=f"{role}.path",
         otherwise=f"{role}.path: cannot load a causal LM from '{model_path}' (give a local model "
         "directory or a hub name that is in the Hugging Face cache)",
-        dtype=torch_dtype(spec.dtype), attn_implementation="eager",
+        dtype=torch_dtype(spec.dtype),
+        attn_implementation="eager",
     )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise MtaError(

@@ -52,18 +52,31 @@ class DistillationObjective(nn.Module):
     ):
         super().__init__()
         # A term whose weight is 0 is neither built nor computed.
-        self.base = build_base_loss(
-            spec.base, temperature=spec.temperature, skew_alpha=spec.skew_alpha, jsd_beta=spec.jsd_beta,
-            distillm2_beta=spec.distillm2_beta, vocab_size=vocab_size, chunk_size=spec.chunk_size,
-        ) if spec.base_weight else None
+        self.base = (
+            build_base_loss(
+                spec.base,
+                temperature=spec.temperature,
+                skew_alpha=spec.skew_alpha,
+                jsd_beta=spec.jsd_beta,
+                distillm2_beta=spec.distillm2_beta,
+                vocab_size=vocab_size,
+                chunk_size=spec.chunk_size,
+            )
+            if spec.base_weight
+            else None
+        )
         if self.needs_teacher_logits and not same_tokenizer:
             raise MtaError(
                 f"loss.base={spec.base} compares teacher and student logits, but their tokenizers "
                 "differ (different vocabulary fingerprints); set loss.base=ce: across tokenizers "
                 "MTA aligns spans, not tokens"
             )
-        self.weights = {"base": spec.base_weight, "dsa": spec.dsa_weight, "hra": spec.hra_weight,
-                        "fdd": spec.fdd_weight}
+        self.weights = {
+            "base": spec.base_weight,
+            "dsa": spec.dsa_weight,
+            "hra": spec.hra_weight,
+            "fdd": spec.fdd_weight,
+        }
         self.fdd: Optional[FeatureDynamicsLoss] = None
         self.fdd_pairs = list(fdd_pairs) if spec.fdd_weight else []
         self.fdd_tokens = spec.fdd_tokens
@@ -87,8 +100,11 @@ class DistillationObjective(nn.Module):
             if not self.sra_pairs:
                 raise MtaError("loss.sra_weight > 0 needs at least one loss.sra_layers pair")
             self.sra = SpanRepresentationLoss(
-                len(self.sra_pairs), student_hidden_size, teacher_hidden_size,
-                geometry_weight=spec.sra_geometry_weight, logit_weight=spec.sra_logit_weight if self.sra_logits else 0.0,
+                len(self.sra_pairs),
+                student_hidden_size,
+                teacher_hidden_size,
+                geometry_weight=spec.sra_geometry_weight,
+                logit_weight=spec.sra_logit_weight if self.sra_logits else 0.0,
                 temperature=spec.temperature,
             )
             if self.sra_logits:  # buffers: they move to the device with the module
@@ -97,8 +113,12 @@ class DistillationObjective(nn.Module):
         self.alignment: Optional[TrajectoryAlignmentLoss] = None
         if spec.alignment_terms:
             self.alignment = TrajectoryAlignmentLoss(
-                layer_pairs, student_hidden_size, teacher_hidden_size,
-                same_tokenizer=same_tokenizer, importance=spec.importance, terms=spec.alignment_terms,
+                layer_pairs,
+                student_hidden_size,
+                teacher_hidden_size,
+                same_tokenizer=same_tokenizer,
+                importance=spec.importance,
+                terms=spec.alignment_terms,
                 reference_code=spec.reference_code,
             )
 
@@ -149,23 +169,36 @@ class DistillationObjective(nn.Module):
             pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch, self.training)}
             losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **pairs)
         if self.alignment is not None:
-            losses.update(self.alignment(
-                student_hidden, teacher.hidden_states,
-                batch.student.attention_mask, batch.teacher.attention_mask, batch.spans,
-            ))
+            losses.update(
+                self.alignment(
+                    student_hidden,
+                    teacher.hidden_states,
+                    batch.student.attention_mask,
+                    batch.teacher.attention_mask,
+                    batch.spans,
+                )
+            )
         if self.fdd is not None:
             losses["fdd"] = self.fdd(
                 student_lens.states(student_hidden, [pair.student for pair in self.fdd_pairs]),
                 teacher.lens.states(teacher.hidden_states, [pair.teacher for pair in self.fdd_pairs]),
-                student_lens, teacher.lens, self._fdd_positions(batch),
+                student_lens,
+                teacher.lens,
+                self._fdd_positions(batch),
             )["fdd"]
         if self.sra is not None:
             losses["sra"] = self._sra(student_hidden, student_attentions, teacher, batch, student_lens)
         losses["total"] = sum(self.weights[name] * value for name, value in losses.items())
         return losses
 
-    def _sra(self, student_hidden, student_attentions, teacher: TeacherOutput, batch: TrainBatch,
-             student_lens: Optional[LogitLens]) -> torch.Tensor:
+    def _sra(
+        self,
+        student_hidden,
+        student_attentions,
+        teacher: TeacherOutput,
+        batch: TrainBatch,
+        student_lens: Optional[LogitLens],
+    ) -> torch.Tensor:
         """SRA on the spans both tokenizers agree on (``batch.spans["boundary"]``)."""
         spans = batch.spans["boundary"]
         last = self.sra_pairs[-1]
@@ -183,13 +216,19 @@ class DistillationObjective(nn.Module):
             scope = spans.mask.bool()
         heads = {}
         if self.sra_logits:
-            heads = dict(student_head=student_lens.for_layer(last.student),
-                         teacher_head=teacher.lens.for_layer(last.teacher),
-                         shared_vocab=(self.sra_student_ids, self.sra_teacher_ids))
+            heads = dict(
+                student_head=student_lens.for_layer(last.student),
+                teacher_head=teacher.lens.for_layer(last.teacher),
+                shared_vocab=(self.sra_student_ids, self.sra_teacher_ids),
+            )
         return self.sra(
             [student_hidden[pair.student] for pair in self.sra_pairs],
             [teacher.hidden_states[pair.teacher] for pair in self.sra_pairs],
-            student_weights, teacher_weights, spans, scope, **heads,
+            student_weights,
+            teacher_weights,
+            spans,
+            scope,
+            **heads,
         )["sra"]
 
     def _fdd_positions(self, batch: TrainBatch) -> torch.Tensor:
@@ -229,9 +268,11 @@ class DistillationModel(nn.Module):
         # FDD reads the lens at intermediate layers as the recipe says; SRA's logit term applies
         # the final norm and head to span centres.
         self.lens = (
-            LogitLens(student, final_norm=fdd_final_norm or objective.fdd is None,
-                      num_layers=student.config.num_hidden_layers)
-            if objective.fdd is not None or objective.sra_logits else None
+            LogitLens(
+                student, final_norm=fdd_final_norm or objective.fdd is None, num_layers=student.config.num_hidden_layers
+            )
+            if objective.fdd is not None or objective.sra_logits
+            else None
         )
 
     def forward(self, batch: TrainBatch, teacher: Optional[TeacherOutput]) -> dict[str, torch.Tensor]:
@@ -246,8 +287,14 @@ class DistillationModel(nn.Module):
         # The losses compute in fp32 from the dtypes the models give; under a CPU bf16 run's
         # autocast (mta.training.engine.TrainingPrecision) their products would run in bf16.
         with torch.autocast(out.logits.device.type, enabled=False):
-            return self.objective(out.logits, out.hidden_states if want_hidden else None, teacher, batch,
-                                  self.lens, out.attentions if want_attentions else None)
+            return self.objective(
+                out.logits,
+                out.hidden_states if want_hidden else None,
+                teacher,
+                batch,
+                self.lens,
+                out.attentions if want_attentions else None,
+            )
 
     def projector_parameters(self) -> list[nn.Parameter]:
         """The projectors (MTA's HRA, SRA's span projectors): the optimizer's projector_lr group."""

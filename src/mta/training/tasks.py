@@ -45,7 +45,6 @@ class Task:
         """The ``RunPlan`` ``mta distill --dry-run`` shows for ``recipe``; no weights loaded."""
         return _named_object(self.planner)(recipe, world_size)
 
-
     def card(self, recipe: Any) -> Any:
         """What the model card of an exported student of ``recipe`` says for this task."""
         return _named_object(self.card_facts)(recipe)

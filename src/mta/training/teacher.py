@@ -45,8 +45,14 @@ class FrozenTeacher(nn.Module):
     head itself, to what it needs), but without ``need_logits`` no logits are computed.
     """
 
-    def __init__(self, model: PreTrainedModel, layers: list[int], need_logits: bool,
-                 lens: Optional[LogitLens] = None, attention_layers: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layers: list[int],
+        need_logits: bool,
+        lens: Optional[LogitLens] = None,
+        attention_layers: tuple[int, ...] = (),
+    ):
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
@@ -78,8 +84,9 @@ class FrozenTeacher(nn.Module):
         want_hidden = bool(self.layers)
         extra = {"output_attentions": True} if self.attention_layers else {}
         if self.need_logits:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hidden,
-                             **extra)
+            out = self.model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hidden, **extra
+            )
             hidden, logits = out.hidden_states, out.logits
         else:
             body = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model

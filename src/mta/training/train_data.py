@@ -49,9 +49,7 @@ def load_split(
 
         # The tokenizers are the ones the models were loaded with (a `tiny:` model's is built
         # under output_dir), the rest comes from the recipe's data section.
-        settings = AnnotateSettings.from_recipe(
-            recipe, teacher=teacher_tokenizer, student=student_tokenizer
-        )
+        settings = AnnotateSettings.from_recipe(recipe, teacher=teacher_tokenizer, student=student_tokenizer)
         cache = recipe.resolve(recipe.output_dir, "output_dir") / "data" / split
         annotate_file(source, cache, settings, reporter=reporter)
         directory = cache
@@ -98,7 +96,9 @@ def check_manifest(
     if problems:
         raise MtaError(
             f"{key}: the annotations in {annotations.directory} do not fit this recipe: "
-            + "; ".join(problems) + ". " + _rebuild_hint(annotations, recipe, key, teacher_tokenizer, student_tokenizer)
+            + "; ".join(problems)
+            + ". "
+            + _rebuild_hint(annotations, recipe, key, teacher_tokenizer, student_tokenizer)
         )
 
 
@@ -140,11 +140,18 @@ def _rebuild_hint(
     settings = AnnotateSettings.from_recipe(recipe, teacher=teacher_tokenizer, student=student_tokenizer)
     target = _new_directory(annotations.directory, recipe.name)
     command = annotate_command(
-        source, target, teacher=settings.teacher, student=settings.student,
-        max_length=settings.max_length, max_prompt_length=settings.max_prompt_length,
-        spacy_model=settings.spacy_model, word_spans=settings.word_spans,
-        truncate_prompt=settings.truncate_prompt, on_error=annotations.manifest.get("on_error"),
-        fields=dict(settings.fields), span_rule=settings.span_rule,
+        source,
+        target,
+        teacher=settings.teacher,
+        student=settings.student,
+        max_length=settings.max_length,
+        max_prompt_length=settings.max_prompt_length,
+        spacy_model=settings.spacy_model,
+        word_spans=settings.word_spans,
+        truncate_prompt=settings.truncate_prompt,
+        on_error=annotations.manifest.get("on_error"),
+        fields=dict(settings.fields),
+        span_rule=settings.span_rule,
     )
     if settings.template != "alpaca":  # annotate_command knows no template; alpaca is the default
         command += f" --template {settings.template}"

@@ -127,8 +127,11 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] =
         fingerprints = {side: tokenizer_fingerprint(loaded.tokenizer) for side, loaded in sides.items()}
         splits = {
             split: load_split(
-                recipe, split, teacher_tokenizer=sides["teacher"].tokenizer_source,
-                student_tokenizer=sides["student"].tokenizer_source, fingerprints=fingerprints,
+                recipe,
+                split,
+                teacher_tokenizer=sides["teacher"].tokenizer_source,
+                student_tokenizer=sides["student"].tokenizer_source,
+                fingerprints=fingerprints,
                 reporter=reporter if rank == 0 else None,
             )
             for split in ("train", "dev")
@@ -137,11 +140,18 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] =
     teacher_model = teacher_loaded.model if teacher_loaded else None
     if teacher_model is not None and precision.frozen_dtype is not None and teacher_model.dtype == torch.float32:
         teacher_model.to(precision.frozen_dtype)  # CPU bf16: held in bf16, its products are bf16 anyway
-    check_sequence_lengths(recipe.data, student.config, "student", model=recipe.student.path,
-                           sample_new_tokens=recipe.dev_sample_new_tokens, source=recipe.source)
+    check_sequence_lengths(
+        recipe.data,
+        student.config,
+        "student",
+        model=recipe.student.path,
+        sample_new_tokens=recipe.dev_sample_new_tokens,
+        source=recipe.source,
+    )
     if teacher_model is not None:
-        check_sequence_lengths(recipe.data, teacher_model.config, "teacher", model=recipe.teacher.path,
-                               source=recipe.source)
+        check_sequence_lengths(
+            recipe.data, teacher_model.config, "teacher", model=recipe.teacher.path, source=recipe.source
+        )
     teacher_tokenizer = sides["teacher"].tokenizer
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
     check_generation_fits(recipe, same_tokenizer)
@@ -162,21 +172,30 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] =
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
     objective = DistillationObjective(
-        recipe.loss, layer_pairs,
+        recipe.loss,
+        layer_pairs,
         student_hidden_size=hidden_size(student),
         teacher_hidden_size=hidden_size(teacher_model) if teacher_model is not None else None,
-        same_tokenizer=same_tokenizer, vocab_size=len(tokenizer), fdd_pairs=fdd_pairs,
-        sra_pairs=sra_pairs, shared_vocab=shared_vocab,
+        same_tokenizer=same_tokenizer,
+        vocab_size=len(tokenizer),
+        fdd_pairs=fdd_pairs,
+        sra_pairs=sra_pairs,
+        shared_vocab=shared_vocab,
     )
 
     granularities = tuple(sorted({pair.granularity for pair in layer_pairs}))
     examples = {
         split: AnnotatedExamples(
-            annotations.table, student_pad_id=tokenizer.pad_token_id,
-            teacher_pad_id=teacher_tokenizer.pad_token_id, with_teacher=teacher_model is not None,
-            granularities=granularities, boundary=bool(recipe.loss.sra_weight),
+            annotations.table,
+            student_pad_id=tokenizer.pad_token_id,
+            teacher_pad_id=teacher_tokenizer.pad_token_id,
+            with_teacher=teacher_model is not None,
+            granularities=granularities,
+            boundary=bool(recipe.loss.sra_weight),
             rebuild=reannotate_command(annotations.manifest, annotations.directory),
-        ) if annotations is not None else None
+        )
+        if annotations is not None
+        else None
         for split, annotations in splits.items()
     }
 
@@ -191,7 +210,12 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] =
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
     model = DistillationModel(student, objective, fdd_final_norm=recipe.loss.fdd_final_norm)
     engine = engines.initialize(
-        model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size,
+        model,
+        model.projector_parameters(),
+        recipe.train,
+        recipe.deepspeed,
+        total_steps,
+        world_size,
         precision=precision,
     )
     sampled = None
@@ -201,44 +225,87 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] =
         )
         parser = SpanParser(settings, workers=SPAN_WORKERS if distributed.available_cores() > 1 else 0).start()
         sampled = OffPolicyBatches(
-            recipe, splits["train"].table, model=engine.module.student, tokenizer=tokenizer,
+            recipe,
+            splits["train"].table,
+            model=engine.module.student,
+            tokenizer=tokenizer,
             pad_ids={"student": tokenizer.pad_token_id, "teacher": teacher_tokenizer.pad_token_id},
-            with_teacher=teacher_model is not None, granularities=granularities, parser=parser,
+            with_teacher=teacher_model is not None,
+            granularities=granularities,
+            parser=parser,
             total_steps=total_steps,
         )
 
     teacher = None
     if teacher_model is not None:
-        lens = LogitLens(
-            teacher_model, final_norm=recipe.loss.fdd_final_norm or objective.fdd is None,
-            num_layers=num_layers(teacher_model),
-        ) if objective.fdd is not None or objective.sra_logits else None
-        teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens,
-                                attention_layers=objective.attention_layers["teacher"])
+        lens = (
+            LogitLens(
+                teacher_model,
+                final_norm=recipe.loss.fdd_final_norm or objective.fdd is None,
+                num_layers=num_layers(teacher_model),
+            )
+            if objective.fdd is not None or objective.sra_logits
+            else None
+        )
+        teacher = FrozenTeacher(
+            teacher_model,
+            objective.teacher_layers,
+            objective.needs_teacher_logits,
+            lens,
+            attention_layers=objective.attention_layers["teacher"],
+        )
         teacher = (
             engines.teacher_zero3_engine(teacher, recipe.train.micro_batch_size, world_size)
-            if recipe.train.teacher_zero3 else teacher.to(device)
+            if recipe.train.teacher_zero3
+            else teacher.to(device)
         )
 
     flops = StepFlops(engine.module, engine.module.student, teacher)
     messages = [precision.describe()] + _summary(
-        recipe, accumulation, world_size, schedule, total_steps, splits,
-        has_teacher=teacher_model is not None, same_tokenizer=same_tokenizer,
-        vocab_size=len(tokenizer), layer_pairs=layer_pairs, fdd_pairs=fdd_pairs,
+        recipe,
+        accumulation,
+        world_size,
+        schedule,
+        total_steps,
+        splits,
+        has_teacher=teacher_model is not None,
+        same_tokenizer=same_tokenizer,
+        vocab_size=len(tokenizer),
+        layer_pairs=layer_pairs,
+        fdd_pairs=fdd_pairs,
     )
     if resumed_with is not None:
         messages += resumed_with.log_lines()
     if recipe.student.lora is not None:
         adapters = lora.trainable_parameters(student)
-        messages.append(lora.describe(recipe.student.lora, adapters,
-                                      sum(p.numel() for p in student.parameters()) - adapters))
-    selector = Selector(recipe, output_dir, owner.run_id, dev_table=splits["dev"].table,
-                        tokenizer=tokenizer) if splits["dev"] is not None else None
+        messages.append(
+            lora.describe(recipe.student.lora, adapters, sum(p.numel() for p in student.parameters()) - adapters)
+        )
+    selector = (
+        Selector(recipe, output_dir, owner.run_id, dev_table=splits["dev"].table, tokenizer=tokenizer)
+        if splits["dev"] is not None
+        else None
+    )
     return Run(
-        recipe=recipe, output_dir=output_dir, run_id=owner.run_id, engine=engine, teacher=teacher,
-        tokenizer=tokenizer, train=examples["train"], dev=examples["dev"], schedule=schedule,
-        total_steps=total_steps, rank=rank, world_size=world_size, device=device, resume_from=resume_from,
-        off_policy=sampled, messages=messages, selector=selector, precision=precision, flops=flops,
+        recipe=recipe,
+        output_dir=output_dir,
+        run_id=owner.run_id,
+        engine=engine,
+        teacher=teacher,
+        tokenizer=tokenizer,
+        train=examples["train"],
+        dev=examples["dev"],
+        schedule=schedule,
+        total_steps=total_steps,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        resume_from=resume_from,
+        off_policy=sampled,
+        messages=messages,
+        selector=selector,
+        precision=precision,
+        flops=flops,
     )
 
 
@@ -260,10 +327,16 @@ class Trainer:
             # the length-grouped ones of micro_batch_order's default.
             group_factor = task_of(run.recipe).group_factor
             pools = {"group_factor": group_factor} if group_factor is not None else {}
-            self._orders = {epoch: micro_batch_order(
-                run.train.student_lengths, run.recipe.train.micro_batch_size,
-                seed=run.recipe.seed, epoch=epoch, paired=run.train.pair_ids is not None, **pools,
-            )}
+            self._orders = {
+                epoch: micro_batch_order(
+                    run.train.student_lengths,
+                    run.recipe.train.micro_batch_size,
+                    seed=run.recipe.seed,
+                    epoch=epoch,
+                    paired=run.train.pair_ids is not None,
+                    **pools,
+                )
+            }
         indices = run.schedule.micro_batch_indices(step_in_epoch, run.rank)
         for k, rows in enumerate(self._orders[epoch][index] for index in indices):
             gold = run.train.batch(rows)
@@ -303,7 +376,10 @@ class Trainer:
         self.run.engine.step()  # the window's last micro batch: the optimizer updates w
         self.stop_unless_finite_weights(step)
         count = self.run.schedule.accumulation
-        return {name: value / count for name, value in totals.items()} | {"tokens": tokens, "flops": self.run.flops.take()}
+        return {name: value / count for name, value in totals.items()} | {
+            "tokens": tokens,
+            "flops": self.run.flops.take(),
+        }
 
     def run_window(self, window: Iterable[TrainBatch], step: int) -> tuple[dict[str, float], int]:
         """Forward and backward of each micro batch, DeepSpeed accumulating the gradient (its step
@@ -436,7 +512,10 @@ class Trainer:
         metrics = MetricsLog(run.output_dir / "metrics.jsonl", resume_step=start if run.resume_from else None)
         # train.report_to: every record metrics.jsonl gets also goes to these (main process only).
         trackers = tracking.open_trackers(
-            recipe.train.report_to, run.output_dir, name=recipe.name, run_id=run.run_id,
+            recipe.train.report_to,
+            run.output_dir,
+            name=recipe.name,
+            run_id=run.run_id,
             resume_step=start if run.resume_from else None,
         )
         trackers.log_config(recipe.model_dump(mode="json"))
@@ -457,7 +536,9 @@ class Trainer:
                     run.off_policy.write_generated(run.output_dir, done)
                 if done % recipe.train.log_interval == 0 or done == run.total_steps:
                     record = window.record(
-                        done, lr=run.engine.get_lr()[0], sum_over_processes=_sum_over_processes,
+                        done,
+                        lr=run.engine.get_lr()[0],
+                        sum_over_processes=_sum_over_processes,
                         world_size=run.world_size,
                     )
                     if run.off_policy is not None:
@@ -515,15 +596,29 @@ def _shared_vocabulary(student_tokenizer, teacher_tokenizer, logit_weight: float
     return student_ids, teacher_ids
 
 
-def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
-             has_teacher, same_tokenizer, vocab_size, layer_pairs, fdd_pairs=()) -> list[str]:
+def _summary(
+    recipe,
+    accumulation,
+    world_size,
+    schedule,
+    total_steps,
+    splits,
+    *,
+    has_teacher,
+    same_tokenizer,
+    vocab_size,
+    layer_pairs,
+    fdd_pairs=(),
+) -> list[str]:
     """What a person should know before the first step: batch, data, tokenizer mode, layers."""
     lines = [
         f"global batch {recipe.train.batch_size} = {recipe.train.micro_batch_size} per device "
         f"× {accumulation} accumulation × {world_size} process(es); {total_steps} steps, "
         f"{schedule.steps_per_epoch} per epoch over {schedule.num_rows} rows",
     ]
-    lines += [_rows_note(split, annotations.manifest) for split, annotations in splits.items() if annotations is not None]
+    lines += [
+        _rows_note(split, annotations.manifest) for split, annotations in splits.items() if annotations is not None
+    ]
     if not has_teacher:
         lines.append("no teacher: plain SFT on the reference responses")
     elif same_tokenizer:
@@ -537,9 +632,10 @@ def _summary(recipe, accumulation, world_size, schedule, total_steps, splits, *,
             "each model pools spans on its own tokens, DSA on span geometry, HRA on span representations"
         )
     if layer_pairs:
-        lines.append("aligned layers (student→teacher): " + ", ".join(
-            f"{p.student}→{p.teacher} {p.granularity}" for p in layer_pairs
-        ))
+        lines.append(
+            "aligned layers (student→teacher): "
+            + ", ".join(f"{p.student}→{p.teacher} {p.granularity}" for p in layer_pairs)
+        )
     if fdd_pairs:
         lines.append(
             f"FDD through the logit lens at T={recipe.loss.fdd_temperature} on "
@@ -565,7 +661,10 @@ def _sum_over_processes(values: dict[str, float]) -> dict[str, float]:
 
 
 def run_distillation(
-    recipe: Recipe, resume: Optional[str] = None, reporter: Optional[Reporter] = None, *,
+    recipe: Recipe,
+    resume: Optional[str] = None,
+    reporter: Optional[Reporter] = None,
+    *,
     overwrite: bool = False,
 ) -> Path:
     """Train the recipe's student; returns the ``final/`` directory (Hugging Face format).

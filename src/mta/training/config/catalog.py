@@ -31,6 +31,7 @@ from mta.errors import MtaError
 from mta.files import atomic_write_bytes, atomic_write_text
 from mta.training.config.yaml_reader import load_yaml
 
+
 def _shipped_dir() -> Path:
     """``mta/recipes/`` inside an installed wheel, else the clone's top-level ``recipes/``."""
     package = Path(__file__).resolve().parents[2]  # .../mta
@@ -199,14 +200,16 @@ def plan_copy(name: str, dest: Path, directory: Path = SHIPPED_DIR) -> tuple[str
             continue  # an output, or a hub name: it means the same wherever the copy lands
         target = _landing(written)
         if not target:
-            raise MtaError(f"{recipe.path}: {'.'.join(key)}={written!r} names the recipe's own "
-                           f"directory; name a file or a directory inside it")
+            raise MtaError(
+                f"{recipe.path}: {'.'.join(key)}={written!r} names the recipe's own "
+                f"directory; name a file or a directory inside it"
+            )
         if landed.setdefault(target, source.resolve()) != source.resolve():
-            raise MtaError(f"{recipe.path}: two different files would both be copied to "
-                           f"{dest / target}; rename one of them")
+            raise MtaError(
+                f"{recipe.path}: two different files would both be copied to {dest / target}; rename one of them"
+            )
         for file in _files_under(source):
-            files.append((file, dest / target / file.relative_to(source) if source.is_dir()
-                          else dest / target))
+            files.append((file, dest / target / file.relative_to(source) if source.is_dir() else dest / target))
         if target != written:
             edits.append((node.start_mark.index, node.end_mark.index, _quoted_like(node, target)))
             rewritten[".".join(key)] = (written, target)
@@ -217,14 +220,14 @@ def plan_copy(name: str, dest: Path, directory: Path = SHIPPED_DIR) -> tuple[str
         parent_text, parent_plan = plan_copy(parent, dest, directory)
         shipped_parent = shipped_recipe(parent, directory).path
         if parent_text != shipped_parent.read_text(encoding="utf-8"):
-            raise MtaError(f"{shipped_parent}: a recipe that others extend must name its files "
-                           f"inside its own directory")
+            raise MtaError(
+                f"{shipped_parent}: a recipe that others extend must name its files inside its own directory"
+            )
         files += [(file.source, file.destination) for file in parent_plan.files]
         files.append((shipped_parent, parent_plan.recipe))
     unique = {destination: source for source, destination in files}
     copied = [
-        CopiedFile(source, destination,
-                   destination.is_file() and destination.read_bytes() == source.read_bytes())
+        CopiedFile(source, destination, destination.is_file() and destination.read_bytes() == source.read_bytes())
         for destination, source in sorted(unique.items())
     ]
     return text, RecipeCopy(dest / f"{recipe.name}.yaml", copied, rewritten)
@@ -241,9 +244,7 @@ def _extends(text: str, source: Path) -> str | None:
     return parent
 
 
-def copy_recipe(
-    name: str, dest: str | Path = ".", *, force: bool = False, directory: Path = SHIPPED_DIR
-) -> RecipeCopy:
+def copy_recipe(name: str, dest: str | Path = ".", *, force: bool = False, directory: Path = SHIPPED_DIR) -> RecipeCopy:
     """Copy the shipped recipe ``name`` to ``DEST/NAME.yaml`` with every file it names.
 
     Existing files are never overwritten without ``force`` (an identical one is left as it is);
@@ -251,8 +252,7 @@ def copy_recipe(
     """
     dest = Path(dest)
     text, plan = plan_copy(name, dest, directory)
-    clashes = [file.destination for file in plan.files
-               if file.destination.exists() and not file.unchanged]
+    clashes = [file.destination for file in plan.files if file.destination.exists() and not file.unchanged]
     if plan.recipe.exists() and plan.recipe.read_text(encoding="utf-8") != text:
         clashes.insert(0, plan.recipe)
     if clashes and not force:

@@ -106,9 +106,7 @@ def deepspeed_setting_names() -> Optional[frozenset[str]]:
     try:
         from deepspeed.runtime.config import DeepSpeedConfig
 
-        probe = _KeysLookedUp(
-            train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1
-        )
+        probe = _KeysLookedUp(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
         DeepSpeedConfig(probe, mpu=_OneDataParallelRank())
     except Exception as error:  # not installed, or its config reader changed shape
         log.warning("cannot list DeepSpeed's config keys (%s); deepspeed: keys are not checked", error)
@@ -137,7 +135,9 @@ def _deepspeed_version() -> str:
         return "?"
 
 
-def deepspeed_problem(settings: dict[str, Any], recipe_keys: Iterable[str] = ()) -> Optional[tuple[tuple[Any, ...], str]]:
+def deepspeed_problem(
+    settings: dict[str, Any], recipe_keys: Iterable[str] = ()
+) -> Optional[tuple[tuple[Any, ...], str]]:
     """The first problem in the ``deepspeed:`` mapping as ``(path inside it, message)``;
     ``recipe_keys`` (the ``train:`` keys) are suggested for a misplaced recipe setting."""
     known = deepspeed_setting_names() if settings else None
@@ -175,15 +175,13 @@ def _owned_message(key: str) -> str:
 
 def _owned_keys_in(section: str) -> str:
     return ", ".join(
-        recipe_key for key, recipe_key in DEEPSPEED_KEYS_OWNED_BY_RECIPE.items()
-        if key.startswith(section + ".")
+        recipe_key for key, recipe_key in DEEPSPEED_KEYS_OWNED_BY_RECIPE.items() if key.startswith(section + ".")
     )
 
 
 def _unknown_deepspeed_key(key: str, known: frozenset[str], recipe_keys: Iterable[str]) -> str:
     message = (
-        f"not a setting DeepSpeed {_deepspeed_version()} reads (it ignores unknown keys, so this "
-        "would have no effect)"
+        f"not a setting DeepSpeed {_deepspeed_version()} reads (it ignores unknown keys, so this would have no effect)"
     )
     match = close_match(key, sorted(known))
     recipe_key = close_match(key, recipe_keys)

@@ -45,8 +45,7 @@ def read_recipe_file(path: Path) -> tuple[str, dict[str, Any]]:
         size = path.stat().st_size
         if size > MAX_RECIPE_BYTES:
             raise MtaError(
-                f"{path}: {size:,} bytes is not a recipe (a recipe is a few KB; the limit is "
-                f"{MAX_RECIPE_BYTES:,})"
+                f"{path}: {size:,} bytes is not a recipe (a recipe is a few KB; the limit is {MAX_RECIPE_BYTES:,})"
             )
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as error:
@@ -71,16 +70,20 @@ def recipe_chain(path: Path) -> list[RecipeFile]:
         if parent is None:
             return chain
         if not isinstance(parent, str) or not parent.strip():
-            raise MtaError(f"{path}: {EXTENDS}: names one recipe (a file beside it or a shipped "
-                           f"recipe's name), got {parent!r}")
+            raise MtaError(
+                f"{path}: {EXTENDS}: names one recipe (a file beside it or a shipped recipe's name), got {parent!r}"
+            )
         path = parent_path(parent, path)
         if path.resolve() in seen:
             cycle = " -> ".join(p.name for p in [*seen, path.resolve()])
-            raise MtaError(f"{chain[-1].path}: {EXTENDS}: {parent} makes a cycle ({cycle}); a recipe "
-                           f"cannot extend itself")
+            raise MtaError(
+                f"{chain[-1].path}: {EXTENDS}: {parent} makes a cycle ({cycle}); a recipe cannot extend itself"
+            )
         if len(seen) >= MAX_DEPTH:
-            raise MtaError(f"{chain[0].path}: more than {MAX_DEPTH} recipes extend each other; "
-                           f"write the shared part into fewer files")
+            raise MtaError(
+                f"{chain[0].path}: more than {MAX_DEPTH} recipes extend each other; "
+                f"write the shared part into fewer files"
+            )
 
 
 def parent_path(written: str, child: Path) -> Path:
@@ -132,8 +135,14 @@ def _inputs_beside(raw: dict[str, Any], directory: Path) -> dict[str, Any]:
         if not isinstance(node, dict):
             continue
         written = node.get(key[-1])
-        if (isinstance(written, str) and written and not os.path.isabs(written)
-                and "$" not in written and not written.startswith("~") and (directory / written).exists()):
+        if (
+            isinstance(written, str)
+            and written
+            and not os.path.isabs(written)
+            and "$" not in written
+            and not written.startswith("~")
+            and (directory / written).exists()
+        ):
             node[key[-1]] = str((directory / written).resolve())
     return raw
 

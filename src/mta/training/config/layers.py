@@ -11,7 +11,15 @@ from typing import Literal, Sequence, Union
 from mta.errors import MtaError
 from mta.training.config.schema import LayerIndexPair, LayerPair
 
-__all__ = ["LayerIndexPair", "LayerPair", "auto_fdd_layers", "auto_layer_map", "resolve_fdd_layers", "resolve_layer_map", "resolve_sra_layers"]
+__all__ = [
+    "LayerIndexPair",
+    "LayerPair",
+    "auto_fdd_layers",
+    "auto_layer_map",
+    "resolve_fdd_layers",
+    "resolve_layer_map",
+    "resolve_sra_layers",
+]
 
 
 def auto_layer_map(student_layers: int, teacher_layers: int) -> list[LayerPair]:
@@ -50,9 +58,7 @@ def auto_fdd_layers(student_layers: int, teacher_layers: int) -> list[LayerIndex
     4, 6, 8 of 12, the published GPT-2 pairs), each with the teacher layer at the same depth
     (16, 24, 32 of 48). Repeats (a shallow student) are dropped, layer 0 never used."""
     if student_layers < 1 or teacher_layers < 1:
-        raise MtaError(
-            f"FDD needs models with at least one layer (student {student_layers}, teacher {teacher_layers})"
-        )
+        raise MtaError(f"FDD needs models with at least one layer (student {student_layers}, teacher {teacher_layers})")
     pairs: list[LayerIndexPair] = []
     for numerator, denominator in ((1, 3), (1, 2), (2, 3)):
         student = max(1, _round_half_up(numerator * student_layers, denominator))
@@ -117,8 +123,7 @@ def _checked_pairs(pairs, key_name: str, student_layers: int, teacher_layers: in
                 )
         if pair in resolved:
             raise MtaError(
-                f"{key}: the pair [{', '.join(str(v) for v in pair.model_dump().values())}] is listed "
-                f"twice; remove one"
+                f"{key}: the pair [{', '.join(str(v) for v in pair.model_dump().values())}] is listed twice; remove one"
             )
         resolved.append(pair)
     return resolved

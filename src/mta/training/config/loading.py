@@ -54,8 +54,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         return schema.model_validate(raw)
     except ValidationError as error:
         locations = key_locations(chain, _key_lines)
-        raise MtaError(_format_validation_error(str(path), error, "", overridden, raw, locations,
-                                                schema=schema)) from error
+        raise MtaError(
+            _format_validation_error(str(path), error, "", overridden, raw, locations, schema=schema)
+        ) from error
 
 
 def recipe_to_yaml(recipe: RecipeChecks) -> str:
@@ -144,9 +145,13 @@ def _file_path(item: dict[str, Any], raw: Any) -> tuple[Any, ...]:
             node = node[part]
         elif isinstance(node, list) and type(part) is int and 0 <= part < len(node):
             node = node[part]
-        elif (isinstance(part, str) and part.isidentifier()) or type(part) is int or (
-            # The key an unknown-key error is about is always a key of the file.
-            position == len(loc) - 1 and item["type"] in ("extra_forbidden", "invalid_key")
+        elif (
+            (isinstance(part, str) and part.isidentifier())
+            or type(part) is int
+            or (
+                # The key an unknown-key error is about is always a key of the file.
+                position == len(loc) - 1 and item["type"] in ("extra_forbidden", "invalid_key")
+            )
         ):
             node = None  # a schema key the file does not have (a missing key)
         else:
@@ -158,6 +163,7 @@ def _file_path(item: dict[str, Any], raw: Any) -> tuple[Any, ...]:
 def _key_text(path: tuple[Any, ...]) -> str:
     """``train.lr``; a key that is not a plain name is quoted (``'train lr'``) or spelt as YAML
     (``null``, ``true``), so the reader sees exactly what the file says."""
+
     def part_text(part: Any) -> str:
         if part is None or isinstance(part, bool):
             return yaml_text(part)
@@ -177,8 +183,10 @@ def _unknown_key(path: tuple[Any, ...], root: type[BaseModel] | None = None) -> 
     other_task = _other_task_with_key(path, root or Recipe)
     if other_task:
         this_task = next(task for task, schema in _task_schemas().items() if schema is (root or Recipe))
-        return (f"unknown key in a task: {this_task} recipe: {key} is a key of task: {other_task} recipes "
-                f"(allowed here: {allowed})")
+        return (
+            f"unknown key in a task: {this_task} recipe: {key} is a key of task: {other_task} recipes "
+            f"(allowed here: {allowed})"
+        )
     match = close_match(key, model.model_fields)
     if match:
         return f"unknown key: did you mean {match}? (allowed here: {allowed})"
@@ -195,8 +203,10 @@ def _other_task_with_key(path: tuple[Any, ...], root: type[BaseModel]) -> str | 
         if schema is root:
             continue
         model = _section_model(path[:-1], schema)
-        if model is not None and str(path[-1]) in model.model_fields and (
-            len(path) == 1 or str(path[0]) in schema.model_fields
+        if (
+            model is not None
+            and str(path[-1]) in model.model_fields
+            and (len(path) == 1 or str(path[0]) in schema.model_fields)
         ):
             return task
     return None
@@ -229,9 +239,7 @@ def _describe(item: dict[str, Any], path: tuple[Any, ...], root: type[BaseModel]
         return f"a key must be a name (got {given!r}); quote it if it is one"
     if kind == "literal_error":
         hint = _field_description(path, root)
-        return f"{given!r} is not allowed; use one of {item['ctx']['expected']}" + (
-            f" ({hint})" if hint else ""
-        )
+        return f"{given!r} is not allowed; use one of {item['ctx']['expected']}" + (f" ({hint})" if hint else "")
     if kind == "missing":
         return "required key is missing"
     if kind == "finite_number":
@@ -243,8 +251,13 @@ def _describe(item: dict[str, Any], path: tuple[Any, ...], root: type[BaseModel]
 
 
 def _format_validation_error(
-    source: str, error: ValidationError, text: str = "", overridden: dict[str, str] | None = None,
-    raw: Any = None, locations: dict[tuple[Any, ...], str] | None = None, *,
+    source: str,
+    error: ValidationError,
+    text: str = "",
+    overridden: dict[str, str] | None = None,
+    raw: Any = None,
+    locations: dict[tuple[Any, ...], str] | None = None,
+    *,
     schema: type[BaseModel] | None = None,
 ) -> str:
     """One line per problem: ``line N: key: what is wrong and what is allowed``.
@@ -264,8 +277,11 @@ def _format_validation_error(
         key = _key_text(path)
         parts = tuple(str(part) for part in path)
         origin = next(
-            (f" (from override {override!r})" for name, override in overridden.items()
-             if _override_covers(tuple(name.split(".")), parts)),
+            (
+                f" (from override {override!r})"
+                for name, override in overridden.items()
+                if _override_covers(tuple(name.split(".")), parts)
+            ),
             "",
         )
         location = next(

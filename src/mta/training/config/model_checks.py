@@ -31,8 +31,13 @@ def position_limit(config: Any) -> Optional[tuple[int, str]]:
 
 
 def check_sequence_lengths(
-    data: DataSpec, config: Any, role: str, *, model: Optional[str] = None,
-    sample_new_tokens: int = 0, source: Optional[str] = None,
+    data: DataSpec,
+    config: Any,
+    role: str,
+    *,
+    model: Optional[str] = None,
+    sample_new_tokens: int = 0,
+    source: Optional[str] = None,
 ) -> None:
     """Refuse ``data.max_length`` beyond the positions ``config`` (the ``role`` model's) has.
 

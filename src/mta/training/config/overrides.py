@@ -20,9 +20,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         key, sep, text = override.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise MtaError(
-                f"override {override!r} is not of the form key.path=value (e.g. train.lr=5e-5)"
-            )
+            raise MtaError(f"override {override!r} is not of the form key.path=value (e.g. train.lr=5e-5)")
         value = load_yaml(text, f"override {override!r}")
         node: Any = raw
         for depth, part in enumerate(parts):
@@ -36,9 +34,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
                     )
                 part = int(part)
             elif not isinstance(node, dict):
-                raise MtaError(
-                    f"override {override!r}: {'.'.join(parts[:depth])} is a value, not a mapping"
-                )
+                raise MtaError(f"override {override!r}: {'.'.join(parts[:depth])} is a value, not a mapping")
             if last:
                 node[part] = value
             else:

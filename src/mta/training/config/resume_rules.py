@@ -75,13 +75,11 @@ MUTABLE_KEYS: dict[str, str] = {
     "teacher.config": "read by --dry-run only",
     "loss.chunk_size": "memory only: the same loss, summed in other chunks",
     "train.teacher_zero3": (
-        "how the frozen teacher's weights are spread over the devices; the teacher is not in the "
-        "checkpoint"
+        "how the frozen teacher's weights are spread over the devices; the teacher is not in the checkpoint"
     ),
     "train.lr": "the student's base learning rate from the resumed step on; the schedule multiplier is unchanged",
     "train.projector_lr": (
-        "the HRA projectors' base learning rate from the resumed step on; the schedule multiplier "
-        "is unchanged"
+        "the HRA projectors' base learning rate from the resumed step on; the schedule multiplier is unchanged"
     ),
     "train.max_steps": LR_RULE,
     "train.epochs": LR_RULE,
@@ -92,8 +90,7 @@ MUTABLE_KEYS: dict[str, str] = {
     "train.num_sample_generations": "dev samples only",
     "train.sample_max_new_tokens": "dev samples only",
     "train.save_generated": (
-        "whether the rows the student generates are also written to generated/, from the "
-        "resumed step on"
+        "whether the rows the student generates are also written to generated/, from the resumed step on"
     ),
     "train.report_to": (
         "which experiment trackers get the records from the resumed step on; one the run "
@@ -200,7 +197,8 @@ def check_resume_length(step: int, total_steps: int, recipe: Recipe, checkpoint:
     if step <= total_steps:
         return
     length = (
-        f"train.max_steps={recipe.train.max_steps}" if recipe.train.max_steps is not None
+        f"train.max_steps={recipe.train.max_steps}"
+        if recipe.train.max_steps is not None
         else f"train.epochs={recipe.train.epochs:g}"
     )
     raise MtaError(
@@ -234,8 +232,7 @@ def _fill_defaults(model: type[BaseModel], data: dict[str, Any]) -> dict[str, An
         elif not info.is_required():
             default = info.get_default(call_default_factory=True)
             filled[name] = (
-                default.model_dump(mode="json") if isinstance(default, BaseModel)
-                else to_jsonable_python(default)
+                default.model_dump(mode="json") if isinstance(default, BaseModel) else to_jsonable_python(default)
             )
     return filled
 
@@ -244,7 +241,8 @@ def _differences(old: Any, new: Any, path: tuple[str, ...]) -> list[Change]:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = list(new) + [key for key in old if key not in new]
         return [
-            change for key in keys
+            change
+            for key in keys
             for change in _differences(old.get(key, ABSENT), new.get(key, ABSENT), path + (str(key),))
         ]
     return [] if _same(old, new) else [Change(".".join(path), old, new)]
@@ -258,9 +256,7 @@ def _same(old: Any, new: Any) -> bool:
         return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
     if isinstance(old, dict) and isinstance(new, dict):
         return old.keys() == new.keys() and all(_same(old[key], new[key]) for key in old)
-    if type(old) is not type(new) and not (
-        isinstance(old, (int, float)) and isinstance(new, (int, float))
-    ):
+    if type(old) is not type(new) and not (isinstance(old, (int, float)) and isinstance(new, (int, float))):
         return False
     return old == new
 

@@ -77,7 +77,8 @@ class LoraSpec(Strict):
     alpha: float = Field(64.0, gt=0, description="LoRA's alpha: the update is scaled by alpha / r")
     dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the adapters' input")
     target_modules: Optional[Union[Literal["all-linear"], list[str]]] = Field(
-        None, description="the layers adapted, by the last part of their name (q_proj, v_proj); "
+        None,
+        description="the layers adapted, by the last part of their name (q_proj, v_proj); "
         "all-linear: every linear layer but the output head; null: peft's default for the "
         "architecture (q_proj, v_proj for OPT / Llama / Qwen; c_attn for GPT-2)",
     )
@@ -99,8 +100,8 @@ class ModelSpec(Strict):
     )
     tiny: Optional[TinyModel] = None
     lora: Optional[LoraSpec] = Field(
-        None, description="student only: train LoRA adapters {r, alpha, dropout, target_modules}; "
-        "null: full fine-tuning"
+        None,
+        description="student only: train LoRA adapters {r, alpha, dropout, target_modules}; null: full fine-tuning",
     )
 
     @property
@@ -118,9 +119,10 @@ class DataSpec(Strict):
     max_prompt_length: int = Field(128, ge=1)
     word_spans: Literal["phrase", "all"] = "phrase"
     span_rule: Literal["paper", "reference"] = Field(
-        "paper", description="token membership and word spans: paper (docs/method.md §1) or "
+        "paper",
+        description="token membership and word spans: paper (docs/method.md §1) or "
         "reference (the authors' code: a token is in [a, b) when start + 1 >= a and end <= b; a "
-        "word runs to the start of the next one); an artefact must be built with the same rule"
+        "word runs to the start of the next one); an artefact must be built with the same rule",
     )
     spacy_model: str = "en_core_web_sm"
     truncate_prompt: bool = False
@@ -168,9 +170,7 @@ class LayerPair(Strict):
         # YAML is friendlier as [student, teacher, granularity] triples.
         if isinstance(value, (list, tuple)):
             if len(value) != 3:
-                raise ValueError(
-                    f"write a layer pair as [student, teacher, word|phrase], got {list(value)}"
-                )
+                raise ValueError(f"write a layer pair as [student, teacher, word|phrase], got {list(value)}")
             return dict(zip(("student", "teacher", "granularity"), value))
         return value
 
@@ -221,41 +221,49 @@ class LossSpec(Strict):
     hra_weight: float = Field(0.2, ge=0)
     layers: LayerMap = Field(
         "auto",
-        description="`auto` (the docs/method.md §4 rule) or a list of "
-        "[student, teacher, word|phrase] triples",
+        description="`auto` (the docs/method.md §4 rule) or a list of [student, teacher, word|phrase] triples",
     )
     importance: Literal["attention", "uniform"] = "attention"
     reference_code: bool = Field(
-        False, description="compute MTA as the authors' code does instead of the formulas "
+        False,
+        description="compute MTA as the authors' code does instead of the formulas "
         "(docs/method.md §8): importance over every row of a batch padded to data.max_length, DSA "
         "over all pairs of the batch, HRA counting a token once per span; with importance=uniform "
-        "their uniform-weights ablation (importance pooling kept, pair and token weights uniform)"
+        "their uniform-weights ablation (importance pooling kept, pair and token weights uniform)",
     )
     chunk_size: int = Field(128, ge=1, description="sequence positions per logit-loss chunk")
     distillm2_beta: float = Field(
-        1.0, ge=0, le=2, description="loss.base=distillm2: (2 − β)·skew KL on the teacher's responses + "
-        "β·skew reverse KL on the student's"
+        1.0,
+        ge=0,
+        le=2,
+        description="loss.base=distillm2: (2 − β)·skew KL on the teacher's responses + "
+        "β·skew reverse KL on the student's",
     )
     fdd_weight: float = Field(0.0, ge=0, description="feature dynamics distillation (FDD); 0: off")
     fdd_layers: IndexPairMap = Field(
-        "auto", description="[student, teacher] pairs read through the logit lens; auto: student layers "
-        "L/3, L/2, 2L/3 (4, 6, 8 of 12) and the teacher layers at the same depth"
+        "auto",
+        description="[student, teacher] pairs read through the logit lens; auto: student layers "
+        "L/3, L/2, 2L/3 (4, 6, 8 of 12) and the teacher layers at the same depth",
     )
-    fdd_temperature: float = Field(2.0, gt=0, description="FDD's softmax temperature (the authors: 5.0 "
-                                   "with FDD alone, 2.0 with FDD + MTA)")
-    fdd_final_norm: bool = Field(False, description="apply the final norm before the LM head (the "
-                                 "authors: no, raw hidden states)")
+    fdd_temperature: float = Field(
+        2.0, gt=0, description="FDD's softmax temperature (the authors: 5.0 with FDD alone, 2.0 with FDD + MTA)"
+    )
+    fdd_final_norm: bool = Field(
+        False, description="apply the final norm before the LM head (the authors: no, raw hidden states)"
+    )
     fdd_tokens: Literal["response", "all"] = Field(
         "all", description="the positions FDD compares: all real tokens (the authors') or the response's"
     )
-    sra_weight: float = Field(0.0, ge=0, description="SRA (span representation alignment on the spans "
-                              "both tokenizers agree on); 0: off")
+    sra_weight: float = Field(
+        0.0, ge=0, description="SRA (span representation alignment on the spans both tokenizers agree on); 0: off"
+    )
     sra_layers: Union[Literal["last"], list[LayerIndexPair]] = Field(
         "last", description="[student, teacher] pairs whose span centres align; last: each model's last layer"
     )
     sra_centre: Literal["last_token_attention", "importance"] = Field(
-        "last_token_attention", description="span centre weights: the attention row of the last real token "
-        "(the public port's; runs attention eagerly) or docs/method.md §2 importance"
+        "last_token_attention",
+        description="span centre weights: the attention row of the last real token "
+        "(the public port's; runs attention eagerly) or docs/method.md §2 importance",
     )
     sra_scope: Literal["response", "all"] = Field("response", description="the spans SRA aligns")
     sra_geometry_weight: float = Field(50.0, ge=0, description="SRA's span-geometry term (the port's 50)")
@@ -273,11 +281,16 @@ class AsamSpec(Strict):
     step's gradient is taken at w + ε, ε = ρ·T_w²·g / ‖T_w·g‖ with T_w = |w| + η, and applied to w."""
 
     rho: float = Field(0.05, gt=0, description="the radius ρ (TALAS's author: 0.05; Kwon et al.: 0.5)")
-    eta: float = Field(0.0, ge=0, description="η in T_w = |w| + η (TALAS's author: 0, pytorch_optimizer's "
-                       "SAM(adaptive=True); the paper and Kwon et al.: 0.01)")
+    eta: float = Field(
+        0.0,
+        ge=0,
+        description="η in T_w = |w| + η (TALAS's author: 0, pytorch_optimizer's "
+        "SAM(adaptive=True); the paper and Kwon et al.: 0.01)",
+    )
     scope: Literal["all", "weights"] = Field(
-        "all", description="the parameters T_w applies to: all (TALAS's author) or those whose name ends "
-        "in 'weight' (Kwon et al.'s code); the others are perturbed as in SAM (T_w = 1)"
+        "all",
+        description="the parameters T_w applies to: all (TALAS's author) or those whose name ends "
+        "in 'weight' (Kwon et al.'s code); the others are perturbed as in SAM (T_w = 1)",
     )
 
 
@@ -295,7 +308,8 @@ class TrainSpec(Strict):
     max_steps: Optional[int] = Field(None, ge=1)
     grad_clip: float = Field(1.0, ge=0)
     precision: TrainPrecision = Field(
-        "fp32", description="auto: bf16 on a GPU with bf16 or a CPU with bf16 instructions, else fp32; "
+        "fp32",
+        description="auto: bf16 on a GPU with bf16 or a CPU with bf16 instructions, else fp32; "
         "bf16 on a CPU is autocast over fp32 weights; fp16 needs a GPU",
     )
     zero_stage: Literal[0, 1, 2, 3] = 1
@@ -307,16 +321,18 @@ class TrainSpec(Strict):
     num_sample_generations: int = Field(2, ge=0, le=8)
     sample_max_new_tokens: int = Field(48, ge=1)
     select_by: Literal["loss", "rouge"] = Field(
-        "loss", description="what OUT/best/ keeps (mta.training.lifecycle.selection): the lowest dev loss, or the "
-        "highest dev ROUGE-L of sampled responses (the published numbers' selection), at each eval_interval"
+        "loss",
+        description="what OUT/best/ keeps (mta.training.lifecycle.selection): the lowest dev loss, or the "
+        "highest dev ROUGE-L of sampled responses (the published numbers' selection), at each eval_interval",
     )
     select_rows: int = Field(500, ge=1, description="select_by=rouge: the first dev rows sampled, one seed")
     save_generated: bool = Field(
         False, description="also write the rows the student generates for training to OUT/generated/"
     )
     asam: Optional[AsamSpec] = Field(
-        None, description="sharpness-aware steps {rho, eta, scope} (mta.training.asam): two forward and "
-        "backward passes of each accumulation window; null: off"
+        None,
+        description="sharpness-aware steps {rho, eta, scope} (mta.training.asam): two forward and "
+        "backward passes of each accumulation window; null: off",
     )
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
@@ -340,8 +356,7 @@ class TrainSpec(Strict):
             raise ValueError("give exactly one of train.epochs and train.max_steps")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
-                f"batch_size {self.batch_size} is not a multiple of micro_batch_size "
-                f"{self.micro_batch_size}"
+                f"batch_size {self.batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}"
             )
         return self
 
@@ -386,12 +401,8 @@ class GenerationSpec(Strict):
         "off-policy sampling with a replay buffer; always: every micro batch generated (on-policy)",
     )
     init_threshold: float = Field(0.0, ge=0, le=1, description="the threshold τ at step 0")
-    threshold_step: float = Field(
-        0.1, gt=0, le=1, description="what τ grows by when the dev loss rises by loss_eps"
-    )
-    loss_eps: float = Field(
-        0.1, ge=0, description="the dev-loss rise (over the last reference) that raises τ"
-    )
+    threshold_step: float = Field(0.1, gt=0, le=1, description="what τ grows by when the dev loss rises by loss_eps")
+    loss_eps: float = Field(0.1, ge=0, description="the dev-loss rise (over the last reference) that raises τ")
     schedule: GenerationSchedule = Field(
         "decreasing",
         description="the share of τ that generates fresh rows: τ·(1 − t/T), τ/2 or τ·t/T",
@@ -401,8 +412,10 @@ class GenerationSpec(Strict):
         None, ge=1, description="tokens generated per response; null: data.max_length - data.max_prompt_length"
     )
     dev_rows: Optional[int] = Field(
-        None, ge=1, description="dev rows the threshold's cross-entropy is measured on (the first ones); "
-        "null: the whole dev split (DistiLLM's scripts: --dev-num 1000)"
+        None,
+        ge=1,
+        description="dev rows the threshold's cross-entropy is measured on (the first ones); "
+        "null: the whole dev split (DistiLLM's scripts: --dev-num 1000)",
     )
 
     @field_validator("mode", mode="before")
@@ -413,8 +426,7 @@ class GenerationSpec(Strict):
             return "off"
         if value is True:
             raise ValueError(
-                "YAML reads on / yes / true as true, which is not a mode; use one of 'off', "
-                "'adaptive' or 'always'"
+                "YAML reads on / yes / true as true, which is not a mode; use one of 'off', 'adaptive' or 'always'"
             )
         return value
 
@@ -438,7 +450,9 @@ class RecipeChecks(Strict):
         # weights; a 16-bit student trained in another precision would lose them silently.
         dtype, precision = self.student.dtype, self.train.precision
         if dtype not in ("fp32", precision):
-            fix = "use student.dtype=fp32" if precision in ("fp32", "auto") else f"use student.dtype=fp32 or {precision}"
+            fix = (
+                "use student.dtype=fp32" if precision in ("fp32", "auto") else f"use student.dtype=fp32 or {precision}"
+            )
             raise ValueError(
                 f"student.dtype={dtype} cannot train with train.precision={precision}; "
                 f"{fix}, or train.precision={dtype}"
@@ -481,8 +495,9 @@ class Recipe(RecipeChecks):
     seed: int = 42
     output_dir: str
     task: Literal["llm", "embedding"] = Field(
-        "llm", description="llm: distil a causal LM (this schema); embedding: a sentence-embedding "
-        "encoder, TALAS (EmbeddingRecipe)"
+        "llm",
+        description="llm: distil a causal LM (this schema); embedding: a sentence-embedding "
+        "encoder, TALAS (EmbeddingRecipe)",
     )
     teacher: Optional[ModelSpec] = Field(None, description="null: plain SFT, no teacher loaded")
     student: ModelSpec
@@ -512,8 +527,12 @@ class Recipe(RecipeChecks):
             raise ValueError("loss.fdd_weight must be 0 without a teacher (FDD follows the teacher's layers)")
         if self.teacher is None and self.loss.sra_weight:
             raise ValueError("loss.sra_weight must be 0 without a teacher")
-        if not self.loss.base_weight and not self.loss.alignment_terms and not self.loss.fdd_weight \
-                and not self.loss.sra_weight:
+        if (
+            not self.loss.base_weight
+            and not self.loss.alignment_terms
+            and not self.loss.fdd_weight
+            and not self.loss.sra_weight
+        ):
             raise ValueError(
                 "loss.base_weight, loss.dsa_weight, loss.hra_weight and loss.fdd_weight are all 0: nothing to train"
             )
@@ -525,15 +544,21 @@ class Recipe(RecipeChecks):
             return self
         problem = None
         if self.train.micro_batch_size % 2:
-            problem = ("train", "micro_batch_size"), (
-                f"loss.base=distillm2 trains on pairs (the teacher's and the student's response to one "
-                f"prompt), two rows of one micro batch: use an even train.micro_batch_size, not "
-                f"{self.train.micro_batch_size}"
+            problem = (
+                ("train", "micro_batch_size"),
+                (
+                    f"loss.base=distillm2 trains on pairs (the teacher's and the student's response to one "
+                    f"prompt), two rows of one micro batch: use an even train.micro_batch_size, not "
+                    f"{self.train.micro_batch_size}"
+                ),
             )
         elif self.generation.mode != "off":
-            problem = ("generation", "mode"), (
-                "loss.base=distillm2 trains on the pairs `mta generate` wrote (each round: generate, "
-                "annotate, distill); it does not sample during training: use generation.mode=off"
+            problem = (
+                ("generation", "mode"),
+                (
+                    "loss.base=distillm2 trains on the pairs `mta generate` wrote (each round: generate, "
+                    "annotate, distill); it does not sample during training: use generation.mode=off"
+                ),
             )
         if problem is not None:
             within, message = problem
@@ -543,19 +568,29 @@ class Recipe(RecipeChecks):
     @model_validator(mode="after")
     def _rouge_needs_dev_rows(self) -> "Recipe":
         if self.train.select_by == "rouge" and self.data.dev is None:
-            raise PydanticCustomError("selection_setting", "{message}", {
-                "message": "select_by=rouge samples responses to dev prompts: set data.dev (e.g. "
-                "dolly/dev.jsonl; never the test set), or select_by=loss", "within": ("train", "select_by"),
-            })
+            raise PydanticCustomError(
+                "selection_setting",
+                "{message}",
+                {
+                    "message": "select_by=rouge samples responses to dev prompts: set data.dev (e.g. "
+                    "dolly/dev.jsonl; never the test set), or select_by=loss",
+                    "within": ("train", "select_by"),
+                },
+            )
         return self
 
     @model_validator(mode="after")
     def _lora_on_the_student(self) -> "Recipe":
         if self.teacher is not None and self.teacher.lora is not None:
-            raise PydanticCustomError("lora_setting", "{message}", {
-                "message": "LoRA trains the student; the teacher is frozen: remove teacher.lora (a LoRA-tuned "
-                "teacher is given as its merged model directory)", "within": ("teacher", "lora"),
-            })
+            raise PydanticCustomError(
+                "lora_setting",
+                "{message}",
+                {
+                    "message": "LoRA trains the student; the teacher is frozen: remove teacher.lora (a LoRA-tuned "
+                    "teacher is given as its merged model directory)",
+                    "within": ("teacher", "lora"),
+                },
+            )
         return self
 
     @model_validator(mode="after")
@@ -582,6 +617,7 @@ class Recipe(RecipeChecks):
         if self.generation.max_new_tokens is not None:
             return self.generation.max_new_tokens
         return self.data.max_length - self.data.max_prompt_length
+
 
 # --- student-generated responses -----------------------------------------------------------
 

@@ -140,6 +140,7 @@ def resolve_resume(resume: Optional[str], output_dir: Path) -> Optional[Path]:
 
 # --------------------------------------------------------------------------- verification
 
+
 def _read_state(path: Path) -> TrainerState:
     """``path``'s ``trainer_state.json``; MtaError naming the file when it is not a valid one."""
     state_file = path / STATE_FILE
@@ -162,8 +163,12 @@ def _read_state(path: Path) -> TrainerState:
         state = TrainerState(**raw)
     except TypeError as error:
         raise MtaError(f"{state_file} lacks a required key ({error})") from error
-    if not (isinstance(state.step, int) and isinstance(state.total_steps, int)
-            and isinstance(state.rng, list) and isinstance(state.run_id, str)):
+    if not (
+        isinstance(state.step, int)
+        and isinstance(state.total_steps, int)
+        and isinstance(state.rng, list)
+        and isinstance(state.run_id, str)
+    ):
         raise MtaError(f"{state_file}: step/total_steps must be integers, rng a list, run_id a string")
     return state
 
@@ -181,8 +186,11 @@ def _problem(path: Path) -> tuple[Optional[str], bool]:
     if listed:
         changes = checksum_differences(path, recorded)
         if changes:
-            return (f"{path} is not the checkpoint that was written: " + "; ".join(changes)
-                    + f" (compared with its {CHECKSUMS})"), listed
+            return (
+                f"{path} is not the checkpoint that was written: "
+                + "; ".join(changes)
+                + f" (compared with its {CHECKSUMS})"
+            ), listed
     # Without a list (older mta) these are the only checks; with one they catch nothing new
     # but a state file written by other software with the list rewritten to match.
     state_dir = path / DEEPSPEED_DIR / DEEPSPEED_TAG
@@ -208,8 +216,10 @@ def _offer(path: Path) -> str:
             continue
         if _problem(other)[0] is None:
             return f"Resume from the previous complete checkpoint instead: --resume {other}"
-    return (f"No other checkpoint under {root} passes these checks: start over with --overwrite, "
-            "or resume from a copy you trust")
+    return (
+        f"No other checkpoint under {root} passes these checks: start over with --overwrite, "
+        "or resume from a copy you trust"
+    )
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -217,16 +227,20 @@ def verify_checkpoint(path: Path) -> None:
     are not the ones written, or that cannot be resumed; warn when it has no checksum list."""
     problem, listed = _problem(Path(path))
     if problem is not None:
-        raise MtaError(f"{problem}; the checkpoint was not loaded (nothing of it was read into the run). "
-                       f"{_offer(Path(path))}")
+        raise MtaError(
+            f"{problem}; the checkpoint was not loaded (nothing of it was read into the run). {_offer(Path(path))}"
+        )
     if not listed:
         log.warning(
             "%s has no %s (written by an older mta): its files could not be verified; resuming "
-            "from it after structural checks only", path, CHECKSUMS,
+            "from it after structural checks only",
+            path,
+            CHECKSUMS,
         )
 
 
 # --------------------------------------------------------------------------- saving
+
 
 def student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
     """The student's full state dict (on rank 0; under ZeRO-3 None elsewhere). Every rank calls."""
@@ -235,12 +249,13 @@ def student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
         # so a model larger than one device still exports.
         state = engine._zero3_consolidated_16bit_state_dict()
         prefix = "student."
-        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if state else None
+        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)} if state else None
     return engine.module.student.state_dict()
 
 
-def export_student(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path,
-               *, adapter: bool = False) -> None:
+def export_student(
+    engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path, *, adapter: bool = False
+) -> None:
     """The student in Hugging Face format (+ tokenizer, recipe, versions) into ``directory``.
 
     Under ZeRO-3 the shards are gathered first; every rank must call this. A LoRA student is
@@ -302,15 +317,19 @@ def _run_id_of(path: Path) -> Optional[str]:
 def _prune(root: Path, state: TrainerState, keep: int) -> None:
     """Remove this run's checkpoints older than ``state.step`` beyond the newest ``keep`` (the
     one just written counts). Another run's, or one whose state cannot be read, stay."""
-    own_older = [path for step, path in _published(root)
-                 if step < state.step and _run_id_of(path) == state.run_id]
+    own_older = [path for step, path in _published(root) if step < state.step and _run_id_of(path) == state.run_id]
     for old in own_older[: max(0, len(own_older) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(
-    engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path, state: TrainerState,
-    *, extra_state: Optional[Callable[[Path], None]] = None,
+    engine,
+    tokenizer: PreTrainedTokenizerBase,
+    recipe: Recipe,
+    output_dir: Path,
+    state: TrainerState,
+    *,
+    extra_state: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Write ``checkpoints/step-N`` atomically, then drop this run's checkpoints beyond the
     newest ``keep_checkpoints``. ``extra_state(directory)``: more of the run's state, written by
@@ -319,8 +338,9 @@ def save_checkpoint(
     final = root / f"step-{state.step}"
     partial = root / f"step-{state.step}.partial"
     earlier = [path.name for _, path in _published(root) if path != final]
-    kept = (f"the earlier checkpoints ({', '.join(earlier)}) are intact" if earlier
-            else "there was no earlier checkpoint")
+    kept = (
+        f"the earlier checkpoints ({', '.join(earlier)}) are intact" if earlier else "there was no earlier checkpoint"
+    )
     with _removed_on_error(final, partial, kept):
         if distributed.is_main():
             shutil.rmtree(partial, ignore_errors=True)
@@ -382,6 +402,7 @@ def load_checkpoint(engine, path: Path) -> TrainerState:
 
 def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path) -> Path:
     """``final/`` in Hugging Face format, replacing an earlier one only once the new one is whole."""
+
     def card(directory: Path) -> None:
         # README.md: the model card, with the step of the newest checkpoint (the trainer saves
         # the last step just before) and the run's last dev metrics; checksummed with the rest.
@@ -389,26 +410,40 @@ def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, outpu
         step = _read_state(latest).step if latest is not None else None
         write_model_card(directory, recipe, step=step, metrics_path=output_dir / "metrics.jsonl")
 
-    return _save_student(engine, tokenizer, recipe, output_dir / "final",
-                         "the checkpoints and any earlier final/ are intact", card)
+    return _save_student(
+        engine, tokenizer, recipe, output_dir / "final", "the checkpoints and any earlier final/ are intact", card
+    )
 
 
-def save_best(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path,
-              selection: dict) -> Path:
+def save_best(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path, selection: dict) -> Path:
     """``best/``: the student now, in Hugging Face format like ``final/``, with
     ``selection.json`` (``selection``: the metric, its value, the step; ``mta.training.lifecycle.selection``)
     and a model card that names them; it replaces an earlier ``best/`` only once whole."""
+
     def card(directory: Path) -> None:
         atomic_write_json(directory / SELECTION_FILE, selection)
-        write_model_card(directory, recipe, step=selection["step"], metrics_path=output_dir / "metrics.jsonl",
-                         what="best", selection=selection)
+        write_model_card(
+            directory,
+            recipe,
+            step=selection["step"],
+            metrics_path=output_dir / "metrics.jsonl",
+            what="best",
+            selection=selection,
+        )
 
-    return _save_student(engine, tokenizer, recipe, output_dir / BEST_DIR,
-                         "the checkpoints, final/ and the earlier best/ are intact", card)
+    return _save_student(
+        engine,
+        tokenizer,
+        recipe,
+        output_dir / BEST_DIR,
+        "the checkpoints, final/ and the earlier best/ are intact",
+        card,
+    )
 
 
-def _save_student(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, final: Path, kept: str,
-                  finish: Callable[[Path], None]) -> Path:
+def _save_student(
+    engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, final: Path, kept: str, finish: Callable[[Path], None]
+) -> Path:
     """Export the student into ``final`` through ``<final>.partial``: ``finish(partial)`` adds the
     card (main process), then the checksum list, then the rename. Every rank calls this."""
     partial = final.with_name(final.name + ".partial")

@@ -48,7 +48,11 @@ class LossWindow:
                 self.sums[name] = self.sums.get(name, 0.0) + value
 
     def record(
-        self, step: int, *, lr: float, sum_over_processes: Callable[[dict[str, float]], dict[str, float]] = dict,
+        self,
+        step: int,
+        *,
+        lr: float,
+        sum_over_processes: Callable[[dict[str, float]], dict[str, float]] = dict,
         world_size: int = 1,
     ) -> dict[str, Any]:
         """The train line for ``step``: losses averaged over steps and processes, tokens summed."""
@@ -75,7 +79,8 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         kept = [
-            line for line in self.path.read_text(encoding="utf-8").splitlines()
+            line
+            for line in self.path.read_text(encoding="utf-8").splitlines()
             if line.strip() and _parse(line) is not None and _parse(line)["step"] <= step
         ]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
@@ -94,5 +99,8 @@ def _parse(line: str) -> Optional[dict[str, Any]]:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every complete record of a ``metrics.jsonl``."""
-    return [record for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and (record := _parse(line)) is not None]
+    return [
+        record
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and (record := _parse(line)) is not None
+    ]

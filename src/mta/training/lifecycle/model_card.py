@@ -53,8 +53,10 @@ def describe_model(spec: Optional[ModelSpec]) -> str:
         return "none (plain SFT on the reference responses)"
     if spec.tiny is not None:
         tiny = spec.tiny
-        return (f"a random tiny {tiny.model_type} built by mta ({tiny.num_layers} layers, hidden size "
-                f"{tiny.hidden_size}, vocabulary {tiny.vocab_size}, seed {tiny.seed})")
+        return (
+            f"a random tiny {tiny.model_type} built by mta ({tiny.num_layers} layers, hidden size "
+            f"{tiny.hidden_size}, vocabulary {tiny.vocab_size}, seed {tiny.seed})"
+        )
     return f"`{spec.path}`" + (f" (tokenizer `{spec.tokenizer}`)" if spec.tokenizer else "")
 
 
@@ -98,20 +100,26 @@ def base_metadata(recipe: Any, *, library: str, pipeline: str) -> dict[str, Any]
 def llm_card_facts(recipe: Recipe) -> CardFacts:
     """The card of a causal-LM student (``task: llm``)."""
     loss = recipe.loss
-    terms = [(loss.base, loss.base_weight), ("DSA", loss.dsa_weight), ("HRA", loss.hra_weight),
-             ("FDD", loss.fdd_weight)]
+    terms = [
+        (loss.base, loss.base_weight),
+        ("DSA", loss.dsa_weight),
+        ("HRA", loss.hra_weight),
+        ("FDD", loss.fdd_weight),
+    ]
     meta = base_metadata(recipe, library="transformers", pipeline="text-generation")
     datasets = _datasets([recipe.data.train, recipe.data.dev])
     if datasets:
         meta["datasets"] = datasets
     meta["tags"] = ["mta", "knowledge-distillation", loss.base] + [
-        name for name, weight in (("dsa", loss.dsa_weight), ("hra", loss.hra_weight), ("fdd", loss.fdd_weight))
-        if weight]
+        name
+        for name, weight in (("dsa", loss.dsa_weight), ("hra", loss.hra_weight), ("fdd", loss.fdd_weight))
+        if weight
+    ]
     return CardFacts(
         metadata=meta,
         intro="A student trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment). "
-              "It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained(\"<this directory>\")`; "
-              "`sha256sum -c checksums.sha256` verifies its files.",
+        'It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained("<this directory>")`; '
+        "`sha256sum -c checksums.sha256` verifies its files.",
         loss=loss_terms(terms),
         teacher=describe_model(recipe.teacher),
         data_limits=f"at most {recipe.data.max_length} tokens, {recipe.data.max_prompt_length} of prompt",
@@ -131,8 +139,14 @@ def last_dev_metrics(records: Iterable[dict], step: Optional[int] = None) -> Opt
     return {k: v for k, v in dev[-1].items() if k not in ("split", "samples") and isinstance(v, (int, float))}
 
 
-def model_card(recipe: Recipe, *, step: Optional[int] = None, dev: Optional[dict] = None,
-               what: str = "final", selection: Optional[dict] = None) -> str:
+def model_card(
+    recipe: Recipe,
+    *,
+    step: Optional[int] = None,
+    dev: Optional[dict] = None,
+    what: str = "final",
+    selection: Optional[dict] = None,
+) -> str:
     """The card's text: front matter, then what the student is and how it was made.
     ``selection``: a ``best/`` student's selection.json (the metric, its value and step)."""
     version = package_versions(("mta",))["mta"] or "unknown"
@@ -145,41 +159,74 @@ def model_card(recipe: Recipe, *, step: Optional[int] = None, dev: Optional[dict
         ("recipe", f"`{recipe.name}`, {recipe_hash(recipe)} (the resolved recipe: recipe.yaml beside this card)"),
         ("loss", facts.loss),
         ("data", f"{data}; {facts.data_limits}"),
-        ("steps", (f"{step}" if step is not None else "not recorded")
-         + f" (global batch {recipe.train.batch_size}, lr {recipe.train.lr:g}, {recipe.train.precision})"),
+        (
+            "steps",
+            (f"{step}" if step is not None else "not recorded")
+            + f" (global batch {recipe.train.batch_size}, lr {recipe.train.lr:g}, {recipe.train.precision})",
+        ),
         ("mta", version),
     ]
     if getattr(recipe.student, "lora", None) is not None:
         spec = recipe.student.lora
-        rows.insert(-1, ("LoRA", f"r {spec.r}, alpha {spec.alpha:g}, dropout {spec.dropout:g} on "
-                         f"{spec.target_modules or 'the architecture default'}; merged into these weights"))
+        rows.insert(
+            -1,
+            (
+                "LoRA",
+                f"r {spec.r}, alpha {spec.alpha:g}, dropout {spec.dropout:g} on "
+                f"{spec.target_modules or 'the architecture default'}; merged into these weights",
+            ),
+        )
     if selection:
-        rows.insert(-1, ("selected by", f"{selection['metric']} = {selection['value']:.4f} at step "
-                         f"{selection['step']} ({selection['goal']} of the run's dev evaluations)"))
+        rows.insert(
+            -1,
+            (
+                "selected by",
+                f"{selection['metric']} = {selection['value']:.4f} at step "
+                f"{selection['step']} ({selection['goal']} of the run's dev evaluations)",
+            ),
+        )
     lines = [
-        "---", front, "---", "",
-        f"# {recipe.name}: distilled student ({what})", "",
-        facts.intro, "",
-        "| | |", "|---|---|", *(f"| {key} | {value} |" for key, value in rows), "",
+        "---",
+        front,
+        "---",
+        "",
+        f"# {recipe.name}: distilled student ({what})",
+        "",
+        facts.intro,
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {key} | {value} |" for key, value in rows),
+        "",
     ]
     if dev:
         at = f" at step {dev['step']}" if "step" in dev else ""
         lines += [f"## Dev metrics{at} (the last before saving)", "", "| metric | value |", "|---|---:|"]
-        lines += [f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
-                  for key, value in dev.items() if key != "step"]
+        lines += [
+            f"| {key} | {value:.4f} |" if isinstance(value, float) else f"| {key} | {value} |"
+            for key, value in dev.items()
+            if key != "step"
+        ]
         lines.append("")
     else:
         lines += ["No dev metrics were recorded (no data.dev, or no dev evaluation before saving).", ""]
     return "\n".join(lines)
 
 
-def write_model_card(directory: str | Path, recipe: Recipe, *, step: Optional[int] = None,
-                     metrics_path: Optional[str | Path] = None, what: str = "final",
-                     selection: Optional[dict] = None) -> Path:
+def write_model_card(
+    directory: str | Path,
+    recipe: Recipe,
+    *,
+    step: Optional[int] = None,
+    metrics_path: Optional[str | Path] = None,
+    what: str = "final",
+    selection: Optional[dict] = None,
+) -> Path:
     """``directory/README.md`` for the student saved there at ``step``; the dev metrics are the
     last of ``metrics_path`` (a run's metrics.jsonl) up to ``step``. Returns the card's path."""
     records = read_metrics(Path(metrics_path)) if metrics_path and Path(metrics_path).is_file() else []
     path = Path(directory) / CARD
-    atomic_write_text(path, model_card(recipe, step=step, dev=last_dev_metrics(records, step), what=what,
-                                       selection=selection))
+    atomic_write_text(
+        path, model_card(recipe, step=step, dev=last_dev_metrics(records, step), what=what, selection=selection)
+    )
     return path

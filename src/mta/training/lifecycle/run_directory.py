@@ -27,8 +27,7 @@ from mta.files import atomic_write_json
 
 RUN_RECORD = "run.json"
 # Everything a run writes of its own; a later output of a run belongs here too.
-RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "best", "metrics.jsonl", "generated", "tensorboard",
-               "tracking.json")
+RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "best", "metrics.jsonl", "generated", "tensorboard", "tracking.json")
 CACHES = ("data", "models")
 
 
@@ -76,11 +75,14 @@ def _remove_outputs(output_dir: Path) -> None:
 
 def _start_run(output_dir: Path, recipe_name: str) -> str:
     run_id = uuid.uuid4().hex
-    atomic_write_json(output_dir / RUN_RECORD, {
-        "run_id": run_id,
-        "recipe": recipe_name,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    })
+    atomic_write_json(
+        output_dir / RUN_RECORD,
+        {
+            "run_id": run_id,
+            "recipe": recipe_name,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        },
+    )
     return run_id
 
 

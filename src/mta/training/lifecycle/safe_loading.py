@@ -77,11 +77,14 @@ def _allowed_names() -> set[str]:
 
 def _refused(path: Path, types: list[str]) -> CheckpointFileError:
     allowed = ", ".join(sorted(kind.__qualname__ for kind in allowed_globals()))
-    return CheckpointFileError(path, (
-        f"refused: unpickling it would call {', '.join(types)}, which DeepSpeed's state of an mta "
-        f"run never holds (tensors, plain values and DeepSpeed's {allowed} only), so the file was "
-        "replaced or written by other software; nothing in it ran"
-    ))
+    return CheckpointFileError(
+        path,
+        (
+            f"refused: unpickling it would call {', '.join(types)}, which DeepSpeed's state of an mta "
+            f"run never holds (tensors, plain values and DeepSpeed's {allowed} only), so the file was "
+            "replaced or written by other software; nothing in it ran"
+        ),
+    )
 
 
 def refused_globals(path: str | Path) -> list[str] | None:
@@ -138,10 +141,13 @@ def load_state_file(path: str | Path, map_location: Any = None) -> Any:
     except FileNotFoundError:
         raise CheckpointFileError(path, "missing") from None
     except pickle.UnpicklingError as error:
-        raise CheckpointFileError(path, (
-            f"refused by torch's restricted (weights-only) unpickler: {_weights_only_reason(error)}; "
-            "nothing in it ran"
-        )) from error
+        raise CheckpointFileError(
+            path,
+            (
+                f"refused by torch's restricted (weights-only) unpickler: {_weights_only_reason(error)}; "
+                "nothing in it ran"
+            ),
+        ) from error
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as error:
         raise _unreadable(path, error) from error
 

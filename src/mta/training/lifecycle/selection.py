@@ -91,14 +91,17 @@ class DevPrompts:
         prompt_chars = table.column(PROMPT_CHARS).to_pylist()
         roles = table.column(ROLE).to_pylist() if ROLE in table.column_names else [None] * len(texts)
         rows = [i for i, role in enumerate(roles) if role != "rejected"][:count]
-        prompts = [tokenizer(texts[i][: prompt_chars[i]], add_special_tokens=False)["input_ids"][:max_prompt_length]
-                   for i in rows]
-        references = [texts[i][prompt_chars[i]:].strip() for i in rows]
+        prompts = [
+            tokenizer(texts[i][: prompt_chars[i]], add_special_tokens=False)["input_ids"][:max_prompt_length]
+            for i in rows
+        ]
+        references = [texts[i][prompt_chars[i] :].strip() for i in rows]
         return cls(prompts, references, rows)
 
 
-def dev_rouge(model: Any, tokenizer: Any, prompts: DevPrompts, *, seed: int, max_new_tokens: int,
-              batch_size: int) -> float:
+def dev_rouge(
+    model: Any, tokenizer: Any, prompts: DevPrompts, *, seed: int, max_new_tokens: int, batch_size: int
+) -> float:
     """Mean ROUGE-L (x 100) of one sampled response per dev row, over every rank's share; every
     rank must call it (under ZeRO-3 each forward gathers from all ranks) and gets the same value."""
     rank, world = distributed.rank(), distributed.world_size()
@@ -125,9 +128,16 @@ class Selector:
         self.criterion = criterion(recipe.train.select_by)
         self.tokenizer = tokenizer
         self.best: Optional[tuple[int, float]] = None  # (step, value)
-        self.prompts = DevPrompts.from_table(
-            dev_table, tokenizer, count=recipe.train.select_rows, max_prompt_length=recipe.data.max_prompt_length,
-        ) if self.criterion.select_by == "rouge" else None
+        self.prompts = (
+            DevPrompts.from_table(
+                dev_table,
+                tokenizer,
+                count=recipe.train.select_rows,
+                max_prompt_length=recipe.data.max_prompt_length,
+            )
+            if self.criterion.select_by == "rouge"
+            else None
+        )
 
     @property
     def directory(self) -> Path:
@@ -140,7 +150,10 @@ class Selector:
             return {}
         data = self.recipe.data
         value = dev_rouge(
-            model, self.tokenizer, self.prompts, seed=self.recipe.seed,
+            model,
+            self.tokenizer,
+            self.prompts,
+            seed=self.recipe.seed,
             max_new_tokens=data.max_length - data.max_prompt_length,
             batch_size=GENERATION_BATCH_FACTOR * self.recipe.train.micro_batch_size,
         )
@@ -161,8 +174,14 @@ class Selector:
     def selection(self) -> dict[str, Any]:
         """What ``best/selection.json`` records for the best so far."""
         step, value = self.best
-        payload = {"select_by": self.criterion.select_by, "metric": self.criterion.metric,
-                   "goal": self.criterion.goal, "value": value, "step": step, "run_id": self.run_id}
+        payload = {
+            "select_by": self.criterion.select_by,
+            "metric": self.criterion.metric,
+            "goal": self.criterion.goal,
+            "value": value,
+            "step": step,
+            "run_id": self.run_id,
+        }
         if self.prompts is not None:
             payload["rows"] = len(self.prompts.rows)
         return payload
@@ -181,17 +200,26 @@ class Selector:
         records = read_metrics(metrics) if metrics.is_file() else []
         best = best_step_of(records, self.criterion.select_by, up_to=step)
         stored = read_selection(self.directory)
-        kept = (stored is not None and best is not None and stored.get("run_id") == self.run_id
-                and stored.get("metric") == self.criterion.metric and stored.get("step") == best[0]
-                and stored.get("value") == best[1])
+        kept = (
+            stored is not None
+            and best is not None
+            and stored.get("run_id") == self.run_id
+            and stored.get("metric") == self.criterion.metric
+            and stored.get("step") == best[0]
+            and stored.get("value") == best[1]
+        )
         messages = []
         if self.directory.exists() and not kept:
             shutil.rmtree(self.directory)
             what = f"step {stored.get('step')}" if stored else "no readable selection.json"
             messages.append(
                 f"removed {self.directory} ({what}): it is not the best dev evaluation up to the resumed step {step}"
-                + (f" ({self.criterion.metric} {best[1]:.4f} at step {best[0]}); the next evaluation that "
-                   "beats it writes best/ again" if best else "")
+                + (
+                    f" ({self.criterion.metric} {best[1]:.4f} at step {best[0]}); the next evaluation that "
+                    "beats it writes best/ again"
+                    if best
+                    else ""
+                )
             )
         if best is not None:
             messages.append(f"best so far: {self.criterion.metric} {best[1]:.4f} at step {best[0]}")
@@ -202,10 +230,14 @@ class Selector:
         if self.directory.is_dir():
             return None
         if self.best is None:
-            return (f"no {checkpointing.BEST_DIR}/: no dev evaluation after step 0 (train.eval_interval="
-                    f"{self.recipe.train.eval_interval} is longer than the run)")
-        return (f"no {checkpointing.BEST_DIR}/: the best dev evaluation ({self.criterion.metric} {self.best[1]:.4f} "
-                f"at step {self.best[0]}) was in a part of the run a resume discarded, and none after it beat it")
+            return (
+                f"no {checkpointing.BEST_DIR}/: no dev evaluation after step 0 (train.eval_interval="
+                f"{self.recipe.train.eval_interval} is longer than the run)"
+            )
+        return (
+            f"no {checkpointing.BEST_DIR}/: the best dev evaluation ({self.criterion.metric} {self.best[1]:.4f} "
+            f"at step {self.best[0]}) was in a part of the run a resume discarded, and none after it beat it"
+        )
 
 
 def read_selection(directory: Path) -> Optional[dict[str, Any]]:
@@ -217,15 +249,23 @@ def read_selection(directory: Path) -> Optional[dict[str, Any]]:
     return payload if isinstance(payload, dict) else None
 
 
-def best_step_of(records: list[dict[str, Any]], select_by: str, *, up_to: Optional[int] = None,
-                 ) -> Optional[tuple[int, float]]:
+def best_step_of(
+    records: list[dict[str, Any]],
+    select_by: str,
+    *,
+    up_to: Optional[int] = None,
+) -> Optional[tuple[int, float]]:
     """The step and value ``select_by`` picks among the dev records of a ``metrics.jsonl``
     (steps after 0, up to ``up_to``; the earlier of a tie), or None."""
     rule, best = criterion(select_by), None
     for record in records:
         value, step = record.get(rule.key), record.get("step", 0)
-        if record.get("split") == "dev" and step > 0 and (up_to is None or step <= up_to) \
-                and isinstance(value, (int, float)):
+        if (
+            record.get("split") == "dev"
+            and step > 0
+            and (up_to is None or step <= up_to)
+            and isinstance(value, (int, float))
+        ):
             if rule.better(value, best and best[1]):
                 best = (record["step"], float(value))
     return best

@@ -37,10 +37,10 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     (r"\bB200\b", 2250.0),
     (r"\bGH200\b", 989.0),
     (r"\bH200 NVL\b", 835.0),
-    (r"\bH200\b", 989.0),     # SXM
+    (r"\bH200\b", 989.0),  # SXM
     (r"\bH100 NVL\b", 835.0),
     (r"\bH100 PCIe\b", 756.0),
-    (r"\bH100\b", 989.0),     # SXM (NVIDIA H100 80GB HBM3)
+    (r"\bH100\b", 989.0),  # SXM (NVIDIA H100 80GB HBM3)
     (r"\bH800\b", 989.0),
     (r"\bA100\b", 312.0),
     (r"\bA800\b", 312.0),

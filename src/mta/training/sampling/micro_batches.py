@@ -40,7 +40,11 @@ from mta.training.batching import AnnotatedExamples, TrainBatch
 from mta.training.config.schema import Recipe
 from mta.training.sampling import policy
 from mta.training.sampling.replay_buffer import (
-    ReplayBuffer, agreed_buffer_flags, buffer_file, rows_table, write_generated_rows,
+    ReplayBuffer,
+    agreed_buffer_flags,
+    buffer_file,
+    rows_table,
+    write_generated_rows,
 )
 
 GENERATED_DIR = "generated"
@@ -67,8 +71,19 @@ class OffPolicyBatches:
     parser: a started ``SpanParser``; total_steps: the run's length.
     """
 
-    def __init__(self, recipe: Recipe, table: pa.Table, *, model: Any, tokenizer: Any, pad_ids: dict[str, int],
-                 with_teacher: bool, granularities: tuple[str, ...], parser: SpanParser, total_steps: int):
+    def __init__(
+        self,
+        recipe: Recipe,
+        table: pa.Table,
+        *,
+        model: Any,
+        tokenizer: Any,
+        pad_ids: dict[str, int],
+        with_teacher: bool,
+        granularities: tuple[str, ...],
+        parser: SpanParser,
+        total_steps: int,
+    ):
         self.recipe = recipe
         self.model = model
         self.spec = recipe.generation
@@ -78,8 +93,12 @@ class OffPolicyBatches:
         self.tokenizer = tokenizer
         self.total_steps = total_steps
         self.params = policy.generation_params(recipe)
-        self._examples = dict(student_pad_id=pad_ids["student"], teacher_pad_id=pad_ids["teacher"],
-                              with_teacher=with_teacher, granularities=granularities)
+        self._examples = dict(
+            student_pad_id=pad_ids["student"],
+            teacher_pad_id=pad_ids["teacher"],
+            with_teacher=with_teacher,
+            granularities=granularities,
+        )
         self._ids = table.column(ID).to_numpy()
         self._texts = table.column(TEXT)
         self._prompt_chars = table.column(PROMPT_CHARS).to_numpy()
@@ -98,8 +117,9 @@ class OffPolicyBatches:
         parsed: it holds none yet (``pending_spans`` is set) until ``with_spans``."""
         self.settle()
         full, empty = agreed_buffer_flags(self.buffer) if self.buffer is not None else (False, True)
-        source = policy.decide(self.state, self.spec, step, self.total_steps, micro_batch, full, empty,
-                               self.recipe.seed)
+        source = policy.decide(
+            self.state, self.spec, step, self.total_steps, micro_batch, full, empty, self.recipe.seed
+        )
         self.state = self.state.count(source)
         if source == "gold":
             return gold, source
@@ -155,8 +175,9 @@ class OffPolicyBatches:
         seeds = policy.generation_seeds(self.recipe.seed, step, [int(self._ids[row]) for row in rows])
         started = time.perf_counter()
         generator = HFGenerator(self.model, self.tokenizer, self.params, batch_size=len(rows))
-        completions = sorted((c for batch in generator.generate(prompts, seeds) for c in batch),
-                             key=lambda c: c.position)
+        completions = sorted(
+            (c for batch in generator.generate(prompts, seeds) for c in batch), key=lambda c: c.position
+        )
         self.window["generation_s"] += time.perf_counter() - started
         eos = self.tokenizer.eos_token_id
         generated = []
@@ -164,8 +185,15 @@ class OffPolicyBatches:
             text = self._texts[int(row)].as_py()
             ids = completion.token_ids + ([eos] if completion.finished else [])
             self.window["generated_tokens"] += len(ids)
-            generated.append(GeneratedRow(text[: self._prompt_chars[row]], prompt_ids, ids,
-                                          finished=completion.finished, id=int(self._ids[row])))
+            generated.append(
+                GeneratedRow(
+                    text[: self._prompt_chars[row]],
+                    prompt_ids,
+                    ids,
+                    finished=completion.finished,
+                    id=int(self._ids[row]),
+                )
+            )
         return generated
 
     def _token_batch(self, generated: list[GeneratedRow]) -> TrainBatch:
@@ -173,11 +201,13 @@ class OffPolicyBatches:
         sides (the teacher shares the tokenizer), labels on the response."""
         ids = [np.concatenate([row.prompt_ids, row.generated_ids]) for row in generated]
         prompt_len = [len(row.prompt_ids) for row in generated]
-        table = pa.table({
-            ID: [row.id for row in generated],
-            **{INPUT_IDS[side]: ids for side in ("student", "teacher")},
-            **{PROMPT_LEN[side]: prompt_len for side in ("student", "teacher")},
-        })
+        table = pa.table(
+            {
+                ID: [row.id for row in generated],
+                **{INPUT_IDS[side]: ids for side in ("student", "teacher")},
+                **{PROMPT_LEN[side]: prompt_len for side in ("student", "teacher")},
+            }
+        )
         examples = AnnotatedExamples(table, **(self._examples | {"granularities": ()}))
         return examples.batch(np.arange(len(generated)))
 
@@ -230,9 +260,7 @@ class OffPolicyBatches:
         self.state = policy.read_state(checkpoint / policy.STATE_FILE)
         self._counted = dict(self.state.micro_batches)
         if self.buffer is not None:
-            self.buffer = ReplayBuffer.read(
-                checkpoint / buffer_file(distributed.rank()), self.spec.buffer_size
-            )
+            self.buffer = ReplayBuffer.read(checkpoint / buffer_file(distributed.rank()), self.spec.buffer_size)
 
 
 def _check_same_tokens(parsed: TrainBatch, trained: TrainBatch) -> None:
@@ -242,8 +270,11 @@ def _check_same_tokens(parsed: TrainBatch, trained: TrainBatch) -> None:
     if parsed.teacher is not None:
         sides.append(("teacher", parsed.teacher, trained.teacher))
     for side, a, b in sides:
-        if a.input_ids.shape != b.input_ids.shape or not torch.equal(a.input_ids, b.input_ids) \
-                or not torch.equal(a.labels, b.labels):
+        if (
+            a.input_ids.shape != b.input_ids.shape
+            or not torch.equal(a.input_ids, b.input_ids)
+            or not torch.equal(a.labels, b.labels)
+        ):
             raise MtaError(
                 f"the span workers returned {side} ids that differ from the ids generated for rows "
                 f"{trained.row_ids}; the workers' tokenizer is not the trainer's (report this as a bug)"
@@ -259,8 +290,9 @@ def dev_cross_entropy(student: torch.nn.Module, batches: list[TrainBatch], devic
         batch = batch.to(device)
         logits = student(input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask).logits
         labels = batch.student.labels[:, 1:]
-        total += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
-                                 ignore_index=-100, reduction="sum").item()
+        total += F.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        ).item()
         tokens += int((labels != -100).sum())
     total, tokens = distributed.sum_over_ranks([total, float(tokens)])
     return total / max(tokens, 1.0)

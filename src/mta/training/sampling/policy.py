@@ -153,8 +153,14 @@ def choose(r: float, threshold: float, generate_below: float, buffer_full: bool)
 
 
 def decide(
-    state: "SamplingState", spec: GenerationSpec, step: int, total_steps: int, micro_batch: int,
-    buffer_full: bool, buffer_empty: bool, seed: int,
+    state: "SamplingState",
+    spec: GenerationSpec,
+    step: int,
+    total_steps: int,
+    micro_batch: int,
+    buffer_full: bool,
+    buffer_empty: bool,
+    seed: int,
 ) -> Source:
     """What micro batch ``micro_batch`` of optimizer step ``step`` (0-based) trains on.
 
@@ -170,8 +176,10 @@ def decide(
         return "generated"
     threshold = state.threshold
     source = choose(
-        draw(seed, step, micro_batch), threshold,
-        schedule_value(spec.schedule, threshold, step, total_steps), buffer_full,
+        draw(seed, step, micro_batch),
+        threshold,
+        schedule_value(spec.schedule, threshold, step, total_steps),
+        buffer_full,
     )
     if source == "buffer" and buffer_empty:
         return "generated"
@@ -262,8 +270,10 @@ def update_threshold(state: SamplingState, spec: GenerationSpec, dev_loss: float
         return replace(seen, reference_loss=float(dev_loss))
     if dev_loss >= state.reference_loss + spec.loss_eps:
         return replace(
-            seen, threshold=min(round(state.threshold + spec.threshold_step, 12), 1.0),
-            reference_loss=float(dev_loss), threshold_raises=state.threshold_raises + 1,
+            seen,
+            threshold=min(round(state.threshold + spec.threshold_step, 12), 1.0),
+            reference_loss=float(dev_loss),
+            threshold_raises=state.threshold_raises + 1,
         )
     return seen
 

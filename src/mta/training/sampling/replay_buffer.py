@@ -53,14 +53,14 @@ def rows_table(rows: Rows) -> pa.Table:
         if set(row) != set(COLUMNS):
             missing, extra = sorted(set(COLUMNS) - set(row)), sorted(set(row) - set(COLUMNS))
             raise ValueError(
-                f"generated row {position} does not have the annotate columns: missing {missing}, "
-                f"unexpected {extra}"
+                f"generated row {position} does not have the annotate columns: missing {missing}, unexpected {extra}"
             )
     return pa.Table.from_pylist([dict(row) for row in rows], schema=SCHEMA)
 
 
-def write_generated_rows(path: str | Path, rows: Rows, steps: Sequence[int],
-               extra: Optional[Mapping[str, Sequence[Any]]] = None) -> None:
+def write_generated_rows(
+    path: str | Path, rows: Rows, steps: Sequence[int], extra: Optional[Mapping[str, Sequence[Any]]] = None
+) -> None:
     """Write generated ``rows`` with the ``step`` each was generated at as one Parquet file
     (annotate columns + ``step``, the schema version in its metadata), atomically. ``extra``:
     more columns, one value per row (``OUT/generated/`` adds ``micro_batch`` and ``source``;
@@ -155,9 +155,7 @@ class ReplayBuffer:
         """The buffer ``write`` saved; ``MtaError`` if it holds more than ``capacity`` rows."""
         rows, steps = read_generated_rows(path)
         if len(rows) > capacity:
-            raise MtaError(
-                f"{path} holds {len(rows)} generated rows, more than generation.buffer_size={capacity}"
-            )
+            raise MtaError(f"{path} holds {len(rows)} generated rows, more than generation.buffer_size={capacity}")
         buffer = cls(capacity)
         buffer._rows.extend(rows)
         buffer._steps.extend(steps)
@@ -175,4 +173,3 @@ def agreed_buffer_flags(buffer: ReplayBuffer) -> tuple[bool, bool]:
     agreed rather than assumed. A buffer never shrinks: once agreed full it stays full.
     """
     return distributed.all_ranks_agree(buffer.full), not distributed.all_ranks_agree(not buffer.empty)
-
