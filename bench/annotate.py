@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from mta import distributed
-from mta.store.layout import manifest_path
 from mta.files import atomic_write_json
+from mta.store.layout import manifest_path
 from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]

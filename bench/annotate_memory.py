@@ -36,8 +36,8 @@ from itertools import cycle, islice
 from pathlib import Path
 
 from mta import distributed
-from mta.store.layout import manifest_path
 from mta.files import atomic_write_json
+from mta.store.layout import manifest_path
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MTA_SHARED_DIR", REPO.parent / "shared"))

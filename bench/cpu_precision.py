@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleaving import interleaved_rounds, paired_ratio  # noqa: E402
 from machine import created, describe_machine  # noqa: E402
-
 from mta.dtypes import cpu_bf16_instructions, cpu_has_native_bf16  # noqa: E402
 from mta.files import atomic_write_json  # noqa: E402
 from mta.generation import HFGenerator, SamplingParams, sampling_seed  # noqa: E402

@@ -63,33 +63,33 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mta.data.token_ranges import token_ranges
-from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.store.read import read_annotations
-from mta.data.encoding import TokenizerSide
-from mta.files import atomic_write_json
-from mta.data.span_extraction import SpanExtractor, load_spacy
-from mta.losses.span_masks import SpanBatch
 import mta.losses.sra as sra_module
-from mta.models.tiny import corpus_texts
-from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
-from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
-from mta.training.config.layers import auto_fdd_layers, resolve_layer_map, resolve_sra_layers
-from mta.training.engine import build_optimizer
-from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.config.schema import LossSpec, TrainSpec
-from mta.training.logit_lens import LogitLens
-from mta.training.teacher import FrozenTeacher
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
+from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.data.encoding import TokenizerSide
+from mta.data.span_extraction import SpanExtractor, load_spacy
+from mta.data.token_ranges import token_ranges
+from mta.files import atomic_write_json
+from mta.losses.span_masks import SpanBatch
+from mta.models.tiny import corpus_texts
+from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
+from mta.store.read import read_annotations
+from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
+from mta.training.config.layers import auto_fdd_layers, resolve_layer_map, resolve_sra_layers
+from mta.training.config.schema import LossSpec, TrainSpec
+from mta.training.engine import build_optimizer
+from mta.training.logit_lens import LogitLens
+from mta.training.objective import DistillationModel, DistillationObjective
+from mta.training.teacher import FrozenTeacher
 from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,8 +127,8 @@ class Vocabulary:
     tokenizer_dir: Path  # the student's (and, within one tokenizer, the teacher's)
     model_rows: int
     description: str
-    teacher_dir: Optional[Path] = None  # cross-tokenizer: the teacher's own tokenizer
-    teacher_rows: Optional[int] = None
+    teacher_dir: Path | None = None  # cross-tokenizer: the teacher's own tokenizer
+    teacher_rows: int | None = None
 
     @property
     def cross(self) -> bool:
@@ -332,7 +332,7 @@ class TrainingStep:
         model: DistillationModel,
         teacher: FrozenTeacher,
         batches: list[TrainBatch],
-        spans: Callable[[int], Optional[dict[str, SpanBatch]]],
+        spans: Callable[[int], dict[str, SpanBatch] | None],
         device,
         autocast,
     ):
@@ -444,7 +444,7 @@ class CountingSharedVocabulary:
         self.calls += 1
         return self.original(*args, **kwargs)
 
-    def __enter__(self) -> "CountingSharedVocabulary":
+    def __enter__(self) -> CountingSharedVocabulary:
         sra_module.shared_vocabulary = self
         return self
 
@@ -542,7 +542,7 @@ def build_variants(
     paired = [replace(batch, chosen=torch.arange(len(batch.row_ids)) % 2 == 0) for batch in batches]
 
     def training(
-        spec: LossSpec, spans: Callable[[int], Optional[dict[str, SpanBatch]]], step_batches: list[TrainBatch] = batches
+        spec: LossSpec, spans: Callable[[int], dict[str, SpanBatch] | None], step_batches: list[TrainBatch] = batches
     ) -> TrainingStep:
         objective = DistillationObjective(
             spec,

@@ -49,11 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleaving import interleaved_rounds, paired_ratio  # noqa: E402
 from machine import created, describe_machine  # noqa: E402
-from paths import portable  # noqa: E402
-
 from mta.embedding import teacher_embeddings as stage  # noqa: E402
 from mta.embedding.encoder import load_encoder  # noqa: E402
 from mta.files import atomic_write_json  # noqa: E402
+from paths import portable  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("MTA_SHARED_DIR", REPO.parent / "shared"))
@@ -176,9 +175,9 @@ def _step_trainer(variant: dict, student, args, device: torch.device):
     objective, ASAM) over ``student`` with one micro batch per step, its batches supplied here."""
     from types import SimpleNamespace
 
-    from mta.training import engine as engines
     from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
     from mta.embedding.recipe import EmbeddingLossSpec
+    from mta.training import engine as engines
     from mta.training.config.schema import AsamSpec, TrainSpec
     from mta.training.trainer import Trainer
 

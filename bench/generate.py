@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from mta.evaluation.models_under_test import loaded_checkpoint
 from mta.evaluation.datasets import load_rows
+from mta.evaluation.models_under_test import loaded_checkpoint
 from mta.files import atomic_write_json
 from mta.generation import HFGenerator, SamplingParams, eos_token_ids, sampling_seed
 from mta.generation.generator import cut_at_stop

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 V = TypeVar("V")
 

@@ -41,21 +41,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.store.read import read_annotations
-from mta.data.online_spans import PendingSpans, SpanParser
-from mta.files import atomic_write_json
-from mta.models.tokenizers import load_tokenizer
-from mta.training.batching import AnnotatedExamples, micro_batch_order
-from mta.training.config.layers import resolve_layer_map
-from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.config.schema import LossSpec, Recipe
-from mta.training.sampling.micro_batches import OffPolicyBatches
-from mta.training.teacher import FrozenTeacher
-
 from distill_step import PRESETS, TRAIN, Sizes, TrainingStep, small_tokenizer, synchronize, tiny_llama, write_rows
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
+from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.data.online_spans import PendingSpans, SpanParser
+from mta.files import atomic_write_json
+from mta.models.tokenizers import load_tokenizer
+from mta.store.read import read_annotations
+from mta.training.batching import AnnotatedExamples, micro_batch_order
+from mta.training.config.layers import resolve_layer_map
+from mta.training.config.schema import LossSpec, Recipe
+from mta.training.objective import DistillationModel, DistillationObjective
+from mta.training.sampling.micro_batches import OffPolicyBatches
+from mta.training.teacher import FrozenTeacher
 from paths import portable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +84,7 @@ class GivenSpans:
 @dataclass
 class Variant:
     name: str
-    step: "OnPolicyStep"
+    step: OnPolicyStep
     whole: list[float] = field(default_factory=list)  # mean wall s/step, one value per round
     after_generation: list[float] = field(default_factory=list)
 

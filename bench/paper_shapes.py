@@ -36,20 +36,20 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from interleaving import interleaved_rounds
+from machine import created, describe_machine
 from mta.distributed import local_device
 from mta.files import atomic_write_json
 from mta.losses.span_masks import SpanBatch
 from mta.training import engine as engines
 from mta.training.batching import TokenBatch, TrainBatch
-from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map
-from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.config.loading import load_recipe
 from mta.training.config.catalog import SHIPPED_DIR
-from mta.training.logit_lens import LogitLens
-from mta.training.teacher import FrozenTeacher
+from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map
+from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.utilisation import StepFlops, device_peak_flops
-from interleaving import interleaved_rounds
-from machine import created, describe_machine
+from mta.training.logit_lens import LogitLens
+from mta.training.objective import DistillationModel, DistillationObjective
+from mta.training.teacher import FrozenTeacher
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = {"distillm": "gpt2", "distillm2": "gpt2-distillm2", "fdd": "gpt2-fdd"}
@@ -62,7 +62,7 @@ SMOKE_VOCAB = 512
 @dataclass
 class Variant:
     name: str
-    step: "Step"
+    step: Step
     seconds: list[float] = field(default_factory=list)
     peak_bytes: int = 0
 

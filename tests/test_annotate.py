@@ -13,17 +13,16 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import EXAMPLES
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.artefact_schema import SCHEMA
-from mta.store.layout import manifest_path
-from mta.store.publish import PartWriter, merge_shards
-from mta.store.read import read_annotations
 from mta.data.prompts import alpaca_prompt
 from mta.data.span_extraction import WORD, SpanExtractor, load_spacy
 from mta.errors import MtaError
 from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
-
-from conftest import EXAMPLES
+from mta.store.layout import manifest_path
+from mta.store.publish import PartWriter, merge_shards
+from mta.store.read import read_annotations
 
 EDGE_ROWS = [
     {"instruction": "Reply with nothing.", "input": "", "output": ""},

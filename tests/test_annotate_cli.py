@@ -13,12 +13,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from mta.store.read import read_annotations
+from conftest import EXAMPLES, REPO
 from mta.data.encoding import TokenizerSide
 from mta.errors import MtaError
+from mta.store.read import read_annotations
 from mta_cli.main import app
-
-from conftest import EXAMPLES, REPO
 
 runner = CliRunner()
 
@@ -109,8 +108,8 @@ def test_a_tiny_recipes_tokenizers_are_built_and_training_accepts_the_artefact(t
     # `--recipe tiny`: its models are built at first use, not Hub names; the artefact must be the
     # one training checks against the same recipe.
     from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
-    from mta.training.model_loading import tokenizer_sources
     from mta.training.config.loading import load_recipe
+    from mta.training.model_loading import tokenizer_sources
     from mta.training.train_data import check_manifest
 
     monkeypatch.chdir(tmp_path)

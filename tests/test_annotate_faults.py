@@ -18,17 +18,16 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from conftest import EXAMPLES, REPO
 from mta.data import annotate as annotate_module
 from mta.data import truncation
-from mta.store import locks, publish
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.publish import merge_shards
-from mta.store.read import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.span_extraction import SpanExtractor
 from mta.errors import MtaError
-
-from conftest import EXAMPLES, REPO
+from mta.store import locks, publish
+from mta.store.publish import merge_shards
+from mta.store.read import read_annotations
 from test_annotate import EDGE_ROWS, write_jsonl
 
 LINES = EXAMPLES.read_text(encoding="utf-8").splitlines()

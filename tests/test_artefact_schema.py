@@ -14,10 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from conftest import EXAMPLES
 from mta.data import artefact_schema
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.publish import merge_shards
-from mta.store.read import read_annotations
 from mta.data.artefact_schema import (
     SPAN_V1,
     NotDerivable,
@@ -27,8 +26,8 @@ from mta.data.artefact_schema import (
 )
 from mta.errors import MtaError
 from mta.hashing import file_sha256
-
-from conftest import EXAMPLES
+from mta.store.publish import merge_shards
+from mta.store.read import read_annotations
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
 # Today's version, and a simulated next one: today's plus one span column.

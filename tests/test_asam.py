@@ -18,7 +18,6 @@ from mta.errors import MtaError
 from mta.training.asam import Asam, perturbation
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import AsamSpec, TrainSpec
-
 from test_distill import one_thread  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]

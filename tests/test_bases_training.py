@@ -9,15 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.store.read import read_annotations
-from mta.pairs import PairSettings, generate_pairs
-from mta.training import trainer as trainer_module
-from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.loading import load_recipe
-from mta.training.trainer import run_distillation
-
 from conftest import EXAMPLES
+from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.pairs import PairSettings, generate_pairs
+from mta.store.read import read_annotations
+from mta.training import trainer as trainer_module
+from mta.training.config.loading import load_recipe
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.trainer import run_distillation
 from test_distill import LENGTHS, one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
 
 

@@ -21,11 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mta.errors import MtaError
 from mta.hashing import CHECKSUMS, checksum_text, directory_checksums, read_checksums
 from mta.training import engine as engines
-from mta.training.lifecycle import checkpointing
-from mta.training.lifecycle import safe_loading
-from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from mta.training.config.loading import load_recipe
-
+from mta.training.lifecycle import checkpointing, safe_loading
+from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
 from test_distill import one_thread, write_recipe  # noqa: F401  (fixtures)
 
 STATE = Path("deepspeed") / "state"

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from mta.errors import MtaError
+from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import checkpointing as checkpoint
 from mta.training.lifecycle.checkpointing import complete_checkpoints, latest_checkpoint, resolve_resume
 from mta.training.lifecycle.metrics import MetricsLog, read_metrics
-from mta.training.config.loading import load_recipe
 from mta.training.trainer import run_distillation
-
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
 
 

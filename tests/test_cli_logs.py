@@ -20,13 +20,12 @@ import pytest
 import torch
 from rich.console import Console
 
+from conftest import subprocess_env
 from mta.errors import MtaError
 from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.lifecycle.metrics import read_metrics
 from mta_cli import quiet
 from mta_cli.reporting import PlainReporter, RichReporter, make_reporter
-
-from conftest import subprocess_env
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
 
 NOISE = ("Writing model shards", "Loading weights", "Setting accelerator")

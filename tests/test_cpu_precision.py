@@ -19,11 +19,10 @@ import mta.dtypes
 from mta.dtypes import bf16_flags, cpu_has_native_bf16, resolve_dtype
 from mta.errors import MtaError
 from mta.training import engine as engines
-from mta.training.lifecycle import utilisation
-from mta.training.lifecycle.metrics import read_metrics
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import TrainSpec
-
+from mta.training.lifecycle import utilisation
+from mta.training.lifecycle.metrics import read_metrics
 from test_distill import one_thread  # noqa: F401  (fixture)
 from test_evaluate_command import FAST, data_dir, run_cli  # noqa: F401  (fixture)
 from test_evaluate_perplexity import loop_sums

@@ -15,7 +15,6 @@ from mta.demo.report import table, write_report
 from mta.demo.settings import VARIANTS, DemoSettings
 from mta.evaluation.datasets import load_rows
 from mta.models.tokenizers import load_tokenizer
-
 from test_evaluate_perplexity import loop_sums
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,13 +16,12 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from conftest import subprocess_env, torchrun
 from mta.errors import MtaError
+from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.objective import DistillationObjective
-from mta.training.config.loading import load_recipe
 from mta.training.trainer import NonFiniteLoss, run_distillation
-
-from conftest import subprocess_env, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"

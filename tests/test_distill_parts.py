@@ -12,12 +12,11 @@ import yaml
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
+from conftest import EXAMPLES, subprocess_env
 from mta.models.tiny import build_tiny_model
+from mta.training.config.loading import load_recipe
 from mta.training.engine import deepspeed_config, lr_multiplier
 from mta.training.teacher import FrozenTeacher
-from mta.training.config.loading import load_recipe
-
-from conftest import EXAMPLES, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,8 +207,8 @@ def test_tiny_recipe_runs_from_nothing_through_the_command(tmp_path):
 )
 def test_a_term_with_weight_zero_is_neither_built_nor_computed(weights, terms, projectors, teacher_logits):
     from mta.training.config.layers import auto_layer_map
-    from mta.training.objective import DistillationObjective
     from mta.training.config.schema import LossSpec
+    from mta.training.objective import DistillationObjective
 
     spec = LossSpec(base="fkl", **weights)
     pairs = auto_layer_map(4, 4) if spec.alignment_terms else []

@@ -11,20 +11,19 @@ import torch
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 
+from conftest import MINIMAL_RECIPE
 from mta.distributed import local_device
 from mta.dtypes import resolve_precision
 from mta.errors import MtaError
 from mta.models.tiny import build_tiny_model
+from mta.training.config.loading import load_recipe
+from mta.training.config.schema import ModelSpec, TinyModel
 from mta.training.dry_run import (
     estimate_memory,
     parameter_count,
     plan_model,
     plan_run,
 )
-from mta.training.config.loading import load_recipe
-from mta.training.config.schema import ModelSpec, TinyModel
-
-from conftest import MINIMAL_RECIPE
 from mta_cli.dry_run_tables import render_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +80,8 @@ def independent_model(spec, recipe_path: Path):
 def documented_auto_map(student_layers: int, teacher_layers: int) -> list[tuple[int, int, str]]:
     """docs/method.md §4, written out again: s = max(1, L_S // 4); L_S - 2s word, L_S - s and L_S
     phrase; teacher round(l·L_T/L_S) with halves up (exact: Fraction); layers below 0 dropped."""
-    from fractions import Fraction
     import math
+    from fractions import Fraction
 
     s = max(1, student_layers // 4)
     picks = [(student_layers - 2 * s, "word"), (student_layers - s, "phrase"), (student_layers, "phrase")]

@@ -14,11 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mta.errors import MtaError
-from mta.training.lifecycle.metrics import read_metrics
 from mta.embedding.recipe import EmbeddingLossSpec
+from mta.errors import MtaError
 from mta.training.config.loading import load_recipe
-
+from mta.training.lifecycle.metrics import read_metrics
 from test_distill import one_thread  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,8 +252,8 @@ def test_embedding_keys_in_an_llm_recipe_are_refused_and_a_task_must_be_known(tm
 def test_the_recipe_s_pooling_names_are_the_encoder_s():
     import typing
 
-    from mta.embedding.pooling import AUTO, POOLINGS
     from mta.embedding.export import STOCK_POOLINGS
+    from mta.embedding.pooling import AUTO, POOLINGS
     from mta.embedding.recipe import StudentEncoderSpec, TeacherEncoderSpec
 
     names = {
@@ -287,11 +286,11 @@ def test_the_author_s_setting_is_the_talas_recipe():
 
 @pytest.mark.parametrize("path", [TINY_EMBED, TALAS], ids=lambda path: path.name)
 def test_the_dry_run_plans_the_embedding_recipes_offline(path, monkeypatch):
+    from rich.console import Console
     from transformers import AutoConfig, AutoModel, BertConfig
 
     from mta.training.dry_run import plan_run
     from mta_cli.dry_run_tables import render_plan
-    from rich.console import Console
 
     attempts = []
     monkeypatch.setattr(

@@ -349,9 +349,9 @@ def test_final_carries_a_model_card_that_the_hub_library_reads(tmp_path, tiny_mo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mta.hashing import json_sha256, read_checksums
-    from mta.training.lifecycle import checkpointing
-    from mta.training.config.loading import load_recipe
     from mta.training.config.catalog import find_recipe
+    from mta.training.config.loading import load_recipe
+    from mta.training.lifecycle import checkpointing
     from mta.versions import package_versions
 
     monkeypatch.chdir(tmp_path)
@@ -393,9 +393,9 @@ def test_final_carries_a_model_card_that_the_hub_library_reads(tmp_path, tiny_mo
 
 
 def test_the_card_of_a_tiny_run_names_no_hub_base_model(tmp_path, monkeypatch):
-    from mta.training.lifecycle.model_card import model_card
-    from mta.training.config.loading import load_recipe
     from mta.training.config.catalog import find_recipe
+    from mta.training.config.loading import load_recipe
+    from mta.training.lifecycle.model_card import model_card
 
     monkeypatch.chdir(tmp_path)
     text = model_card(load_recipe(find_recipe("tiny").path, ["loss.fdd_weight=1"]), step=None, dev=None)

@@ -14,6 +14,7 @@ from rouge_score import rouge_scorer
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
+from conftest import torchrun
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
@@ -23,8 +24,6 @@ from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tiny import build_tiny_model
 from mta.models.tokenizers import load_tokenizer
 from mta.scoring import completion_text
-
-from conftest import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"

@@ -8,12 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import EXAMPLES
 from mta import distributed
 from mta.evaluation.datasets import EvalRow, load_rows
 from mta.evaluation.perplexity import response_perplexity
 from mta.models.tokenizers import load_tokenizer
-
-from conftest import EXAMPLES
 
 
 @pytest.fixture(scope="module")

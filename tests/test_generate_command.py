@@ -15,16 +15,15 @@ import pytest
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
+from conftest import EXAMPLES, REPO, torchrun
 from mta.errors import MtaError
 from mta.files import read_jsonl_lenient
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
-from mta.pairs import PairSettings, PairsPaths, generate_pairs
 from mta.models.tiny import build_tiny_model
 from mta.models.tokenizers import load_tokenizer
+from mta.pairs import PairSettings, PairsPaths, generate_pairs
 from mta.reporting import SilentReporter
 from mta.scoring import completion_text
-
-from conftest import EXAMPLES, REPO, torchrun
 
 # Short prompts (some over the limit on each tokenizer), short responses: quick runs.
 FAST = dict(max_new_tokens=8, max_prompt_length=40, batch_size=3)

@@ -10,12 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import EXAMPLES
 from mta.evaluation.datasets import load_rows
 from mta.generation import HFGenerator, KeyedGumbelSampler, SamplingParams, sampling_seed
 from mta.generation.generator import cut_at_stop, left_pad, length_sorted_batches
 from mta.models.tokenizers import load_tokenizer
-
-from conftest import EXAMPLES
 
 # Two rows of distinct logits, not sorted alike, so a mask computed across rows would show.
 LOGITS = (

@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import EXAMPLES, torchrun
 from mta.evaluation.datasets import load_rows
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import load_tokenizer
-
-from conftest import EXAMPLES, torchrun
 
 PARAMS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, max_new_tokens=6)
 BATCH_SIZE = 2

@@ -19,10 +19,9 @@ from transformers import AutoModelForCausalLM
 from mta.errors import MtaError
 from mta.training import lora
 from mta.training.config.loading import load_recipe
-from mta.training.config.schema import LoraSpec
 from mta.training.config.resume_rules import read_saved_recipe, resume_changes
+from mta.training.config.schema import LoraSpec
 from mta.training.trainer import run_distillation
-
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -273,8 +273,8 @@ def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name
     """A recipe's ``loss.base`` built as training builds it (LossSpec -> DistillationObjective)
     and run on a small batch: the documented number, and 0 where teacher equals student."""
     from mta.training.batching import TokenBatch, TrainBatch
-    from mta.training.objective import DistillationObjective
     from mta.training.config.schema import LossSpec
+    from mta.training.objective import DistillationObjective
     from mta.training.teacher import TeacherOutput
 
     vocab, tau = 13, 2.0

@@ -9,10 +9,9 @@ import torch
 
 from mta.data.artefact_schema import SCHEMA
 from mta.training.batching import IGNORE_INDEX, AnnotatedExamples
-from mta.training.objective import DistillationObjective
 from mta.training.config.schema import LossSpec
+from mta.training.objective import DistillationObjective
 from mta.training.teacher import TeacherOutput
-
 from test_batching import _random_rows
 from test_losses_kd import ALPHA, ref_token_loss
 

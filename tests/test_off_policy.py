@@ -13,8 +13,9 @@ import pytest
 
 from mta.data.artefact_schema import SCHEMA_VERSION
 from mta.errors import MtaError
-from mta.training.sampling import policy
 from mta.training.batching import AnnotatedExamples
+from mta.training.config.schema import GenerationSpec, Recipe
+from mta.training.sampling import policy
 from mta.training.sampling.policy import (
     SamplingState,
     agreed_dev_loss,
@@ -37,7 +38,6 @@ from mta.training.sampling.replay_buffer import (
     rows_table,
     write_generated_rows,
 )
-from mta.training.config.schema import GenerationSpec, Recipe
 
 SEED = 42
 ADAPTIVE = GenerationSpec(mode="adaptive")

@@ -12,15 +12,14 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from mta.store.read import read_annotations
-from mta.data.online_spans import PendingSpans
-from mta.training.sampling import policy, replay_buffer
-from mta.training.batching import AnnotatedExamples
-from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.loading import load_recipe
-from mta.training.trainer import Trainer, run_distillation
-
 from conftest import torchrun
+from mta.data.online_spans import PendingSpans
+from mta.store.read import read_annotations
+from mta.training.batching import AnnotatedExamples
+from mta.training.config.loading import load_recipe
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.sampling import policy, replay_buffer
+from mta.training.trainer import Trainer, run_distillation
 from mta_cli.reporting import generation_summary
 from test_distill import one_thread, same_data, teacher_dir, weights, write_recipe  # noqa: F401  (fixtures)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import EXAMPLES
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.read import read_annotations
 from mta.data.encoding import BYTE_LEVEL_CHARS, TokenizerSide
 from mta.data.online_spans import (
     GeneratedRow,
@@ -26,8 +26,7 @@ from mta.data.online_spans import (
     online_annotator,
 )
 from mta.errors import MtaError
-
-from conftest import EXAMPLES
+from mta.store.read import read_annotations
 from test_annotate import EDGE_ROWS, reference_range, write_jsonl
 
 MULTIBYTE = "Café crème, naïve señor: 茶是一种饮料 👋🏽 and 🎉 done."

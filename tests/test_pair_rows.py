@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.read import read_annotations
-from mta.errors import MtaError
-
 from conftest import EXAMPLES
+from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.errors import MtaError
+from mta.store.read import read_annotations
 from test_annotate import write_jsonl
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"

@@ -9,7 +9,6 @@ import yaml
 from typer.testing import CliRunner
 
 from mta.errors import MtaError
-from mta.training.config.loading import load_recipe
 from mta.training.config.catalog import (
     INPUT_PATH_KEYS,
     SHIPPED_DIR,
@@ -20,6 +19,7 @@ from mta.training.config.catalog import (
     shipped_recipe,
     shipped_recipes,
 )
+from mta.training.config.loading import load_recipe
 from mta_cli.main import app
 
 SHIPPED = shipped_recipes()

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from mta.errors import MtaError
-from mta.training.config.loading import load_recipe, recipe_to_yaml
 from mta.training.config.catalog import SHIPPED_DIR, copy_recipe, shipped_recipes
 from mta.training.config.extends import merged_recipe, recipe_chain
+from mta.training.config.loading import load_recipe, recipe_to_yaml
 from mta.training.config.yaml_reader import load_yaml
 
 TINY = SHIPPED_DIR / "tiny.yaml"

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import MINIMAL_RECIPE
 from mta.training.config.loading import load_recipe
 from mta.training.config.yaml_reader import MAX_RECIPE_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, load_yaml
-
-from conftest import MINIMAL_RECIPE
 from test_recipes import error_of, write
 
 REPO = Path(__file__).resolve().parents[1]

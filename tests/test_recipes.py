@@ -7,13 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import MINIMAL_RECIPE
 from mta.errors import MtaError
 from mta.training.config.deepspeed_settings import deepspeed_setting_names
 from mta.training.config.loading import load_recipe, recipe_to_yaml
 from mta.training.config.model_checks import check_sequence_lengths, position_limit
 from mta.training.config.schema import LayerPair
-
-from conftest import MINIMAL_RECIPE
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from mta.training.config.catalog import find_recipe
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import LayerPair
-from mta.training.config.catalog import find_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = [

@@ -7,7 +7,6 @@ import torch
 from transformers import AutoTokenizer
 
 from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, save_checkpoint
-
 from test_checkpoint_faults import _recipe, _step, new_engine  # noqa: F401  (fixture)
 from test_distill import one_thread  # noqa: F401  (fixture)
 

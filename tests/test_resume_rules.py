@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import MINIMAL_RECIPE
 from mta.errors import MtaError
 from mta.training.config.loading import load_recipe, recipe_to_yaml
 from mta.training.config.resume_rules import (
@@ -18,8 +19,6 @@ from mta.training.config.resume_rules import (
     read_saved_recipe,
     resume_changes,
 )
-
-from conftest import MINIMAL_RECIPE
 
 MINIMAL = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model")
 

@@ -13,16 +13,15 @@ import pytest
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
-from mta.store.read import read_annotations
+from conftest import REPO
 from mta.data.prompts import alpaca_prompt, prompt_style, recorded_template
 from mta.data.rows import RowProblem, read_rows
 from mta.errors import MtaError
 from mta.evaluation.datasets import load_rows
+from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
 from mta.training.train_data import check_manifest
 from mta_cli.main import app
-
-from conftest import REPO
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
 
 runner = CliRunner()

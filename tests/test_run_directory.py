@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from mta.errors import MtaError
+from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import run_directory
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.loading import load_recipe
 from mta.training.trainer import NonFiniteWeights, run_distillation
-
 from test_distill import one_thread, same_data, teacher_dir, weights, write_recipe  # noqa: F401  (fixtures)
 
 

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mta.store.read import read_annotations
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation.datasets import resolve_benchmarks
@@ -22,12 +21,11 @@ from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.hashing import directory_checksums, read_checksums
 from mta.models.tokenizers import load_tokenizer
 from mta.scoring import completion_text, rouge_l
-from mta.training.lifecycle import checkpointing
-from mta.training.lifecycle import selection
-from mta.training.lifecycle.metrics import read_metrics
+from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
+from mta.training.lifecycle import checkpointing, selection
+from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import run_distillation
-
 from test_distill import LENGTHS, one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
 from test_evaluate_command import data_dir, write_jsonl  # noqa: F401  (fixture)
 

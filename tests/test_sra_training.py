@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM
 
-from mta.training.lifecycle.metrics import read_metrics
 from mta.training.config.loading import load_recipe
+from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import Trainer, run_distillation
-
 from test_distill import one_thread, weights  # noqa: F401  (fixtures)
 
 TINY_CROSS = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cross.yaml"

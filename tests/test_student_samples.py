@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from mta.data.annotate import AnnotateSettings
-from mta.store.read import read_annotations
 from mta.data.online_spans import GeneratedRow, SpanParser, annotate_generated
 from mta.generation import Completion
 from mta.models.tokenizers import load_tokenizer
-from mta.training.sampling import micro_batches
+from mta.store.read import read_annotations
 from mta.training.batching import IGNORE_INDEX, AnnotatedExamples
 from mta.training.config.schema import Recipe
+from mta.training.sampling import micro_batches
 from mta.training.sampling.micro_batches import OffPolicyBatches
-
 from test_distill import LENGTHS, same_data  # noqa: F401  (fixture)
 
 BUDGET = 8

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from mta.data.token_ranges import prompt_token_count, token_ranges
 from mta.data.encoding import TokenizerSide
+from mta.data.token_ranges import prompt_token_count, token_ranges
 from mta.data.truncation import FittedText, PromptTooLong, fit_to_limits, last_fitting_cut
 
 TEXT = (

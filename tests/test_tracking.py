@@ -16,10 +16,9 @@ from typer.testing import CliRunner
 
 from mta import tracking
 from mta.errors import MtaError
-from mta.training.lifecycle.metrics import read_metrics
 from mta.training.config.loading import load_recipe
+from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import run_distillation
-
 from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]

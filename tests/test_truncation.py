@@ -12,10 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.store.read import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.truncation import FittedText, fit_to_limits
-
+from mta.store.read import read_annotations
 from test_annotate import check_artefact, write_jsonl
 
 PROMPT = "Question: why is the sky blue?\nAnswer: "

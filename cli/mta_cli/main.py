@@ -74,17 +74,19 @@ _flags_show_no_type()
 def _register() -> None:
     # Imported here so `import mta_cli.main` stays cheap and a broken subcommand module
     # names itself in the traceback instead of hiding the others.
-    from mta_cli.commands import annotate
-    from mta_cli.commands import data
-    from mta_cli.commands import demo
-    from mta_cli.commands import demo_embed
-    from mta_cli.commands import distill
-    from mta_cli.commands import embed
-    from mta_cli.commands import evaluate
-    from mta_cli.commands import generate
-    from mta_cli.commands import models
-    from mta_cli.commands import recipes
-    from mta_cli.commands import show
+    from mta_cli.commands import (
+        annotate,
+        data,
+        demo,
+        demo_embed,
+        distill,
+        embed,
+        evaluate,
+        generate,
+        models,
+        recipes,
+        show,
+    )
 
     app.command("annotate")(annotate.annotate)
     app.command("embed")(embed.embed)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -89,7 +90,7 @@ def generation_summary(record: dict[str, Any]) -> str:
 class RichReporter:
     """Use as a context manager around a command so its bars share one live display."""
 
-    def __init__(self, console: Optional[Console] = None):
+    def __init__(self, console: Console | None = None):
         self.console = console or Console(stderr=True)
         self.progress = Progress(
             TextColumn("{task.description}"),
@@ -101,9 +102,9 @@ class RichReporter:
             TimeRemainingColumn(),
             console=self.console,
         )
-        self._task: Optional[int] = None
+        self._task: int | None = None
 
-    def __enter__(self) -> "RichReporter":
+    def __enter__(self) -> RichReporter:
         self.progress.start()
         return self
 
@@ -114,7 +115,7 @@ class RichReporter:
     def message(self, text: str) -> None:
         self.console.print(text, highlight=False)
 
-    def start(self, description: str, total: Optional[int], *, completed: int = 0, unit: str = "rows") -> None:
+    def start(self, description: str, total: int | None, *, completed: int = 0, unit: str = "rows") -> None:
         self.stop()
         if not self.progress.live.is_started:
             self.progress.start()
@@ -159,7 +160,7 @@ def clock_text(seconds: float) -> str:
 @dataclass
 class _PlainTask:
     description: str
-    total: Optional[int]
+    total: int | None
     completed: int
     unit: str
     started: float
@@ -169,7 +170,7 @@ class _PlainTask:
     last_bucket: int = -1
     printed: int = -1  # ``completed`` at the last progress line
 
-    def rate(self, now: float) -> Optional[float]:
+    def rate(self, now: float) -> float | None:
         elapsed = now - self.started
         done = self.completed - self.first
         return done / elapsed if elapsed > 0 and done > 0 else None
@@ -194,7 +195,7 @@ class PlainReporter:
 
     def __init__(
         self,
-        console: Optional[Console] = None,
+        console: Console | None = None,
         *,
         every_percent: int = 10,
         every_s: float = 30.0,
@@ -204,9 +205,9 @@ class PlainReporter:
         self.every_percent = every_percent
         self.every_s = every_s
         self.clock = clock
-        self._task: Optional[_PlainTask] = None
+        self._task: _PlainTask | None = None
 
-    def __enter__(self) -> "PlainReporter":
+    def __enter__(self) -> PlainReporter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -222,7 +223,7 @@ class PlainReporter:
             if line.strip():
                 self._line(line.rstrip())
 
-    def start(self, description: str, total: Optional[int], *, completed: int = 0, unit: str = "rows") -> None:
+    def start(self, description: str, total: int | None, *, completed: int = 0, unit: str = "rows") -> None:
         self.stop()
         now = self.clock()
         self._task = _PlainTask(description, total, completed, unit, started=now, first=completed, last_line=now)
@@ -308,7 +309,7 @@ def progress_style(console: Console) -> str:
     return chosen
 
 
-def make_reporter(console: Optional[Console] = None) -> Union[RichReporter, PlainReporter]:
+def make_reporter(console: Console | None = None) -> RichReporter | PlainReporter:
     """The reporter a command draws with (a context manager): see ``progress_style``."""
     console = console or Console(stderr=True)
     return RichReporter(console) if progress_style(console) == "rich" else PlainReporter(console)

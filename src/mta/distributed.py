@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist

@@ -4,14 +4,14 @@ helper its messages use to name what the user probably meant."""
 from __future__ import annotations
 
 import difflib
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 
 class MtaError(Exception):
     """A problem the user can fix: the message names the file, line or key and the fix."""
 
 
-def close_match(word: str, choices: Iterable[str]) -> Optional[str]:
+def close_match(word: str, choices: Iterable[str]) -> str | None:
     """The choice ``word`` most likely misspells (``max-length`` -> ``max_length``), if any."""
     choices = list(choices)
     normal = {choice.lower().replace("-", "_"): choice for choice in choices}

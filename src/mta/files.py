@@ -28,9 +28,10 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from mta.errors import MtaError
 
@@ -195,7 +196,7 @@ class Journal:
     def close(self) -> None:
         self._handle.close()
 
-    def __enter__(self) -> "Journal":
+    def __enter__(self) -> Journal:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, Sequence
+from typing import Any, Literal
 
 import torch
 
 from mta import distributed
-from mta.store.manifests import MAX_SKIPPED_EXAMPLES
 from mta.data.rows import INVALID_TEXT, Example, RowProblem, check_input_file, read_rows, summarize_input
 from mta.dtypes import DTYPES, dtype_name, resolve_dtype
 from mta.errors import MtaError
@@ -57,6 +57,7 @@ from mta.generation.generator import HFGenerator
 from mta.generation.sampling import SamplingParams, sampling_seed
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
+from mta.store.manifests import MAX_SKIPPED_EXAMPLES
 
 SIDES = ("teacher", "student")
 # What each side's response is called in the output, as DPO-style trainers read it.
@@ -90,7 +91,7 @@ class PairSettings:
     max_prompt_length: int = 256
     batch_size: int = 16
     seed: int = 42
-    limit: Optional[int] = None
+    limit: int | None = None
     dtype: str = "auto"
     device: str = "auto"
     on_error: Literal["fail", "skip"] = "fail"

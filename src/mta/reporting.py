@@ -8,14 +8,14 @@ that renders rich progress bars (``mta_cli.reporting.RichReporter``); library us
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 
 class Reporter(Protocol):
     def message(self, text: str) -> None:
         """One line a person should read (what is being reused, a summary, a warning)."""
 
-    def start(self, description: str, total: Optional[int], *, completed: int = 0, unit: str = "rows") -> None:
+    def start(self, description: str, total: int | None, *, completed: int = 0, unit: str = "rows") -> None:
         """A task of ``total`` units (``rows``, ``steps``), ``completed`` of them already done."""
 
     def advance(self, amount: int = 1, **counters: float) -> None:
@@ -34,7 +34,7 @@ class SilentReporter:
     def message(self, text: str) -> None:
         pass
 
-    def start(self, description: str, total: Optional[int], *, completed: int = 0, unit: str = "rows") -> None:
+    def start(self, description: str, total: int | None, *, completed: int = 0, unit: str = "rows") -> None:
         pass
 
     def advance(self, amount: int = 1, **counters: float) -> None:

@@ -10,8 +10,9 @@ count such rows instead of hiding them.
 from __future__ import annotations
 
 import string
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from rouge_score import rouge_scorer, tokenize
 

@@ -42,8 +42,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import yaml
 
@@ -144,7 +145,7 @@ def evaluation_record(results: Mapping[str, Any]) -> dict[str, Any]:
 class TensorBoardTracker:
     name = "tensorboard"
 
-    def __init__(self, output_dir: Path, resume_step: Optional[int]):
+    def __init__(self, output_dir: Path, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = output_dir / TENSORBOARD_DIR
@@ -175,7 +176,7 @@ class TensorBoardTracker:
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, output_dir: Path, run_name: str, project: str, run_id: str, state: "_State"):
+    def __init__(self, output_dir: Path, run_name: str, project: str, run_id: str, state: _State):
         import wandb
 
         stored = state.get(self.name)
@@ -225,7 +226,7 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(
-        self, output_dir: Path, run_name: str, experiment: str, run_id: str, state: "_State", resume_step: Optional[int]
+        self, output_dir: Path, run_name: str, experiment: str, run_id: str, state: _State, resume_step: int | None
     ):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         store = uri or "local"  # recorded as "local" so a moved OUT still finds its run
@@ -331,7 +332,7 @@ class _State:
                 stored = {}
         self.data: dict[str, Any] = {**stored, "run_id": run_id}
 
-    def get(self, backend: str) -> Optional[dict[str, Any]]:
+    def get(self, backend: str) -> dict[str, Any] | None:
         value = self.data.get(backend)
         return value if isinstance(value, dict) else None
 
@@ -389,8 +390,8 @@ def open_trackers(
     *,
     name: str,
     run_id: str,
-    resume_step: Optional[int] = None,
-    project: Optional[str] = None,
+    resume_step: int | None = None,
+    project: str | None = None,
     source: str = "train.report_to",
 ) -> Trackers:
     """The listed backends, opened on the main process (empty elsewhere).

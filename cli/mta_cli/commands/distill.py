@@ -6,20 +6,19 @@ import contextlib
 import os
 import shlex
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
-from mta.training.config.loading import load_recipe
 from mta.training.config.catalog import find_recipe
+from mta.training.config.loading import load_recipe
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
 
 
-def resume_command(recipe: str, overrides: List[str], *, verbose: bool = False) -> str:
+def resume_command(recipe: str, overrides: list[str], *, verbose: bool = False) -> str:
     """The shell command that continues this run: the same recipe and overrides, ``--resume auto``."""
     argv = ["mta", "distill", "--recipe", recipe, *overrides, "--resume", "auto"]
     return shlex.join(argv + (["--verbose"] if verbose else []))
@@ -49,10 +48,10 @@ def distill(
         help="recipe YAML file, or the name of a shipped recipe (`mta recipes list`); "
         "an existing file (NAME, then NAME.yaml) wins over a shipped name",
     ),
-    overrides: Optional[List[str]] = typer.Argument(
+    overrides: list[str] | None = typer.Argument(
         None, help="key=value overrides, e.g. train.lr=5e-5 train.zero_stage=3", show_default=False
     ),
-    resume: Optional[str] = typer.Option(
+    resume: str | None = typer.Option(
         None, "--resume", help="'auto' (newest complete checkpoint in output_dir) or a checkpoint dir"
     ),
     overwrite: bool = typer.Option(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -39,10 +38,10 @@ def embed(
         help="auto: a sentence-transformers directory's own pooling and Normalize "
         "(mean for a plain encoder); or mean, cls, max, last (the last real token).",
     ),
-    normalize: Optional[bool] = typer.Option(
+    normalize: bool | None = typer.Option(
         None, "--normalize/--no-normalize", help="L2-normalise the vectors [default: as the teacher's config says]."
     ),
-    max_length: Optional[int] = typer.Option(
+    max_length: int | None = typer.Option(
         None, help="Tokens per text, special ones included [default: the teacher's max_seq_length, else 256]."
     ),
     batch_size: int = typer.Option(64, help="Texts per forward pass (batches are length-sorted)."),
@@ -51,9 +50,9 @@ def embed(
         help="auto (bf16 where the device computes it natively, else fp32), fp32, bf16 or fp16; vectors are stored as float32.",
     ),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
-    text_field: Optional[str] = typer.Option(None, help="Embed this column as the text (instead of the rule above)."),
+    text_field: str | None = typer.Option(None, help="Embed this column as the text (instead of the rule above)."),
     on_error: OnError = typer.Option(OnError.fail, help="Stop at a row without a text, or skip and count it."),
-    shard: Optional[str] = typer.Option(
+    shard: str | None = typer.Option(
         None,
         help="Embed every N-th row starting at row I (I/N), for array jobs [default: under torchrun, "
         "this rank's share].",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -34,17 +33,17 @@ def _csv(value: str, what: str) -> list[str]:
 
 
 def evaluate(
-    checkpoints: List[str] = typer.Argument(..., help="Model directories (with their tokenizer) or hub names."),
+    checkpoints: list[str] = typer.Argument(..., help="Model directories (with their tokenizer) or hub names."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory: predictions/, results.json, results.md."),
-    data_dir: Optional[Path] = typer.Option(
+    data_dir: Path | None = typer.Option(
         None, "--data-dir", help="Evaluation sets, as DIR/SET/valid.jsonl. Default: $MTA_DATA_DIR, else ./data."
     ),
-    names: Optional[str] = typer.Option(
+    names: str | None = typer.Option(
         None,
         "--names",
         help="Comma-separated labels, one per checkpoint. Default: each run directory's name (runs/x/final → x), lengthened only where two collide.",
     ),
-    benchmarks: Optional[str] = typer.Option(
+    benchmarks: str | None = typer.Option(
         None,
         "--benchmarks",
         help="Comma-separated sets [default: dolly,self-inst,vicuna,sinst,uinst; missing ones skipped]; "
@@ -55,23 +54,23 @@ def evaluate(
     max_prompt_length: int = typer.Option(256, help="Prompt tokens kept (a longer prompt keeps its first ones)."),
     max_new_tokens: int = typer.Option(256, help="Most tokens generated per row."),
     batch_size: int = typer.Option(16, help="Prompts per generation batch."),
-    limit: Optional[int] = typer.Option(None, help="Evaluate only the first N rows of every set (quick runs)."),
+    limit: int | None = typer.Option(None, help="Evaluate only the first N rows of every set (quick runs)."),
     dtype: str = typer.Option(
         "auto", help="auto (bf16 on a GPU or a CPU with bf16 instructions, else fp32), fp32, bf16 or fp16."
     ),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
-    perplexity: Optional[str] = typer.Option(
+    perplexity: str | None = typer.Option(
         None,
         "--perplexity",
         help="Also score teacher-forced perplexity on a set, e.g. dolly-dev (DIR/dolly/dev.jsonl).",
     ),
-    perplexity_limit: Optional[int] = typer.Option(None, help="First N rows of the perplexity set."),
+    perplexity_limit: int | None = typer.Option(None, help="First N rows of the perplexity set."),
     template: TemplateChoice = typer.Option(
         TemplateChoice.alpaca,
         help="How prompts are built from rows: alpaca (the Alpaca prompt for rows "
         "without a 'prompt'), chat (each checkpoint's own chat template), none (each row's 'prompt' as given).",
     ),
-    report_to: Optional[str] = typer.Option(
+    report_to: str | None = typer.Option(
         None,
         "--report-to",
         help="Also send the results to experiment trackers, comma-separated: tensorboard (OUT/tensorboard/), "
@@ -83,13 +82,13 @@ def evaluate(
         help="llm (the default: generation, ROUGE-L) or embedding (sentence encoders: "
         "teacher agreement on held-out texts and the TALAS author's nine tasks; see mta_cli.commands.evaluate_embedding).",
     ),
-    teacher: Optional[str] = typer.Option(
+    teacher: str | None = typer.Option(
         None, "--teacher", help="--task embedding: the teacher that embeds --data's held-out texts."
     ),
-    data: Optional[Path] = typer.Option(
+    data: Path | None = typer.Option(
         None, "--data", help="--task embedding: held-out texts (any input `mta embed` reads)."
     ),
-    teacher_embeddings: Optional[Path] = typer.Option(
+    teacher_embeddings: Path | None = typer.Option(
         None,
         "--teacher-embeddings",
         help="--task embedding: an `mta embed` directory of held-out texts (instead of --teacher/--data).",
@@ -99,10 +98,10 @@ def evaluate(
         "--pooling",
         help="--task embedding: auto (each checkpoint's sentence-transformers pooling, else mean), mean, cls, max, last.",
     ),
-    tasks: Optional[str] = typer.Option(
+    tasks: str | None = typer.Option(
         None, "--tasks", help="--task embedding: comma-separated tasks of the nine [default: all], or none."
     ),
-    tasks_dir: Optional[Path] = typer.Option(
+    tasks_dir: Path | None = typer.Option(
         None, "--tasks-dir", help="--task embedding: the author's CSVs (phongdq/TALAS-M-Datasets multi-data/)."
     ),
     max_pairs: int = typer.Option(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -24,16 +24,16 @@ def evaluate_embedding(
     checkpoints: Sequence[str],
     *,
     out: Path,
-    names: Optional[list[str]],
-    teacher: Optional[str],
-    data: Optional[Path],
-    teacher_embeddings: Optional[Path],
+    names: list[str] | None,
+    teacher: str | None,
+    data: Path | None,
+    teacher_embeddings: Path | None,
     pooling: str,
-    tasks: Optional[list[str]],
-    tasks_dir: Optional[Path],
+    tasks: list[str] | None,
+    tasks_dir: Path | None,
     max_pairs: int,
     batch_size: int,
-    limit: Optional[int],
+    limit: int | None,
     dtype: str,
     device: str,
 ) -> None:

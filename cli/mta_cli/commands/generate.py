@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -34,7 +33,7 @@ def generate(
     ),
     batch_size: int = typer.Option(BATCH_SIZE, help="Prompts per generation batch."),
     seed: int = typer.Option(SEED, help="Sampling seed; each row's noise is keyed by (seed, side, row id)."),
-    limit: Optional[int] = typer.Option(None, help="Only the first N input rows (quick runs)."),
+    limit: int | None = typer.Option(None, help="Only the first N input rows (quick runs)."),
     dtype: str = typer.Option(
         "auto", help="auto (bf16 on a GPU or a CPU with bf16 instructions, else fp32), fp32, bf16 or fp16."
     ),

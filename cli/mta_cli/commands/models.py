@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -20,7 +20,7 @@ app = typer.Typer(help="Fetch, convert and build models.", no_args_is_help=True)
 console = Console()
 
 OutputDir = Annotated[
-    Optional[Path], typer.Option("-o", "--output", help="Directory to write (default: in the model cache).")
+    Path | None, typer.Option("-o", "--output", help="Directory to write (default: in the model cache).")
 ]
 Force = Annotated[bool, typer.Option("--force", help="Build again and replace the directory.")]
 
@@ -47,9 +47,9 @@ def smollm2(output: OutputDir = None, force: Force = False) -> None:
     console.print(table)
 
 
-def _packaged_encoder(which: str, output: Optional[Path], force: bool) -> None:
-    from mta.models.cache import SOURCE_RECORD
+def _packaged_encoder(which: str, output: Path | None, force: bool) -> None:
     from mta.embedding.sentence_encoders import ENCODERS, convert_packaged_encoder
+    from mta.models.cache import SOURCE_RECORD
 
     with console.status(f"converting {ENCODERS[which].name}") as status:
         directory = convert_packaged_encoder(which, output, force=force, report=status.update)
@@ -109,7 +109,7 @@ def qwen_tokenizer(output: OutputDir = None, force: Force = False) -> None:
 def init_student(
     teacher: Annotated[str, typer.Option("--from", help="Teacher: a Hugging Face model directory.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Directory to write.")],
-    layers: Annotated[Optional[int], typer.Option("--layers", "-k", help="How many decoder blocks to keep.")] = None,
+    layers: Annotated[int | None, typer.Option("--layers", "-k", help="How many decoder blocks to keep.")] = None,
     pick: Annotated[
         str,
         typer.Option(
@@ -119,7 +119,7 @@ def init_student(
         ),
     ] = "evenly",
     keep: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--keep", help="Exactly these blocks, 0-based, comma-separated (0,5,29)."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing directory.")] = False,

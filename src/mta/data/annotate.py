@@ -18,25 +18,26 @@ import math
 import multiprocessing
 import secrets
 from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Optional
+from typing import Any, Literal
 
 import mta
-from mta.data.example_annotator import ChunkResult, ExampleAnnotator, annotate_in_worker, init_annotator_worker
+from mta import distributed
 from mta.data.artefact_schema import SCHEMA_VERSION, VERSION_KEY
 from mta.data.encoding import TokenizerSide
+from mta.data.example_annotator import ChunkResult, ExampleAnnotator, annotate_in_worker, init_annotator_worker
 from mta.data.prompts import PromptStyle, Template, check_template, prompt_style
 from mta.data.rows import Example, InputSummary, RowProblem, field_problems
 from mta.data.sources import InputSource, input_identity, open_source
 from mta.data.span_extraction import SpanExtractor, WordSpans, check_span_rule, load_spacy, resolve_spacy_model
 from mta.data.token_ranges import SpanRule
-from mta import distributed
 from mta.errors import MtaError
 from mta.files import disk_full_is_reported, make_output_directory
-from mta.reporting import Reporter, SilentReporter
 from mta.hashing import json_sha256
+from mta.reporting import Reporter, SilentReporter
 from mta.store.layout import remove_if_empty, staged_part
 from mta.store.locks import shard_lock
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES
@@ -114,7 +115,7 @@ class AnnotateSettings:
         check_template(self.template)
 
     @classmethod
-    def from_recipe(cls, recipe, **overrides: Any) -> "AnnotateSettings":
+    def from_recipe(cls, recipe, **overrides: Any) -> AnnotateSettings:
         """Tokenizers and data settings of a :class:`mta.training.config.schema.Recipe`.
 
         Without a teacher (plain SFT) the student's tokenizer stands on both sides.
@@ -147,7 +148,7 @@ class AnnotateOutcome:
 
     directory: Path
     shard_manifest: dict[str, Any]
-    manifest: Optional[dict[str, Any]]
+    manifest: dict[str, Any] | None
     reused: bool
 
     @property
@@ -161,7 +162,7 @@ def annotate_file(
     settings: AnnotateSettings,
     *,
     force: bool = False,
-    reporter: Optional[Reporter] = None,
+    reporter: Reporter | None = None,
 ) -> Path:
     """Annotate ``input_path`` into ``out_dir`` (or reuse a matching artefact); return ``out_dir``."""
     return run_annotate(input_path, out_dir, settings, force=force, reporter=reporter).directory
@@ -173,7 +174,7 @@ def run_annotate(
     settings: AnnotateSettings,
     *,
     force: bool = False,
-    reporter: Optional[Reporter] = None,
+    reporter: Reporter | None = None,
     shard: int = 0,
     num_shards: int = 1,
 ) -> AnnotateOutcome:

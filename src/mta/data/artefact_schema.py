@@ -59,8 +59,9 @@ it in the changelog. An mta meeting a newer layout refuses it, naming the upgrad
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 

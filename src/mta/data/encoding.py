@@ -25,9 +25,9 @@ from __future__ import annotations
 import codecs
 import json
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class TokenizerSide:
     _token_bytes: object = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def load(cls, name_or_path: str | Path) -> "TokenizerSide":
+    def load(cls, name_or_path: str | Path) -> TokenizerSide:
         from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
 
         tokenizer = load_tokenizer(name_or_path)
@@ -129,7 +129,7 @@ class TokenizerSide:
         return text, Encoding(ids=ids.astype(np.int32), offsets=offsets.astype(np.int64).reshape(-1, 2))
 
     @property
-    def token_bytes(self) -> "TokenBytes":
+    def token_bytes(self) -> TokenBytes:
         """The vocabulary's bytes, built on first use (once per process; a forked worker
         inherits it)."""
         if self._token_bytes is None:
@@ -162,7 +162,7 @@ class TokenBytes:
     lengths: np.ndarray
 
     @classmethod
-    def of(cls, backend, backend_json: str, name: str) -> "TokenBytes":
+    def of(cls, backend, backend_json: str, name: str) -> TokenBytes:
         decoder = (json.loads(backend_json).get("decoder") or {}).get("type")
         if decoder != "ByteLevel":
             raise MtaError(

@@ -15,17 +15,17 @@ from __future__ import annotations
 import os
 import signal
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from mta.data.token_ranges import SpanRule, boundary_spans, member_ranges, membership_ranges, prompt_token_count
 from mta.data.artefact_schema import BOUNDARY_SPAN, SCHEMA, SIDES, SPAN
 from mta.data.encoding import Encoding, TokenizerSide
 from mta.data.rows import PROMPT_TOO_LONG, Example, RowProblem
 from mta.data.span_extraction import WORD, SpanExtractor
+from mta.data.token_ranges import SpanRule, boundary_spans, member_ranges, membership_ranges, prompt_token_count
 from mta.data.truncation import FittedText, PromptTooLong, fit_to_limits
 
 SPACY_BATCH_SIZE = 64

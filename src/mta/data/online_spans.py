@@ -42,8 +42,8 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
-from typing import Optional, Sequence
 
 import pyarrow as pa
 
@@ -84,8 +84,8 @@ def load_sides(settings: AnnotateSettings) -> tuple[TokenizerSide, TokenizerSide
 
 def online_annotator(
     settings: AnnotateSettings,
-    teacher: Optional[TokenizerSide] = None,
-    student: Optional[TokenizerSide] = None,
+    teacher: TokenizerSide | None = None,
+    student: TokenizerSide | None = None,
 ) -> ExampleAnnotator:
     """The annotator ``mta annotate`` builds for ``settings`` (spaCy model, word spans), in this
     process; the tokenizers are loaded unless given."""
@@ -106,7 +106,7 @@ def generated_row(
     prompt_ids: Sequence[int],
     generated_ids: Sequence[int],
     *,
-    finished: Optional[bool] = None,
+    finished: bool | None = None,
     side: str = "student",
     id: int = 0,
 ) -> dict:
@@ -140,7 +140,7 @@ class PendingSpans:
     def done(self) -> bool:
         return all(future.done() for future in self._futures)
 
-    def result(self, timeout: Optional[float] = None) -> ChunkResult:
+    def result(self, timeout: float | None = None) -> ChunkResult:
         """The rows of the batch, in submission order (``batch``: ``SCHEMA``, one row per
         submitted row). Raises what a worker raised, ``MtaError`` when a worker died,
         ``RuntimeError`` when the parser was closed first, and ``TimeoutError`` after ``timeout``
@@ -170,7 +170,7 @@ class PendingSpans:
         return merge_results(results)
 
 
-def _completed(result: Optional[ChunkResult] = None, error: Optional[BaseException] = None):
+def _completed(result: ChunkResult | None = None, error: BaseException | None = None):
     future: concurrent.futures.Future = concurrent.futures.Future()
     if error is not None:
         future.set_exception(error)
@@ -246,9 +246,9 @@ class SpanParser:
         settings: AnnotateSettings,
         *,
         workers: int = 0,
-        teacher: Optional[TokenizerSide] = None,
-        student: Optional[TokenizerSide] = None,
-        start_method: Optional[str] = None,
+        teacher: TokenizerSide | None = None,
+        student: TokenizerSide | None = None,
+        start_method: str | None = None,
         result_timeout_s: float = RESULT_TIMEOUT_S,
     ):
         if workers < 0:
@@ -267,13 +267,13 @@ class SpanParser:
         self._build = functools.partial(
             build_annotator, settings, teacher, student, resolve_spacy_model(settings.spacy_model)[0]
         )
-        self._annotator: Optional[ExampleAnnotator] = None
-        self._executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
+        self._annotator: ExampleAnnotator | None = None
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "SpanParser":
+    def start(self) -> SpanParser:
         """Load spaCy (and, with workers, start and wait for them). Idempotent."""
         if self._closed:
             raise RuntimeError("this SpanParser was closed; make a new one")
@@ -329,7 +329,7 @@ class SpanParser:
         if manager is not None:
             manager.join(2.0)
 
-    def __enter__(self) -> "SpanParser":
+    def __enter__(self) -> SpanParser:
         return self.start()
 
     def __exit__(self, exc_type, *exc_info) -> None:

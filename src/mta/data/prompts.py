@@ -34,9 +34,10 @@ still need only the Rust ``tokenizers``. This module imports transformers only i
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence, get_args
+from typing import Any, Literal, get_args
 
 from mta.errors import MtaError
 from mta.hashing import json_sha256
@@ -145,7 +146,7 @@ class ChatTemplate:
     tokenizer: Any = field(repr=False, compare=False)
 
     @classmethod
-    def of(cls, tokenizer: Any, name: str | Path) -> "ChatTemplate":
+    def of(cls, tokenizer: Any, name: str | Path) -> ChatTemplate:
         """The chat template of a loaded tokenizer; ``MtaError`` when it has none."""
         template = getattr(tokenizer, "chat_template", None)
         if not template:
@@ -158,7 +159,7 @@ class ChatTemplate:
         return cls(name=str(name), sha256="sha256:" + json_sha256(template), tokenizer=tokenizer)
 
     @classmethod
-    def load(cls, name_or_path: str | Path) -> "ChatTemplate":
+    def load(cls, name_or_path: str | Path) -> ChatTemplate:
         from mta.models.tokenizers import load_tokenizer
 
         return cls.of(load_tokenizer(name_or_path), name_or_path)
@@ -193,8 +194,8 @@ class PromptStyle:
     artefact it comes from: ``rendered_by``, e.g. "student")."""
 
     template: Template = DEFAULT_TEMPLATE
-    chat: Optional[ChatTemplate] = None
-    rendered_by: Optional[str] = None
+    chat: ChatTemplate | None = None
+    rendered_by: str | None = None
 
     def __post_init__(self) -> None:
         check_template(self.template)

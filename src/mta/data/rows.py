@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Union
+from typing import Any, Union
 
 from mta.data.prompts import (  # the two reasons a prompt cannot be built are also row reasons
     ALPACA,

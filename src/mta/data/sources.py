@@ -27,10 +27,11 @@ path: :func:`mta.hashing.directory_checksums`).
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 from mta.data.prompts import ALPACA, PromptProblem, PromptStyle
 from mta.data.rows import (
@@ -91,7 +92,7 @@ class InputSource:
 
     def first_problem(
         self, *, shard: int = 0, num_shards: int = 1, style: PromptStyle = ALPACA
-    ) -> Optional[RowProblem]:
+    ) -> RowProblem | None:
         """The shard's first unusable row, found before any expensive work starts."""
         rows = self.rows(shard=shard, num_shards=num_shards, style=style)
         return next((row for row in rows if isinstance(row, RowProblem)), None)
@@ -233,7 +234,7 @@ class DatasetsSource(InputSource):
 _KIND = {PARQUET: "Parquet", CSV: "CSV", DATASET: "a datasets save_to_disk directory"}
 
 
-def open_source(path: str | Path, fields: Optional[Mapping[str, str]] = None) -> InputSource:
+def open_source(path: str | Path, fields: Mapping[str, str] | None = None) -> InputSource:
     """The input at ``path``, by what it is (see the module docstring); ``MtaError`` naming
     what to give when it is none of them, or when ``fields`` maps onto an unknown key."""
     path, fields = Path(path), dict(fields or {})

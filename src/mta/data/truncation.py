@@ -18,13 +18,13 @@ and is encoded whole, exactly as before. What spaCy parses is bounded the same w
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
-from mta.data.token_ranges import prompt_token_count
 from mta.data.encoding import Encoding, TokenizerSide
+from mta.data.token_ranges import prompt_token_count
 
 # Characters after a token within which more text can still change it (one word, generously):
 # a window's tokens that end this far before its end are those of the whole text.

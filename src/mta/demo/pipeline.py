@@ -16,22 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.demo.settings import VARIANTS, DemoSettings, Variant
 from mta.distributed import local_device
 from mta.dtypes import auto_reason, resolve_precision
-from mta.demo.settings import VARIANTS, DemoSettings, Variant
 from mta.errors import MtaError
-from mta.files import atomic_write_json, atomic_write_text
-from mta.reporting import Reporter, SilentReporter
-from mta.evaluation.datasets import default_data_dir
 from mta.evaluation import EvalSettings, evaluate_checkpoints
+from mta.evaluation.datasets import default_data_dir
+from mta.files import atomic_write_json, atomic_write_text
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
-from mta.training.lifecycle.checkpointing import latest_checkpoint
-from mta.training.engine import resolve_training_precision
+from mta.reporting import Reporter, SilentReporter
+from mta.training.config.catalog import SHIPPED_DIR
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import Recipe
+from mta.training.engine import resolve_training_precision
+from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.trainer import run_distillation
-from mta.training.config.catalog import SHIPPED_DIR
 
 DEMO_RECIPE = SHIPPED_DIR / "smollm2-demo.yaml"
 SETTINGS_FILE = "demo.json"

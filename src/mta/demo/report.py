@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 from mta import distributed
 from mta.demo.settings import VARIANTS
-from mta.files import atomic_path, atomic_write_text
-from mta.tables import markdown_table
 from mta.evaluation.datasets import BENCHMARKS
 from mta.evaluation.results import averages
+from mta.files import atomic_path, atomic_write_text
 from mta.models.weights import parameter_count
+from mta.tables import markdown_table
 
 RESULTS_MARKDOWN, RESULTS_JSON, SUMMARY_PICTURE = "results.md", "results.json", "summary.png"
 

@@ -67,7 +67,7 @@ class DemoSettings:
     precision: str = "auto"
 
     @classmethod
-    def full(cls) -> "DemoSettings":
+    def full(cls) -> DemoSettings:
         return cls(
             name="full",
             eval_limits={"dolly": 32, "self-inst": 16, "vicuna": 16, "sinst": 16},
@@ -75,7 +75,7 @@ class DemoSettings:
         )
 
     @classmethod
-    def quick(cls) -> "DemoSettings":
+    def quick(cls) -> DemoSettings:
         return cls(
             name="quick",
             train_steps=4,

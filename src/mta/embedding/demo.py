@@ -36,7 +36,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from mta.demo.report import (
     RESULTS_JSON,
@@ -96,11 +95,11 @@ class EmbedDemoSettings:
     max_pairs: int = 1_000_000
 
     @classmethod
-    def full(cls) -> "EmbedDemoSettings":
+    def full(cls) -> EmbedDemoSettings:
         return cls(name="full")
 
     @classmethod
-    def quick(cls) -> "EmbedDemoSettings":
+    def quick(cls) -> EmbedDemoSettings:
         return cls(name="quick", train_texts=32, held_out_texts=40, steps=2, batch_size=8, max_length=32, seeds=(1,))
 
 
@@ -133,7 +132,7 @@ class _StepClock:
         self._steps = False
         self.inner.stop()
 
-    def step_seconds(self) -> Optional[float]:
+    def step_seconds(self) -> float | None:
         """The median step time, the first step (warm-up, first allocations) left out."""
         intervals = [b - a for a, b in zip(self.times, self.times[1:])]
         intervals = intervals[1:] if len(intervals) > 1 else intervals
@@ -147,7 +146,7 @@ class _PeakMemory:
         self.device = device
         self.how = ""
 
-    def __enter__(self) -> "_PeakMemory":
+    def __enter__(self) -> _PeakMemory:
         import torch
 
         if self.device.type == "cuda":
@@ -165,14 +164,14 @@ class _PeakMemory:
     def __exit__(self, *exc) -> None:
         pass
 
-    def current_mib(self) -> Optional[float]:
+    def current_mib(self) -> float | None:
         import torch
 
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device) / 2**20
         return _status_mib("VmRSS")
 
-    def peak_mib(self) -> Optional[float]:
+    def peak_mib(self) -> float | None:
         import torch
 
         if self.device.type == "cuda":
@@ -185,7 +184,7 @@ class _PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _status_mib(key: str) -> Optional[float]:
+def _status_mib(key: str) -> float | None:
     """A ``/proc/self/status`` size (``VmRSS``, ``VmHWM``) in MiB; None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -213,10 +212,10 @@ def run_embedding_demo(
     """
     from mta.distributed import available_cores, local_device
     from mta.dtypes import resolve_precision
-    from mta.embedding.teacher_embeddings import build_teacher_embeddings
-    from mta.evaluation.datasets import default_data_dir
     from mta.embedding.evaluation import EmbeddingEvalSettings, evaluate_embedding_checkpoints
     from mta.embedding.sentence_encoders import convert_packaged_encoder, prune_encoder
+    from mta.embedding.teacher_embeddings import build_teacher_embeddings
+    from mta.evaluation.datasets import default_data_dir
 
     reporter = reporter or SilentReporter()
     root = Path(out_dir)
@@ -428,8 +427,8 @@ def _train_in_child(recipe_path: str, overrides: list[str], channel) -> None:
     """The child process: train, then send step times, peak memory and the final directory."""
     try:
         from mta.distributed import local_device
-        from mta.training.lifecycle.checkpointing import latest_checkpoint
         from mta.training.config.loading import load_recipe
+        from mta.training.lifecycle.checkpointing import latest_checkpoint
         from mta.training.trainer import run_distillation
 
         recipe = load_recipe(recipe_path, overrides)
@@ -469,12 +468,12 @@ def _train_records(metrics: Path) -> list[dict]:
     return train_records(metrics) if metrics.is_file() else []
 
 
-def _final_loss(metrics: Path) -> Optional[float]:
+def _final_loss(metrics: Path) -> float | None:
     train = _train_records(metrics)
     return train[-1]["loss"] if train else None
 
 
-def _mean_std(values: list[Optional[float]]) -> dict:
+def _mean_std(values: list[float | None]) -> dict:
     """mean, population std and count of the values that are there (None: missing)."""
     values = [v for v in values if v is not None]
     if not values:

@@ -14,9 +14,9 @@ given).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ ENCODER_SOURCES = (
 )
 
 
-def resolve_pooling(model: str | Path, pooling: str = AUTO, normalize: Optional[bool] = None) -> PoolingConfig:
+def resolve_pooling(model: str | Path, pooling: str = AUTO, normalize: bool | None = None) -> PoolingConfig:
     """The pooling to use for ``model``: its sentence-transformers config under ``auto`` (mean
     for a plain encoder), else the named mode; ``normalize`` None follows the config."""
     configured = read_sentence_transformers_config(model) if Path(model).expanduser().is_dir() else None
@@ -124,7 +124,7 @@ class EncoderPlan:
 
 
 def plan_encoder(
-    name_or_path: str | Path, *, pooling: str = AUTO, normalize: Optional[bool] = None, max_length: Optional[int] = None
+    name_or_path: str | Path, *, pooling: str = AUTO, normalize: bool | None = None, max_length: int | None = None
 ) -> EncoderPlan:
     """The config, pooling and length of an encoder (``max_length`` None: the directory's
     ``max_seq_length``, else :data:`DEFAULT_MAX_LENGTH`; never above the model's positions)."""
@@ -152,11 +152,11 @@ def load_encoder(
     name_or_path: str | Path,
     *,
     pooling: str = AUTO,
-    normalize: Optional[bool] = None,
-    max_length: Optional[int] = None,
+    normalize: bool | None = None,
+    max_length: int | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    plan: Optional[EncoderPlan] = None,
+    plan: EncoderPlan | None = None,
 ) -> SentenceEncoder:
     """Load an encoder with ``AutoModel`` (a local directory, or a hub name through
     :mod:`mta.models.hub`) and its fast tokenizer, in eval mode on ``device``; pooling and

@@ -38,9 +38,9 @@ from __future__ import annotations
 import csv
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ def ranks(values: np.ndarray) -> np.ndarray:
     return (np.bincount(inverse, weights=ranked) / counts)[inverse]
 
 
-def spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Spearman's rank correlation (Pearson's of the tie-averaged ranks); None when either side
     is constant (it is undefined) or there are fewer than two values."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
@@ -91,7 +91,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     return None if denominator == 0 else float((ra * rb).sum() / denominator)
 
 
-def average_precision(scores: Sequence[float], labels: Sequence[int]) -> Optional[float]:
+def average_precision(scores: Sequence[float], labels: Sequence[int]) -> float | None:
     """Average precision of ``scores`` for the positive ``labels`` (1), as
     ``sklearn.metrics.average_precision_score``: Σ_n (R_n − R_{n−1}) P_n over the distinct score
     thresholds, highest first. None without a positive."""
@@ -205,7 +205,7 @@ class EmbeddingTask:
     title: str
     category: str  # classification | pair | sts
     test: str
-    train: Optional[str] = None
+    train: str | None = None
 
     @property
     def metric(self) -> str:
@@ -234,7 +234,7 @@ def _download_hint() -> str:
     )
 
 
-def locate_task_files(task: EmbeddingTask, tasks_dir: Optional[Path]) -> tuple[dict[str, Path] | None, Optional[str]]:
+def locate_task_files(task: EmbeddingTask, tasks_dir: Path | None) -> tuple[dict[str, Path] | None, str | None]:
     """``({"test": path, ["train": path]}, None)``, or ``(None, why not)``: from ``tasks_dir``
     (``DIR/x.csv`` or ``DIR/multi-data/x.csv``), else from the Hub when it is reachable."""
     names = {"test": task.test, **({"train": task.train} if task.train else {})}
@@ -313,16 +313,16 @@ class EmbeddingEvalSettings:
     """What ``mta evaluate --task embedding`` runs with."""
 
     pooling: str = AUTO
-    max_length: Optional[int] = None
+    max_length: int | None = None
     batch_size: int = 64
     dtype: str = "auto"
     device: str = "auto"
     max_pairs: int = DEFAULT_MAX_PAIRS
     ks: tuple[int, ...] = DEFAULT_K
     seed: int = 0
-    tasks: Optional[tuple[str, ...]] = None  # None: all nine
-    tasks_dir: Optional[str] = None
-    limit: Optional[int] = None  # first N held-out texts
+    tasks: tuple[str, ...] | None = None  # None: all nine
+    tasks_dir: str | None = None
+    limit: int | None = None  # first N held-out texts
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -367,12 +367,12 @@ def evaluate_embedding_checkpoints(
     checkpoints: Sequence[str | Path],
     *,
     out_dir: str | Path,
-    names: Optional[Sequence[str]] = None,
-    teacher: Optional[str | Path] = None,
-    data: Optional[str | Path] = None,
-    teacher_embeddings: Optional[str | Path] = None,
-    settings: Optional[EmbeddingEvalSettings] = None,
-    reporter: Optional[Reporter] = None,
+    names: Sequence[str] | None = None,
+    teacher: str | Path | None = None,
+    data: str | Path | None = None,
+    teacher_embeddings: str | Path | None = None,
+    settings: EmbeddingEvalSettings | None = None,
+    reporter: Reporter | None = None,
 ) -> dict:
     """Score ``checkpoints`` (encoder directories or hub names) on the proxy and the nine tasks;
     write ``OUT/results.json`` and ``OUT/results.md``; return what results.json holds.
@@ -428,7 +428,7 @@ def evaluate_embedding_checkpoints(
 
 def _held_out(
     teacher, data, teacher_embeddings, out_dir: Path, settings: EmbeddingEvalSettings, reporter
-) -> Optional[TeacherEmbeddings]:
+) -> TeacherEmbeddings | None:
     if teacher_embeddings is None and teacher is None:
         return None
     if teacher_embeddings is None:
@@ -470,7 +470,7 @@ def _evaluate_one(checkpoint, fingerprint, held_out, tasks, located, settings, d
             reporter.stop()
         return out
 
-    sets: dict[str, Optional[dict]] = {}
+    sets: dict[str, dict | None] = {}
     if held_out is not None:
         student = encode(held_out.texts, "proxy")
         sets["proxy"] = teacher_agreement(
@@ -565,7 +565,7 @@ def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def _number(value: Optional[float]) -> str:
+def _number(value: float | None) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4f}"
 
 

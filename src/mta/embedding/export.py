@@ -39,7 +39,6 @@ import inspect
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from mta.embedding.pooling import POOLINGS, PoolingConfig, cls_attention_pool
 from mta.errors import MtaError
@@ -121,7 +120,7 @@ class {name}(torch.nn.Module):
 # --------------------------------------------------------------------------- read
 
 
-def read_sentence_transformers_config(directory: str | Path) -> Optional[PoolingConfig]:
+def read_sentence_transformers_config(directory: str | Path) -> PoolingConfig | None:
     """The pooling of a sentence-transformers directory (``modules.json``), None for a plain
     Hugging Face directory or a hub name; ``MtaError`` naming the module it cannot reproduce."""
     directory = Path(directory)

@@ -15,16 +15,15 @@ index 0, the embeddings, is never used) is pooled with the student's pooling int
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn
 
 from mta.embedding.pooling import pool
+from mta.embedding.recipe import EmbeddingLossSpec
+from mta.embedding.training_data import EmbeddingBatch
 from mta.errors import MtaError
 from mta.losses.talas import TeacherAnchor, lasd_loss, simcse_loss
-from mta.embedding.training_data import EmbeddingBatch
-from mta.embedding.recipe import EmbeddingLossSpec
 
 
 class EmbeddingObjective(nn.Module):
@@ -70,7 +69,7 @@ class EmbeddingObjective(nn.Module):
         hidden_states: tuple[torch.Tensor, ...],
         attention_mask: torch.Tensor,
         teacher: torch.Tensor,
-        second_pass: Optional[torch.Tensor] = None,
+        second_pass: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """hidden_states: the first pass's ``L + 1`` tensors ``[B, T, d_S]``; attention_mask
         ``[B, T]``; teacher ``[B, d_T]``; second_pass: the second pass's last layer ``[B, T, d_S]``

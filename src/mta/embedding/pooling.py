@@ -19,7 +19,6 @@ Pooling modes (:func:`pool`, ``hidden [B, T, D]``, ``mask [B, T]`` 1 on real tok
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -74,7 +73,7 @@ class PoolingConfig:
     mode: str
     normalize: bool
     source: str
-    max_seq_length: Optional[int] = None
+    max_seq_length: int | None = None
 
     def record(self) -> dict:
         return {"mode": self.mode, "normalize": self.normalize, "source": self.source}

@@ -7,7 +7,7 @@ the task registry (``mta.embedding.task``).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -42,12 +42,12 @@ class EncoderSpec(Strict):
     path: str = Field(
         description="hub name or local directory of a Hugging Face encoder (AutoModel) or a sentence-transformers model"
     )
-    tokenizer: Optional[str] = Field(None, description="tokenizer name or directory; default: path")
+    tokenizer: str | None = Field(None, description="tokenizer name or directory; default: path")
     dtype: Precision = "fp32"
-    config: Optional[str] = Field(
+    config: str | None = Field(
         None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
     )
-    tiny: Optional[TinyEncoder] = None
+    tiny: TinyEncoder | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -78,14 +78,14 @@ class EmbeddingDataSpec(Strict):
         "the recipe's teacher at first use into OUT/embeddings/train: a JSONL, Parquet or CSV file or "
         "a datasets save_to_disk directory"
     )
-    dev: Optional[str] = Field(None, description="the same for the dev loss; null: no dev evaluation")
+    dev: str | None = Field(None, description="the same for the dev loss; null: no dev evaluation")
     max_length: int = Field(
         256,
         ge=2,
         description="tokens per text, special tokens included: the "
         "student's, and the teacher's when it embeds at first use (TALAS's author: 256)",
     )
-    text_field: Optional[str] = Field(
+    text_field: str | None = Field(
         None,
         description="the column holding each row's text; null: text, else instruction + input + "
         "response, else prompt + response (mta.embedding.teacher_embeddings)",
@@ -116,7 +116,7 @@ class EmbeddingLossSpec(Strict):
     simcse_temperature: float = Field(0.1, gt=0, description="τ of SimCSE (the author's script: 0.1)")
 
     @model_validator(mode="after")
-    def _something_to_train(self) -> "EmbeddingLossSpec":
+    def _something_to_train(self) -> EmbeddingLossSpec:
         if not (self.simcse_weight or self.tamd_weight or self.lasd_weight):
             raise ValueError("simcse_weight, tamd_weight and lasd_weight are all 0: nothing to train")
         return self
@@ -131,7 +131,7 @@ class EmbeddingRecipe(RecipeChecks):
     seed: int = 42
     output_dir: str
     task: Literal["embedding"]
-    teacher: Optional[TeacherEncoderSpec] = Field(
+    teacher: TeacherEncoderSpec | None = Field(
         None,
         description="the embedding teacher, loaded only to embed data rows at first use; null: "
         "data names `mta embed` directories",
@@ -144,10 +144,10 @@ class EmbeddingRecipe(RecipeChecks):
         default_factory=dict,
         description="DeepSpeed settings the schema does not model, merged in verbatim",
     )
-    source: Optional[str] = Field(None, description="the file this recipe was read from")
+    source: str | None = Field(None, description="the file this recipe was read from")
 
     @model_validator(mode="after")
-    def _no_llm_train_keys(self) -> "EmbeddingRecipe":
+    def _no_llm_train_keys(self) -> EmbeddingRecipe:
         fields = TrainSpec.model_fields
         named = [
             key

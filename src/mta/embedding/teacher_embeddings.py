@@ -54,10 +54,11 @@ import logging
 import secrets
 import shutil
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -107,7 +108,7 @@ class _NoText(ValueError):
         self.reason, self.message = reason, message
 
 
-def _string(record: dict, key: str, *, optional: bool = False) -> Optional[str]:
+def _string(record: dict, key: str, *, optional: bool = False) -> str | None:
     value = record.get(key)
     if value is None:
         if optional:
@@ -118,7 +119,7 @@ def _string(record: dict, key: str, *, optional: bool = False) -> Optional[str]:
     return value
 
 
-def embedding_text(record: Any, text_field: Optional[str] = None) -> str:
+def embedding_text(record: Any, text_field: str | None = None) -> str:
     """The text ``mta embed`` encodes for one decoded row (rules in the module docstring);
     raises ``ValueError`` (with ``reason`` and ``message``) when the row has none."""
     if not isinstance(record, dict):
@@ -261,7 +262,7 @@ class EmbedOutcome:
     """What a run did: ``manifest`` None while other shards of the set are missing."""
 
     directory: Path
-    manifest: Optional[dict[str, Any]]
+    manifest: dict[str, Any] | None
     reused: bool
     rows: int = 0  # rows embedded by this call (resumed chunks not counted)
     resumed_rows: int = 0  # rows a previous, killed run had finished
@@ -282,15 +283,15 @@ def run_embed(
     output: str | Path,
     *,
     pooling: str = AUTO,
-    normalize: Optional[bool] = None,
-    max_length: Optional[int] = None,
+    normalize: bool | None = None,
+    max_length: int | None = None,
     batch_size: int = 64,
     dtype: str = "auto",
     device: str = "auto",
-    text_field: Optional[str] = None,
+    text_field: str | None = None,
     on_error: Literal["fail", "skip"] = "fail",
-    reporter: Optional[Reporter] = None,
-    shard: Optional[tuple[int, int]] = None,
+    reporter: Reporter | None = None,
+    shard: tuple[int, int] | None = None,
     force: bool = False,
 ) -> EmbedOutcome:
     """Embed every text of ``data`` with ``teacher`` into ``output`` (or reuse it); returns what

@@ -20,7 +20,6 @@ loads it and ``mta embed`` reads its pooling as it reads a real one's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from mta.embedding.export import write_sentence_transformers_modules
 from mta.files import atomic_directory
@@ -41,7 +40,7 @@ def example_texts() -> list[str]:
     return texts
 
 
-def build_wordpiece_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, texts: Optional[list[str]] = None):
+def build_wordpiece_tokenizer(out_dir: str | Path, *, vocab_size: int = 512, texts: list[str] | None = None):
     """Train (once) a lower-cased WordPiece tokenizer (BERT's normaliser, pre-tokenizer and
     ``[CLS] $A [SEP]`` post-processor) on ``texts`` (default: :func:`example_texts`) and save it
     as a ``BertTokenizerFast`` directory; an existing ``out_dir`` is reused. Returns the loaded
@@ -89,10 +88,10 @@ def build_tiny_encoder(
     layers: int = 4,
     hidden: int = 32,
     heads: int = 4,
-    vocab_size: Optional[int] = 512,
+    vocab_size: int | None = 512,
     seed: int = 0,
-    tokenizer: Optional[str | Path] = None,
-    pooling: Optional[str] = None,
+    tokenizer: str | Path | None = None,
+    pooling: str | None = None,
     normalize: bool = False,
     max_position: int = 512,
 ) -> Path:

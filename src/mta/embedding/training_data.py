@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -40,7 +39,7 @@ class EmbeddingBatch:
     teacher: torch.Tensor
     row_ids: list[int]
 
-    def to(self, device: torch.device | str) -> "EmbeddingBatch":
+    def to(self, device: torch.device | str) -> EmbeddingBatch:
         return EmbeddingBatch(
             self.input_ids.to(device), self.attention_mask.to(device), self.teacher.to(device), self.row_ids
         )
@@ -89,8 +88,8 @@ class EmbeddingExamples:
 
 
 def load_teacher_embeddings(
-    recipe, split: str, *, teacher_model: Optional[str], reporter: Optional[Reporter] = None
-) -> Optional[TeacherEmbeddings]:
+    recipe, split: str, *, teacher_model: str | None, reporter: Reporter | None = None
+) -> TeacherEmbeddings | None:
     """The teacher embeddings of ``data.<split>`` (None without that split), built at first use
     when the split names rows. teacher_model: the teacher's directory or hub name (its ``tiny``
     model already built), or None when the recipe has no teacher."""

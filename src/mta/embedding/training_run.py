@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from mta import distributed
+from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
+from mta.embedding.recipe import EmbeddingRecipe, EncoderSpec
+from mta.embedding.training_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
 from mta.errors import MtaError
 from mta.reporting import Reporter
 from mta.training import engine as engines
-from mta.training.lifecycle import checkpointing
-from mta.training.config import resume_rules
-from mta.training.lifecycle import run_directory
 from mta.training.batching import StepSchedule
-from mta.embedding.training_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
-from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
-from mta.embedding.recipe import EmbeddingRecipe, EncoderSpec
+from mta.training.config import resume_rules
 from mta.training.config.model_checks import position_limit
 from mta.training.dry_run import (
     ModelPlan,
@@ -41,6 +38,7 @@ from mta.training.dry_run import (
     load_model_config,
     parameter_count,
 )
+from mta.training.lifecycle import checkpointing, run_directory
 
 KEY_LENGTH = 12
 
@@ -54,8 +52,8 @@ def encoder_source(spec: EncoderSpec, recipe: EmbeddingRecipe, role: str) -> tup
 
     if spec.tiny is None:
         return local_or_hub_sources(spec, recipe, role)
-    from mta.models.tiny import corpus_texts
     from mta.embedding.tiny_encoders import build_tiny_encoder, build_wordpiece_tokenizer
+    from mta.models.tiny import corpus_texts
 
     tiny = spec.tiny
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
@@ -124,12 +122,12 @@ def load_student(recipe: EmbeddingRecipe):
 
 
 def build_embedding_run(
-    recipe: EmbeddingRecipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False
+    recipe: EmbeddingRecipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False
 ):
     """``build_run`` for ``task: embedding``: claim the output directory, load the student and
     the teacher embeddings, check they fit, start the DeepSpeed engine."""
-    from mta.training.trainer import Run
     from mta.training.lifecycle.utilisation import StepFlops
+    from mta.training.trainer import Run
 
     rank, world_size = engines.init_distributed()
     device = distributed.local_device()

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from mta.data.prompts import ALPACA, PromptProblem, PromptStyle, conversation, split_conversation
 from mta.errors import MtaError

@@ -7,8 +7,8 @@ offline, copy the files into place by hand (``DIR/<set>/valid.jsonl``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from mta.errors import MtaError
 from mta.evaluation.datasets import BENCHMARKS, candidate_paths, find_set_file

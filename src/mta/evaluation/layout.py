@@ -37,7 +37,7 @@ class CheckpointPaths:
     root: Path
 
     @classmethod
-    def of(cls, out_dir: Path, label: str) -> "CheckpointPaths":
+    def of(cls, out_dir: Path, label: str) -> CheckpointPaths:
         """The directory of checkpoint ``label`` in the evaluation output ``out_dir``."""
         return cls(Path(out_dir) / "predictions" / label)
 

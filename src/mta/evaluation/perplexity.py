@@ -10,9 +10,9 @@ included. It separates weak students that all score near zero ROUGE-L.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ class PerplexityResult:
     @classmethod
     def from_sums(
         cls, total_nll: float, tokens: int, rows: int, prompts_cut: int, responses_cut: int
-    ) -> "PerplexityResult":
+    ) -> PerplexityResult:
         """The result of ``rows`` rows whose ``tokens`` response tokens have ``total_nll`` nats."""
         nll = total_nll / max(tokens, 1)
         return cls(math.exp(nll), nll, tokens, rows, prompts_cut, responses_cut)

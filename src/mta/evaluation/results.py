@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from mta.evaluation.datasets import BENCHMARKS, Benchmark, EvalSet
 from mta.evaluation.layout import FINGERPRINT, CheckpointPaths

@@ -10,8 +10,8 @@ are what they were.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel

@@ -19,8 +19,8 @@ size, device and dtype give identical files.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from transformers import LogitsProcessor

@@ -12,7 +12,7 @@ per-sequence mean from it, e.g. ``w = 1 / tokens in row b / rows``). Weights are
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +21,7 @@ from mta.errors import MtaError
 IGNORE_INDEX = -100
 
 # (student [n, vocab] fp32, teacher [n, vocab] fp32 or None, labels [n]) -> [n] per-token loss
-TokenLossFn = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
+TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
 class _ChunkedTokenLoss(torch.autograd.Function):
@@ -77,12 +77,12 @@ class _ChunkedTokenLoss(torch.autograd.Function):
 def chunked_token_loss(
     token_loss: TokenLossFn,
     student_logits: torch.Tensor,
-    teacher_logits: Optional[torch.Tensor],
+    teacher_logits: torch.Tensor | None,
     labels: torch.Tensor,
     *,
     vocab_size: int,
     chunk_size: int,
-    token_weights: Optional[torch.Tensor] = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean of ``token_loss`` over the positions whose label is not ``-100``.
 

@@ -28,8 +28,6 @@ Memory: one pass of ``mta.losses.chunked.chunked_token_loss`` with per-token wei
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,7 +57,7 @@ class DistiLLM2Loss(nn.Module):
         beta: float = 1.0,
         skew_alpha: float = 0.1,
         temperature: float = 1.0,
-        vocab_size: Optional[int] = None,
+        vocab_size: int | None = None,
         chunk_size: int = 128,
     ) -> None:
         super().__init__()

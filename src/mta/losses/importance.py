@@ -8,7 +8,8 @@ tokens. The weights are a constant of the loss (detached) and always computed in
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 

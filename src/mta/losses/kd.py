@@ -12,8 +12,6 @@ is fp32 and in log space, a chunk of positions at a time (see ``mta.losses.chunk
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,21 +32,21 @@ class BaseLoss(nn.Module):
 
     needs_teacher = True
 
-    def __init__(self, *, vocab_size: Optional[int] = None, chunk_size: int = 128) -> None:
+    def __init__(self, *, vocab_size: int | None = None, chunk_size: int = 128) -> None:
         super().__init__()
         if chunk_size < 1:
             raise MtaError(f"chunk_size must be at least 1, got {chunk_size}")
         self.vocab_size = vocab_size
         self.chunk_size = chunk_size
 
-    def token_loss(self, student: torch.Tensor, teacher: Optional[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    def token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
         """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``labels [n]`` -> ``[n]``."""
         raise NotImplementedError
 
     def forward(
         self,
         student_logits: torch.Tensor,
-        teacher_logits: Optional[torch.Tensor],
+        teacher_logits: torch.Tensor | None,
         labels: torch.Tensor,
     ) -> torch.Tensor:
         """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (None for
@@ -185,7 +183,7 @@ def build_base_loss(
     skew_alpha: float = 0.1,
     jsd_beta: float = 0.5,
     distillm2_beta: float = 1.0,
-    vocab_size: Optional[int] = None,
+    vocab_size: int | None = None,
     chunk_size: int = 128,
 ) -> nn.Module:
     """The base loss a recipe names (``loss.base``), with the options that loss uses."""

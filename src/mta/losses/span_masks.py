@@ -7,13 +7,12 @@ downstream (masks, pooling, losses) is batched tensor code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 
 def span_token_mask(
-    start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: Optional[torch.Tensor] = None
+    start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Which tokens each span covers.
 
@@ -29,7 +28,7 @@ def span_token_mask(
 
 
 def span_cover_count(
-    start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: Optional[torch.Tensor] = None
+    start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """How many spans each token lies in: ``[batch, seq_len]`` int32.
 
@@ -45,7 +44,7 @@ def span_cover_count(
 
 
 def span_union_mask(
-    start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: Optional[torch.Tensor] = None
+    start: torch.Tensor, end: torch.Tensor, seq_len: int, span_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Tokens inside at least one span, each counted once: ``[batch, seq_len]`` bool.
 
@@ -69,7 +68,7 @@ class SpanBatch:
     teacher_end: torch.Tensor
     mask: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "SpanBatch":
+    def to(self, device: torch.device | str) -> SpanBatch:
         return SpanBatch(
             *(
                 tensor.to(device)

@@ -7,7 +7,8 @@ once per (model, layer) and span masks once per granularity, then shared by DSA 
 from __future__ import annotations
 
 import functools
-from typing import Collection, Mapping, Protocol, Sequence, Union
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol, Union
 
 import torch
 from torch import nn

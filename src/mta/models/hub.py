@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 from mta.errors import MtaError
 
@@ -53,8 +54,8 @@ def offline_mode() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-@functools.lru_cache(maxsize=None)
-def unreachable_reason(url: str) -> Optional[str]:
+@functools.cache
+def unreachable_reason(url: str) -> str | None:
     """None when ``url`` answers (any HTTP status counts), else why not, in a few words.
 
     Made through huggingface_hub's own session, so its proxy and certificate settings apply; the
@@ -94,7 +95,7 @@ def _in_cache(name: str, filename: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_cached(name: str, reason: str) -> None:
     """Once per name and process: it loads from the cache because the Hub cannot be reached."""
     log.warning(
@@ -143,7 +144,7 @@ def _chain(error: BaseException):
         error = error.__cause__ or error.__context__
 
 
-def hub_problem(name_or_path: str | Path, error: BaseException, *, what: str = "model") -> Optional[str]:
+def hub_problem(name_or_path: str | Path, error: BaseException, *, what: str = "model") -> str | None:
     """The message for a load that failed because of the Hub (unknown or gated name, not in the
     cache while offline), or None when ``error`` is about something else."""
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -188,7 +189,7 @@ def load_pretrained(
     *,
     what: str = "model",
     filename: str = MODEL_FILE,
-    otherwise: Optional[str] = None,
+    otherwise: str | None = None,
     **kwargs: Any,
 ) -> T:
     """``loader(name_or_path, **kwargs)`` (a ``from_pretrained``) after :func:`load_options`;

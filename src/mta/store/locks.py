@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from mta.errors import MtaError
 from mta.files import LockHeld, exclusive_lock

@@ -97,7 +97,7 @@ class PartWriter:
         finally:
             self._temporary.unlink(missing_ok=True)
 
-    def __enter__(self) -> "PartWriter":
+    def __enter__(self) -> PartWriter:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from mta.store.manifests import part_is_intact, read_manifest, read_shard_manifest
 from mta.store.publish import finish_publishing, try_merge
@@ -30,7 +30,7 @@ class ReusableOutput:
     the whole directory was.
     """
 
-    manifest: Optional[dict[str, Any]]
+    manifest: dict[str, Any] | None
     shard_manifest: dict[str, Any] = field(default_factory=dict)
 
 

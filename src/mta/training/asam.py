@@ -38,8 +38,9 @@ adds 1e-12 to the norm where this skips the perturbation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ def perturbation(
     *,
     rho: float,
     eta: float,
-) -> Optional[list[torch.Tensor]]:
+) -> list[torch.Tensor] | None:
     """ASAM's ε for each parameter, or None when ‖T_w · g‖ is 0 or not finite.
 
     weights, grads: each parameter's value and gradient (same shapes); adaptive: per parameter,
@@ -100,7 +101,7 @@ class Asam:
     total loss at w) sets ε, the block runs at w + ε, and w is back on exit (also after an error).
     """
 
-    def __init__(self, spec: "AsamSpec", module: nn.Module):
+    def __init__(self, spec: AsamSpec, module: nn.Module):
         self.rho, self.eta = spec.rho, spec.eta
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         self.params = [param for _, param in named]
@@ -108,7 +109,7 @@ class Asam:
         self.skipped = 0
 
     @classmethod
-    def for_engine(cls, spec: "AsamSpec", engine) -> "Asam":
+    def for_engine(cls, spec: AsamSpec, engine) -> Asam:
         """ASAM around a DeepSpeed engine's module; ``MtaError`` under ZeRO-3."""
         if engine.zero_optimization_partition_weights():
             raise MtaError(ZERO3_REFUSAL)
@@ -129,7 +130,7 @@ class Asam:
         return total
 
     @contextmanager
-    def perturbed(self, losses: Iterable[torch.Tensor], *, step: Optional[int] = None) -> Iterator[bool]:
+    def perturbed(self, losses: Iterable[torch.Tensor], *, step: int | None = None) -> Iterator[bool]:
         """w ← w + ε inside the block, ε from the gradient of ``losses``; w restored from a copy on
         exit. Yields whether w was perturbed (False: ‖T_w · g‖ was 0 or not finite)."""
         epsilon = perturbation(self.params, self.gradient(losses), self.adaptive, rho=self.rho, eta=self.eta)

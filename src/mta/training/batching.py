@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -48,10 +48,10 @@ class TokenBatch:
     attention_mask: torch.Tensor
     labels: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "TokenBatch":
+    def to(self, device: torch.device | str) -> TokenBatch:
         return TokenBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
 
-    def padded_to(self, width: int, pad_id: int) -> "TokenBatch":
+    def padded_to(self, width: int, pad_id: int) -> TokenBatch:
         """Right-padded to at least ``width`` positions (``pad_id``, mask 0, label ``-100``)."""
         extra = width - self.input_ids.shape[1]
         if extra <= 0:
@@ -74,12 +74,12 @@ class TrainBatch:
 
     row_ids: list[str]
     student: TokenBatch
-    teacher: Optional[TokenBatch]
+    teacher: TokenBatch | None
     spans: Mapping[str, SpanBatch]
-    chosen: Optional[torch.Tensor] = None
-    pending_spans: Optional[Any] = None
+    chosen: torch.Tensor | None = None
+    pending_spans: Any | None = None
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         return TrainBatch(
             self.row_ids,
             self.student.to(device),
@@ -89,7 +89,7 @@ class TrainBatch:
             self.pending_spans,
         )
 
-    def padded_to(self, width: int, pad_ids: Mapping[str, int]) -> "TrainBatch":
+    def padded_to(self, width: int, pad_ids: Mapping[str, int]) -> TrainBatch:
         """Both sides right-padded to at least ``width`` positions, as the authors' collate pads
         every batch to ``max_length`` (``loss.reference_code``); spans keep their token ranges.
         pad_ids: ``{"student": id, "teacher": id}``."""
@@ -155,7 +155,7 @@ class AnnotatedExamples:
         with_teacher: bool = True,
         granularities: tuple[str, ...] = ("word", "phrase"),
         boundary: bool = False,
-        rebuild: Optional[str] = None,
+        rebuild: str | None = None,
     ):
         sides = ("student", "teacher") if with_teacher else ("student",)
         missing = {
@@ -255,7 +255,7 @@ def _boundary_spans(table: pa.Table, rebuild: str) -> tuple[_Ragged, dict[str, n
     return _span_fields(column)
 
 
-def _pairs(table: pa.Table) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+def _pairs(table: pa.Table) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``(pair id [rows], chosen [rows] bool)`` of a table of pair rows (DistiLLM-2); ``(None,
     None)`` when it holds none. A table must be all pairs or none, each pair a chosen and a
     rejected row, the chosen one first (as ``mta annotate`` writes them)."""
@@ -352,7 +352,7 @@ class StepSchedule:
             )
         return steps
 
-    def total_steps(self, epochs: Optional[float], max_steps: Optional[int]) -> int:
+    def total_steps(self, epochs: float | None, max_steps: int | None) -> int:
         if max_steps is not None:
             return max_steps
         return max(1, int(round(epochs * self.steps_per_epoch)))

@@ -34,7 +34,7 @@ import math
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager
 
 import torch
 
@@ -107,7 +107,7 @@ class TrainingPrecision:
     name: str
     autocast: bool
     device_type: str
-    reason: Optional[str] = None
+    reason: str | None = None
 
     @property
     def deepspeed(self) -> str:
@@ -115,7 +115,7 @@ class TrainingPrecision:
         return "fp32" if self.autocast else self.name
 
     @property
-    def frozen_dtype(self) -> Optional[torch.dtype]:
+    def frozen_dtype(self) -> torch.dtype | None:
         """The dtype a frozen fp32 teacher is held in: bf16 under autocast (its products run in
         bf16 either way; this saves casting its weights at every forward), else None (as loaded)."""
         return torch.bfloat16 if self.autocast else None
@@ -152,7 +152,7 @@ def resolve_training_precision(train: TrainSpec, device: torch.device) -> Traini
 
 
 def deepspeed_config(
-    train: TrainSpec, passthrough: dict[str, Any], world_size: int, *, precision: Optional[str] = None
+    train: TrainSpec, passthrough: dict[str, Any], world_size: int, *, precision: str | None = None
 ) -> dict[str, Any]:
     """The DeepSpeed config ``train`` implies, with the recipe's ``deepspeed:`` mapping merged over it.
 
@@ -245,7 +245,7 @@ def initialize(
     passthrough: dict[str, Any],
     total_steps: int,
     world_size: int,
-    precision: Optional[TrainingPrecision] = None,
+    precision: TrainingPrecision | None = None,
 ):
     """The DeepSpeed engine over ``model`` (student + projectors) with optimizer and schedule.
 

@@ -9,7 +9,7 @@ their blocks and final norm (``final_norm``; the teacher's truncation reads it t
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ BLOCKS_AND_NORM = {
 }
 
 
-def final_norm(model: PreTrainedModel) -> Optional[nn.Module]:
+def final_norm(model: PreTrainedModel) -> nn.Module | None:
     """The norm a model applies after its last block (before the LM head), or None for an
     architecture mta does not know."""
     paths = BLOCKS_AND_NORM.get(model.config.model_type)
@@ -72,7 +72,7 @@ class LogitLens:
         norm = self.norm if self.norm is not None and layer < self.num_layers else None
         head = self.head
 
-        def lens(hidden: torch.Tensor, vocab_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        def lens(hidden: torch.Tensor, vocab_rows: torch.Tensor | None = None) -> torch.Tensor:
             if norm is not None:
                 hidden = norm(hidden)
             if vocab_rows is None:

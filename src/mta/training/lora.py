@@ -28,7 +28,7 @@ merging. ``peft`` is needed only to train; a LoRA student's exports never need i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,7 +55,7 @@ def _peft():
     return peft
 
 
-def lora_config(spec: "LoraSpec", *, fan_in_fan_out: bool = False):
+def lora_config(spec: LoraSpec, *, fan_in_fan_out: bool = False):
     """The ``peft.LoraConfig`` of ``student.lora`` (bias untouched, no DoRA or rsLoRA).
     ``fan_in_fan_out``: the student stores linear weights ``[in, out]`` (GPT-2's ``Conv1D``)."""
     peft = _peft()
@@ -70,7 +70,7 @@ def lora_config(spec: "LoraSpec", *, fan_in_fan_out: bool = False):
     )
 
 
-def wrap(model: torch.nn.Module, spec: "LoraSpec", *, seed: int) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, spec: LoraSpec, *, seed: int) -> torch.nn.Module:
     """Inject ``spec``'s adapters into ``model`` in place and freeze everything else; returns
     ``model``. The adapters' random initialisation draws from ``seed`` (the global RNG is left as
     it was). Works on a meta-device model too (``--dry-run`` counts its parameters)."""
@@ -154,7 +154,7 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def save_adapter(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path, base_model: Optional[str] = None
+    model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path, base_model: str | None = None
 ) -> Path:
     """``directory/adapter/``: the adapter as peft saves one, loadable with
     ``PeftModel.from_pretrained(base, directory / "adapter")``. Main process only; ``directory``
@@ -174,7 +174,7 @@ def save_adapter(
     return target
 
 
-def describe(spec: "LoraSpec", trainable: int, total: int) -> str:
+def describe(spec: LoraSpec, trainable: int, total: int) -> str:
     """One line for the run's summary and the dry run."""
     targets = (
         ", ".join(spec.target_modules)

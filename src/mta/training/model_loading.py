@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from mta.dtypes import torch_dtype
 from mta.errors import MtaError
+from mta.hashing import file_sha256, json_sha256
 from mta.models.hub import load_pretrained
 from mta.models.tiny import build_tiny_model, build_tiny_tokenizer
-from mta.hashing import file_sha256, json_sha256
 from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
 from mta.training.config.schema import ModelSpec, Recipe
 

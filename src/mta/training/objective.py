@@ -7,23 +7,23 @@ one DeepSpeed engine owns every trainable parameter; the frozen teacher stays ou
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from mta.errors import MtaError
-from mta.losses.trajectory import TrajectoryAlignmentLoss
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.fdd import FeatureDynamicsLoss
 from mta.losses.importance import token_importance
-from mta.losses.sra import SpanRepresentationLoss, last_token_attention
 from mta.losses.kd import build_base_loss
+from mta.losses.sra import SpanRepresentationLoss, last_token_attention
+from mta.losses.trajectory import TrajectoryAlignmentLoss
 from mta.training.batching import TrainBatch
+from mta.training.config.schema import LayerIndexPair, LayerPair, LossSpec
 from mta.training.logit_lens import LogitLens
 from mta.training.teacher import TeacherOutput
-from mta.training.config.schema import LayerIndexPair, LayerPair, LossSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,12 @@ class DistillationObjective(nn.Module):
         layer_pairs: list[LayerPair],
         *,
         student_hidden_size: int,
-        teacher_hidden_size: Optional[int],
+        teacher_hidden_size: int | None,
         same_tokenizer: bool,
         vocab_size: int,
         fdd_pairs: Sequence[LayerIndexPair] = (),
         sra_pairs: Sequence[LayerIndexPair] = (),
-        shared_vocab: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         super().__init__()
         # A term whose weight is 0 is neither built nor computed.
@@ -77,7 +77,7 @@ class DistillationObjective(nn.Module):
             "hra": spec.hra_weight,
             "fdd": spec.fdd_weight,
         }
-        self.fdd: Optional[FeatureDynamicsLoss] = None
+        self.fdd: FeatureDynamicsLoss | None = None
         self.fdd_pairs = list(fdd_pairs) if spec.fdd_weight else []
         self.fdd_tokens = spec.fdd_tokens
         if spec.fdd_weight:
@@ -92,7 +92,7 @@ class DistillationObjective(nn.Module):
                 temperature=spec.fdd_temperature, vocab_size=vocab_size, chunk_size=spec.chunk_size
             )
         self.weights["sra"] = spec.sra_weight
-        self.sra: Optional[SpanRepresentationLoss] = None
+        self.sra: SpanRepresentationLoss | None = None
         self.sra_pairs = list(sra_pairs) if spec.sra_weight else []
         self.sra_centre, self.sra_scope = spec.sra_centre, spec.sra_scope
         self.sra_logits = bool(spec.sra_weight and spec.sra_logit_weight and shared_vocab is not None)
@@ -110,7 +110,7 @@ class DistillationObjective(nn.Module):
             if self.sra_logits:  # buffers: they move to the device with the module
                 self.register_buffer("sra_student_ids", shared_vocab[0].long(), persistent=False)
                 self.register_buffer("sra_teacher_ids", shared_vocab[1].long(), persistent=False)
-        self.alignment: Optional[TrajectoryAlignmentLoss] = None
+        self.alignment: TrajectoryAlignmentLoss | None = None
         if spec.alignment_terms:
             self.alignment = TrajectoryAlignmentLoss(
                 layer_pairs,
@@ -151,11 +151,11 @@ class DistillationObjective(nn.Module):
     def forward(
         self,
         student_logits: torch.Tensor,
-        student_hidden: Optional[tuple[torch.Tensor, ...]],
-        teacher: Optional[TeacherOutput],
+        student_hidden: tuple[torch.Tensor, ...] | None,
+        teacher: TeacherOutput | None,
         batch: TrainBatch,
-        student_lens: Optional[LogitLens] = None,
-        student_attentions: Optional[tuple[torch.Tensor, ...]] = None,
+        student_lens: LogitLens | None = None,
+        student_attentions: tuple[torch.Tensor, ...] | None = None,
     ) -> dict[str, torch.Tensor]:
         """student_logits ``[batch, seq, vocab]``; student_hidden: HF ``hidden_states``;
         student_lens: the student's logit lens (FDD only).
@@ -197,7 +197,7 @@ class DistillationObjective(nn.Module):
         student_attentions,
         teacher: TeacherOutput,
         batch: TrainBatch,
-        student_lens: Optional[LogitLens],
+        student_lens: LogitLens | None,
     ) -> torch.Tensor:
         """SRA on the spans both tokenizers agree on (``batch.spans["boundary"]``)."""
         spans = batch.spans["boundary"]
@@ -275,7 +275,7 @@ class DistillationModel(nn.Module):
             else None
         )
 
-    def forward(self, batch: TrainBatch, teacher: Optional[TeacherOutput]) -> dict[str, torch.Tensor]:
+    def forward(self, batch: TrainBatch, teacher: TeacherOutput | None) -> dict[str, torch.Tensor]:
         want_hidden = self.objective.needs_student_hidden
         want_attentions = bool(self.objective.attention_layers["student"])
         out = self.student(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from mta.errors import MtaError
 
@@ -33,11 +33,11 @@ class Task:
     builder: str  # "module:function" (recipe, reporter, *, resume, overwrite) -> trainer.Run
     planner: str  # "module:function" (recipe, world_size) -> dry_run.RunPlan
     card_facts: str  # "module:function" (recipe) -> lifecycle.model_card.CardFacts of its exports
-    group_factor: Optional[int] = None  # micro batches per length-sorted pool; None: micro_batch_order's
+    group_factor: int | None = None  # micro batches per length-sorted pool; None: micro_batch_order's
     samples_dev_prompts: bool = True  # each evaluation samples the student's continuations of dev prompts
     reference_padding: bool = True  # loss.reference_code pads every micro batch to data.max_length
 
-    def build_run(self, recipe: Any, reporter: Any, *, resume: Optional[str] = None, overwrite: bool = False) -> Any:
+    def build_run(self, recipe: Any, reporter: Any, *, resume: str | None = None, overwrite: bool = False) -> Any:
         """The ``Run`` of ``recipe``: output directory claimed, models and data loaded, engine started."""
         return _named_object(self.builder)(recipe, reporter, resume=resume, overwrite=overwrite)
 

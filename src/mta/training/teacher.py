@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from torch import nn
@@ -27,8 +26,8 @@ class TeacherOutput:
     lens: the teacher's logit lens (``LogitLens``) when FDD reads intermediate layers, else None."""
 
     hidden_states: dict[int, torch.Tensor]
-    logits: Optional[torch.Tensor]
-    lens: Optional[LogitLens] = None
+    logits: torch.Tensor | None
+    lens: LogitLens | None = None
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_states index -> [b, heads, t, t]
 
 
@@ -50,7 +49,7 @@ class FrozenTeacher(nn.Module):
         model: PreTrainedModel,
         layers: list[int],
         need_logits: bool,
-        lens: Optional[LogitLens] = None,
+        lens: LogitLens | None = None,
         attention_layers: tuple[int, ...] = (),
     ):
         super().__init__()

@@ -13,12 +13,11 @@ names the command that rebuilds it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
-from mta.store.read import Annotations, read_annotations
 from mta.data.prompts import ChatTemplate, recorded_template
 from mta.errors import MtaError
 from mta.reporting import Reporter
+from mta.store.read import Annotations, read_annotations
 from mta.training.config.schema import Recipe
 
 
@@ -29,8 +28,8 @@ def load_split(
     teacher_tokenizer: str,
     student_tokenizer: str,
     fingerprints: dict[str, str],
-    reporter: Optional[Reporter] = None,
-) -> Optional[Annotations]:
+    reporter: Reporter | None = None,
+) -> Annotations | None:
     """The checked artefact for ``data.<split>`` (None when the recipe has no such split).
 
     teacher_tokenizer / student_tokenizer: directories or names the tokenizers load from (for
@@ -172,5 +171,5 @@ def _new_directory(directory: Path, recipe_name: str) -> Path:
     return candidate
 
 
-def _short(fingerprint: Optional[str]) -> str:
+def _short(fingerprint: str | None) -> str:
     return fingerprint[:19] if fingerprint else "no fingerprint"

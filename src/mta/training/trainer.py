@@ -8,42 +8,42 @@ finite check -> backward -> DeepSpeed step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
 from mta import distributed, tracking
 from mta.data.annotate import AnnotateSettings
+from mta.data.artefact_schema import reannotate_command
 from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
+from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import tokenizer_fingerprint
-from mta.training import asam, engine as engines, lora
-from mta.training.lifecycle import checkpointing
-from mta.training.config import resume_rules
-from mta.training.lifecycle import run_directory
-from mta.training.lifecycle import utilisation
-from mta.training.train_data import load_split
-from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
-from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
-from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
-from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
-from mta.training.logit_lens import LogitLens
-from mta.training.teacher import FrozenTeacher
-from mta.losses.sra import tokenizers_shared_vocabulary
-from mta.data.artefact_schema import reannotate_command
-from mta.training.objective import DistillationModel, DistillationObjective
+from mta.training import asam, lora
+from mta.training import engine as engines
+from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
+from mta.training.config import resume_rules
+from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.training.config.model_checks import check_generation_fits, check_sequence_lengths
 from mta.training.config.schema import Recipe
-from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
+from mta.training.lifecycle import checkpointing, run_directory, utilisation
+from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
+from mta.training.logit_lens import LogitLens
+from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
+from mta.training.objective import DistillationModel, DistillationObjective
+from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
 from mta.training.tasks import task_of
+from mta.training.teacher import FrozenTeacher
+from mta.training.train_data import load_split
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +75,21 @@ class Run:
     output_dir: Path
     run_id: str
     engine: Any
-    teacher: Optional[Any]
+    teacher: Any | None
     tokenizer: Any
     train: AnnotatedExamples
-    dev: Optional[AnnotatedExamples]
+    dev: AnnotatedExamples | None
     schedule: StepSchedule
     total_steps: int
     rank: int
     world_size: int
     device: torch.device
-    resume_from: Optional[Path] = None  # the checkpoint to continue from, checked against the recipe
-    off_policy: Optional[OffPolicyBatches] = None  # generation: on (the student's own samples)
+    resume_from: Path | None = None  # the checkpoint to continue from, checked against the recipe
+    off_policy: OffPolicyBatches | None = None  # generation: on (the student's own samples)
     messages: list[str] = field(default_factory=list)
-    selector: Optional[Selector] = None  # data.dev: OUT/best/ by train.select_by
-    precision: Optional[engines.TrainingPrecision] = None  # train.precision on this device
-    flops: Optional[StepFlops] = None  # model FLOPs per micro batch (metrics: flops_per_s, mfu)
+    selector: Selector | None = None  # data.dev: OUT/best/ by train.select_by
+    precision: engines.TrainingPrecision | None = None  # train.precision on this device
+    flops: StepFlops | None = None  # model FLOPs per micro batch (metrics: flops_per_s, mfu)
 
     def close(self) -> None:
         """Release the engine and the span workers (every run ends here, also after an error)."""
@@ -98,13 +98,13 @@ class Run:
         self.engine.destroy()
 
 
-def build_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
+def build_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
     """The run of ``recipe``, built by its task (``mta.training.tasks``): ``build_llm_run`` for
     ``task: llm``, ``mta.embedding.training_run`` for ``task: embedding``."""
     return task_of(recipe).build_run(recipe, reporter, resume=resume, overwrite=overwrite)
 
 
-def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: Optional[str] = None, overwrite: bool = False) -> Run:
+def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
     """Claim the output directory, load models and data, check they fit together, and start
     the DeepSpeed engine."""
     rank, world_size = engines.init_distributed()
@@ -662,8 +662,8 @@ def _sum_over_processes(values: dict[str, float]) -> dict[str, float]:
 
 def run_distillation(
     recipe: Recipe,
-    resume: Optional[str] = None,
-    reporter: Optional[Reporter] = None,
+    resume: str | None = None,
+    reporter: Reporter | None = None,
     *,
     overwrite: bool = False,
 ) -> Path:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from mta.errors import close_match
 from mta.training.config.yaml_reader import yaml_text
@@ -94,7 +95,7 @@ class _OneDataParallelRank:
 
 
 @functools.cache
-def deepspeed_setting_names() -> Optional[frozenset[str]]:
+def deepspeed_setting_names() -> frozenset[str] | None:
     """The top-level config keys the installed DeepSpeed reads, or None if it cannot be asked.
 
     Asked, not listed: a ``DeepSpeedConfig`` is built over a minimal config that records every
@@ -137,7 +138,7 @@ def _deepspeed_version() -> str:
 
 def deepspeed_problem(
     settings: dict[str, Any], recipe_keys: Iterable[str] = ()
-) -> Optional[tuple[tuple[Any, ...], str]]:
+) -> tuple[tuple[Any, ...], str] | None:
     """The first problem in the ``deepspeed:`` mapping as ``(path inside it, message)``;
     ``recipe_keys`` (the ``train:`` keys) are suggested for a misplaced recipe setting."""
     known = deepspeed_setting_names() if settings else None

@@ -6,7 +6,8 @@ last block of an ``L``-layer model, so valid indices run from 0 to ``L`` inclusi
 
 from __future__ import annotations
 
-from typing import Literal, Sequence, Union
+from collections.abc import Sequence
+from typing import Literal
 
 from mta.errors import MtaError
 from mta.training.config.schema import LayerIndexPair, LayerPair
@@ -69,7 +70,7 @@ def auto_fdd_layers(student_layers: int, teacher_layers: int) -> list[LayerIndex
 
 
 def resolve_fdd_layers(
-    layers: Union[Literal["auto"], Sequence[LayerIndexPair]], student_layers: int, teacher_layers: int
+    layers: Literal["auto"] | Sequence[LayerIndexPair], student_layers: int, teacher_layers: int
 ) -> list[LayerIndexPair]:
     """The recipe's ``loss.fdd_layers`` as concrete pairs, checked as ``resolve_layer_map`` checks."""
     if layers == "auto":
@@ -78,7 +79,7 @@ def resolve_fdd_layers(
 
 
 def resolve_sra_layers(
-    layers: Union[Literal["last"], Sequence[LayerIndexPair]], student_layers: int, teacher_layers: int
+    layers: Literal["last"] | Sequence[LayerIndexPair], student_layers: int, teacher_layers: int
 ) -> list[LayerIndexPair]:
     """The recipe's ``loss.sra_layers``: ``last`` is each model's last layer (the public port's)."""
     if layers == "last":
@@ -92,7 +93,7 @@ def _round_half_up(numerator: int, denominator: int) -> int:
 
 
 def resolve_layer_map(
-    layers: Union[Literal["auto"], Sequence[LayerPair]],
+    layers: Literal["auto"] | Sequence[LayerPair],
     student_layers: int,
     teacher_layers: int,
 ) -> list[LayerPair]:

@@ -8,7 +8,7 @@ check on its own is its schema's (``mta.training.config.schema``).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from mta.errors import MtaError
 from mta.training.config.schema import ON_POLICY_NEEDS_LOGITS, DataSpec, Recipe
@@ -17,7 +17,7 @@ from mta.training.config.schema import ON_POLICY_NEEDS_LOGITS, DataSpec, Recipe
 POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions")
 
 
-def position_limit(config: Any) -> Optional[tuple[int, str]]:
+def position_limit(config: Any) -> tuple[int, str] | None:
     """``(positions, config key)`` a Hugging Face model config allows, or None if it has no limit
     (a model without ``max_position_embeddings`` / ``n_positions``)."""
     own = vars(config) if hasattr(config, "__dict__") else {}
@@ -35,9 +35,9 @@ def check_sequence_lengths(
     config: Any,
     role: str,
     *,
-    model: Optional[str] = None,
+    model: str | None = None,
     sample_new_tokens: int = 0,
-    source: Optional[str] = None,
+    source: str | None = None,
 ) -> None:
     """Refuse ``data.max_length`` beyond the positions ``config`` (the ``role`` model's) has.
 

@@ -27,7 +27,7 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -76,7 +76,7 @@ class LoraSpec(Strict):
     r: int = Field(16, ge=1, description="the adapters' rank")
     alpha: float = Field(64.0, gt=0, description="LoRA's alpha: the update is scaled by alpha / r")
     dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the adapters' input")
-    target_modules: Optional[Union[Literal["all-linear"], list[str]]] = Field(
+    target_modules: Literal["all-linear"] | list[str] | None = Field(
         None,
         description="the layers adapted, by the last part of their name (q_proj, v_proj); "
         "all-linear: every linear layer but the output head; null: peft's default for the "
@@ -93,13 +93,13 @@ class LoraSpec(Strict):
 
 class ModelSpec(Strict):
     path: str = Field(description="hub name or local directory of a Hugging Face causal LM")
-    tokenizer: Optional[str] = Field(None, description="tokenizer name or directory; default: path")
+    tokenizer: str | None = Field(None, description="tokenizer name or directory; default: path")
     dtype: Precision = "fp32"
-    config: Optional[str] = Field(
+    config: str | None = Field(
         None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
     )
-    tiny: Optional[TinyModel] = None
-    lora: Optional[LoraSpec] = Field(
+    tiny: TinyModel | None = None
+    lora: LoraSpec | None = Field(
         None,
         description="student only: train LoRA adapters {r, alpha, dropout, target_modules}; null: full fine-tuning",
     )
@@ -114,7 +114,7 @@ class DataSpec(Strict):
         description="annotate output directory, or rows annotated on first use: a JSONL, Parquet "
         "or CSV file, or a datasets save_to_disk directory"
     )
-    dev: Optional[str] = None
+    dev: str | None = None
     max_length: int = Field(256, ge=8)
     max_prompt_length: int = Field(128, ge=1)
     word_spans: Literal["phrase", "all"] = "phrase"
@@ -149,7 +149,7 @@ class DataSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _prompt_fits(self) -> "DataSpec":
+    def _prompt_fits(self) -> DataSpec:
         if self.max_prompt_length >= self.max_length:
             raise ValueError("max_prompt_length must be smaller than max_length")
         if self.span_rule == "reference" and self.word_spans != "phrase":
@@ -178,10 +178,7 @@ class LayerPair(Strict):
 # `auto` or explicit pairs; the discriminator picks the branch, so a typo in a pair is reported
 # once, at its index, instead of also as "input should be 'auto'".
 LayerMap = Annotated[
-    Union[
-        Annotated[Literal["auto"], Tag("'auto'")],
-        Annotated[list[LayerPair], Tag("list[LayerPair]")],
-    ],
+    Annotated[Literal["auto"], Tag("'auto'")] | Annotated[list[LayerPair], Tag("list[LayerPair]")],
     Discriminator(lambda value: "'auto'" if isinstance(value, str) else "list[LayerPair]"),
 ]
 
@@ -203,10 +200,7 @@ class LayerIndexPair(Strict):
 
 
 IndexPairMap = Annotated[
-    Union[
-        Annotated[Literal["auto"], Tag("'auto'")],
-        Annotated[list[LayerIndexPair], Tag("list[LayerIndexPair]")],
-    ],
+    Annotated[Literal["auto"], Tag("'auto'")] | Annotated[list[LayerIndexPair], Tag("list[LayerIndexPair]")],
     Discriminator(lambda value: "'auto'" if isinstance(value, str) else "list[LayerIndexPair]"),
 ]
 
@@ -257,7 +251,7 @@ class LossSpec(Strict):
     sra_weight: float = Field(
         0.0, ge=0, description="SRA (span representation alignment on the spans both tokenizers agree on); 0: off"
     )
-    sra_layers: Union[Literal["last"], list[LayerIndexPair]] = Field(
+    sra_layers: Literal["last"] | list[LayerIndexPair] = Field(
         "last", description="[student, teacher] pairs whose span centres align; last: each model's last layer"
     )
     sra_centre: Literal["last_token_attention", "importance"] = Field(
@@ -304,8 +298,8 @@ class TrainSpec(Strict):
     warmup_steps: int = Field(0, ge=0)
     batch_size: int = Field(16, ge=1, description="global batch: per device x accumulation x world")
     micro_batch_size: int = Field(8, ge=1, description="sequences per device per forward pass")
-    epochs: Optional[float] = Field(None, gt=0)
-    max_steps: Optional[int] = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    max_steps: int | None = Field(None, ge=1)
     grad_clip: float = Field(1.0, ge=0)
     precision: TrainPrecision = Field(
         "fp32",
@@ -329,7 +323,7 @@ class TrainSpec(Strict):
     save_generated: bool = Field(
         False, description="also write the rows the student generates for training to OUT/generated/"
     )
-    asam: Optional[AsamSpec] = Field(
+    asam: AsamSpec | None = Field(
         None,
         description="sharpness-aware steps {rho, eta, scope} (mta.training.asam): two forward and "
         "backward passes of each accumulation window; null: off",
@@ -351,7 +345,7 @@ class TrainSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _length_given(self) -> "TrainSpec":
+    def _length_given(self) -> TrainSpec:
         if (self.epochs is None) == (self.max_steps is None):
             raise ValueError("give exactly one of train.epochs and train.max_steps")
         if self.batch_size % self.micro_batch_size:
@@ -361,7 +355,7 @@ class TrainSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _asam_fits_zero(self) -> "TrainSpec":
+    def _asam_fits_zero(self) -> TrainSpec:
         if self.asam is not None and self.zero_stage == 3:
             from mta.training.asam import ZERO3_REFUSAL
 
@@ -408,10 +402,10 @@ class GenerationSpec(Strict):
         description="the share of τ that generates fresh rows: τ·(1 − t/T), τ/2 or τ·t/T",
     )
     buffer_size: int = Field(1000, ge=1, description="generated rows each process's replay buffer holds")
-    max_new_tokens: Optional[int] = Field(
+    max_new_tokens: int | None = Field(
         None, ge=1, description="tokens generated per response; null: data.max_length - data.max_prompt_length"
     )
-    dev_rows: Optional[int] = Field(
+    dev_rows: int | None = Field(
         None,
         ge=1,
         description="dev rows the threshold's cross-entropy is measured on (the first ones); "
@@ -499,7 +493,7 @@ class Recipe(RecipeChecks):
         description="llm: distil a causal LM (this schema); embedding: a sentence-embedding "
         "encoder, TALAS (EmbeddingRecipe)",
     )
-    teacher: Optional[ModelSpec] = Field(None, description="null: plain SFT, no teacher loaded")
+    teacher: ModelSpec | None = Field(None, description="null: plain SFT, no teacher loaded")
     student: ModelSpec
     data: DataSpec
     loss: LossSpec = LossSpec()
@@ -509,16 +503,16 @@ class Recipe(RecipeChecks):
         default_factory=dict,
         description="DeepSpeed settings the schema does not model, merged in verbatim",
     )
-    source: Optional[str] = Field(None, description="the file this recipe was read from")
+    source: str | None = Field(None, description="the file this recipe was read from")
 
     @model_validator(mode="after")
-    def _llm_task(self) -> "Recipe":
+    def _llm_task(self) -> Recipe:
         if self.task != "llm":  # load_recipe reads task: embedding with EmbeddingRecipe
             raise ValueError("a task: embedding recipe is an EmbeddingRecipe (load_recipe picks the schema)")
         return self
 
     @model_validator(mode="after")
-    def _teacher_needed(self) -> "Recipe":
+    def _teacher_needed(self) -> Recipe:
         if self.teacher is None and self.loss.base != "ce":
             raise ValueError(f"loss.base={self.loss.base} needs a teacher; use 'ce' for SFT")
         if self.teacher is None and self.loss.alignment_terms:
@@ -539,7 +533,7 @@ class Recipe(RecipeChecks):
         return self
 
     @model_validator(mode="after")
-    def _pairs_fit(self) -> "Recipe":
+    def _pairs_fit(self) -> Recipe:
         if self.loss.base != "distillm2":
             return self
         problem = None
@@ -566,7 +560,7 @@ class Recipe(RecipeChecks):
         return self
 
     @model_validator(mode="after")
-    def _rouge_needs_dev_rows(self) -> "Recipe":
+    def _rouge_needs_dev_rows(self) -> Recipe:
         if self.train.select_by == "rouge" and self.data.dev is None:
             raise PydanticCustomError(
                 "selection_setting",
@@ -580,7 +574,7 @@ class Recipe(RecipeChecks):
         return self
 
     @model_validator(mode="after")
-    def _lora_on_the_student(self) -> "Recipe":
+    def _lora_on_the_student(self) -> Recipe:
         if self.teacher is not None and self.teacher.lora is not None:
             raise PydanticCustomError(
                 "lora_setting",
@@ -594,7 +588,7 @@ class Recipe(RecipeChecks):
         return self
 
     @model_validator(mode="after")
-    def _generation_fits(self) -> "Recipe":
+    def _generation_fits(self) -> Recipe:
         problem = generation_problem(self)
         if problem is not None:
             within, message = problem
@@ -629,7 +623,7 @@ ON_POLICY_NEEDS_LOGITS = (
 )
 
 
-def generation_problem(recipe: "Recipe") -> Optional[tuple[tuple[str, ...], str]]:
+def generation_problem(recipe: Recipe) -> tuple[tuple[str, ...], str] | None:
     """The first way ``recipe.generation`` does not fit the rest of the recipe, as ``(key path,
     message)``, or None. Checked when the recipe validates; what needs the tokenizers is
     ``mta.training.config.model_checks.check_generation_fits``."""

@@ -13,7 +13,6 @@ import yaml
 
 from mta.errors import MtaError
 
-
 # Bounds far above any real recipe (the shipped ones hold about 100 values, 5 levels deep) and far
 # below what hurts: a "billion laughs" document of a few lines expands to 10**9 values.
 MAX_RECIPE_BYTES = 1 << 20

@@ -45,10 +45,10 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -58,9 +58,9 @@ from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory
 from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
 from mta.training import lora
-from mta.training.lifecycle import safe_loading
 from mta.training.config.loading import recipe_to_yaml
 from mta.training.config.schema import Recipe
+from mta.training.lifecycle import safe_loading
 from mta.training.lifecycle.model_card import write_model_card
 from mta.versions import package_versions
 
@@ -114,12 +114,12 @@ def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return _published(checkpoints_dir(output_dir))
 
 
-def latest_checkpoint(output_dir: Path) -> Optional[Path]:
+def latest_checkpoint(output_dir: Path) -> Path | None:
     found = complete_checkpoints(output_dir)
     return found[-1][1] if found else None
 
 
-def resolve_resume(resume: Optional[str], output_dir: Path) -> Optional[Path]:
+def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     """``--resume``: None (start fresh), ``"auto"`` (newest complete checkpoint, if any) or a path.
 
     ``load_checkpoint`` then verifies it: a damaged newest checkpoint is refused with the
@@ -173,7 +173,7 @@ def _read_state(path: Path) -> TrainerState:
     return state
 
 
-def _problem(path: Path) -> tuple[Optional[str], bool]:
+def _problem(path: Path) -> tuple[str | None, bool]:
     """Why ``path`` cannot be resumed as it was written (None: it can), and whether it has a
     checksum list. Reads every file's bytes (hashing) and each state file's pickle opcodes."""
     if not (path / STATE_FILE).is_file():
@@ -242,7 +242,7 @@ def verify_checkpoint(path: Path) -> None:
 # --------------------------------------------------------------------------- saving
 
 
-def student_state_dict(engine) -> Optional[dict[str, torch.Tensor]]:
+def student_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """The student's full state dict (on rank 0; under ZeRO-3 None elsewhere). Every rank calls."""
     if engine.zero_optimization_partition_weights():
         # Gathers one layer at a time onto rank 0's CPU (what accelerate's get_state_dict uses),
@@ -305,7 +305,7 @@ def _removed_on_error(final: Path, partial: Path, kept: str) -> Iterator[None]:
         raise
 
 
-def _run_id_of(path: Path) -> Optional[str]:
+def _run_id_of(path: Path) -> str | None:
     """The run that wrote checkpoint ``path`` (None when its state cannot be read)."""
     try:
         raw = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
@@ -329,7 +329,7 @@ def save_checkpoint(
     output_dir: Path,
     state: TrainerState,
     *,
-    extra_state: Optional[Callable[[Path], None]] = None,
+    extra_state: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``checkpoints/step-N`` atomically, then drop this run's checkpoints beyond the
     newest ``keep_checkpoints``. ``extra_state(directory)``: more of the run's state, written by

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from mta.files import atomic_write_text
 
@@ -69,7 +70,7 @@ class LossWindow:
 class MetricsLog:
     """Appends records to ``metrics.jsonl`` (flushed per line, so a crash loses at most one)."""
 
-    def __init__(self, path: Path, resume_step: Optional[int] = None):
+    def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
@@ -90,7 +91,7 @@ class MetricsLog:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def _parse(line: str) -> Optional[dict[str, Any]]:
+def _parse(line: str) -> dict[str, Any] | None:
     try:
         return json.loads(line)
     except json.JSONDecodeError:  # the half-written last line of a killed run

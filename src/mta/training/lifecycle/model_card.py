@@ -11,17 +11,18 @@ recipe, the mapping ``recipe.yaml`` beside the card holds, so the card names exa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import yaml
 
 from mta.errors import MtaError
 from mta.files import atomic_write_text
 from mta.hashing import json_sha256
-from mta.training.lifecycle.metrics import read_metrics
 from mta.training.config.schema import ModelSpec, Recipe
+from mta.training.lifecycle.metrics import read_metrics
 from mta.training.tasks import task_of
 from mta.versions import package_versions
 
@@ -35,7 +36,7 @@ def recipe_hash(recipe: Recipe) -> str:
     return "sha256:" + json_sha256(recipe.model_dump(mode="json"))
 
 
-def hub_name(spec: Optional[ModelSpec], recipe: Recipe) -> Optional[str]:
+def hub_name(spec: ModelSpec | None, recipe: Recipe) -> str | None:
     """The spec's model as a Hub name, or None (no model, a tiny one, a local directory)."""
     from mta.models.hub import is_hub_name
 
@@ -48,7 +49,7 @@ def hub_name(spec: Optional[ModelSpec], recipe: Recipe) -> Optional[str]:
     return spec.path if is_hub_name(str(resolved)) and str(resolved) == spec.path else None
 
 
-def describe_model(spec: Optional[ModelSpec]) -> str:
+def describe_model(spec: ModelSpec | None) -> str:
     if spec is None:
         return "none (plain SFT on the reference responses)"
     if spec.tiny is not None:
@@ -60,7 +61,7 @@ def describe_model(spec: Optional[ModelSpec]) -> str:
     return f"`{spec.path}`" + (f" (tokenizer `{spec.tokenizer}`)" if spec.tokenizer else "")
 
 
-def _datasets(paths: Iterable[Optional[str]]) -> list[str]:
+def _datasets(paths: Iterable[str | None]) -> list[str]:
     found = []
     for path in paths:
         if not path:
@@ -131,7 +132,7 @@ def metadata(recipe: Recipe) -> dict[str, Any]:
     return task_of(recipe).card(recipe).metadata
 
 
-def last_dev_metrics(records: Iterable[dict], step: Optional[int] = None) -> Optional[dict]:
+def last_dev_metrics(records: Iterable[dict], step: int | None = None) -> dict | None:
     """The numbers of the last dev record (at or before ``step``), samples left out."""
     dev = [r for r in records if r.get("split") == "dev" and (step is None or r.get("step", 0) <= step)]
     if not dev:
@@ -142,10 +143,10 @@ def last_dev_metrics(records: Iterable[dict], step: Optional[int] = None) -> Opt
 def model_card(
     recipe: Recipe,
     *,
-    step: Optional[int] = None,
-    dev: Optional[dict] = None,
+    step: int | None = None,
+    dev: dict | None = None,
     what: str = "final",
-    selection: Optional[dict] = None,
+    selection: dict | None = None,
 ) -> str:
     """The card's text: front matter, then what the student is and how it was made.
     ``selection``: a ``best/`` student's selection.json (the metric, its value and step)."""
@@ -217,10 +218,10 @@ def write_model_card(
     directory: str | Path,
     recipe: Recipe,
     *,
-    step: Optional[int] = None,
-    metrics_path: Optional[str | Path] = None,
+    step: int | None = None,
+    metrics_path: str | Path | None = None,
     what: str = "final",
-    selection: Optional[dict] = None,
+    selection: dict | None = None,
 ) -> Path:
     """``directory/README.md`` for the student saved there at ``step``; the dev metrics are the
     last of ``metrics_path`` (a run's metrics.jsonl) up to ``step``. Returns the card's path."""

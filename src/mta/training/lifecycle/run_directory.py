@@ -19,7 +19,6 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from mta import distributed
 from mta.errors import MtaError
@@ -52,7 +51,7 @@ def existing_outputs(output_dir: Path) -> list[str]:
     return present
 
 
-def _read_run_id(output_dir: Path) -> Optional[str]:
+def _read_run_id(output_dir: Path) -> str | None:
     path = output_dir / RUN_RECORD
     try:
         return str(json.loads(path.read_text(encoding="utf-8"))["run_id"])
@@ -86,7 +85,7 @@ def _start_run(output_dir: Path, recipe_name: str) -> str:
     return run_id
 
 
-def claim(output_dir: Path, recipe_name: str, *, resume: Optional[str], overwrite: bool) -> RunClaim:
+def claim(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: bool) -> RunClaim:
     """Decide (on rank 0) and agree (on every rank) which run owns ``output_dir``.
 
     resume: ``--resume`` (None, ``"auto"`` or a checkpoint path); overwrite: ``--overwrite``.
@@ -108,7 +107,7 @@ def claim(output_dir: Path, recipe_name: str, *, resume: Optional[str], overwrit
     return RunClaim(output_dir, run_id, continued)
 
 
-def _decide(output_dir: Path, recipe_name: str, *, resume: Optional[str], overwrite: bool) -> tuple[str, bool]:
+def _decide(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: bool) -> tuple[str, bool]:
     output_dir.mkdir(parents=True, exist_ok=True)
     present = existing_outputs(output_dir)
     if present and resume is not None:

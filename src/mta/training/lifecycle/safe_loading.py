@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -36,7 +36,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pyarrow as pa
 
@@ -44,9 +44,9 @@ from mta import distributed
 from mta.data.artefact_schema import PROMPT_CHARS, ROLE, TEXT
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.scoring import completion_text, rouge_l
+from mta.training.config.schema import Recipe
 from mta.training.lifecycle import checkpointing
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.config.schema import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Criterion:
     key: str
     goal: str  # "lowest" or "highest"
 
-    def better(self, value: float, than: Optional[float]) -> bool:
+    def better(self, value: float, than: float | None) -> bool:
         if than is None:
             return True
         return value < than if self.goal == "lowest" else value > than
@@ -86,7 +86,7 @@ class DevPrompts:
     rows: list[int]
 
     @classmethod
-    def from_table(cls, table: pa.Table, tokenizer: Any, *, count: int, max_prompt_length: int) -> "DevPrompts":
+    def from_table(cls, table: pa.Table, tokenizer: Any, *, count: int, max_prompt_length: int) -> DevPrompts:
         texts = table.column(TEXT).to_pylist()
         prompt_chars = table.column(PROMPT_CHARS).to_pylist()
         roles = table.column(ROLE).to_pylist() if ROLE in table.column_names else [None] * len(texts)
@@ -127,7 +127,7 @@ class Selector:
         self.run_id = run_id
         self.criterion = criterion(recipe.train.select_by)
         self.tokenizer = tokenizer
-        self.best: Optional[tuple[int, float]] = None  # (step, value)
+        self.best: tuple[int, float] | None = None  # (step, value)
         self.prompts = (
             DevPrompts.from_table(
                 dev_table,
@@ -159,7 +159,7 @@ class Selector:
         )
         return {ROUGE_KEY: value}
 
-    def consider(self, step: int, record: dict[str, Any], engine: Any) -> Optional[Path]:
+    def consider(self, step: int, record: dict[str, Any], engine: Any) -> Path | None:
         """Export ``best/`` when the dev ``record`` of ``step`` beats the best so far; every rank
         calls it (the export gathers ZeRO-3 shards). Returns ``best/`` when written."""
         value = record.get(self.criterion.key)
@@ -195,7 +195,7 @@ class Selector:
         self.best = distributed.broadcast_from_main(best)
         return messages
 
-    def _restore_on_main(self, step: int) -> tuple[Optional[tuple[int, float]], list[str]]:
+    def _restore_on_main(self, step: int) -> tuple[tuple[int, float] | None, list[str]]:
         metrics = self.output_dir / "metrics.jsonl"
         records = read_metrics(metrics) if metrics.is_file() else []
         best = best_step_of(records, self.criterion.select_by, up_to=step)
@@ -225,7 +225,7 @@ class Selector:
             messages.append(f"best so far: {self.criterion.metric} {best[1]:.4f} at step {best[0]}")
         return best, messages
 
-    def closing_note(self) -> Optional[str]:
+    def closing_note(self) -> str | None:
         """A warning for the end of the run when no ``best/`` exists (None when it does)."""
         if self.directory.is_dir():
             return None
@@ -240,7 +240,7 @@ class Selector:
         )
 
 
-def read_selection(directory: Path) -> Optional[dict[str, Any]]:
+def read_selection(directory: Path) -> dict[str, Any] | None:
     """``directory/selection.json`` (a ``best/``), or None when absent or unreadable."""
     try:
         payload = json.loads((Path(directory) / checkpointing.SELECTION_FILE).read_text(encoding="utf-8"))
@@ -253,8 +253,8 @@ def best_step_of(
     records: list[dict[str, Any]],
     select_by: str,
     *,
-    up_to: Optional[int] = None,
-) -> Optional[tuple[int, float]]:
+    up_to: int | None = None,
+) -> tuple[int, float] | None:
     """The step and value ``select_by`` picks among the dev records of a ``metrics.jsonl``
     (steps after 0, up to ``up_to``; the earlier of a tie), or None."""
     rule, best = criterion(select_by), None

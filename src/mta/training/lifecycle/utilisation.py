@@ -25,7 +25,6 @@ peak)`` from ``PEAK_BF16_TFLOPS``, or null on a CPU or an unknown device (the ra
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 from torch import nn
@@ -53,7 +52,7 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def peak_bf16_tflops(device_name: str) -> Optional[float]:
+def peak_bf16_tflops(device_name: str) -> float | None:
     """The table's dense bf16 peak of a device by its name, or None when the table lacks it."""
     for pattern, tflops in PEAK_BF16_TFLOPS:
         if re.search(pattern, device_name):
@@ -61,7 +60,7 @@ def peak_bf16_tflops(device_name: str) -> Optional[float]:
     return None
 
 
-def device_peak_flops(device: torch.device) -> Optional[float]:
+def device_peak_flops(device: torch.device) -> float | None:
     """FLOP/s of ``device``'s dense bf16 peak, or None (a CPU, or a GPU the table lacks)."""
     if device.type != "cuda":
         return None
@@ -102,7 +101,7 @@ class StepFlops:
     it; teacher: a ``FrozenTeacher`` (or the ZeRO-3 engine around one), or None.
     """
 
-    def __init__(self, student: nn.Module, student_lm: nn.Module, teacher: Optional[nn.Module] = None):
+    def __init__(self, student: nn.Module, student_lm: nn.Module, teacher: nn.Module | None = None):
         lm_ids = {id(p) for p in student_lm.parameters()}
         others = [p for p in {id(p): p for p in student.parameters()}.values() if id(p) not in lm_ids]
         products = _in_products(student_lm) + others  # the projectors are matrix products too
@@ -129,7 +128,7 @@ class StepFlops:
         return pending
 
 
-def mfu(flops_per_s: float, peak_flops: Optional[float], world_size: int = 1) -> Optional[float]:
+def mfu(flops_per_s: float, peak_flops: float | None, world_size: int = 1) -> float | None:
     """``flops_per_s`` (summed over ``world_size`` devices) as a fraction of their peak, or None."""
     if not peak_flops:
         return None

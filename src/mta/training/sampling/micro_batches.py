@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -59,7 +59,7 @@ class GeneratedMicroBatch:
     micro_batch: int
     tokens: TrainBatch  # the ids as generated, what the models see
     pending: PendingSpans
-    spans: Optional[dict[str, SpanBatch]] = None  # set once parsed and settled
+    spans: dict[str, SpanBatch] | None = None  # set once parsed and settled
 
 
 class OffPolicyBatches:
@@ -105,7 +105,7 @@ class OffPolicyBatches:
         self._student_ids = table.column(INPUT_IDS["student"])
         self._prompt_len = table.column(PROMPT_LEN["student"]).to_numpy()
         self._saved: list[tuple[list[dict], int, str]] = []  # (rows, micro batch, source) of this step
-        self._parsing: Optional[GeneratedMicroBatch] = None  # the last generated micro batch, until settled
+        self._parsing: GeneratedMicroBatch | None = None  # the last generated micro batch, until settled
         self.window = {"generated_tokens": 0, "generation_s": 0.0, "span_wait_s": 0.0}
         self._counted = dict(self.state.micro_batches)  # the counts at the last log line
 

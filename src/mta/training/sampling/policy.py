@@ -83,9 +83,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Optional, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -153,7 +154,7 @@ def choose(r: float, threshold: float, generate_below: float, buffer_full: bool)
 
 
 def decide(
-    state: "SamplingState",
+    state: SamplingState,
     spec: GenerationSpec,
     step: int,
     total_steps: int,
@@ -199,17 +200,17 @@ class SamplingState:
     """
 
     threshold: float
-    reference_loss: Optional[float] = None
+    reference_loss: float | None = None
     dev_evaluations: int = 0
     threshold_raises: int = 0
     micro_batches: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0), hash=False)
 
     @classmethod
-    def initial(cls, spec: GenerationSpec) -> "SamplingState":
+    def initial(cls, spec: GenerationSpec) -> SamplingState:
         """The state at step 0: τ = ``init_threshold``, no L₀ yet."""
         return cls(threshold=spec.init_threshold)
 
-    def count(self, source: Source) -> "SamplingState":
+    def count(self, source: Source) -> SamplingState:
         """This state with one more micro batch trained on ``source``."""
         if source not in SOURCES:
             raise ValueError(f"unknown source {source!r}; one of {SOURCES}")
@@ -229,7 +230,7 @@ class SamplingState:
         }
 
     @classmethod
-    def from_json(cls, payload: Any) -> "SamplingState":
+    def from_json(cls, payload: Any) -> SamplingState:
         """The state ``to_json`` wrote; ``ValueError`` naming the first thing that is not."""
         if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
             found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__

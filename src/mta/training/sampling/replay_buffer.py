@@ -12,8 +12,9 @@ write ``train.save_generated``'s ``OUT/generated/`` files). ``agreed_buffer_flag
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Union
 
 import numpy as np
 import pyarrow as pa
@@ -59,7 +60,7 @@ def rows_table(rows: Rows) -> pa.Table:
 
 
 def write_generated_rows(
-    path: str | Path, rows: Rows, steps: Sequence[int], extra: Optional[Mapping[str, Sequence[Any]]] = None
+    path: str | Path, rows: Rows, steps: Sequence[int], extra: Mapping[str, Sequence[Any]] | None = None
 ) -> None:
     """Write generated ``rows`` with the ``step`` each was generated at as one Parquet file
     (annotate columns + ``step``, the schema version in its metadata), atomically. ``extra``:
@@ -151,7 +152,7 @@ class ReplayBuffer:
         write_generated_rows(path, self.rows(), self.steps())
 
     @classmethod
-    def read(cls, path: str | Path, capacity: int) -> "ReplayBuffer":
+    def read(cls, path: str | Path, capacity: int) -> ReplayBuffer:
         """The buffer ``write`` saved; ``MtaError`` if it holds more than ``capacity`` rows."""
         rows, steps = read_generated_rows(path)
         if len(rows) > capacity:
