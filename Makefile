@@ -12,12 +12,13 @@ SHARED ?= $(abspath ../shared)
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
 RUNS   ?= runs
 
-.PHONY: help install lint style test test-fast demo demo-quick demo-embed demo-embed-quick bench mutate clean
+.PHONY: help install lint style test test-fast demo demo-quick demo-embed demo-embed-quick ablation-embed bench mutate clean
 
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
 	@echo "make demo-quick    the same, smaller (~2 min with bf16, ~5 in fp32)"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
+	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 3 seeds each (~26 min); PLAN=1: the plan only"
 	@echo "make test          the test suite (what CI runs, after make lint)"
 	@echo "make lint          ruff (lint + format check) and mypy: the quality gate"
 	@echo "make style         apply ruff's fixes and formatting"
@@ -76,6 +77,12 @@ demo-embed: $(EMBED_STAMP)
 demo-embed-quick: $(EMBED_STAMP)
 	$(MTA) demo-embed --quick
 
+# The ablation of TALAS's parts on demo-embed's pair (mta.embedding.ablation): SimCSE off, TAMD on
+# the top layer, LASD's guide detached, LASD at 0.1, CLS-attention pooling, 3 seeds each, chosen on
+# Dolly dev rows apart from the held-out ones. PLAN=1 prints the plan and its time estimate only.
+ablation-embed: $(EMBED_STAMP)
+	$(PY) bench/ablation_embed.py$(if $(PLAN), --plan)
+
 bench: $(EMBED_STAMP)
 	$(PY) bench/annotate.py
 	$(PY) bench/distill_step.py
@@ -83,6 +90,7 @@ bench: $(EMBED_STAMP)
 	$(PY) bench/generate.py
 	$(PY) bench/cpu_precision.py
 	$(PY) bench/embed_step.py
+	$(PY) bench/startup.py
 
 # Mutation testing (bench/mutation.py): mutmut over src/mta/losses, token_ranges and truncation
 # with their fast tests, in a scratch copy; writes bench/results/mutation.json. Not part of

@@ -208,7 +208,8 @@ def vocabularies(work: Path, sizes: Sizes, wanted: list[str]) -> list[Vocabulary
                 "cross",
                 small,
                 small_rows,
-                f"cross-tokenizer: teacher byte-level BPE of {teacher_rows} tokens, student {small_rows}, both trained here",
+                f"cross-tokenizer: teacher byte-level BPE of {teacher_rows} tokens, student {small_rows}, "
+                "both trained here",
                 teacher_dir=teacher,
                 teacher_rows=teacher_rows,
             )
@@ -264,7 +265,7 @@ class SpanReparser:
 
     def __call__(self, texts: list[str]) -> dict[str, SpanBatch]:
         ranges: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"phrase": [], "word": []}
-        for text, spans in zip(texts, self.extractor.pipe(texts)):
+        for text, spans in zip(texts, self.extractor.pipe(texts), strict=True):
             offsets = self.side.encode(text).offsets
             for name, chars in (("phrase", spans.phrases), ("word", spans.words)):
                 start, end, found = token_ranges(text, offsets, chars)
@@ -293,7 +294,12 @@ def spans_agreement(parquet: dict[str, SpanBatch], reparsed: dict[str, SpanBatch
         def as_set(spans: SpanBatch) -> set[tuple[int, int, int]]:
             rows, cols = torch.nonzero(spans.mask, as_tuple=True)
             return set(
-                zip(rows.tolist(), spans.student_start[rows, cols].tolist(), spans.student_end[rows, cols].tolist())
+                zip(
+                    rows.tolist(),
+                    spans.student_start[rows, cols].tolist(),
+                    spans.student_end[rows, cols].tolist(),
+                    strict=True,
+                )
             )
 
         ours, theirs = as_set(parquet[name]), as_set(reparsed[name])
@@ -659,7 +665,9 @@ def cross_case(
         "response_tokens_per_step_mean": statistics.mean(int((b.student.labels != -100).sum()) for b in batches),
         **facts,
         "shared_vocab": {
-            "computed": "once, before any timed step (mta.losses.sra.shared_vocabulary; the objectives hold it as buffers)",
+            "computed": (
+                "once, before any timed step (mta.losses.sra.shared_vocabulary; the objectives hold it as buffers)"
+            ),
             "calls_before_timing": before,
             "calls_during_timed_steps": during,
         },
@@ -746,7 +754,10 @@ def main() -> None:
         "setup": {
             "rows": portable(rows_source),
             "rounds": args.rounds,
-            "step": "teacher forward, student forward, losses, backward, clip 1.0, mta.training.engine.build_optimizer AdamW (no DeepSpeed)",
+            "step": (
+                "teacher forward, student forward, losses, backward, clip 1.0, "
+                "mta.training.engine.build_optimizer AdamW (no DeepSpeed)"
+            ),
             "preset": args.preset,
             "autocast": args.autocast,
             "base_loss": "srkl (skew 0.1)",

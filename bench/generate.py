@@ -62,7 +62,7 @@ def sampling_kwargs(model, tokenizer, max_new_tokens: int) -> dict:
 def new_token_count(output: torch.Tensor, prompt_width: int, eos: set[int]) -> int:
     """Tokens generated up to and including each row's first EOS (as ``Completion.num_tokens``)."""
     kept, finished = cut_at_stop(output[:, prompt_width:], sorted(eos))
-    return sum(len(ids) + int(done) for ids, done in zip(kept, finished))
+    return sum(len(ids) + int(done) for ids, done in zip(kept, finished, strict=True))
 
 
 def run_mta(model, tokenizer, prompts, args) -> int:
@@ -140,7 +140,8 @@ def main() -> None:
                 seconds = time.perf_counter() - begin
                 timings[name].append({"seconds": seconds, "tokens": tokens, "rows_per_s": len(prompts) / seconds})
                 print(
-                    f"round {round_index}: {name:14s} {seconds:7.1f} s  {len(prompts) / seconds:6.3f} rows/s  {tokens / seconds:6.1f} tok/s",
+                    f"round {round_index}: {name:14s} {seconds:7.1f} s  {len(prompts) / seconds:6.3f} rows/s  "
+                    f"{tokens / seconds:6.1f} tok/s",
                     flush=True,
                 )
 

@@ -32,4 +32,4 @@ def interleaved_rounds(
 
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
     """The median of per-round ratios: robust to slow drifts in the machine's load."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))

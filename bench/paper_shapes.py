@@ -13,9 +13,10 @@ a real batch gives it. Parts, each its own flag and time budget:
     fdd         FDD vs FDD + MTA                     (recipe gpt2-fdd)
 
 For every variant: median step seconds, tokens/s, model FLOP/s and model-FLOPs utilisation
-(``mta.training.lifecycle.utilisation``, the numbers ``metrics.jsonl`` logs: 6·N·tokens for the student,
-2·N·tokens for the teacher forward, against the device's dense bf16 peak), and peak memory. Variants of a part are interleaved, rounds
-until the part's budget is spent (at least ``MIN_ROUNDS``).
+(``mta.training.lifecycle.utilisation``, the numbers ``metrics.jsonl`` logs: 6·N·tokens for the
+student, 2·N·tokens for the teacher forward, against the device's dense bf16 peak), and peak
+memory. Variants of a part are interleaved, rounds until the part's budget is spent (at least
+``MIN_ROUNDS``).
 
     python bench/paper_shapes.py                     # one GPU, all parts, ~6 min
     python bench/paper_shapes.py --parts fdd --budget-s 120

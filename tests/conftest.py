@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -185,3 +186,65 @@ def eos_2_tokenizer_dir(tmp_path_factory) -> Path:
     return train_tokenizer_with_specials(
         tmp_path_factory.mktemp("tok-eos2"), 300, ["<pad>", "<unk>", "</s>"], "</s>", "<pad>"
     )
+
+
+# Fixtures several test modules share; their plain helpers are in tests/fixtures/ (no test
+# module imports another).
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the whole module that asks for it, with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    # Several test runs and engineers share two cores: OpenMP threads spinning against each
+    # other make a tiny model's step 20x slower, and one thread is what a subprocess gets too.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tiny_tokenizer_dir, tmp_path_factory):
+    """A random Llama (d=48, seed 1) on the 512-token tokenizer: a teacher for ``tiny_model_dir``."""
+    from mta.models.tiny import build_tiny_model
+
+    return build_tiny_model(tiny_tokenizer_dir, tmp_path_factory.mktemp("teacher"), hidden_size=48, seed=1)
+
+
+@pytest.fixture(scope="module")
+def same_data(tiny_tokenizer_dir, tmp_path_factory):
+    """The example rows annotated for the 512-token tokenizer on both sides."""
+    from fixtures.distill import annotate_examples
+
+    return annotate_examples(tiny_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory.mktemp("ann-same") / "a")
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    """Dolly rows built from the example file (prompt from instruction/input) after one whose
+    reference is Chinese only, S-NI in its 11_ bucket with list references; no Vicuna, SelfInst or UnNI."""
+    from fixtures.evaluate import write_jsonl
+
+    rows = [json.loads(line) for line in EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
+    cjk = {"instruction": "说一句关于茶的话。", "input": "", "output": "茶是中国的传统饮品。"}
+    write_jsonl(tmp_path / "data" / "dolly" / "valid.jsonl", [cjk] + rows[:4])
+    write_jsonl(tmp_path / "data" / "dolly" / "dev.jsonl", rows[4:10])
+    write_jsonl(
+        tmp_path / "data" / "sinst" / "11_" / "valid.jsonl",
+        [{"instruction": r["instruction"], "input": r["input"], "output": [r["output"], "yes"]} for r in rows[10:14]],
+    )
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def new_engine(tiny_model_dir):
+    """Builds DeepSpeed engines on the tiny student (``fixtures.checkpoints.Engines``) and
+    destroys them when the test ends."""
+    from fixtures.checkpoints import Engines
+
+    built = Engines(tiny_model_dir)
+    yield built
+    built.destroy()

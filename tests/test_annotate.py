@@ -11,114 +11,15 @@ import duckdb
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from transformers import AutoTokenizer
 
 from conftest import EXAMPLES
+from fixtures.annotate import EDGE_ROWS, check_artefact, write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.artefact_schema import SCHEMA
-from mta.data.prompts import alpaca_prompt
-from mta.data.span_extraction import WORD, SpanExtractor, load_spacy
 from mta.errors import MtaError
-from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
 from mta.store.layout import manifest_path
 from mta.store.publish import PartWriter, merge_shards
 from mta.store.read import read_annotations
-
-EDGE_ROWS = [
-    {"instruction": "Reply with nothing.", "input": "", "output": ""},
-    {"instruction": "Translate to Chinese: tea is a drink.", "input": "", "output": "茶是一种饮料。"},
-    {"instruction": "Greet me with emoji.", "output": "Hello there 👋🏽 my friend 🎉!"},  # Vicuna: no input
-    {"instruction": "Say hello in Arabic.", "input": "", "output": "مرحبا بالعالم، كيف حالك؟"},
-    {"instruction": "Print punctuation only.", "input": "", "output": "!!! ??? ..."},
-    {"instruction": "Describe rivers.", "input": "", "output": "Long rivers carry water to the sea. " * 120},
-    {"instruction": "Name a colour.", "context": "Think of the sky.", "response": "Blue.", "category": "open_qa"},
-    {"prompt": "Q: what is two plus two?\nA: ", "response": "Two plus two is four."},
-    {"instruction": "ignored", "input": "", "output": "Paris is the capital.", "prompt": "Custom prompt:\n"},
-]
-
-
-def expected_prompt_and_response(row: dict) -> tuple[str, str]:
-    if "output" in row:
-        return row.get("prompt") or alpaca_prompt(row["instruction"], row.get("input")), row["output"]
-    if "prompt" in row:
-        return row["prompt"], row["response"]
-    return alpaca_prompt(row["instruction"], row.get("context")), row["response"]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    with open(path, "wb") as handle:
-        for row in rows:
-            handle.write(row if isinstance(row, bytes) else json.dumps(row, ensure_ascii=False).encode())
-            handle.write(b"\n")
-    return path
-
-
-def reference_range(offsets, text, start, end):
-    members = [
-        index
-        for index, (a, b) in enumerate(offsets)
-        if (v := a + len(text[a:b]) - len(text[a:b].lstrip())) < b and start <= v and b <= end
-    ]
-    return (members[0], members[-1] + 1) if members else None
-
-
-def check_artefact(out_dir: Path, input_rows: list[dict], teacher_dir, student_dir, settings) -> None:
-    """Re-derive every stored value from the input with transformers and spaCy, independently."""
-    annotations = read_annotations(out_dir)
-    tokenizers = {
-        "teacher": AutoTokenizer.from_pretrained(str(teacher_dir)),
-        "student": AutoTokenizer.from_pretrained(str(student_dir)),
-    }
-    extractor = SpanExtractor(load_spacy("en_core_web_sm").nlp, settings.word_spans)
-    assert annotations.manifest["teacher"]["fingerprint"] == tokenizer_fingerprint(load_tokenizer(teacher_dir))
-
-    def longest_side(text: str) -> int:
-        return max(len(t(text, add_special_tokens=False)["input_ids"]) for t in tokenizers.values())
-
-    for record in annotations.table.to_pylist():
-        prompt, response = expected_prompt_and_response(input_rows[record["id"]])
-        text = record["text"]
-        assert record["prompt_chars"] == len(prompt)
-        assert (prompt + response).startswith(text) and len(text) >= len(prompt)
-        # docs/method.md §1: whole with its EOS when that fits on every side; else cut, no EOS
-        # (a text of exactly max_length tokens is kept whole but has no room for its EOS).
-        complete = longest_side(prompt + response) + 1 <= settings.max_length
-        if complete:
-            assert text == prompt + response
-        offsets = {}
-        for side, tokenizer in tokenizers.items():
-            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            eos = [tokenizer.eos_token_id] if complete else []
-            assert record[f"{side}_input_ids"] == encoded["input_ids"] + eos
-            assert len(record[f"{side}_input_ids"]) <= settings.max_length
-            offsets[side] = encoded["offset_mapping"]
-            prompt_len = sum(1 for start, _ in offsets[side] if start < len(prompt))
-            assert record[f"{side}_prompt_len"] == prompt_len <= settings.max_prompt_length
-        if not complete and text != prompt + response:  # one more character would overflow one side
-            assert longest_side((prompt + response)[: len(text) + 1]) > settings.max_length
-
-        # The stored spans are exactly the parsed spans that both sides can represent.
-        parsed = extractor.extract(extractor.nlp(prompt + response))
-        for column, chars, labels in (
-            ("phrase_spans", parsed.phrases, parsed.phrase_labels),
-            ("word_spans", parsed.words, [WORD] * len(parsed.words)),
-        ):
-            expected = []
-            for (a, b), label in zip(chars.tolist(), labels):
-                ranges = {side: reference_range(offsets[side], text, a, b) for side in offsets}
-                if b <= len(text) and all(ranges.values()):
-                    expected.append(
-                        {
-                            "char_start": a,
-                            "char_end": b,
-                            "label": label,
-                            "teacher_start": ranges["teacher"][0],
-                            "teacher_end": ranges["teacher"][1],
-                            "student_start": ranges["student"][0],
-                            "student_end": ranges["student"][1],
-                        }
-                    )
-            assert record[column] == expected, (column, text)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import EXAMPLES, REPO
+from fixtures.annotate import EDGE_ROWS, write_jsonl
 from mta.data import annotate as annotate_module
 from mta.data import truncation
 from mta.data.annotate import AnnotateSettings, run_annotate
@@ -28,7 +29,6 @@ from mta.errors import MtaError
 from mta.store import locks, publish
 from mta.store.publish import merge_shards
 from mta.store.read import read_annotations
-from test_annotate import EDGE_ROWS, write_jsonl
 
 LINES = EXAMPLES.read_text(encoding="utf-8").splitlines()
 

@@ -261,3 +261,53 @@ def test_every_module_is_in_the_architecture_module_map_and_every_listed_module_
     present = {str(path.relative_to(REPO)) for path in MODULES.values()}
     assert not sorted(present - listed), f"missing from ARCHITECTURE.md's module map: {sorted(present - listed)}"
     assert not sorted(listed - present), f"listed in ARCHITECTURE.md but absent: {sorted(listed - present)}"
+
+
+# --- tests: no test module imports another --------------------------------------------------
+
+
+def _test_modules_imported(source: str) -> set[str]:
+    """The test modules (``test_*``, bare or as ``tests.test_*``) ``source`` imports, at any
+    depth: import statements, ``from . import``/``from tests import test_x``, and
+    ``importlib.import_module("...")`` or ``__import__("...")`` of a literal name."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.module:
+                names.add(node.module)
+            if node.level or node.module in (None, "tests"):
+                names.update(alias.name for alias in node.names)
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (getattr(node.func, "id", None) == "__import__" or getattr(node.func, "attr", None) == "import_module")
+        ):
+            names.add(node.args[0].value)
+    return {name for name in names if name.removeprefix("tests.").split(".")[0].startswith("test_")}
+
+
+def test_the_test_import_finder_sees_every_form():
+    source = (
+        "import test_a\nimport tests.test_b as b\nfrom test_c import x\nfrom tests.test_d import y\n"
+        "from tests import test_e\nfrom . import test_f\nimport importlib\nimportlib.import_module('test_g')\n"
+        "def f():\n    from test_h import z\n"
+        "import conftest\nfrom fixtures.distill import LENGTHS\nfrom mta.testing import test_like\n"
+    )
+    found = _test_modules_imported(source)
+    assert found == {"test_a", "tests.test_b", "test_c", "tests.test_d", "test_e", "test_f", "test_g", "test_h"}
+
+
+def test_no_test_module_imports_another_test_module():
+    """Shared fixtures live in tests/conftest.py and shared helpers in tests/fixtures/: importing
+    a test module re-registers its fixtures (a second, module-scoped copy) and redefines names."""
+    offenders = {
+        str(path.relative_to(TESTS)): sorted(found)
+        for path in sorted(TESTS.rglob("*.py"))
+        if "data" not in path.relative_to(TESTS).parts[:-1]
+        and (found := _test_modules_imported(path.read_text(encoding="utf-8")))
+    }
+    assert not offenders, f"test modules importing test modules (move what they share): {offenders}"

@@ -18,7 +18,8 @@ from mta.errors import MtaError
 from mta.training.asam import Asam, perturbation
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import AsamSpec, TrainSpec
-from test_distill import one_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny.yaml"
@@ -38,8 +39,8 @@ def test_epsilon_is_the_closed_form_and_the_steepest_point_of_the_ellipsoid():
     flat_w = torch.cat([w.flatten() for w in weights]).tolist()
     flat_g = torch.cat([x.flatten() for x in grads]).tolist()
     scale = [abs(w) + eta for w in flat_w]
-    norm = math.sqrt(sum((t * x) ** 2 for t, x in zip(scale, flat_g)))
-    expected = [rho * t * t * x / norm for t, x in zip(scale, flat_g)]
+    norm = math.sqrt(sum((t * x) ** 2 for t, x in zip(scale, flat_g, strict=True)))
+    expected = [rho * t * t * x / norm for t, x in zip(scale, flat_g, strict=True)]
     got = torch.cat([e.flatten() for e in epsilon])
     assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
     assert [e.shape for e in epsilon] == [w.shape for w in weights]
@@ -138,7 +139,9 @@ def test_one_step_is_the_hand_computed_two_pass_update(scope):
     expected = [
         p.detach() - lr * g
         for p, g in zip(
-            (model.weight, model.bias), hand_asam_gradient(model.weight, model.bias, window, 0.5, 0.01, scope)
+            (model.weight, model.bias),
+            hand_asam_gradient(model.weight, model.bias, window, 0.5, 0.01, scope),
+            strict=True,
         )
     ]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -221,7 +224,7 @@ def test_trainer_steps_are_adamw_on_the_hand_computed_gradients(zero_stage, with
                 w0, b0 = (p.detach().clone().requires_grad_() for p in (reference.weight, reference.bias))
                 loss = sum(_loss(w0, b0, batch) for batch in window) / len(window)
                 grads = torch.autograd.grad(loss, (w0, b0))
-            for param, grad in zip((reference.weight, reference.bias), grads):
+            for param, grad in zip((reference.weight, reference.bias), grads, strict=True):
                 param.grad = grad
             optimizer.step()
             assert math.isfinite(losses["total"])

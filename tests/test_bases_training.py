@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import EXAMPLES
+from fixtures.distill import LENGTHS, write_recipe
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.pairs import PairSettings, generate_pairs
 from mta.store.read import read_annotations
@@ -17,7 +18,8 @@ from mta.training import trainer as trainer_module
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import run_distillation
-from test_distill import LENGTHS, one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train_records(out):
@@ -47,7 +49,7 @@ def test_fdd_trains_with_and_without_the_students_samples_and_reloads(
         assert sum(r["generation/generated"] for r in records) == 4
     reloaded = AutoModelForCausalLM.from_pretrained(final)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert any(not torch.equal(a, b) for a, b in zip(reloaded.parameters(), start.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(reloaded.parameters(), start.parameters(), strict=True))
 
 
 @pytest.mark.slow

@@ -7,40 +7,12 @@ import pyarrow as pa
 import pytest
 import torch
 
+from fixtures.batching import random_rows
 from mta.data.artefact_schema import SCHEMA
 from mta.errors import MtaError
 from mta.training.batching import AnnotatedExamples, StepSchedule, micro_batch_order
 
 PAD = {"student": 7, "teacher": 3}
-
-
-def _random_rows(count: int, seed: int = 0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for index in range(count):
-        lengths = {side: int(rng.integers(1, 30)) for side in ("teacher", "student")}
-        row = {"id": index, "text": "x" * 10, "prompt_chars": 5}
-        for side, length in lengths.items():
-            row[f"{side}_input_ids"] = rng.integers(0, 500, length).tolist()
-            row[f"{side}_prompt_len"] = int(rng.integers(0, length + 1))
-        for column in ("phrase_spans", "word_spans"):
-            spans = []
-            for _ in range(int(rng.integers(0, 5))):  # 0 and 1 spans included
-                bounds = {side: sorted(rng.integers(0, lengths[side] + 1, 2).tolist()) for side in lengths}
-                spans.append(
-                    {
-                        "char_start": 0,
-                        "char_end": 1,
-                        "label": "NP",
-                        "teacher_start": bounds["teacher"][0],
-                        "teacher_end": bounds["teacher"][1] + 1,
-                        "student_start": bounds["student"][0],
-                        "student_end": bounds["student"][1] + 1,
-                    }
-                )
-            row[column] = spans
-        rows.append(row)
-    return rows
 
 
 def _reference_tokens(rows, side):
@@ -60,7 +32,7 @@ def _reference_tokens(rows, side):
 
 @pytest.fixture(scope="module")
 def rows():
-    return _random_rows(23)
+    return random_rows(23)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +91,8 @@ def test_order_is_reproducible_covers_rows_once_and_groups_lengths():
     first = micro_batch_order(lengths, 8, seed=42, epoch=0)
     again = micro_batch_order(lengths, 8, seed=42, epoch=0)
     other_epoch = micro_batch_order(lengths, 8, seed=42, epoch=1)
-    assert all(np.array_equal(a, b) for a, b in zip(first, again))
-    assert not all(np.array_equal(a, b) for a, b in zip(first, other_epoch))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other_epoch, strict=True))
     assert all(len(batch) == 8 for batch in first)
     flat = np.concatenate(first)
     assert len(flat) == len(set(flat.tolist())) == 1000

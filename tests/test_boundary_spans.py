@@ -66,7 +66,8 @@ def check_boundary_spans(text: str, offsets_a, offsets_b, result) -> None:
     starts = [{r[0] for r in ranges if r} for ranges, _ in sides]
     spans = [tuple(map(int, span)) for span in chars]
 
-    for (start, end), following in zip(spans, spans[1:] + [(len(text), None)]):
+    # Each span with the next one (the text's end after the last); no span, no pair.
+    for (start, end), following in zip(spans, spans[1:] + [(len(text), None)], strict=False):
         assert 0 <= start < end <= following[0]
         assert start in starts[0] and start in starts[1], (text, start)  # a common boundary
         assert not text[end - 1].isspace() and text[end : following[0]].strip() == ""
@@ -79,7 +80,7 @@ def check_boundary_spans(text: str, offsets_a, offsets_b, result) -> None:
     assert set(in_spans) <= covered[0] | covered[1] | {p for p in in_spans if text[p].isspace()}
 
     for ranges, token_spans in sides:
-        for (start, end), (first, stop) in zip(spans, token_spans):
+        for (start, end), (first, stop) in zip(spans, token_spans, strict=True):
             members = [i for i, r in enumerate(ranges) if r and start <= r[0] and r[1] <= end]
             assert members and (first, stop) == (members[0], members[-1] + 1), (text[start:end], members)
         # ... and no token crosses a span edge: each visible token lies in exactly one span.
@@ -165,7 +166,7 @@ def test_the_same_tokenizer_gives_one_span_per_token(trained, gpt2_tokenizer_dir
                 assert chars.tolist() == [list(r) for _, r in visible]
                 assert side_a.tolist() == [[i, i + 1] for i, _ in visible]
             else:  # pieces of one character share its span; every span is its tokens' union
-                for (start, end), (first, stop) in zip(chars, side_a):
+                for (start, end), (first, stop) in zip(chars, side_a, strict=True):
                     members = [r for i, r in visible if first <= i < stop]
                     assert (start, end) == (min(r[0] for r in members), max(r[1] for r in members))
 
@@ -203,7 +204,7 @@ def test_annotate_writes_the_column_and_batching_gathers_it(annotated, trained):
     for row in rows:
         text, spans = row["text"], row[BOUNDARY_SPANS]
         offsets = [offsets_of(tokenizer, text) for tokenizer in trained]
-        for side, side_offsets in zip(("teacher", "student"), offsets):
+        for side, side_offsets in zip(("teacher", "student"), offsets, strict=True):
             assert len(side_offsets) <= len(row[f"{side}_input_ids"]) <= len(side_offsets) + 1  # + EOS
         result = tuple(
             np.asarray([[span[f"{name}_start"], span[f"{name}_end"]] for span in spans]).reshape(-1, 2)

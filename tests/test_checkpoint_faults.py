@@ -16,75 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from fixtures.checkpoints import Engines, student_recipe, train_step
 from mta.errors import MtaError
 from mta.hashing import CHECKSUMS, checksum_text, directory_checksums, read_checksums
-from mta.training import engine as engines
-from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import checkpointing, safe_loading
 from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, resolve_resume, save_checkpoint
-from test_distill import one_thread, write_recipe  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 STATE = Path("deepspeed") / "state"
 MODEL_STATES = STATE / "mp_rank_00_model_states.pt"
 OPTIM_STATES = STATE / "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # ZeRO 1 and 2, fp32
-
-
-class Student(torch.nn.Module):
-    """What checkpointing sees of DistillationModel: the Hugging Face student as ``.student``."""
-
-    def __init__(self, path: Path):
-        super().__init__()
-        self.student = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-
-    def forward(self, ids):
-        return self.student(input_ids=ids, labels=ids).loss
-
-
-def _recipe(directory: Path, model_dir: Path, **train):
-    return load_recipe(
-        write_recipe(
-            directory / "recipe.yaml",
-            teacher=None,
-            student=model_dir,
-            annotations=directory / "unused",
-            output_dir=directory / "out",
-            loss={"base": "ce", "dsa_weight": 0, "hra_weight": 0},
-            train={"batch_size": 2, "micro_batch_size": 2, "max_steps": 8, **train},
-        )
-    )
-
-
-class Engines:
-    """Builds engines on the tiny student and destroys them when the test (or module) ends."""
-
-    def __init__(self, model_dir: Path):
-        self.model_dir = model_dir
-        self.built = []
-
-    def __call__(self, recipe):
-        engines.init_distributed()
-        engine = engines.initialize(Student(self.model_dir), [], recipe.train, {}, 8, 1)
-        self.built.append(engine)
-        return engine
-
-    def destroy(self):
-        for engine in self.built:
-            engine.destroy()
-
-
-@pytest.fixture
-def new_engine(tiny_model_dir):
-    built = Engines(tiny_model_dir)
-    yield built
-    built.destroy()
-
-
-def _step(engine, seed: int) -> None:
-    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(seed))
-    engine.backward(engine(ids))
-    engine.step()
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
@@ -96,12 +40,12 @@ def saved(tiny_model_dir, tmp_path_factory):
     """A ZeRO-1 fp32 run with two checkpoints of run "r" (step-2, step-4), and an engine to
     load into: the fault tests copy ``out`` and break the copy."""
     directory = tmp_path_factory.mktemp("saved")
-    recipe = _recipe(directory, tiny_model_dir)
+    recipe = student_recipe(directory, tiny_model_dir)
     built = Engines(tiny_model_dir)
     engine = built(recipe)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     for step in (2, 4):
-        _step(engine, step)
+        train_step(engine, step)
         save_checkpoint(engine, tokenizer, recipe, directory / "out", TrainerState(step, 8, run_id="r"))
     yield {"out": directory / "out", "recipe": recipe, "engine": engine, "tokenizer": tokenizer}
     built.destroy()
@@ -140,10 +84,10 @@ def test_the_allow_list_is_the_union_of_what_the_stages_need():
 def test_resume_restores_every_stage_through_the_restricted_loader(
     stage, precision, tmp_path, tiny_model_dir, new_engine, monkeypatch
 ):
-    recipe = _recipe(tmp_path, tiny_model_dir, zero_stage=stage, precision=precision)
+    recipe = student_recipe(tmp_path, tiny_model_dir, zero_stage=stage, precision=precision)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     original = new_engine(recipe)
-    _step(original, 1)
+    train_step(original, 1)
     path = save_checkpoint(original, tokenizer, recipe, tmp_path / "out", TrainerState(1, 8, run_id="run-a"))
     assert read_checksums(path) == directory_checksums(path)  # the list covers every file
     assert (path / "trainer_state.json").name in read_checksums(path)
@@ -162,8 +106,8 @@ def test_resume_restores_every_stage_through_the_restricted_loader(
     assert loads and all(flag is True for flag in loads), loads  # every state file, restricted
 
     # Optimizer moments and schedule came back too: the next step lands on the same weights.
-    _step(original, 2)
-    _step(resumed, 2)
+    train_step(original, 2)
+    train_step(resumed, 2)
     expected, got = _weights(original), _weights(resumed)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=f"zero{stage} {precision} {name}")

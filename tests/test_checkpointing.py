@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.distill import write_recipe
 from mta.errors import MtaError
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import checkpointing as checkpoint
 from mta.training.lifecycle.checkpointing import complete_checkpoints, latest_checkpoint, resolve_resume
 from mta.training.lifecycle.metrics import MetricsLog, read_metrics
 from mta.training.trainer import run_distillation
-from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:

@@ -21,12 +21,14 @@ import torch
 from rich.console import Console
 
 from conftest import subprocess_env
+from fixtures.distill import write_recipe
 from mta.errors import MtaError
 from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.lifecycle.metrics import read_metrics
 from mta_cli import quiet
 from mta_cli.reporting import PlainReporter, RichReporter, make_reporter
-from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NOISE = ("Writing model shards", "Loading weights", "Setting accelerator")
 BARS = ("\r", "━", "█")

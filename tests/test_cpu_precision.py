@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import mta.dtypes
+from fixtures.evaluate import FAST, run_cli
+from fixtures.perplexity import loop_sums
 from mta.dtypes import bf16_flags, cpu_has_native_bf16, resolve_dtype
 from mta.errors import MtaError
 from mta.training import engine as engines
@@ -23,9 +25,8 @@ from mta.training.config.loading import load_recipe
 from mta.training.config.schema import TrainSpec
 from mta.training.lifecycle import utilisation
 from mta.training.lifecycle.metrics import read_metrics
-from test_distill import one_thread  # noqa: F401  (fixture)
-from test_evaluate_command import FAST, data_dir, run_cli  # noqa: F401  (fixture)
-from test_evaluate_perplexity import loop_sums
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny.yaml"

@@ -169,7 +169,7 @@ def test_directories_of_the_earlier_layout_still_read_and_are_adopted_by_writers
     assert (v2.stored_version, v2.layout) == (SCHEMA_VERSION, 1)  # today's rows, the old layout
     assert v2.table.equals(current.table)
     assert v2.manifest == {k: v for k, v in current.manifest.items() if k != LAYOUT_KEY}
-    with pytest.raises(Exception):  # the reason for the new layout: the manifest is in the way
+    with pytest.raises(pa.ArrowInvalid):  # the reason for the new layout: the manifest is in the way
         pads.dataset(tmp_path / "v2", format="parquet").to_table()
 
     # A writer with the same input and settings adopts the directory and reuses its rows.

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fixtures.perplexity import loop_sums
 from mta.demo.pipeline import run_demo
 from mta.demo.report import table, write_report
 from mta.demo.settings import VARIANTS, DemoSettings
 from mta.evaluation.datasets import load_rows
 from mta.models.tokenizers import load_tokenizer
-from test_evaluate_perplexity import loop_sums
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,8 +79,8 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
     # The three students start from the same pruned copy and differ in their objective only.
     init = json.loads((out / "student-init" / "mta_init.json").read_text())
     assert init["kept_layers"] == [0, 3]
-    sft_metrics = [json.loads(l) for l in (out / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()]
-    mta_metrics = [json.loads(l) for l in (out / "runs" / "mta" / "metrics.jsonl").read_text().splitlines()]
+    sft_metrics = [json.loads(line) for line in (out / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    mta_metrics = [json.loads(line) for line in (out / "runs" / "mta" / "metrics.jsonl").read_text().splitlines()]
     assert not any("loss/dsa" in record for record in sft_metrics)
     assert any(record.get("loss/dsa", 0) > 0 for record in mta_metrics)
 

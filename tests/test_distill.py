@@ -13,36 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import subprocess_env, torchrun
+from fixtures.distill import annotate_examples, weights, write_recipe
 from mta.errors import MtaError
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.objective import DistillationObjective
 from mta.training.trainer import NonFiniteLoss, run_distillation
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
-LENGTHS = {"max_length": 384, "max_prompt_length": 256}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Several test runs and engineers share two cores: OpenMP threads spinning against each
-    # other make a tiny model's step 20x slower, and one thread is what a subprocess gets too.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tiny_tokenizer_dir, tmp_path_factory):
-    from mta.models.tiny import build_tiny_model
-
-    return build_tiny_model(tiny_tokenizer_dir, tmp_path_factory.mktemp("teacher"), hidden_size=48, seed=1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -52,52 +33,9 @@ def other_teacher_dir(other_tokenizer_dir, tmp_path_factory):
     return build_tiny_model(other_tokenizer_dir, tmp_path_factory.mktemp("other-teacher"), hidden_size=48, seed=3)
 
 
-def _annotate(teacher_tokenizer, student_tokenizer, out_dir):
-    from mta.data.annotate import AnnotateSettings, annotate_file
-
-    settings = AnnotateSettings(teacher=str(teacher_tokenizer), student=str(student_tokenizer), workers=1, **LENGTHS)
-    return annotate_file(EXAMPLES, out_dir, settings)
-
-
-@pytest.fixture(scope="module")
-def same_data(tiny_tokenizer_dir, tmp_path_factory):
-    return _annotate(tiny_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory.mktemp("ann-same") / "a")
-
-
 @pytest.fixture(scope="module")
 def cross_data(other_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory):
-    return _annotate(other_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory.mktemp("ann-cross") / "a")
-
-
-def write_recipe(path: Path, *, teacher, student, annotations, output_dir, **sections) -> Path:
-    raw = {
-        "name": "test",
-        "seed": 3,
-        "output_dir": str(output_dir),
-        "teacher": {"path": str(teacher)} if teacher else None,
-        "student": {"path": str(student)},
-        "data": {"train": str(annotations), "dev": str(annotations), **LENGTHS},
-        "loss": {"base": "fkl", "dsa_weight": 2.0, "hra_weight": 0.2, "layers": "auto"},
-        "train": {
-            "lr": 5e-3,
-            "projector_lr": 5e-3,
-            "schedule": "constant",
-            "max_steps": 6,
-            "batch_size": 4,
-            "micro_batch_size": 2,
-            "log_interval": 1,
-            "eval_interval": 100,
-            "save_interval": 100,
-            "num_sample_generations": 0,
-        },
-    }
-    for section, values in sections.items():
-        if values is None or not isinstance(raw.get(section), dict):
-            raw[section] = values
-        else:
-            raw[section] = {**raw[section], **values}
-    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
-    return path
+    return annotate_examples(other_tokenizer_dir, tiny_tokenizer_dir, tmp_path_factory.mktemp("ann-cross") / "a")
 
 
 def train_losses(output_dir: Path) -> list[float]:
@@ -107,10 +45,6 @@ def train_losses(output_dir: Path) -> list[float]:
 def dev_losses(output_dir: Path) -> list[float]:
     """The loss on the same dev rows at each evaluation: what "goes down" is judged on."""
     return [r["loss"] for r in read_metrics(output_dir / "metrics.jsonl") if r["split"] == "dev"]
-
-
-def weights(directory: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(directory / "model.safetensors"))
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ def test_fdd_keeps_the_teachers_head_and_norm_and_its_lens_reads_the_layers(
     expected = full(ids, output_hidden_states=True)
     norm = full.model.norm if model_type == "llama" else full.transformer.ln_f
     with torch.no_grad():
-        for layer, state in zip([1, 2], lens.states(out.hidden_states, [1, 2])):
+        for layer, state in zip([1, 2], lens.states(out.hidden_states, [1, 2]), strict=True):
             torch.testing.assert_close(lens(state), full.lm_head(norm(expected.hidden_states[layer])))
         # The last layer's entry is already normed: the lens gives the model's own logits.
         (last,) = lens.states(expected.hidden_states, [4])
@@ -102,7 +102,7 @@ def test_a_layers_lens_at_some_vocabulary_rows_gathers_them_before_the_product(
     expected = head(norm(hidden))[:, rows]  # the whole head, then the columns: a second way
     want_grads = torch.autograd.grad((expected * torch.arange(5.0)).sum(), [hidden, head.weight])
     torch.testing.assert_close(got, expected)
-    for a, b in zip(got_grads, want_grads):
+    for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b)
     # Gathered: the head module never runs; under ZeRO-3 it must (its hooks gather the shard).
     assert calls.count("head") == (1 if zero3 else 0) + 1

@@ -86,7 +86,9 @@ def documented_auto_map(student_layers: int, teacher_layers: int) -> list[tuple[
     s = max(1, student_layers // 4)
     picks = [(student_layers - 2 * s, "word"), (student_layers - s, "phrase"), (student_layers, "phrase")]
     return [
-        (l, math.floor(Fraction(l * teacher_layers, student_layers) + Fraction(1, 2)), g) for l, g in picks if l >= 0
+        (layer, math.floor(Fraction(layer * teacher_layers, student_layers) + Fraction(1, 2)), granularity)
+        for layer, granularity in picks
+        if layer >= 0
     ]
 
 

@@ -72,7 +72,7 @@ def plain_loop(model_dir: Path, texts: list[str], *, mode: str, normalize: bool,
                 texts[start : start + batch], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
             )
             hidden = model(**encoded).last_hidden_state
-            for row, mask in zip(hidden, encoded["attention_mask"]):
+            for row, mask in zip(hidden, encoded["attention_mask"], strict=True):
                 real = row[mask.bool()]
                 vector = real.mean(0) if mode == "mean" else row[0]
                 out.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)

@@ -18,7 +18,8 @@ from mta.embedding.recipe import EmbeddingLossSpec
 from mta.errors import MtaError
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
-from test_distill import one_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

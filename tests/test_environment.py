@@ -281,7 +281,7 @@ def _results(seeds: list[int]) -> dict:
     def score(values):
         mean = sum(values) / len(values)
         std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
-        return {"mean": mean, "std": std, "per_seed": {str(s): v for s, v in zip(seeds, values)}}
+        return {"mean": mean, "std": std, "per_seed": {str(s): v for s, v in zip(seeds, values, strict=True)}}
 
     values = [12.0, 14.0][: len(seeds)]
     return {

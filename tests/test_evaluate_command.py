@@ -12,9 +12,10 @@ import pytest
 import torch
 from rouge_score import rouge_scorer
 from transformers import AutoModelForCausalLM
-from typer.testing import CliRunner
 
 from conftest import torchrun
+from fixtures.evaluate import FAST, run_cli
+from fixtures.perplexity import loop_sums
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
@@ -27,38 +28,6 @@ from mta.scoring import completion_text
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
-FAST = ["--seeds", "10,20", "--max-new-tokens", "6", "--max-prompt-length", "48", "--limit", "3"]
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-@pytest.fixture
-def data_dir(tmp_path) -> Path:
-    """Dolly rows built from the example file (prompt from instruction/input) after one whose
-    reference is Chinese only, S-NI in its 11_ bucket with list references; no Vicuna, SelfInst or UnNI."""
-    rows = [json.loads(line) for line in EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
-    cjk = {"instruction": "说一句关于茶的话。", "input": "", "output": "茶是中国的传统饮品。"}
-    write_jsonl(tmp_path / "data" / "dolly" / "valid.jsonl", [cjk] + rows[:4])
-    write_jsonl(tmp_path / "data" / "dolly" / "dev.jsonl", rows[4:10])
-    write_jsonl(
-        tmp_path / "data" / "sinst" / "11_" / "valid.jsonl",
-        [{"instruction": r["instruction"], "input": r["input"], "output": [r["output"], "yes"]} for r in rows[10:14]],
-    )
-    return tmp_path / "data"
-
-
-def run_cli(args: list[str]):
-    from mta_cli.main import app
-
-    result = CliRunner().invoke(app, ["evaluate", *args])
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    assert result.exit_code == 0, result.output
-    return result
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -97,8 +66,6 @@ def wordy(model_dir: Path, out: Path) -> Path:
 
 
 def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_dir, tmp_path, monkeypatch):
-    from test_evaluate_perplexity import loop_sums
-
     out = tmp_path / "eval"
     model_dir = wordy(tiny_model_dir, tmp_path / "wordy")
     result = run_cli([str(model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])

@@ -45,7 +45,7 @@ def hand_spearman(a, b):
 
     ra, rb = rank(list(a)), rank(list(b))
     ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
     return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
 
 
@@ -130,7 +130,7 @@ def test_agreement_is_one_for_the_teacher_rotated_scaled_and_widened():
 
 def test_pairs_are_all_pairs_or_a_seeded_sample_of_distinct_texts():
     first, second = sampled_pairs(5, 100, seed=0)
-    assert sorted(zip(first.tolist(), second.tolist())) == list(combinations(range(5), 2))
+    assert sorted(zip(first.tolist(), second.tolist(), strict=True)) == list(combinations(range(5), 2))
     first, second = sampled_pairs(1000, 5000, seed=7)
     assert len(first) == 5000 and bool((first != second).all())
     again = sampled_pairs(1000, 5000, seed=7)

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import EXAMPLES
+from fixtures.perplexity import loop_sums
 from mta import distributed
 from mta.evaluation.datasets import EvalRow, load_rows
 from mta.evaluation.perplexity import response_perplexity
@@ -19,34 +20,6 @@ from mta.models.tokenizers import load_tokenizer
 def model_and_tokenizer(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     return model, load_tokenizer(tiny_model_dir)
-
-
-def loop_sums(model, tokenizer, rows, max_prompt_length, max_response_length) -> tuple[float, int, int, int]:
-    """Summed response NLL (nats), response tokens, prompts cut and responses cut: one
-    sequence at a time (no padding, no batch), one token at a time, straight from docs/method.md
-    §1 (a token is a prompt token when it starts before the end of the prompt; EOS
-    closes a response that fits, EOS included in the budget)."""
-    total, count, prompts_cut, responses_cut = 0.0, 0, 0, 0
-    for row in rows:
-        prompt, response = row.prompt, row.references[0]
-        encoded = tokenizer(prompt + response, add_special_tokens=False, return_offsets_mapping=True)
-        prompt_ids, response_ids = [], []
-        for token, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"]):
-            (prompt_ids if start < len(prompt) else response_ids).append(token)
-        prompts_cut += len(prompt_ids) > max_prompt_length
-        prompt_ids = prompt_ids[:max_prompt_length]
-        if len(response_ids) + 1 <= max_response_length:
-            response_ids = response_ids + [tokenizer.eos_token_id]
-        else:
-            responses_cut += 1
-            response_ids = response_ids[:max_response_length]
-        ids = prompt_ids + response_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].double()
-        for t in range(len(prompt_ids), len(ids)):
-            total -= torch.log_softmax(logits[t - 1], -1)[ids[t]].item()
-            count += 1
-    return total, count, prompts_cut, responses_cut
 
 
 def loop_perplexity(model, tokenizer, rows, max_prompt_length, max_response_length) -> float:
@@ -117,7 +90,7 @@ def test_ranks_score_their_share_and_the_sums_give_the_whole_set(model_and_token
         expected = loop_sums(model, tokenizer, rows[rank::2], *limits.values())
         assert local[rank] == pytest.approx(list(expected), rel=1e-5)
 
-    whole = [a + b for a, b in zip(local[0], local[1])]
+    whole = [a + b for a, b in zip(local[0], local[1], strict=True)]
     monkeypatch.setattr(distributed, "sum_over_ranks", lambda values: whole)
     result = response_perplexity(model, tokenizer, rows, batch_size=2, **limits)
     total, count, prompts_cut, responses_cut = loop_sums(model, tokenizer, rows, *limits.values())

@@ -90,7 +90,7 @@ def direct(
     tokenizer = load_tokenizer(model_dir)
     generator = HFGenerator(model, tokenizer, params, batch_size=1)
     texts = []
-    for prompt, seed in zip(prompts, seeds):
+    for prompt, seed in zip(prompts, seeds, strict=True):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:max_prompt_length]
         [[completion]] = list(generator.generate([ids], [seed]))
         texts.append(completion_text(tokenizer, completion.token_ids))
@@ -103,7 +103,7 @@ def test_each_response_is_the_engines_keyed_sample_of_its_row(teacher_dir, tiny_
     pairs = read_jsonl(out)
     expected_prompts = [r.get("prompt") or r["instruction"] for r in input_rows(7)]
     assert [p["id"] for p in pairs] == list(range(7))
-    assert all(e in p["prompt"] for e, p in zip(expected_prompts, pairs))  # the Alpaca prompt of the row
+    assert all(e in p["prompt"] for e, p in zip(expected_prompts, pairs, strict=True))  # the Alpaca prompt of the row
     assert set(pairs[0]) == {"id", "prompt", "chosen", "rejected"}
     prompts = [p["prompt"] for p in pairs]
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_new_tokens=8)

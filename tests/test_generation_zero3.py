@@ -103,7 +103,7 @@ def test_zero3_ranks_with_unequal_shares_finish_and_match_one_process(tiny_model
     rows = [row for share in SHARES.values() for row in share]
     generator = HFGenerator(model, tokenizer, PARAMS, batch_size=BATCH_SIZE)
     expected = completions(generator, *prompts_and_seeds(tokenizer, rows))
-    by_row = dict(zip(rows, expected))
+    by_row = dict(zip(rows, expected, strict=True))
     assert len({tuple(ids) for ids, _ in expected}) == len(rows)
     for rank, share in SHARES.items():
         written = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -16,13 +16,13 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from fixtures.distill import write_recipe
 from mta.errors import MtaError
 from mta.training import lora
 from mta.training.config.loading import load_recipe
 from mta.training.config.resume_rules import read_saved_recipe, resume_changes
 from mta.training.config.schema import LoraSpec
 from mta.training.trainer import run_distillation
-from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = {"r": 4, "alpha": 16, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
@@ -41,11 +41,14 @@ else:
     raise SystemExit("peft is still importable")
 import torch
 from transformers import AutoModelForCausalLM
+
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 assert "peft" not in type(model).__module__
 with torch.no_grad():
     torch.save(model(torch.tensor({tokens})).logits, sys.argv[2])
 """
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:

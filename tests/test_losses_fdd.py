@@ -173,7 +173,7 @@ def authors_style_fdd(student_states, teacher_states, student_head, teacher_head
     torch's cosine_similarity with eps 1e-5, then traj / K + der / (K − 1)."""
     m = attention_mask.double()
     trajectory, dynamics, previous = 0.0, 0.0, None
-    for hs, ht in zip(student_states, teacher_states):
+    for hs, ht in zip(student_states, teacher_states, strict=True):
         zs, zt = student_head(hs.double()), teacher_head(ht.double()).detach()
         kl = F.kl_div(F.log_softmax(zs / temperature, -1), F.softmax(zt / temperature, -1), reduction="none").sum(-1)
         trajectory = trajectory + (kl * m).sum() / m.sum()
@@ -241,7 +241,7 @@ def test_values_and_gradients_match_the_reference(norm, temperature, weights):
     assert num(out["fdd_dynamics"]) == pytest.approx(num(dynamics), rel=1e-5)
     assert num(out["fdd"]) == pytest.approx(num(fdd), rel=1e-5)
     assert num(dynamics) > 0.05 and num(trajectory) > 0.05  # neither term is trivially zero
-    for mine, theirs in zip(grads, student64):
+    for mine, theirs in zip(grads, student64, strict=True):
         torch.testing.assert_close(mine.double(), theirs.grad, rtol=1e-4, atol=1e-6)
         assert mine[~mask].abs().max() == 0
     assert set(param_grads) == set(params)
@@ -266,7 +266,7 @@ def test_masked_out_positions_change_nothing():
 
     for key in clean[0]:
         assert torch.equal(clean[0][key], dirty[0][key]), key
-    for mine, theirs in zip(clean[1], dirty[1]):
+    for mine, theirs in zip(clean[1], dirty[1], strict=True):
         assert torch.equal(mine, theirs)
     for name in clean[2]:
         torch.testing.assert_close(clean[2][name], dirty[2][name], rtol=1e-6, atol=0)
@@ -280,7 +280,7 @@ def test_chunked_equals_unchunked(chunk_size):
     chunked = run(FeatureDynamicsLoss(chunk_size=chunk_size), student, teacher, student_side, teacher_side, mask)
     for key in whole[0]:
         torch.testing.assert_close(chunked[0][key], whole[0][key], rtol=1e-6, atol=1e-7)
-    for mine, theirs in zip(chunked[1], whole[1]):
+    for mine, theirs in zip(chunked[1], whole[1], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
     for name in whole[2]:
         torch.testing.assert_close(chunked[2][name], whole[2][name], rtol=1e-6, atol=1e-7)
@@ -324,7 +324,7 @@ def test_vocab_size_ignores_the_extra_columns():
     exact = run(FeatureDynamicsLoss(), student, teacher, student_exact, teacher_exact, mask)
     for key in wide[0]:
         torch.testing.assert_close(wide[0][key], exact[0][key], rtol=1e-6, atol=1e-7)
-    for mine, theirs in zip(wide[1], exact[1]):
+    for mine, theirs in zip(wide[1], exact[1], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7)
     assert wide[2]["head.weight"][V:].abs().max() == 0
     torch.testing.assert_close(wide[2]["head.weight"][:V], exact[2]["head.weight"], rtol=1e-6, atol=1e-7)
@@ -354,7 +354,7 @@ def test_bf16_inputs_are_close_to_fp32():
     for key in full[0]:
         assert half[0][key].dtype == torch.float32
         torch.testing.assert_close(half[0][key], full[0][key], rtol=5e-2, atol=1e-2)
-    for mine, theirs in zip(half[1], full[1]):
+    for mine, theirs in zip(half[1], full[1], strict=True):
         assert mine.dtype == torch.bfloat16
         assert torch.isfinite(mine).all()
         cosine = F.cosine_similarity(mine.float().flatten(), theirs.flatten(), dim=0)
@@ -376,7 +376,7 @@ def test_maths_is_fp32_even_for_bf16_logits():
         return lambda hidden: side(hidden.bfloat16()).double()
 
     expected = reference(student16, teacher16, exact(student_side), exact(teacher_side), mask, temperature=2.0)
-    for key, value in zip(("fdd_trajectory", "fdd_dynamics", "fdd"), expected):
+    for key, value in zip(("fdd_trajectory", "fdd_dynamics", "fdd"), expected, strict=True):
         assert out[key].dtype == torch.float32
         assert num(out[key]) == pytest.approx(num(value), rel=2e-5), key
 

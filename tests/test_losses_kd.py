@@ -2,53 +2,18 @@
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fixtures.losses import ALPHA, BETA, ref_token_loss
 from mta.errors import MtaError
 from mta.losses import BASE_LOSSES, build_base_loss
 
-ALPHA, BETA = 0.1, 0.5
-
 # The per-token losses; distillm2 (pairs, per-sequence means) is tested in test_losses_contrastive.
 TOKEN_LOSSES = sorted(set(BASE_LOSSES) - {"distillm2"})
-
-
-def ref_token_loss(name: str, s_row: list[float], t_row: list[float], label: int, tau: float) -> float:
-    """One position, looping over vocabulary entries with python floats."""
-
-    def softmax(row):
-        top = max(row)
-        exps = [math.exp((x - top) / tau) for x in row]
-        total = sum(exps)
-        return [e / total for e in exps]
-
-    if name == "ce":
-        top = max(s_row)
-        return -(s_row[label] - top - math.log(sum(math.exp(x - top) for x in s_row)))
-    q, p = softmax(s_row), softmax(t_row)
-
-    def kl(a, b):
-        return sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b) if x > 0)
-
-    if name == "fkl":
-        return kl(p, q)
-    if name == "rkl":
-        return kl(q, p)
-    if name == "skl":
-        return kl(p, [ALPHA * x + (1 - ALPHA) * y for x, y in zip(p, q)])
-    if name == "srkl":
-        return kl(q, [ALPHA * y + (1 - ALPHA) * x for x, y in zip(p, q)])
-    if name == "jsd":
-        m = [BETA * x + (1 - BETA) * y for x, y in zip(p, q)]
-        return BETA * kl(p, m) + (1 - BETA) * kl(q, m)
-    if name == "tvd":
-        return 0.5 * sum(abs(x - y) for x, y in zip(p, q))
-    raise AssertionError(name)
 
 
 def ref_batch_loss(name, student, teacher, labels, vocab_size, tau=1.0) -> float:

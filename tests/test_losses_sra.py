@@ -198,7 +198,7 @@ def ref_terms(case, student, teacher, projectors, heads=None, temperature=1.0):
                 s_z = sum(torch.exp(x) for x in s_logit)
                 t_z = sum(torch.exp(x) for x in t_logit)
                 kl = 0
-                for x, y in zip(t_logit, s_logit):
+                for x, y in zip(t_logit, s_logit, strict=True):
                     p = torch.exp(x) / t_z
                     kl = kl + p * (torch.log(p) - torch.log(torch.exp(y) / s_z))
                 acc = acc + (w / total) * kl
@@ -291,7 +291,7 @@ def test_span_and_geometry_match_the_loop_reference_values_and_gradients():
         out["sra_span"], [*case["student"], *(p.weight for p in loss.projectors)], retain_graph=True
     )
     ref = torch.autograd.grad(span, [*student, *(w for w, _ in projectors)], retain_graph=True)
-    for got, want in zip(grads, ref):
+    for got, want in zip(grads, ref, strict=True):
         close(got, want)
     geo_grads = torch.autograd.grad(out["sra_geometry"], case["student"], allow_unused=True)
     ref_geo = torch.autograd.grad(geometry, student, allow_unused=True)
@@ -318,7 +318,7 @@ def test_span_logit_term_matches_the_loop_reference():
     close(out["sra"], span + GEOMETRY_WEIGHT * geometry + 0.5 * logit, atol=1e-4)
     got = torch.autograd.grad(out["sra_logit"], [case["student"][0], student_head.weight], retain_graph=True)
     want = torch.autograd.grad(logit, [student[0], sW])
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         close(a, b)
     # the teacher's head gets no gradient
     out["sra_logit"].backward()
@@ -436,7 +436,7 @@ def test_shared_vocabulary_normalises_space_markers_and_guards_specials():
     assert s_ids.dtype == torch.long and t_ids.dtype == torch.long
     # "<s>" is special for the student only: unmatched. "Ġcat" matches the lowest teacher id
     # among "▁cat"/"Ġcat". "Ċ" is not normalised (the port normalises nothing).
-    assert list(zip(s_ids.tolist(), t_ids.tolist())) == [(1, 10), (2, 4), (3, 0), (5, 3), (6, 5)]
+    assert list(zip(s_ids.tolist(), t_ids.tolist(), strict=True)) == [(1, 10), (2, 4), (3, 0), (5, 3), (6, 5)]
     empty = shared_vocabulary({"a": 0}, {"b": 0})
     assert empty[0].shape == (0,) and empty[1].shape == (0,)
 
@@ -455,7 +455,7 @@ def test_shared_vocabulary_on_real_byte_level_tokenizers(gpt2_tokenizer_dir, tin
     by_id_tiny = {i: t for t, i in tiny.items()}
     by_id_gpt2 = {i: t for t, i in gpt2.items()}
     assert s_ids.tolist() == sorted(s_ids.tolist())
-    assert all(by_id_tiny[s] == by_id_gpt2[t] for s, t in zip(s_ids.tolist(), t_ids.tolist()))
+    assert all(by_id_tiny[s] == by_id_gpt2[t] for s, t in zip(s_ids.tolist(), t_ids.tolist(), strict=True))
     ordinary = (set(tiny) - tiny_special) & (set(gpt2) - gpt2_special)
     assert len(ordinary) > 200 and ordinary <= {by_id_tiny[s] for s in s_ids.tolist()}
     # the same GPT-2 vocabulary spelt SentencePiece-style, ids reversed: every token matches

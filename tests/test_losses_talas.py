@@ -23,7 +23,7 @@ def _mask() -> torch.Tensor:
 
 
 def _cos(u, v) -> float:
-    dot = sum(a * b for a, b in zip(u, v))
+    dot = sum(a * b for a, b in zip(u, v, strict=True))
     return dot / max(math.sqrt(sum(a * a for a in u)) * math.sqrt(sum(b * b for b in v)), 1e-8)
 
 
@@ -37,7 +37,7 @@ def _unit(u):
 
 def ref_cls_attention(hidden, lengths):
     out = []
-    for row, n in zip(hidden, lengths):
+    for row, n in zip(hidden, lengths, strict=True):
         d = len(row[0])
         scores = [sum(row[0][i] * row[t][i] for i in range(d)) / math.sqrt(d) for t in range(n)]
         top = max(scores)
@@ -48,13 +48,16 @@ def ref_cls_attention(hidden, lengths):
 
 
 def ref_mean(hidden, lengths):
-    return [[sum(row[t][i] for t in range(n)) / n for i in range(len(row[0]))] for row, n in zip(hidden, lengths)]
+    return [
+        [sum(row[t][i] for t in range(n)) / n for i in range(len(row[0]))]
+        for row, n in zip(hidden, lengths, strict=True)
+    ]
 
 
 def ref_tamd(embeddings, weights, teacher):
     total, count = 0.0, 0
-    for layer, w in zip(embeddings, weights):
-        for row, target in zip(layer, teacher):
+    for layer, w in zip(embeddings, weights, strict=True):
+        for row, target in zip(layer, teacher, strict=True):
             projected = [sum(w[o][i] * row[i] for i in range(len(row))) for o in range(len(w))]
             total += 1.0 - _cos(projected, target)
             count += 1
@@ -64,11 +67,11 @@ def ref_tamd(embeddings, weights, teacher):
 def ref_lasd(embeddings, detach_upper_is_irrelevant_here=True, reduction="mean"):
     def matrix(layer):
         units = [_unit(row) for row in layer]
-        return [[sum(a * b for a, b in zip(u, v)) for v in units] for u in units]
+        return [[sum(a * b for a, b in zip(u, v, strict=True)) for v in units] for u in units]
 
     total = 0.0
-    for l in range(len(embeddings) - 1):
-        lower, upper = matrix(embeddings[l]), matrix(embeddings[l + 1])
+    for index in range(len(embeddings) - 1):
+        lower, upper = matrix(embeddings[index]), matrix(embeddings[index + 1])
         squares = [(upper[i][j] - lower[i][j]) ** 2 for i in range(len(lower)) for j in range(len(lower))]
         total += sum(squares) / (len(squares) if reduction == "mean" else 1)
     return total / (len(embeddings) - 1)
@@ -78,7 +81,7 @@ def ref_simcse(first, second, tau):
     q, p = [_unit(r) for r in first], [_unit(r) for r in second]
     total = 0.0
     for b in range(len(q)):
-        scores = [sum(x * y for x, y in zip(q[b], p[c])) / tau for c in range(len(p))]
+        scores = [sum(x * y for x, y in zip(q[b], p[c], strict=True)) / tau for c in range(len(p))]
         top = max(scores)
         total += -(scores[b] - top - math.log(sum(math.exp(s - top) for s in scores)))
     return total / len(q)
@@ -130,8 +133,8 @@ def test_cls_attention_gradient_matches_the_loop():
     base = hidden.detach().clone()
     numeric = numeric_grad(
         lambda: sum(
-            sum(a * b for a, b in zip(row, w))
-            for row, w in zip(ref_cls_attention(base.tolist(), LENGTHS), probe.tolist())
+            sum(a * b for a, b in zip(row, w, strict=True))
+            for row, w in zip(ref_cls_attention(base.tolist(), LENGTHS), probe.tolist(), strict=True)
         ),
         base,
     )

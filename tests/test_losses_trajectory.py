@@ -43,7 +43,7 @@ def make_mask(lengths: list[int], seq_len: int, left_pad: bool = False) -> torch
 def random_ranges(lengths: list[int], counts: list[int], generator: torch.Generator):
     """Per sequence a list of (start, end) inside the real tokens (right padding)."""
     out = []
-    for n, count in zip(lengths, counts):
+    for n, count in zip(lengths, counts, strict=True):
         ranges = []
         for _ in range(count):
             start = int(torch.randint(0, n, (1,), generator=generator))
@@ -58,8 +58,8 @@ def to_span_batch(student_ranges, teacher_ranges) -> SpanBatch:
     batch = len(student_ranges)
     tensors = [torch.zeros(batch, num, dtype=torch.long) for _ in range(4)]
     mask = torch.zeros(batch, num, dtype=torch.bool)
-    for b, (s_list, t_list) in enumerate(zip(student_ranges, teacher_ranges)):
-        for k, ((ss, se), (ts, te)) in enumerate(zip(s_list, t_list)):
+    for b, (s_list, t_list) in enumerate(zip(student_ranges, teacher_ranges, strict=True)):
+        for k, ((ss, se), (ts, te)) in enumerate(zip(s_list, t_list, strict=True)):
             tensors[0][b, k], tensors[1][b, k], tensors[2][b, k], tensors[3][b, k] = ss, se, ts, te
             mask[b, k] = True
     return SpanBatch(*tensors, mask)
@@ -112,7 +112,7 @@ def ref_cos(a, b):
 
 def ref_dsa(student_vectors, teacher_vectors, masses):
     values = []
-    for s_row, t_row, m_row in zip(student_vectors, teacher_vectors, masses):
+    for s_row, t_row, m_row in zip(student_vectors, teacher_vectors, masses, strict=True):
         if len(s_row) < 2:
             continue
         total_mass = sum(m_row)
@@ -133,10 +133,10 @@ def ref_dsa(student_vectors, teacher_vectors, masses):
 def ref_hra(student_items, teacher_items, weights):
     """Lists per sequence of (student vector, teacher vector, weight)."""
     values = []
-    for s_row, t_row, w_row in zip(student_items, teacher_items, weights):
+    for s_row, t_row, w_row in zip(student_items, teacher_items, weights, strict=True):
         if not s_row:
             continue
-        numerator = sum(w * (1 - ref_cos(s, t)) for s, t, w in zip(s_row, t_row, w_row))
+        numerator = sum(w * (1 - ref_cos(s, t)) for s, t, w in zip(s_row, t_row, w_row, strict=True))
         values.append(numerator / sum(w_row))
     return sum(values) / len(values) if values else torch.tensor(0.0, dtype=torch.float64)
 

@@ -47,11 +47,11 @@ def softmax(row: list[float], tau: float = 1.0) -> list[float]:
 
 
 def kl(a: list[float], b: list[float]) -> float:
-    return sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b) if x > 0)
+    return sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b, strict=True) if x > 0)
 
 
 def mix(weight: float, a: list[float], b: list[float]) -> list[float]:
-    return [weight * x + (1 - weight) * y for x, y in zip(a, b)]
+    return [weight * x + (1 - weight) * y for x, y in zip(a, b, strict=True)]
 
 
 def ref_divergence(name: str, s_row, t_row, *, tau=1.0, alpha=0.1, beta=0.5) -> float:
@@ -68,12 +68,12 @@ def ref_divergence(name: str, s_row, t_row, *, tau=1.0, alpha=0.1, beta=0.5) -> 
         m = mix(beta, p, q)
         return beta * kl(p, m) + (1 - beta) * kl(q, m)
     if name == "tvd":
-        return 0.5 * sum(abs(x - y) for x, y in zip(p, q))
+        return 0.5 * sum(abs(x - y) for x, y in zip(p, q, strict=True))
     raise AssertionError(name)
 
 
 def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b))
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
     return dot / max(math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)), 1e-8)
 
 
@@ -444,7 +444,11 @@ def ref_importance(hidden: torch.Tensor, mask: torch.Tensor) -> list[list[float]
             std = math.sqrt(sum((x - mean) ** 2 for x in row) / max(dim - 1, 1))
             normed[t] = [x / (std + 1e-5) for x in row]
         for i in real:
-            scores = {j: sum(x * y for x, y in zip(normed[i], normed[j])) / math.sqrt(dim) for j in real if j != i}
+            scores = {
+                j: sum(x * y for x, y in zip(normed[i], normed[j], strict=True)) / math.sqrt(dim)
+                for j in real
+                if j != i
+            }
             top = max(scores.values())
             total = sum(math.exp(s - top) for s in scores.values())
             for j, s in scores.items():

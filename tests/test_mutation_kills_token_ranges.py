@@ -43,13 +43,15 @@ def test_visible_ranges_skip_exactly_the_characters_str_isspace_calls_whitespace
         text = "".join(rng.choice(alphabet, size=60))
         cuts = np.sort(rng.choice(np.arange(1, 60), size=14, replace=False))
         bounds = [0, *cuts.tolist(), 60]
-        offsets = np.array([[a, b] for a, b in zip(bounds, bounds[1:])])
+        offsets = np.array([[a, b] for a, b in zip(bounds, bounds[1:], strict=False)])  # consecutive pairs
         assert visible_ranges(text, offsets).tolist() == reference_visible(text, offsets.tolist()), text
-        spans = [[int(a), int(min(a + w, 60))] for a, w in zip(rng.integers(0, 60, 12), rng.integers(1, 30, 12))]
+        spans = [
+            [int(a), int(min(a + w, 60))] for a, w in zip(rng.integers(0, 60, 12), rng.integers(1, 30, 12), strict=True)
+        ]
         start, end, found = token_ranges(text, offsets, np.array(spans))
         expected = reference_ranges(text, offsets.tolist(), spans)
         assert found.tolist() == [e is not None for e in expected]
-        assert [(s, e) for s, e, f in zip(start.tolist(), end.tolist(), found.tolist()) if f] == [
+        assert [(s, e) for s, e, f in zip(start.tolist(), end.tolist(), found.tolist(), strict=True) if f] == [
             e for e in expected if e
         ]
 

@@ -7,20 +7,20 @@ import pyarrow as pa
 import pytest
 import torch
 
+from fixtures.batching import random_rows
+from fixtures.losses import ALPHA, ref_token_loss
 from mta.data.artefact_schema import SCHEMA
 from mta.training.batching import IGNORE_INDEX, AnnotatedExamples
 from mta.training.config.schema import LossSpec
 from mta.training.objective import DistillationObjective
 from mta.training.teacher import TeacherOutput
-from test_batching import _random_rows
-from test_losses_kd import ALPHA, ref_token_loss
 
 VOCAB, PADDED = 40, 3  # the tokenizer's vocabulary and the embedding rows a checkpoint adds
 
 
 def same_tokenizer_batch(count: int, seed: int):
     """Annotate rows of one tokenizer (both sides hold the same ids), gathered by batching."""
-    rows = _random_rows(count, seed)
+    rows = random_rows(count, seed)
     for row in rows:
         row["student_input_ids"] = [token % VOCAB for token in row["student_input_ids"]]
         row["teacher_input_ids"] = row["student_input_ids"]

@@ -13,6 +13,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from conftest import torchrun
+from fixtures.distill import weights, write_recipe
 from mta.data.online_spans import PendingSpans
 from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples
@@ -21,7 +22,8 @@ from mta.training.lifecycle.metrics import read_metrics
 from mta.training.sampling import policy, replay_buffer
 from mta.training.trainer import Trainer, run_distillation
 from mta_cli.reporting import generation_summary
-from test_distill import one_thread, same_data, teacher_dir, weights, write_recipe  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 GENERATION = {"max_new_tokens": 12}
 # Every micro batch samples until the buffer (two micro batches) is full, then the decreasing

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import EXAMPLES
+from fixtures.annotate import EDGE_ROWS, reference_range, write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.encoding import BYTE_LEVEL_CHARS, TokenizerSide
 from mta.data.online_spans import (
@@ -27,7 +28,6 @@ from mta.data.online_spans import (
 )
 from mta.errors import MtaError
 from mta.store.read import read_annotations
-from test_annotate import EDGE_ROWS, reference_range, write_jsonl
 
 MULTIBYTE = "Café crème, naïve señor: 茶是一种饮料 👋🏽 and 🎉 done."
 ROWS = (

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLES
+from fixtures.annotate import write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.errors import MtaError
 from mta.store.read import read_annotations
-from test_annotate import write_jsonl
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
 PAIR_COLUMNS = ("id", "pair_id", "role")
@@ -55,7 +55,7 @@ def test_each_response_of_a_pair_is_the_row_a_plain_row_would_be(tmp_path, setti
     got = read_annotations(tmp_path / "pairs").table.to_pylist()
     want = read_annotations(tmp_path / "singles").table.to_pylist()
     assert len(got) == len(want) == 2 * len(rows)
-    for position, (pair_row, single) in enumerate(zip(got, want)):
+    for position, (pair_row, single) in enumerate(zip(got, want, strict=True)):
         n, half = divmod(position, 2)
         assert (pair_row["id"], pair_row["pair_id"], pair_row["role"]) == (
             2 * n + half,

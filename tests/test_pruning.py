@@ -58,7 +58,7 @@ def test_evenly_spaced_keeps_ends_and_follows_the_ideal_grid(n):
     for k in range(2, n + 1):
         picked = evenly_spaced(n, k)
         assert picked[0] == 0 and picked[-1] == n - 1
-        assert all(a < b for a, b in zip(picked, picked[1:]))
+        assert all(a < b for a, b in zip(picked, picked[1:], strict=False))  # consecutive pairs
         # Each index is the ideal fractional position rounded to the nearest block.
         for i, index in enumerate(picked):
             assert abs(index - i * (n - 1) / (k - 1)) <= 0.5

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from conftest import MINIMAL_RECIPE
+from fixtures.recipes import error_of, write
 from mta.training.config.loading import load_recipe
 from mta.training.config.yaml_reader import MAX_RECIPE_BYTES, MAX_YAML_DEPTH, MAX_YAML_VALUES, load_yaml
-from test_recipes import error_of, write
 
 REPO = Path(__file__).resolve().parents[1]
 MINIMAL = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model")
@@ -27,7 +27,7 @@ def alias_bomb(levels: int = 9, width: int = 9) -> str:
     """Billion laughs: each level is a list of ``width`` aliases of the level before."""
     names = [f"l{level}" for level in range(levels)]
     lines = [f"{names[0]}: &{names[0]} [" + ", ".join(["x"] * width) + "]"]
-    for before, name in zip(names, names[1:]):
+    for before, name in zip(names, names[1:], strict=False):  # consecutive pairs
         lines.append(f"{name}: &{name} [" + ", ".join([f"*{before}"] * width) + "]")
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from conftest import MINIMAL_RECIPE
+from fixtures.recipes import error_of, write
 from mta.errors import MtaError
 from mta.training.config.deepspeed_settings import deepspeed_setting_names
 from mta.training.config.loading import load_recipe, recipe_to_yaml
@@ -18,18 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 MINIMAL = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model")
-
-
-def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def error_of(path: Path, overrides: tuple[str, ...] = ()) -> str:
-    with pytest.raises(MtaError) as caught:
-        load_recipe(path, overrides)
-    return str(caught.value)
 
 
 def test_the_repository_ships_the_paper_recipes():

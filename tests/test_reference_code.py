@@ -120,7 +120,7 @@ def authors_overall(projectors, attention_mask, s_states, t_states, offsets, spa
     """`compute_overall_span_loss` (L172-200) through `get_span_loss` (L113-144): each pair with
     its granularity's spans; returns the per-pair (DSA, HRA) in pair order."""
     out = []
-    for (s_layer, t_layer, granularity), projector in zip(pairs, projectors):
+    for (s_layer, t_layer, granularity), projector in zip(pairs, projectors, strict=True):
         members = authors_memberships(attention_mask, offsets, spans[granularity])
         s_w = authors_token_weights(s_states[s_layer], attention_mask)
         t_w = authors_token_weights(t_states[t_layer], attention_mask)
@@ -268,7 +268,7 @@ def test_reference_code_is_the_authors_loss_values_and_gradients(case):
     expected = means(theirs)
     for term in ("dsa", "hra"):
         assert close(ours[term].item(), expected[term]), (term, ours[term].item(), expected[term])
-    for got, want in zip(grads_ours, grads_theirs):
+    for got, want in zip(grads_ours, grads_theirs, strict=True):
         torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-4)
 
 
@@ -294,7 +294,7 @@ def test_uniform_weights_with_reference_code_is_the_authors_ablation():
     expected = means(theirs)
     for term in ("dsa", "hra"):
         assert close(ours[term].item(), expected[term]), (term, ours[term].item(), expected[term])
-    for got, want in zip(grads_ours, grads_theirs):
+    for got, want in zip(grads_ours, grads_theirs, strict=True):
         torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-4)
     # Our own uniform ablation (uniform importance everywhere) is another loss.
     formulas, _, _, _ = run_both("all", importance="uniform", reference_code=False)
@@ -387,7 +387,9 @@ def test_reference_words_are_the_authors_words(nlp):
     extractor = SpanExtractor(nlp, "phrase", "reference")
     paper = SpanExtractor(nlp, "phrase")
     repeated = 0
-    for doc_spans, doc_phrases, doc_words, formulas in zip(extractor.pipe(TEXTS), phrases, words, paper.pipe(TEXTS)):
+    for doc_spans, doc_phrases, doc_words, formulas in zip(
+        extractor.pipe(TEXTS), phrases, words, paper.pipe(TEXTS), strict=True
+    ):
         assert [tuple(p) for p in doc_spans.phrases.tolist()] == doc_phrases
         assert [tuple(w) for w in doc_spans.words.tolist()] == doc_words  # order and repeats too
         assert doc_spans.phrases.tolist() == formulas.phrases.tolist()  # phrases are the same

@@ -3,19 +3,21 @@ after the resume draws what an uninterrupted run would have drawn (``TrainerStat
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
+from fixtures.checkpoints import student_recipe, train_step
 from mta.training.lifecycle.checkpointing import TrainerState, load_checkpoint, save_checkpoint
-from test_checkpoint_faults import _recipe, _step, new_engine  # noqa: F401  (fixture)
-from test_distill import one_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_load_checkpoint_restores_the_torch_rng_state(tmp_path, tiny_model_dir, new_engine):
-    recipe = _recipe(tmp_path, tiny_model_dir)
+    recipe = student_recipe(tmp_path, tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     original = new_engine(recipe)
-    _step(original, 1)
+    train_step(original, 1)
     torch.manual_seed(1234)
     torch.rand(7)  # a generator state no seed call gives
     path = save_checkpoint(original, tokenizer, recipe, tmp_path / "out", TrainerState(1, 8, run_id="r"))

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from conftest import REPO
+from fixtures.distill import write_recipe
 from mta.data.prompts import alpaca_prompt, prompt_style, recorded_template
 from mta.data.rows import RowProblem, read_rows
 from mta.errors import MtaError
@@ -22,7 +23,8 @@ from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
 from mta.training.train_data import check_manifest
 from mta_cli.main import app
-from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 runner = CliRunner()
 V1 = REPO / "tests" / "data" / "annotate-v1"

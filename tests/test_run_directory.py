@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.distill import weights, write_recipe
 from mta.errors import MtaError
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import run_directory
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import NonFiniteWeights, run_distillation
-from test_distill import one_thread, same_data, teacher_dir, weights, write_recipe  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _files(directory: Path) -> dict[str, bytes]:

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from fixtures.distill import LENGTHS, write_recipe
+from fixtures.evaluate import write_jsonl
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation.datasets import resolve_benchmarks
@@ -26,8 +28,8 @@ from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import checkpointing, selection
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import run_distillation
-from test_distill import LENGTHS, one_thread, same_data, teacher_dir, write_recipe  # noqa: F401  (fixtures)
-from test_evaluate_command import data_dir, write_jsonl  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 SELECT_ROWS = 3
 
@@ -242,7 +244,7 @@ def test_results_md_shows_each_checkpoint_minus_the_first_with_its_spread_over_s
 
     def summary(values):
         mean = sum(values) / len(values)
-        return {"mean": mean, "std": _population_std(values), "per_seed": dict(zip(seeds, values))}
+        return {"mean": mean, "std": _population_std(values), "per_seed": dict(zip(seeds, values, strict=True))}
 
     checkpoints = {}
     for label, by_set in scores.items():
@@ -275,13 +277,13 @@ def test_results_md_shows_each_checkpoint_minus_the_first_with_its_spread_over_s
     for label in ("mta", "worse"):
         expected = []
         for name in sets:
-            expected.append(cell([a - b for a, b in zip(scores[label][name], scores["base"][name])]))
+            expected.append(cell([a - b for a, b in zip(scores[label][name], scores["base"][name], strict=True)]))
         for group in (sets, sets, sets[1:]):  # avg4, avg, avg w/o Dolly: per-seed averages, then differenced
             per_seed = [sum(scores[label][s][i] - scores["base"][s][i] for s in group) / len(group) for i in range(3)]
             expected.append(cell(per_seed))
         assert rows[label] == expected
     assert rows["worse"][0].startswith("-")  # the sign of a loss is shown
-    dolly_paired = [a - b for a, b in zip(scores["mta"]["dolly"], scores["base"]["dolly"])]
+    dolly_paired = [a - b for a, b in zip(scores["mta"]["dolly"], scores["base"]["dolly"], strict=True)]
     unpaired = math.hypot(_population_std(scores["mta"]["dolly"]), _population_std(scores["base"]["dolly"]))
     assert abs(_population_std(dolly_paired) - unpaired) > 0.5  # pairing by seed changes the spread
 

@@ -88,7 +88,7 @@ def test_phrases_follow_the_rule_on_real_parses(nlp, text):
 def test_known_phrases_of_a_plain_sentence(nlp):
     text = TEXTS[0]
     spans = SpanExtractor(nlp).extract(nlp(text))
-    found = {(text[a:b], label) for (a, b), label in zip(spans.phrases.tolist(), spans.phrase_labels)}
+    found = {(text[a:b], label) for (a, b), label in zip(spans.phrases.tolist(), spans.phrase_labels, strict=True)}
     assert ("The quick brown fox", NOUN_PHRASE) in found
     assert ("has been quickly running away", VERB_PHRASE) in found
 

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM
 
+from fixtures.distill import weights
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import Trainer, run_distillation
-from test_distill import one_thread, weights  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY_CROSS = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cross.yaml"
 
@@ -71,7 +73,7 @@ def test_gpt2_and_qwen_share_their_byte_level_words_and_not_their_specials(tmp_p
     gpt2 = load_tokenizer(gpt2_tokenizer_dir)
     qwen = load_tokenizer(build_qwen_tokenizer(tmp_path / "qwen"))
     student_ids, teacher_ids = tokenizers_shared_vocabulary(gpt2, qwen)
-    pairs = dict(zip(student_ids.tolist(), teacher_ids.tolist()))
+    pairs = dict(zip(student_ids.tolist(), teacher_ids.tolist(), strict=True))
     # Both are byte-level BPEs: a shared token is the same string on both sides, in order of GPT-2 id.
     gpt2_tokens, qwen_tokens = gpt2.convert_ids_to_tokens(list(pairs)), qwen.convert_ids_to_tokens(list(pairs.values()))
     assert gpt2_tokens == qwen_tokens and student_ids.tolist() == sorted(student_ids.tolist())

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from fixtures.distill import LENGTHS
 from mta.data.annotate import AnnotateSettings
 from mta.data.online_spans import GeneratedRow, SpanParser, annotate_generated
 from mta.generation import Completion
@@ -21,7 +22,6 @@ from mta.training.batching import IGNORE_INDEX, AnnotatedExamples
 from mta.training.config.schema import Recipe
 from mta.training.sampling import micro_batches
 from mta.training.sampling.micro_batches import OffPolicyBatches
-from test_distill import LENGTHS, same_data  # noqa: F401  (fixture)
 
 BUDGET = 8
 GRANULARITIES = ("phrase", "word")

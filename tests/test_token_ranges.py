@@ -42,7 +42,7 @@ def test_token_ranges_match_the_membership_rule(tokenizer_dir):
     starts = rng.integers(0, len(TEXT), 400)
     spans = np.stack([starts, np.minimum(starts + rng.integers(1, 25, 400), len(TEXT))], axis=1)
     first, end, found = token_ranges(TEXT, offsets, spans)
-    for (a, b), f, e, ok in zip(spans.tolist(), first.tolist(), end.tolist(), found.tolist()):
+    for (a, b), f, e, ok in zip(spans.tolist(), first.tolist(), end.tolist(), found.tolist(), strict=True):
         expected = reference_range(offsets.tolist(), TEXT, a, b)
         assert (expected is not None) == ok, (a, b)
         if ok:
@@ -69,7 +69,7 @@ def test_last_fitting_cut_finds_the_boundary_from_any_estimate():
     text = "x" * 100
     for limit in (0, 1, 37, 99, 100):
         for estimate in (0, 5, 50, 100, 500):
-            assert last_fitting_cut(text, 0, estimate, lambda c: c <= limit) == limit
+            assert last_fitting_cut(text, 0, estimate, lambda c, limit=limit: c <= limit) == limit
 
 
 @pytest.fixture

@@ -14,12 +14,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from fixtures.distill import write_recipe
 from mta import tracking
 from mta.errors import MtaError
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.trainer import run_distillation
-from test_distill import one_thread, same_data, teacher_dir, write_recipe  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from fixtures.annotate import check_artefact, write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.encoding import TokenizerSide
 from mta.data.truncation import FittedText, fit_to_limits
 from mta.store.read import read_annotations
-from test_annotate import check_artefact, write_jsonl
 
 PROMPT = "Question: why is the sky blue?\nAnswer: "
 RESPONSE = "Because the air scatters blue light more than red light, the sky looks blue all day. "
@@ -66,7 +66,7 @@ def test_the_eos_slot_at_the_length_limit(tokenizers, tokenizer_dirs, order, roo
     assert isinstance(fitted, FittedText)
     assert fitted.complete == (room == 1)
     assert text.startswith(fitted.text)
-    for name, encoding in zip(names, fitted.encodings):
+    for name, encoding in zip(names, fitted.encodings, strict=True):
         assert encoding.ids.tolist() == tokenizers[name](fitted.text, add_special_tokens=False)["input_ids"]
         assert len(encoding) + fitted.complete <= max_length  # EOS included
     if room >= 0:

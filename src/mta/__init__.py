@@ -16,6 +16,64 @@ Shared mechanisms have one home each: ``mta.files`` (atomic writes, journals), `
 
 The command-line interface lives in the separate ``mta_cli`` package and only parses
 arguments and reports; everything it does is callable from here.
+
+The stable Python API (docs/python-api.md) is importable from here: ``mta.Annotator``,
+``mta.Collator``, ``mta.MTALoss``, ``mta.KDLoss``, ``mta.layer_map``, ``mta.SpanParser``, ...
+(``__all__``). They live in ``mta.api`` and are resolved on first use, so ``import mta`` loads
+neither torch nor transformers. Anything not in ``__all__`` may still move between versions.
 """
 
-__version__ = "0.2.0"
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mta.versions import MTA_VERSION as __version__  # noqa: F401 (re-exported; its one home is mta.versions)
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ resolves them
+    from mta.api import (
+        AnnotateSettings,
+        Annotator,
+        Collator,
+        GeneratedRow,
+        KDLoss,
+        LayerPair,
+        MtaError,
+        MTALoss,
+        SpanBatch,
+        SpanParser,
+        TokenBatch,
+        TrainBatch,
+        layer_map,
+    )
+
+# The names of mta.api.__all__ (tests/test_python_api.py keeps the two lists equal).
+__all__ = [
+    "AnnotateSettings",
+    "Annotator",
+    "Collator",
+    "GeneratedRow",
+    "KDLoss",
+    "LayerPair",
+    "MTALoss",
+    "MtaError",
+    "SpanBatch",
+    "SpanParser",
+    "TokenBatch",
+    "TrainBatch",
+    "layer_map",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: a name of ``__all__`` is imported from ``mta.api`` on first use (then cached)."""
+    if name in __all__:
+        from mta import api
+
+        value = getattr(api, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mta' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -98,7 +98,7 @@ def sum_tensors_over_ranks(tensors: Sequence[torch.Tensor]) -> None:
         return
     flat = torch.cat([tensor.reshape(-1) for tensor in tensors]).to(_collective_device())
     dist.all_reduce(flat)
-    for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors])):
+    for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors]), strict=True):
         tensor.copy_(part.view_as(tensor))
 
 

@@ -155,6 +155,36 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
         raise
 
 
+def remove_path(path: str | Path) -> None:
+    """Remove ``path``, whatever it is: a link as a link (never what it points to), a file, or a
+    directory tree (links inside it are removed as links too). An absent path is a no-op."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+def removal_problems(path: str | Path) -> list[str]:
+    """Why this process could not ``remove_path(path)``, found before anything is removed: every
+    directory that loses an entry must be writable and searchable, every one to empty readable.
+    Links are not followed. Empty when it can (or when ``path`` does not exist)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return []
+    problems = []
+
+    def check(directory: str | Path, mode: int, missing: str) -> None:
+        if not os.access(directory, mode):
+            problems.append(f"{directory} is not {missing} by this user")
+
+    check(path.parent, os.W_OK | os.X_OK, "writable")
+    if path.is_dir() and not path.is_symlink():
+        for root, _, _ in os.walk(path, onerror=lambda error: problems.append(f"{error.filename}: {error.strerror}")):
+            check(root, os.R_OK | os.W_OK | os.X_OK, "readable and writable")
+    return problems
+
+
 def read_jsonl_lenient(path: str | Path) -> list[dict]:
     """Every parseable object line of ``path``; an absent file and broken lines read as nothing."""
     rows = []

@@ -176,7 +176,7 @@ def generate_pairs(
     data, paths = Path(data), PairsPaths(Path(output))
     check_input_file(data)
     _check_output(paths, settings.overwrite)
-    for checkpoint in (teacher, student):
+    for checkpoint in dict.fromkeys((teacher, student)):  # the same model as both: checked once
         check_checkpoint(checkpoint)
     rows, problems = read_prompts(data, settings.limit)
     if problems and settings.on_error == "fail":
@@ -248,12 +248,13 @@ def describe_run(teacher: str, student: str, data: Path, settings: PairSettings,
         return str(path.resolve()) if path.exists() else name
 
     summary = summarize_input(data)
+    fingerprints = {name: checkpoint_fingerprint(name)[0] for name in dict.fromkeys((teacher, student))}  # hashed once
     return {
         "format": JOURNAL_FORMAT,
         "teacher": location(teacher),
-        "teacher_fingerprint": checkpoint_fingerprint(teacher)[0],
+        "teacher_fingerprint": fingerprints[teacher],
         "student": location(student),
-        "student_fingerprint": checkpoint_fingerprint(student)[0],
+        "student_fingerprint": fingerprints[student],
         "data": location(str(data)),
         "data_sha256": summary.sha256,
         "temperature": settings.temperature,

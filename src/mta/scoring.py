@@ -5,18 +5,25 @@ ROUGE-L is ``rouge_score`` with its default tokenizer, which lower-cases and kee
 ``[a-z0-9]`` runs: a reference in Chinese, Arabic or emoji has no tokens and scores 0 against any
 prediction. That is the published protocol, so it is kept; ``has_rouge_tokens`` lets a report
 count such rows instead of hiding them.
+
+rouge_score is imported on the first score, not with this module (``completion_text`` is all
+that training and ``mta generate`` need of it most of the time): its stemmer is nltk's, and
+``import nltk`` imports all of nltk, whose optional wrappers import scikit-learn (with pandas and
+pyarrow) and scipy.stats when they are installed: 1 to 1.5 s on the development machine for
+code ROUGE never runs. nltk is imported with those two hidden from it (``_import_nltk``: 0.3 s);
+the stemmer and the scores are the same.
 """
 
 from __future__ import annotations
 
 import string
+import sys
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from rouge_score import rouge_scorer, tokenize
-
 if TYPE_CHECKING:
+    from rouge_score.rouge_scorer import RougeScorer
     from transformers import PreTrainedTokenizerBase
 
 _PUNCTUATION = set(string.punctuation)
@@ -28,8 +35,37 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]
     return tokenizer.decode(list(token_ids), skip_special_tokens=True).strip()
 
 
+# What nltk imports only inside ``try: ... except ImportError`` (nltk.classify.scikitlearn,
+# nltk.parse.transitionparser; nltk.metrics.association, nltk.metrics.scores, ...).
+HIDDEN_FROM_NLTK = ("sklearn", "scipy.stats")
+
+
+def _import_nltk() -> None:
+    """Import nltk with ``HIDDEN_FROM_NLTK`` hidden from it, those not imported already.
+
+    While nltk is imported, each hidden module's ``sys.modules`` entry is None, so nltk's
+    ``import`` of it raises ImportError and nltk takes its fallback; afterwards the entries are
+    removed and the modules import as usual. Only nltk's wrappers of them (a scikit-learn
+    classifier, Fisher's exact test), which mta never calls, stay without them in this process.
+    """
+    if "nltk" in sys.modules:
+        return
+    hidden = [name for name in HIDDEN_FROM_NLTK if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        import nltk  # noqa: F401
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
 @lru_cache(maxsize=1)
-def _scorer() -> rouge_scorer.RougeScorer:
+def _scorer() -> RougeScorer:
+    _import_nltk()
+    from rouge_score import rouge_scorer
+
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
 
@@ -54,4 +90,6 @@ def exact_match(prediction: str, references: Sequence[str]) -> float:
 
 def has_rouge_tokens(text: str) -> bool:
     """Whether the default ROUGE tokenizer sees any token in ``text``."""
+    from rouge_score import tokenize  # re and six only: no nltk
+
     return bool(tokenize.tokenize(text, None))

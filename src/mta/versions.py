@@ -1,9 +1,12 @@
-"""The package versions every artefact records (checkpoints, evaluation results)."""
+"""The package versions every artefact records (checkpoints, evaluation results), and mta's own."""
 
 from __future__ import annotations
 
 import platform
-from importlib import metadata
+
+# mta's version, its one home: pyproject.toml reads it (``dynamic``), ``mta.__version__`` re-exports it,
+# and modules that record it import it from here rather than from the ``mta`` package.
+MTA_VERSION = "0.2.0"
 
 PACKAGES = (
     "mta",
@@ -22,6 +25,8 @@ PACKAGES = (
 
 def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
     """``{"python": ..., package: version or None when it is not installed}``."""
+    from importlib import metadata  # here: `import mta` (and `mta --help`) stays without it
+
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in packages:
         try:

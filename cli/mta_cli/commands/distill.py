@@ -11,8 +11,6 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from mta.training.config.catalog import find_recipe
-from mta.training.config.loading import load_recipe
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
@@ -80,6 +78,9 @@ def distill(
     train.log_interval steps. MTA_PROGRESS=plain or MTA_PROGRESS=rich chooses instead.
     """
     quiet_third_party(verbose)
+    from mta.training.config.catalog import find_recipe
+    from mta.training.config.loading import load_recipe
+
     console = Console(stderr=True)
     chosen = find_recipe(recipe)
     if int(os.environ.get("RANK", "0")) == 0:

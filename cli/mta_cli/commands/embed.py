@@ -47,7 +47,8 @@ def embed(
     batch_size: int = typer.Option(64, help="Texts per forward pass (batches are length-sorted)."),
     dtype: str = typer.Option(
         "auto",
-        help="auto (bf16 where the device computes it natively, else fp32), fp32, bf16 or fp16; vectors are stored as float32.",
+        help="auto (bf16 where the device computes it natively, else fp32), fp32, bf16 or fp16; "
+        "vectors are stored as float32.",
     ),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
     text_field: str | None = typer.Option(None, help="Embed this column as the text (instead of the rule above)."),

@@ -41,14 +41,15 @@ def evaluate(
     names: str | None = typer.Option(
         None,
         "--names",
-        help="Comma-separated labels, one per checkpoint. Default: each run directory's name (runs/x/final → x), lengthened only where two collide.",
+        help="Comma-separated labels, one per checkpoint. Default: each run directory's name "
+        "(runs/x/final → x), lengthened only where two collide.",
     ),
     benchmarks: str | None = typer.Option(
         None,
         "--benchmarks",
         help="Comma-separated sets [default: dolly,self-inst,vicuna,sinst,uinst; missing ones skipped]; "
-        "also another split of one as <set>-<split> (dolly-dev: DIR/dolly/dev.jsonl) and JSONL files, each named by its "
-        "file stem (dolly,path/to/mine.jsonl).",
+        "also another split of one as <set>-<split> (dolly-dev: DIR/dolly/dev.jsonl) and JSONL files, "
+        "each named by its file stem (dolly,path/to/mine.jsonl).",
     ),
     seeds: str = typer.Option("10,20,30,40,50", "--seeds", help="Comma-separated sampling seeds."),
     max_prompt_length: int = typer.Option(256, help="Prompt tokens kept (a longer prompt keeps its first ones)."),
@@ -80,7 +81,8 @@ def evaluate(
         "llm",
         "--task",
         help="llm (the default: generation, ROUGE-L) or embedding (sentence encoders: "
-        "teacher agreement on held-out texts and the TALAS author's nine tasks; see mta_cli.commands.evaluate_embedding).",
+        "teacher agreement on held-out texts and the TALAS author's nine tasks; "
+        "see mta_cli.commands.evaluate_embedding).",
     ),
     teacher: str | None = typer.Option(
         None, "--teacher", help="--task embedding: the teacher that embeds --data's held-out texts."
@@ -96,7 +98,8 @@ def evaluate(
     pooling: str = typer.Option(
         "auto",
         "--pooling",
-        help="--task embedding: auto (each checkpoint's sentence-transformers pooling, else mean), mean, cls, max, last.",
+        help="--task embedding: auto (each checkpoint's sentence-transformers pooling, else mean), "
+        "mean, cls, max, last.",
     ),
     tasks: str | None = typer.Option(
         None, "--tasks", help="--task embedding: comma-separated tasks of the nine [default: all], or none."

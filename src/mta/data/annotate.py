@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import mta
 from mta import distributed
 from mta.data.artefact_schema import SCHEMA_VERSION, VERSION_KEY
 from mta.data.encoding import TokenizerSide
@@ -43,6 +42,7 @@ from mta.store.locks import shard_lock
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES
 from mta.store.publish import PartWriter, commit_shard, finish_publishing
 from mta.store.reuse import reusable_output
+from mta.versions import MTA_VERSION
 
 CHUNK_ROWS = 64  # examples per task sent to a worker; one spaCy batch
 # A chunk also ends once its rows hold this many characters, so a file of multi-megabyte rows
@@ -265,7 +265,7 @@ def _describe(
         return {"name": side.name, "fingerprint": side.fingerprint, "eos_id": side.eos_id}
 
     return {
-        "mta_version": mta.__version__,
+        "mta_version": MTA_VERSION,
         "input": source.record(summary),  # path, sha256, rows, format (+ fields)
         "teacher": tokenizer(teacher),
         "student": tokenizer(student),
@@ -351,7 +351,7 @@ def _annotate_shard(
     build = functools.partial(build_annotator, settings, teacher, student, spacy_name)
     part = staged_part(out_dir, shard, num_shards, secrets.token_hex(4))  # published at the merge
     reporter.start(f"annotate {source.path.name}", total)
-    results = closing(map_chunks(build, _chunks(examples(), CHUNK_ROWS), workers))
+    results = closing(map_chunks(build, example_chunks(examples(), CHUNK_ROWS), workers))
     # closing(): on any error the workers stop at once, before the error is reported.
     try:
         with disk_full_is_reported(part), results as chunk_results, PartWriter(part) as writer:
@@ -389,7 +389,7 @@ def build_annotator(
     )
 
 
-def _chunks(items: Iterable[Example], size: int, max_chars: int = CHUNK_CHARS) -> Iterator[list[Example]]:
+def example_chunks(items: Iterable[Example], size: int, max_chars: int = CHUNK_CHARS) -> Iterator[list[Example]]:
     """Lists of ``size`` examples, or fewer once they hold ``max_chars`` characters of text."""
     chunk: list[Example] = []
     chars = 0

@@ -65,8 +65,8 @@ from typing import Any
 
 import pyarrow as pa
 
-import mta
 from mta.errors import MtaError
+from mta.versions import MTA_VERSION
 
 VERSION_KEY = "schema_version"  # the manifest key (shard manifests carry it too)
 LAYOUT_KEY = "layout_version"  # the manifest key of the file layout (absent: layout 1)
@@ -256,7 +256,7 @@ def stored_layout(manifest: Any, manifest_path: Path, directory: Path) -> int:
         return found
     newer = type(found) is int and found > LAYOUT_VERSION
     raise MtaError(
-        f"{manifest_path} has {LAYOUT_KEY} {found!r}, which this mta ({mta.__version__}) cannot "
+        f"{manifest_path} has {LAYOUT_KEY} {found!r}, which this mta ({MTA_VERSION}) cannot "
         f"read: it reads layout version(s) {_listed(sorted(LAYOUTS))}. "
         + (
             "It was written by a newer mta: upgrade mta, or annotate the input again with this one into a new directory"
@@ -288,7 +288,7 @@ def stored_version(manifest: Any, manifest_path: Path, directory: Path | None = 
         else "Annotate the input again into a new directory"
     )
     raise MtaError(
-        f"{manifest_path} has {VERSION_KEY} {found!r}, which this mta ({mta.__version__}) cannot "
+        f"{manifest_path} has {VERSION_KEY} {found!r}, which this mta ({MTA_VERSION}) cannot "
         f"read: it reads schema version(s) {_listed(readable_versions())}. {fix}: "
         f"`{reannotate_command(manifest, directory)}`"
     )

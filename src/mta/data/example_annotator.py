@@ -100,7 +100,7 @@ def align_spans(
     keep = t_found & s_found & (chars[:, 1] <= len(text))
     return AlignedSpans(
         chars=chars[keep],
-        labels=[label for label, kept in zip(labels, keep) if kept],
+        labels=[label for label, kept in zip(labels, keep, strict=True) if kept],
         teacher=np.stack([t_start[keep], t_end[keep]], axis=1),
         student=np.stack([s_start[keep], s_end[keep]], axis=1),
         dropped=int(np.count_nonzero(~keep)),
@@ -195,7 +195,7 @@ class ExampleAnnotator:
                 row_ids = tuple(
                     # docs/method.md §1: EOS ends a whole response
                     np.concatenate([encoding.ids, np.asarray([side.eos_id] if fitted.complete else [], np.int32)])
-                    for side, encoding in zip(self.sides, fitted.encodings)
+                    for side, encoding in zip(self.sides, fitted.encodings, strict=True)
                 )
             counts["response_cut"] += fitted.response_cut
             counts["prompt_cut"] += fitted.prompt_cut
@@ -211,8 +211,8 @@ class ExampleAnnotator:
         ids = {"teacher": [], "student": []}
         prompt_lens = {"teacher": [], "student": []}
         phrases, words, boundaries = [], [], []
-        for (example, fitted, row_ids), spans in zip(kept, parsed):
-            for name, side_ids, encoding in zip(SIDES, row_ids, fitted.encodings):
+        for (_example, fitted, row_ids), spans in zip(kept, parsed, strict=True):
+            for name, side_ids, encoding in zip(SIDES, row_ids, fitted.encodings, strict=True):
                 ids[name].append(side_ids)
                 prompt_lens[name].append(prompt_token_count(encoding.offsets, fitted.prompt_chars))
             rule = self.extractor.span_rule

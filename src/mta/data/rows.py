@@ -36,7 +36,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from mta.data.prompts import (  # the two reasons a prompt cannot be built are also row reasons
     ALPACA,
@@ -92,7 +92,7 @@ class RowProblem:
         return MtaError(f"{self.describe(path)} (fix the row, or pass --on-error skip to skip and count it)")
 
 
-Row = Union[Example, RowProblem]
+Row = Example | RowProblem
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,7 @@ class InputSource:
         none. ``line`` is the JSONL line number, or the row's index for a ``datasets`` input."""
         raise NotImplementedError
 
-    def first_problem(
-        self, *, shard: int = 0, num_shards: int = 1, style: PromptStyle = ALPACA
-    ) -> RowProblem | None:
+    def first_problem(self, *, shard: int = 0, num_shards: int = 1, style: PromptStyle = ALPACA) -> RowProblem | None:
         """The shard's first unusable row, found before any expensive work starts."""
         rows = self.rows(shard=shard, num_shards=num_shards, style=style)
         return next((row for row in rows if isinstance(row, RowProblem)), None)

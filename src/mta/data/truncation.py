@@ -135,9 +135,9 @@ class _Window:
         (a known token starts after the prompt, or the window is the whole text)."""
         lengths = [
             prompt_token_count(encoding.offsets[:known], prompt_chars)
-            for encoding, known in zip(self.encodings, self.known)
+            for encoding, known in zip(self.encodings, self.known, strict=True)
         ]
-        exact = self.whole or all(length < known for length, known in zip(lengths, self.known))
+        exact = self.whole or all(length < known for length, known in zip(lengths, self.known, strict=True))
         return lengths, exact
 
 

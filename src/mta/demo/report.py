@@ -192,7 +192,7 @@ def plot_summary(results: dict, path: Path) -> None:
     labels = list(results["checkpoints"])
     set_names = list(next(iter(results["checkpoints"].values()))["sets"])
     width, positions = bar_positions(len(labels), len(set_names))
-    for label, at in zip(labels, positions):
+    for label, at in zip(labels, positions, strict=True):
         scores = [results["checkpoints"][label]["sets"][s]["rougeL"] for s in set_names]
         bars.bar(at, [s["mean"] for s in scores], width, yerr=[s["std"] for s in scores], label=label, capsize=2)
     bars.set_xticks(range(len(set_names)), [BENCHMARKS[s].title for s in set_names])

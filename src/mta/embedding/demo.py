@@ -134,7 +134,7 @@ class _StepClock:
 
     def step_seconds(self) -> float | None:
         """The median step time, the first step (warm-up, first allocations) left out."""
-        intervals = [b - a for a, b in zip(self.times, self.times[1:])]
+        intervals = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]  # consecutive pairs
         intervals = intervals[1:] if len(intervals) > 1 else intervals
         return statistics.median(intervals) if intervals else None
 
@@ -276,7 +276,7 @@ def run_embedding_demo(
         ),
         reporter=reporter,
     )
-    by_label = {label: evaluation["checkpoints"][name] for label, name in zip(checkpoints, names)}
+    by_label = {label: evaluation["checkpoints"][name] for label, name in zip(checkpoints, names, strict=True)}
     return {
         "settings": {
             "demo": asdict(settings),
@@ -631,7 +631,7 @@ def plot_summary(results: dict, path: Path) -> None:
     summary = results["summary"]
     metrics = ["spearman", *[k for k in next(iter(summary.values())) if k.startswith("recall@")]]
     width, positions = bar_positions(len(summary), len(metrics))
-    for (name, stats), at in zip(summary.items(), positions):
+    for (name, stats), at in zip(summary.items(), positions, strict=True):
         bars.bar(
             at,
             [stats[m]["mean"] or 0 for m in metrics],
@@ -641,7 +641,9 @@ def plot_summary(results: dict, path: Path) -> None:
             capsize=2,
         )
     for (label, run), style in zip(
-        ((l, r) for l, r in results["checkpoints"].items() if "/seed-" not in l), ("--", ":")
+        ((name, scores) for name, scores in results["checkpoints"].items() if "/seed-" not in name),
+        ("--", ":"),
+        strict=True,
     ):
         for x, metric in enumerate(metrics):
             bars.hlines(

@@ -264,7 +264,8 @@ def locate_task_files(task: EmbeddingTask, tasks_dir: Path | None) -> tuple[dict
     except Exception as error:  # a missing file, a gated repo, a dropped connection
         return (
             None,
-            f"cannot download {TASKS_REPO}/{TASKS_SUBDIR}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            f"cannot download {TASKS_REPO}/{TASKS_SUBDIR}: {type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}",
         )
 
 
@@ -353,9 +354,17 @@ class EmbeddingEvalSettings:
 
 def protocol() -> dict:
     return {
-        "proxy.spearman": "Spearman (tie-averaged ranks) between the checkpoint's and the teacher's cosine similarities over the pairs",
-        "proxy.recall@k": "share of held-out texts whose teacher nearest neighbour is among the checkpoint's k nearest (self excluded)",
-        "classification": "LogisticRegression(max_iter=200, random_state=42) on the train split's embeddings; macro-F1 on test",
+        "proxy.spearman": (
+            "Spearman (tie-averaged ranks) between the checkpoint's and the teacher's cosine similarities "
+            "over the pairs"
+        ),
+        "proxy.recall@k": (
+            "share of held-out texts whose teacher nearest neighbour is among the checkpoint's k nearest "
+            "(self excluded)"
+        ),
+        "classification": (
+            "LogisticRegression(max_iter=200, random_state=42) on the train split's embeddings; macro-F1 on test"
+        ),
         "pair": "average precision of (cos + 1) / 2 against the binary label",
         "sts": "Spearman between cosine and the gold score",
         "avg": "mean of the three category means (only when all nine tasks ran)",
@@ -405,7 +414,7 @@ def evaluate_embedding_checkpoints(
             wanted = [t for t in TASKS if settings.tasks is None or t.name in settings.tasks]
             located = {task.name: locate_task_files(task, tasks_dir) for task in wanted}
             runs = {}
-            for checkpoint, label, fingerprint in zip(checkpoints, labels, fingerprints):
+            for checkpoint, label, fingerprint in zip(checkpoints, labels, fingerprints, strict=True):
                 runs[label] = _evaluate_one(
                     checkpoint, fingerprint, held_out, wanted, located, settings, device, dtype, reporter, label
                 )
@@ -490,7 +499,9 @@ def _evaluate_one(checkpoint, fingerprint, held_out, tasks, located, settings, d
     for category in CATEGORIES:
         members = [t for t in TASKS if t.category == category]
         values = [sets.get(t.name, None) for t in members]
-        scored = [v[t.metric] for t, v in zip(members, values) if v is not None and v.get(t.metric) is not None]
+        scored = [
+            v[t.metric] for t, v in zip(members, values, strict=True) if v is not None and v.get(t.metric) is not None
+        ]
         categories[category] = float(np.mean(scored)) if len(scored) == len(members) else None
     complete = all(value is not None for value in categories.values())
     return {

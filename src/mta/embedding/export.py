@@ -135,7 +135,7 @@ def read_sentence_transformers_config(directory: str | Path) -> PoolingConfig | 
     kinds = [str(m.get("type", "")) for m in modules]
     normalize = False
     mode = None
-    for module, kind in zip(modules, kinds):
+    for module, kind in zip(modules, kinds, strict=True):
         if kind == _ST_TRANSFORMER:
             if module.get("path", "") not in ("", "."):
                 raise MtaError(

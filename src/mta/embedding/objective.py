@@ -14,6 +14,7 @@ index 0, the embeddings, is never used) is pooled with the student's pooling int
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -49,7 +50,11 @@ class EmbeddingObjective(nn.Module):
         self.weights = {"simcse": spec.simcse_weight, "tamd": spec.tamd_weight, "lasd": spec.lasd_weight}
         self.num_layers, self.pooling = num_layers, pooling
         self.anchored = spec.tamd_layers if spec.tamd_weight else 0
-        self.anchor = TeacherAnchor(self.anchored, student_dim, teacher_dim) if spec.tamd_weight else None
+        self.reference_code = spec.reference_code
+        drawn_for = num_layers if spec.reference_code else None  # the author draws one per layer
+        self.anchor = (
+            TeacherAnchor(self.anchored, student_dim, teacher_dim, drawn_for=drawn_for) if spec.tamd_weight else None
+        )
         self.temperature = spec.simcse_temperature
         self.lasd_detach, self.lasd_reduction = spec.lasd_detach, spec.lasd_reduction
 
@@ -95,6 +100,12 @@ class EmbeddingDistillationModel(nn.Module):
 
     The student's own pooler (BERT's dense + tanh over CLS, unused by TALAS) is frozen, so it
     stays as loaded and ``AutoModel`` still finds every weight in the exported directory.
+
+    The terms are computed with autocast off (the student's forwards stay under the training
+    autocast), as ``mta.training.objective.DistillationModel`` computes its losses, unless
+    ``loss.reference_code``: the author's loop runs them under autocast. ``student_gradient_clip``
+    (> 0 with ``loss.reference_code``, set by ``mta.embedding.training_run``): ASAM clips the
+    student's part of its first gradient to that norm, as the optimizer's step clips the second.
     """
 
     def __init__(self, student: nn.Module, objective: EmbeddingObjective, *, max_seq_length: int):
@@ -102,6 +113,7 @@ class EmbeddingDistillationModel(nn.Module):
         self.student = student
         self.objective = objective
         self.max_seq_length = max_seq_length
+        self.student_gradient_clip = 0.0
         pooler = getattr(student, "pooler", None)
         if isinstance(pooler, nn.Module):
             pooler.requires_grad_(False)
@@ -112,7 +124,10 @@ class EmbeddingDistillationModel(nn.Module):
         inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         first = self.student(**inputs, output_hidden_states=True)
         second = self.student(**inputs).last_hidden_state if self.objective.needs_second_pass else None
-        return self.objective(first.hidden_states, batch.attention_mask, batch.teacher, second)
+        device = batch.input_ids.device.type
+        terms = contextlib.nullcontext() if self.objective.reference_code else torch.autocast(device, enabled=False)
+        with terms:
+            return self.objective(first.hidden_states, batch.attention_mask, batch.teacher, second)
 
     def projector_parameters(self) -> list[nn.Parameter]:
         """TAMD's projections: the optimizer's projector_lr group."""

@@ -53,11 +53,13 @@ def cls_attention_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     """``[B, T, D]`` states, ``[B, T]`` mask -> ``[B, D]``: each row's states weighted by the softmax
     over its real tokens (CLS included) of ``h_0 · h_t / sqrt(D)``, the first state as the query.
 
-    Scores and softmax in float32, the weighted sum in ``hidden``'s dtype. Self-contained (torch
-    only): ``mta.embedding.export`` copies this function's source into exported models.
+    Scores and softmax in float32 at least (float64 stays float64), the weighted sum in
+    ``hidden``'s dtype. Self-contained (torch only): ``mta.embedding.export`` copies this
+    function's source into exported models.
     """
-    scores = torch.einsum("bd,btd->bt", hidden[:, 0], hidden).float() / hidden.shape[-1] ** 0.5
-    scores = scores.masked_fill(mask == 0, torch.finfo(torch.float32).min)
+    wide = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
+    scores = torch.einsum("bd,btd->bt", wide[:, 0], wide) / hidden.shape[-1] ** 0.5
+    scores = scores.masked_fill(mask == 0, torch.finfo(scores.dtype).min)
     weights = scores.softmax(dim=-1).to(hidden.dtype)
     return torch.einsum("bt,btd->bd", weights, hidden)
 

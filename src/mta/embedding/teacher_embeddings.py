@@ -65,7 +65,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-import mta
 from mta import distributed
 from mta.data.rows import INVALID_TEXT, MISSING_FIELD, WRONG_TYPE, RowProblem
 from mta.data.sources import InputSource, input_identity, open_source
@@ -81,7 +80,7 @@ from mta.store.locks import shard_lock
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES, read_manifest
 from mta.store.publish import PartWriter, commit_shard, finish_publishing
 from mta.store.reuse import reusable_output
-from mta.versions import package_versions
+from mta.versions import MTA_VERSION, package_versions
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +206,7 @@ def read_teacher_embeddings(directory: str | Path) -> TeacherEmbeddings:
     if manifest.get("embeddings_version") != EMBEDDINGS_VERSION:
         raise MtaError(
             f"{manifest_path(directory)} has embeddings_version {manifest.get('embeddings_version')!r}; this mta "
-            f"({mta.__version__}) reads version {EMBEDDINGS_VERSION}: re-run `mta embed` into a new directory"
+            f"({MTA_VERSION}) reads version {EMBEDDINGS_VERSION}: re-run `mta embed` into a new directory"
         )
     tables = []
     for part in manifest["parts"]:
@@ -434,7 +433,7 @@ def _describe(
     return {
         "artefact": ARTEFACT,
         "embeddings_version": EMBEDDINGS_VERSION,
-        "mta_version": mta.__version__,
+        "mta_version": MTA_VERSION,
         "input": {**source.record(summary), "text": text_field or TEXT_RULE},
         "teacher": {
             "name": str(teacher),

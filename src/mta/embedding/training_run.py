@@ -171,9 +171,7 @@ def build_embedding_run(
     schedule = StepSchedule(len(examples["train"]), recipe.train.micro_batch_size, accumulation, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
     model = EmbeddingDistillationModel(student, objective, max_seq_length=recipe.data.max_length)
-    engine = engines.initialize(
-        model, model.projector_parameters(), recipe.train, recipe.deepspeed, total_steps, world_size, precision
-    )
+    engine = initialize_engine(model, recipe, total_steps, world_size, precision)
     messages = [
         precision.describe(),
         *_summary(recipe, objective, accumulation, world_size, schedule, total_steps, splits),
@@ -199,6 +197,57 @@ def build_embedding_run(
         precision=precision,
         flops=StepFlops(engine.module, engine.module.student),
     )
+
+
+def initialize_engine(
+    model: EmbeddingDistillationModel,
+    recipe: EmbeddingRecipe,
+    total_steps: int,
+    world_size: int,
+    precision: engines.TrainingPrecision | None = None,
+):
+    """The DeepSpeed engine over ``model`` (``mta.training.engine.initialize``).
+
+    With ``loss.reference_code`` and ``train.grad_clip`` > 0 the gradient is clipped as the
+    author's loop clips it (``train_asam.py``: ``clip_grad_norm_(student.parameters(), 1.0)``
+    before each of SAM's two steps): DeepSpeed's clipping, one norm over every parameter, is off;
+    just before each optimizer step the student's group alone is clipped to ``train.grad_clip``
+    (the TAMD projections' gradient is not), and ASAM clips the student's part of its first
+    gradient the same way (``model.student_gradient_clip``). One process only: the optimizer
+    may hold a partition of the gradient on each.
+    """
+    train = recipe.train
+    clip = train.grad_clip if recipe.loss.reference_code else 0.0
+    if clip and world_size > 1:
+        raise MtaError(
+            f"loss.reference_code clips the student's gradient alone, as the author's one-GPU loop does; "
+            f"that runs on one process, not {world_size}: launch one process, or set train.grad_clip=0 "
+            "(no clipping, the same on every side)"
+        )
+    engine = engines.initialize(
+        model,
+        model.projector_parameters(),
+        train.model_copy(update={"grad_clip": 0.0}) if clip else train,
+        recipe.deepspeed,
+        total_steps,
+        world_size,
+        precision,
+    )
+    if clip:
+        optimizer = engine.optimizer
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # DeepSpeed's wrapper (ZeRO, bf16) around mta's AdamW
+
+        def clip_the_student(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+            # The groups the step is about to update (ZeRO steps one group at a time).
+            grads = [p for g in optimizer.param_groups if g.get("name") == "student" for p in g["params"]]
+            grads = [p for p in grads if p.grad is not None]
+            if grads:
+                torch.nn.utils.clip_grad_norm_(grads, max_norm=clip)
+
+        optimizer.register_step_pre_hook(clip_the_student)
+        model.student_gradient_clip = clip
+    return engine
 
 
 def _summary(
@@ -231,6 +280,16 @@ def _summary(
             f"{', guide detached' if loss.lasd_detach else ''})"
         )
     lines.append(f"student pooling {recipe.student.pooling}; loss " + " + ".join(terms))
+    if loss.reference_code:
+        lines.append(
+            "loss.reference_code: as the author's code (docs/method.md §9): projections drawn one per layer, "
+            + (
+                f"the student's gradient alone clipped to {train.grad_clip:g}, "
+                if train.grad_clip
+                else "no gradient clipping, "
+            )
+            + "the terms under the training autocast"
+        )
     if train.asam is not None:
         lines.append(
             f"ASAM: ρ {train.asam.rho:g}, η {train.asam.eta:g}, T_w on {train.asam.scope} parameters "
@@ -301,6 +360,11 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
     )
     if train.asam is not None:
         notes.append(f"ASAM (ρ {train.asam.rho:g}): two forward and backward passes per step, one copy of the weights")
+    if loss.reference_code:
+        notes.append(
+            "loss.reference_code: the author's code (docs/method.md §9); its clipping of the student's "
+            "gradient alone runs on one process"
+        )
     notes.extend(data_notes(recipe))
     memory = estimate_memory(
         student,

@@ -7,14 +7,45 @@ through ``mta.generation`` -> ``predictions`` (journals -> scored files, with ``
 ``results`` + ``report`` (results.json, results.md); ``perplexity`` scores references
 teacher-forced; ``layout`` names the files; ``runner`` ties them together with resume and
 torchrun sharding.
+
+The names below are imported on first use (PEP 562), so that importing one module of the package
+(``mta.evaluation.datasets``, ``download``, ``model_files``) does not import torch, transformers
+and the scorer through the others.
 """
 
-from mta.evaluation.datasets import DEFAULT_BENCHMARKS
-from mta.evaluation.perplexity import PerplexityResult, response_perplexity
-from mta.evaluation.results import collect_results
-from mta.evaluation.runner import evaluate_checkpoints
-from mta.evaluation.settings import EvalSettings
-from mta.scoring import exact_match, rouge_l
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mta.evaluation.datasets import DEFAULT_BENCHMARKS
+    from mta.evaluation.perplexity import PerplexityResult, response_perplexity
+    from mta.evaluation.results import collect_results
+    from mta.evaluation.runner import evaluate_checkpoints
+    from mta.evaluation.settings import EvalSettings
+    from mta.scoring import exact_match, rouge_l
+
+# Each public name and the module it lives in.
+EXPORTS = {
+    "DEFAULT_BENCHMARKS": "mta.evaluation.datasets",
+    "EvalSettings": "mta.evaluation.settings",
+    "PerplexityResult": "mta.evaluation.perplexity",
+    "collect_results": "mta.evaluation.results",
+    "evaluate_checkpoints": "mta.evaluation.runner",
+    "exact_match": "mta.scoring",
+    "response_perplexity": "mta.evaluation.perplexity",
+    "rouge_l": "mta.scoring",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(EXPORTS[name]), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
 
 __all__ = [
     "DEFAULT_BENCHMARKS",

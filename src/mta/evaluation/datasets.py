@@ -5,8 +5,9 @@ UnNI may also sit in their ``11_`` bucket (``DIR/sinst/11_/valid.jsonl``), which
 exist because it is the file the published scripts read. Beside the built-in sets a user may
 name another split of one, ``<set>-<split>`` (``dolly-dev`` is ``DIR/dolly/dev.jsonl``, the
 development split the paper recipes select checkpoints on), or any JSONL file of such rows, named
-by its file stem (``--benchmarks dolly,path/to/mine.jsonl`` evaluates ``dolly`` and ``mine``). Every row becomes an ``EvalRow``
-whose ``index`` (its position in the file) keys the sampling noise and the resume journal.
+by its file stem (``--benchmarks dolly,path/to/mine.jsonl`` evaluates ``dolly`` and ``mine``).
+Every row becomes an ``EvalRow`` whose ``index`` (its position in the file) keys the sampling
+noise and the resume journal.
 
 A row is ``prompt`` and / or ``instruction`` (+ ``input`` or ``context``) with ``output`` (the
 reference, or a list of them), or a conversation (``messages``, ending with the assistant turn

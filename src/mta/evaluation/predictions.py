@@ -50,7 +50,8 @@ def is_complete(paths: CheckpointPaths, eval_set: EvalSet, seed: int) -> bool:
     """Whether the predictions file holds exactly this set's rows, with their references."""
     records = read_jsonl_lenient(paths.predictions(eval_set.name, seed))
     return len(records) == len(eval_set.rows) and all(
-        _matches(r, row) and r.get("references") == list(row.references) for r, row in zip(records, eval_set.rows)
+        _matches(r, row) and r.get("references") == list(row.references)
+        for r, row in zip(records, eval_set.rows, strict=True)
     )
 
 

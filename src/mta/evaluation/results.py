@@ -181,7 +181,7 @@ def collect_results(
     """results.json, computed from the predictions files alone."""
     runs = {
         label: checkpoint_results(checkpoint, CheckpointPaths.of(out_dir, label), eval_sets, settings)
-        for checkpoint, label in zip(checkpoints, labels)
+        for checkpoint, label in zip(checkpoints, labels, strict=True)
     }
     return {
         "protocol": protocol(settings),

@@ -18,10 +18,9 @@ import logging
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from mta import distributed, tracking
+from mta import distributed
 from mta.data.prompts import PromptStyle, prompt_style
 from mta.dtypes import dtype_name, resolve_dtype
 from mta.errors import MtaError
@@ -36,7 +35,6 @@ from mta.evaluation.datasets import (
 from mta.evaluation.layout import CheckpointPaths, check_claim, claim_directory, generation_manifest
 from mta.evaluation.model_files import checkpoint_fingerprint
 from mta.evaluation.models_under_test import check_checkpoint, checkpoint_names, loaded_checkpoint
-from mta.evaluation.perplexity import PerplexitySet, response_perplexity
 from mta.evaluation.predictions import finished_rows, is_complete, journal_record, write_predictions
 from mta.evaluation.report import results_markdown
 from mta.evaluation.results import collect_results
@@ -45,6 +43,11 @@ from mta.files import Journal, atomic_write_json, atomic_write_text, disk_full_i
 from mta.generation.generator import Generator, HFGenerator
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
+
+if TYPE_CHECKING:
+    import torch
+
+    from mta.evaluation.perplexity import PerplexitySet
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,10 @@ def evaluate_checkpoints(
     writes results. report_to: experiment trackers (``mta.tracking``) that also get the results,
     checked before any work.
     """
-    report_to = tracking.require(report_to, "--report-to")
+    if report_to:  # mta.tracking (and a backend) only when results go to one
+        from mta import tracking
+
+        report_to = tracking.require(report_to, "--report-to")
     settings = settings or EvalSettings()
     reporter = reporter or SilentReporter()
     checkpoints = [str(c) for c in checkpoints]
@@ -75,9 +81,11 @@ def evaluate_checkpoints(
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     out_dir = Path(out_dir)
     labels = checkpoint_names(checkpoints, names)
-    for checkpoint in checkpoints:
+    distinct = list(dict.fromkeys(checkpoints))  # one path under two --names: checked and hashed once
+    for checkpoint in distinct:
         check_checkpoint(checkpoint)
-    fingerprints = [checkpoint_fingerprint(checkpoint) for checkpoint in checkpoints]
+    fingerprint_of = {checkpoint: checkpoint_fingerprint(checkpoint) for checkpoint in distinct}
+    fingerprints = [fingerprint_of[checkpoint] for checkpoint in checkpoints]
     found = resolve_benchmarks(data_dir, settings.benchmarks)
     # The prompts of each checkpoint: with template chat, rendered with its own chat template.
     styles = [prompt_style(settings.template, checkpoint) for checkpoint in checkpoints]
@@ -89,12 +97,12 @@ def evaluate_checkpoints(
     dtype = resolve_dtype(settings.dtype, device)
     manifests = [
         generation_manifest(checkpoint, settings, dtype, fingerprint, files)
-        for checkpoint, (fingerprint, files) in zip(checkpoints, fingerprints)
+        for checkpoint, (fingerprint, files) in zip(checkpoints, fingerprints, strict=True)
     ]
-    for label, manifest in zip(labels, manifests):
+    for label, manifest in zip(labels, manifests, strict=True):
         check_claim(CheckpointPaths.of(out_dir, label), manifest)
     with distributed.joined_process_group():
-        for checkpoint, label, manifest, style in zip(checkpoints, labels, manifests, styles):
+        for checkpoint, label, manifest, style in zip(checkpoints, labels, manifests, styles, strict=True):
             paths = CheckpointPaths.of(out_dir, label)
             claim_directory(paths, manifest)
             _evaluate_checkpoint(
@@ -108,7 +116,8 @@ def evaluate_checkpoints(
                 atomic_write_json(out_dir / "results.json", results)
             with disk_full_is_reported(out_dir / "results.md"):
                 atomic_write_text(out_dir / "results.md", results_markdown(results))
-            tracking.report_evaluation(report_to, out_dir, results, run_id=uuid.uuid4().hex)
+            if report_to:
+                tracking.report_evaluation(report_to, out_dir, results, run_id=uuid.uuid4().hex)
         distributed.barrier()
         return results
 
@@ -116,6 +125,8 @@ def evaluate_checkpoints(
 def _perplexity_set(data_dir: Path, settings: EvalSettings, style: PromptStyle) -> PerplexitySet | None:
     if not settings.perplexity:
         return None
+    from mta.evaluation.perplexity import PerplexitySet
+
     path = resolve_split_file(data_dir, settings.perplexity)
     return PerplexitySet(settings.perplexity, path, load_rows(path, limit=settings.perplexity_limit, style=style)[0])
 
@@ -216,6 +227,8 @@ def _perplexity_is_current(paths: CheckpointPaths, perplexity: PerplexitySet, se
 
 def _write_perplexity(model, tokenizer, perplexity: PerplexitySet, paths, settings, reporter, label) -> None:
     """Every rank scores its share; rank 0 writes perplexity.json."""
+    from mta.evaluation.perplexity import response_perplexity
+
     result = response_perplexity(
         model,
         tokenizer,

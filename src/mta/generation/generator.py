@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
 from mta import distributed
-from mta.generation.model_state import generation_mode, unwrap_engine, weights_partitioned
+from mta.generation.model_state import CausalLM, generation_mode, unwrap_engine, weights_partitioned
 from mta.generation.sampling import KeyedGumbelSampler, SamplingParams
 
 
@@ -42,7 +42,7 @@ class Generator(Protocol):
         ...
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def eos_token_ids(model: CausalLM, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS and the model's own (chat models
     such as SmolLM2-Instruct end turns with a token the tokenizer does not call EOS)."""
     ids = {tokenizer.eos_token_id}
@@ -78,7 +78,7 @@ def cut_at_stop(new_tokens: torch.Tensor, stop_ids: Sequence[int]) -> tuple[list
     is_stop = torch.isin(new_tokens, torch.tensor(list(stop_ids), device=new_tokens.device))
     finished = is_stop.any(dim=1)
     lengths = torch.where(finished, is_stop.int().argmax(dim=1), new_tokens.shape[1])
-    return [row[:n] for row, n in zip(new_tokens.tolist(), lengths.tolist())], finished.tolist()
+    return [row[:n] for row, n in zip(new_tokens.tolist(), lengths.tolist(), strict=True)], finished.tolist()
 
 
 class HFGenerator:
@@ -138,7 +138,7 @@ class HFGenerator:
         input_ids, attention_mask = left_pad(prompts, self.pad_id, self.model.device)
         new_tokens = self._sample(input_ids, attention_mask, seeds)[:, input_ids.shape[1] :]
         kept, finished = cut_at_stop(new_tokens, self.stop_ids)
-        return [Completion(p, ids, done) for p, ids, done in zip(positions, kept, finished)]
+        return [Completion(p, ids, done) for p, ids, done in zip(positions, kept, finished, strict=True)]
 
     def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
         """[batch, prompt] -> [batch, prompt + new]; padded with pad_id after the stop token."""

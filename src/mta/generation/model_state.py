@@ -12,18 +12,48 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol, TypeGuard, cast
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig
 
 
-def _is_deepspeed_engine(model: torch.nn.Module) -> bool:
+class CausalLM(Protocol):
+    """What generation uses of a causal LM: a Hugging Face ``...ForCausalLM``, or a PEFT model
+    around one (``PreTrainedModel`` alone has no ``generate`` in transformers 5)."""
+
+    config: Any
+    generation_config: GenerationConfig
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def modules(self) -> Iterator[torch.nn.Module]: ...
+
+    def eval(self) -> Any: ...
+
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The prompt and new ids ``[batch, prompt + new]`` (generation here never asks for a dict)."""
+        ...
+
+
+class _EngineLike(Protocol):
+    """What generation reads of a DeepSpeed engine."""
+
+    module: torch.nn.Module
+
+    def zero_optimization_partition_weights(self) -> bool: ...
+
+
+def _is_deepspeed_engine(model: torch.nn.Module) -> TypeGuard[_EngineLike]:
     return hasattr(model, "zero_optimization_partition_weights") and hasattr(model, "module")
 
 
-def unwrap_engine(model: torch.nn.Module) -> PreTrainedModel:
+def unwrap_engine(model: torch.nn.Module) -> CausalLM:
     """The model a DeepSpeed engine wraps, or ``model`` itself."""
-    return model.module if _is_deepspeed_engine(model) else model
+    inner = model.module if _is_deepspeed_engine(model) else model
+    # Generation is only ever handed a causal LM (or a PEFT model around one), engine or not.
+    return cast(CausalLM, inner)
 
 
 def weights_partitioned(model: torch.nn.Module) -> bool:
@@ -37,7 +67,7 @@ def weights_partitioned(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def generation_mode(model: PreTrainedModel, config: GenerationConfig) -> Iterator[None]:
+def generation_mode(model: CausalLM, config: GenerationConfig) -> Iterator[None]:
     """``model`` in eval mode with ``config`` as its generation config; restored on exit.
 
     ``generate`` fills every setting left unset from ``model.generation_config`` (a saved

@@ -125,7 +125,7 @@ class KeyedGumbelSampler(LogitsProcessor):
         self.params = params
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in row_seeds]
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """scores: ``[batch, vocab]`` -> ``[batch, vocab]`` float32 (unchanged when greedy)."""
         batch, vocab = scores.shape
         if batch != len(self.generators):

@@ -13,6 +13,7 @@ per-sequence mean from it, e.g. ``w = 1 / tokens in row b / rows``). Weights are
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,7 +27,16 @@ TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.
 
 class _ChunkedTokenLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size, token_weights=None):
+    def forward(
+        ctx: Any,  # torch's FunctionCtx, carrying the attributes this function sets on it
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | None,
+        labels: torch.Tensor,
+        token_loss: TokenLossFn,
+        vocab_size: int,
+        chunk_size: int,
+        token_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # (row, position) of each response token. Indexing the 3-d logits directly keeps a
         # sliced, non-contiguous view (``logits[:, :-1]``) from being copied whole by a reshape.
         rows, columns = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
@@ -51,7 +61,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             with torch.enable_grad():
                 loss = token_loss(student, teacher, labels[where])
                 loss = loss.sum() if weights is None else (loss * weights[chunk]).sum()
-            if wants_grad:
+            if grad_rows is not None:  # exactly when wants_grad
                 (grad,) = torch.autograd.grad(loss, student)
                 grad_rows[chunk] = grad
             total += loss.detach()
@@ -63,7 +73,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         return total / divisor
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, columns, grad_rows = ctx.saved_tensors
         if grad_rows is None:
             return (None,) * 7

@@ -76,9 +76,11 @@ class DistiLLM2Loss(nn.Module):
         self.vocab_size = vocab_size
         self.chunk_size = chunk_size
 
-    def _token_loss(self, student: torch.Tensor, teacher: torch.Tensor, kind: torch.Tensor) -> torch.Tensor:
+    def _token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, kind: torch.Tensor) -> torch.Tensor:
         """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``kind [n]`` -> ``[n]``:
         SKL where ``kind`` is chosen, SRKL where it is rejected."""
+        if teacher is None:
+            raise MtaError("DistiLLM2Loss compares with a teacher; teacher logits are None")
         log_q = F.log_softmax(student / self.temperature, dim=-1)
         log_p = F.log_softmax(teacher / self.temperature, dim=-1)
         alpha = self.skew_alpha
@@ -96,7 +98,7 @@ class DistiLLM2Loss(nn.Module):
     def forward(
         self,
         student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | None,
         labels: torch.Tensor,
         chosen: torch.Tensor,
     ) -> torch.Tensor:
@@ -129,7 +131,13 @@ class DistiLLM2Loss(nn.Module):
             token_weights=weights,
         )
 
-    def _check(self, student_logits, teacher_logits, labels, chosen) -> int:
+    def _check(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | None,
+        labels: torch.Tensor,
+        chosen: torch.Tensor,
+    ) -> int:
         """Validate shapes; return the vocabulary width to compare."""
         if teacher_logits is None:
             raise MtaError("DistiLLM2Loss compares with a teacher; teacher_logits is None")

@@ -128,7 +128,7 @@ class FeatureDynamicsLoss(nn.Module):
         trajectory = torch.zeros((), dtype=torch.float32, device=device)
         dynamics = torch.zeros((), dtype=torch.float32, device=device)
         # An empty mask still visits one empty chunk, so every student input gets a zero gradient.
-        for chunk in zip(*student_chunks, *teacher_chunks):
+        for chunk in zip(*student_chunks, *teacher_chunks, strict=True):
             if torch.is_grad_enabled():
                 chunk_trajectory, chunk_dynamics = checkpoint(terms, *chunk, use_reentrant=False)
             else:
@@ -153,7 +153,7 @@ class FeatureDynamicsLoss(nn.Module):
         trajectory = torch.zeros((), dtype=torch.float32, device=hidden[0].device)
         dynamics = torch.zeros((), dtype=torch.float32, device=hidden[0].device)
         previous: tuple[torch.Tensor, torch.Tensor] | None = None
-        for student_hidden, teacher_hidden in zip(hidden[:pairs], hidden[pairs:]):
+        for student_hidden, teacher_hidden in zip(hidden[:pairs], hidden[pairs:], strict=True):
             student_logits = student_lens(student_hidden)
             with torch.no_grad():
                 teacher_logits = teacher_lens(teacher_hidden)

@@ -12,6 +12,8 @@ is fp32 and in log space, a chunk of positions at a time (see ``mta.losses.chunk
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,10 +53,10 @@ class BaseLoss(nn.Module):
     ) -> torch.Tensor:
         """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (None for
         ``ce``), labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens."""
-        if self.needs_teacher and teacher_logits is None:
-            raise MtaError(f"{type(self).__name__} compares with a teacher; teacher_logits is None")
         widths = [student_logits.shape[-1]]
         if self.needs_teacher:
+            if teacher_logits is None:
+                raise MtaError(f"{type(self).__name__} compares with a teacher; teacher_logits is None")
             if teacher_logits.shape[:-1] != student_logits.shape[:-1]:
                 raise MtaError(
                     f"teacher logits {tuple(teacher_logits.shape)} and student logits "
@@ -84,20 +86,22 @@ class CrossEntropy(BaseLoss):
 
     needs_teacher = False
 
-    def token_loss(self, student, teacher, labels):
+    def token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(student, labels, reduction="none")
 
 
 class DistributionLoss(BaseLoss):
     """A divergence between teacher and student distributions at temperature τ."""
 
-    def __init__(self, *, temperature: float = 1.0, **kwargs) -> None:
+    def __init__(self, *, temperature: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if temperature <= 0:
             raise MtaError(f"temperature must be positive, got {temperature}")
         self.temperature = temperature
 
-    def token_loss(self, student, teacher, labels):
+    def token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+        if teacher is None:
+            raise MtaError(f"{type(self).__name__} compares with a teacher; teacher logits are None")
         log_q = F.log_softmax(student / self.temperature, dim=-1)
         log_p = F.log_softmax(teacher / self.temperature, dim=-1)
         return self.divergence(log_p, log_q)
@@ -110,21 +114,21 @@ class DistributionLoss(BaseLoss):
 class ForwardKL(DistributionLoss):
     """``KL(p ‖ q)``: the student covers the teacher's mass (mean-seeking)."""
 
-    def divergence(self, log_p, log_q):
+    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl(log_p, log_q)
 
 
 class ReverseKL(DistributionLoss):
     """``KL(q ‖ p)``: the student commits to the teacher's modes (MiniLLM)."""
 
-    def divergence(self, log_p, log_q):
+    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl(log_q, log_p)
 
 
 class _Skewed(DistributionLoss):
     """A divergence towards a mixture that puts weight ``skew_alpha`` on one side (DistiLLM)."""
 
-    def __init__(self, *, skew_alpha: float = 0.1, **kwargs) -> None:
+    def __init__(self, *, skew_alpha: float = 0.1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         check_unit_interval("skew_alpha", skew_alpha)
         self.skew_alpha = skew_alpha
@@ -133,26 +137,26 @@ class _Skewed(DistributionLoss):
 class SkewForwardKL(_Skewed):
     """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
 
-    def divergence(self, log_p, log_q):
+    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl(log_p, log_mixture(log_p, log_q, self.skew_alpha))
 
 
 class SkewReverseKL(_Skewed):
     """``KL(q ‖ αq + (1−α)p)`` (DistiLLM's skew reverse KL, α = 0.1)."""
 
-    def divergence(self, log_p, log_q):
+    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl(log_q, log_mixture(log_q, log_p, self.skew_alpha))
 
 
 class JensenShannon(DistributionLoss):
     """Generalised JSD: ``β KL(p ‖ m) + (1−β) KL(q ‖ m)`` with ``m = βp + (1−β)q`` (β = 0.5)."""
 
-    def __init__(self, *, jsd_beta: float = 0.5, **kwargs) -> None:
+    def __init__(self, *, jsd_beta: float = 0.5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         check_unit_interval("jsd_beta", jsd_beta)
         self.jsd_beta = jsd_beta
 
-    def divergence(self, log_p, log_q):
+    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         log_m = log_mixture(log_p, log_q, self.jsd_beta)
         return self.jsd_beta * kl(log_p, log_m) + (1.0 - self.jsd_beta) * kl(log_q, log_m)
 
@@ -160,7 +164,7 @@ class JensenShannon(DistributionLoss):
 class TotalVariation(DistributionLoss):
     """``½ Σ |p − q|``."""
 
-    def divergence(self, log_p, log_q):
+    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=-1)
 
 
@@ -190,7 +194,7 @@ def build_base_loss(
     if name not in BASE_LOSSES:
         raise MtaError(f"unknown base loss '{name}'; choose one of {', '.join(BASE_LOSSES)}")
     cls = BASE_LOSSES[name]
-    kwargs: dict = {"vocab_size": vocab_size, "chunk_size": chunk_size}
+    kwargs: dict[str, Any] = {"vocab_size": vocab_size, "chunk_size": chunk_size}
     if issubclass(cls, DistributionLoss):
         kwargs["temperature"] = temperature
     if cls in (SkewForwardKL, SkewReverseKL):

@@ -16,6 +16,7 @@ no loop over spans or tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from mta.losses.divergences import kl
 from mta.losses.dsa import COS_EPS, WEIGHT_EPS, dynamic_structural_alignment
 from mta.losses.pooling import MASS_EPS
 from mta.losses.span_masks import SpanBatch, span_token_mask
-from mta.losses.trajectory import apply_projector
+from mta.losses.trajectory import apply_projector, projector_at
 
 # The port's defaults (ICARE code/arguments.py: --sra-geom-weight 50.0; the logit term enters
 # its total with weight 1; --kd-temperature 1.0).
@@ -36,6 +37,16 @@ LOGIT_WEIGHT = 1.0
 # (hidden [n, d], vocab_rows [k]) -> logits [n, k] over those rows of that side's vocabulary, in
 # their order (final norm + LM head, composed by the caller: mta.training.logit_lens.LogitLens.for_layer).
 Head = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class VocabularyTokenizer(Protocol):
+    """What :func:`tokenizers_shared_vocabulary` reads of a tokenizer (a Hugging Face one has both)."""
+
+    @property
+    def all_special_tokens(self) -> list[str]: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
 
 # Space markers of byte-level BPE (GPT-2's byte-to-unicode map sends " " to "Ġ") and SentencePiece.
 SPACE_MARKERS = ("\u0120", "\u2581")
@@ -119,7 +130,9 @@ def shared_vocabulary(
     return ids[:, 0].contiguous(), ids[:, 1].contiguous()
 
 
-def tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+def tokenizers_shared_vocabulary(
+    student_tokenizer: VocabularyTokenizer, teacher_tokenizer: VocabularyTokenizer
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`shared_vocabulary` of two loaded tokenizers (anything with ``get_vocab()`` and
     ``all_special_tokens``, as Hugging Face tokenizers have): the one place both are read."""
     return shared_vocabulary(
@@ -201,8 +214,9 @@ class SpanRepresentationLoss(nn.Module):
         teacher_weights ``[batch, seq_t]``: token weights >= 0 (e.g. :func:`last_token_attention`).
         spans: the aligned spans; span_scope_mask ``[batch, spans]`` bool: the spans that count
         (e.g. the response's). student_head / teacher_head: ``head(hidden [n, d], ids [k])`` -> that
-        side's logits ``[n, k]`` at those vocabulary ids (:data:`Head`); shared_vocab: ``(student_ids [k], teacher_ids [k])`` from
-        :func:`shared_vocabulary`, or None to switch the logit term off.
+        side's logits ``[n, k]`` at those vocabulary ids (:data:`Head`); shared_vocab:
+        ``(student_ids [k], teacher_ids [k])`` from :func:`shared_vocabulary`, or None to switch the
+        logit term off.
         Returns fp32 scalars ``{"sra_span", "sra_geometry", "sra_logit", "sra"}``.
         """
         if len(student_states) != self.num_pairs or len(teacher_states) != self.num_pairs:
@@ -223,7 +237,7 @@ class SpanRepresentationLoss(nn.Module):
         for index in range(self.num_pairs):  # over layer pairs (a handful), not spans
             student = torch.bmm(student_matrix, student_states[index].float())
             teacher = torch.bmm(teacher_matrix, teacher_states[index].detach().float())
-            projected = apply_projector(self.projectors[index], student)
+            projected = apply_projector(projector_at(self.projectors, index), student)
             span_terms.append(_sequence_mean(1.0 - _cosine(projected, teacher), span_weights))
         span_loss = torch.stack(span_terms).mean()
 

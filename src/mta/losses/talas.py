@@ -41,17 +41,32 @@ def tamd_loss(projected: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
 
 class TeacherAnchor(nn.Module):
     """TAMD with its projections: one ``nn.Linear(d_S, d_T, bias=False)`` per anchored layer,
-    initialised N(0, 1e-3²) as the author's; ``forward(embeddings [K, B, d_S], teacher [B, d_T])``."""
+    initialised N(0, 1e-3²) as the author's; ``forward(embeddings [K, B, d_S], teacher [B, d_T])``.
 
-    def __init__(self, num_layers: int, student_dim: int, teacher_dim: int):
+    ``drawn_for=L`` draws them as the author's ``model.build_projection_layer`` does: one
+    projection per student layer, each built then drawn before the next, the top ``num_layers``
+    kept (the same RNG state then gives his weights); None draws only the ones used."""
+
+    def __init__(self, num_layers: int, student_dim: int, teacher_dim: int, *, drawn_for: int | None = None):
         super().__init__()
-        self.projections = nn.ModuleList(nn.Linear(student_dim, teacher_dim, bias=False) for _ in range(num_layers))
-        with torch.no_grad():
-            for projection in self.projections:
-                projection.weight.normal_(mean=0.0, std=PROJECTION_INIT_STD)
+        if drawn_for is None:
+            projections = [nn.Linear(student_dim, teacher_dim, bias=False) for _ in range(num_layers)]
+            with torch.no_grad():
+                for projection in projections:
+                    projection.weight.normal_(mean=0.0, std=PROJECTION_INIT_STD)
+        else:
+            projections = []
+            for _ in range(drawn_for):
+                projections.append(nn.Linear(student_dim, teacher_dim, bias=False))
+                with torch.no_grad():
+                    projections[-1].weight.normal_(mean=0.0, std=PROJECTION_INIT_STD)
+            projections = projections[drawn_for - num_layers :]
+        self.projections = nn.ModuleList(projections)
 
     def forward(self, embeddings: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        projected = torch.stack([projection(layer) for projection, layer in zip(self.projections, embeddings)])
+        projected = torch.stack(
+            [projection(layer) for projection, layer in zip(self.projections, embeddings, strict=True)]
+        )
         return tamd_loss(projected, teacher)
 
 

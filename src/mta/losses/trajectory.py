@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Mapping, Sequence
-from typing import Protocol, Union
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -21,15 +21,21 @@ from mta.losses.pooling import pool_spans
 from mta.losses.span_masks import SpanBatch
 
 # The HF ``output_hidden_states`` tuple, or only the layers the loss uses as {index: tensor}.
-HiddenStates = Union[Sequence[torch.Tensor], Mapping[int, torch.Tensor]]
+HiddenStates = Sequence[torch.Tensor] | Mapping[int, torch.Tensor]
 
 
 class LayerPairLike(Protocol):
-    """A ``mta.training.config.schema.LayerPair`` or anything shaped like it."""
+    """A ``mta.training.config.schema.LayerPair`` or anything shaped like it (read-only: the
+    schema's models are frozen)."""
 
-    student: int
-    teacher: int
-    granularity: str
+    @property
+    def student(self) -> int: ...
+
+    @property
+    def teacher(self) -> int: ...
+
+    @property
+    def granularity(self) -> str: ...
 
 
 class TrajectoryAlignmentLoss(nn.Module):
@@ -87,9 +93,9 @@ class TrajectoryAlignmentLoss(nn.Module):
             functools.partial(token_importance, padding_queries=True) if reference_code else IMPORTANCE[importance]
         )
         uniform = reference_code and importance == "uniform"
-        self._dsa_options = (
-            dict(reduction="batch", pair_weights="uniform" if uniform else "salience") if reference_code else {}
-        )
+        # DSA: the authors' one weighted mean over the batch's pairs, or the per-sequence formula.
+        self._dsa_reduction: Literal["sequence", "batch"] = "batch" if reference_code else "sequence"
+        self._dsa_pair_weights: Literal["salience", "uniform"] = "uniform" if uniform else "salience"
         self._uniform_items = uniform  # HRA: every membership weighs 1, one mean over the batch
         self.terms = tuple(term for term in ("dsa", "hra") if term in terms)
         self.projectors = (
@@ -176,12 +182,19 @@ class TrajectoryAlignmentLoss(nn.Module):
                 )
             if "dsa" in terms:
                 terms["dsa"].append(
-                    dynamic_structural_alignment(student_spans, teacher_spans, salience, span_mask, **self._dsa_options)
+                    dynamic_structural_alignment(
+                        student_spans,
+                        teacher_spans,
+                        salience,
+                        span_mask,
+                        reduction=self._dsa_reduction,
+                        pair_weights=self._dsa_pair_weights,
+                    )
                 )
             if "hra" in terms and self.same_tokenizer:
                 terms["hra"].append(
                     self._hra(
-                        apply_projector(self.projectors[index], student_hidden),
+                        apply_projector(self._projector(index), student_hidden),
                         teacher_hidden,
                         teacher_weights[teacher_layer],
                         span_tokens[granularity],
@@ -190,13 +203,19 @@ class TrajectoryAlignmentLoss(nn.Module):
             elif "hra" in terms:
                 terms["hra"].append(
                     self._hra(
-                        apply_projector(self.projectors[index], student_spans),
+                        apply_projector(self._projector(index), student_spans),
                         teacher_spans,
                         salience,
                         span_mask,
                     )
                 )
         return {term: torch.stack(values).mean() for term, values in terms.items()}
+
+    def _projector(self, index: int) -> nn.Linear:
+        """Pair ``index``'s projector (HRA only: without it none was built)."""
+        if self.projectors is None:
+            raise MtaError("this alignment loss was built without 'hra', so it has no projectors")
+        return projector_at(self.projectors, index)
 
     def _hra(
         self, projected: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, members: torch.Tensor
@@ -225,6 +244,14 @@ def _layer(hidden_states: HiddenStates, index: int, side: str) -> torch.Tensor:
             f"aligned layer {index} is not among the {side}'s hidden states ({available}); "
             f"fix loss.layers in the recipe"
         ) from error
+
+
+def projector_at(projectors: nn.ModuleList, index: int) -> nn.Linear:
+    """``projectors[index]``, checked to be the ``nn.Linear`` every projector is built as."""
+    projector = projectors[index]
+    if not isinstance(projector, nn.Linear):
+        raise MtaError(f"projector {index} is a {type(projector).__name__}, not an nn.Linear")
+    return projector
 
 
 def apply_projector(projector: nn.Linear, states: torch.Tensor) -> torch.Tensor:

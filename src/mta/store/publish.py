@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import pyarrow as pa
@@ -100,7 +101,9 @@ class PartWriter:
     def __enter__(self) -> PartWriter:
         return self
 
-    def __exit__(self, kind, error, traceback) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         if kind is not None:
             self.abort()
 

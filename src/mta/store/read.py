@@ -78,8 +78,9 @@ def read_annotations(out_dir: str | Path) -> Annotations:
         raise MtaError(f"{out_dir} does not exist; create it with `mta annotate DATA.jsonl -o {out_dir}`")
     path = manifest_path(out_dir)
     raw = read_manifest_json(path)
-    layout = None if raw is None else stored_layout(raw, path, out_dir)
-    if raw is None:  # layout 1: manifest.json beside the parts
+    if raw is not None:
+        layout = stored_layout(raw, path, out_dir)
+    else:  # layout 1: manifest.json beside the parts
         path, layout = out_dir / MANIFEST, 1
         raw = read_manifest_json(path)
     if raw is None:

@@ -31,8 +31,10 @@ one fp32 gradient buffer while ε is formed.
 The defaults are TALAS's author's ([A] ``train_asam.py``: ``pytorch_optimizer.SAM(adaptive=True,
 rho=0.05)``, i.e. T_w = |w| with no η, on every parameter). Two things [A] does differently: it
 clips the student's part of g to norm 1 before forming ε (a uniform rescale of only the student
-parameters, which shifts ε's share between student and projectors; here g is unclipped), and it
-adds 1e-12 to the norm where this skips the perturbation.
+parameters, which shifts ε's share between student and projectors; here g is unclipped: a
+clip of the whole g would not change ε, and a task: embedding recipe's ``loss.reference_code``
+clips as he does, ``student_clip``), and it adds 1e-12 to the norm where this skips the
+perturbation.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -76,12 +78,13 @@ def perturbation(
     whether T_w = |w| + η (else T_w = 1). ε_i = ρ · T_i² g_i / ‖T · g‖₂, the norm over all of
     them. Computed in fp32 at least (float64 stays float64); each ε in its weight's dtype.
     """
-    scales, scaled = [], []
-    for weight, grad, is_adaptive in zip(weights, grads, adaptive):
+    scales: list[torch.Tensor | None] = []
+    scaled: list[torch.Tensor] = []
+    for weight, grad, is_adaptive in zip(weights, grads, adaptive, strict=True):
         wide = torch.promote_types(weight.dtype, torch.float32)
         scale = weight.detach().to(wide).abs() + eta if is_adaptive else None
         scales.append(scale)
-        scaled.append(grad.to(wide) * scale if is_adaptive else grad.to(wide))
+        scaled.append(grad.to(wide) * scale if scale is not None else grad.to(wide))
     if not scaled:
         return None
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part) for part in scaled]))
@@ -90,7 +93,7 @@ def perturbation(
     factor = rho / norm
     return [
         (part * factor * (scale if scale is not None else 1.0)).to(weight.dtype)
-        for part, scale, weight in zip(scaled, scales, weights)
+        for part, scale, weight in zip(scaled, scales, weights, strict=True)
     ]
 
 
@@ -99,21 +102,28 @@ class Asam:
 
     ``perturbed(losses)`` is the whole of it: the gradient of ``losses`` (each micro batch's
     total loss at w) sets ε, the block runs at w + ε, and w is back on exit (also after an error).
+
+    ``student_clip`` > 0 clips the student's part of g (the parameters under ``module.student``)
+    as TALAS's author does before SAM's first step: ``clip_grad_norm_`` to that norm on the
+    window's mean gradient, the other parameters' part (the projections') unclipped.
     """
 
-    def __init__(self, spec: AsamSpec, module: nn.Module):
+    def __init__(self, spec: AsamSpec, module: nn.Module, *, student_clip: float = 0.0):
         self.rho, self.eta = spec.rho, spec.eta
         named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         self.params = [param for _, param in named]
         self.adaptive = [spec.scope == "all" or name.endswith("weight") for name, _ in named]
+        self.student = [name.startswith("student.") for name, _ in named]
+        self.student_clip = student_clip
         self.skipped = 0
 
     @classmethod
-    def for_engine(cls, spec: AsamSpec, engine) -> Asam:
-        """ASAM around a DeepSpeed engine's module; ``MtaError`` under ZeRO-3."""
+    def for_engine(cls, spec: AsamSpec, engine: Any) -> Asam:
+        """ASAM around a DeepSpeed engine's module; ``MtaError`` under ZeRO-3. The module's
+        ``student_gradient_clip`` (if any) is ``student_clip``."""
         if engine.zero_optimization_partition_weights():
             raise MtaError(ZERO3_REFUSAL)
-        return cls(spec, engine.module)
+        return cls(spec, engine.module, student_clip=float(getattr(engine.module, "student_gradient_clip", 0.0)))
 
     def gradient(self, losses: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """Σ ∂loss/∂w over ``losses`` (one backward each, its graph freed) and the processes, in
@@ -121,13 +131,28 @@ class Asam:
         total = [
             torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32)) for param in self.params
         ]
+        count = 0
         for loss in losses:
+            count += 1
             grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-            for buffer, grad in zip(total, grads):
+            for buffer, grad in zip(total, grads, strict=True):
                 if grad is not None:
                     buffer.add_(grad.to(buffer.dtype))
         distributed.sum_tensors_over_ranks(total)
+        if self.student_clip and count:
+            self.clip_student_part(total, count * distributed.world_size())
         return total
+
+    def clip_student_part(self, total: list[torch.Tensor], count: int) -> None:
+        """Scale the student's part of ``total`` (a sum of ``count`` gradients) in place by
+        ``clip_grad_norm_``'s factor min(1, C / (‖mean‖ + 1e-6)) for its mean; the rest as it is."""
+        parts = [grad for grad, is_student in zip(total, self.student, strict=True) if is_student]
+        if not parts:
+            return
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part) for part in parts])) / count
+        factor = torch.clamp(self.student_clip / (norm + 1e-6), max=1.0)
+        for part in parts:
+            part.mul_(factor)
 
     @contextmanager
     def perturbed(self, losses: Iterable[torch.Tensor], *, step: int | None = None) -> Iterator[bool]:
@@ -144,12 +169,12 @@ class Asam:
             return
         with torch.no_grad():
             saved = [param.detach().clone() for param in self.params]
-            for param, delta in zip(self.params, epsilon):
+            for param, delta in zip(self.params, epsilon, strict=True):
                 param.add_(delta)
         del epsilon
         try:
             yield True
         finally:
             with torch.no_grad():
-                for param, weight in zip(self.params, saved):
+                for param, weight in zip(self.params, saved, strict=True):
                     param.copy_(weight)  # in place: DeepSpeed's flat buffers keep their views

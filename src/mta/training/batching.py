@@ -127,7 +127,9 @@ class _Ragged:
         return starts + position, row_of, position
 
 
-def _padded(values: np.ndarray, rows: int, width: int, row_of, position, fill) -> np.ndarray:
+def _padded(
+    values: np.ndarray, rows: int, width: int, row_of: np.ndarray, position: np.ndarray, fill: int
+) -> np.ndarray:
     out = np.full((rows, width), fill, dtype=values.dtype)
     out[row_of, position] = values
     return out
@@ -355,6 +357,8 @@ class StepSchedule:
     def total_steps(self, epochs: float | None, max_steps: int | None) -> int:
         if max_steps is not None:
             return max_steps
+        if epochs is None:
+            raise MtaError("give exactly one of train.epochs and train.max_steps")
         return max(1, int(round(epochs * self.steps_per_epoch)))
 
     def locate(self, step: int) -> tuple[int, int]:

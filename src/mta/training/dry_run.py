@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from mta.distributed import local_device
 from mta.dtypes import BYTES_PER_ELEMENT, resolve_precision
@@ -22,6 +22,7 @@ from mta.models.tokenizers import load_tokenizer
 from mta.training.config.layers import LayerPair, resolve_layer_map, resolve_sra_layers
 from mta.training.config.model_checks import check_sequence_lengths, position_limit
 from mta.training.config.schema import ModelSpec, Recipe, TinyModel, unset_variables
+from mta.training.model_loading import embedding_rows
 from mta.training.tasks import task_of
 
 GIB = 1024**3
@@ -160,7 +161,7 @@ def _config_from(path: Path, key: str) -> PretrainedConfig:
         ) from error
 
 
-def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
     """The causal LM for ``config`` with every tensor on the meta device: shapes, no memory."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
@@ -193,7 +194,7 @@ def _plan_from_config(spec: ModelSpec, role: str, config: PretrainedConfig, sour
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
-        vocab_rows=model.get_input_embeddings().num_embeddings,
+        vocab_rows=embedding_rows(model),
         parameters=parameters,
         dtype=spec.dtype,
         max_positions=limit[0] if limit else None,
@@ -228,7 +229,9 @@ def estimate_memory(
     # A LoRA student keeps its frozen base weights, and gradients and optimizer states of its
     # adapters only.
     lora_student = student.trainable_parameters is not None
-    trainable = (student.trainable_parameters if lora_student else student.parameters) + trainable_extra
+    trainable = (
+        student.trainable_parameters if student.trainable_parameters is not None else student.parameters
+    ) + trainable_extra
     mixed = precision != "fp32"
     weight_bytes = 2 if mixed else 4
     optimizer_bytes = 12 if mixed else 8
@@ -305,7 +308,7 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     projector_parameters = 0
     if teacher is not None and recipe.loss.alignment_terms:
         layers = resolve_layer_map(recipe.loss.layers, student.num_layers, teacher.num_layers)
-    if "hra" in recipe.loss.alignment_terms and layers:
+    if teacher is not None and "hra" in recipe.loss.alignment_terms and layers:
         # HRA holds one nn.Linear(d_S, d_T) with bias per aligned pair.
         projector_parameters = len(layers) * (student.hidden_size + 1) * teacher.hidden_size
     if teacher is not None and recipe.loss.sra_weight:
@@ -320,7 +323,7 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
             f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
             f"common real vocabulary, checked when the tokenizers load"
         )
-    if recipe.student.lora is not None:
+    if recipe.student.lora is not None and student.trainable_parameters is not None:  # both or neither
         from mta.training import lora
 
         notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
@@ -361,9 +364,10 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     """SRA's shared vocabulary size when both tokenizers are local directories (else when they load)."""
     if not recipe.loss.sra_logit_weight:
         return "SRA: span logit term off (loss.sra_logit_weight=0)"
+    teacher = recipe.teacher
+    assert teacher is not None, "asked for SRA only, which the schema refuses without a teacher"
     paths = [
-        recipe.resolve(spec.tokenizer_path, role)
-        for role, spec in (("teacher", recipe.teacher), ("student", recipe.student))
+        recipe.resolve(spec.tokenizer_path, role) for role, spec in (("teacher", teacher), ("student", recipe.student))
     ]
     if not all((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() for path in paths):
         return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
@@ -377,7 +381,8 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
 def data_notes(recipe: Recipe) -> list[str]:
     """What is missing of ``data.train`` / ``data.dev``: a dry run reports it instead of failing
     (planning is useful before the download)."""
-    notes, unset = [], {}
+    notes: list[str] = []
+    unset: dict[str, list[str]] = {}
     for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
         if written is None:
             continue

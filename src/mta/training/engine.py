@@ -34,7 +34,7 @@ import math
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -120,7 +120,7 @@ class TrainingPrecision:
         bf16 either way; this saves casting its weights at every forward), else None (as loaded)."""
         return torch.bfloat16 if self.autocast else None
 
-    def context(self) -> ContextManager:
+    def context(self) -> contextlib.AbstractContextManager[None]:
         """Around forwards (training, dev loss, sampling), never around ``backward``."""
         if not self.autocast:
             return contextlib.nullcontext()
@@ -190,7 +190,9 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def build_optimizer(model: torch.nn.Module, projectors: list[torch.nn.Parameter], train: TrainSpec):
+def build_optimizer(
+    model: torch.nn.Module, projectors: list[torch.nn.Parameter], train: TrainSpec
+) -> torch.optim.AdamW:
     """Torch AdamW: the student at ``train.lr``, the HRA projectors at ``train.projector_lr``.
 
     Both groups use ``train.weight_decay`` (docs/method.md §3: projectors decay like the student).
@@ -215,7 +217,7 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def restart_schedule(engine, train: TrainSpec, step: int, total_steps: int) -> None:
+def restart_schedule(engine: Any, train: TrainSpec, step: int, total_steps: int) -> None:
     """After a resume at ``step``: each group's base rate is the recipe's (a resume may change
     ``train.lr`` / ``train.projector_lr``), under the schedule planned for ``total_steps`` (a
     resume may change the length). Loading the checkpoint restored the old rates; this is the
@@ -232,7 +234,9 @@ def restart_schedule(engine, train: TrainSpec, step: int, total_steps: int) -> N
     scheduler._last_lr = [group["lr"] for group in engine.optimizer.param_groups]
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, total_steps: int):
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, train: TrainSpec, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, total_steps, train.warmup_steps, train.schedule)
     )
@@ -246,7 +250,7 @@ def initialize(
     total_steps: int,
     world_size: int,
     precision: TrainingPrecision | None = None,
-):
+) -> Any:
     """The DeepSpeed engine over ``model`` (student + projectors) with optimizer and schedule.
 
     precision: as ``resolve_training_precision`` gives it (default: ``train.precision`` handed
@@ -270,7 +274,7 @@ def initialize(
     return engine
 
 
-def teacher_zero3_engine(teacher: torch.nn.Module, micro_batch_size: int, world_size: int):
+def teacher_zero3_engine(teacher: torch.nn.Module, micro_batch_size: int, world_size: int) -> Any:
     """Partition a frozen teacher's weights over the processes with ZeRO-3 (inference only).
 
     For teachers larger than one device (``train.teacher_zero3``): DeepSpeed gathers each

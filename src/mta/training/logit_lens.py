@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from mta.errors import MtaError
+from mta.losses.trajectory import HiddenStates
 
 # Where the blocks and the final norm live in the architectures mta knows; a teacher of any
 # other architecture runs in full (correct, just not truncated: teacher.FrozenTeacher).
@@ -51,7 +52,7 @@ class LogitLens:
         self.norm = _final_norm_or_refuse(model) if final_norm else None
         self.num_layers = num_layers
 
-    def states(self, hidden_states, layers: list[int]) -> list[torch.Tensor]:
+    def states(self, hidden_states: HiddenStates, layers: list[int]) -> list[torch.Tensor]:
         return [
             self.norm(hidden_states[layer])
             if self.norm is not None and layer < self.num_layers

@@ -28,14 +28,21 @@ merging. ``peft`` is needed only to train; a LoRA student's exports never need i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from mta.errors import MtaError
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from transformers import PreTrainedModel
+
     from mta.training.config.schema import LoraSpec
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 ADAPTER_DIR = "adapter"
 ADAPTER_NAME = "default"  # peft's name for a model's only adapter
@@ -44,7 +51,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."  # how peft names the base model's keys in an adapter file
 
 
-def _peft():
+def _peft() -> ModuleType:
     try:
         import peft
     except ImportError as error:  # pragma: no cover - peft is a dependency of mta
@@ -55,7 +62,7 @@ def _peft():
     return peft
 
 
-def lora_config(spec: LoraSpec, *, fan_in_fan_out: bool = False):
+def lora_config(spec: LoraSpec, *, fan_in_fan_out: bool = False) -> LoraConfig:
     """The ``peft.LoraConfig`` of ``student.lora`` (bias untouched, no DoRA or rsLoRA).
     ``fan_in_fan_out``: the student stores linear weights ``[in, out]`` (GPT-2's ``Conv1D``)."""
     peft = _peft()
@@ -70,7 +77,7 @@ def lora_config(spec: LoraSpec, *, fan_in_fan_out: bool = False):
     )
 
 
-def wrap(model: torch.nn.Module, spec: LoraSpec, *, seed: int) -> torch.nn.Module:
+def wrap(model: ModuleT, spec: LoraSpec, *, seed: int) -> ModuleT:
     """Inject ``spec``'s adapters into ``model`` in place and freeze everything else; returns
     ``model``. The adapters' random initialisation draws from ``seed`` (the global RNG is left as
     it was). Works on a meta-device model too (``--dry-run`` counts its parameters)."""
@@ -103,7 +110,7 @@ def _is_adapter_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
     """``{module name: peft LoRA layer}`` of a wrapped model (empty for any other model)."""
     try:
         from peft.tuners.lora import LoraLayer
@@ -125,8 +132,11 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     adapted weight merged: ``W + scaling · (B @ A)`` computed in fp32 and stored in ``W``'s dtype
     (``(B @ A)ᵀ`` for a ``fan_in_fan_out`` layer such as GPT-2's ``Conv1D``). ``state`` is
     untouched; the model's own tensors are not read (under ZeRO-3 they are shards)."""
+    from peft.tuners.lora.layer import Linear
+
     merged: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(model).items():
+        assert isinstance(layer, Linear), f"{name}: wrap admits linear LoRA layers only"
         weight = state[f"{name}.base_layer.weight"]
         lora_a = state[f"{name}.lora_A.{ADAPTER_NAME}.weight"].float()
         lora_b = state[f"{name}.lora_B.{ADAPTER_NAME}.weight"].float()
@@ -154,7 +164,7 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def save_adapter(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path, base_model: str | None = None
+    model: PreTrainedModel, state: dict[str, torch.Tensor], directory: Path, base_model: str | None = None
 ) -> Path:
     """``directory/adapter/``: the adapter as peft saves one, loadable with
     ``PeftModel.from_pretrained(base, directory / "adapter")``. Main process only; ``directory``

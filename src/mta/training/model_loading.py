@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from mta.dtypes import torch_dtype
@@ -19,11 +21,36 @@ from mta.hashing import file_sha256, json_sha256
 from mta.models.hub import load_pretrained
 from mta.models.tiny import build_tiny_model, build_tiny_tokenizer
 from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
-from mta.training.config.schema import ModelSpec, Recipe
+from mta.training.config.schema import ModelSpec, Recipe, RecipeChecks
 
 log = logging.getLogger(__name__)
 
 KEY_LENGTH = 12  # hex digits of the content key in a built model's directory name
+
+
+class TinyTokenizerSource(Protocol):
+    """What a ``tiny`` description trains its tokenizer from (``TinyModel``, ``mta.embedding``'s
+    ``TinyEncoder``)."""
+
+    @property
+    def tokenizer_corpus(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+class NamedModel(Protocol):
+    """A recipe's model entry as the source helpers read it (``ModelSpec``, ``mta.embedding``'s
+    ``EncoderSpec``)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def tokenizer_path(self) -> str: ...
+
+    @property
+    def tiny(self) -> TinyTokenizerSource | None: ...
 
 
 def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
@@ -64,7 +91,7 @@ def model_source(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[str, str]:
     return str(model_dir), str(tokenizer_dir)
 
 
-def local_or_hub_sources(spec, recipe, role: str) -> tuple[str, str]:
+def local_or_hub_sources(spec: NamedModel, recipe: RecipeChecks, role: str) -> tuple[str, str]:
     """``(model, tokenizer)`` of a spec that names them: a directory when it exists (beside the
     recipe or from the working directory), else the name as written (a Hub name)."""
     model = recipe.resolve(spec.path, f"{role}.path")
@@ -72,13 +99,16 @@ def local_or_hub_sources(spec, recipe, role: str) -> tuple[str, str]:
     return _existing_or_hub(model, spec.path), _existing_or_hub(tokenizer, spec.tokenizer_path)
 
 
-def tiny_tokenizer_corpus(spec, recipe, role: str) -> tuple[Path, str]:
+def tiny_tokenizer_corpus(spec: NamedModel, recipe: RecipeChecks, role: str) -> tuple[Path, str]:
     """The corpus a ``tiny`` model's tokenizer trains on, and the cache key of what it is built
     from (the corpus bytes and the vocabulary size): one key rule for causal LMs and encoders."""
-    corpus = recipe.resolve(spec.tiny.tokenizer_corpus, f"{role}.tiny.tokenizer_corpus")
+    tiny = spec.tiny
+    if tiny is None:
+        raise MtaError(f"{role}.tiny is not set: {role} names a model, no tokenizer is built for it")
+    corpus = recipe.resolve(tiny.tokenizer_corpus, f"{role}.tiny.tokenizer_corpus")
     if not corpus.is_file():
         raise MtaError(f"{role}.tiny.tokenizer_corpus: no such file {corpus}")
-    return corpus, json_sha256({"corpus": file_sha256(corpus), "vocab_size": spec.tiny.vocab_size})[:KEY_LENGTH]
+    return corpus, json_sha256({"corpus": file_sha256(corpus), "vocab_size": tiny.vocab_size})[:KEY_LENGTH]
 
 
 def tokenizer_sources(recipe: Recipe) -> dict[str, str]:
@@ -120,10 +150,10 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
         dtype=torch_dtype(spec.dtype),
         attn_implementation="eager",
     )
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+    if len(tokenizer) > embedding_rows(model):
         raise MtaError(
             f"{role}: the tokenizer '{tokenizer_path}' has {len(tokenizer)} tokens but the model "
-            f"'{model_path}' only {model.get_input_embeddings().num_embeddings} embedding rows; "
+            f"'{model_path}' only {embedding_rows(model)} embedding rows; "
             f"set {role}.tokenizer to the model's own tokenizer"
         )
     if tokenizer.pad_token_id is None:
@@ -142,3 +172,14 @@ def num_layers(model: PreTrainedModel) -> int:
 
 def hidden_size(model: PreTrainedModel) -> int:
     return model.config.get_text_config().hidden_size
+
+
+def embedding_rows(model: PreTrainedModel) -> int:
+    """Rows of the model's input embedding: the token ids it takes (padding rows included)."""
+    embeddings = model.get_input_embeddings()
+    if not isinstance(embeddings, nn.Embedding):
+        raise MtaError(
+            f"{type(model).__name__}'s input embedding is a {type(embeddings).__name__}, not an nn.Embedding "
+            "(a Hugging Face model's token embedding): mta cannot count its rows"
+        )
+    return embeddings.num_embeddings

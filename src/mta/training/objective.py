@@ -6,8 +6,11 @@ one DeepSpeed engine owns every trainable parameter; the frozen teacher stays ou
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -19,13 +22,15 @@ from mta.losses.fdd import FeatureDynamicsLoss
 from mta.losses.importance import token_importance
 from mta.losses.kd import build_base_loss
 from mta.losses.sra import SpanRepresentationLoss, last_token_attention
-from mta.losses.trajectory import TrajectoryAlignmentLoss
+from mta.losses.trajectory import HiddenStates, TrajectoryAlignmentLoss
 from mta.training.batching import TrainBatch
 from mta.training.config.schema import LayerIndexPair, LayerPair, LossSpec
 from mta.training.logit_lens import LogitLens
 from mta.training.teacher import TeacherOutput
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class DistillationObjective(nn.Module):
@@ -102,12 +107,12 @@ class DistillationObjective(nn.Module):
             self.sra = SpanRepresentationLoss(
                 len(self.sra_pairs),
                 student_hidden_size,
-                teacher_hidden_size,
+                _required(teacher_hidden_size, "loss.sra_weight > 0: the teacher's hidden size"),
                 geometry_weight=spec.sra_geometry_weight,
                 logit_weight=spec.sra_logit_weight if self.sra_logits else 0.0,
                 temperature=spec.temperature,
             )
-            if self.sra_logits:  # buffers: they move to the device with the module
+            if self.sra_logits and shared_vocab is not None:  # buffers: they move to the device with the module
                 self.register_buffer("sra_student_ids", shared_vocab[0].long(), persistent=False)
                 self.register_buffer("sra_teacher_ids", shared_vocab[1].long(), persistent=False)
         self.alignment: TrajectoryAlignmentLoss | None = None
@@ -115,7 +120,7 @@ class DistillationObjective(nn.Module):
             self.alignment = TrajectoryAlignmentLoss(
                 layer_pairs,
                 student_hidden_size,
-                teacher_hidden_size,
+                _required(teacher_hidden_size, "loss.dsa_weight / loss.hra_weight > 0: the teacher's hidden size"),
                 same_tokenizer=same_tokenizer,
                 importance=spec.importance,
                 terms=spec.alignment_terms,
@@ -124,7 +129,7 @@ class DistillationObjective(nn.Module):
 
     @property
     def needs_teacher_logits(self) -> bool:
-        return self.base is not None and self.base.needs_teacher
+        return self.base is not None and bool(self.base.needs_teacher)
 
     @property
     def student_layers(self) -> list[int]:
@@ -171,30 +176,42 @@ class DistillationObjective(nn.Module):
         if self.alignment is not None:
             losses.update(
                 self.alignment(
-                    student_hidden,
-                    teacher.hidden_states,
+                    _required(student_hidden, "the student's hidden states"),
+                    _required(teacher, "the teacher's output").hidden_states,
                     batch.student.attention_mask,
-                    batch.teacher.attention_mask,
+                    _required(batch.teacher, "the batch's teacher tokens").attention_mask,
                     batch.spans,
                 )
             )
         if self.fdd is not None:
+            hidden = _required(student_hidden, "the student's hidden states")
+            teacher_out = _required(teacher, "the teacher's output")
+            lens = _required(student_lens, "the student's logit lens")
+            teacher_lens = _required(teacher_out.lens, "the teacher's logit lens")
             losses["fdd"] = self.fdd(
-                student_lens.states(student_hidden, [pair.student for pair in self.fdd_pairs]),
-                teacher.lens.states(teacher.hidden_states, [pair.teacher for pair in self.fdd_pairs]),
-                student_lens,
-                teacher.lens,
+                lens.states(hidden, [pair.student for pair in self.fdd_pairs]),
+                teacher_lens.states(teacher_out.hidden_states, [pair.teacher for pair in self.fdd_pairs]),
+                lens,
+                teacher_lens,
                 self._fdd_positions(batch),
             )["fdd"]
         if self.sra is not None:
-            losses["sra"] = self._sra(student_hidden, student_attentions, teacher, batch, student_lens)
-        losses["total"] = sum(self.weights[name] * value for name, value in losses.items())
+            losses["sra"] = self._sra(
+                self.sra,
+                _required(student_hidden, "the student's hidden states"),
+                student_attentions,
+                _required(teacher, "the teacher's output"),
+                batch,
+                student_lens,
+            )
+        losses["total"] = functools.reduce(operator.add, (self.weights[name] * value for name, value in losses.items()))
         return losses
 
     def _sra(
         self,
-        student_hidden,
-        student_attentions,
+        sra: SpanRepresentationLoss,
+        student_hidden: HiddenStates,
+        student_attentions: Sequence[torch.Tensor] | None,
         teacher: TeacherOutput,
         batch: TrainBatch,
         student_lens: LogitLens | None,
@@ -202,26 +219,28 @@ class DistillationObjective(nn.Module):
         """SRA on the spans both tokenizers agree on (``batch.spans["boundary"]``)."""
         spans = batch.spans["boundary"]
         last = self.sra_pairs[-1]
+        teacher_mask = _required(batch.teacher, "the batch's teacher tokens").attention_mask
         if self.sra_centre == "importance":
             student_weights = token_importance(student_hidden[last.student], batch.student.attention_mask)
-            teacher_weights = token_importance(teacher.hidden_states[last.teacher], batch.teacher.attention_mask)
+            teacher_weights = token_importance(teacher.hidden_states[last.teacher], teacher_mask)
         else:  # attentions[i] is block i's, which produces hidden_states[i + 1]
-            student_weights = last_token_attention(student_attentions[last.student - 1], batch.student.attention_mask)
-            teacher_weights = last_token_attention(teacher.attentions[last.teacher], batch.teacher.attention_mask)
+            attentions = _required(student_attentions, "the student's attentions")
+            student_weights = last_token_attention(attentions[last.student - 1], batch.student.attention_mask)
+            teacher_weights = last_token_attention(teacher.attentions[last.teacher], teacher_mask)
         if self.sra_scope == "response":  # a span whose first student token is a target
             labels = batch.student.labels
             first = spans.student_start.clamp(max=labels.shape[1] - 1)
             scope = labels.gather(1, first) != -100
         else:
             scope = spans.mask.bool()
-        heads = {}
+        heads: dict[str, Any] = {}
         if self.sra_logits:
             heads = dict(
-                student_head=student_lens.for_layer(last.student),
-                teacher_head=teacher.lens.for_layer(last.teacher),
+                student_head=_required(student_lens, "the student's logit lens").for_layer(last.student),
+                teacher_head=_required(teacher.lens, "the teacher's logit lens").for_layer(last.teacher),
                 shared_vocab=(self.sra_student_ids, self.sra_teacher_ids),
             )
-        return self.sra(
+        return sra(
             [student_hidden[pair.student] for pair in self.sra_pairs],
             [teacher.hidden_states[pair.teacher] for pair in self.sra_pairs],
             student_weights,
@@ -239,6 +258,13 @@ class DistillationObjective(nn.Module):
         predicts = torch.zeros_like(batch.student.attention_mask, dtype=torch.bool)
         predicts[:, :-1] = batch.student.labels[:, 1:] != -100
         return predicts
+
+
+def _required(value: T | None, what: str) -> T:
+    """``value``, which a loss term in use reads; ``MtaError`` naming ``what`` when it was not given."""
+    if value is None:
+        raise MtaError(f"the objective's loss terms read {what}, which was not given")
+    return value
 
 
 def _pair_roles(batch: TrainBatch, training: bool) -> torch.Tensor:

@@ -70,6 +70,7 @@ class FrozenTeacher(nn.Module):
             return False
         blocks_path, norm_path = paths
         blocks = self.model.get_submodule(blocks_path)
+        assert isinstance(blocks, nn.ModuleList), f"BLOCKS_AND_NORM names {blocks_path}, a ModuleList of blocks"
         if deepest < len(blocks):
             parent, _, name = norm_path.rpartition(".")
             setattr(self.model.get_submodule(parent), name, nn.Identity())

@@ -1,13 +1,14 @@
 """The recipe's ``data.train`` / ``data.dev`` as annotate artefacts checked against the run.
 
 A JSONL, Parquet or CSV file or a ``datasets`` save_to_disk directory (its columns read through
-``data.fields``: :mod:`mta.data.sources`) is annotated on first use (through ``mta.data.annotate.annotate_file``, the code
-behind ``mta annotate``) into ``OUTPUT_DIR/data/<split>``, reused while its input and settings
-are unchanged. A directory is read as it is. Either way the artefact must have been built for
-the recipe's tokenizers, lengths, prompt template (``data.template``; an artefact that
-records none was built with ``alpaca``; for ``chat`` also the student tokenizer's chat template,
-by its sha256) and span rule (``data.span_rule``; none recorded: ``paper``), or the run stops and
-names the command that rebuilds it.
+``data.fields``: :mod:`mta.data.sources`) is annotated on first use (through
+``mta.data.annotate.annotate_file``, the code behind ``mta annotate``) into
+``OUTPUT_DIR/data/<split>``, reused while its input and settings are unchanged. A directory is
+read as it is. Either way the artefact must have been built for the recipe's tokenizers, lengths,
+prompt template (``data.template``; an artefact that records none was built with ``alpaca``; for
+``chat`` also the student tokenizer's chat template, by its sha256) and span rule
+(``data.span_rule``; none recorded: ``paper``), or the run stops and names the command that
+rebuilds it.
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ finite check -> backward -> DeepSpeed step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from mta import distributed, tracking
 from mta.data.annotate import AnnotateSettings
@@ -26,14 +27,15 @@ from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
+from mta.store.read import Annotations
 from mta.training import asam, lora
 from mta.training import engine as engines
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
 from mta.training.config import resume_rules
 from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.training.config.model_checks import check_generation_fits, check_sequence_lengths
-from mta.training.config.schema import Recipe
-from mta.training.lifecycle import checkpointing, run_directory, utilisation
+from mta.training.config.schema import LayerIndexPair, LayerPair, Recipe
+from mta.training.lifecycle import checkpointing, run_directory, stopping, utilisation
 from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
@@ -42,7 +44,7 @@ from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
 from mta.training.tasks import task_of
-from mta.training.teacher import FrozenTeacher
+from mta.training.teacher import FrozenTeacher, TeacherOutput
 from mta.training.train_data import load_split
 
 log = logging.getLogger(__name__)
@@ -88,8 +90,8 @@ class Run:
     off_policy: OffPolicyBatches | None = None  # generation: on (the student's own samples)
     messages: list[str] = field(default_factory=list)
     selector: Selector | None = None  # data.dev: OUT/best/ by train.select_by
-    precision: engines.TrainingPrecision | None = None  # train.precision on this device
-    flops: StepFlops | None = None  # model FLOPs per micro batch (metrics: flops_per_s, mfu)
+    precision: engines.TrainingPrecision  # train.precision on this device
+    flops: StepFlops  # model FLOPs per micro batch (metrics: flops_per_s, mfu)
 
     def close(self) -> None:
         """Release the engine and the span workers (every run ends here, also after an error)."""
@@ -139,7 +141,9 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
     student, tokenizer = student_loaded.model, student_loaded.tokenizer
     teacher_model = teacher_loaded.model if teacher_loaded else None
     if teacher_model is not None and precision.frozen_dtype is not None and teacher_model.dtype == torch.float32:
-        teacher_model.to(precision.frozen_dtype)  # CPU bf16: held in bf16, its products are bf16 anyway
+        # CPU bf16: held in bf16, its products are bf16 anyway. The ignore: transformers declares
+        # PreTrainedModel.to with @wraps(nn.Module.to), which mypy reads unbound (dtype taken as self).
+        teacher_model.to(precision.frozen_dtype)  # type: ignore[arg-type]
     check_sequence_lengths(
         recipe.data,
         student.config,
@@ -148,7 +152,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         sample_new_tokens=recipe.dev_sample_new_tokens,
         source=recipe.source,
     )
-    if teacher_model is not None:
+    if teacher_model is not None and recipe.teacher is not None:  # loaded from recipe.teacher
         check_sequence_lengths(
             recipe.data, teacher_model.config, "teacher", model=recipe.teacher.path, source=recipe.source
         )
@@ -156,19 +160,22 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
     check_generation_fits(recipe, same_tokenizer)
 
-    layer_pairs, fdd_pairs = [], []
-    if recipe.loss.alignment_terms:
-        layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_model))
-    if recipe.loss.fdd_weight:
-        fdd_pairs = resolve_fdd_layers(recipe.loss.fdd_layers, num_layers(student), num_layers(teacher_model))
-    sra_pairs, shared_vocab = [], None
-    if recipe.loss.sra_weight:
-        sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, num_layers(student), num_layers(teacher_model))
-        shared_vocab = _shared_vocabulary(tokenizer, teacher_tokenizer, recipe.loss.sra_logit_weight)
-        if recipe.loss.sra_centre == "last_token_attention":
-            # The port's centre weights are the models' own attention rows: computed eagerly.
-            for model in (student, teacher_model):
-                model.set_attn_implementation("eager")
+    layer_pairs: list[LayerPair] = []
+    fdd_pairs: list[LayerIndexPair] = []
+    sra_pairs: list[LayerIndexPair] = []
+    shared_vocab = None
+    if teacher_model is not None:  # the schema refuses DSA, HRA, FDD and SRA without a teacher
+        if recipe.loss.alignment_terms:
+            layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_model))
+        if recipe.loss.fdd_weight:
+            fdd_pairs = resolve_fdd_layers(recipe.loss.fdd_layers, num_layers(student), num_layers(teacher_model))
+        if recipe.loss.sra_weight:
+            sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, num_layers(student), num_layers(teacher_model))
+            shared_vocab = _shared_vocabulary(tokenizer, teacher_tokenizer, recipe.loss.sra_logit_weight)
+            if recipe.loss.sra_centre == "last_token_attention":
+                # The port's centre weights are the models' own attention rows: computed eagerly.
+                for side_model in (student, teacher_model):
+                    side_model.set_attn_implementation("eager")
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
     objective = DistillationObjective(
@@ -184,8 +191,9 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
     )
 
     granularities = tuple(sorted({pair.granularity for pair in layer_pairs}))
-    examples = {
-        split: AnnotatedExamples(
+
+    def examples_of(annotations: Annotations) -> AnnotatedExamples:
+        return AnnotatedExamples(
             annotations.table,
             student_pad_id=tokenizer.pad_token_id,
             teacher_pad_id=teacher_tokenizer.pad_token_id,
@@ -194,19 +202,20 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             boundary=bool(recipe.loss.sra_weight),
             rebuild=reannotate_command(annotations.manifest, annotations.directory),
         )
-        if annotations is not None
-        else None
-        for split, annotations in splits.items()
-    }
 
-    if recipe.loss.base == "distillm2" and examples["train"].pair_ids is None:
+    train_split, dev_split = splits["train"], splits["dev"]
+    assert train_split is not None, "data.train is a required recipe key: load_split returns its rows"
+    train_examples = examples_of(train_split)
+    dev_examples = examples_of(dev_split) if dev_split is not None else None
+
+    if recipe.loss.base == "distillm2" and train_examples.pair_ids is None:
         raise MtaError(
             f"loss.base=distillm2 trains on pair rows, and data.train ({recipe.data.train}) holds none: "
             "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
             "and set data.train to PAIRS.jsonl (annotated on first use)"
         )
     accumulation = recipe.train.accumulation_steps(world_size)
-    schedule = StepSchedule(len(examples["train"]), recipe.train.micro_batch_size, accumulation, world_size)
+    schedule = StepSchedule(len(train_examples), recipe.train.micro_batch_size, accumulation, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
     model = DistillationModel(student, objective, fdd_final_norm=recipe.loss.fdd_final_norm)
     engine = engines.initialize(
@@ -226,7 +235,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         parser = SpanParser(settings, workers=SPAN_WORKERS if distributed.available_cores() > 1 else 0).start()
         sampled = OffPolicyBatches(
             recipe,
-            splits["train"].table,
+            train_split.table,
             model=engine.module.student,
             tokenizer=tokenizer,
             pad_ids={"student": tokenizer.pad_token_id, "teacher": teacher_tokenizer.pad_token_id},
@@ -282,8 +291,8 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             lora.describe(recipe.student.lora, adapters, sum(p.numel() for p in student.parameters()) - adapters)
         )
     selector = (
-        Selector(recipe, output_dir, owner.run_id, dev_table=splits["dev"].table, tokenizer=tokenizer)
-        if splits["dev"] is not None
+        Selector(recipe, output_dir, owner.run_id, dev_table=dev_split.table, tokenizer=tokenizer)
+        if dev_split is not None
         else None
     )
     return Run(
@@ -293,8 +302,8 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         engine=engine,
         teacher=teacher,
         tokenizer=tokenizer,
-        train=examples["train"],
-        dev=examples["dev"],
+        train=train_examples,
+        dev=dev_examples,
         schedule=schedule,
         total_steps=total_steps,
         rank=rank,
@@ -310,9 +319,12 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
 
 
 class Trainer:
-    def __init__(self, run: Run, reporter: Reporter):
+    def __init__(self, run: Run, reporter: Reporter, *, stops: stopping.StopRequests | None = None):
         self.run = run
         self.reporter = reporter
+        # SIGUSR1 / SIGTERM (run_distillation installs the handlers); none arrive on a bare one.
+        self.stops = stops if stops is not None else stopping.StopRequests()
+        self.saved: tuple[int, Path] | None = None  # the newest checkpoint this process wrote
         self._orders: dict[int, list[np.ndarray]] = {}
         spec = run.recipe.train.asam
         self.asam = asam.Asam.for_engine(spec, run.engine) if spec is not None else None
@@ -342,18 +354,21 @@ class Trainer:
             gold = run.train.batch(rows)
             # Its gold rows, or the student's own responses to their prompts, or rows from the
             # replay buffer (the same decision on every rank).
-            batch = gold if run.off_policy is None else self._off_policy_batch(step, k, rows, gold)
+            batch = gold if run.off_policy is None else self._off_policy_batch(run.off_policy, step, k, rows, gold)
             # The authors pad every batch to max_length, and their importance averages those rows.
             reference = task_of(run.recipe).reference_padding and run.recipe.loss.reference_code
             yield batch.padded_to(run.recipe.data.max_length, run.train.pad_ids) if reference else batch
 
-    def _off_policy_batch(self, step: int, k: int, rows: np.ndarray, gold: TrainBatch) -> TrainBatch:
+    def _off_policy_batch(
+        self, off_policy: OffPolicyBatches, step: int, k: int, rows: np.ndarray, gold: TrainBatch
+    ) -> TrainBatch:
         with self.run.precision.context():  # the student's own samples: bf16 products in a CPU bf16 run
-            return self.run.off_policy.batch(step, k, rows, gold)[0]
+            return off_policy.batch(step, k, rows, gold)[0]
 
-    def teacher_forward(self, batch: TrainBatch):
+    def teacher_forward(self, batch: TrainBatch) -> TeacherOutput | None:
         if self.run.teacher is None:
             return None
+        assert batch.teacher is not None, "a run with a teacher gathers its side of every batch (with_teacher)"
         return self.run.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
 
     def with_spans(self, batch: TrainBatch) -> TrainBatch:
@@ -370,9 +385,9 @@ class Trainer:
         if self.asam is None:
             totals, tokens = self.run_window(window, step)
         else:
-            window = list(window)  # the same micro batches, replayed at w + ε
-            with self.asam.perturbed(self.window_losses(window, step), step=step):
-                totals, tokens = self.run_window(window, step)
+            replayed = list(window)  # the same micro batches, replayed at w + ε
+            with self.asam.perturbed(self.window_losses(replayed, step), step=step):
+                totals, tokens = self.run_window(replayed, step)
         self.run.engine.step()  # the window's last micro batch: the optimizer updates w
         self.stop_unless_finite_weights(step)
         count = self.run.schedule.accumulation
@@ -443,12 +458,13 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, step: int) -> dict[str, Any]:
         """Dev loss over the first ``DEV_ROWS`` rows, and a few sampled generations."""
-        run = self.run
+        run, dev = self.run, self.run.dev
+        assert dev is not None, "a run evaluates only with data.dev (Trainer.train checks)"
         run.engine.eval()
-        rows = np.arange(min(len(run.dev), DEV_ROWS))
+        rows = np.arange(min(len(dev), DEV_ROWS))
         size = run.recipe.train.micro_batch_size
         sums: dict[str, float] = {}
-        batches = [run.dev.batch(rows[i : i + size]) for i in range(0, len(rows), size)]
+        batches = [dev.batch(rows[i : i + size]) for i in range(0, len(rows), size)]
         for batch in batches:
             batch = batch.to(run.device)
             for name, value in run.engine(batch, self.teacher_forward(batch)).items():
@@ -456,8 +472,8 @@ class Trainer:
         record = loss_record("dev", step, {name: value / len(rows) for name, value in sums.items()})
         if run.off_policy is not None and run.recipe.generation.mode == "adaptive":
             # DistiLLM's threshold follows the student's cross-entropy on the dev references.
-            ce_rows = np.arange(min(len(run.dev), run.recipe.generation.dev_rows or len(run.dev)))
-            ce_batches = [run.dev.batch(ce_rows[i : i + size]) for i in range(0, len(ce_rows), size)]
+            ce_rows = np.arange(min(len(dev), run.recipe.generation.dev_rows or len(dev)))
+            ce_batches = [dev.batch(ce_rows[i : i + size]) for i in range(0, len(ce_rows), size)]
             record["generation/dev_ce"] = dev_cross_entropy(run.engine.module.student, ce_batches, run.device)
             run.off_policy.update_threshold(record["generation/dev_ce"])
             record["generation/threshold"] = run.off_policy.state.threshold
@@ -474,14 +490,15 @@ class Trainer:
         global RNG, so a resumed run does not diverge. Every rank samples the same rows (under
         ZeRO-3 all ranks must take part in each forward).
         """
-        run = self.run
-        count = min(run.recipe.train.num_sample_generations, len(run.dev))
+        run, dev = self.run, self.run.dev
+        assert dev is not None, "a run samples dev prompts only with data.dev (Trainer.train checks)"
+        count = min(run.recipe.train.num_sample_generations, len(dev))
         if count == 0 or not task_of(run.recipe).samples_dev_prompts:  # an encoder generates nothing
             return []
         rows = np.arange(count)
-        dev_batch = run.dev.batch(rows)
-        prompt_lengths = run.dev.prompt_len["student"][rows].tolist()
-        prompts = [ids[:n].tolist() for ids, n in zip(dev_batch.student.input_ids, prompt_lengths)]
+        dev_batch = dev.batch(rows)
+        prompt_lengths = dev.prompt_len["student"][rows].tolist()
+        prompts = [ids[:n].tolist() for ids, n in zip(dev_batch.student.input_ids, prompt_lengths, strict=True)]
         params = SamplingParams(
             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=run.recipe.train.sample_max_new_tokens
         )
@@ -553,6 +570,7 @@ class Trainer:
                     self._evaluate_and_log(done, metrics, trackers)
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)
+                self.stop_if_requested(done)
             self.save(run.total_steps)
             if run.selector is not None and (note := run.selector.closing_note()) is not None:
                 log.warning(note)
@@ -578,12 +596,34 @@ class Trainer:
     def save(self, step: int) -> Path:
         state = checkpointing.TrainerState(step=step, total_steps=self.run.total_steps, run_id=self.run.run_id)
         extra = self.run.off_policy.save if self.run.off_policy is not None else None
-        return checkpointing.save_checkpoint(
-            self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state, extra_state=extra
-        )
+        with self.stops.saving():  # timed, for a SIGTERM's budget; a signal lets it finish
+            path = checkpointing.save_checkpoint(
+                self.run.engine, self.run.tokenizer, self.run.recipe, self.run.output_dir, state, extra_state=extra
+            )
+        self.saved = (step, path)
+        return path
+
+    def stop_if_requested(self, done: int) -> None:
+        """After step ``done`` (every rank): on a SIGUSR1 or SIGTERM any rank received, write a
+        checkpoint of ``done`` (unless one was just written, or a SIGTERM's budget does not allow
+        it) and raise ``RunStopped`` (``mta.training.lifecycle.stopping``)."""
+        self.stops.steps_done = done
+        code, waited_s = self.stops.agreed_request()
+        if not code:
+            return
+        name = stopping.signal_name(code)
+        if self.saved is None or self.saved[0] != done:
+            reason = self.stops.refusal(code, waited_s)
+            if reason is not None:
+                raise stopping.RunStopped(name, step=done, reason=reason)
+            self.save(done)
+        assert self.saved is not None, "save() records the checkpoint it wrote"
+        raise stopping.RunStopped(name, step=done, checkpoint=self.saved[1])
 
 
-def _shared_vocabulary(student_tokenizer, teacher_tokenizer, logit_weight: float):
+def _shared_vocabulary(
+    student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTrainedTokenizerBase, logit_weight: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """SRA's shared vocabulary (computed once per run), or None when the logit term is off or the
     tokenizers share no token (the log says which)."""
     if not logit_weight:
@@ -597,18 +637,18 @@ def _shared_vocabulary(student_tokenizer, teacher_tokenizer, logit_weight: float
 
 
 def _summary(
-    recipe,
-    accumulation,
-    world_size,
-    schedule,
-    total_steps,
-    splits,
+    recipe: Recipe,
+    accumulation: int,
+    world_size: int,
+    schedule: StepSchedule,
+    total_steps: int,
+    splits: Mapping[str, Annotations | None],
     *,
-    has_teacher,
-    same_tokenizer,
-    vocab_size,
-    layer_pairs,
-    fdd_pairs=(),
+    has_teacher: bool,
+    same_tokenizer: bool,
+    vocab_size: int,
+    layer_pairs: Sequence[LayerPair],
+    fdd_pairs: Sequence[LayerIndexPair] = (),
 ) -> list[str]:
     """What a person should know before the first step: batch, data, tokenizer mode, layers."""
     lines = [
@@ -657,7 +697,7 @@ def _rows_note(split: str, manifest: dict[str, Any]) -> str:
 
 def _sum_over_processes(values: dict[str, float]) -> dict[str, float]:
     names = sorted(values)
-    return dict(zip(names, distributed.sum_over_ranks([values[name] for name in names])))
+    return dict(zip(names, distributed.sum_over_ranks([values[name] for name in names]), strict=True))
 
 
 def run_distillation(
@@ -674,14 +714,27 @@ def run_distillation(
     directory. overwrite: remove the outputs of the run in ``output_dir`` first (its caches stay);
     see ``mta.training.lifecycle.run_directory``. Several runs may follow each other in one process: each
     builds its own engine and releases it at the end.
+
+    Rank 0 holds ``output_dir``'s lock from the claim until ``final/`` is written (a second run
+    into it is refused). SIGUSR1, and SIGTERM when a checkpoint fits its budget, stop the run
+    after the current step with a checkpoint of it; a SIGTERM without that time stops it at once:
+    both raise ``mta.training.lifecycle.stopping.RunStopped``.
     """
     reporter = reporter or SilentReporter()
     tracking.require(recipe.train.report_to)  # a tracker not installed stops the run before any work
-    run = build_run(recipe, reporter, resume=resume, overwrite=overwrite)
-    for message in run.messages:
-        log.info(message)
-        reporter.message(message)
-    try:
-        return Trainer(run, reporter).train()
-    finally:
-        run.close()
+    output_dir = recipe.resolve(recipe.output_dir, "output_dir")
+    stops = stopping.StopRequests()
+    # SIGUSR1 / SIGTERM stop the run (stopping.RunStopped) from before the claim, and the
+    # claim's lock on output_dir is held until final/ is written or the run ends otherwise.
+    with stops.installed():
+        try:
+            run = build_run(recipe, reporter, resume=resume, overwrite=overwrite)
+            for message in run.messages:
+                log.info(message)
+                reporter.message(message)
+            try:
+                return Trainer(run, reporter, stops=stops).train()
+            finally:
+                run.close()
+        finally:
+            run_directory.release(output_dir)

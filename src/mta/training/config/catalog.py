@@ -84,7 +84,7 @@ class RecipeCopy:
 
 def describe(text: str) -> str:
     """One line for a recipe: the first sentence of its header comment, else its ``name:``."""
-    paragraph = []
+    paragraph: list[str] = []
     for line in text.splitlines():
         if not line.startswith("#"):
             break
@@ -190,7 +190,10 @@ def plan_copy(name: str, dest: Path, directory: Path = SHIPPED_DIR) -> tuple[str
     recipe = shipped_recipe(name, directory)
     text = recipe.path.read_text(encoding="utf-8")
     here = recipe.path.parent
-    edits, rewritten, files, landed = [], {}, [], {}
+    edits: list[tuple[int, int, str]] = []  # (start, end, replacement) in the recipe's text
+    rewritten: dict[str, tuple[str, str]] = {}
+    files: list[tuple[Path, Path]] = []  # (source, destination)
+    landed: dict[str, Path] = {}  # target inside DEST: the source copied there
     for key, node in _scalars(text, recipe.path).items():
         written = node.value
         if not written or os.path.isabs(written) or "$" in written or written.startswith("~"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from mta.errors import close_match
@@ -77,7 +77,7 @@ class _KeysLookedUp(dict):
             def __contains__(self, key: Any) -> bool:
                 return outer.__contains__(key)
 
-            def __iter__(self):
+            def __iter__(self) -> Iterator[Any]:
                 return iter(dict.keys(outer))
 
             def __len__(self) -> int:
@@ -136,9 +136,7 @@ def _deepspeed_version() -> str:
         return "?"
 
 
-def deepspeed_problem(
-    settings: dict[str, Any], recipe_keys: Iterable[str] = ()
-) -> tuple[tuple[Any, ...], str] | None:
+def deepspeed_problem(settings: dict[str, Any], recipe_keys: Iterable[str] = ()) -> tuple[tuple[Any, ...], str] | None:
     """The first problem in the ``deepspeed:`` mapping as ``(path inside it, message)``;
     ``recipe_keys`` (the ``train:`` keys) are suggested for a misplaced recipe setting."""
     known = deepspeed_setting_names() if settings else None
@@ -193,7 +191,7 @@ def _unknown_deepspeed_key(key: str, known: frozenset[str], recipe_keys: Iterabl
     return message + f" (DeepSpeed's settings: {DEEPSPEED_CONFIG_DOCS})"
 
 
-def _numbers_in(node: Any, path: tuple[Any, ...]):
+def _numbers_in(node: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], float]]:
     """``(path, value)`` of every float inside nested mappings and lists."""
     if isinstance(node, dict):
         for key, value in node.items():

@@ -18,6 +18,7 @@ parent, wherever the child lives. Validation errors name the file and line each 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def _inputs_beside(raw: dict[str, Any], directory: Path) -> dict[str, Any]:
     so it keeps naming that file from a child recipe elsewhere."""
     raw = _copy_mappings(raw)
     for key in INPUT_PATH_KEYS:
-        node = raw
+        node: Any = raw
         for part in key[:-1]:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict):
@@ -151,7 +152,9 @@ def _copy_mappings(value: Any) -> Any:
     return {key: _copy_mappings(item) for key, item in value.items()} if isinstance(value, dict) else value
 
 
-def key_locations(chain: list[RecipeFile], key_lines) -> dict[tuple[Any, ...], str]:
+def key_locations(
+    chain: list[RecipeFile], key_lines: Callable[[str], Mapping[tuple[Any, ...], int]]
+) -> dict[tuple[Any, ...], str]:
     """``{key path: "line N"}`` for the recipe's own keys and ``"PARENT.yaml line N"`` for the
     keys only a parent sets (``key_lines(text)`` gives a text's key lines), nearest file first."""
     locations: dict[tuple[Any, ...], str] = {}

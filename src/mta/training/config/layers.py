@@ -7,10 +7,13 @@ last block of an ``L``-layer model, so valid indices run from 0 to ``L`` inclusi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, TypeVar
 
 from mta.errors import MtaError
 from mta.training.config.schema import LayerIndexPair, LayerPair
+
+# Either kind of recipe layer pair: what ``_checked_pairs`` is given it returns.
+Pair = TypeVar("Pair", LayerPair, LayerIndexPair)
 
 __all__ = [
     "LayerIndexPair",
@@ -107,9 +110,9 @@ def resolve_layer_map(
     return _checked_pairs(layers, "loss.layers", student_layers, teacher_layers)
 
 
-def _checked_pairs(pairs, key_name: str, student_layers: int, teacher_layers: int) -> list:
+def _checked_pairs(pairs: Sequence[Pair], key_name: str, student_layers: int, teacher_layers: int) -> list[Pair]:
     """``pairs`` after checking each against both depths and for repeats (``key_name[i]`` in errors)."""
-    resolved: list = []
+    resolved: list[Pair] = []
     for index, pair in enumerate(pairs):
         key = f"{key_name}[{index}]"
         for side, layer, depth in (

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from mta.errors import MtaError, close_match
 from mta.training.config.extends import key_locations, merged_recipe, recipe_chain
@@ -29,10 +30,12 @@ class _TaskOnly(BaseModel):
     be an error too."""
 
     model_config = ConfigDict(extra="ignore")
-    task: Literal["llm", "embedding"] = Recipe.model_fields["task"]
+    task: Literal["llm", "embedding"] = Field(
+        Recipe.model_fields["task"].default, description=Recipe.model_fields["task"].description
+    )
 
 
-def recipe_schema(raw: Any) -> type[BaseModel]:
+def recipe_schema(raw: Any) -> type[RecipeChecks]:
     """The schema a recipe mapping is read with: by its ``task`` (default llm; a value that is no
     task is reported by ``Recipe``'s own check of the key)."""
     task = raw.get("task", "llm") if isinstance(raw, dict) else "llm"
@@ -128,7 +131,7 @@ def _key_lines(text: str) -> dict[tuple[Any, ...], int]:
     return lines
 
 
-def _file_path(item: dict[str, Any], raw: Any) -> tuple[Any, ...]:
+def _file_path(item: ErrorDetails, raw: Any) -> tuple[Any, ...]:
     """The key path of an error in the file's terms: pydantic's location without the parts that
     are not keys of the file (union branch tags such as ``list[LayerPair]``, ``[key]``), plus
     the path inside a free-form mapping that a validator reported (``ctx['within']``)."""
@@ -231,7 +234,7 @@ def _sections_with_key(key: str, root: type[BaseModel] | None = None) -> list[st
     return found
 
 
-def _describe(item: dict[str, Any], path: tuple[Any, ...], root: type[BaseModel] | None = None) -> str:
+def _describe(item: ErrorDetails, path: tuple[Any, ...], root: type[BaseModel] | None = None) -> str:
     kind, given = item["type"], item.get("input")
     if kind == "extra_forbidden" or (kind == "invalid_key" and _section_model(path[:-1], root)):
         return _unknown_key(path, root)

@@ -79,6 +79,7 @@ def check_generation_fits(recipe: Recipe, same_tokenizer: bool) -> None:
     """
     if recipe.generation.mode == "off" or same_tokenizer:
         return
+    assert recipe.teacher is not None, "the schema refuses generation without a teacher (generation_problem)"
     where = f"{recipe.source}: " if recipe.source else ""
     raise MtaError(
         f"{where}generation.mode={recipe.generation.mode} needs the teacher and the student to share "

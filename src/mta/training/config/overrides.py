@@ -26,19 +26,20 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         for depth, part in enumerate(parts):
             here = ".".join(parts[: depth + 1])
             last = depth == len(parts) - 1
+            step: str | int = part  # a mapping's key, or a list's index
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
                     raise MtaError(
                         f"override {override!r}: {here} indexes a list of {len(node)} items; "
                         f"use an index from 0 to {len(node) - 1}"
                     )
-                part = int(part)
+                step = int(part)
             elif not isinstance(node, dict):
                 raise MtaError(f"override {override!r}: {'.'.join(parts[:depth])} is a value, not a mapping")
             if last:
-                node[part] = value
+                node[step] = value
             else:
-                if isinstance(node, dict) and node.get(part) is None:
-                    node[part] = {}
-                node = node[part]
+                if isinstance(node, dict) and node.get(step) is None:
+                    node[step] = {}
+                node = node[step]
     return raw

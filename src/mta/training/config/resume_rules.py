@@ -133,7 +133,8 @@ class ResumeChanges:
     def log_lines(self) -> list[str]:
         """One line per applied change: ``train.lr: 0.0001 → 5e-05 (what it does)``."""
         return [
-            f"resume changes {key}: {_text(old)} → {_text(new)} ({MUTABLE_KEYS.get(key, 'no longer a recipe key: ignored')})"
+            f"resume changes {key}: {_text(old)} → {_text(new)} "
+            f"({MUTABLE_KEYS.get(key, 'no longer a recipe key: ignored')})"
             for key, old, new in self.applied
         ]
 
@@ -253,7 +254,7 @@ def _same(old: Any, new: Any) -> bool:
     if isinstance(old, bool) or isinstance(new, bool):
         return type(old) is type(new) and old == new
     if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
-        return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
+        return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new, strict=True))
     if isinstance(old, dict) and isinstance(new, dict):
         return old.keys() == new.keys() and all(_same(old[key], new[key]) for key in old)
     if type(old) is not type(new) and not (isinstance(old, (int, float)) and isinstance(new, (int, float))):

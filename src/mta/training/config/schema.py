@@ -27,7 +27,7 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -171,7 +171,7 @@ class LayerPair(Strict):
         if isinstance(value, (list, tuple)):
             if len(value) != 3:
                 raise ValueError(f"write a layer pair as [student, teacher, word|phrase], got {list(value)}")
-            return dict(zip(("student", "teacher", "granularity"), value))
+            return dict(zip(("student", "teacher", "granularity"), value, strict=True))
         return value
 
 
@@ -195,7 +195,7 @@ class LayerIndexPair(Strict):
         if isinstance(value, (list, tuple)):
             if len(value) != 2:
                 raise ValueError(f"write the layer pair as [student, teacher], got {list(value)}")
-            return dict(zip(("student", "teacher"), value))
+            return dict(zip(("student", "teacher"), value, strict=True))
         return value
 
 
@@ -434,12 +434,24 @@ def unset_variables(written: str) -> list[str]:
     return sorted(named - set(os.environ))
 
 
+class _DtypedStudent(Protocol):
+    """A recipe's ``student:`` section as ``RecipeChecks`` reads it (``ModelSpec``, an encoder's spec)."""
+
+    @property
+    def dtype(self) -> Precision: ...
+
+
 class RecipeChecks(Strict):
     """What every recipe schema (``Recipe``, ``EmbeddingRecipe``) checks and offers: its
     ``student.dtype`` against ``train.precision``, the ``deepspeed:`` passthrough, and paths."""
 
+    if TYPE_CHECKING:  # fields each recipe schema declares itself (no fields here at run time)
+        student: _DtypedStudent
+        train: TrainSpec
+        source: str | None
+
     @model_validator(mode="after")
-    def _student_dtype_fits_the_precision(self):
+    def _student_dtype_fits_the_precision(self) -> RecipeChecks:
         # DeepSpeed casts an fp32 student to the training precision and keeps fp32 master
         # weights; a 16-bit student trained in another precision would lose them silently.
         dtype, precision = self.student.dtype, self.train.precision

@@ -36,7 +36,8 @@ from a checkpoint).
 
 Pruning keeps the newest ``train.keep_checkpoints`` of *this run's* checkpoints (same
 ``run_id`` in ``trainer_state.json``; ``""`` for checkpoints of older mta): another run's
-checkpoints in the same directory are never removed.
+checkpoints in the same directory are never removed. A checkpoint that is a symbolic link is
+pruned as a link (the link is removed, never what it points to, and the log says so).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from mta import distributed
 from mta.errors import MtaError
-from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory
+from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory, remove_path
 from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
 from mta.training import lora
 from mta.training.config.loading import recipe_to_yaml
@@ -183,7 +185,7 @@ def _problem(path: Path) -> tuple[str | None, bool]:
     except (MtaError, OSError, UnicodeDecodeError) as error:
         return f"{path}: {error}", True
     listed = recorded is not None
-    if listed:
+    if recorded is not None:
         changes = checksum_differences(path, recorded)
         if changes:
             return (
@@ -242,7 +244,7 @@ def verify_checkpoint(path: Path) -> None:
 # --------------------------------------------------------------------------- saving
 
 
-def student_state_dict(engine) -> dict[str, torch.Tensor] | None:
+def student_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     """The student's full state dict (on rank 0; under ZeRO-3 None elsewhere). Every rank calls."""
     if engine.zero_optimization_partition_weights():
         # Gathers one layer at a time onto rank 0's CPU (what accelerate's get_state_dict uses),
@@ -254,7 +256,7 @@ def student_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
 
 def export_student(
-    engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path, *, adapter: bool = False
+    engine: Any, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, directory: Path, *, adapter: bool = False
 ) -> None:
     """The student in Hugging Face format (+ tokenizer, recipe, versions) into ``directory``.
 
@@ -267,6 +269,7 @@ def export_student(
         directory.mkdir(parents=True, exist_ok=True)
         student = engine.module.student
         if lora.is_wrapped(student):
+            assert state is not None, "student_state_dict gives the main process the whole state"
             if adapter:
                 lora.save_adapter(student, state, directory, base_model=getattr(student, "name_or_path", None))
             state = lora.merged_state_dict(student, state)
@@ -316,14 +319,23 @@ def _run_id_of(path: Path) -> str | None:
 
 def _prune(root: Path, state: TrainerState, keep: int) -> None:
     """Remove this run's checkpoints older than ``state.step`` beyond the newest ``keep`` (the
-    one just written counts). Another run's, or one whose state cannot be read, stay."""
+    one just written counts). Another run's, or one whose state cannot be read, stay. A
+    checkpoint that is a link is pruned as a link: the link goes, what it points to stays (said in
+    the log); one that cannot be removed is named in the log, never skipped in silence."""
     own_older = [path for step, path in _published(root) if step < state.step and _run_id_of(path) == state.run_id]
     for old in own_older[: max(0, len(own_older) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+        target = old.readlink() if old.is_symlink() else None
+        try:
+            remove_path(old)
+        except OSError as error:
+            log.warning("could not prune %s (%s): it stays until removed by hand", old, error.strerror or error)
+            continue
+        if target is not None:
+            log.warning("pruned %s, a link: the link was removed, %s (what it points to) is kept", old, target)
 
 
 def save_checkpoint(
-    engine,
+    engine: Any,
     tokenizer: PreTrainedTokenizerBase,
     recipe: Recipe,
     output_dir: Path,
@@ -365,7 +377,7 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(engine, path: Path) -> TrainerState:
+def load_checkpoint(engine: Any, path: Path) -> TrainerState:
     """Verify ``path`` (``verify_checkpoint``), then restore weights, optimizer, schedule and
     this rank's RNG from it, reading DeepSpeed's files through ``mta.training.lifecycle.safe_loading``."""
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
@@ -400,7 +412,7 @@ def load_checkpoint(engine, path: Path) -> TrainerState:
     return state
 
 
-def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path) -> Path:
+def save_final(engine: Any, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path) -> Path:
     """``final/`` in Hugging Face format, replacing an earlier one only once the new one is whole."""
 
     def card(directory: Path) -> None:
@@ -415,7 +427,9 @@ def save_final(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, outpu
     )
 
 
-def save_best(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path, selection: dict) -> Path:
+def save_best(
+    engine: Any, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output_dir: Path, selection: dict[str, Any]
+) -> Path:
     """``best/``: the student now, in Hugging Face format like ``final/``, with
     ``selection.json`` (``selection``: the metric, its value, the step; ``mta.training.lifecycle.selection``)
     and a model card that names them; it replaces an earlier ``best/`` only once whole."""
@@ -442,7 +456,12 @@ def save_best(engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, output
 
 
 def _save_student(
-    engine, tokenizer: PreTrainedTokenizerBase, recipe: Recipe, final: Path, kept: str, finish: Callable[[Path], None]
+    engine: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    recipe: Recipe,
+    final: Path,
+    kept: str,
+    finish: Callable[[Path], None],
 ) -> Path:
     """Export the student into ``final`` through ``<final>.partial``: ``finish(partial)`` adds the
     card (main process), then the checksum list, then the rename. Every rank calls this."""

@@ -35,7 +35,7 @@ class LossWindow:
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.steps = 0
-        self.tokens = 0
+        self.tokens: float = 0
         self.flops = 0.0
         self.since = time.perf_counter()
 
@@ -82,7 +82,7 @@ class MetricsLog:
         kept = [
             line
             for line in self.path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and _parse(line) is not None and _parse(line)["step"] <= step
+            if line.strip() and (record := _parse(line)) is not None and record["step"] <= step
         ]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 

@@ -167,8 +167,8 @@ def model_card(
         ),
         ("mta", version),
     ]
-    if getattr(recipe.student, "lora", None) is not None:
-        spec = recipe.student.lora
+    spec = getattr(recipe.student, "lora", None)  # an encoder student has no lora
+    if spec is not None:
         rows.insert(
             -1,
             (

@@ -8,26 +8,63 @@ and tokenizers, keyed by their description); they are never removed here.
 A run starting in a directory that holds another run's outputs is refused, unless it is told
 what to do with them: ``--resume auto`` continues that run (same ``run_id``), ``--overwrite``
 removes its outputs before the first step and starts a new one. Without either, nothing on disk
-is touched.
+is touched; the refusal says whether that run has a complete checkpoint. ``--overwrite`` checks
+that it can remove every output before it removes any, and removes a link as a link (never what
+it points to).
+
+A failed start is not another run: a directory whose outputs are only what a run writes before
+its first step ends (``run.json``, and a ``metrics.jsonl`` without a train record, ``tensorboard/``,
+``tracking.json``; no checkpoint, no ``final/``) is taken over by a new run, which says so in the log.
+
+One run at a time: global rank 0 holds ``RUN_LOCK`` (``mta.files.exclusive_lock``: ``flock``,
+freed by the kernel when the process dies, even by SIGKILL) from before the claim until
+``release`` (``run_distillation`` calls it once ``final/`` is written, or the run ended
+otherwise); the other ranks wait for its decision. A second run into the directory, a fresh one
+or a ``--resume`` of the same run (a job submitted twice), is refused naming the holder's pid and
+host. Where the file system has no ``flock`` (some Lustre mounts) the run warns once and goes on
+unprotected.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import shutil
+import logging
+import os
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mta import distributed
 from mta.errors import MtaError
-from mta.files import atomic_write_json
+from mta.files import (
+    LockHeld,
+    atomic_write_json,
+    exclusive_lock,
+    make_output_directory,
+    read_jsonl_lenient,
+    removal_problems,
+    remove_path,
+)
+from mta.training.lifecycle.checkpointing import checkpoints_dir, complete_checkpoints
+
+log = logging.getLogger(__name__)
 
 RUN_RECORD = "run.json"
+RUN_LOCK = ".run.lock"  # held by rank 0 while a run owns the directory (flock; gone after)
+METRICS = "metrics.jsonl"
 # Everything a run writes of its own; a later output of a run belongs here too.
-RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "best", "metrics.jsonl", "generated", "tensorboard", "tracking.json")
+RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "best", METRICS, "generated", "tensorboard", "tracking.json")
+# What a run writes before its first step ends (metrics.jsonl: the step-0 dev baseline only).
+START_OUTPUTS = (RUN_RECORD, METRICS, "tensorboard", "tracking.json")
 CACHES = ("data", "models")
+
+# The locks this process holds, by directory (rank 0 only), and the directories whose file
+# system was already reported as lacking locks.
+_HELD: dict[Path, ExitStack] = {}
+_WARNED: set[Path] = set()
 
 
 @dataclass(frozen=True)
@@ -39,16 +76,60 @@ class RunClaim:
     continued: bool  # True when an earlier run's outputs are continued (--resume)
 
 
-def existing_outputs(output_dir: Path) -> list[str]:
-    """The run outputs present in ``output_dir`` (an empty ``checkpoints/`` does not count)."""
+def _present(output_dir: Path) -> list[str]:
+    """The names in ``RUN_OUTPUTS`` present in ``output_dir``, links (even dangling ones)
+    included; an empty ``checkpoints/`` does not count."""
     present = []
     for name in RUN_OUTPUTS:
         path = output_dir / name
-        if path.is_dir() and name == "checkpoints" and not any(path.iterdir()):
+        if name == "checkpoints" and path.is_dir() and not any(path.iterdir()):
             continue
-        if path.exists():
-            present.append(name + ("/" if path.is_dir() else ""))
+        if os.path.lexists(path):
+            present.append(name)
     return present
+
+
+def _shown(output_dir: Path, name: str) -> str:
+    path = output_dir / name
+    if path.is_symlink():
+        return f"{name} (a link to {path.readlink()})"
+    return name + ("/" if path.is_dir() else "")
+
+
+def existing_outputs(output_dir: Path) -> list[str]:
+    """The run outputs present in ``output_dir`` (an empty ``checkpoints/`` does not count), as a
+    message names them: ``final/``, ``metrics.jsonl``, ``best (a link to /x)``."""
+    return [_shown(output_dir, name) for name in _present(output_dir)]
+
+
+def _run_record(output_dir: Path) -> dict[str, Any] | None:
+    """``run.json`` as written, or None when it is absent or unreadable (messages only)."""
+    try:
+        record = json.loads((output_dir / RUN_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _failed_start(output_dir: Path, present: list[str]) -> bool:
+    """Whether ``present`` is only what a run leaves when it fails before its first step ends:
+    ``run.json`` and at most ``START_OUTPUTS``, with no train record (nor a later step) in
+    ``metrics.jsonl``."""
+    if RUN_RECORD not in present or not set(present) <= set(START_OUTPUTS):
+        return False
+    if any((output_dir / name).is_symlink() for name in present):
+        return False  # a link is someone's arrangement, not a run's leftover
+    records = read_jsonl_lenient(output_dir / METRICS)
+    return all(record.get("split") != "train" and record.get("step") == 0 for record in records)
+
+
+def _checkpoint_note(output_dir: Path) -> str:
+    """What a resume of the run in ``output_dir`` would continue from, for a refusal."""
+    found = complete_checkpoints(output_dir)
+    if found:
+        step, path = found[-1]
+        return f"its last complete checkpoint is {path} (step {step})"
+    return f"it has no complete checkpoint under {checkpoints_dir(output_dir)}, so --resume auto starts it again at step 0"
 
 
 def _read_run_id(output_dir: Path) -> str | None:
@@ -63,13 +144,22 @@ def _read_run_id(output_dir: Path) -> str | None:
         ) from error
 
 
-def _remove_outputs(output_dir: Path) -> None:
-    for name in RUN_OUTPUTS:
+def _remove_outputs(output_dir: Path, present: list[str]) -> None:
+    """Remove the outputs ``present`` names, once each of them is known to be removable (else
+    MtaError, nothing removed): links as links, ``run.json`` last (until it goes, the directory
+    still says which run owns it)."""
+    problems = [problem for name in present for problem in removal_problems(output_dir / name)]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise MtaError(
+            f"cannot remove the outputs of the run in {output_dir}: {shown}. Nothing was removed; "
+            "make them removable, or choose another output_dir"
+        )
+    for name in sorted(present, key=lambda name: name == RUN_RECORD):
         path = output_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        if path.is_symlink():
+            log.warning("removed the link %s; %s, what it points to, is kept", path, path.readlink())
+        remove_path(path)
 
 
 def _start_run(output_dir: Path, recipe_name: str) -> str:
@@ -97,8 +187,11 @@ def claim(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: 
     failure, decision = None, None
     if distributed.is_main():
         try:
+            make_output_directory(output_dir, "output_dir")
+            _lock(output_dir)
             decision = _decide(output_dir, recipe_name, resume=resume, overwrite=overwrite)
         except MtaError as error:
+            release(output_dir)
             failure = str(error)
     failure, decision = distributed.broadcast_from_main((failure, decision))
     if failure is not None:
@@ -108,17 +201,65 @@ def claim(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: 
 
 
 def _decide(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: bool) -> tuple[str, bool]:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    present = existing_outputs(output_dir)
+    present = _present(output_dir)
     if present and resume is not None:
         # A checkpoint written before run ids existed belongs to the run "" (see checkpointing).
         return _read_run_id(output_dir) or "", True
     if present and overwrite:
-        _remove_outputs(output_dir)
+        _remove_outputs(output_dir, present)
+    elif present and _failed_start(output_dir, present):
+        record = _run_record(output_dir) or {}
+        log.warning(
+            "%s holds only the start of run %s (recipe %s, started %s), which ended before its first "
+            "step (no checkpoint, no train metrics): this run takes the directory over and removes %s",
+            output_dir,
+            record.get("run_id", "?"),
+            record.get("recipe", "?"),
+            record.get("started", "?"),
+            ", ".join(existing_outputs(output_dir)),
+        )
+        _remove_outputs(output_dir, present)
     elif present:
+        record = _run_record(output_dir)
+        owner = f" (run {record.get('run_id')}, recipe {record.get('recipe')}, started {record.get('started')})"
         raise MtaError(
-            f"{output_dir} holds another run's outputs ({', '.join(present)}); continue that run "
+            f"{output_dir} holds another run's outputs ({', '.join(existing_outputs(output_dir))})"
+            f"{owner if record else ''}; {_checkpoint_note(output_dir)}. Continue that run "
             "with --resume auto, or start over with --overwrite (removes "
             f"{', '.join(RUN_OUTPUTS)}; keeps the {' and '.join(CACHES)} caches), or choose another output_dir"
         )
     return _start_run(output_dir, recipe_name), False
+
+
+def _lock(output_dir: Path) -> None:
+    """Take ``output_dir``'s run lock for this process (kept until ``release``; taken once per
+    process), or refuse: ``MtaError`` naming the holder. No ``flock`` there: a warning, once."""
+    key = output_dir.resolve()
+    if key in _HELD:
+        return
+    path = output_dir / RUN_LOCK
+    stack = ExitStack()
+    try:
+        unsupported = stack.enter_context(exclusive_lock(path, wait_s=0))
+    except LockHeld as held:
+        raise MtaError(
+            f"another `mta distill` ({held.holder}) is training into {output_dir} (it holds {path}): "
+            "two runs in one directory would write the same checkpoints and metrics.jsonl. Wait for "
+            "it to end or stop it (a job submitted twice: cancel one), or give this run another output_dir"
+        ) from None
+    _HELD[key] = stack
+    if unsupported is not None and key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(
+            "%s: nothing keeps a second `mta distill` (a job submitted twice) out of %s; make sure one runs at a time",
+            unsupported,
+            output_dir,
+        )
+
+
+def release(output_dir: Path) -> None:
+    """Give up ``output_dir``'s run lock if this process holds it (a no-op otherwise; every rank
+    may call it): the run that claimed the directory has ended."""
+    stack = _HELD.pop(output_dir.resolve(), None)
+    if stack is not None:
+        stack.close()

@@ -111,7 +111,7 @@ def check_state_file(path: str | Path) -> None:
         raise _refused(Path(path), refused)
 
 
-def _unreadable(path: Path, error: BaseException) -> CheckpointFileError:
+def _unreadable(path: str | Path, error: BaseException) -> CheckpointFileError:
     text = str(error).strip()
     reason = text.splitlines()[0].split(". ")[0] if text else type(error).__name__
     return CheckpointFileError(path, f"unreadable (truncated or corrupt: {reason})")

@@ -42,6 +42,7 @@ import pyarrow as pa
 
 from mta import distributed
 from mta.data.artefact_schema import PROMPT_CHARS, ROLE, TEXT
+from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.scoring import completion_text, rouge_l
 from mta.training.config.schema import Recipe
@@ -173,6 +174,8 @@ class Selector:
 
     def selection(self) -> dict[str, Any]:
         """What ``best/selection.json`` records for the best so far."""
+        if self.best is None:
+            raise MtaError("no dev evaluation has been the best yet: there is no selection to record")
         step, value = self.best
         payload = {
             "select_by": self.criterion.select_by,
@@ -189,7 +192,8 @@ class Selector:
     def restore(self, step: int) -> list[str]:
         """After a resume at ``step``: the best so far from ``metrics.jsonl`` (steps 1..step), and
         ``best/`` kept only when it is that evaluation's. Returns lines for the log."""
-        messages, best = [], None
+        messages: list[str] = []
+        best: tuple[int, float] | None = None
         if distributed.is_main():
             best, messages = self._restore_on_main(step)
         self.best = distributed.broadcast_from_main(best)

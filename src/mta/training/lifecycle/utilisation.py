@@ -25,6 +25,8 @@ peak)`` from ``PEAK_BF16_TFLOPS``, or null on a CPU or an unknown device (the ra
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -68,7 +70,7 @@ def device_peak_flops(device: torch.device) -> float | None:
     return None if tflops is None else tflops * 1e12
 
 
-def _count(parameters) -> int:
+def _count(parameters: Iterable[nn.Parameter]) -> int:
     # ZeRO-3 leaves a partition on each process: ds_numel is the whole parameter's size.
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in parameters)
 
@@ -82,16 +84,29 @@ def matmul_parameters(model: nn.Module, *, runs_head: bool = True) -> int:
 
 def _in_products(model: nn.Module, *, runs_head: bool = True) -> list[nn.Parameter]:
     unique = {id(p): p for p in model.parameters()}
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    input_embeddings = getattr(model, "get_input_embeddings", None)  # a Hugging Face model's
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    embedding = input_embeddings() if input_embeddings is not None else None
+    head = output_embeddings() if output_embeddings is not None else None
     embedding_weight = getattr(embedding, "weight", None)
     head_weight = getattr(head, "weight", None)
-    skipped = set()
+    skipped: set[int] = set()
     if embedding_weight is not None and (embedding_weight is not head_weight or not runs_head):
         skipped.add(id(embedding_weight))
     if head_weight is not None and not runs_head:
         skipped.add(id(head_weight))
     return [p for key, p in unique.items() if key not in skipped]
+
+
+class MicroBatch(Protocol):
+    """What ``StepFlops.count`` reads of a micro batch: a ``TrainBatch``, or a task's own batch
+    (``teacher`` is read only when a teacher runs, and is then a ``TokenBatch``)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def teacher(self) -> Any: ...
 
 
 class StepFlops:
@@ -117,7 +132,7 @@ class StepFlops:
     def of(self, student_tokens: int, teacher_tokens: int = 0) -> float:
         return (4 * self.student + 2 * self.trainable) * student_tokens + 2 * self.teacher * teacher_tokens
 
-    def count(self, batch) -> None:
+    def count(self, batch: MicroBatch) -> None:
         """Add one micro batch (a ``TrainBatch``)."""
         teacher_tokens = int(batch.teacher.attention_mask.sum()) if self.teacher and batch.teacher is not None else 0
         self.pending += self.of(batch.num_tokens, teacher_tokens)

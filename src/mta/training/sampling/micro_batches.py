@@ -21,9 +21,10 @@ generated and replayed rows to ``OUT/generated/``.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +51,15 @@ from mta.training.sampling.replay_buffer import (
 GENERATED_DIR = "generated"
 
 
+class ExampleOptions(TypedDict):
+    """How this run's rows become ``AnnotatedExamples`` (its keyword arguments)."""
+
+    student_pad_id: int
+    teacher_pad_id: int
+    with_teacher: bool
+    granularities: tuple[str, ...]
+
+
 @dataclass
 class GeneratedMicroBatch:
     """A generated micro batch in training while the span workers parse its rows: the handle a
@@ -59,7 +69,7 @@ class GeneratedMicroBatch:
     micro_batch: int
     tokens: TrainBatch  # the ids as generated, what the models see
     pending: PendingSpans
-    spans: dict[str, SpanBatch] | None = None  # set once parsed and settled
+    spans: Mapping[str, SpanBatch] | None = None  # set once parsed and settled
 
 
 class OffPolicyBatches:
@@ -93,7 +103,7 @@ class OffPolicyBatches:
         self.tokenizer = tokenizer
         self.total_steps = total_steps
         self.params = policy.generation_params(recipe)
-        self._examples = dict(
+        self._examples = ExampleOptions(
             student_pad_id=pad_ids["student"],
             teacher_pad_id=pad_ids["teacher"],
             with_teacher=with_teacher,
@@ -124,6 +134,8 @@ class OffPolicyBatches:
         if source == "gold":
             return gold, source
         if source == "buffer":
+            # policy.decide draws from the buffer only when every rank has one that is not empty.
+            assert self.buffer is not None, "a buffer source without a replay buffer (generation.mode is not adaptive)"
             generator = policy.buffer_generator(self.recipe.seed, step, micro_batch, distributed.rank())
             sampled = self.buffer.sample(len(rows), generator)
             if self.recipe.train.save_generated:
@@ -151,7 +163,7 @@ class OffPolicyBatches:
         if parsing is not None:
             self._parsed(parsing)
 
-    def _parsed(self, parsing: GeneratedMicroBatch) -> dict[str, SpanBatch]:
+    def _parsed(self, parsing: GeneratedMicroBatch) -> Mapping[str, SpanBatch]:
         """The spans of ``parsing`` (waiting for them once), its rows settled."""
         if parsing.spans is not None:
             return parsing.spans
@@ -167,7 +179,7 @@ class OffPolicyBatches:
         if self.recipe.train.save_generated:
             self._saved.append((rows, parsing.micro_batch, "generated"))
         parsing.spans = parsed.spans
-        return parsing.spans
+        return parsed.spans
 
     def _generate(self, step: int, rows: np.ndarray) -> list[GeneratedRow]:
         """The student's responses to the prompts of table rows ``rows``, EOS kept when it stopped."""
@@ -181,7 +193,7 @@ class OffPolicyBatches:
         self.window["generation_s"] += time.perf_counter() - started
         eos = self.tokenizer.eos_token_id
         generated = []
-        for completion, row, prompt_ids in zip(completions, rows, prompts):
+        for completion, row, prompt_ids in zip(completions, rows, prompts, strict=True):
             text = self._texts[int(row)].as_py()
             ids = completion.token_ids + ([eos] if completion.finished else [])
             self.window["generated_tokens"] += len(ids)
@@ -239,7 +251,7 @@ class OffPolicyBatches:
         if not self._saved:
             return
         rows = [row for sampled, _, _ in self._saved for row in sampled]
-        extra = {
+        extra: dict[str, list[int] | list[str]] = {
             "micro_batch": [k for sampled, k, _ in self._saved for _ in sampled],
             "source": [source for sampled, _, source in self._saved for _ in sampled],
         }
@@ -267,7 +279,7 @@ def _check_same_tokens(parsed: TrainBatch, trained: TrainBatch) -> None:
     """The parsed rows must hold exactly the ids the models were given (a tokenizer mismatch
     between the trainer and the span workers would misplace every span)."""
     sides = [("student", parsed.student, trained.student)]
-    if parsed.teacher is not None:
+    if parsed.teacher is not None and trained.teacher is not None:  # both or neither: the same ExampleOptions
         sides.append(("teacher", parsed.teacher, trained.teacher))
     for side, a, b in sides:
         if (
@@ -294,5 +306,5 @@ def dev_cross_entropy(student: torch.nn.Module, batches: list[TrainBatch], devic
             logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
         ).item()
         tokens += int((labels != -100).sum())
-    total, tokens = distributed.sum_over_ranks([total, float(tokens)])
-    return total / max(tokens, 1.0)
+    summed_total, summed_tokens = distributed.sum_over_ranks([total, float(tokens)])
+    return summed_total / max(summed_tokens, 1.0)

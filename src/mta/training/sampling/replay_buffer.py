@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +38,7 @@ def buffer_file(rank: int) -> str:
     return BUFFER_FILE.format(rank=rank)
 
 
-Rows = Union[Sequence[Mapping[str, Any]], pa.RecordBatch, pa.Table]
+Rows: TypeAlias = Sequence[Mapping[str, Any]] | pa.RecordBatch | pa.Table
 
 
 def rows_table(rows: Rows) -> pa.Table:

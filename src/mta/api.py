@@ -1,0 +1,549 @@
+"""The public Python API: MTA as a loss any training loop can call (docs/python-api.md).
+
+Everything here wraps the code the pipeline runs, so a custom loop computes what ``mta distill``
+computes:
+
+- :class:`Annotator`: in-memory rows -> the rows ``mta annotate`` writes (``mta.data``'s annotator);
+- :class:`Collator`: annotated (or raw) rows -> the :class:`TrainBatch` the losses read
+  (``mta.training.batching.AnnotatedExamples``);
+- :class:`KDLoss`: one base loss (``mta.losses.kd``), :class:`MTALoss`: base + DSA + HRA
+  (``mta.training.objective.DistillationObjective``), both on model outputs in the Hugging Face
+  convention (unshifted logits and labels, ``-100`` ignored), the shifted form an option;
+- :func:`layer_map`: ``auto`` or explicit layer pairs (``mta.training.config.layers``);
+- :class:`SpanParser` + :class:`GeneratedRow`: spans of generated text, in worker processes
+  (``mta.data.online_spans``).
+
+``mta`` resolves these names lazily (``mta.__getattr__``), so ``import mta`` loads no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import pyarrow as pa
+import pydantic
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks
+from mta.data.artefact_schema import INPUT_IDS, SCHEMA
+from mta.data.encoding import TokenizerSide
+from mta.data.example_annotator import ChunkResult, ExampleAnnotator, GeneratedRow
+from mta.data.online_spans import SpanParser, load_sides, merge_results, online_annotator
+from mta.data.prompts import prompt_style
+from mta.data.rows import Example, RowProblem, is_pair_record, map_fields, record_rows
+from mta.data.span_extraction import resolve_spacy_model
+from mta.errors import MtaError
+from mta.losses.contrastive import DistiLLM2Loss
+from mta.losses.kd import IGNORE_INDEX, build_base_loss
+from mta.losses.span_masks import SpanBatch
+from mta.training.batching import AnnotatedExamples, TokenBatch, TrainBatch
+from mta.training.config.layers import resolve_layer_map
+from mta.training.config.schema import LayerPair, LossSpec
+from mta.training.model_loading import hidden_size, num_layers
+from mta.training.objective import DistillationObjective
+from mta.training.teacher import TeacherOutput
+
+__all__ = [
+    "AnnotateSettings",
+    "Annotator",
+    "Collator",
+    "GeneratedRow",
+    "KDLoss",
+    "LayerPair",
+    "MTALoss",
+    "MtaError",
+    "SpanBatch",
+    "SpanParser",
+    "TokenBatch",
+    "TrainBatch",
+    "layer_map",
+]
+
+HF_CONVENTION = (
+    "the Hugging Face convention: logits [B, T, V] as the model returns them and labels [B, T] "
+    "(input ids, -100 where no loss), position t predicting label t + 1"
+)
+SHIFTED_CONVENTION = (
+    "labels_shifted=True: logits [B, T-1, V] and labels [B, T-1] already aligned (logits[:, :-1] with "
+    "labels[:, 1:]), position t predicting label t"
+)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+class Annotator:
+    """In-memory rows -> the rows ``mta annotate`` writes for them, with the same spans and token
+    ranges: the same row formats, prompt template, length limits, spaCy phrases and word spans.
+
+    settings: tokenizers (hub names or directories; one or two), lengths and span options,
+    as for ``mta annotate``. The tokenizers and spaCy are loaded here, once.
+    """
+
+    def __init__(self, settings: AnnotateSettings) -> None:
+        self.settings = settings
+        self._sides = load_sides(settings)
+        self._annotator = online_annotator(settings, *self._sides)
+        # One text for both sides: a chat prompt is rendered with the student's template.
+        self._style = prompt_style(settings.template, settings.student, rendered_by="student")
+
+    def annotate(self, rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The annotate rows of ``rows`` (dicts in any format ``mta annotate`` reads), in order:
+        dicts with the artefact's columns (``id`` = the row's position; a pair row gives two
+        rows). A row ``mta annotate`` would skip (a prompt over the limit; a malformed row with
+        ``on_error="skip"``) is left out; a malformed row with ``on_error="fail"`` is an error."""
+        return self._annotate(rows).batch.to_pylist()
+
+    def _annotate(self, rows: Iterable[Mapping[str, Any]]) -> ChunkResult:
+        fields = dict(self.settings.fields)
+        records = [(index, map_fields(dict(row), fields)) for index, row in enumerate(rows)]
+        if not records:
+            return merge_results([])
+        examples: list[Example] = []
+        for row in record_rows(records, pairs=is_pair_record(records[0][1]), style=self._style):
+            if isinstance(row, RowProblem):
+                if self.settings.on_error == "fail":
+                    raise MtaError(f"row {row.line}: {row.message} (fix the row, or use on_error='skip')")
+                continue
+            examples.append(row)
+        chunks = list(example_chunks(examples, CHUNK_ROWS))
+        workers = min(self.settings.worker_count, len(chunks))
+        if workers <= 1:
+            return merge_results([self._annotator.annotate(chunk) for chunk in chunks])
+        spacy_name = resolve_spacy_model(self.settings.spacy_model)[0]
+        build = _Build(self.settings, self._sides, spacy_name)
+        return merge_results(list(map_chunks(build, iter(chunks), workers)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    """A picklable annotator factory for annotate's worker pool (spawn pickles it)."""
+
+    settings: AnnotateSettings
+    sides: tuple[TokenizerSide, TokenizerSide]
+    spacy_name: str
+
+    def __call__(self) -> ExampleAnnotator:
+        return build_annotator(self.settings, self.sides[0], self.sides[1], self.spacy_name)
+
+
+class Collator:
+    """Rows -> the :class:`TrainBatch` the losses read: right-padded ids, attention masks, labels in
+    the Hugging Face convention (the ids on response tokens, -100 on the prompt and padding,
+    unshifted), and the spans of each granularity as token ranges (:class:`SpanBatch`).
+
+    rows: annotate rows (from :meth:`Annotator.annotate`, :class:`SpanParser`, or an ``mta annotate``
+    directory's table), or raw rows when ``annotator`` is given (annotated at each call).
+    student_pad_id / teacher_pad_id: the id written into padding (masked out everywhere).
+    granularities: the span kinds to gather (``MTALoss.granularities``); with_teacher: False
+    when no teacher reads the batch; boundary: also gather SRA's ``boundary_spans``.
+    Pair rows (``pair_id``, ``role``: DistiLLM-2) set ``batch.chosen``, chosen row first.
+    """
+
+    def __init__(
+        self,
+        *,
+        student_pad_id: int = 0,
+        teacher_pad_id: int = 0,
+        annotator: Annotator | None = None,
+        granularities: Sequence[str] = ("word", "phrase"),
+        with_teacher: bool = True,
+        boundary: bool = False,
+    ) -> None:
+        self.student_pad_id = student_pad_id
+        self.teacher_pad_id = teacher_pad_id
+        self.annotator = annotator
+        self.granularities = tuple(granularities)
+        self.with_teacher = with_teacher
+        self.boundary = boundary
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]] | pa.Table | pa.RecordBatch) -> TrainBatch:
+        table = self._table(rows)
+        if table.num_rows == 0:
+            raise MtaError("the batch has no rows (the annotator may have skipped every one)")
+        examples = AnnotatedExamples(
+            table,
+            student_pad_id=self.student_pad_id,
+            teacher_pad_id=self.teacher_pad_id,
+            with_teacher=self.with_teacher,
+            granularities=self.granularities,
+            boundary=self.boundary,
+        )
+        return examples.batch(list(range(len(examples))))
+
+    def _table(self, rows: Sequence[Mapping[str, Any]] | pa.Table | pa.RecordBatch) -> pa.Table:
+        if isinstance(rows, pa.RecordBatch):
+            return pa.Table.from_batches([rows])
+        if isinstance(rows, pa.Table):
+            return rows
+        rows = list(rows)
+        annotated = [INPUT_IDS["student"] in row for row in rows]
+        if all(annotated):
+            return pa.Table.from_pylist([dict(row) for row in rows], schema=SCHEMA)
+        if any(annotated):
+            raise MtaError(
+                "the batch mixes annotated rows (with student_input_ids) and raw rows; give one kind per batch"
+            )
+        if self.annotator is None:
+            raise MtaError(
+                f"the rows have no {INPUT_IDS['student']} (they are not annotated): annotate them with "
+                "mta.Annotator(settings).annotate(rows), or pass Collator(annotator=mta.Annotator(settings))"
+            )
+        return pa.Table.from_batches([self.annotator._annotate(rows).batch])
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "[" + ", ".join(str(size) for size in tensor.shape) + "]"
+
+
+def _check_positions(
+    logits: torch.Tensor, labels: torch.Tensor, labels_shifted: bool, what: str = "student logits"
+) -> None:
+    """``MtaError`` naming the expected convention when ``logits [B, T, V]`` and ``labels`` cannot be
+    inputs of that convention."""
+    if logits.dim() != 3:
+        raise MtaError(f"{what} must be [batch, positions, vocabulary], got {_shape(logits)}")
+    if labels.dim() != 2 or labels.shape[0] != logits.shape[0]:
+        raise MtaError(f"labels must be [batch, positions] for {what} {_shape(logits)}, got {_shape(labels)}")
+    positions, targets = logits.shape[1], labels.shape[1]
+    if positions == targets:
+        if not labels_shifted and positions < 2:
+            raise MtaError(f"{what} {_shape(logits)} hold one position: nothing predicts a next token")
+        return
+    if labels_shifted:
+        hint = (
+            " (logits over every position with shifted labels: drop the logits' last position, or pass "
+            "the unshifted labels with labels_shifted=False)"
+            if positions == targets + 1
+            else ""
+        )
+        raise MtaError(
+            f"{what} {_shape(logits)} and labels {_shape(labels)} cover different positions; expected "
+            f"{SHIFTED_CONVENTION}{hint}"
+        )
+    if positions == targets + 1:
+        hint = (
+            " The labels are one position shorter: they look shifted already. Pass the unshifted labels, "
+            "or shift both sides yourself and say so: labels_shifted=True with logits[:, :-1] and labels[:, 1:]."
+        )
+    elif targets == positions + 1:
+        hint = " The logits are one position shorter: they look shifted already; pass them as the model returns them."
+    else:
+        hint = ""
+    raise MtaError(
+        f"{what} {_shape(logits)} and labels {_shape(labels)} cover different positions; expected "
+        f"{HF_CONVENTION}.{hint}"
+    )
+
+
+def _check_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
+    if teacher_logits.dim() != 3 or teacher_logits.shape[:2] != student_logits.shape[:2]:
+        raise MtaError(
+            f"teacher logits {_shape(teacher_logits)} and student logits {_shape(student_logits)} do not "
+            "cover the same positions; give both in the same convention (both as the models return "
+            "them, or both shifted)"
+        )
+
+
+class KDLoss(nn.Module):
+    """One base loss (``loss.base``: ce, fkl, rkl, skl, srkl, jsd, tvd, distillm2) on logits in the
+    Hugging Face convention: ``student_logits`` / ``teacher_logits [B, T, V]`` as the models return
+    them, ``labels [B, T]`` the input ids with -100 where no loss is taken; position t predicts
+    label t + 1 (the shift happens here). ``labels_shifted=True`` takes the shifted form instead:
+    logits ``[B, T-1, V]`` and labels ``[B, T-1]`` already aligned.
+
+    The value is the mean over target tokens (docs/method.md §5); ``vocab_size``: the tokenizer's
+    real vocabulary (default: the narrower logits width), so padded embedding rows never count.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        labels_shifted: bool = False,
+        temperature: float = 1.0,
+        skew_alpha: float = 0.1,
+        jsd_beta: float = 0.5,
+        distillm2_beta: float = 1.0,
+        vocab_size: int | None = None,
+        chunk_size: int = 128,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.labels_shifted = labels_shifted
+        self.loss = build_base_loss(
+            name,
+            temperature=temperature,
+            skew_alpha=skew_alpha,
+            jsd_beta=jsd_beta,
+            distillm2_beta=distillm2_beta,
+            vocab_size=vocab_size,
+            chunk_size=chunk_size,
+        )
+
+    @property
+    def needs_teacher(self) -> bool:
+        """False for ``ce`` (teacher_logits may be None), True for every divergence."""
+        return bool(self.loss.needs_teacher)
+
+    def forward(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | None,
+        labels: torch.Tensor,
+        *,
+        chosen: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """An fp32 scalar. chosen: ``[B]`` bool, distillm2 only (True: the teacher's response)."""
+        _check_positions(student_logits, labels, self.labels_shifted)
+        if not self.needs_teacher:
+            teacher_logits = None
+        elif teacher_logits is None:
+            raise MtaError(f"the base loss {self.name} compares with the teacher; teacher_logits is None")
+        else:
+            _check_teacher(student_logits, teacher_logits)
+        if not self.labels_shifted:
+            student_logits, labels = student_logits[:, :-1], labels[:, 1:]
+            teacher_logits = None if teacher_logits is None else teacher_logits[:, :-1]
+        if isinstance(self.loss, DistiLLM2Loss):
+            if chosen is None:
+                raise MtaError("the base loss distillm2 reads chosen: [B] bool, True on the teacher's responses")
+            return self.loss(student_logits, teacher_logits, labels, chosen)
+        if chosen is not None:
+            raise MtaError(f"chosen is read by the base loss distillm2 only, not by {self.name}")
+        result: torch.Tensor = self.loss(student_logits, teacher_logits, labels)
+        return result
+
+
+def layer_map(
+    student_layers: int,
+    teacher_layers: int,
+    layers: Literal["auto"] | Sequence[LayerPair | Sequence[Any] | Mapping[str, Any]] = "auto",
+) -> list[LayerPair]:
+    """The aligned layer pairs (``loss.layers``) for models of these depths (transformer blocks;
+    ``hidden_states`` indices run from 0, the embeddings, to the depth). ``auto``: docs/method.md
+    §4 (a word pair below two phrase pairs); else ``(student, teacher, "word" | "phrase")`` triples
+    (or ``LayerPair``s), checked against both depths."""
+    if layers == "auto":
+        return resolve_layer_map("auto", student_layers, teacher_layers)
+    return resolve_layer_map(
+        [_layer_pair(pair, index) for index, pair in enumerate(layers)], student_layers, teacher_layers
+    )
+
+
+def _layer_pair(value: Any, index: int) -> LayerPair:
+    if isinstance(value, LayerPair):
+        return value
+    try:
+        return LayerPair.model_validate(value)
+    except pydantic.ValidationError as error:
+        raise MtaError(f"layers[{index}]: {_problems(error)}") from None
+
+
+def _problems(error: pydantic.ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(part) for part in problem['loc']) or 'value'}: {problem['msg']}" for problem in error.errors()
+    )
+
+
+class MTALoss(nn.Module):
+    """``base_weight·base + dsa_weight·DSA + hra_weight·HRA`` (docs/method.md §3), what ``mta
+    distill`` computes, on the outputs of a student and a teacher run on a :class:`TrainBatch`.
+
+    layer_pairs: :func:`layer_map`'s pairs (or triples). same_tokenizer: both models share the
+    vocabulary; otherwise only ``base="ce"`` (or None) applies and HRA compares spans.
+    vocab_size: the tokenizer's real vocabulary (``len(tokenizer)``). base=None: DSA and HRA only.
+    The HRA projectors are parameters of this module: give them to the optimizer
+    (``mta distill`` trains them at ``train.projector_lr``).
+    """
+
+    def __init__(
+        self,
+        layer_pairs: Sequence[LayerPair | Sequence[Any] | Mapping[str, Any]],
+        *,
+        student_hidden_size: int,
+        teacher_hidden_size: int,
+        vocab_size: int,
+        same_tokenizer: bool,
+        base: str | None = "srkl",
+        base_weight: float = 1.0,
+        dsa_weight: float = 2.0,
+        hra_weight: float = 0.2,
+        temperature: float = 1.0,
+        skew_alpha: float = 0.1,
+        jsd_beta: float = 0.5,
+        distillm2_beta: float = 1.0,
+        importance: Literal["attention", "uniform"] = "attention",
+        chunk_size: int = 128,
+        labels_shifted: bool = False,
+    ) -> None:
+        super().__init__()
+        options = dict(
+            base=base or "ce",
+            base_weight=base_weight if base is not None else 0.0,
+            dsa_weight=dsa_weight,
+            hra_weight=hra_weight,
+            temperature=temperature,
+            skew_alpha=skew_alpha,
+            jsd_beta=jsd_beta,
+            distillm2_beta=distillm2_beta,
+            importance=importance,
+            chunk_size=chunk_size,
+        )
+        try:
+            spec = LossSpec.model_validate(options)
+        except pydantic.ValidationError as error:
+            raise MtaError(f"MTALoss: {_problems(error)}") from None
+        pairs = [_layer_pair(pair, index) for index, pair in enumerate(layer_pairs)] if spec.alignment_terms else []
+        self.labels_shifted = labels_shifted
+        self.objective = DistillationObjective(
+            spec,
+            pairs,
+            student_hidden_size=student_hidden_size,
+            teacher_hidden_size=teacher_hidden_size,
+            same_tokenizer=same_tokenizer,
+            vocab_size=vocab_size,
+        )
+
+    @classmethod
+    def for_models(
+        cls,
+        student: PreTrainedModel,
+        teacher: PreTrainedModel,
+        *,
+        vocab_size: int,
+        same_tokenizer: bool,
+        layers: Literal["auto"] | Sequence[LayerPair | Sequence[Any] | Mapping[str, Any]] = "auto",
+        **options: Any,
+    ) -> MTALoss:
+        """The loss for two Hugging Face models: their depths give :func:`layer_map`'s pairs, their
+        widths the projectors; ``options`` as the constructor's."""
+        return cls(
+            layer_map(num_layers(student), num_layers(teacher), layers),
+            student_hidden_size=hidden_size(student),
+            teacher_hidden_size=hidden_size(teacher),
+            vocab_size=vocab_size,
+            same_tokenizer=same_tokenizer,
+            **options,
+        )
+
+    @property
+    def student_layers(self) -> list[int]:
+        """The student ``hidden_states`` indices the loss reads."""
+        return self.objective.student_layers
+
+    @property
+    def teacher_layers(self) -> list[int]:
+        """The teacher ``hidden_states`` indices the loss reads."""
+        return self.objective.teacher_layers
+
+    @property
+    def granularities(self) -> tuple[str, ...]:
+        """The span kinds the batch must carry (``Collator(granularities=...)``)."""
+        alignment = self.objective.alignment
+        return tuple(alignment.granularities) if alignment is not None else ()
+
+    @property
+    def needs_teacher_logits(self) -> bool:
+        """Whether the base loss reads the teacher's logits (every base but ``ce``)."""
+        return self.objective.needs_teacher_logits
+
+    def forward(
+        self,
+        student_outputs: Any,
+        teacher_outputs: Any,
+        batch: TrainBatch,
+        *,
+        labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """fp32 scalars ``{"base", "dsa", "hra", "total"}`` (the terms in use).
+
+        student_outputs / teacher_outputs: what the models return for ``batch.student`` /
+        ``batch.teacher`` ids and masks (``.logits``, and ``.hidden_states`` from
+        ``output_hidden_states=True``), unshifted; teacher_outputs may be None when no term reads
+        it. labels: default ``batch.student.labels``; others in this loss's convention.
+        """
+        objective = self.objective
+        student_logits = _output(student_outputs, "logits", "the student's outputs")
+        ids = batch.student.input_ids
+        if student_logits.dim() != 3 or student_logits.shape[:2] != ids.shape:
+            raise MtaError(
+                f"the student's logits {_shape(student_logits)} do not cover the batch's student tokens "
+                f"{_shape(ids)}: pass the outputs of the student run on batch.student.input_ids, as the "
+                f"model returns them ({HF_CONVENTION})"
+            )
+        student_hidden = None
+        if objective.needs_student_hidden:
+            student_hidden = tuple(_output(student_outputs, "hidden_states", "the student's outputs"))
+        teacher = self._teacher(teacher_outputs, batch)
+        if labels is not None:
+            _check_labels(labels, ids, self.labels_shifted)
+            if self.labels_shifted:  # back to the batch's own convention: position t is token t
+                labels = torch.nn.functional.pad(labels, (1, 0), value=IGNORE_INDEX)
+            batch = dataclasses.replace(batch, student=dataclasses.replace(batch.student, labels=labels))
+        # fp32 from the dtypes the models give, as mta.training.objective.DistillationModel runs it.
+        with torch.autocast(student_logits.device.type, enabled=False):
+            losses: dict[str, torch.Tensor] = objective(student_logits, student_hidden, teacher, batch)
+        return losses
+
+    def _teacher(self, outputs: Any, batch: TrainBatch) -> TeacherOutput | None:
+        objective = self.objective
+        layers = objective.teacher_layers
+        if not layers and not objective.needs_teacher_logits:
+            return None
+        if outputs is None:
+            raise MtaError("the loss reads the teacher's outputs (hidden states or logits); teacher_outputs is None")
+        hidden: dict[int, torch.Tensor] = {}
+        if layers:
+            states = _output(outputs, "hidden_states", "the teacher's outputs")
+            if max(layers) >= len(states):
+                raise MtaError(
+                    f"the loss reads teacher hidden_states {layers}, and the teacher's outputs hold "
+                    f"{len(states)} (indices 0..{len(states) - 1}); check the layer map against the teacher"
+                )
+            hidden = {layer: states[layer] for layer in layers}
+        logits = None
+        if objective.needs_teacher_logits:
+            logits = _output(outputs, "logits", "the teacher's outputs")
+            width = batch.teacher.input_ids.shape if batch.teacher is not None else batch.student.input_ids.shape
+            if logits.dim() != 3 or logits.shape[:2] != width:
+                raise MtaError(
+                    f"the teacher's logits {_shape(logits)} do not cover the batch's teacher tokens "
+                    f"[{', '.join(map(str, width))}]: pass the outputs of the teacher run on "
+                    f"batch.teacher.input_ids, as the model returns them ({HF_CONVENTION})"
+                )
+        return TeacherOutput(hidden_states=hidden, logits=logits)
+
+
+def _check_labels(labels: torch.Tensor, ids: torch.Tensor, labels_shifted: bool) -> None:
+    """``MtaError`` naming the convention when ``labels`` do not fit the batch's ``ids [B, T]``."""
+    batch, positions = ids.shape
+    expected = (batch, positions - 1) if labels_shifted else (batch, positions)
+    if tuple(labels.shape) == expected:
+        return
+    convention = SHIFTED_CONVENTION if labels_shifted else HF_CONVENTION
+    hint = ""
+    if not labels_shifted and tuple(labels.shape) == (batch, positions - 1):
+        hint = " The labels are one position shorter: they look shifted already (labels_shifted=True takes them)."
+    elif labels_shifted and tuple(labels.shape) == (batch, positions):
+        hint = " The labels cover every position: they look unshifted (labels_shifted=False takes them)."
+    raise MtaError(
+        f"labels {_shape(labels)} do not fit the batch's student tokens {_shape(ids)}; expected "
+        f"[{', '.join(map(str, expected))}], {convention}.{hint}"
+    )
+
+
+def _output(outputs: Any, name: str, what: str) -> Any:
+    """``outputs.name`` (a Hugging Face ``ModelOutput`` or a mapping); ``MtaError`` when absent."""
+    value = outputs.get(name) if isinstance(outputs, Mapping) else getattr(outputs, name, None)
+    if value is None:
+        hint = " (run the model with output_hidden_states=True)" if name == "hidden_states" else ""
+        raise MtaError(f"the loss reads {name} from {what}, which hold none{hint}")
+    return value

@@ -1,0 +1,42 @@
+"""bench/mutation_survivors.json, the equivalent and accepted mutants bench/mutation.py reads."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("mutation_driver", REPO / "bench" / "mutation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_driver_reads_both_tables_from_the_data_file():
+    driver = _driver()
+    assert driver.SURVIVORS == REPO / "bench" / "mutation_survivors.json"
+    assert driver.EQUIVALENT and driver.ACCEPTED
+    for table, explanation in (("equivalent", "reason"), ("accepted", "note")):
+        entries = driver.load_survivors()[table]
+        keys = [(e["file"], e["function"], e["from"], e["to"]) for e in entries]
+        assert len(keys) == len(set(keys)), f"{table}: an entry is listed twice"
+        for entry in entries:
+            assert (REPO / entry["file"]).is_file(), entry
+            assert entry[explanation].strip(), entry
+    first = driver.EQUIVALENT[0]
+    found = driver.lookup(driver.EQUIVALENT, "reason", first["file"], first["function"], first["from"], first["to"])
+    assert found == first["reason"]
+
+
+def test_an_entry_without_its_explanation_is_refused(tmp_path):
+    driver = _driver()
+    path = tmp_path / "survivors.json"
+    path.write_text('{"equivalent": [{"file": "f", "function": "g", "from": "a", "to": "b"}], "accepted": []}')
+    with pytest.raises(SystemExit, match=re.escape("equivalent[0] lacks ['reason']")):
+        driver.load_survivors(path)
