@@ -12,7 +12,7 @@ SHARED ?= $(abspath ../shared)
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
 RUNS   ?= runs
 
-.PHONY: help install lint style test test-fast demo demo-quick demo-embed demo-embed-quick ablation-embed bench mutate clean
+.PHONY: help install lint style test test-fast docs demo demo-quick demo-embed demo-embed-quick ablation-embed bench mutate clean
 
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
@@ -22,6 +22,7 @@ help:
 	@echo "make test          the test suite (what CI runs, after make lint)"
 	@echo "make lint          ruff (lint + format check) and mypy: the quality gate"
 	@echo "make style         apply ruff's fixes and formatting"
+	@echo "make docs          regenerate docs/recipe-keys.md from the recipe schemas"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
 	@echo "make mutate        mutation testing of losses, token ranges, truncation (~10 min, 1 core)"
 	@echo "make reproduce-<pair>-<base>  a row of the paper's table, e.g. reproduce-gpt2-fdd (GPUs + Hub)"
@@ -63,6 +64,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The recipe-key reference, generated from the schemas (tests/test_recipe_keys.py fails when stale).
+docs: $(STAMP)
+	$(MTA) recipes keys --markdown > docs/recipe-keys.md
 
 demo: $(STAMP)
 	$(MTA) demo
@@ -153,8 +158,8 @@ $(foreach row,$(ROWS),$(eval $(call row_rules,$(row))))
 
 # DistiLLM-2's pairs, once (a finished file is kept; a killed `mta generate` resumes its journal).
 $(RUNS)/%-distillm2/pairs/train.jsonl: | $(STAMP)
-	$(MTA) generate --teacher $(TEACHER_$*) --student $(STUDENT_$*) \
-	    --data $(MTA_DATA_DIR)/dolly/train.jsonl --max-prompt-length 128 --max-new-tokens 128 -o $@
+	$(MTA) generate $(MTA_DATA_DIR)/dolly/train.jsonl --teacher $(TEACHER_$*) --student $(STUDENT_$*) \
+	    --max-prompt-length 128 --max-new-tokens 128 -o $@
 
 reproduce-all: $(addprefix reproduce-,$(ROWS))
 .PHONY: reproduce-all $(addprefix reproduce-,$(ROWS)) reproduce-gpt2 reproduce-qwen reproduce-opt \

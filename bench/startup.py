@@ -14,8 +14,9 @@ file:
 - ``annotate``: ``mta annotate ONE_ROW.jsonl --teacher TOK --student TOK -o OUT`` (a new OUT);
 - ``show``: ``mta show ANNOTATED`` (an annotate directory of that row);
 - ``floor`` (a reference, current tree only): ``python -c "import transformers.modeling_utils,
-  transformers.models.llama.modeling_llama"``, what any process that loads a Llama imports
-  before mta does anything: no command that loads a model starts faster.
+  transformers.models.llama.modeling_llama; import gc; gc.freeze()"``: what any process that
+  loads a Llama imports before it does anything, exiting as ``mta`` does (``mta_cli.main``
+  freezes the heap at exit); no command that loads a model can start and end faster.
 
 The variants run interleaved (``interleaving.interleaved_rounds``: each once to warm the page
 cache, then ``--rounds`` rounds, the order rotated each round); with ``--baseline DIR`` (another
@@ -58,7 +59,7 @@ EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
 RESULTS = REPO / "bench" / "results" / "startup.json"
 COMMANDS = ("help", "dry_run", "evaluate", "annotate", "show")
 FLOOR = "floor"
-FLOOR_IMPORTS = "import transformers.modeling_utils, transformers.models.llama.modeling_llama"
+FLOOR_IMPORTS = "import transformers.modeling_utils, transformers.models.llama.modeling_llama; import gc; gc.freeze()"
 TARGETS_S = {"help": 0.5, "evaluate": 3.0}
 # The steps of `mta evaluate` that read a checkpoint, each timed once its imports are done.
 LOADING_PROBE = r"""

@@ -208,7 +208,8 @@ def _trainer(zero_stage: int, asam_spec):
 def test_trainer_steps_are_adamw_on_the_hand_computed_gradients(zero_stage, with_asam):
     """Three optimizer steps of two micro batches each through Trainer.step and DeepSpeed give
     torch AdamW's steps on the gradients computed by hand: at w + ε with ASAM (the first pass
-    leaves nothing in DeepSpeed's accumulated gradient), at w without."""
+    leaves nothing in DeepSpeed's accumulated gradient), at w without; the gradient norm each step
+    reports is that gradient's."""
     spec = AsamSpec(rho=0.5, eta=0.01) if with_asam else None
     trainer, engine = _trainer(zero_stage, spec)
     reference = Quadratic()
@@ -228,6 +229,8 @@ def test_trainer_steps_are_adamw_on_the_hand_computed_gradients(zero_stage, with
                 param.grad = grad
             optimizer.step()
             assert math.isfinite(losses["total"])
+            # metrics.jsonl's grad_norm: DeepSpeed's (ZeRO-1/2) or mta's own (ZeRO-0 keeps none).
+            assert losses["grad_norm"] == pytest.approx(float(torch.cat([g.flatten() for g in grads]).norm()), rel=1e-5)
             inner = engine.module.inner
             assert torch.allclose(inner.weight.double(), reference.weight, rtol=0, atol=2e-6), (step, inner.weight)
             assert torch.allclose(inner.bias.double(), reference.bias, rtol=0, atol=2e-6)

@@ -281,6 +281,44 @@ def test_a_full_disk_while_saving_loses_nothing(saved, tmp_path, monkeypatch):
         checkpointing.verify_checkpoint(root / f"step-{step}")  # byte for byte as written
 
 
+@pytest.mark.parametrize(
+    ("text", "headline", "fix"),
+    [  # safetensors' own texts, as it wrote them on a full 64 KiB tmpfs (and for a quota)
+        ("Error while serializing: I/O error: No space left on device (os error 28)", "disk full", "free space"),
+        (
+            "Error while serializing: I/O error: Disk quota exceeded (os error 122)",
+            "disk full (disk quota exceeded)",
+            "free space or raise the quota",
+        ),
+    ],
+    ids=["ENOSPC", "EDQUOT"],
+)
+def test_safetensors_finding_the_disk_full_while_saving_is_one_line_and_loses_nothing(
+    text, headline, fix, saved, tmp_path, monkeypatch
+):
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    out = _copy(saved, tmp_path)
+    root = out / "checkpoints"
+
+    def save_file_on_a_full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\x00" * 64)  # what it wrote before the disk was full
+        raise SafetensorError(text)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file_on_a_full_disk)
+    with pytest.raises(MtaError) as error:
+        save_checkpoint(saved["engine"], saved["tokenizer"], saved["recipe"], out, TrainerState(6, 8, run_id="r"))
+    assert str(error.value) == (
+        f"{headline} while writing {root / 'step-6'}; nothing was lost: the unfinished step-6.partial was "
+        f"removed and the earlier checkpoints (step-2, step-4) are intact; {fix} and continue with --resume auto"
+    )
+    assert type(error.value.__cause__) is SafetensorError
+    assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4"]
+    for step in (2, 4):
+        checkpointing.verify_checkpoint(root / f"step-{step}")
+
+
 def test_final_carries_a_checksum_list(saved, tmp_path):
     final = checkpointing.save_final(saved["engine"], saved["tokenizer"], saved["recipe"], tmp_path)
     assert final == tmp_path / "final" and not (tmp_path / "final.partial").exists()

@@ -78,12 +78,13 @@ def assert_lines_are_the_records(lines: dict[int, dict[str, str]], records: list
     for record in records:
         fields = lines[record["step"]]
         assert int(fields["total"]) == total
-        assert float(fields["loss"]) == pytest.approx(record["loss"], abs=5e-5)
+        assert float(fields["loss"]) == pytest.approx(record["loss"], rel=5e-4)  # 4 significant digits
         components = {key[5:]: value for key, value in record.items() if key.startswith("loss/")}
         assert set(components) == {"base", "dsa", "hra"}
         for name, value in components.items():
-            assert float(fields[name]) == pytest.approx(value, abs=5e-5), name
+            assert float(fields[name]) == pytest.approx(value, rel=5e-4), name
         assert float(fields["lr"]) == pytest.approx(record["lr"], rel=5e-3)
+        assert float(fields["grad_norm"]) == pytest.approx(record["grad_norm"], rel=5e-4)
         assert float(fields["tokens_per_s"]) == pytest.approx(record["tokens_per_s"], abs=0.5)
         assert re.fullmatch(CLOCK, fields["elapsed"]) and re.fullmatch(CLOCK + "|\\?", fields["ETA"])
     if total in lines:
@@ -230,7 +231,9 @@ def test_plain_train_and_dev_records_and_generation_fields():
             "loss": 1.23456,
             "loss/base": 1.0,
             "loss/dsa": 0.117,
+            "loss/hra": 1.234567e-06,
             "lr": 1e-4,
+            "grad_norm": 0.8312345,
             "tokens_per_s": 99.6,
             "generation/gold": 1,
             "generation/generated": 2,
@@ -241,10 +244,38 @@ def test_plain_train_and_dev_records_and_generation_fields():
     reporter.stop()
     assert stream.getvalue().splitlines() == [
         "distill: 4/10 steps",
-        "dev @ step 4: loss 2.0000 · base 2.0000 · dev_ce 1.5000",
+        "dev @ step 4: loss 2 · base 2 · dev_ce 1.5",
         f"  {'p' * 60!r} → 'g\\nh'",
-        "distill: step 6/10 · loss 1.2346 · base 1.0000 · dsa 0.1170 · lr 1.00e-04 · 100 tok/s"
+        "distill: step 6/10 · loss 1.235 · base 1 · dsa 0.117 · hra 1.235e-06 · lr 1.00e-04 · grad_norm 0.8312"
+        " · 100 tok/s"
         " · τ 0.25 · gold 1 / generated 2 / buffer 0 · elapsed 0:00:06 · ETA 0:00:12",
+    ]
+
+
+def test_metrics_print_to_four_significant_digits_so_a_small_term_never_reads_zero():
+    from mta_cli.reporting import loss_summary, significant, step_summary
+
+    # tiny-embed's LASD term is 1e-6 to 2e-5: four fixed decimals printed it as 0.0000.
+    record = {
+        "split": "train",
+        "step": 4,
+        "loss": 0.3375,
+        "loss/simcse": 2.302585,
+        "loss/tamd": 0.44691,
+        "loss/lasd": 1.7e-05,
+        "lr": 1e-3,
+        "grad_norm": None,  # DeepSpeed reported none
+        "tokens_per_s": 1234.4,
+    }
+    assert loss_summary(record) == "loss 0.3375 · simcse 2.303 · tamd 0.4469 · lasd 1.7e-05"
+    assert step_summary(record) == loss_summary(record) + " · lr 1.00e-03 · grad_norm - · 1234 tok/s"
+    assert [significant(value) for value in (1234.5678, 12345.6, 0.0001234, 0.0, 3, None)] == [
+        "1235",
+        "1.235e+04",
+        "0.0001234",
+        "0",
+        "3",
+        "-",
     ]
 
 

@@ -4,6 +4,7 @@ metrics, a NaN stop, refusal of mismatched annotations, and SIGKILL + --resume a
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -228,6 +229,45 @@ def dropout_student(tokenizer_dir: Path, out_dir: Path) -> Path:
     config["attention_dropout"] = 0.3
     (student / "config.json").write_text(json.dumps(config, indent=2))
     return student
+
+
+def test_every_train_record_has_the_gradient_norm_and_the_last_step_is_evaluated(
+    tmp_path, teacher_dir, tiny_model_dir, same_data
+):
+    """ZeRO-0 (mta measures the norm itself: DeepSpeed keeps none there): grad_norm in every train
+    record and in the progress line; 3 steps at eval_interval 2 end with a dev loss at step 3."""
+    import io
+
+    from rich.console import Console
+
+    from mta_cli.reporting import PlainReporter
+
+    out = tmp_path / "run"
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        teacher=teacher_dir,
+        student=tiny_model_dir,
+        annotations=same_data,
+        output_dir=out,
+        train={"max_steps": 3, "eval_interval": 2, "log_interval": 2, "zero_stage": 0},
+    )
+    stream = io.StringIO()
+    run_distillation(load_recipe(recipe), reporter=PlainReporter(Console(file=stream)))
+    records = read_metrics(out / "metrics.jsonl")
+    assert [(r["split"], r["step"]) for r in records] == [
+        ("dev", 0),
+        ("train", 2),
+        ("dev", 2),
+        ("train", 3),
+        ("dev", 3),
+    ]
+    norms = [r["grad_norm"] for r in records if r["split"] == "train"]
+    assert all(norm > 0 and math.isfinite(norm) for norm in norms), norms
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("distill: step ")]
+    assert len(lines) == 2 and all(f"grad_norm {norm:.4g} · " in line for norm, line in zip(norms, lines, strict=True))
+    assert [line.split(":")[0] for line in stream.getvalue().splitlines() if line.startswith("dev @")] == [
+        f"dev @ step {step}" for step in (0, 2, 3)
+    ]
 
 
 @pytest.mark.slow

@@ -312,8 +312,8 @@ def test_the_cli_embeds_and_reports(encoders, tmp_path, monkeypatch, capsys):
         )
     except SystemExit as error:  # pragma: no cover - typer exits 0 on success in some versions
         assert error.code in (0, None)
-    err = capsys.readouterr().err
-    assert "texts embedded" in err and f"wrote {out}" in err
+    out_text = capsys.readouterr().out  # the summary and the final line: stdout
+    assert "texts embedded" in out_text and f"wrote {out}" in out_text
     assert np.array_equal(read_teacher_embeddings(out).ids, np.arange(36))
 
 

@@ -1,6 +1,6 @@
 """The public Python API's surface (issue 27): ``import mta`` stays light, ``mta.__all__`` is
 ``mta.api.__all__``, every name and signature docs/python-api.md states is the code's, and the
-doc's examples run as written (tiny random models in place of the Hub names)."""
+doc's examples and README's run as written (tiny random models in place of the Hub names)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from conftest import subprocess_env
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
+README = DOC.parents[1] / "README.md"
 HEAVY = ("torch", "transformers", "numpy", "pyarrow", "spacy", "tokenizers", "pydantic", "mta.api")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,6 +160,18 @@ def test_the_documented_examples_run_as_written(teacher_dir, tiny_model_dir, oth
         replaced += count
         exec(compile(source, f"docs/python-api.md, python block {number}", "exec"), namespace)
     assert replaced == len(names)
+    # README's "Python API" example, in the same namespace (student, teacher, tokenizer defined), its
+    # two Hub names being the doc's TEACHER and STUDENT.
+    section = README.read_text(encoding="utf-8").split("## Python API", 1)[1].split("\n## ", 1)[0]
+    (readme_example,) = re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+    for hub_name, local in (
+        ("Qwen/Qwen2.5-1.5B-Instruct", teacher_dir),
+        ("Qwen/Qwen2.5-0.5B-Instruct", tiny_model_dir),
+    ):
+        assert f'"{hub_name}"' in readme_example
+        readme_example = readme_example.replace(f'"{hub_name}"', repr(str(local)))
+    exec(compile(readme_example, "README.md, Python API", "exec"), namespace)
+    assert namespace["kd"].needs_teacher and namespace["batch"].spans["phrase"].mask.any()
     printed = capsys.readouterr().out
     assert "look shifted already" in printed and "labels_shifted=True" in printed  # the refusal example
     losses = namespace["losses"]

@@ -108,7 +108,7 @@ RUN_OUTPUTS = [
 ]
 
 
-@pytest.mark.parametrize("output", RUN_OUTPUTS)
+@pytest.mark.parametrize("output", [name for name in RUN_OUTPUTS if name != "run.json"])
 def test_a_directory_holding_any_one_run_output_is_refused_and_left_as_it_was(output, tmp_path):
     out = tmp_path / "run"
     (out / "data").mkdir(parents=True)  # a cache: never in the way
@@ -124,7 +124,18 @@ def test_a_directory_holding_any_one_run_output_is_refused_and_left_as_it_was(ou
     assert "--resume auto" in message and "--overwrite" in message
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
     assert run_directory.claim(out, "new", resume=None, overwrite=True).continued is False
-    assert sorted(p.name for p in out.iterdir()) == ["data", "run.json"]
+    assert sorted(p.name for p in out.iterdir() if p.name != ".run.lock") == ["data", "run.json"]
+
+
+def test_a_directory_holding_only_a_failed_starts_run_json_is_taken_over(tmp_path):
+    """README: a run that failed before its first step is not another run (issue 24, case 6)."""
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    (out / "run.json").write_text(json.dumps({"run_id": "old", "recipe": "tiny"}))
+    claimed = run_directory.claim(out, "new", resume=None, overwrite=False)
+    assert claimed.continued is False and claimed.run_id != "old"
+    assert json.loads((out / "run.json").read_text())["run_id"] == claimed.run_id
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["data", "run.json"]
 
 
 def test_every_run_output_is_restated():
@@ -281,7 +292,9 @@ def fake_trainer(tmp_path: Path, poison: bool) -> SimpleNamespace:
     fake.run = SimpleNamespace(
         device="cpu",
         output_dir=tmp_path,
-        engine=SimpleNamespace(module=model, step=optimizer_step),
+        engine=SimpleNamespace(
+            module=model, step=optimizer_step, optimizer=SimpleNamespace(), get_global_grad_norm=lambda: None
+        ),
         schedule=SimpleNamespace(accumulation=1),
         flops=SimpleNamespace(take=lambda: 0.0),
     )

@@ -170,6 +170,9 @@ REFUSALS: dict[str, tuple[str, ...]] = {
         "test_rules_refusals.py::test_predictions_made_with_other_settings_are_refused_naming_the_setting_and_the_fix",
     ),
     "ZeRO 0/1/2 (ZeRO-3 is refused)": ("test_rules_refusals.py::test_asam_under_zero3_is_refused",),
+    "a tracking server that does not answer is refused within seconds, before any model loads.": (
+        "test_tracking.py::test_an_unreachable_mlflow_server_is_refused_within_seconds_before_any_model_loads",
+    ),
 }
 
 

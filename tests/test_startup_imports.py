@@ -1,6 +1,6 @@
 """Each command imports what it uses, when it uses it (issue 34), checked in fresh interpreters.
 
-- ``mta --help``, ``mta --version``, ``mta recipes list`` / ``copy`` and every command's and
+- ``mta --help``, ``mta --version``, ``mta recipes list`` / ``copy`` / ``keys`` and every command's and
   group's ``--help`` import neither torch nor any other heavy library;
 - importing every module of ``mta.evaluation`` loads neither DeepSpeed nor the ROUGE scorer
   (nltk) nor the trackers, and ``mta evaluate`` on a tiny model, from the command line to the
@@ -103,7 +103,13 @@ def loaded_after_importing(code: str) -> set[str]:
 
 
 def test_help_version_and_recipes_import_no_heavy_library(tmp_path):
-    commands = [["--help"], ["--version"], ["recipes", "list"], ["recipes", "copy", "tiny", str(tmp_path / "copy")]]
+    commands = [
+        ["--help"],
+        ["--version"],
+        ["recipes", "list"],
+        ["recipes", "copy", "tiny", str(tmp_path / "copy")],
+        ["recipes", "keys"],  # both tasks' schemas, the embedding one included
+    ]
     results = run_commands(commands, HEAVY, tmp_path)
     for result in results:
         assert result["code"] == 0, result

@@ -5,15 +5,20 @@ tracker that is not installed is refused before any work."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import socket
 import struct
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
+from fixtures.commands import only_line, run_mta
 from fixtures.distill import write_recipe
 from mta import tracking
 from mta.errors import MtaError
@@ -182,7 +187,7 @@ def numeric(record: dict) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def tracked_runs(tracker_env, tmp_path_factory, teacher_dir, tiny_model_dir, same_data):  # noqa: F811
-    """A 3-step run reporting to all three backends (dev at steps 0 and 2 with one sample each,
+    """A 3-step run reporting to all three backends (dev at steps 0, 2 and 3, the last, with one sample each,
     checkpoints at steps 2 and 3), read back; then the same run resumed from step 2 for 4 steps
     at a lower learning rate (step 3 trained again, otherwise), read back again."""
     tmp = tmp_path_factory.mktemp("tracked")
@@ -235,6 +240,7 @@ def test_every_record_the_recipe_and_the_samples_reach_each_backend(tracked_runs
         ("train", 2),
         ("dev", 2),
         ("train", 3),
+        ("dev", 3),  # the last step, off the eval_interval
     ]
     dev_samples = {r["step"]: r["samples"] for r in records if r["split"] == "dev"}
     assert all(len(samples) == 1 for samples in dev_samples.values())
@@ -357,6 +363,62 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tmp_path, mo
         tracking.require(["wandb"], "--report-to")
     with pytest.raises(MtaError, match="unknown tracker 'comet'; choose from tensorboard, wandb, mlflow"):
         tracking.require(["comet"], "--report-to")
+
+
+def closed_loopback_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (bound, then closed: a connection is refused)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_an_unreachable_mlflow_server_is_refused_within_seconds_before_any_model_loads(
+    tracker_env, tmp_path, monkeypatch, capsys, tiny_model_dir
+):
+    from mta.training import trainer
+
+    uri = f"http://127.0.0.1:{closed_loopback_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    tracking.server_unreachable.cache_clear()
+    monkeypatch.setattr(trainer, "build_run", lambda *a, **k: pytest.fail("the run was claimed or a model loaded"))
+    out = tmp_path / "run"
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        teacher=None,
+        student=tiny_model_dir,
+        annotations=EXAMPLES,
+        output_dir=out,
+        loss=SFT,
+        train={"report_to": ["mlflow"]},
+    )
+    started = time.monotonic()
+    code, lines = run_mta(monkeypatch, capsys, "distill", "--recipe", recipe)
+    assert time.monotonic() - started < 10  # MLflow's own retries take minutes
+    assert code == 2
+    assert only_line(lines, "error:").startswith(
+        f"error: train.report_to lists mlflow, and the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI) "
+        "cannot be reached (ConnectionError: "
+    )
+    assert not out.exists()
+    tracking.server_unreachable.cache_clear()
+
+
+def test_a_tracking_server_that_answers_at_all_counts_as_reachable(tracker_env, monkeypatch):
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), NotFound) as server:
+        threading.Thread(target=server.handle_request, daemon=True).start()
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        tracking.server_unreachable.cache_clear()
+        assert tracking.require(["mlflow"], "--report-to") == ["mlflow"]
+    tracking.server_unreachable.cache_clear()
 
 
 def test_report_to_defaults_to_none_and_takes_a_name_or_a_list(tmp_path, tiny_model_dir, same_data):  # noqa: F811

@@ -12,6 +12,10 @@ first, before torch, transformers or DeepSpeed is imported. Without ``--verbose`
 - torch's C++ warnings (c10d's "[W socket.cpp] ... IPv6 ..." when a process group starts), by
   ``TORCH_CPP_LOG_LEVEL=ERROR``: read once, when torch is imported, so only while it is not yet
   and the variable is not set by the user;
+- plain tqdm bars that transformers' switch does not reach (its GGUF conversion's "Converting
+  and de-quantizing GGUF tensors", under ``mta models smollm2``) when stderr is not a terminal, by
+  ``TQDM_DISABLE=1``: tqdm reads it when it is imported, so only while it is not yet and the
+  variable is not set by the user (mta's own bars are rich's, not tqdm's);
 - Python warnings raised outside mta (``FutureWarning``s from torch.distributed under torchrun,
   ``UserWarning``s of transformers, spaCy, ...).
 
@@ -34,6 +38,7 @@ VERBOSE_HELP = (
 )
 DEEPSPEED_LOGGER = "DeepSpeed"
 TORCH_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+TQDM_DISABLE = "TQDM_DISABLE"
 # Warnings whose module (the frame `warnings.warn` points at) is not mta's are ignored.
 _NOT_MTA = r"(?!mta(_cli)?(\.|$))"
 
@@ -59,6 +64,9 @@ def quiet_third_party(verbose: bool = False) -> None:
     if "torch" not in sys.modules and TORCH_CPP_LOG_LEVEL not in os.environ:
         os.environ[TORCH_CPP_LOG_LEVEL] = "ERROR"
         _changed[TORCH_CPP_LOG_LEVEL] = True
+    if "tqdm" not in sys.modules and TQDM_DISABLE not in os.environ and not sys.stderr.isatty():
+        os.environ[TQDM_DISABLE] = "1"
+        _changed[TQDM_DISABLE] = True
     try:
         from transformers.utils import logging as transformers_logging
     except ImportError:  # annotate-only installs
@@ -88,6 +96,8 @@ def _restore() -> None:
         getattr(warnings, "_filters_mutated", lambda: None)()  # drop the cached decisions
     if _changed.pop(TORCH_CPP_LOG_LEVEL, False):
         os.environ.pop(TORCH_CPP_LOG_LEVEL, None)
+    if _changed.pop(TQDM_DISABLE, False):
+        os.environ.pop(TQDM_DISABLE, None)
     if "transformers" in _changed:
         from transformers.utils import logging as transformers_logging
 

@@ -1,13 +1,15 @@
 """The library's ``Reporter`` for a person: rich bars on a terminal, plain lines in a log.
 
 ``RichReporter``: one live display for a whole command: each task the library starts gets a bar
-(rows/s and tokens/s for row tasks; losses, lr and tokens/s for training steps), ``message``
-prints above the bars, and dev records print their losses and samples.
+(rows/s and tokens/s for row tasks; losses, lr, gradient norm and tokens/s for training steps),
+``message`` prints above the bars, and dev records print their losses and samples.
 
 ``PlainReporter``: what a batch system's log (Slurm, ``> log``, CI) can read: whole lines, no
 carriage returns, no bars, nothing wrapped. One line per train record (step/total, each loss
-term, lr, tokens/s, elapsed, ETA), a line per dev record plus its samples, messages as lines,
-and for row tasks a line every 10 % or every 30 s with rows/s and ETA.
+term, lr, gradient norm, tokens/s, elapsed, ETA), a line per dev record plus its samples,
+messages as lines, and for row tasks a line every 10 % or every 30 s with rows/s and ETA.
+
+Losses and other metrics print to 4 significant digits (``significant``), not fixed decimals.
 
 ``make_reporter`` picks one: rich when the console is a terminal (or Jupyter), plain otherwise;
 ``MTA_PROGRESS=plain`` or ``MTA_PROGRESS=rich`` decides instead.
@@ -54,11 +56,26 @@ class _StatusColumn(ProgressColumn):
         return Text(rate + (f" · {tokens / elapsed:.0f} tok/s" if tokens else ""), style="cyan")
 
 
+def significant(value: float | None, digits: int = 4) -> str:
+    """A metric to ``digits`` significant digits (``1.235``, ``0.0123``, ``2.1e-05``, ``1.235e+04``),
+    so a small loss term never reads ``0.0000``; ``-`` for a value the record holds as null."""
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
 def loss_summary(record: dict[str, Any]) -> str:
-    """``loss 1.2345 · base 1.0000 · dsa ...`` from a metrics record."""
-    parts = [f"loss {record['loss']:.4f}"]
-    parts += [f"{key[5:]} {value:.4f}" for key, value in record.items() if key.startswith("loss/")]
+    """``loss 1.235 · base 1 · dsa 2.1e-05 ...`` from a metrics record (``significant`` digits)."""
+    parts = [f"loss {significant(record['loss'])}"]
+    parts += [f"{key[5:]} {significant(value)}" for key, value in record.items() if key.startswith("loss/")]
     return " · ".join(parts)
+
+
+def step_summary(record: dict[str, Any]) -> str:
+    """``loss ... · lr 1.00e-04 · grad_norm 0.8312 · 5120 tok/s`` from a train record (the
+    gradient norm where the record has one)."""
+    text = f"{loss_summary(record)} · lr {record['lr']:.2e}"
+    if "grad_norm" in record:
+        text += f" · grad_norm {significant(record['grad_norm'])}"
+    return text + f" · {record['tokens_per_s']:.0f} tok/s"
 
 
 def utilisation_summary(record: dict[str, Any]) -> str:
@@ -139,8 +156,7 @@ class RichReporter:
                     f"  [dim]{sample['prompt'][-60:]!r}[/] → {sample['generation'][:120]!r}", highlight=False
                 )
         elif self._task is not None:
-            status = f"{loss_summary(record)} · lr {record['lr']:.2e} · {record['tokens_per_s']:.0f} tok/s"
-            status += utilisation_summary(record)
+            status = step_summary(record) + utilisation_summary(record)
             if "generation/gold" in record:
                 status += " · " + generation_summary(record)
             self.progress.update(self._task, completed=record["step"], status=status)
@@ -271,7 +287,7 @@ class PlainReporter:
         if record.get("split") == "dev":
             line = f"dev @ step {record['step']}: {loss_summary(record)}"
             if "generation/dev_ce" in record:
-                line += f" · dev_ce {record['generation/dev_ce']:.4f}"
+                line += f" · dev_ce {significant(record['generation/dev_ce'])}"
             self._line(line)
             for sample in record.get("samples", []):
                 self._line(f"  {sample['prompt'][-60:]!r} → {sample['generation'][:120]!r}")
@@ -281,8 +297,7 @@ class PlainReporter:
         head = f"step {step}" if task is None else f"{task.description}: step {step}"
         if task is not None and task.total is not None:
             head += f"/{task.total}"
-        line = f"{head} · {loss_summary(record)} · lr {record['lr']:.2e} · {record['tokens_per_s']:.0f} tok/s"
-        line += utilisation_summary(record)
+        line = f"{head} · {step_summary(record)}" + utilisation_summary(record)
         if "generation/gold" in record:
             line += " · " + generation_summary(record)
         if task is not None:

@@ -25,8 +25,9 @@ neither torch nor transformers. Anything not in ``__all__`` may still move betwe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from mta.lazy_exports import lazy_exports
 from mta.versions import MTA_VERSION as __version__  # noqa: F401 (re-exported; its one home is mta.versions)
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ resolves them
@@ -64,16 +65,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """PEP 562: a name of ``__all__`` is imported from ``mta.api`` on first use (then cached)."""
-    if name in __all__:
-        from mta import api
-
-        value = getattr(api, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'mta' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# Each name of __all__ lives in mta.api (imported on first use: mta.lazy_exports).
+__getattr__, __dir__ = lazy_exports(globals(), dict.fromkeys(__all__, "mta.api"))

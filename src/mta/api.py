@@ -19,6 +19,7 @@ computes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,8 +31,7 @@ from transformers import PreTrainedModel
 
 from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks
 from mta.data.artefact_schema import INPUT_IDS, SCHEMA
-from mta.data.encoding import TokenizerSide
-from mta.data.example_annotator import ChunkResult, ExampleAnnotator, GeneratedRow
+from mta.data.example_annotator import ChunkResult, GeneratedRow
 from mta.data.online_spans import SpanParser, load_sides, merge_results, online_annotator
 from mta.data.prompts import prompt_style
 from mta.data.rows import Example, RowProblem, is_pair_record, map_fields, record_rows
@@ -100,7 +100,10 @@ class Annotator:
 
     def _annotate(self, rows: Iterable[Mapping[str, Any]]) -> ChunkResult:
         fields = dict(self.settings.fields)
-        records = [(index, map_fields(dict(row), fields)) for index, row in enumerate(rows)]
+        records = [
+            (index, map_fields(dict(row) if isinstance(row, Mapping) else row, fields))
+            for index, row in enumerate(rows)
+        ]
         if not records:
             return merge_results([])
         examples: list[Example] = []
@@ -115,20 +118,8 @@ class Annotator:
         if workers <= 1:
             return merge_results([self._annotator.annotate(chunk) for chunk in chunks])
         spacy_name = resolve_spacy_model(self.settings.spacy_model)[0]
-        build = _Build(self.settings, self._sides, spacy_name)
+        build = functools.partial(build_annotator, self.settings, *self._sides, spacy_name)  # as annotate's pool
         return merge_results(list(map_chunks(build, iter(chunks), workers)))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Build:
-    """A picklable annotator factory for annotate's worker pool (spawn pickles it)."""
-
-    settings: AnnotateSettings
-    sides: tuple[TokenizerSide, TokenizerSide]
-    spacy_name: str
-
-    def __call__(self) -> ExampleAnnotator:
-        return build_annotator(self.settings, self.sides[0], self.sides[1], self.spacy_name)
 
 
 class Collator:

@@ -24,12 +24,14 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +195,7 @@ def read_jsonl_lenient(path: str | Path) -> list[dict]:
             for line in handle:
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError:
+                except ValueError:  # malformed, or a number past Python's int digit limit
                     continue
                 if isinstance(row, dict):
                     rows.append(row)
@@ -233,38 +235,134 @@ class Journal:
         self.close()
 
 
-# --------------------------------------------------------------------------- a full disk
+# --------------------------------------------------------------------------- a full or read-only disk
 
+# Every library reports a failed write its own way: Python and pyarrow as an OSError with the
+# errno ("[Errno 28] ... Detail: [errno 28] No space left on device"), the Rust ones (safetensors'
+# SafetensorError, tokenizers' Exception) as text only ("I/O error: No space left on device (os
+# error 28)"), torch as a RuntimeError naming the strerror ("open file failed with strerror:
+# Read-only file system") or, for a full disk, nothing but "unexpected pos".
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+_NOT_WRITABLE = {
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+_ERRNO_IN_TEXT = re.compile(r"(?:os error|errno) (\d+)", re.IGNORECASE)
+_PATH_IN_TEXT = re.compile(r'at path "([^"]+)"')  # safetensors names the file it was writing
 # torch's zip writer reports a full disk as a RuntimeError without the errno.
 _TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter failed")
 _NEARLY_FULL_BYTES = 16 * 2**20
 
 
-def is_disk_full(error: BaseException, where: str | Path | None = None) -> bool:
-    """Whether ``error`` (or an error it was raised from) means the disk is full.
+@dataclass(frozen=True)
+class WriteFailure:
+    """Why a write failed, when the disk said so: ``full`` (``ENOSPC``, ``EDQUOT``: free space and
+    re-run) or not (``EROFS``, ``EACCES``, ``EPERM``: the place cannot be written at all)."""
 
-    ``ENOSPC`` anywhere in the chain, or torch's write failure while ``where``'s filesystem has
-    almost no free space left.
+    code: int
+    full: bool
+
+    @property
+    def reason(self) -> str:
+        return {**_FULL, **_NOT_WRITABLE}[self.code]
+
+    def headline(self, what: str | Path) -> str:
+        """``disk full while writing WHAT`` / ``cannot write WHAT: read-only file system``."""
+        if self.full:
+            quota = " (disk quota exceeded)" if self.code == errno.EDQUOT else ""
+            return f"disk full{quota} while writing {what}"
+        return f"cannot write {what}: {self.reason}"
+
+    @property
+    def fix(self) -> str:
+        if self.code == errno.EDQUOT:
+            return "free space or raise the quota"
+        if self.full:
+            return "free space"
+        return "make the directory writable by this user (or choose another output directory)"
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _codes(error: BaseException) -> Iterator[int]:
+    """The errnos ``error`` carries: its ``errno``, any ``os error N`` / ``errno N`` in its text,
+    and the codes whose strerror its text quotes."""
+    if isinstance(error, OSError) and isinstance(error.errno, int):
+        yield error.errno
+    text = str(error)
+    yield from (int(number) for number in _ERRNO_IN_TEXT.findall(text))
+    lowered = text.lower()
+    yield from (code for code in (*_FULL, *_NOT_WRITABLE) if os.strerror(code).lower() in lowered)
+
+
+def _paths(error: BaseException) -> list[Path]:
+    """The files ``error`` names as the ones it failed on (none when it names none)."""
+    named = [getattr(error, "filename", None), getattr(error, "filename2", None)]
+    named += _PATH_IN_TEXT.findall(str(error))
+    return [Path(os.fsdecode(name)) for name in named if isinstance(name, (str, bytes, os.PathLike))]
+
+
+def _is_about(path: Path, what: Path) -> bool:
+    """Whether ``path`` is ``what``, inside it, or inside what is written beside it on its way
+    (``.what.….tmp``, ``what.partial/``)."""
+    path, what = Path(os.path.abspath(path)), Path(os.path.abspath(what))
+    try:
+        first = path.relative_to(what.parent).parts[0]
+    except (ValueError, IndexError):
+        return False
+    return first.startswith((what.name, "." + what.name))
+
+
+def write_failure(error: BaseException, where: str | Path | None = None) -> WriteFailure | None:
+    """Why writing ``where`` failed when ``error`` (or an error it was raised from) says the disk
+    is full or the place is not writable, in any library's form; None for any other error.
+
+    A not-writable error that names a file elsewhere (an input this user may not read) is not
+    about ``where``: None. torch's full-disk RuntimeError, which carries no errno, counts when
+    ``where``'s filesystem has almost no free space left.
     """
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
-            return True
+    for seen in _chain(error):
+        codes = list(_codes(seen))
+        full = next((code for code in codes if code in _FULL), None)
+        if full is not None:
+            return WriteFailure(full, full=True)
+        refused = next((code for code in codes if code in _NOT_WRITABLE), None)
+        if refused is not None:
+            named = _paths(seen)
+            if where is None or not named or any(_is_about(path, Path(where)) for path in named):
+                return WriteFailure(refused, full=False)
+            return None
         if isinstance(seen, RuntimeError) and any(text in str(seen) for text in _TORCH_WRITE_FAILURES):
             probe = Path(where) if where is not None else Path.cwd()
             while not probe.exists() and probe != probe.parent:
                 probe = probe.parent
             try:
-                return shutil.disk_usage(probe).free < _NEARLY_FULL_BYTES
+                nearly_full = shutil.disk_usage(probe).free < _NEARLY_FULL_BYTES
             except OSError:
-                return False
-        seen = seen.__cause__ or seen.__context__
-    return False
+                return None
+            return WriteFailure(errno.ENOSPC, full=True) if nearly_full else None
+    return None
+
+
+def is_disk_full(error: BaseException, where: str | Path | None = None) -> bool:
+    """Whether ``error`` (or an error it was raised from) means the disk is full (``ENOSPC`` or
+    ``EDQUOT`` in any library's form, see ``write_failure``)."""
+    failure = write_failure(error, where)
+    return failure is not None and failure.full
 
 
 @contextmanager
 def disk_full_is_reported(what: str | Path) -> Iterator[None]:
-    """Turn a full disk inside the block into one ``MtaError`` naming what was being written.
+    """Turn a full disk, or a place that cannot be written (read-only, permission denied), inside
+    the block into one ``MtaError`` naming what was being written.
 
     The writers in this module publish only complete files, so the message can promise that
     nothing finished before was lost.
@@ -273,23 +371,50 @@ def disk_full_is_reported(what: str | Path) -> Iterator[None]:
         yield
     except MtaError:
         raise
-    except (OSError, RuntimeError) as error:
-        if not is_disk_full(error, what):
+    except Exception as error:
+        failure = write_failure(error, what)
+        if failure is None:
             raise
+        removed = " and the unfinished one was removed" if failure.full else ""
         raise MtaError(
-            f"disk full while writing {what}; nothing was lost (every finished file is intact "
-            "and the unfinished one was removed); free space and re-run the same command"
+            f"{failure.headline(what)}; nothing was lost (every finished file is intact{removed}); "
+            f"{failure.fix} and re-run the same command"
         ) from error
 
 
 def make_output_directory(path: Path, option: str = "-o") -> None:
-    """``mkdir -p path`` for a stage's output; a full disk or a refused permission is one
-    ``MtaError`` naming ``option`` and the directory."""
+    """``mkdir -p path`` for a stage's output, and a probe that a file can be created in it, before
+    any work: a full disk, a read-only file system or a refused permission is one ``MtaError``
+    naming ``option`` and the directory (the directories this call created are removed again)."""
+    path = Path(path)
+    missing = path
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    created = not path.exists()
+    if path.exists() and not path.is_dir():
+        raise MtaError(f"{option} {path} is a file, not a directory; give a directory to write into")
     try:
-        with disk_full_is_reported(path):
-            path.mkdir(parents=True, exist_ok=True)
-    except PermissionError as error:
-        raise MtaError(f"cannot create {option} {path}: {error.strerror}; choose another directory") from error
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".mta-write-check-{secrets.token_hex(6)}.tmp"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        os.unlink(probe)
+    except OSError as error:
+        failure = write_failure(error)
+        if failure is None:
+            raise
+        if created:  # back to what was there: nothing of this run is left behind
+            for directory in (path, *path.parents):
+                if directory.is_dir():  # mkdir may have stopped part of the way down
+                    try:
+                        directory.rmdir()
+                    except OSError:
+                        break
+                if directory == missing:
+                    break
+        problem = "the disk is full" if failure.full else failure.reason
+        raise MtaError(
+            f"cannot write {option} {path}: {problem}; nothing was written; {failure.fix} and re-run the same command"
+        ) from error
 
 
 # --------------------------------------------------------------------------- exclusive locks

@@ -51,6 +51,7 @@ from mta.files import (
     atomic_write_jsonl,
     disk_full_is_reported,
     exclusive_lock,
+    make_output_directory,
     read_jsonl_lenient,
 )
 from mta.generation.generator import HFGenerator
@@ -187,6 +188,7 @@ def generate_pairs(
     dtype = resolve_dtype(settings.dtype, device)
     claim = describe_run(teacher, student, data, settings, dtype)
     fresh = not _check_journal(paths, claim, settings.overwrite)
+    make_output_directory(paths.output.parent, "the directory of -o")  # read-only or full: before any model loads
     models = {"teacher": teacher, "student": student}
     with distributed.joined_process_group():
         rank, world = distributed.rank(), distributed.world_size()

@@ -29,13 +29,16 @@ values of such a step, and a recipe value a resume changed is added as the tag
 (``--overwrite``) replaces ``OUT/tensorboard/``'s event files and opens new W&B and MLflow runs.
 
 Backends are imported only when listed, and a listed one that is not installed is refused
-before any work (``require``) with the ``pip install 'mta[NAME]'`` that installs it. A backend
+before any work (``require``) with the ``pip install 'mta[NAME]'`` that installs it, and so is an
+MLflow tracking server (``MLFLOW_TRACKING_URI=http(s)://…``) that does not answer one request within
+seconds (MLflow's own client retries for minutes before it gives up). A backend
 that fails while training (a tracking server gone) is reported once in the log and dropped; the
 run goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -45,6 +48,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -62,6 +66,7 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # W&B writes OUT/wandb/
 MLFLOW_DIR = "mlruns"
 _MLFLOW_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
+REACH_TIMEOUT_S = 4.0  # connect + first byte of the one request to a tracking server
 
 
 class Tracker(Protocol):
@@ -302,7 +307,9 @@ def check_names(names: Iterable[str], source: str) -> list[str]:
 
 
 def require(names: Iterable[str], source: str = "train.report_to") -> list[str]:
-    """Import every listed backend now, so a missing one stops the command before any work."""
+    """Import every listed backend now, so a missing one stops the command before any work; and
+    with mlflow listed and ``MLFLOW_TRACKING_URI`` a tracking server, refuse it within seconds
+    when it does not answer (``server_unreachable``) instead of after MLflow's minutes of retries."""
     checked = check_names(names, source)
     for name in checked:
         try:
@@ -312,7 +319,31 @@ def require(names: Iterable[str], source: str = "train.report_to") -> list[str]:
                 f"{source} lists {name}, which is not installed ({error}); install it with "
                 f"pip install 'mta[{name}]', or remove {name} from {source}"
             ) from error
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if "mlflow" in checked and uri and urlsplit(uri).scheme in ("http", "https"):
+        reason = server_unreachable(uri)
+        if reason is not None:
+            raise MtaError(
+                f"{source} lists mlflow, and the MLflow tracking server at {uri} (MLFLOW_TRACKING_URI) "
+                f"cannot be reached ({reason}); start the server or correct MLFLOW_TRACKING_URI, unset it "
+                f"to track into a file store in OUT/{MLFLOW_DIR}, or remove mlflow from {source}"
+            )
     return checked
+
+
+@functools.cache
+def server_unreachable(url: str) -> str | None:
+    """None when ``url`` answers one short request (any HTTP status counts), else why not, in a few
+    words. Once per process (``server_unreachable.cache_clear()`` forgets it); made with requests,
+    as MLflow's client is, so the same proxy and certificate settings apply."""
+    import requests
+
+    try:
+        requests.head(url, timeout=REACH_TIMEOUT_S, allow_redirects=False)
+    except Exception as error:  # noqa: BLE001 - refused, DNS, timeout, TLS, proxy: all "not reachable"
+        detail = str(error).splitlines()[0] if str(error) else ""
+        return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+    return None
 
 
 class _State:

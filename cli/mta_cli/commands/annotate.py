@@ -14,6 +14,15 @@ from mta_cli.options import OnError, TemplateChoice, parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
+# `mta annotate DATA` alone: these tokenizers (a recipe's, README) and this output directory.
+DEFAULT_RECIPE = "gpt2"
+DEFAULT_OUT_PARENT = Path("annotations")
+
+
+def default_out_dir(data: Path) -> Path:
+    """Where ``mta annotate DATA`` writes without ``-o``: ``annotations/<DATA's stem>``."""
+    return DEFAULT_OUT_PARENT / data.stem
+
 
 class WordSpansChoice(str, Enum):
     phrase = "phrase"
@@ -45,15 +54,20 @@ def annotate(
         "TRL prompt/completion, or conversations (messages); or the same rows as a Parquet or "
         "CSV file or a datasets save_to_disk directory.",
     ),
-    out_dir: Path | None = typer.Option(None, "-o", "--out", help="Output directory."),
+    out_dir: Path | None = typer.Option(
+        None, "-o", "--out", help="Output directory [default: annotations/<DATA's stem>, e.g. annotations/train]."
+    ),
     teacher: str | None = typer.Option(None, help="Teacher tokenizer: hub name or local directory."),
     student: str | None = typer.Option(
         None, help="Student tokenizer: hub name or local directory (may equal --teacher)."
     ),
     recipe: str | None = typer.Option(
         None,
+        "--recipe",
+        "-r",
         help="Take tokenizers, lengths, word spans, span rule, spaCy model and template from this recipe "
-        "(a YAML file, or the name of a shipped recipe: `mta recipes list`).",
+        "(a YAML file, or the name of a shipped recipe: `mta recipes list`) "
+        f"[default without --teacher and --student: {DEFAULT_RECIPE}].",
     ),
     max_length: int | None = typer.Option(None, help="Ids per sequence on each side, EOS included (default 512)."),
     max_prompt_length: int | None = typer.Option(None, help="Prompt tokens on each side (default 256)."),
@@ -89,7 +103,12 @@ def annotate(
     merge: Path | None = typer.Option(
         None, help="Write manifest.json of a directory whose shards are all written, and exit."
     ),
-    force: bool = typer.Option(False, "--force", help="Recompute even if a matching artefact exists."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Recompute even if a matching artefact exists (a cache: not `mta distill --overwrite`, "
+        "which removes another run's outputs).",
+    ),
     field: list[str] | None = typer.Option(
         None,
         "--field",
@@ -109,20 +128,32 @@ def annotate(
 
     Example: mta annotate rows.jsonl --teacher Qwen/Qwen1.5-1.8B --student gpt2 -o runs/ann/train
     (or --recipe gpt2 in place of --teacher and --student: the recipe's tokenizers and lengths).
+
+    Defaults: `mta annotate rows.jsonl` alone takes the tokenizers and lengths of the shipped
+    recipe gpt2 (GPT-2 1.5B and GPT-2: the Hub or its cache) and writes annotations/rows; the
+    first line of the log names every default used. The summary goes to stdout, progress to stderr.
     """
     quiet_third_party(verbose)
     from mta.data.annotate import AnnotateSettings, run_annotate
     from mta.store.layout import manifest_path
     from mta.store.publish import merge_shards
 
-    console = Console(stderr=True)
+    console = Console(stderr=True)  # progress and logs
+    results = Console()  # the summary and the final line
     if merge is not None:
         manifest = merge_shards(merge)
-        console.print(f"merged {manifest['num_shards']} shards into {manifest_path(merge)}")
-        _print_summary(console, manifest)
+        _print_summary(results, manifest)
+        results.print(f"merged {manifest['num_shards']} shards into {manifest_path(merge)}")
         return
-    if data is None or out_dir is None:
-        raise MtaError("give DATA.jsonl and -o OUT_DIR (or --merge DIR)")
+    if data is None:
+        raise MtaError("give DATA (a JSONL, Parquet or CSV file, or a datasets directory), or --merge DIR")
+    defaults = []
+    if out_dir is None:
+        out_dir = default_out_dir(data)
+        defaults.append(f"-o {out_dir}")
+    if recipe is None and teacher is None and student is None:
+        recipe = DEFAULT_RECIPE
+        defaults.append(f"--recipe {DEFAULT_RECIPE}")
 
     options = dict(
         max_length=max_length,
@@ -146,12 +177,16 @@ def annotate(
             options["fields"] = {**loaded.data.fields, **options["fields"]}
         # The tokenizers training will load (a tiny recipe's are built here at first use).
         sources = tokenizer_sources(loaded) if teacher is None or student is None else {}
+        if recipe == DEFAULT_RECIPE and defaults and defaults[-1].startswith("--recipe"):
+            defaults[-1] += f" (teacher {sources['teacher']}, student {sources['student']}, its lengths)"
+        _announce(console, data, defaults)
         settings = AnnotateSettings.from_recipe(
             loaded, teacher=teacher or sources["teacher"], student=student or sources["student"], **options
         )
     else:
         if teacher is None or student is None:
             raise MtaError("give --teacher and --student (the same value works for both), or --recipe")
+        _announce(console, data, defaults)
         settings = AnnotateSettings(
             teacher=teacher,
             student=student,
@@ -172,13 +207,19 @@ def annotate(
     if outcome.reused:
         console.print(f"reused {out_dir} (same input and settings; --force recomputes)")
     if outcome.manifest is None:
-        console.print(
+        _print_summary(results, outcome.shard_manifest["counts"])
+        results.print(
             f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when every shard is written"
         )
-        _print_summary(console, outcome.shard_manifest["counts"])
         return
-    _print_summary(console, outcome.manifest)
-    console.print(f"wrote {manifest_path(out_dir)}")
+    _print_summary(results, outcome.manifest)
+    results.print(f"wrote {manifest_path(out_dir)}")
+
+
+def _announce(console: Console, data: Path, defaults: list[str]) -> None:
+    """The log's first line: every default this run takes (none: no line)."""
+    if defaults:
+        console.print(f"annotate {data}: defaults {', '.join(defaults)}", highlight=False, soft_wrap=True)
 
 
 def _print_summary(console: Console, counts: dict) -> None:

@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+
 app = typer.Typer(help="Fetch the evaluation sets.", no_args_is_help=True)
 
 
@@ -18,9 +20,11 @@ def download(
     ),
     sets: str = typer.Option("dolly,self-inst,vicuna,sinst,uinst", "--sets", help="Comma-separated sets."),
     force: bool = typer.Option(False, "--force", help="Download again even where the set's file exists."),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Download the MiniLLM evaluation sets (Dolly, SelfInst, Vicuna, S-NI, UnNI) from the
     Hugging Face Hub into the layout `mta evaluate` reads. Needs network access."""
+    quiet_third_party(verbose)
     from mta.evaluation.datasets import default_data_dir
     from mta.evaluation.download import download_sets
 

@@ -14,6 +14,12 @@ from rich.text import Text
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
+# SIGUSR1 (Slurm's warning before the time limit): stopped after a step with a checkpoint of it;
+# a job script requeues on it (docs/slurm.md). 75 is EX_TEMPFAIL, "try again later" (sysexits.h).
+STOPPED = 75
+# SIGTERM, with a checkpoint when it fitted (the line says): 128 + 15, what the signal alone gives,
+# so that scancel's job is not requeued by a script that requeues on STOPPED.
+TERMINATED = 143
 
 
 def resume_command(recipe: str, overrides: list[str], *, verbose: bool = False) -> str:
@@ -22,19 +28,40 @@ def resume_command(recipe: str, overrides: list[str], *, verbose: bool = False) 
     return shlex.join(argv + (["--verbose"] if verbose else []))
 
 
-def interrupted_line(output_dir: Path, command: str) -> str:
-    """One line for Ctrl-C: the newest complete checkpoint under ``output_dir`` and the command
-    that continues from it (``--resume auto`` finds it, or starts at step 0 when there is none)."""
+def _last_checkpoint(output_dir: Path) -> str:
     from mta.training.lifecycle.checkpointing import checkpoints_dir, complete_checkpoints
 
     found = complete_checkpoints(output_dir)
     if found:
         step, path = found[-1]
-        where = f"last complete checkpoint {path} (step {step})"
-    else:
-        where = f"no complete checkpoint yet under {checkpoints_dir(output_dir)}"
+        return f"last complete checkpoint {path} (step {step})"
+    return f"no complete checkpoint yet under {checkpoints_dir(output_dir)}"
+
+
+def _resume_with(command: str) -> str:
     launcher = " (under the same launcher)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    return f"interrupted: {where}; resume with{launcher}: {command}"
+    return f"resume with{launcher}: {command}"
+
+
+def interrupted_line(output_dir: Path, command: str) -> str:
+    """One line for Ctrl-C: the newest complete checkpoint under ``output_dir`` and the command
+    that continues from it (``--resume auto`` finds it, or starts at step 0 when there is none)."""
+    return f"interrupted: {_last_checkpoint(output_dir)}; {_resume_with(command)}"
+
+
+def stopped_line(stopped, output_dir: Path, command: str) -> str:
+    """One line for a run stopped by a signal (``mta.training.lifecycle.stopping.RunStopped``):
+    the checkpoint it wrote, or why it wrote none and the newest complete one; the command that
+    continues."""
+    if stopped.checkpoint is not None:
+        return (
+            f"stopped by {stopped.signal_name} after step {stopped.step}: saved {stopped.checkpoint}; "
+            + _resume_with(command)
+        )
+    return (
+        f"stopped by {stopped.signal_name} without saving ({stopped.reason}): "
+        f"{_last_checkpoint(output_dir)}; {_resume_with(command)}"
+    )
 
 
 def distill(
@@ -56,7 +83,7 @@ def distill(
         False,
         "--overwrite",
         help="start over: remove the run in output_dir (run.json, checkpoints/, final/, metrics.jsonl; "
-        "the data/ and models/ caches stay) before the first step",
+        "the data/ and models/ caches stay) before the first step; not --force, which elsewhere recomputes a cache",
     ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="validate, plan (models on the meta device, memory) and exit"
@@ -71,11 +98,18 @@ def distill(
     OUT/final/ (Hugging Face format) and OUT/metrics.jsonl.
 
     One run per output_dir: a directory that holds another run's outputs is refused unless
-    --resume auto continues that run or --overwrite starts over. Ctrl-C exits with code 130 and
-    one line naming the last complete checkpoint and the command that resumes from it.
+    --resume auto continues that run or --overwrite starts over, and so is a second run while
+    one trains into it (a lock naming its pid and host). Ctrl-C exits with code 130 and one line
+    naming the last complete checkpoint and the command that resumes from it.
+
+    Signals (Slurm: docs/slurm.md): SIGUSR1 finishes the current step, saves a checkpoint of it,
+    prints the line and exits with code 75 (requeue); SIGTERM does the same when the last
+    checkpoint's save time fits in 20 s (MTA_SIGTERM_BUDGET_S), else stops at once, and exits
+    with code 143 and the line either way.
 
     Progress: rich bars on a terminal; elsewhere (Slurm, `> log`, CI) one plain line per
-    train.log_interval steps. MTA_PROGRESS=plain or MTA_PROGRESS=rich chooses instead.
+    train.log_interval steps. MTA_PROGRESS=plain or MTA_PROGRESS=rich chooses instead. Progress
+    and the log go to stderr; the --dry-run plan and the final "done:" line to stdout.
     """
     quiet_third_party(verbose)
     from mta.training.config.catalog import find_recipe
@@ -91,9 +125,10 @@ def distill(
         from mta.training.dry_run import plan_run
         from mta_cli.dry_run_tables import render_plan
 
-        console.print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
+        Console().print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
         return
     from mta.reporting import SilentReporter
+    from mta.training.lifecycle.stopping import RunStopped
     from mta_cli.reporting import make_reporter
 
     is_main = int(os.environ.get("RANK", 0)) == 0
@@ -110,6 +145,15 @@ def distill(
             )
             console.print(Text(line, style="yellow"), soft_wrap=True)
         raise typer.Exit(INTERRUPTED) from None
+    except RunStopped as stopped:
+        if is_main:
+            line = stopped_line(
+                stopped,
+                loaded.resolve(loaded.output_dir, "output_dir"),
+                resume_command(recipe, list(overrides or []), verbose=verbose),
+            )
+            console.print(Text(line, style="yellow"), soft_wrap=True)
+        raise typer.Exit(TERMINATED if stopped.signal_name == "SIGTERM" else STOPPED) from None
     if is_main:
         how = "AutoModelForCausalLM.from_pretrained"
         if loaded.task == "embedding":
@@ -118,4 +162,4 @@ def distill(
                 + (", trust_remote_code=True" if loaded.student.pooling == "cls_attention" else "")
                 + ", or AutoModel.from_pretrained"
             )
-        console.print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)
+        Console().print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)

@@ -58,7 +58,12 @@ def embed(
         help="Embed every N-th row starting at row I (I/N), for array jobs [default: under torchrun, "
         "this rank's share].",
     ),
-    force: bool = typer.Option(False, "--force", help="Recompute even if a matching artefact exists."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Recompute even if a matching artefact exists (a cache: not `mta distill --overwrite`, "
+        "which removes another run's outputs).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Compute a teacher's sentence embedding of every text of DATA, once, for TALAS distillation.
@@ -102,8 +107,8 @@ def embed(
     if outcome.manifest is None:
         console.print("this shard is written; .mta/manifest.json appears when every shard of the set is")
         return
-    _print_summary(console, outcome.manifest)
-    console.print(f"wrote {out_dir}")
+    _print_summary(Console(), outcome.manifest)  # the summary and the final line: stdout
+    Console().print(f"wrote {out_dir}")
 
 
 def _print_summary(console: Console, manifest: dict) -> None:

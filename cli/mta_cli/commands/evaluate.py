@@ -12,7 +12,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.options import TemplateChoice
+from mta_cli.options import TemplateChoice, deprecated_alias
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 from mta_cli.results import comparison_table
@@ -85,15 +85,16 @@ def evaluate(
         "see mta_cli.commands.evaluate_embedding).",
     ),
     teacher: str | None = typer.Option(
-        None, "--teacher", help="--task embedding: the teacher that embeds --data's held-out texts."
+        None, "--teacher", help="--task embedding: the teacher that embeds --held-out's texts."
     ),
-    data: Path | None = typer.Option(
-        None, "--data", help="--task embedding: held-out texts (any input `mta embed` reads)."
+    held_out: Path | None = typer.Option(
+        None, "--held-out", help="--task embedding: held-out texts (any input `mta embed` reads)."
     ),
+    held_out_old: Path | None = typer.Option(None, "--data", hidden=True),  # deprecated: --held-out
     teacher_embeddings: Path | None = typer.Option(
         None,
         "--teacher-embeddings",
-        help="--task embedding: an `mta embed` directory of held-out texts (instead of --teacher/--data).",
+        help="--task embedding: an `mta embed` directory of held-out texts (instead of --teacher/--held-out).",
     ),
     pooling: str = typer.Option(
         "auto",
@@ -126,13 +127,16 @@ def evaluate(
     (rows labelled base and mta: each run directory's name, unless --names).
 
     With --task embedding the checkpoints are sentence encoders: teacher agreement on held-out
-    texts (--teacher T --data FILE, or --teacher-embeddings DIR from `mta embed`: Spearman of
+    texts (--teacher T --held-out FILE, or --teacher-embeddings DIR from `mta embed`: Spearman of
     the pairwise cosines, nearest-neighbour recall@k) and the TALAS author's nine tasks
     (--tasks-dir: his CSVs; unreachable ones are listed with the reason), into the same
     results.json and results.md. Example: mta evaluate --task embedding runs/talas/final
     --teacher-embeddings runs/emb/dev -o runs/eval-embed
+
+    The results table and the final line go to stdout; progress and the log to stderr.
     """
     quiet_third_party(verbose)  # our bars only: no per-checkpoint weight-loading bar
+    held_out = deprecated_alias(held_out, held_out_old, old="--data", new="--held-out")
     if task == "embedding":
         from mta_cli.commands.evaluate_embedding import evaluate_embedding
 
@@ -141,7 +145,7 @@ def evaluate(
             out=out,
             names=_csv(names, "--names") if names is not None else None,
             teacher=teacher,
-            data=data,
+            data=held_out,
             teacher_embeddings=teacher_embeddings,
             pooling=pooling,
             tasks=_csv(tasks, "--tasks") if tasks is not None else None,
@@ -156,7 +160,7 @@ def evaluate(
         raise MtaError(f"--task '{task}': choose llm or embedding")
     from mta.evaluation import EvalSettings, evaluate_checkpoints
 
-    console = Console()
+    console = Console(stderr=True)  # progress and the log; the table and the final line: stdout
     logger = logging.getLogger("mta.evaluation")
     if not logger.handlers:
         logger.addHandler(RichHandler(console=console, show_time=False, show_path=False))
@@ -193,5 +197,5 @@ def evaluate(
             report_to=_csv(report_to, "--report-to") if report_to is not None else (),
         )
     if int(os.environ.get("RANK", 0)) == 0:
-        console.print(rich_table(results))
-        console.print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+        Console().print(rich_table(results))
+        Console().print(f"wrote {out / 'results.json'} and {out / 'results.md'}")

@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from mta_cli.options import OnError
+from mta.errors import MtaError
+from mta_cli.options import OnError, deprecated_alias
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
@@ -20,9 +21,12 @@ MAX_NEW_TOKENS, MAX_PROMPT_LENGTH, BATCH_SIZE, SEED = 256, 256, 16, 42
 def generate(
     teacher: str = typer.Option(..., "--teacher", help="Teacher model directory (with its tokenizer) or hub name."),
     student: str = typer.Option(..., "--student", help="Student model directory (with its tokenizer) or hub name."),
-    data: Path = typer.Option(
-        ..., "--data", help="JSONL prompts: MiniLLM (instruction/input/output), Dolly or prompt/response rows."
+    data: Path | None = typer.Argument(
+        None,
+        help="JSONL prompts: MiniLLM (instruction/input/output), Dolly or prompt/response rows.",
+        show_default=False,
     ),
+    data_old: Path | None = typer.Option(None, "--data", hidden=True),  # deprecated: DATA, as in annotate
     out: Path = typer.Option(..., "--out", "-o", help="Output JSONL: id, prompt, chosen, rejected per row."),
     temperature: float = typer.Option(TEMPERATURE, help="Sampling temperature (0: greedy)."),
     top_p: float = typer.Option(TOP_P, help="Nucleus sampling: smallest set of tokens reaching this mass (1.0: off)."),
@@ -40,7 +44,10 @@ def generate(
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:1, ..."),
     on_error: OnError = typer.Option(OnError.fail, help="Stop at a bad input row, or skip and count it."),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace an existing output file (and an unfinished journal of other settings)."
+        False,
+        "--overwrite",
+        help="Replace an existing output file (and an unfinished journal of other settings): "
+        "removes another run's output, unlike --force elsewhere, which recomputes a cache.",
     ),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
@@ -55,8 +62,14 @@ def generate(
     a journal of other settings is refused. An existing OUT is kept unless --overwrite. Under
     torchrun the rows are split over the ranks (each holds both models in turn) and rank 0
     writes OUT.
+
+    Example: mta generate prompts.jsonl --teacher T --student S -o pairs.jsonl (the final line
+    on stdout, progress on stderr).
     """
     quiet_third_party(verbose)  # our bars only: no weight-loading bar
+    data = deprecated_alias(data, data_old, old="--data", new="DATA (the first argument)")
+    if data is None:
+        raise MtaError("give DATA, the JSONL prompts")
     from mta.pairs import PairSettings, generate_pairs
 
     settings = PairSettings(
@@ -86,4 +99,4 @@ def generate(
                 highlight=False,
             )
     skipped = f", {outcome.skipped} bad row(s) skipped" if outcome.skipped else ""
-    console.print(f"wrote {outcome.rows} pairs to {outcome.path}{skipped}", highlight=False)
+    Console().print(f"wrote {outcome.rows} pairs to {outcome.path}{skipped}", highlight=False)

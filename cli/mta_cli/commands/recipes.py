@@ -1,7 +1,9 @@
-"""`mta recipes ...`: the recipes shipped with mta; list them, copy one out to edit."""
+"""`mta recipes ...`: the recipes shipped with mta; list them, copy one out to edit; every key a
+recipe may set (`mta recipes keys`)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -53,3 +55,44 @@ def copy(
     for key, (old, new) in copied.rewritten.items():
         console.print(f"  {key}: {old} -> {new}", highlight=False)
     console.print(f"run it with: mta distill --recipe {copied.recipe}", highlight=False)
+
+
+@app.command("keys")
+def keys(
+    section: str = typer.Argument(
+        None,
+        help="a section (train, loss, data, ...) or a dotted key (train.asam); default: every key",
+        show_default=False,
+    ),
+    task: str = typer.Option(None, "--task", help="llm or embedding; default: both", show_default=False),
+    markdown: bool = typer.Option(
+        False, "--markdown", help="print docs/recipe-keys.md instead (every key of both tasks, as Markdown)"
+    ),
+) -> None:
+    """Every key a recipe may set, from the schemas: type, default, allowed values, whether a
+    `--resume` may change it, and what it does; one table per task.
+
+    `mta recipes keys --markdown > docs/recipe-keys.md` writes the reference in the repository.
+    """
+    from mta.training.config.reference import reference_markdown, select_rows
+
+    if markdown:
+        if section is not None or task is not None:
+            raise typer.BadParameter("--markdown prints the whole reference: give no SECTION or --task with it")
+        sys.stdout.write(reference_markdown())
+        return
+    rows = select_rows(section, task)
+    console = Console()
+    for name in dict.fromkeys(row.task for row in rows):
+        table = Table(title=f"task: {name}", title_justify="left")
+        table.add_column("key", style="bold cyan", no_wrap=True)
+        table.add_column("type")
+        table.add_column("default")
+        table.add_column("allowed")
+        table.add_column("resume")
+        table.add_column("description")
+        for row in rows:
+            if row.task == name:
+                resume = "[green]yes[/]" if row.resumable else "no"
+                table.add_row(row.key, row.type, row.default, row.allowed, resume, row.description)
+        console.print(table)

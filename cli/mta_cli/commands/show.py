@@ -9,6 +9,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from mta_cli.options import deprecated_alias
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+
 PHRASE_STYLES = {"NP": "bold black on cyan", "VP": "bold black on magenta"}
 WORD_STYLE = "underline"
 TOKEN_STYLES = ("on grey23", "on grey35")  # alternate so token boundaries are visible
@@ -17,18 +20,32 @@ VISIBLE_WHITESPACE = str.maketrans({" ": "·", "\n": "↵", "\t": "→"})
 
 def show(
     out_dir: Path = typer.Argument(..., help="An `mta annotate` output directory."),
-    row: int = typer.Option(0, "--row", "-r", help="Row position in the artefact (from 0)."),
+    row: int | None = typer.Option(None, "--row", help="Row position in the artefact (from 0).", show_default="0"),
+    row_old: int | None = typer.Option(None, "-r", hidden=True),  # deprecated: -r is --recipe elsewhere
     words: bool = typer.Option(False, "--words", help="Also list the word spans."),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Print one row: its text with phrase (NP cyan, VP magenta) and word (underlined) spans,
     the teacher's and the student's tokens, and each span's token range on both sides.
     """
+    quiet_third_party(verbose)
+    row = deprecated_alias(row, row_old, old="-r", new="--row") or 0
     from mta.store.read import read_annotations
 
     console = Console()
     annotations = read_annotations(out_dir)
     record = annotations.row(row)
     manifest = annotations.manifest
+    for side in ("teacher", "student"):  # both are printed: a record that is not one is refused first
+        described = manifest.get(side)
+        if not (isinstance(described, dict) and isinstance(described.get("name"), str)):
+            from mta.errors import MtaError
+
+            raise MtaError(
+                f"{out_dir}: its manifest's {side!r} is {described!r}, not the tokenizer record "
+                "{name, fingerprint} `mta annotate` writes; the manifest was changed by hand or by "
+                "another program: annotate the input again into a new directory"
+            )
     text = record["text"]
 
     console.print(
@@ -77,7 +94,7 @@ def _token_pieces(description: dict, text: str, ids: list[int]) -> list[str]:
         side = TokenizerSide.load(description["name"])
     except MtaError:
         return [str(i) for i in ids]
-    if side.fingerprint != description["fingerprint"]:
+    if side.fingerprint != description.get("fingerprint"):
         return [str(i) for i in ids]
     encoding = side.encode(text)
     pieces = [text[start:end] for start, end in encoding.offsets.tolist()]

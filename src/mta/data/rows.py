@@ -261,9 +261,17 @@ def decode_line(raw: bytes) -> Any:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
         return _Invalid(INVALID_JSON, f"malformed JSON at column {error.colno}: {error.msg}")
+    except ValueError as error:  # a number past Python's int digit limit (sys.get_int_max_str_digits)
+        advice = " (write a number this long as a JSON string)" if "digits" in str(error) else ""
+        return _Invalid(INVALID_JSON, f"unreadable JSON: {_one_line(error)}{advice}")
     if not isinstance(record, dict):
         return _Invalid(NOT_AN_OBJECT, f"expected a JSON object, got a {type(record).__name__} ({_preview(record)})")
     return record
+
+
+def _one_line(error: Exception) -> str:
+    """An error's text on one line, its advice to change interpreter settings left out."""
+    return " ".join(str(error).split("; use sys.set_int_max_str_digits")[0].split())
 
 
 def _strip_line(number: int, raw: bytes) -> bytes:

@@ -10,17 +10,47 @@
 
 Imported by training (TALAS reads the teacher's vectors) and evaluation (the proxy encodes
 held-out texts); it imports neither.
+
+The names below are imported on first use (PEP 562), so that reading an embedding recipe's schema
+(``mta.embedding.recipe``: ``mta recipes keys``) imports neither torch nor transformers.
 """
 
-from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
-from mta.embedding.pooling import POOLINGS, PoolingConfig, pool
-from mta.embedding.teacher_embeddings import (
-    TeacherEmbeddings,
-    build_teacher_embeddings,
-    embedding_text,
-    holds_teacher_embeddings,
-    read_teacher_embeddings,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mta.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
+    from mta.embedding.pooling import POOLINGS, PoolingConfig, pool
+    from mta.embedding.teacher_embeddings import (
+        TeacherEmbeddings,
+        build_teacher_embeddings,
+        embedding_text,
+        holds_teacher_embeddings,
+        read_teacher_embeddings,
+    )
+
+# Each public name and the module it lives in.
+EXPORTS = {
+    "EncoderPlan": "mta.embedding.encoder",
+    "SentenceEncoder": "mta.embedding.encoder",
+    "load_encoder": "mta.embedding.encoder",
+    "plan_encoder": "mta.embedding.encoder",
+    "POOLINGS": "mta.embedding.pooling",
+    "PoolingConfig": "mta.embedding.pooling",
+    "pool": "mta.embedding.pooling",
+    "TeacherEmbeddings": "mta.embedding.teacher_embeddings",
+    "build_teacher_embeddings": "mta.embedding.teacher_embeddings",
+    "embedding_text": "mta.embedding.teacher_embeddings",
+    "holds_teacher_embeddings": "mta.embedding.teacher_embeddings",
+    "read_teacher_embeddings": "mta.embedding.teacher_embeddings",
+}
+
+
+__getattr__, __dir__ = lazy_exports(globals(), EXPORTS)
+
 
 __all__ = [
     "POOLINGS",

@@ -32,7 +32,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mta.embedding.demo import START_LABEL, TALAS_RECIPE
+from mta.embedding.demo import START_LABEL, TALAS_RECIPE, student_run_overrides
 from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text
 from mta.reporting import Reporter, SilentReporter
@@ -92,32 +92,10 @@ def run_overrides(
     variant: AblationVariant, seed: int, settings: AblationSettings, *, start: str, train: str, output_dir: str
 ) -> list[str]:
     """The recipe overrides of one run, on TALAS's recipe (recipes/talas-minilm.yaml)."""
-    return [
-        "teacher=null",
-        f"student.path={start}",
-        "student.tokenizer=null",
-        "student.config=null",
-        "student.pooling=mean",
-        f"data.train={train}",
-        "data.dev=null",
-        f"data.max_length={settings.max_length}",
-        f"seed={seed}",
-        f"output_dir={output_dir}",
-        "train.epochs=null",
-        f"train.max_steps={settings.steps}",
-        f"train.batch_size={settings.batch_size}",
-        f"train.micro_batch_size={settings.batch_size}",
-        f"train.lr={settings.lr}",
-        f"train.projector_lr={settings.projector_lr}",
-        "train.warmup_steps=0",
-        f"train.precision={settings.precision}",
-        "train.asam=null",
-        f"train.log_interval={settings.steps}",
-        f"train.save_interval={settings.steps}",
-        f"train.eval_interval={settings.steps}",
-        "train.keep_checkpoints=1",
-        *variant.overrides,
-    ]
+    shared = student_run_overrides(
+        settings, seed=seed, start=start, train=train, output_dir=output_dir, log_interval=settings.steps
+    )
+    return [*shared, "train.asam=null", *variant.overrides]
 
 
 def planned_runs(settings: AblationSettings, root: str | Path = "runs/ablation-embed") -> list[tuple[str, list[str]]]:

@@ -36,6 +36,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from mta.demo.report import (
     RESULTS_JSON,
@@ -325,6 +326,38 @@ def _sample_dolly(data_dir: Path, root: Path, settings: EmbedDemoSettings) -> di
     return paths
 
 
+def student_run_overrides(
+    settings: Any, *, seed: int, start: str | Path, train: str | Path, output_dir: str | Path, log_interval: int
+) -> list[str]:
+    """The overrides of TALAS's recipe that every demo-embed and ablation-embed run shares: the
+    pruned start, the stored teacher embeddings, no dev split, and ``settings``' steps, batch,
+    rates and precision (``settings``: an ``EmbedDemoSettings`` or ``AblationSettings``)."""
+    return [
+        "teacher=null",
+        f"student.path={start}",
+        "student.tokenizer=null",
+        "student.config=null",
+        "student.pooling=mean",
+        f"data.train={train}",
+        "data.dev=null",
+        f"data.max_length={settings.max_length}",
+        f"seed={seed}",
+        f"output_dir={output_dir}",
+        "train.epochs=null",
+        f"train.max_steps={settings.steps}",
+        f"train.batch_size={settings.batch_size}",
+        f"train.micro_batch_size={settings.batch_size}",
+        f"train.lr={settings.lr}",
+        f"train.projector_lr={settings.projector_lr}",
+        "train.warmup_steps=0",
+        f"train.precision={settings.precision}",
+        f"train.log_interval={log_interval}",
+        f"train.save_interval={settings.steps}",
+        f"train.eval_interval={settings.steps}",
+        "train.keep_checkpoints=1",
+    ]
+
+
 def _distill(
     recipe_path,
     variant: EmbedVariant,
@@ -347,28 +380,9 @@ def _distill(
         reporter.message(f"{variant.name} seed {seed}: already trained ({final})")
         return final, json.loads(record_path.read_text())
     overrides = [
-        "teacher=null",
-        f"student.path={start}",
-        "student.tokenizer=null",
-        "student.config=null",
-        "student.pooling=mean",
-        f"data.train={train_embeddings}",
-        "data.dev=null",
-        f"data.max_length={settings.max_length}",
-        f"seed={seed}",
-        f"output_dir={output_dir}",
-        "train.epochs=null",
-        f"train.max_steps={settings.steps}",
-        f"train.batch_size={settings.batch_size}",
-        f"train.micro_batch_size={settings.batch_size}",
-        f"train.lr={settings.lr}",
-        f"train.projector_lr={settings.projector_lr}",
-        "train.warmup_steps=0",
-        f"train.precision={settings.precision}",
-        "train.log_interval=1",
-        f"train.save_interval={settings.steps}",
-        f"train.eval_interval={settings.steps}",
-        "train.keep_checkpoints=1",
+        *student_run_overrides(
+            settings, seed=seed, start=start, train=train_embeddings, output_dir=output_dir, log_interval=1
+        ),
         *variant.overrides,
     ]
     from mta.training.config.loading import load_recipe

@@ -4,7 +4,7 @@ Two kinds of numbers, in one ``results.json`` / ``results.md`` (the LLM evaluati
 ``settings``, ``sets``, ``checkpoints.<label>.sets.<set>``, ``versions``, ``created``):
 
 **Teacher agreement** (set ``proxy``; needs no benchmark file): on held-out texts whose teacher
-embeddings ``mta embed`` wrote (``--teacher-embeddings DIR``, or ``--teacher T --data FILE``,
+embeddings ``mta embed`` wrote (``--teacher-embeddings DIR``, or ``--teacher T --held-out FILE``,
 embedded into ``OUT/teacher-embeddings/`` and reused), each checkpoint embeds the same texts and
 
 - ``spearman``: Spearman's rank correlation between the checkpoint's and the teacher's cosine
@@ -53,7 +53,7 @@ from mta.embedding.teacher_embeddings import TeacherEmbeddings, build_teacher_em
 from mta.errors import MtaError
 from mta.evaluation.model_files import checkpoint_fingerprint
 from mta.evaluation.models_under_test import checkpoint_names
-from mta.files import atomic_write_json, atomic_write_text, disk_full_is_reported
+from mta.files import atomic_write_json, atomic_write_text, disk_full_is_reported, make_output_directory
 from mta.reporting import Reporter, SilentReporter
 from mta.tables import markdown_table
 from mta.versions import package_versions
@@ -398,13 +398,14 @@ def evaluate_embedding_checkpoints(
     out_dir = Path(out_dir)
     labels = checkpoint_names(checkpoints, names)
     if teacher_embeddings is not None and (teacher is not None or data is not None):
-        raise MtaError("give --teacher-embeddings DIR, or --teacher and --data, not both")
+        raise MtaError("give --teacher-embeddings DIR, or --teacher and --held-out, not both")
     if (teacher is None) != (data is None):
-        raise MtaError("--teacher and --data go together: the teacher embeds the held-out texts of --data")
+        raise MtaError("--teacher and --held-out go together: the teacher embeds the held-out texts of --held-out")
     fingerprints = [checkpoint_fingerprint(checkpoint)[0] for checkpoint in checkpoints]
     tasks_dir = Path(settings.tasks_dir) if settings.tasks_dir else None
     if tasks_dir is not None and not tasks_dir.is_dir():
         raise MtaError(f"--tasks-dir {tasks_dir} is not a directory; {_download_hint()}")
+    make_output_directory(out_dir)  # a read-only or full -o: one line before any encoder loads
     device = distributed.resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     with distributed.joined_process_group():

@@ -7,7 +7,7 @@ the task registry (``mta.embedding.task``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -17,6 +17,7 @@ from mta.training.config.schema import Precision, RecipeChecks, Strict, TrainSpe
 # Keys of the shared train: section that only LLM distillation reads (an embedding recipe that
 # sets one to anything but its default is refused; the defaults stay in its resolved recipe, unread).
 LLM_ONLY_TRAIN_KEYS = (
+    "select_by",  # an embedding run keeps no best/
     "teacher_zero3",
     "num_sample_generations",
     "sample_max_new_tokens",
@@ -29,13 +30,13 @@ class TinyEncoder(Strict):
     """Build a random BERT encoder (``mta.embedding.tiny_encoders``) and a WordPiece tokenizer trained
     on ``tokenizer_corpus`` at first use (CPU runs and tests)."""
 
-    model_type: Literal["bert"] = "bert"
-    num_layers: int = Field(4, ge=1)
-    hidden_size: int = Field(32, ge=4)
-    num_heads: int = Field(4, ge=1)
+    model_type: Literal["bert"] = Field("bert", description="the random encoder's architecture")
+    num_layers: int = Field(4, ge=1, description="transformer blocks")
+    hidden_size: int = Field(32, ge=4, description="the hidden states' width")
+    num_heads: int = Field(4, ge=1, description="attention heads per block")
     tokenizer_corpus: str = Field(description="JSONL whose text trains the WordPiece tokenizer")
-    vocab_size: int = Field(512, ge=100)
-    seed: int = 0
+    vocab_size: int = Field(512, ge=100, description="the WordPiece vocabulary size")
+    seed: int = Field(0, description="seed of the random weights")
 
 
 class EncoderSpec(Strict):
@@ -43,11 +44,17 @@ class EncoderSpec(Strict):
         description="hub name or local directory of a Hugging Face encoder (AutoModel) or a sentence-transformers model"
     )
     tokenizer: str | None = Field(None, description="tokenizer name or directory; default: path")
-    dtype: Precision = "fp32"
+    dtype: Precision = Field(
+        "fp32", description="the dtype the weights load in; a student's is fp32 or train.precision's"
+    )
     config: str | None = Field(
         None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
     )
-    tiny: TinyEncoder | None = None
+    tiny: TinyEncoder | None = Field(
+        None,
+        description="build a random encoder of this shape at first use, under output_dir/models/ (CPU runs "
+        "and tests); null: load path",
+    )
 
     @property
     def tokenizer_path(self) -> str:
@@ -134,19 +141,24 @@ class EmbeddingRecipe(RecipeChecks):
     a teacher's stored sentence embeddings (``mta embed``; built at first use from ``teacher``
     when ``data`` names rows). The teacher model itself is never loaded for training."""
 
-    name: str
-    seed: int = 42
-    output_dir: str
-    task: Literal["embedding"]
+    # The shared train: keys this task does not read (refused unless at their defaults).
+    UNREAD_TRAIN_KEYS: ClassVar[tuple[str, ...]] = LLM_ONLY_TRAIN_KEYS
+
+    name: str = Field(description="the run's name: a label in run.json, the model card and the trackers")
+    seed: int = Field(42, description="seeds the data order, dropout, the projections' initialisation")
+    output_dir: str = Field(
+        description="the run's directory: checkpoints/, final/, metrics.jsonl, and its caches (embeddings/)"
+    )
+    task: Literal["embedding"] = Field(description="embedding: a sentence-embedding encoder (TALAS; this schema)")
     teacher: TeacherEncoderSpec | None = Field(
         None,
         description="the embedding teacher, loaded only to embed data rows at first use; null: "
         "data names `mta embed` directories",
     )
-    student: StudentEncoderSpec
-    data: EmbeddingDataSpec
-    loss: EmbeddingLossSpec = EmbeddingLossSpec()
-    train: TrainSpec
+    student: StudentEncoderSpec = Field(description="the encoder trained")
+    data: EmbeddingDataSpec = Field(description="the texts trained and evaluated on, with the teacher's embeddings")
+    loss: EmbeddingLossSpec = Field(EmbeddingLossSpec(), description="λ1·SimCSE + λ2·TAMD + λ3·LASD (mta.losses.talas)")
+    train: TrainSpec = Field(description="optimizer, schedule, length, precision, ZeRO, intervals")
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,
         description="DeepSpeed settings the schema does not model, merged in verbatim",
@@ -161,8 +173,6 @@ class EmbeddingRecipe(RecipeChecks):
             for key in LLM_ONLY_TRAIN_KEYS
             if key in fields and getattr(self.train, key) != fields[key].get_default(call_default_factory=True)
         ]
-        if getattr(self.train, "select_by", "loss") == "rouge":
-            named.insert(0, "select_by")
         if named:
             raise PydanticCustomError(
                 "task_setting",

@@ -15,8 +15,9 @@ and the scorer through the others.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mta.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from mta.evaluation.datasets import DEFAULT_BENCHMARKS
@@ -39,12 +40,7 @@ EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(EXPORTS[name]), name)
-    globals()[name] = value  # the next access is a plain attribute
-    return value
+__getattr__, __dir__ = lazy_exports(globals(), EXPORTS)
 
 
 __all__ = [

@@ -210,6 +210,9 @@ def _parse_row(path: Path, line_number: int, text: str, index: int, style: Promp
         raise MtaError(
             f"{where}: not valid JSON ({error.msg} at column {error.colno}); fix or delete the line"
         ) from error
+    except ValueError as error:  # a number past Python's int digit limit
+        problem = str(error).split("; use sys.set_int_max_str_digits")[0]
+        raise MtaError(f"{where}: unreadable JSON ({problem}); fix or delete the line") from error
     if not isinstance(row, dict):
         raise MtaError(f"{where}: expected a JSON object with 'prompt'/'instruction' and 'output'")
     try:

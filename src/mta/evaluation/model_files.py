@@ -1,12 +1,17 @@
 """The files that make a checkpoint under test: are its weights whole, do they match its checksum
 list, and the fingerprint that keys its predictions.
 
-**Model files** are the top-level files of a checkpoint directory that decide what it generates:
-weights (``*.safetensors``, ``pytorch_model*.bin`` and their ``.index.json``), config
-(``config.json``, ``generation_config.json``) and tokenizer (``tokenizer*``,
-``special_tokens_map.json``, ``added_tokens.json``, ``vocab.*``, ``merges.txt``, ``*.tiktoken``,
-``chat_template.*``, sentencepiece models). Training records beside them (``recipe.yaml``,
-``trainer_state.json``, ``deepspeed/`` ...) are not model files.
+**Model files** are the files of a checkpoint directory that decide what it generates: every file
+transformers (``AutoConfig``, ``AutoModelForCausalLM``, ``AutoTokenizer``, ``GenerationConfig``)
+and peft read from it, in one list (``MODEL_FILE_PATTERNS``): weights (``*.safetensors``,
+``pytorch_model*.bin`` and their ``.index.json``), a peft adapter (``adapter_config.json``,
+``adapter_model.safetensors`` / ``.bin``: with peft installed, ``from_pretrained`` applies it on
+top of the weights), config (``config.json``, ``generation_config.json``) and tokenizer
+(``tokenizer*``, ``special_tokens_map.json``, ``added_tokens.json``, the vocabulary files of
+every tokenizer class transformers ships, ``chat_template.*``,
+``additional_chat_templates/*.jinja``). Code files are not among them: mta never passes
+``trust_remote_code``, so transformers runs none. Training records beside them
+(``recipe.yaml``, ``trainer_state.json``, ``deepspeed/``, ``adapter/`` ...) are not model files.
 
 **Whole weights** (``check_weights``, cheap, no tensor is read): a safetensors file's 8-byte header
 length and JSON header parse, and the file is exactly as long as the header's largest data offset
@@ -14,8 +19,8 @@ says; a sharded checkpoint's index names shards that are all there and whole; a
 ``pytorch_model.bin`` exists and is not empty (it is not unpickled).
 
 **Fingerprint** (``checkpoint_fingerprint``): ``sha256:`` of ``{model file: its sha256}`` as
-canonical JSON (``mta.hashing.json_sha256``), so it changes whenever any weight, tokenizer or
-config byte does. Where the directory has a ``checksums.sha256`` (``mta distill`` writes one into
+canonical JSON (``mta.hashing.json_sha256``), so it changes whenever any weight, adapter,
+tokenizer or config byte does. Where the directory has a ``checksums.sha256`` (``mta distill`` writes one into
 every checkpoint and ``final/``), every model file it lists is verified against it first and a
 mismatch is refused naming the file; the digests are the file's bytes either way, so the
 fingerprint is the same with or without the list. The files are hashed on every run, reuse
@@ -31,26 +36,44 @@ local hub cache (the one ``from_pretrained`` loads), or ``hub:<name>`` where non
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import json
 from pathlib import Path
 
 from mta.errors import MtaError
 from mta.hashing import CHECKSUMS, file_sha256, json_sha256, read_checksums
 
+# The one list of what transformers and peft read from a model directory (names relative to it;
+# a pattern matches names as deep as itself). tests/test_model_directory.py checks it against
+# transformers' own names and changes each file in turn.
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+ADAPTER_CONFIG = "adapter_config.json"  # peft's; transformers' ADAPTER_CONFIG_NAME
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
+ADAPTER_PATTERNS = (ADAPTER_CONFIG, *ADAPTER_WEIGHTS)
 CONFIG_PATTERNS = ("config.json", "generation_config.json")
 TOKENIZER_PATTERNS = (
     "tokenizer*",
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.*",
+    "vocab-*.json",
+    "*_vocab.json",
     "merges.txt",
+    "bpe.codes",
+    "dict.txt",
     "*.tiktoken",
+    "*.model",  # sentencepiece: tokenizer.model, spiece.model, sentencepiece.bpe.model, spm.model ...
+    "*.spm",
+    "*.tokenizer",
+    "emoji.json",
+    "normalizer.json",
+    "byte_maps.json",
+    "word_shape.json",
+    "word_pronunciation.json",
     "chat_template.*",
-    "spiece.model",
-    "sentencepiece*.model",
+    "additional_chat_templates/*.jinja",
 )
-MODEL_FILE_PATTERNS = WEIGHT_PATTERNS + CONFIG_PATTERNS + TOKENIZER_PATTERNS
+MODEL_FILE_PATTERNS = WEIGHT_PATTERNS + ADAPTER_PATTERNS + CONFIG_PATTERNS + TOKENIZER_PATTERNS
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -64,13 +87,56 @@ _RESAVE = (
 
 
 def is_model_file(name: str) -> bool:
-    """Whether the top-level file ``name`` of a checkpoint decides what the model generates."""
-    return "/" not in name and not name.startswith(".") and any(fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS)
+    """Whether the file ``name`` of a checkpoint (relative, ``/``-separated) decides what the
+    model generates."""
+    if any(part.startswith(".") for part in name.split("/")):
+        return False
+    depth = name.count("/")
+    return any(p.count("/") == depth and fnmatch.fnmatch(name, p) for p in MODEL_FILE_PATTERNS)
 
 
 def model_files(directory: Path) -> list[str]:
-    """The model files present in ``directory``, sorted."""
-    return sorted(p.name for p in Path(directory).iterdir() if p.is_file() and is_model_file(p.name))
+    """The model files present in ``directory`` (top level and the folders the list names), sorted."""
+    directory = Path(directory)
+    found = [p.name for p in directory.iterdir() if p.is_file() and is_model_file(p.name)]
+    for folder in sorted({p.split("/")[0] for p in MODEL_FILE_PATTERNS if "/" in p}):
+        if (directory / folder).is_dir():
+            names = (f"{folder}/{p.name}" for p in (directory / folder).iterdir() if p.is_file())
+            found += [name for name in names if is_model_file(name)]
+    return sorted(found)
+
+
+def adapter_files(directory: str | Path) -> list[str]:
+    """The peft adapter files of a local model directory (``[]``: it carries none), or an
+    ``MtaError`` when it has ``adapter_config.json`` but no adapter weights: with peft installed,
+    ``from_pretrained`` would fail on the missing file after loading the model."""
+    directory = Path(directory)
+    if not (directory / ADAPTER_CONFIG).is_file():
+        return []
+    weights = [name for name in ADAPTER_WEIGHTS if (directory / name).is_file()]
+    if not weights and importlib.util.find_spec("peft") is not None:
+        raise MtaError(
+            f"{directory} has an {ADAPTER_CONFIG} but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}), so "
+            "transformers cannot apply the peft adapter it names when it loads the directory. Copy the "
+            f"adapter's weights beside it, or remove {directory / ADAPTER_CONFIG} to use the model without "
+            "the adapter (an `mta distill` output never has one: final/ holds merged weights)."
+        )
+    return [ADAPTER_CONFIG, *weights]
+
+
+def describe_adapter(directory: str | Path) -> str:
+    """What ``adapter_config.json`` says the adapter is, in a few words (for the log)."""
+    try:
+        config = json.loads((Path(directory) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"an unreadable {ADAPTER_CONFIG} ({type(error).__name__})"
+    if not isinstance(config, dict):
+        return f"an {ADAPTER_CONFIG} that is not an object"
+    said = [str(config.get("peft_type") or "peft")]
+    said += [f"{key} {config[key]}" for key in ("r", "lora_alpha", "target_modules") if config.get(key) is not None]
+    if config.get("base_model_name_or_path"):
+        said.append(f"base {config['base_model_name_or_path']}")
+    return ", ".join(said)
 
 
 # --------------------------------------------------------------------------- whole weights
@@ -214,10 +280,14 @@ def describe_changes(before: dict[str, str], after: dict[str, str]) -> str:
 
 
 __all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
     "MODEL_FILE_PATTERNS",
+    "adapter_files",
     "check_safetensors",
     "check_weights",
     "checkpoint_fingerprint",
+    "describe_adapter",
     "describe_changes",
     "is_model_file",
     "model_files",

@@ -9,6 +9,8 @@ does not surface after four hours of generation.
 from __future__ import annotations
 
 import gc
+import importlib.util
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,13 +20,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from mta.errors import MtaError
-from mta.evaluation.model_files import check_weights
+from mta.evaluation.model_files import adapter_files, check_weights, describe_adapter
 from mta.models.hub import load_pretrained
 from mta.models.tokenizers import load_tokenizer
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=@-]+")
 RUN_OUTPUTS = ("final", "best")  # what `mta distill` writes inside a run directory
 _STEP = re.compile(r"^step-\d+$")
+log = logging.getLogger(__name__)
 
 
 def _path_parts(checkpoint: str) -> list[str]:
@@ -125,6 +128,20 @@ def check_checkpoint(checkpoint: str) -> None:
         raise MtaError(f"{checkpoint} is a {config.model_type} model, not a causal LM")
     if path.is_dir():
         check_weights(path)
+        adapter = adapter_files(path)
+        if adapter:
+            applied = (
+                "transformers applies it on top of the weights when it loads the directory"
+                if importlib.util.find_spec("peft") is not None
+                else "peft is not installed, so transformers ignores it"
+            )
+            log.warning(
+                "%s carries a peft adapter (%s; %s): %s; its files are part of the checkpoint's fingerprint",
+                path,
+                ", ".join(adapter),
+                describe_adapter(path),
+                applied,
+            )
     if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise MtaError(
             f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json). Save the "

@@ -39,7 +39,7 @@ from mta.evaluation.predictions import finished_rows, is_complete, journal_recor
 from mta.evaluation.report import results_markdown
 from mta.evaluation.results import collect_results
 from mta.evaluation.settings import EvalSettings, evaluation_seed
-from mta.files import Journal, atomic_write_json, atomic_write_text, disk_full_is_reported
+from mta.files import Journal, atomic_write_json, atomic_write_text, disk_full_is_reported, make_output_directory
 from mta.generation.generator import Generator, HFGenerator
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
@@ -101,6 +101,7 @@ def evaluate_checkpoints(
     ]
     for label, manifest in zip(labels, manifests, strict=True):
         check_claim(CheckpointPaths.of(out_dir, label), manifest)
+    make_output_directory(out_dir)  # a read-only or full -o: one line before any model loads
     with distributed.joined_process_group():
         for checkpoint, label, manifest, style in zip(checkpoints, labels, manifests, styles, strict=True):
             paths = CheckpointPaths.of(out_dir, label)

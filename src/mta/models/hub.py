@@ -19,7 +19,10 @@ minute per file. Every loader in mta (tokenizers, the recipe's models, evaluated
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -175,6 +178,53 @@ def hub_problem(name_or_path: str | Path, error: BaseException, *, what: str = "
     return None
 
 
+def _declared_model_type(name_or_path: str | Path) -> str | None:
+    """The ``model_type`` a local directory's config.json declares (None when it cannot tell)."""
+    try:
+        config = json.loads((Path(name_or_path).expanduser() / MODEL_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
+def loading_problem(name_or_path: str | Path, error: BaseException, *, what: str = "model") -> str | None:
+    """The message for a load transformers or torch refused for a reason of mta's own rules, or
+    None: custom code (``auto_map``) that mta never runs (transformers' own message would tell the
+    user to pass ``trust_remote_code=True``, which mta does not set), or a pickle torch's
+    weights-only loader refuses."""
+    import transformers
+
+    name = str(name_or_path)
+    chain = list(_chain(error))
+    if any("trust_remote_code" in str(e) for e in chain):
+        model_type = _declared_model_type(name_or_path) if is_local(name_or_path) else None
+        kind = f"the model type '{model_type}'" if model_type else "its architecture"
+        return (
+            f"{what} '{name}' needs the custom code its files name (auto_map) for {kind}, which "
+            f"transformers {transformers.__version__} does not ship; mta runs no code that comes with a "
+            "model. Give a model of an architecture transformers ships (config.json's model_type, e.g. "
+            "llama, qwen2, gpt2), or use a transformers version that ships this one"
+        )
+    if any(isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e) for e in chain):
+        refused = sorted(set(re.findall(r"GLOBAL ([\w.]+)", " ".join(str(e) for e in chain))))
+        holding = f" (it pickles {', '.join(refused)})" if refused else ""
+        return (
+            f"{what} '{name}': its PyTorch weights (pytorch_model*.bin) are a pickle that torch's "
+            f"weights-only loader refuses{holding}; mta unpickles nothing but tensors and plain values. "
+            "Where the file is trusted, convert it to safetensors (torch.load(..., weights_only=False), then "
+            "safetensors.torch.save_file into model.safetensors), or give a checkpoint saved as safetensors"
+        )
+    return None
+
+
+def _is_auto_class(loader: Callable[..., Any]) -> bool:
+    """Whether ``loader`` is the ``from_pretrained`` of one of transformers' Auto classes
+    (``AutoConfig``, ``AutoTokenizer``, ``AutoModel*``): those take ``trust_remote_code``."""
+    owner = getattr(loader, "__self__", None)
+    return isinstance(owner, type) and owner.__module__.startswith("transformers.models.auto.")
+
+
 def _looks_for_adapters(loader: Callable[..., Any]) -> bool:
     """Whether ``loader`` is an ``AutoModel*.from_pretrained`` (those look for a peft adapter)."""
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -202,12 +252,19 @@ def load_pretrained(
         # 5.x): it would ask the unreachable Hub. The adapter, like the model, comes from the cache.
         options["adapter_kwargs"] = {"local_files_only": True}
     target = str(Path(name_or_path).expanduser()) if is_local(name_or_path) else str(name_or_path)
+    if _is_auto_class(loader):
+        # Explicitly: left unset, transformers asks on a terminal whether to run a model's code.
+        kwargs.setdefault("trust_remote_code", False)
+    if _looks_for_adapters(loader) and Path(target).is_dir():
+        from mta.evaluation.model_files import adapter_files
+
+        adapter_files(target)  # an adapter_config.json without weights: refused before the load
     try:
         return loader(target, **options, **kwargs)
     except Exception as error:
         if isinstance(error, MtaError):
             raise
-        problem = hub_problem(name_or_path, error, what=what)
+        problem = loading_problem(name_or_path, error, what=what) or hub_problem(name_or_path, error, what=what)
         if problem is not None:
             raise MtaError(problem) from error
         if otherwise is not None:  # OSError, ValueError, a file transformers cannot read...

@@ -294,3 +294,29 @@ def teacher_zero3_engine(teacher: torch.nn.Module, micro_batch_size: int, world_
     engine, _, _, _ = deepspeed.initialize(model=teacher, config=config)
     engine.eval()
     return engine
+
+
+def own_gradient_norm(engine: Any) -> float | None:
+    """The gradient's 2-norm over the engine's parameters, taken just before the optimizer step,
+    where DeepSpeed takes none; None where it does (``step_gradient_norm`` reads it after).
+
+    DeepSpeed's ZeRO-1/2/3, bf16 and fp16 optimizers keep the norm they clip with
+    (``get_global_grad_norm()``); with ZeRO-0 in fp32 the optimizer is mta's torch AdamW and the
+    engine's clipping discards its norm (no norm at all with ``train.grad_clip: 0``). There the
+    gradient is already averaged over the processes after the window's last backward, and the
+    optimizer step zeroes it, so it is measured before the step: the norm DeepSpeed would clip.
+    """
+    if hasattr(engine.optimizer, "_global_grad_norm"):  # DeepSpeed's own test for keeping it
+        return None
+    norms = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0
+
+
+def step_gradient_norm(engine: Any, own: float | None) -> float:
+    """The optimizer step's gradient norm (before clipping): ``own`` (``own_gradient_norm``,
+    taken before the step) or DeepSpeed's ``get_global_grad_norm()`` after it; NaN when neither
+    is known (ZeRO with ``compute_grad_norm: false`` in the ``deepspeed:`` passthrough)."""
+    if own is not None:
+        return own
+    norm = engine.get_global_grad_norm()
+    return math.nan if norm is None else float(norm)

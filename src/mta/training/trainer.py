@@ -377,7 +377,9 @@ class Trainer:
         return batch if self.run.off_policy is None else self.run.off_policy.with_spans(batch)
 
     def step(self, step: int) -> dict[str, float]:
-        """One optimizer step; returns the mean of each loss component over its micro batches.
+        """One optimizer step; returns the mean of each loss component over its micro batches,
+        the step's ``tokens`` and ``flops``, and ``grad_norm``, the gradient's 2-norm before
+        clipping (``mta.training.engine.step_gradient_norm``; NaN where DeepSpeed reports none).
 
         With ``train.asam`` the window runs twice (``mta.training.asam``): its gradient at w sets
         ε, the window runs again at w + ε, and the optimizer applies that gradient to w."""
@@ -388,12 +390,14 @@ class Trainer:
             replayed = list(window)  # the same micro batches, replayed at w + ε
             with self.asam.perturbed(self.window_losses(replayed, step), step=step):
                 totals, tokens = self.run_window(replayed, step)
+        own_norm = engines.own_gradient_norm(self.run.engine)  # ZeRO-0 fp32: DeepSpeed keeps none
         self.run.engine.step()  # the window's last micro batch: the optimizer updates w
         self.stop_unless_finite_weights(step)
         count = self.run.schedule.accumulation
         return {name: value / count for name, value in totals.items()} | {
             "tokens": tokens,
             "flops": self.run.flops.take(),
+            "grad_norm": engines.step_gradient_norm(self.run.engine, own_norm),
         }
 
     def run_window(self, window: Iterable[TrainBatch], step: int) -> tuple[dict[str, float], int]:
@@ -566,7 +570,8 @@ class Trainer:
                         trackers.log(record)
                     reporter.record(record)
                     window = LossWindow()
-                if run.dev is not None and done % recipe.train.eval_interval == 0:
+                # Also at the last step when it is off the interval: every run ends with a dev loss.
+                if run.dev is not None and (done % recipe.train.eval_interval == 0 or done == run.total_steps):
                     self._evaluate_and_log(done, metrics, trackers)
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)

@@ -98,7 +98,10 @@ def _key_lines(text: str) -> dict[tuple[Any, ...], int]:
     """
     lines: dict[tuple[Any, ...], int] = {}
     walked: set[int] = set()
-    loader = BoundedLoader(text)
+    try:
+        loader = BoundedLoader(text)  # PyYAML's reader checks the characters here already
+    except yaml.YAMLError:
+        return lines
 
     def walk(node: yaml.Node, path: tuple[Any, ...]) -> None:
         if id(node) in walked:

@@ -61,13 +61,13 @@ class Strict(BaseModel):
 class TinyModel(Strict):
     """Build a random model from this description at first use (CPU runs and tests)."""
 
-    model_type: Literal["llama", "gpt2", "qwen2"] = "llama"
-    num_layers: int = Field(4, ge=1)
-    hidden_size: int = Field(32, ge=4)
-    num_heads: int = Field(4, ge=1)
+    model_type: Literal["llama", "gpt2", "qwen2"] = Field("llama", description="the random model's architecture")
+    num_layers: int = Field(4, ge=1, description="transformer blocks")
+    hidden_size: int = Field(32, ge=4, description="the hidden states' width")
+    num_heads: int = Field(4, ge=1, description="attention heads per block")
     tokenizer_corpus: str = Field(description="JSONL whose text trains the byte-level BPE")
-    vocab_size: int = Field(512, ge=300)
-    seed: int = 0
+    vocab_size: int = Field(512, ge=300, description="the BPE's vocabulary size")
+    seed: int = Field(0, description="seed of the random weights")
 
 
 class LoraSpec(Strict):
@@ -94,11 +94,17 @@ class LoraSpec(Strict):
 class ModelSpec(Strict):
     path: str = Field(description="hub name or local directory of a Hugging Face causal LM")
     tokenizer: str | None = Field(None, description="tokenizer name or directory; default: path")
-    dtype: Precision = "fp32"
+    dtype: Precision = Field(
+        "fp32", description="the dtype the weights load in; a student's is fp32 or train.precision's"
+    )
     config: str | None = Field(
         None, description="architecture config JSON (relative to the recipe) for offline --dry-run"
     )
-    tiny: TinyModel | None = None
+    tiny: TinyModel | None = Field(
+        None,
+        description="build a random model of this shape at first use, under output_dir/models/ (CPU runs "
+        "and tests); null: load path",
+    )
     lora: LoraSpec | None = Field(
         None,
         description="student only: train LoRA adapters {r, alpha, dropout, target_modules}; null: full fine-tuning",
@@ -114,18 +120,30 @@ class DataSpec(Strict):
         description="annotate output directory, or rows annotated on first use: a JSONL, Parquet "
         "or CSV file, or a datasets save_to_disk directory"
     )
-    dev: str | None = None
-    max_length: int = Field(256, ge=8)
-    max_prompt_length: int = Field(128, ge=1)
-    word_spans: Literal["phrase", "all"] = "phrase"
+    dev: str | None = Field(
+        None,
+        description="the dev rows, as data.train: dev loss, samples and best/ at each evaluation "
+        "(train.eval_interval); null: no dev evaluation",
+    )
+    max_length: int = Field(256, ge=8, description="tokens per row (prompt + response, EOS included) on each side")
+    max_prompt_length: int = Field(
+        128, ge=1, description="prompt tokens on each side; a longer prompt is skipped (or cut: truncate_prompt)"
+    )
+    word_spans: Literal["phrase", "all"] = Field(
+        "phrase",
+        description="the word spans: phrase (the words inside phrases, the published variant) or "
+        "all (every word that is not punctuation)",
+    )
     span_rule: Literal["paper", "reference"] = Field(
         "paper",
         description="token membership and word spans: paper (docs/method.md §1) or "
         "reference (the authors' code: a token is in [a, b) when start + 1 >= a and end <= b; a "
         "word runs to the start of the next one); an artefact must be built with the same rule",
     )
-    spacy_model: str = "en_core_web_sm"
-    truncate_prompt: bool = False
+    spacy_model: str = Field("en_core_web_sm", description="the spaCy pipeline that finds the phrases")
+    truncate_prompt: bool = Field(
+        False, description="cut a prompt over max_prompt_length to fit instead of skipping the row"
+    )
     template: Template = Field(
         "alpaca",
         description="how prompts are built from rows (mta.data.prompts): alpaca (the Alpaca "
@@ -162,7 +180,7 @@ class LayerPair(Strict):
 
     student: int = Field(ge=0)
     teacher: int = Field(ge=0)
-    granularity: Granularity
+    granularity: Granularity = Field(description="the spans aligned: word or phrase")
 
     @model_validator(mode="before")
     @classmethod
@@ -206,18 +224,25 @@ IndexPairMap = Annotated[
 
 
 class LossSpec(Strict):
-    base: BaseLossName = "srkl"
-    base_weight: float = Field(1.0, ge=0)
-    temperature: float = Field(1.0, gt=0)
-    skew_alpha: float = Field(0.1, ge=0, le=1)
-    jsd_beta: float = Field(0.5, gt=0, lt=1)
-    dsa_weight: float = Field(2.0, ge=0)
-    hra_weight: float = Field(0.2, ge=0)
+    base: BaseLossName = Field(
+        "srkl",
+        description="the base loss on the response tokens (docs/method.md §5): ce (SFT on the reference), "
+        "a teacher divergence, or distillm2 (pairs); across tokenizers only ce",
+    )
+    base_weight: float = Field(1.0, ge=0, description="λ_base, the base loss's weight")
+    temperature: float = Field(1.0, gt=0, description="divides the teacher's and the student's logits (no τ² factor)")
+    skew_alpha: float = Field(0.1, ge=0, le=1, description="α of the skew KLs (skl, srkl, distillm2)")
+    jsd_beta: float = Field(0.5, gt=0, lt=1, description="β of jsd")
+    dsa_weight: float = Field(2.0, ge=0, description="λ_DSA, MTA's span-geometry alignment; 0: off")
+    hra_weight: float = Field(0.2, ge=0, description="λ_HRA, MTA's hidden-representation alignment; 0: off")
     layers: LayerMap = Field(
         "auto",
         description="`auto` (the docs/method.md §4 rule) or a list of [student, teacher, word|phrase] triples",
     )
-    importance: Literal["attention", "uniform"] = "attention"
+    importance: Literal["attention", "uniform"] = Field(
+        "attention",
+        description="token weights within a span: attention importance (docs/method.md §2) or uniform (the ablation)",
+    )
     reference_code: bool = Field(
         False,
         description="compute MTA as the authors' code does instead of the formulas "
@@ -289,31 +314,53 @@ class AsamSpec(Strict):
 
 
 class TrainSpec(Strict):
-    optimizer: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-4, gt=0)
-    projector_lr: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    optimizer: Literal["adamw"] = Field("adamw", description="torch AdamW, two groups: the student and the projectors")
+    lr: float = Field(1e-4, gt=0, description="the student's base learning rate")
+    projector_lr: float = Field(
+        5e-4, gt=0, description="the projectors' base learning rate (HRA's; an embedding recipe's TAMD projections)"
+    )
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay, on both groups")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's [β1, β2]")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="the learning-rate multiplier after warmup: cosine or linear to 0, or constant"
+    )
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup to the base rates")
     batch_size: int = Field(16, ge=1, description="global batch: per device x accumulation x world")
     micro_batch_size: int = Field(8, ge=1, description="sequences per device per forward pass")
-    epochs: float | None = Field(None, gt=0)
-    max_steps: int | None = Field(None, ge=1)
-    grad_clip: float = Field(1.0, ge=0)
+    epochs: float | None = Field(
+        None, gt=0, description="the run's length in passes over data.train; give exactly one of epochs and max_steps"
+    )
+    max_steps: int | None = Field(
+        None, ge=1, description="the run's length in optimizer steps; give exactly one of epochs and max_steps"
+    )
+    grad_clip: float = Field(1.0, ge=0, description="clip the gradient's global 2-norm to this; 0: no clipping")
     precision: TrainPrecision = Field(
         "fp32",
         description="auto: bf16 on a GPU with bf16 or a CPU with bf16 instructions, else fp32; "
         "bf16 on a CPU is autocast over fp32 weights; fp16 needs a GPU",
     )
-    zero_stage: Literal[0, 1, 2, 3] = 1
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        1,
+        description="DeepSpeed ZeRO: 0 off; 1 partitions the optimizer states over the processes, 2 also "
+        "the gradients, 3 also the weights",
+    )
     teacher_zero3: bool = Field(False, description="partition the teacher with ZeRO-3 too")
-    log_interval: int = Field(10, ge=1)
-    eval_interval: int = Field(100, ge=1)
-    save_interval: int = Field(500, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
-    num_sample_generations: int = Field(2, ge=0, le=8)
-    sample_max_new_tokens: int = Field(48, ge=1)
+    log_interval: int = Field(
+        10, ge=1, description="steps between train lines (metrics.jsonl, the progress line); the last step is logged"
+    )
+    eval_interval: int = Field(
+        100,
+        ge=1,
+        description="steps between dev evaluations (with data.dev), also at step 0 and at the last step",
+    )
+    save_interval: int = Field(
+        500, ge=1, description="steps between checkpoints (checkpoints/step-N/); the last step is saved"
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="the newest checkpoints kept; this run's older ones are pruned")
+    num_sample_generations: int = Field(
+        2, ge=0, le=8, description="dev prompts whose sampled continuation each evaluation logs (samples)"
+    )
+    sample_max_new_tokens: int = Field(48, ge=1, description="tokens sampled per dev prompt")
     select_by: Literal["loss", "rouge"] = Field(
         "loss",
         description="what OUT/best/ keeps (mta.training.lifecycle.selection): the lowest dev loss, or the "
@@ -497,20 +544,26 @@ class RecipeChecks(Strict):
 
 
 class Recipe(RecipeChecks):
-    name: str
-    seed: int = 42
-    output_dir: str
+    name: str = Field(description="the run's name: a label in run.json, the model card and the trackers")
+    seed: int = Field(42, description="seeds the data order, dropout, the projectors' initialisation and sampling")
+    output_dir: str = Field(
+        description="the run's directory: checkpoints/, final/, best/, metrics.jsonl, and its caches"
+    )
     task: Literal["llm", "embedding"] = Field(
         "llm",
         description="llm: distil a causal LM (this schema); embedding: a sentence-embedding "
         "encoder, TALAS (EmbeddingRecipe)",
     )
     teacher: ModelSpec | None = Field(None, description="null: plain SFT, no teacher loaded")
-    student: ModelSpec
-    data: DataSpec
-    loss: LossSpec = LossSpec()
-    train: TrainSpec
-    generation: GenerationSpec = GenerationSpec()
+    student: ModelSpec = Field(description="the causal LM trained")
+    data: DataSpec = Field(description="the rows trained and evaluated on, and how they are annotated")
+    loss: LossSpec = Field(
+        LossSpec(), description="the objective: the base loss, MTA's DSA and HRA, FDD, SRA (docs/method.md)"
+    )
+    train: TrainSpec = Field(description="optimizer, schedule, length, precision, ZeRO, intervals")
+    generation: GenerationSpec = Field(
+        GenerationSpec(), description="student-generated responses during training (DistiLLM); off by default"
+    )
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,
         description="DeepSpeed settings the schema does not model, merged in verbatim",

@@ -126,17 +126,37 @@ def load_yaml(text: str, where: str) -> Any:
     ``where`` starts the message (a file name, or ``override 'k=v'``). The one YAML reader for
     recipes, the values of overrides and the recipes saved beside checkpoints.
     """
-    loader = BoundedLoader(text)
+    loader = None
     try:
+        loader = BoundedLoader(text)  # PyYAML's reader already refuses control characters here
         return loader.get_single_data()
     except Refused as refused:
         raise MtaError(f"{where}: line {refused.line}: {refused.message}") from None
     except yaml.YAMLError as error:
-        raise MtaError(f"{where}: not valid YAML: {error}") from error
+        raise MtaError(f"{where}: not valid YAML: {yaml_problem(error, text)}") from error
     except RecursionError:  # a guard only: the depth bound comes first
         raise MtaError(f"{where}: nested too deeply to be a recipe") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def yaml_problem(error: yaml.YAMLError, text: str) -> str:
+    """PyYAML's error as one line: where (line, column) and what, without its multi-line quote."""
+    if isinstance(error, yaml.reader.ReaderError):
+        before = text[: error.position]
+        line, column = before.count("\n") + 1, error.position - (before.rfind("\n") + 1) + 1
+        character = error.character if isinstance(error.character, int) else ord(error.character)
+        return (
+            f"line {line}, column {column}: the control character U+{character:04X} is not allowed in YAML "
+            "(a binary file, or a character pasted in by mistake?); remove it"
+        )
+    if isinstance(error, yaml.MarkedYAMLError):
+        mark = error.problem_mark or error.context_mark
+        what = ", ".join(part for part in (error.context, error.problem) if part)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        return f"{where}{what}" if what else where + type(error).__name__
+    return " ".join(str(error).split())
 
 
 def yaml_text(value: Any) -> str:

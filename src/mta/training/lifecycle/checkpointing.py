@@ -57,7 +57,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mta import distributed
 from mta.errors import MtaError
-from mta.files import atomic_write_json, atomic_write_text, is_disk_full, publish_directory, remove_path
+from mta.files import atomic_write_json, atomic_write_text, publish_directory, remove_path, write_failure
 from mta.hashing import CHECKSUMS, checksum_differences, checksum_text, directory_checksums, read_checksums
 from mta.training import lora
 from mta.training.config.loading import recipe_to_yaml
@@ -289,7 +289,8 @@ def _write_checksums(directory: Path) -> None:
 
 @contextmanager
 def _removed_on_error(final: Path, partial: Path, kept: str) -> Iterator[None]:
-    """On any error the partial directory goes; a full disk becomes one MtaError.
+    """On any error the partial directory goes; a full disk or a directory that cannot be written
+    (``mta.files.write_failure``: any library's form, safetensors' included) becomes one MtaError.
 
     kept: what the message can promise about what was there before (a clause).
     """
@@ -297,13 +298,15 @@ def _removed_on_error(final: Path, partial: Path, kept: str) -> Iterator[None]:
         yield
     except BaseException as error:
         # Before removing the partial files: they are what fills the disk.
-        full = isinstance(error, (OSError, RuntimeError)) and is_disk_full(error, partial.parent)
+        ours = isinstance(error, MtaError) or not isinstance(error, Exception)
+        failure = None if ours else write_failure(error, final)
         if distributed.is_main():
             shutil.rmtree(partial, ignore_errors=True)
-        if full:
+        if failure is not None:
+            fix = failure.fix if failure.full else f"make {final.parent} writable by this user"
             raise MtaError(
-                f"disk full while writing {final}; nothing was lost: the unfinished {partial.name} "
-                f"was removed and {kept}; free space and continue with --resume auto"
+                f"{failure.headline(final)}; nothing was lost: the unfinished {partial.name} "
+                f"was removed and {kept}; {fix} and continue with --resume auto"
             ) from error
         raise
 
@@ -317,7 +320,7 @@ def _run_id_of(path: Path) -> str | None:
         return None
 
 
-def _prune(root: Path, state: TrainerState, keep: int) -> None:
+def prune_checkpoints(root: Path, state: TrainerState, keep: int) -> None:
     """Remove this run's checkpoints older than ``state.step`` beyond the newest ``keep`` (the
     one just written counts). Another run's, or one whose state cannot be read, stay. A
     checkpoint that is a link is pruned as a link: the link goes, what it points to stays (said in
@@ -372,7 +375,7 @@ def save_checkpoint(
             # Replaces a checkpoint of the same step from an earlier, overtaken attempt.
             publish_directory(partial, final)
     if distributed.is_main():
-        _prune(root, state, recipe.train.keep_checkpoints)
+        prune_checkpoints(root, state, recipe.train.keep_checkpoints)
     distributed.barrier()
     return final
 

@@ -14,7 +14,8 @@ it points to).
 
 A failed start is not another run: a directory whose outputs are only what a run writes before
 its first step ends (``run.json``, and a ``metrics.jsonl`` without a train record, ``tensorboard/``,
-``tracking.json``; no checkpoint, no ``final/``) is taken over by a new run, which says so in the log.
+``tracking.json``; no checkpoint, no ``final/``) is taken over by a new run, which says so in the log
+(only under the lock: without one it may be a run still loading its models).
 
 One run at a time: global rank 0 holds ``RUN_LOCK`` (``mta.files.exclusive_lock``: ``flock``,
 freed by the kernel when the process dies, even by SIGKILL) from before the claim until
@@ -60,10 +61,11 @@ RUN_OUTPUTS = (RUN_RECORD, "checkpoints", "final", "best", METRICS, "generated",
 # What a run writes before its first step ends (metrics.jsonl: the step-0 dev baseline only).
 START_OUTPUTS = (RUN_RECORD, METRICS, "tensorboard", "tracking.json")
 CACHES = ("data", "models")
+RECORD_LABELS = {"run_id": "run", "recipe": "recipe", "started": "started"}  # run.json, as messages name it
 
-# The locks this process holds, by directory (rank 0 only), and the directories whose file
-# system was already reported as lacking locks.
-_HELD: dict[Path, ExitStack] = {}
+# The locks this process holds, by directory (rank 0 only; False: the file system has none, so
+# nothing is held), and the directories whose file system was already reported as lacking locks.
+_HELD: dict[Path, tuple[ExitStack, bool]] = {}
 _WARNED: set[Path] = set()
 
 
@@ -129,7 +131,10 @@ def _checkpoint_note(output_dir: Path) -> str:
     if found:
         step, path = found[-1]
         return f"its last complete checkpoint is {path} (step {step})"
-    return f"it has no complete checkpoint under {checkpoints_dir(output_dir)}, so --resume auto starts it again at step 0"
+    return (
+        f"it has no complete checkpoint under {checkpoints_dir(output_dir)}, "
+        "so --resume auto would start it again at step 0"
+    )
 
 
 def _read_run_id(output_dir: Path) -> str | None:
@@ -188,8 +193,8 @@ def claim(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: 
     if distributed.is_main():
         try:
             make_output_directory(output_dir, "output_dir")
-            _lock(output_dir)
-            decision = _decide(output_dir, recipe_name, resume=resume, overwrite=overwrite)
+            locked = _lock(output_dir)
+            decision = _decide(output_dir, recipe_name, resume=resume, overwrite=overwrite, locked=locked)
         except MtaError as error:
             release(output_dir)
             failure = str(error)
@@ -200,43 +205,47 @@ def claim(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: 
     return RunClaim(output_dir, run_id, continued)
 
 
-def _decide(output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: bool) -> tuple[str, bool]:
+def _decide(
+    output_dir: Path, recipe_name: str, *, resume: str | None, overwrite: bool, locked: bool
+) -> tuple[str, bool]:
+    """``(run_id, continued)``; ``locked``: this process holds the lock, so a run that left only
+    its start cannot still be loading its models (without a lock such a directory is refused)."""
     present = _present(output_dir)
     if present and resume is not None:
         # A checkpoint written before run ids existed belongs to the run "" (see checkpointing).
         return _read_run_id(output_dir) or "", True
     if present and overwrite:
         _remove_outputs(output_dir, present)
-    elif present and _failed_start(output_dir, present):
+    elif present and locked and _failed_start(output_dir, present):
         record = _run_record(output_dir) or {}
         log.warning(
             "%s holds only the start of run %s (recipe %s, started %s), which ended before its first "
             "step (no checkpoint, no train metrics): this run takes the directory over and removes %s",
             output_dir,
-            record.get("run_id", "?"),
-            record.get("recipe", "?"),
-            record.get("started", "?"),
+            *(record.get(key, "?") for key in RECORD_LABELS),
             ", ".join(existing_outputs(output_dir)),
         )
         _remove_outputs(output_dir, present)
     elif present:
-        record = _run_record(output_dir)
-        owner = f" (run {record.get('run_id')}, recipe {record.get('recipe')}, started {record.get('started')})"
+        found = _run_record(output_dir) or {}
+        known = [f"{label} {found[key]}" for key, label in RECORD_LABELS.items() if key in found]
+        owner = f" ({', '.join(known)})" if known else ""
         raise MtaError(
             f"{output_dir} holds another run's outputs ({', '.join(existing_outputs(output_dir))})"
-            f"{owner if record else ''}; {_checkpoint_note(output_dir)}. Continue that run "
+            f"{owner}; {_checkpoint_note(output_dir)}. Continue that run "
             "with --resume auto, or start over with --overwrite (removes "
             f"{', '.join(RUN_OUTPUTS)}; keeps the {' and '.join(CACHES)} caches), or choose another output_dir"
         )
     return _start_run(output_dir, recipe_name), False
 
 
-def _lock(output_dir: Path) -> None:
+def _lock(output_dir: Path) -> bool:
     """Take ``output_dir``'s run lock for this process (kept until ``release``; taken once per
-    process), or refuse: ``MtaError`` naming the holder. No ``flock`` there: a warning, once."""
+    process), or refuse: ``MtaError`` naming the holder. Whether a lock is held: without
+    ``flock`` there, False and a warning (once)."""
     key = output_dir.resolve()
     if key in _HELD:
-        return
+        return _HELD[key][1]
     path = output_dir / RUN_LOCK
     stack = ExitStack()
     try:
@@ -247,19 +256,22 @@ def _lock(output_dir: Path) -> None:
             "two runs in one directory would write the same checkpoints and metrics.jsonl. Wait for "
             "it to end or stop it (a job submitted twice: cancel one), or give this run another output_dir"
         ) from None
-    _HELD[key] = stack
+    _HELD[key] = (stack, unsupported is None)
     if unsupported is not None and key not in _WARNED:
         _WARNED.add(key)
         log.warning(
-            "%s: nothing keeps a second `mta distill` (a job submitted twice) out of %s; make sure one runs at a time",
+            "%s: nothing keeps a second `mta distill` (a job submitted twice) out of %s, and a run that "
+            "failed before its first step is not taken over (--resume auto continues it); make sure one "
+            "runs at a time",
             unsupported,
             output_dir,
         )
+    return unsupported is None
 
 
 def release(output_dir: Path) -> None:
     """Give up ``output_dir``'s run lock if this process holds it (a no-op otherwise; every rank
     may call it): the run that claimed the directory has ended."""
-    stack = _HELD.pop(output_dir.resolve(), None)
-    if stack is not None:
-        stack.close()
+    held = _HELD.pop(output_dir.resolve(), None)
+    if held is not None:
+        held[0].close()

@@ -15,7 +15,8 @@
 
 The ranks agree after every step (``agreed_request``: the largest request of any rank), so a
 signal that reaches some ranks only stops all of them after the same step, and none writes before
-all have stopped. The exit codes are the CLI's (``mta_cli.commands.distill``).
+all have stopped. ``mta distill`` exits 75 after a SIGUSR1 and 143 after a SIGTERM, saved or not
+(``mta_cli.commands.distill``; docs/slurm.md has a job script that requeues on 75).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ TERM_BUDGET_S = 20.0  # a SIGTERM saves only when that fits in this (Slurm's def
 TERM_BUDGET_ENV = "MTA_SIGTERM_BUDGET_S"
 # The requests in order of urgency: the agreed request is the largest any rank holds.
 REQUESTS = {0: None, 1: signal.SIGUSR1, 2: signal.SIGTERM}
-_CODES = {signum: code for code, signum in REQUESTS.items() if signum is not None}
+_CODES: dict[int, int] = {int(signum): code for code, signum in REQUESTS.items() if signum is not None}
 TORCHRUN_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # what torchrun forwards to its workers
 
 
