@@ -122,7 +122,17 @@ def test_the_script_prints_the_plan_and_runs_nothing(tmp_path):
 def test_make_n_ablation_embed_names_the_script():
     def planned(*variables):
         return subprocess.run(
-            ["make", "-n", "-o", ".venv/.installed", "-o", ".venv/.installed-embed", "ablation-embed", *variables],
+            [
+                "make",
+                "--no-print-directory",
+                "-n",
+                "-o",
+                ".venv/.installed",
+                "-o",
+                ".venv/.installed-embed",
+                "ablation-embed",
+                *variables,
+            ],
             cwd=REPO,
             capture_output=True,
             text=True,
