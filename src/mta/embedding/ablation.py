@@ -32,7 +32,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mta.embedding.demo import START_LABEL, TALAS_RECIPE, student_run_overrides
+from mta.embedding.demo import START_LABEL, TALAS_RECIPE, embed_rows, pruned_start, student_run_overrides
 from mta.errors import MtaError
 from mta.files import atomic_write_json, atomic_write_text
 from mta.reporting import Reporter, SilentReporter
@@ -176,8 +176,7 @@ def run_ablation(
     from mta.distributed import local_device
     from mta.dtypes import resolve_precision
     from mta.embedding.evaluation import EmbeddingEvalSettings, evaluate_embedding_checkpoints
-    from mta.embedding.sentence_encoders import convert_packaged_encoder, prune_encoder
-    from mta.embedding.teacher_embeddings import build_teacher_embeddings
+    from mta.embedding.sentence_encoders import convert_packaged_encoder
     from mta.evaluation.datasets import default_data_dir
     from mta.training.config.loading import load_recipe
     from mta.training.trainer import run_distillation
@@ -189,9 +188,7 @@ def run_ablation(
     claim_demo_directory(root, {**asdict(settings), "layout": LAYOUT, "resolved_precision": precision}, reporter)
     teacher = convert_packaged_encoder("mpnet", report=lambda line: reporter.message(f"teacher: {line}"))
     source = convert_packaged_encoder("minilm", report=lambda line: reporter.message(f"student: {line}"))
-    start = root / "student-init"
-    if not (start / "mta_init.json").is_file():
-        prune_encoder(source, start, num_layers=settings.student_layers, force=True)
+    start = pruned_start(source, root, settings, reporter)
 
     rows = {split: root / "data" / f"{split}.jsonl" for split in ("train", "dev", "held-out")}
     copy_dolly_rows(
@@ -199,19 +196,7 @@ def run_ablation(
     )
     copy_rows(data_dir / "dolly" / "dev.jsonl", rows["held-out"], 0, settings.held_out_texts)
     copy_rows(data_dir / "dolly" / "dev.jsonl", rows["dev"], settings.held_out_texts, settings.dev_texts)
-    embeddings = {
-        split: build_teacher_embeddings(
-            teacher,
-            path,
-            root / "embeddings" / split,
-            max_length=settings.max_length,
-            batch_size=32,
-            dtype=settings.precision,
-            reporter=reporter,
-            shard=(0, 1),
-        )
-        for split, path in rows.items()
-    }
+    embeddings = embed_rows(teacher, rows, root, settings, reporter)
 
     finals = {}
     for label, overrides in planned_runs(settings, root):

@@ -214,8 +214,7 @@ def run_embedding_demo(
     from mta.distributed import available_cores, local_device
     from mta.dtypes import resolve_precision
     from mta.embedding.evaluation import EmbeddingEvalSettings, evaluate_embedding_checkpoints
-    from mta.embedding.sentence_encoders import convert_packaged_encoder, prune_encoder
-    from mta.embedding.teacher_embeddings import build_teacher_embeddings
+    from mta.embedding.sentence_encoders import convert_packaged_encoder
     from mta.evaluation.datasets import default_data_dir
 
     reporter = reporter or SilentReporter()
@@ -235,25 +234,10 @@ def run_embedding_demo(
         if student_source is not None
         else convert_packaged_encoder("minilm", report=lambda line: reporter.message(f"student: {line}"))
     )
-    start = root / "student-init"
-    if not (start / "mta_init.json").is_file():
-        reporter.message(f"student: keeping {settings.student_layers} of {source.name}'s layers")
-        prune_encoder(source, start, num_layers=settings.student_layers, force=True)
+    start = pruned_start(source, root, settings, reporter)
 
     rows = _sample_dolly(data_dir, root, settings)
-    embeddings = {}
-    for split, path in rows.items():
-        reporter.message(f"embed: {split} texts with {teacher.name} (max {settings.max_length} tokens)")
-        embeddings[split] = build_teacher_embeddings(
-            teacher,
-            path,
-            root / "embeddings" / split,
-            max_length=settings.max_length,
-            batch_size=32,
-            dtype=settings.precision,
-            reporter=reporter,
-            shard=(0, 1),
-        )
+    embeddings = embed_rows(teacher, rows, root, settings, reporter)
 
     finals: dict[str, Path] = {}
     runs: dict[str, dict] = {}
@@ -324,6 +308,39 @@ def _sample_dolly(data_dir: Path, root: Path, settings: EmbedDemoSettings) -> di
         paths[split] = root / "data" / f"{split}.jsonl"
         copy_dolly_rows(source, paths[split], count, sample=sample, demo="the embedding demo")
     return paths
+
+
+def pruned_start(source: Path, root: Path, settings: Any, reporter: Reporter) -> Path:
+    """``root/student-init``: ``source`` with ``settings.student_layers`` of its layers, pruned once
+    (the start of every demo-embed and ablation-embed run)."""
+    from mta.embedding.sentence_encoders import prune_encoder
+
+    start = root / "student-init"
+    if not (start / "mta_init.json").is_file():
+        reporter.message(f"student: keeping {settings.student_layers} of {source.name}'s layers")
+        prune_encoder(source, start, num_layers=settings.student_layers, force=True)
+    return start
+
+
+def embed_rows(teacher: Path, rows: dict[str, Path], root: Path, settings: Any, reporter: Reporter) -> dict[str, Path]:
+    """Each split's texts embedded by ``teacher`` into ``root/embeddings/<split>`` (``mta embed``'s
+    stage, reused when complete), at ``settings``' length and precision."""
+    from mta.embedding.teacher_embeddings import build_teacher_embeddings
+
+    embeddings = {}
+    for split, path in rows.items():
+        reporter.message(f"embed: {split} texts with {teacher.name} (max {settings.max_length} tokens)")
+        embeddings[split] = build_teacher_embeddings(
+            teacher,
+            path,
+            root / "embeddings" / split,
+            max_length=settings.max_length,
+            batch_size=32,
+            dtype=settings.precision,
+            reporter=reporter,
+            shard=(0, 1),
+        )
+    return embeddings
 
 
 def student_run_overrides(
