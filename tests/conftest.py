@@ -223,6 +223,25 @@ def same_data(tiny_tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture
+def tiny_run_recipe(tmp_path, teacher_dir, tiny_model_dir, same_data):
+    """``tiny_run_recipe(out, **sections)``: ``tmp_path/r.yaml``, the tiny teacher -> student recipe on
+    ``same_data`` into ``out``, with ``sections`` laid over (``fixtures.distill.write_recipe``)."""
+    from fixtures.distill import write_recipe
+
+    def recipe(output_dir: Path, **sections):
+        return write_recipe(
+            tmp_path / "r.yaml",
+            teacher=teacher_dir,
+            student=tiny_model_dir,
+            annotations=same_data,
+            output_dir=output_dir,
+            **sections,
+        )
+
+    return recipe
+
+
+@pytest.fixture
 def data_dir(tmp_path) -> Path:
     """Dolly rows built from the example file (prompt from instruction/input) after one whose
     reference is Chinese only, S-NI in its 11_ bucket with list references; no Vicuna, SelfInst or UnNI."""

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.distill import write_recipe
 from mta.errors import MtaError
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import checkpointing as checkpoint
@@ -54,17 +53,11 @@ def test_metrics_log_drops_the_lines_after_the_resumed_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_crash_while_saving_keeps_the_previous_checkpoints(
-    tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
-):
+def test_crash_while_saving_keeps_the_previous_checkpoints(tmp_path, monkeypatch, tiny_run_recipe):
     out = tmp_path / "run"
     recipe = load_recipe(
-        write_recipe(
-            tmp_path / "r.yaml",
-            teacher=teacher_dir,
-            student=tiny_model_dir,
-            annotations=same_data,
-            output_dir=out,
+        tiny_run_recipe(
+            out,
             data={"dev": None},
             train={"max_steps": 8, "save_interval": 1, "keep_checkpoints": 2},
         )

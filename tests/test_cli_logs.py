@@ -21,7 +21,6 @@ import torch
 from rich.console import Console
 
 from conftest import subprocess_env
-from fixtures.distill import write_recipe
 from mta.errors import MtaError
 from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.lifecycle.metrics import read_metrics
@@ -99,15 +98,11 @@ def assert_quiet(output: str) -> None:
 
 @pytest.mark.slow
 def test_piped_distill_prints_plain_lines_ctrl_c_prints_a_command_that_resumes_verbose_the_noise(
-    tmp_path, teacher_dir, tiny_model_dir, same_data
+    tmp_path, tiny_run_recipe
 ):
     out = tmp_path / "run"
-    recipe = write_recipe(
-        tmp_path / "r.yaml",
-        teacher=teacher_dir,
-        student=tiny_model_dir,
-        annotations=same_data,
-        output_dir=out,
+    recipe = tiny_run_recipe(
+        out,
         train={
             "max_steps": 8,
             "log_interval": 2,

@@ -49,15 +49,11 @@ def dev_losses(output_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_same_tokenizer_loss_goes_down_and_final_reloads(tmp_path, teacher_dir, tiny_model_dir, same_data):
+def test_same_tokenizer_loss_goes_down_and_final_reloads(tmp_path, tiny_model_dir, tiny_run_recipe):
     out = tmp_path / "run"
     recipe = load_recipe(
-        write_recipe(
-            tmp_path / "r.yaml",
-            teacher=teacher_dir,
-            student=tiny_model_dir,
-            annotations=same_data,
-            output_dir=out,
+        tiny_run_recipe(
+            out,
             train={"max_steps": 8, "eval_interval": 4, "num_sample_generations": 2, "sample_max_new_tokens": 4},
         )
     )
@@ -166,9 +162,7 @@ def test_sft_loads_no_teacher(tmp_path, tiny_model_dir, same_data, monkeypatch):
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_naming_step_and_rows_and_keeps_the_last_checkpoint(
-    tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch
-):
+def test_nan_loss_stops_naming_step_and_rows_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, tiny_run_recipe):
     calls = {"n": 0}
     real_forward = DistillationObjective.forward
 
@@ -182,12 +176,8 @@ def test_nan_loss_stops_naming_step_and_rows_and_keeps_the_last_checkpoint(
     monkeypatch.setattr(DistillationObjective, "forward", poisoned)
     out = tmp_path / "run"
     recipe = load_recipe(
-        write_recipe(
-            tmp_path / "r.yaml",
-            teacher=teacher_dir,
-            student=tiny_model_dir,
-            annotations=same_data,
-            output_dir=out,
+        tiny_run_recipe(
+            out,
             train={"save_interval": 2},
             data={"dev": None},
         )
@@ -231,9 +221,7 @@ def dropout_student(tokenizer_dir: Path, out_dir: Path) -> Path:
     return student
 
 
-def test_every_train_record_has_the_gradient_norm_and_the_last_step_is_evaluated(
-    tmp_path, teacher_dir, tiny_model_dir, same_data
-):
+def test_every_train_record_has_the_gradient_norm_and_the_last_step_is_evaluated(tmp_path, tiny_run_recipe):
     """ZeRO-0 (mta measures the norm itself: DeepSpeed keeps none there): grad_norm in every train
     record and in the progress line; 3 steps at eval_interval 2 end with a dev loss at step 3."""
     import io
@@ -243,12 +231,8 @@ def test_every_train_record_has_the_gradient_norm_and_the_last_step_is_evaluated
     from mta_cli.reporting import PlainReporter
 
     out = tmp_path / "run"
-    recipe = write_recipe(
-        tmp_path / "r.yaml",
-        teacher=teacher_dir,
-        student=tiny_model_dir,
-        annotations=same_data,
-        output_dir=out,
+    recipe = tiny_run_recipe(
+        out,
         train={"max_steps": 3, "eval_interval": 2, "log_interval": 2, "zero_stage": 0},
     )
     stream = io.StringIO()

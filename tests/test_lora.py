@@ -70,17 +70,13 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_a_lora_run_trains_the_adapters_resumes_bit_identically_and_exports_merged_weights(
-    tmp_path, teacher_dir, tiny_model_dir, same_data
+    tmp_path, tiny_model_dir, tiny_run_recipe
 ):
     from peft import PeftModel
 
     out = tmp_path / "run"
-    recipe_path = write_recipe(
-        tmp_path / "r.yaml",
-        teacher=teacher_dir,
-        student=tiny_model_dir,
-        annotations=same_data,
-        output_dir=out,
+    recipe_path = tiny_run_recipe(
+        out,
         data={"dev": None},
         train={
             "lr": 2e-2,

@@ -309,17 +309,11 @@ def test_a_start_that_got_further_is_another_run(tmp_path, left):
     assert _files(out) == before
 
 
-def test_the_same_command_after_a_start_that_failed_runs(
-    tmp_path, teacher_dir, tiny_model_dir, same_data, monkeypatch, capsys, caplog
-):
+def test_the_same_command_after_a_start_that_failed_runs(tmp_path, monkeypatch, capsys, caplog, tiny_run_recipe):
     """The reported case: the first step fails (here an out-of-memory error), the same command again trains."""
     out = tmp_path / "run"
-    recipe = write_recipe(
-        tmp_path / "r.yaml",
-        teacher=teacher_dir,
-        student=tiny_model_dir,
-        annotations=same_data,
-        output_dir=out,
+    recipe = tiny_run_recipe(
+        out,
         data={"dev": None},
         train={"max_steps": 2},
     )
@@ -400,7 +394,7 @@ def test_the_used_directory_of_the_bug_report_is_refused_then_overwritten(
 
 
 @pytest.mark.slow
-def test_a_step_that_leaves_non_finite_weights_is_never_saved(tmp_path, teacher_dir, tiny_model_dir, same_data):
+def test_a_step_that_leaves_non_finite_weights_is_never_saved(tmp_path, tiny_run_recipe):
     """Finite recipe values whose first update is not: lr x weight decay overflows fp32.
 
     (Infinite gradients alone do not get here: DeepSpeed skips a step whose gradient norm
@@ -408,12 +402,8 @@ def test_a_step_that_leaves_non_finite_weights_is_never_saved(tmp_path, teacher_
     """
     out = tmp_path / "run"
     recipe = load_recipe(
-        write_recipe(
-            tmp_path / "r.yaml",
-            teacher=teacher_dir,
-            student=tiny_model_dir,
-            annotations=same_data,
-            output_dir=out,
+        tiny_run_recipe(
+            out,
             train={"lr": 1e30, "weight_decay": 1e10, "save_interval": 1},
             data={"dev": None},
         )

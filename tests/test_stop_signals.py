@@ -209,14 +209,10 @@ def assert_stopped_at_a_checkpoint(out: Path, line: str, prefix: str, suffix: st
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_training_distill_saves_then_exits_143(tmp_path, teacher_dir, tiny_model_dir, same_data):
+def test_sigterm_to_a_training_distill_saves_then_exits_143(tmp_path, tiny_run_recipe):
     out = tmp_path / "run"
-    recipe = write_recipe(
-        tmp_path / "r.yaml",
-        teacher=teacher_dir,
-        student=tiny_model_dir,
-        annotations=same_data,
-        output_dir=out,
+    recipe = tiny_run_recipe(
+        out,
         data={"dev": None},
         train={"max_steps": 400, "save_interval": 1},
     )
@@ -245,18 +241,12 @@ def test_sigterm_to_a_training_distill_saves_then_exits_143(tmp_path, teacher_di
 
 
 @pytest.mark.slow
-def test_sigusr1_to_the_torchrun_launcher_stops_both_ranks_after_one_checkpoint(
-    tmp_path, teacher_dir, tiny_model_dir, same_data
-):
+def test_sigusr1_to_the_torchrun_launcher_stops_both_ranks_after_one_checkpoint(tmp_path, tiny_run_recipe):
     """torchrun forwards SIGUSR1 only when told (--signals-to-handle); both ranks then stop after
     the same step, rank 0 prints the line, and the launcher exits 1 as it does after any signal."""
     out = tmp_path / "run"
-    recipe = write_recipe(
-        tmp_path / "r.yaml",
-        teacher=teacher_dir,
-        student=tiny_model_dir,
-        annotations=same_data,
-        output_dir=out,
+    recipe = tiny_run_recipe(
+        out,
         data={"dev": None},
         train={"max_steps": 400, "save_interval": 1},
     )
