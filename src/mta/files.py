@@ -352,13 +352,6 @@ def write_failure(error: BaseException, where: str | Path | None = None) -> Writ
     return None
 
 
-def is_disk_full(error: BaseException, where: str | Path | None = None) -> bool:
-    """Whether ``error`` (or an error it was raised from) means the disk is full (``ENOSPC`` or
-    ``EDQUOT`` in any library's form, see ``write_failure``)."""
-    failure = write_failure(error, where)
-    return failure is not None and failure.full
-
-
 @contextmanager
 def disk_full_is_reported(what: str | Path) -> Iterator[None]:
     """Turn a full disk, or a place that cannot be written (read-only, permission denied), inside
