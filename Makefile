@@ -18,7 +18,7 @@ help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
 	@echo "make demo-quick    the same, smaller (~2 min with bf16, ~5 in fp32)"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
-	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 3 seeds each (~26 min); PLAN=1: the plan only"
+	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 2 budgets x 3 seeds (~28 min); PLAN=1: the plan only"
 	@echo "make test          the test suite (what CI runs, after make lint)"
 	@echo "make lint          ruff (lint + format check) and mypy: the quality gate"
 	@echo "make style         apply ruff's fixes and formatting"
@@ -83,8 +83,9 @@ demo-embed-quick: $(EMBED_STAMP)
 	$(MTA) demo-embed --quick
 
 # The ablation of TALAS's parts on demo-embed's pair (mta.embedding.ablation): SimCSE off, TAMD on
-# the top layer, LASD's guide detached, LASD at 0.1, CLS-attention pooling, 3 seeds each, chosen on
-# Dolly dev rows apart from the held-out ones. PLAN=1 prints the plan and its time estimate only.
+# the top layer, LASD's guide detached, LASD at 0.1, CLS-attention pooling, beside the plain cosine
+# and the author's code; 24 and 96 steps, 3 seeds each, chosen on Dolly dev rows apart from the
+# held-out ones. PLAN=1 prints the plan and its time estimate only.
 ablation-embed: $(EMBED_STAMP)
 	$(PY) bench/ablation_embed.py$(if $(PLAN), --plan)
 
@@ -139,6 +140,16 @@ STUDENT_gpt2 := gpt2
 TEACHER_qwen := VoCuc/Qwen1.5_1.8B_SFT
 STUDENT_qwen := Qwen/Qwen1.5-0.5B
 EVALUATE = $(MTA) evaluate --perplexity dolly-dev
+# The teacher once per teacher and data set (`mta teacher`, docs/teacher-cache.md): a row's base
+# and + MTA runs (and the GPT-2 ablations) read its cache. The DistiLLM rows still load the
+# teacher for their generated and replayed micro batches, the DistiLLM-2 rows never do; the FDD
+# rows run it online (FDD reads its logit lens at every FDD layer and position, which is not
+# stored). TEACHER=online runs every row online.
+TEACHER ?= cached
+teacher_cache = $(if $(and $(filter cached,$(TEACHER)),$(filter-out %-fdd,$(1))),$(RUNS)/$(1)/teacher)
+cached_line = $(if $(filter %-distillm2,$(1)),never loads the teacher,loads the teacher for its generated micro batches only)
+teacher_line = $(if $(call teacher_cache,$(1)),$(call cached_line,$(1)) (it reads $(call teacher_cache,$(1))),loads the \
+    teacher for every micro batch$(if $(filter %-fdd,$(1)), (FDD needs it online)))
 
 # reproduce-ROW: annotate, the base run, the + MTA run, the evaluation of both best/ checkpoints.
 define row_rules
@@ -146,12 +157,16 @@ reproduce-$(1): $(STAMP) $(if $(filter %-distillm2,$(1)),$(RUNS)/$(1)/pairs/trai
 	$(MTA) annotate $(if $(filter %-distillm2,$(1)),$(RUNS)/$(1)/pairs/train.jsonl,$(MTA_DATA_DIR)/dolly/train.jsonl) \
 	    --recipe $(call recipe,$(1)) -o $(RUNS)/$(1)/annotations/train
 	$(MTA) annotate $(MTA_DATA_DIR)/dolly/dev.jsonl --recipe $(call recipe,$(1)) -o $(RUNS)/$(1)/annotations/dev
+	@echo "reproduce-$(1): $(call teacher_line,$(1))"
+	$(if $(call teacher_cache,$(1)),$(DISTILL) teacher --recipe $(call recipe,$(1)) \
+	    data.train=$(RUNS)/$(1)/annotations/train data.dev=$(RUNS)/$(1)/annotations/dev -o $(call teacher_cache,$(1)))
 	$(DISTILL) distill --recipe $(call recipe,$(1)) --resume auto \
 	    data.train=$(RUNS)/$(1)/annotations/train data.dev=$(RUNS)/$(1)/annotations/dev \
-	    loss.dsa_weight=0 loss.hra_weight=0 $(BASE_$(1)) output_dir=$(RUNS)/$(1)/base
+	    loss.dsa_weight=0 loss.hra_weight=0 $(BASE_$(1)) output_dir=$(RUNS)/$(1)/base \
+	    $(if $(call teacher_cache,$(1)),teacher_cache.dir=$(call teacher_cache,$(1)))
 	$(DISTILL) distill --recipe $(call recipe,$(1)) --resume auto \
 	    data.train=$(RUNS)/$(1)/annotations/train data.dev=$(RUNS)/$(1)/annotations/dev \
-	    output_dir=$(RUNS)/$(1)/mta
+	    output_dir=$(RUNS)/$(1)/mta $(if $(call teacher_cache,$(1)),teacher_cache.dir=$(call teacher_cache,$(1)))
 	$(EVALUATE) $(RUNS)/$(1)/base/best $(RUNS)/$(1)/mta/best --names base,base+mta -o $(RUNS)/$(1)/eval
 endef
 $(foreach row,$(ROWS),$(eval $(call row_rules,$(row))))
@@ -201,7 +216,9 @@ ABLATE_all-word := 'loss.layers=[[6, 24, word], [9, 36, word], [12, 48, word]]'
 ABLATE_all-phrase := 'loss.layers=[[6, 24, phrase], [9, 36, phrase], [12, 48, phrase]]'
 ABLATE_uniform-weights := loss.importance=uniform
 REFERENCE_CODE := loss.reference_code=true data.span_rule=reference
-ABLATION_ARGS_paper :=
+# The paper's ablations read gpt2-distillm's teacher cache; the authors' code reads the teacher's
+# states at padding positions (their importance), which no cache holds: it runs online.
+ABLATION_ARGS_paper := $(if $(call teacher_cache,gpt2-distillm),teacher_cache.dir=$(call teacher_cache,gpt2-distillm))
 ABLATION_ARGS_reference := $(REFERENCE_CODE) loss.importance=uniform
 ANNOTATIONS_paper := $(RUNS)/gpt2-distillm/annotations
 ANNOTATIONS_reference := $(RUNS)/ablation-gpt2-reference/annotations

@@ -9,6 +9,7 @@ and spans (words of 1-3 tokens tiling each response, phrases of 4-8), so the los
 a real batch gives it. Parts, each its own flag and time budget:
 
     distillm    srkl (skew 0.1) vs srkl + MTA        (recipe gpt2; off-policy sampling not timed)
+                + MTA from a teacher cache (k = 64, compact; rebuilt each step: `mta teacher`)
     distillm2   DistiLLM-2's loss vs + MTA on pairs  (recipe gpt2-distillm2)
     fdd         FDD vs FDD + MTA                     (recipe gpt2-fdd)
 
@@ -42,6 +43,7 @@ from machine import created, describe_machine
 from mta.distributed import local_device
 from mta.files import atomic_write_json
 from mta.losses.span_masks import SpanBatch
+from mta.losses.teacher_topk import teacher_logits_from_top_k, top_k_log_probs
 from mta.training import engine as engines
 from mta.training.batching import TokenBatch, TrainBatch
 from mta.training.config.catalog import SHIPPED_DIR
@@ -50,7 +52,7 @@ from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.utilisation import StepFlops, device_peak_flops
 from mta.training.logit_lens import LogitLens
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.teacher import FrozenTeacher
+from mta.training.teacher import FrozenTeacher, TeacherOutput
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = {"distillm": "gpt2", "distillm2": "gpt2-distillm2", "fdd": "gpt2-fdd"}
@@ -101,7 +103,7 @@ def synthetic_batch(rows: int, length: int, prompt: int, vocab: int, seed: int, 
 class Step:
     """One optimizer step of a recipe's objective in a DeepSpeed ZeRO-1 engine, as Trainer.step."""
 
-    def __init__(self, recipe, teacher_model, student_config, batch: TrainBatch, device, dtype):
+    def __init__(self, recipe, teacher_model, student_config, batch: TrainBatch, device, dtype, cached=False):
         student = AutoModelForCausalLM.from_config(student_config).to(device)
         s_layers, t_layers = student_config.num_hidden_layers, teacher_model.config.num_hidden_layers
         loss = recipe.loss
@@ -135,12 +137,47 @@ class Step:
         self.teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens)
         self.batch = batch.to(device)
         self.student_parameters = sum(p.numel() for p in student.parameters())
-        self.flops = StepFlops(model, student, self.teacher).of(
+        self.flops = StepFlops(model, student, None if cached else self.teacher).of(
             batch.num_tokens, int(batch.teacher.attention_mask.sum())
         )
+        self.stored = self.store(loss.temperature, student_config.vocab_size) if cached else None
+
+    @torch.no_grad()
+    def store(self, temperature: float, vocab: int) -> dict:
+        """What `mta teacher` stores of this batch (k = 64, compact), held on the host: the cached
+        variant rebuilds the teacher's output from it at every step (the disk read is not timed)."""
+        side = self.batch.teacher
+        out = self.teacher(side.input_ids, side.attention_mask)
+        stored = {"hidden": {layer: h.to("cpu", torch.float16) for layer, h in out.hidden_states.items()}}
+        if out.logits is not None:
+            row, position = (side.labels[:, 1:] != -100).nonzero(as_tuple=True)
+            ids, log_probs, tail = top_k_log_probs(
+                out.logits[row, position], 64, temperature=temperature, vocab_size=vocab
+            )
+            stored.update(row=row.cpu(), position=position.cpu(), ids=ids.int().cpu(), log_probs=log_probs.half().cpu())
+            stored.update(tail=tail.cpu(), temperature=temperature, vocab=vocab, shape=out.logits.shape[:2])
+        return stored
+
+    def rebuilt(self) -> TeacherOutput:
+        stored, device = self.stored, self.batch.student.input_ids.device
+        assert stored is not None, "rebuilt() is the cached variant's teacher"
+        hidden = {layer: h.to(device).float() for layer, h in stored["hidden"].items()}
+        logits = None
+        if "ids" in stored:
+            logits = torch.zeros(*stored["shape"], stored["vocab"], device=device)
+            logits[stored["row"].to(device), stored["position"].to(device)] = teacher_logits_from_top_k(
+                stored["ids"].to(device),
+                stored["log_probs"].to(device).float(),
+                stored["tail"].to(device),
+                stored["vocab"],
+                stored["temperature"],
+            )
+        return TeacherOutput(hidden, logits)
 
     def __call__(self) -> None:
-        losses = self.engine(self.batch, self.teacher(self.batch.teacher.input_ids, self.batch.teacher.attention_mask))
+        side = self.batch.teacher
+        teacher = self.rebuilt() if self.stored is not None else self.teacher(side.input_ids, side.attention_mask)
+        losses = self.engine(self.batch, teacher)
         self.engine.backward(losses["total"])
         self.engine.step()
 
@@ -178,6 +215,9 @@ def measure_part(name: str, recipe_name: str, args, device, dtype) -> dict:
         Variant(name, Step(base_recipe, teacher_model, student_config, batch, device, dtype)),
         Variant(f"{name}_mta", Step(recipe, teacher_model, student_config, batch, device, dtype)),
     ]
+    if not recipe.loss.fdd_weight:  # FDD needs the online teacher (docs/teacher-cache.md)
+        cached = Step(recipe, teacher_model, student_config, batch, device, dtype, cached=True)
+        variants.append(Variant(f"{name}_mta_cached", cached))
     # MIN_ROUNDS interleaved rounds, then more (the order alternating) until the budget is spent.
     interleaved_rounds(
         variants,
@@ -218,6 +258,11 @@ def measure_part(name: str, recipe_name: str, args, device, dtype) -> dict:
     out["ratio_mta_to_base"] = (
         out["variants"][f"{name}_mta"]["seconds_per_step_median"] / out["variants"][name]["seconds_per_step_median"]
     )
+    if f"{name}_mta_cached" in out["variants"]:
+        out["ratio_mta_cached_to_mta"] = (
+            out["variants"][f"{name}_mta_cached"]["seconds_per_step_median"]
+            / out["variants"][f"{name}_mta"]["seconds_per_step_median"]
+        )
     for variant in variants:
         variant.step.engine.destroy()
     return out

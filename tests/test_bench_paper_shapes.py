@@ -34,17 +34,25 @@ def test_the_paper_shapes_benchmark_runs_every_part_in_smoke_mode(tmp_path):
     assert sorted(results) == ["distillm", "distillm2", "fdd"]
     for part, result in results.items():
         assert result["rounds"] >= 3
-        assert sorted(result["variants"]) == sorted([part, f"{part}_mta"])
-        for variant in result["variants"].values():
+        cached = [] if part == "fdd" else [f"{part}_mta_cached"]  # FDD needs the online teacher
+        assert sorted(result["variants"]) == sorted([part, f"{part}_mta", *cached])
+        for name, variant in result["variants"].items():
             assert len(variant["seconds_per_step"]) == result["rounds"]
             assert variant["seconds_per_step_median"] > 0 and variant["tokens_per_s"] > 0
             # Model FLOPs: 6·N·tokens of the student (GPT-2 ties its embedding, so every weight is
             # in a product) + 2·N·tokens of the teacher's whole forward, + the projectors with MTA.
             tokens = result["tokens_per_step"]
-            expected = (6 * result["student_parameters"] + 2 * result["teacher_parameters"]) * tokens
+            teacher = 0 if name.endswith("_cached") else 2 * result["teacher_parameters"]  # no teacher forward
+            expected = (6 * result["student_parameters"] + teacher) * tokens
             assert variant["model_flops_per_step"] >= expected
             assert variant["mfu"] is None and variant["peak_memory_gib"] is None  # a CPU
+        expected = (6 * result["student_parameters"] + 2 * result["teacher_parameters"]) * tokens
         assert result["variants"][part]["model_flops_per_step"] == expected  # no projector: exact
+        if cached:
+            assert result["ratio_mta_cached_to_mta"] == pytest.approx(
+                result["variants"][cached[0]]["seconds_per_step_median"]
+                / result["variants"][f"{part}_mta"]["seconds_per_step_median"]
+            )
         assert result["ratio_mta_to_base"] == pytest.approx(
             result["variants"][f"{part}_mta"]["seconds_per_step_median"]
             / result["variants"][part]["seconds_per_step_median"]

@@ -171,15 +171,16 @@ KILLED_RUN = """
 import sys
 from pathlib import Path
 from mta.embedding import teacher_embeddings as stage
+from mta.store import chunked_work
 
 stage.CHUNK_ROWS = 4
-class Stalling(stage.Journal):
+class Stalling(chunked_work.Journal):
     def append(self, rows):
         super().append(rows)
         if sum(1 for _ in open(self.path)) == 3:  # three chunks journalled: wait to be killed
             print("journalled", flush=True)
             sys.stdin.read()
-stage.Journal = Stalling
+chunked_work.Journal = Stalling
 stage.build_teacher_embeddings(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), batch_size=2, device="cpu")
 """
 

@@ -96,10 +96,12 @@ def _register() -> None:
         models,
         recipes,
         show,
+        teacher,
     )
 
     app.command("annotate")(annotate.annotate)
     app.command("embed")(embed.embed)
+    app.command("teacher")(teacher.teacher)
     app.command("show")(show.show)
     app.command("distill")(distill.distill)
     app.command("evaluate")(evaluate.evaluate)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,17 @@ def file_sha256(path: str | Path) -> str:
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(BLOCK), b""):
             digest.update(block)
+    return digest.hexdigest()
+
+
+def arrays_sha256(arrays: Iterable[Any]) -> str:
+    """The hex sha256 of numpy arrays' bytes in order, each preceded by its length (so two
+    splits of the same bytes differ)."""
+    digest = hashlib.sha256()
+    for array in arrays:
+        data = array.tobytes()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
     return digest.hexdigest()
 
 
@@ -40,6 +52,24 @@ def directory_checksums(directory: str | Path) -> dict[str, str]:
         for path in sorted(directory.rglob("*"))
         if path.is_file() and path.name != CHECKSUMS and not path.name.startswith(".")
     }
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weights_fingerprint(directory: str | Path) -> str | None:
+    """``sha256:`` of a model directory's weight files (``WEIGHT_SUFFIXES``) and ``config.json``,
+    what decides its outputs; None when the directory holds no weight file (deleted, or never
+    downloaded)."""
+    directory = Path(directory)
+    files = sorted(
+        path
+        for path in directory.rglob("*")
+        if path.is_file() and (path.suffix in WEIGHT_SUFFIXES or path.name == "config.json")
+    )
+    if not any(path.suffix in WEIGHT_SUFFIXES for path in files):
+        return None
+    return "sha256:" + json_sha256({path.relative_to(directory).as_posix(): file_sha256(path) for path in files})
 
 
 def checksum_text(checksums: dict[str, str]) -> str:

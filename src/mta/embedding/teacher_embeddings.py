@@ -51,8 +51,6 @@ is, unless ``force``. The teacher's fingerprint is the sha256 of every file of i
 from __future__ import annotations
 
 import logging
-import secrets
-import shutil
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -72,13 +70,14 @@ from mta.dtypes import resolve_dtype
 from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
 from mta.embedding.pooling import AUTO
 from mta.errors import MtaError
-from mta.files import Journal, atomic_path, disk_full_is_reported, make_output_directory, read_jsonl_lenient
+from mta.files import disk_full_is_reported, make_output_directory
 from mta.hashing import directory_checksums, file_sha256, json_sha256
 from mta.reporting import Reporter, SilentReporter
-from mta.store.layout import META, manifest_path, part_path, remove_if_empty, staged_part, staging_directory
+from mta.store.chunked_work import ChunkedShard
+from mta.store.layout import META, manifest_path, part_path, remove_if_empty
 from mta.store.locks import shard_lock
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES, read_manifest
-from mta.store.publish import PartWriter, commit_shard, finish_publishing
+from mta.store.publish import commit_shard, finish_publishing
 from mta.store.reuse import reusable_output
 from mta.versions import MTA_VERSION, package_versions
 
@@ -88,7 +87,6 @@ ARTEFACT = "teacher-embeddings"  # the manifest's ``artefact``: what this direct
 EMBEDDINGS_VERSION = 1  # the manifest's ``embeddings_version``: this module's columns and keys
 CHUNK_ROWS = 2048  # rows per journalled chunk: what a killed run may have to redo
 TEXT_RULE = "text|instruction+input+response|prompt+response"
-WORK = "work"
 SCHEMA = pa.schema(
     [
         pa.field("id", pa.int64(), nullable=False),
@@ -391,7 +389,7 @@ def _run_shard(
                 if reused is not None:
                     return reused
             encoder = load_encoder(teacher, dtype=compute_dtype, device=torch_device, plan=plan)
-            shard_manifest, done, resumed = _embed_shard(
+            shard_manifest, done, resumed, work = _embed_shard(
                 encoder,
                 texts,
                 ids,
@@ -411,13 +409,7 @@ def _run_shard(
             ]
             shard_manifest.update(run_key=run_key, shard=shard, num_shards=num_shards, description=description)
             manifest = commit_shard(out_dir, shard_manifest)
-            work = _work_directory(out_dir, shard, num_shards)
-            shutil.rmtree(work, ignore_errors=True)
-            for empty in (work.parent, staging_directory(out_dir)):
-                try:
-                    empty.rmdir()  # only when no other shard's work is in it
-                except OSError:
-                    pass
+            work.remove()
     except BaseException:
         if created:
             remove_if_empty(out_dir)
@@ -507,26 +499,6 @@ def _chunks(batches: list[list[int]], chunk_rows: int) -> list[list[list[int]]]:
     return chunks
 
 
-def _work_directory(out_dir: Path, shard: int, num_shards: int) -> Path:
-    return out_dir / META / WORK / f"shard-{shard:05d}-of-{num_shards:05d}"
-
-
-def _finished_chunks(work: Path, plan_key: str) -> dict[int, dict]:
-    """Chunks a previous run of the same plan journalled whose files still match."""
-    done = {}
-    for entry in read_jsonl_lenient(work / "journal.jsonl"):
-        if entry.get("plan") != plan_key or type(entry.get("chunk")) is not int:
-            continue
-        path = work / _chunk_name(entry["chunk"])
-        if path.is_file() and file_sha256(path) == entry.get("sha256"):
-            done[entry["chunk"]] = entry
-    return done
-
-
-def _chunk_name(chunk: int) -> str:
-    return f"chunk-{chunk:05d}.parquet"
-
-
 def _embed_shard(
     encoder: SentenceEncoder,
     texts: list[str],
@@ -539,58 +511,42 @@ def _embed_shard(
     reporter: Reporter,
     *,
     label: str,
-) -> tuple[dict, int, int]:
-    """Embed the shard chunk by chunk (journalled), then stream the chunks into its part."""
+) -> tuple[dict, int, int, ChunkedShard]:
+    """Embed the shard chunk by chunk (journalled, :mod:`mta.store.chunked_work`), then stream
+    the chunks into its part."""
     lengths = encoder.lengths(texts) if texts else []
     batches = plan_batches(lengths, ids, batch_size)
     chunks = _chunks(batches, CHUNK_ROWS)
     plan_key = json_sha256({"run_key": run_key, "ids": ids, "batch_size": batch_size, "chunk_rows": CHUNK_ROWS})
-    work = _work_directory(out_dir, shard, num_shards)
-    done = _finished_chunks(work, plan_key) if work.is_dir() else {}
-    if not done and work.exists():
-        shutil.rmtree(work, ignore_errors=True)  # another plan's chunks: nothing to keep
-    work.mkdir(parents=True, exist_ok=True)
-    resumed = sum(entry["rows"] for entry in done.values())
+    work = ChunkedShard(out_dir, shard, num_shards, plan_key, SCHEMA)
+    resumed = work.resumed_rows
     truncated = sum(1 for length in lengths if length >= encoder.max_length)
     if truncated:  # at the limit: cut, or exactly as long (told apart without the limit)
         at_limit = [texts[i] for i, length in enumerate(lengths) if length >= encoder.max_length]
         truncated = sum(1 for length in encoder.untruncated_lengths(at_limit) if length > encoder.max_length)
     if resumed:
         reporter.message(f"resuming: {resumed} of {len(texts)} texts were embedded by an earlier run")
+
+    def table_of(chunk: list[list[int]]) -> pa.Table:
+        rows_ids: list[int] = []
+        rows_texts: list[str] = []
+        vectors: list[torch.Tensor] = []
+        for batch in chunk:
+            batch_texts = [texts[i] for i in batch]
+            vectors.append(encoder.embed_batch(encoder.tokenize(batch_texts)))
+            rows_ids.extend(ids[i] for i in batch)
+            rows_texts.extend(batch_texts)
+            reporter.advance(len(batch))
+        return _table(rows_ids, rows_texts, torch.cat(vectors))
+
     reporter.start(label, len(texts), completed=resumed, unit="texts")
-    computed = 0
     try:
-        with Journal(work / "journal.jsonl") as journal:
-            for number, chunk in enumerate(chunks):
-                if number in done:
-                    continue
-                rows_ids: list[int] = []
-                rows_texts: list[str] = []
-                vectors: list[torch.Tensor] = []
-                for batch in chunk:
-                    batch_texts = [texts[i] for i in batch]
-                    vectors.append(encoder.embed_batch(encoder.tokenize(batch_texts)))
-                    rows_ids.extend(ids[i] for i in batch)
-                    rows_texts.extend(batch_texts)
-                    reporter.advance(len(batch))
-                table = _table(rows_ids, rows_texts, torch.cat(vectors))
-                path = work / _chunk_name(number)
-                with disk_full_is_reported(path), atomic_path(path) as temporary:
-                    pq.write_table(table, temporary, compression="zstd")
-                journal.append(
-                    [{"plan": plan_key, "chunk": number, "rows": table.num_rows, "sha256": file_sha256(path)}]
-                )
-                computed += table.num_rows
+        computed = work.compute(chunks, table_of)
     finally:
         reporter.stop()
-    part = staged_part(out_dir, shard, num_shards, secrets.token_hex(4))
-    with disk_full_is_reported(part), PartWriter(part, schema=SCHEMA) as writer:
-        for number in range(len(chunks)):
-            for batch in pq.read_table(work / _chunk_name(number), schema=SCHEMA).to_batches():
-                writer.write(batch)
-        entry = writer.commit()
+    entry = work.part(len(chunks))
     counts = {"rows": {"written": len(texts), "truncated": truncated}}
-    return {"counts": counts, "skipped_examples": [], "part": entry}, computed, resumed
+    return {"counts": counts, "skipped_examples": [], "part": entry}, computed, resumed, work
 
 
 def _table(ids: list[int], texts: list[str], vectors: torch.Tensor) -> pa.Table:

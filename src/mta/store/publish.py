@@ -51,11 +51,12 @@ class PartWriter:
 
     Batches are buffered into row groups of about ``row_group_rows`` rows. If the writer is
     closed without ``commit`` (an exception, Ctrl-C, a full disk), the temporary file is deleted.
-    ``schema``: the annotate schema by default; ``mta embed`` writes its own
-    (:mod:`mta.embedding.teacher_embeddings`) into the same layout.
+    ``schema``: the annotate schema by default; ``mta embed`` and ``mta teacher`` write their own
+    (:mod:`mta.embedding.teacher_embeddings`, :mod:`mta.training.teacher_cache`) into the same
+    layout. ``compression``: Parquet's codec (``"none"`` for values that do not compress).
     """
 
-    def __init__(self, path: Path, row_group_rows: int = 2048, schema: pa.Schema = SCHEMA):
+    def __init__(self, path: Path, row_group_rows: int = 2048, schema: pa.Schema = SCHEMA, compression: str = "zstd"):
         self.path = path
         self.rows = 0
         self._schema = schema
@@ -64,7 +65,7 @@ class PartWriter:
         self._pending_rows = 0
         self._temporary = temporary_beside(path)
         try:
-            self._writer = pq.ParquetWriter(self._temporary, schema, compression="zstd")
+            self._writer = pq.ParquetWriter(self._temporary, schema, compression=compression)
         except BaseException:
             self._temporary.unlink(missing_ok=True)
             raise

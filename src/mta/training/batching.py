@@ -9,7 +9,7 @@ Python loop over rows, tokens or spans. ``micro_batch_order`` is a pure function
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,8 @@ class TrainBatch:
     chosen: ``[batch]`` bool for pair rows (True: the teacher's response), None otherwise.
     pending_spans: set on a generated micro batch while the span workers parse its rows (its
     ``spans`` are empty until then): the handle ``OffPolicyBatches.with_spans`` (in
-    ``mta.training.sampling.micro_batches``) waits on; None otherwise."""
+    ``mta.training.sampling.micro_batches``) waits on; None otherwise. origin: where the rows
+    come from (a teacher cache holds the teacher's side of gold rows only)."""
 
     row_ids: list[str]
     student: TokenBatch
@@ -78,28 +79,25 @@ class TrainBatch:
     spans: Mapping[str, SpanBatch]
     chosen: torch.Tensor | None = None
     pending_spans: Any | None = None
+    origin: str = "gold"  # "gold": annotated rows; "generated" / "buffer": the student's own (off-policy)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(
-            self.row_ids,
-            self.student.to(device),
-            None if self.teacher is None else self.teacher.to(device),
-            {name: spans.to(device) for name, spans in self.spans.items()},
-            None if self.chosen is None else self.chosen.to(device),
-            self.pending_spans,
+        return replace(
+            self,
+            student=self.student.to(device),
+            teacher=None if self.teacher is None else self.teacher.to(device),
+            spans={name: spans.to(device) for name, spans in self.spans.items()},
+            chosen=None if self.chosen is None else self.chosen.to(device),
         )
 
     def padded_to(self, width: int, pad_ids: Mapping[str, int]) -> TrainBatch:
         """Both sides right-padded to at least ``width`` positions, as the authors' collate pads
         every batch to ``max_length`` (``loss.reference_code``); spans keep their token ranges.
         pad_ids: ``{"student": id, "teacher": id}``."""
-        return TrainBatch(
-            self.row_ids,
-            self.student.padded_to(width, pad_ids["student"]),
-            None if self.teacher is None else self.teacher.padded_to(width, pad_ids["teacher"]),
-            self.spans,
-            self.chosen,
-            self.pending_spans,
+        return replace(
+            self,
+            student=self.student.padded_to(width, pad_ids["student"]),
+            teacher=None if self.teacher is None else self.teacher.padded_to(width, pad_ids["teacher"]),
         )
 
     @property

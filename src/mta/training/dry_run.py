@@ -328,6 +328,8 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
 
         notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
     notes.extend(data_notes(recipe))
+    if teacher is not None and recipe.teacher_cache.dir is not None:
+        notes.extend(teacher_cache_notes(recipe, student, teacher))
 
     memory = estimate_memory(
         student,
@@ -376,6 +378,55 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     if len(student_ids) == 0:
         return "SRA: the tokenizers share no token; the span logit term will be off"
     return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"
+
+
+def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) -> list[str]:
+    """The teacher cache's size per split (``mta teacher``'s artefact), from the annotated rows'
+    token counts when ``data.<split>`` is an annotate directory, else an upper bound per row at
+    ``data.max_length``; and which micro batches still run the teacher."""
+    import pyarrow.compute as pc
+
+    from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
+    from mta.store.layout import holds_artefact
+    from mta.store.read import read_annotations
+    from mta.training.teacher_cache.content import estimate_bytes, human_bytes, teacher_reads
+
+    spec = recipe.teacher_cache
+    reads = teacher_reads(recipe, student.num_layers, teacher.num_layers)
+    top_k = min(spec.top_k, teacher.vocab_rows)
+    sizes = dict(top_k=top_k, storage=spec.storage, hidden_size=teacher.hidden_size)
+    what = f"layers {', '.join(map(str, reads.layers)) or 'none'}" + (f", k = {top_k}" if reads.logits else "")
+    notes = []
+    for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
+        if written is None or unset_variables(written):
+            continue
+        path = recipe.resolve(written, key)
+        if path.is_file():  # rows annotated on first use, into the run's data/ cache
+            path = recipe.resolve(recipe.output_dir, "output_dir") / "data" / key.split(".")[1]
+        if path.is_dir() and holds_artefact(path):
+            table = read_annotations(path).table
+            lengths = pc.list_value_length(table.column(INPUT_IDS["teacher"]))
+            tokens = int(pc.sum(lengths).as_py() or 0)
+            responses = tokens - int(pc.sum(table.column(PROMPT_LEN["teacher"])).as_py() or 0)
+            size = estimate_bytes(reads, tokens=tokens, responses=responses, rows=table.num_rows, **sizes)
+            notes.append(
+                f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): {human_bytes(size.logits)} logits + "
+                f"{human_bytes(size.hidden)} hidden states over {size.rows:,} rows ({human_bytes(size.per_row)} a row)"
+            )
+        else:
+            length = recipe.data.max_length
+            responses = length - recipe.data.max_prompt_length
+            size = estimate_bytes(reads, tokens=length, responses=responses, rows=1, **sizes)
+            notes.append(
+                f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): at most {human_bytes(size.total)} a "
+                f"row at data.max_length={length} ({key} is not annotated yet: the total follows its rows)"
+            )
+    online = "generated and replayed micro batches" if recipe.generation.mode != "off" else None
+    notes.append(
+        f"teacher cache: gold micro batches read {spec.dir}; "
+        + (f"the teacher is loaded for the {online}" if online else "the teacher's weights are never loaded")
+    )
+    return notes
 
 
 def data_notes(recipe: Recipe) -> list[str]:

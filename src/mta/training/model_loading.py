@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from mta.dtypes import torch_dtype
 from mta.errors import MtaError
@@ -132,13 +132,46 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     tokenizer_source: str
+    path: str = ""  # where the model loaded from: a directory or a hub name
+
+
+@dataclass
+class LoadedConfig:
+    """A model's config and tokenizer without its weights (a cached teacher's side), and where
+    each loads from."""
+
+    path: str
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    tokenizer_source: str
+
+
+def load_config_and_tokenizer(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedConfig:
+    """The config and tokenizer ``load_causal_lm`` would load, without reading a weight file."""
+    model_path, tokenizer_path = model_source(spec, recipe, role)
+    config = load_pretrained(
+        AutoConfig.from_pretrained,
+        model_path,
+        what=f"{role}.path",
+        otherwise=f"{role}.path: cannot read a model config from '{model_path}' (give a local model "
+        "directory or a hub name that is in the Hugging Face cache)",
+    )
+    return LoadedConfig(model_path, config, _padded_tokenizer(tokenizer_path), tokenizer_path)
+
+
+def _padded_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer at ``path``, padding with EOS when it names no pad token."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
     """The model (weights in ``spec.dtype``) and its tokenizer; errors name the recipe key.
     With ``spec.lora`` the model comes with its LoRA adapters, all else frozen (``mta.training.lora``)."""
     model_path, tokenizer_path = model_source(spec, recipe, role)
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = _padded_tokenizer(tokenizer_path)
     # Eager attention: the same maths on every backend, and the tiny models gain nothing from
     # fused kernels on CPU.
     model = load_pretrained(
@@ -156,22 +189,23 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
             f"'{model_path}' only {embedding_rows(model)} embedding rows; "
             f"set {role}.tokenizer to the model's own tokenizer"
         )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if spec.lora is not None:  # the student's adapters (the schema refuses teacher.lora)
         from mta.training import lora
 
         model = lora.wrap(model, spec.lora, seed=recipe.seed)
-    return LoadedModel(model, tokenizer, tokenizer_path)
+    return LoadedModel(model, tokenizer, tokenizer_path, model_path)
 
 
-def num_layers(model: PreTrainedModel) -> int:
-    """Transformer blocks: ``hidden_states`` indices run from 0 (embeddings) to this."""
-    return model.config.get_text_config().num_hidden_layers
+def num_layers(model: PreTrainedModel | PretrainedConfig) -> int:
+    """Transformer blocks of a model (or its config): ``hidden_states`` indices run from 0
+    (embeddings) to this."""
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    return config.get_text_config().num_hidden_layers
 
 
-def hidden_size(model: PreTrainedModel) -> int:
-    return model.config.get_text_config().hidden_size
+def hidden_size(model: PreTrainedModel | PretrainedConfig) -> int:
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    return config.get_text_config().hidden_size
 
 
 def embedding_rows(model: PreTrainedModel) -> int:

@@ -40,11 +40,20 @@ from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
 from mta.training.logit_lens import LogitLens
-from mta.training.model_loading import hidden_size, load_causal_lm, num_layers
+from mta.training.model_loading import (
+    LoadedConfig,
+    LoadedModel,
+    hidden_size,
+    load_causal_lm,
+    load_config_and_tokenizer,
+    num_layers,
+)
 from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
 from mta.training.tasks import task_of
 from mta.training.teacher import FrozenTeacher, TeacherOutput
+from mta.training.teacher_cache.content import TeacherReads
+from mta.training.teacher_cache.read import CachedTeacher, open_teacher_caches
 from mta.training.train_data import load_split
 
 log = logging.getLogger(__name__)
@@ -88,6 +97,7 @@ class Run:
     device: torch.device
     resume_from: Path | None = None  # the checkpoint to continue from, checked against the recipe
     off_policy: OffPolicyBatches | None = None  # generation: on (the student's own samples)
+    teacher_cache: CachedTeacher | None = None  # teacher_cache.dir: the teacher's side of gold micro batches
     messages: list[str] = field(default_factory=list)
     selector: Selector | None = None  # data.dev: OUT/best/ by train.select_by
     precision: engines.TrainingPrecision  # train.precision on this device
@@ -121,11 +131,19 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
     resumed_with = resume_rules.check_resume(resume_from, recipe) if resume_from is not None else None
 
     # Rank 0 builds tiny models and annotates data first; the others then find them cached.
+    # A teacher cache with no generated micro batches: the teacher's weights are never loaded.
+    teacher_runs = recipe.teacher is not None and (recipe.teacher_cache.dir is None or recipe.generation.mode != "off")
     with distributed.main_process_first():
         student_loaded = load_causal_lm(recipe.student, recipe, "student")
-        teacher_loaded = load_causal_lm(recipe.teacher, recipe, "teacher") if recipe.teacher else None
+        teacher_loaded = load_causal_lm(recipe.teacher, recipe, "teacher") if recipe.teacher and teacher_runs else None
+        teacher_side = teacher_loaded or (
+            load_config_and_tokenizer(recipe.teacher, recipe, "teacher") if recipe.teacher is not None else None
+        )
         # SFT: the artefact's teacher side is the student's tokenizer.
-        sides = {"student": student_loaded, "teacher": teacher_loaded or student_loaded}
+        sides: dict[str, LoadedModel | LoadedConfig] = {
+            "student": student_loaded,
+            "teacher": teacher_side or student_loaded,
+        }
         fingerprints = {side: tokenizer_fingerprint(loaded.tokenizer) for side, loaded in sides.items()}
         splits = {
             split: load_split(
@@ -140,6 +158,8 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         }
     student, tokenizer = student_loaded.model, student_loaded.tokenizer
     teacher_model = teacher_loaded.model if teacher_loaded else None
+    teacher_config = teacher_side.config if isinstance(teacher_side, LoadedConfig) else None
+    teacher_config = teacher_model.config if teacher_model is not None else teacher_config
     if teacher_model is not None and precision.frozen_dtype is not None and teacher_model.dtype == torch.float32:
         # CPU bf16: held in bf16, its products are bf16 anyway. The ignore: transformers declares
         # PreTrainedModel.to with @wraps(nn.Module.to), which mypy reads unbound (dtype taken as self).
@@ -152,10 +172,8 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         sample_new_tokens=recipe.dev_sample_new_tokens,
         source=recipe.source,
     )
-    if teacher_model is not None and recipe.teacher is not None:  # loaded from recipe.teacher
-        check_sequence_lengths(
-            recipe.data, teacher_model.config, "teacher", model=recipe.teacher.path, source=recipe.source
-        )
+    if teacher_config is not None and recipe.teacher is not None:  # loaded from recipe.teacher
+        check_sequence_lengths(recipe.data, teacher_config, "teacher", model=recipe.teacher.path, source=recipe.source)
     teacher_tokenizer = sides["teacher"].tokenizer
     same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
     check_generation_fits(recipe, same_tokenizer)
@@ -164,25 +182,26 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
     fdd_pairs: list[LayerIndexPair] = []
     sra_pairs: list[LayerIndexPair] = []
     shared_vocab = None
-    if teacher_model is not None:  # the schema refuses DSA, HRA, FDD and SRA without a teacher
+    if teacher_config is not None:  # the schema refuses DSA, HRA, FDD and SRA without a teacher
         if recipe.loss.alignment_terms:
-            layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_model))
+            layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_config))
         if recipe.loss.fdd_weight:
-            fdd_pairs = resolve_fdd_layers(recipe.loss.fdd_layers, num_layers(student), num_layers(teacher_model))
+            fdd_pairs = resolve_fdd_layers(recipe.loss.fdd_layers, num_layers(student), num_layers(teacher_config))
         if recipe.loss.sra_weight:
-            sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, num_layers(student), num_layers(teacher_model))
+            sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, num_layers(student), num_layers(teacher_config))
             shared_vocab = _shared_vocabulary(tokenizer, teacher_tokenizer, recipe.loss.sra_logit_weight)
             if recipe.loss.sra_centre == "last_token_attention":
                 # The port's centre weights are the models' own attention rows: computed eagerly.
                 for side_model in (student, teacher_model):
-                    side_model.set_attn_implementation("eager")
+                    if side_model is not None:  # a cached teacher refuses this centre (the schema)
+                        side_model.set_attn_implementation("eager")
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
     objective = DistillationObjective(
         recipe.loss,
         layer_pairs,
         student_hidden_size=hidden_size(student),
-        teacher_hidden_size=hidden_size(teacher_model) if teacher_model is not None else None,
+        teacher_hidden_size=hidden_size(teacher_config) if teacher_config is not None else None,
         same_tokenizer=same_tokenizer,
         vocab_size=len(tokenizer),
         fdd_pairs=fdd_pairs,
@@ -197,7 +216,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             annotations.table,
             student_pad_id=tokenizer.pad_token_id,
             teacher_pad_id=teacher_tokenizer.pad_token_id,
-            with_teacher=teacher_model is not None,
+            with_teacher=teacher_config is not None,
             granularities=granularities,
             boundary=bool(recipe.loss.sra_weight),
             rebuild=reannotate_command(annotations.manifest, annotations.directory),
@@ -239,7 +258,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             model=engine.module.student,
             tokenizer=tokenizer,
             pad_ids={"student": tokenizer.pad_token_id, "teacher": teacher_tokenizer.pad_token_id},
-            with_teacher=teacher_model is not None,
+            with_teacher=teacher_config is not None,
             granularities=granularities,
             parser=parser,
             total_steps=total_steps,
@@ -269,6 +288,18 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             else teacher.to(device)
         )
 
+    teacher_cache = None
+    if recipe.teacher_cache.dir is not None and teacher_side is not None and teacher_config is not None:
+        teacher_cache = open_teacher_caches(
+            recipe,
+            {"train": train_split, "dev": dev_split},
+            reads=TeacherReads(tuple(objective.teacher_layers), objective.needs_teacher_logits),
+            teacher_path=teacher_side.path,
+            tokenizer=teacher_tokenizer,
+            teacher_config=teacher_config,
+            precision=f"{precision.name}/teacher {recipe.teacher.dtype if recipe.teacher else None}",
+        )
+
     flops = StepFlops(engine.module, engine.module.student, teacher)
     messages = [precision.describe()] + _summary(
         recipe,
@@ -277,12 +308,18 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         schedule,
         total_steps,
         splits,
-        has_teacher=teacher_model is not None,
+        has_teacher=teacher_config is not None,
         same_tokenizer=same_tokenizer,
         vocab_size=len(tokenizer),
         layer_pairs=layer_pairs,
         fdd_pairs=fdd_pairs,
     )
+    if teacher_cache is not None:
+        messages.append(
+            f"teacher: read from {recipe.teacher_cache.dir} for the rows of "
+            + ", ".join(f"{split} ({len(cache)} rows)" for split, cache in teacher_cache.caches.items())
+            + ("; online for the generated micro batches" if teacher is not None else "; its weights are not loaded")
+        )
     if resumed_with is not None:
         messages += resumed_with.log_lines()
     if recipe.student.lora is not None:
@@ -311,6 +348,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         device=device,
         resume_from=resume_from,
         off_policy=sampled,
+        teacher_cache=teacher_cache,
         messages=messages,
         selector=selector,
         precision=precision,
@@ -365,7 +403,11 @@ class Trainer:
         with self.run.precision.context():  # the student's own samples: bf16 products in a CPU bf16 run
             return off_policy.batch(step, k, rows, gold)[0]
 
-    def teacher_forward(self, batch: TrainBatch) -> TeacherOutput | None:
+    def teacher_forward(self, batch: TrainBatch, split: str = "train") -> TeacherOutput | None:
+        """The teacher's side of ``batch``: from the teacher cache for a gold micro batch of a
+        run with ``teacher_cache.dir``, else the online teacher's forward (None without one)."""
+        if self.run.teacher_cache is not None and batch.origin == "gold":
+            return self.run.teacher_cache.outputs(batch, split)
         if self.run.teacher is None:
             return None
         assert batch.teacher is not None, "a run with a teacher gathers its side of every batch (with_teacher)"
@@ -471,7 +513,7 @@ class Trainer:
         batches = [dev.batch(rows[i : i + size]) for i in range(0, len(rows), size)]
         for batch in batches:
             batch = batch.to(run.device)
-            for name, value in run.engine(batch, self.teacher_forward(batch)).items():
+            for name, value in run.engine(batch, self.teacher_forward(batch, "dev")).items():
                 sums[name] = sums.get(name, 0.0) + value.item() * len(batch.row_ids)
         record = loss_record("dev", step, {name: value / len(rows) for name, value in sums.items()})
         if run.off_policy is not None and run.recipe.generation.mode == "adaptive":

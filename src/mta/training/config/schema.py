@@ -472,6 +472,24 @@ class GenerationSpec(Strict):
         return value
 
 
+class TeacherCacheSpec(Strict):
+    """``teacher_cache:``: train from what ``mta teacher`` stored instead of running the teacher
+    on the annotated rows (docs/teacher-cache.md)."""
+
+    dir: str | None = Field(
+        None,
+        description="the `mta teacher` output read for the teacher's side of every annotated micro batch "
+        "(train and dev); null: the teacher runs online. With generation.mode=off the teacher is never loaded",
+    )
+    top_k: int = Field(
+        64, ge=1, description="the teacher's most probable next tokens stored per response position (logit losses)"
+    )
+    storage: Literal["compact", "fp32"] = Field(
+        "compact",
+        description="compact: hidden states and log-probabilities fp16 (tails fp32); fp32: all fp32 (2x the bytes)",
+    )
+
+
 _ENV_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
@@ -563,6 +581,9 @@ class Recipe(RecipeChecks):
     train: TrainSpec = Field(description="optimizer, schedule, length, precision, ZeRO, intervals")
     generation: GenerationSpec = Field(
         GenerationSpec(), description="student-generated responses during training (DistiLLM); off by default"
+    )
+    teacher_cache: TeacherCacheSpec = Field(
+        TeacherCacheSpec(), description="the teacher's outputs read from `mta teacher`'s artefact; off by default"
     )
     deepspeed: dict[str, Any] = Field(
         default_factory=dict,
@@ -661,6 +682,14 @@ class Recipe(RecipeChecks):
             raise PydanticCustomError("generation_setting", "{message}", {"message": message, "within": within})
         return self
 
+    @model_validator(mode="after")
+    def _teacher_cache_fits(self) -> Recipe:
+        problem = teacher_cache_problem(self)
+        if problem is not None:
+            within, message = problem
+            raise PydanticCustomError("teacher_cache_setting", "{message}", {"message": message, "within": within})
+        return self
+
     @property
     def dev_sample_new_tokens(self) -> int:
         """Tokens the student generates after each sampled dev prompt; 0 when none are drawn."""
@@ -676,6 +705,41 @@ class Recipe(RecipeChecks):
         if self.generation.max_new_tokens is not None:
             return self.generation.max_new_tokens
         return self.data.max_length - self.data.max_prompt_length
+
+
+# --- the stored teacher --------------------------------------------------------------------
+
+
+def teacher_cache_problem(recipe: Recipe) -> tuple[tuple[str, ...], str] | None:
+    """Why ``recipe`` cannot train from (or build) a teacher cache, as ``(key path, message)``,
+    or None: what the cache does not hold (docs/teacher-cache.md)."""
+    if recipe.teacher_cache.dir is None:
+        return None
+    online = "or set teacher_cache.dir=null to run the teacher online"
+    if recipe.teacher is None:
+        return ("teacher_cache", "dir"), "teacher_cache.dir stores a teacher's outputs, and the recipe has no teacher"
+    if recipe.loss.fdd_weight:
+        return ("loss", "fdd_weight"), (
+            "FDD needs the online teacher: it applies the teacher's final norm and LM head to the hidden states of "
+            "every FDD layer at every position, a vocabulary-wide distribution per layer and token (GPT-2 1.5B on "
+            f"Dolly: about 100 GB per layer in fp16); set loss.fdd_weight=0, {online}"
+        )
+    if recipe.loss.reference_code:
+        return ("loss", "reference_code"), (
+            "the authors' token importance (loss.reference_code) reads the teacher's states at the batch's padding "
+            f"positions, which `mta teacher` does not store; set loss.reference_code=false, {online}"
+        )
+    if recipe.loss.sra_weight and recipe.loss.sra_centre == "last_token_attention":
+        return ("loss", "sra_centre"), (
+            "sra_centre=last_token_attention reads the teacher's attention rows, which `mta teacher` does not store; "
+            f"use sra_centre=importance, {online}"
+        )
+    if recipe.loss.sra_weight and recipe.loss.sra_logit_weight:
+        return ("loss", "sra_logit_weight"), (
+            "SRA's logit term applies the teacher's LM head to its span centres, which `mta teacher` does not store; "
+            f"set loss.sra_logit_weight=0, {online}"
+        )
+    return None
 
 
 # --- student-generated responses -----------------------------------------------------------

@@ -141,11 +141,11 @@ class OffPolicyBatches:
             if self.recipe.train.save_generated:
                 self._saved.append((sampled, micro_batch, source))
             examples = AnnotatedExamples(rows_table(sampled), **self._examples)
-            return examples.batch(np.arange(len(examples))), source
+            return replace(examples.batch(np.arange(len(examples))), origin=source), source
         generated = self._generate(step, rows)
         tokens = self._token_batch(generated)
         self._parsing = GeneratedMicroBatch(step, micro_batch, tokens, self.parser.submit(generated))
-        return replace(tokens, pending_spans=self._parsing), source
+        return replace(tokens, pending_spans=self._parsing, origin=source), source
 
     def with_spans(self, batch: TrainBatch) -> TrainBatch:
         """``batch`` with its spans, on its device: a generated micro batch's are waited for here

@@ -1,0 +1,363 @@
+"""`mta teacher`: the recipe's teacher run once over the annotated rows of train and dev.
+
+For each split the recipe has, the rows are the ones ``mta distill`` would train on
+(``data.train`` / ``data.dev``, annotated on first use as distill annotates them). The teacher is
+the recipe's, loaded as ``mta distill`` loads it and run as its ``FrozenTeacher`` runs (the same
+truncation, the training precision's dtype and autocast), asked for what the recipe's losses
+read (:func:`mta.training.teacher_cache.content.teacher_reads`). Per row it stores the hidden
+states of those layers at every real token (token importance attends over the whole sequence,
+so every token is needed to recompute it exactly) and, with a logit loss, the top k of the next-
+token distribution at τ at every position that predicts a response token, with the tail's mass
+(:mod:`mta.losses.teacher_topk`).
+
+**Work**: a shard's rows sorted by teacher length (longest first), cut into batches of
+``batch_size`` (default ``train.micro_batch_size``), grouped into chunks of about
+``CHUNK_BYTES``; each chunk journalled (:mod:`mta.store.chunked_work`), so a run killed even
+by SIGKILL redoes at most one chunk when re-run with the same command. **Ranks**: ``shard=None``
+takes ``(rank, world size)`` of the launcher's group (``torchrun ... mta teacher``); ``(i, n)``
+runs one shard by hand. The last shard of a set writes ``manifest.json``. **Reuse**: a split's
+complete cache with the same content key (:data:`~mta.training.teacher_cache.content.CONTENT_KEYS`)
+whose parts match their sha256 is kept as it is (the teacher is not loaded) unless ``force``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from mta import distributed
+from mta.data.artefact_schema import INPUT_IDS, reannotate_command
+from mta.errors import MtaError
+from mta.files import disk_full_is_reported, make_output_directory
+from mta.hashing import json_sha256
+from mta.losses.teacher_topk import top_k_log_probs
+from mta.models.tokenizers import tokenizer_fingerprint
+from mta.reporting import Reporter, SilentReporter
+from mta.store.chunked_work import ChunkedShard
+from mta.store.layout import remove_if_empty
+from mta.store.locks import shard_lock
+from mta.store.publish import commit_shard, finish_publishing
+from mta.store.read import Annotations
+from mta.store.reuse import reusable_output
+from mta.training.batching import AnnotatedExamples
+from mta.training.config.schema import Recipe, teacher_cache_problem
+from mta.training.model_loading import LoadedConfig, hidden_size, load_config_and_tokenizer, num_layers
+from mta.training.teacher import FrozenTeacher
+from mta.training.teacher_cache.content import (
+    SPLITS,
+    TeacherReads,
+    content_key,
+    describe,
+    schema,
+    teacher_reads,
+    teacher_weights,
+)
+
+CHUNK_BYTES = 256 * 1024 * 1024  # values per journalled chunk: what a killed run may redo
+
+
+@dataclass(frozen=True)
+class SplitOutcome:
+    """What one split's run did: ``manifest`` None while other shards of the set are missing."""
+
+    split: str
+    directory: Path
+    manifest: dict[str, Any] | None
+    reused: bool
+    rows: int = 0  # rows computed by this call
+    resumed_rows: int = 0  # rows a previous, killed run had finished
+
+
+def cache_directory(recipe: Recipe, out_dir: str | Path | None) -> Path:
+    """``-o`` when given, else ``teacher_cache.dir``; ``MtaError`` naming both when neither is set."""
+    if out_dir is not None:
+        return Path(out_dir)
+    if recipe.teacher_cache.dir is None:
+        raise MtaError("where should the teacher's outputs go? pass -o DIR, or set teacher_cache.dir in the recipe")
+    return recipe.resolve(recipe.teacher_cache.dir, "teacher_cache.dir")
+
+
+def run_teacher_stage(
+    recipe: Recipe,
+    *,
+    out_dir: str | Path | None = None,
+    shard: tuple[int, int] | None = None,
+    batch_size: int | None = None,
+    reporter: Reporter | None = None,
+    force: bool = False,
+) -> list[SplitOutcome]:
+    """Store the teacher's side of ``recipe`` for its train and dev rows (module docstring)."""
+    from mta.training.engine import resolve_training_precision
+    from mta.training.train_data import load_split
+
+    reporter = reporter or SilentReporter()
+    root = cache_directory(recipe, out_dir)
+    spec = recipe.teacher_cache.model_copy(update={"dir": str(root)})
+    problem = teacher_cache_problem(recipe.model_copy(update={"teacher_cache": spec}))
+    if problem is not None:
+        raise MtaError(f"{'.'.join(problem[0])}: {problem[1]}")
+    if recipe.teacher is None:  # teacher_cache_problem refused it; for the type checker
+        raise MtaError("the recipe has no teacher")
+    size = batch_size or recipe.train.micro_batch_size
+    if size < 1:
+        raise MtaError(f"--batch-size must be at least 1, got {size}")
+    group = distributed.joined_process_group() if shard is None else nullcontext()
+    with group:
+        index, count = shard if shard is not None else (distributed.rank(), distributed.world_size())
+        if not 0 <= index < count:
+            raise MtaError(f"--shard {index}/{count}: the index must be in 0..{count - 1}")
+        device = distributed.local_device()
+        precision = resolve_training_precision(recipe.train, device)
+        with distributed.main_process_first():
+            student = load_config_and_tokenizer(recipe.student, recipe, "student")
+            teacher = load_config_and_tokenizer(recipe.teacher, recipe, "teacher")
+            fingerprints = {"student": tokenizer_fingerprint(student.tokenizer)}
+            fingerprints["teacher"] = tokenizer_fingerprint(teacher.tokenizer)
+            splits = {
+                split: load_split(
+                    recipe,
+                    split,
+                    teacher_tokenizer=teacher.tokenizer_source,
+                    student_tokenizer=student.tokenizer_source,
+                    fingerprints=fingerprints,
+                    reporter=reporter if distributed.is_main() else None,
+                )
+                for split in SPLITS
+            }
+        reads = teacher_reads(recipe, num_layers(student.config), num_layers(teacher.config))
+        weights = teacher_weights(teacher.path)
+        if weights is None:
+            raise MtaError(f"teacher.path: {teacher.path} holds no weight file (*.safetensors, *.bin)")
+        stage = TeacherStage(recipe, teacher, reads, weights, precision, device, size, reporter, student.tokenizer)
+        outcomes = []
+        for split, annotations in splits.items():
+            if annotations is not None:
+                outcomes.append(stage.split(split, annotations, root / split, index, count, force=force))
+        if shard is None and distributed.is_distributed():
+            distributed.barrier()  # the last rank's commit wrote each manifest
+            outcomes = [replace(o, manifest=_read_manifest(o.directory)) for o in outcomes]
+    return outcomes
+
+
+def _read_manifest(directory: Path) -> dict[str, Any] | None:
+    from mta.store.manifests import read_manifest
+
+    return read_manifest(directory)
+
+
+class TeacherStage:
+    """The teacher and what it is asked for, loaded at the first split that is not reused."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        teacher: LoadedConfig,
+        reads: TeacherReads,
+        weights: str,
+        precision: Any,
+        device: torch.device,
+        batch_size: int,
+        reporter: Reporter,
+        student_tokenizer: Any,
+    ):
+        self.recipe, self.teacher, self.reads, self.weights = recipe, teacher, reads, weights
+        self.precision, self.device, self.batch_size, self.reporter = precision, device, batch_size, reporter
+        self.student_tokenizer = student_tokenizer
+        self.model: FrozenTeacher | None = None
+
+    def describe(self, split: str, annotations: Annotations) -> dict[str, Any]:
+        assert self.recipe.teacher is not None, "run_teacher_stage checked the recipe's teacher"
+        return describe(
+            self.recipe,
+            split,
+            reads=self.reads,
+            teacher_path=self.teacher.path,
+            weights=self.weights,
+            tokenizer_fingerprint=tokenizer_fingerprint(self.teacher.tokenizer),
+            vocab_size=len(self.teacher.tokenizer),
+            hidden_size=hidden_size(self.teacher.config),
+            rows=annotations.table,
+            annotations_dir=annotations.directory,
+            precision=f"{self.precision.name}/teacher {self.recipe.teacher.dtype}",
+        )
+
+    def frozen_teacher(self) -> FrozenTeacher:
+        if self.model is None:
+            from mta.training.model_loading import load_causal_lm
+
+            assert self.recipe.teacher is not None, "run_teacher_stage checked the recipe's teacher"
+            loaded = load_causal_lm(self.recipe.teacher, self.recipe, "teacher")
+            model = loaded.model
+            frozen = self.precision.frozen_dtype
+            if frozen is not None and model.dtype == torch.float32:
+                model.to(frozen)  # as build_llm_run holds it
+            self.model = FrozenTeacher(model, list(self.reads.layers), self.reads.logits).to(self.device)
+        return self.model
+
+    def split(
+        self, split: str, annotations: Annotations, out_dir: Path, shard: int, num_shards: int, *, force: bool
+    ) -> SplitOutcome:
+        description = self.describe(split, annotations)
+        run_key = content_key(description)
+        if not force:
+            earlier = reusable_output(out_dir, run_key, shard, num_shards) if out_dir.is_dir() else None
+            if earlier is not None:
+                return SplitOutcome(split, out_dir, earlier.manifest, reused=True)
+        created = not out_dir.exists()
+        make_output_directory(out_dir)
+        try:
+            with (
+                disk_full_is_reported(out_dir),
+                shard_lock(out_dir, shard, num_shards, command="mta teacher") as unsupported,
+            ):
+                if unsupported:
+                    self.reporter.message(f"{unsupported}: make sure no other `mta teacher` writes this shard")
+                finish_publishing(out_dir)
+                examples = AnnotatedExamples(
+                    annotations.table,
+                    student_pad_id=self.student_tokenizer.pad_token_id,
+                    teacher_pad_id=self.teacher.tokenizer.pad_token_id,
+                    with_teacher=True,
+                    granularities=(),
+                    rebuild=reannotate_command(annotations.manifest, annotations.directory),
+                )
+                lengths = pc.list_value_length(annotations.table.column(INPUT_IDS["teacher"])).to_numpy()
+                positions = np.arange(shard, len(examples), num_shards)
+                chunks = self._chunks(positions, lengths, description)
+                plan_key = json_sha256(
+                    {
+                        "run_key": run_key,
+                        "rows": positions.tolist(),
+                        "chunks": [[b.tolist() for b in c] for c in chunks],
+                    }
+                )
+                work = ChunkedShard(out_dir, shard, num_shards, plan_key, schema(description["storage"]))
+                label = f"teacher {split}" + (f" · shard {shard}/{num_shards}" if num_shards > 1 else "")
+                resumed = work.resumed_rows
+                if resumed:
+                    self.reporter.message(f"resuming: {resumed} of {len(positions)} rows were done")
+                self.reporter.start(label, len(positions), completed=resumed, unit="rows")
+                try:
+                    computed = work.compute(
+                        chunks,
+                        lambda chunk: self.chunk_table(examples, annotations, chunk, description),
+                        compression="none",
+                    )
+                finally:
+                    self.reporter.stop()
+                entry = work.part(len(chunks), row_group_rows=1, compression="none")
+                shard_manifest = {
+                    "counts": {"rows": {"written": len(positions)}},
+                    "skipped_examples": [],
+                    "part": entry,
+                    "run_key": run_key,
+                    "shard": shard,
+                    "num_shards": num_shards,
+                    "description": description,
+                }
+                manifest = commit_shard(out_dir, shard_manifest)
+                work.remove()
+        except BaseException:
+            if created:
+                remove_if_empty(out_dir)
+            raise
+        return SplitOutcome(split, out_dir, manifest, reused=False, rows=computed, resumed_rows=resumed)
+
+    def _chunks(self, positions: np.ndarray, lengths: np.ndarray, description: dict) -> list[list[np.ndarray]]:
+        """Batches of ``batch_size`` rows, longest first, grouped into chunks of about CHUNK_BYTES."""
+        order = positions[np.argsort(-lengths[positions], kind="stable")]
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        value = 2 if description["storage"] == "compact" else 4
+        per_token = len(self.reads.layers) * description["teacher"]["hidden_size"] * value
+        per_token += (description["top_k"] or 0) * (4 + value) + 8
+        chunks: list[list[np.ndarray]] = []
+        held = CHUNK_BYTES
+        for batch in batches:
+            if held >= CHUNK_BYTES:
+                chunks.append([])
+                held = 0
+            chunks[-1].append(batch)
+            held += int(lengths[batch].sum()) * per_token
+        return chunks
+
+    @torch.no_grad()
+    def chunk_table(
+        self, examples: AnnotatedExamples, annotations: Annotations, chunk: Sequence[np.ndarray], description: dict
+    ) -> pa.Table:
+        teacher = self.frozen_teacher()
+        storage = torch.float16 if description["storage"] == "compact" else torch.float32
+        vocab, k, temperature = description["teacher"]["vocab_size"], description["top_k"], description["temperature"]
+        ids_column = annotations.table.column("id")
+        columns: dict[str, list[np.ndarray]] = {name: [] for name in schema(description["storage"]).names}
+        for rows in chunk:
+            batch = examples.batch(rows).to(self.device)
+            side = batch.teacher
+            assert side is not None, "AnnotatedExamples(with_teacher=True) gives the teacher's side"
+            with self.precision.context():
+                out = teacher(side.input_ids, side.attention_mask)
+            tokens = side.attention_mask.sum(dim=1)
+            if self.reads.logits:
+                assert out.logits is not None, "FrozenTeacher(need_logits=True) returns logits"
+                predicts = side.labels[:, 1:] != -100  # position t predicts response token t + 1
+                row_of, position = predicts.nonzero(as_tuple=True)
+                top_ids, top_log_probs, tail = top_k_log_probs(
+                    out.logits[row_of, position], k, temperature=temperature, vocab_size=vocab
+                )
+                per_row = predicts.sum(dim=1).tolist()
+                splits = {
+                    "positions": position.split(per_row),
+                    "top_ids": top_ids.split(per_row),
+                    "top_log_probs": top_log_probs.split(per_row),
+                    "tail": tail.split(per_row),
+                }
+            for r, row in enumerate(rows):
+                n = int(tokens[r])
+                columns["id"].append(np.asarray([ids_column[int(row)].as_py()], dtype=np.int64))
+                columns["tokens"].append(np.asarray([n], dtype=np.int32))
+                hidden = (
+                    torch.stack([out.hidden_states[layer][r, :n] for layer in self.reads.layers]).to(storage)
+                    if self.reads.layers
+                    else torch.zeros(0, dtype=storage)
+                )
+                if not torch.isfinite(hidden).all():
+                    raise MtaError(
+                        f"row {columns['id'][-1][0]}: the teacher's hidden states exceed float16's range "
+                        "(|x| > 65504); set teacher_cache.storage=fp32"
+                    )
+                columns["hidden"].append(hidden.reshape(-1).cpu().numpy())
+                for name in ("positions", "top_ids", "top_log_probs", "tail"):
+                    if self.reads.logits:
+                        dtype = storage if name == "top_log_probs" else None
+                        value = splits[name][r]
+                        value = value.to(dtype) if dtype is not None else value
+                        columns[name].append(value.reshape(-1).cpu().numpy())
+                    else:
+                        columns[name].append(np.zeros(0))
+            self.reporter.advance(len(rows))
+        return _arrow_table(columns, schema(description["storage"]))
+
+
+def _arrow_table(columns: dict[str, list[np.ndarray]], table_schema: pa.Schema) -> pa.Table:
+    arrays = []
+    for field in table_schema:
+        values = columns[field.name]
+        if not pa.types.is_list(field.type):
+            arrays.append(pa.array(np.concatenate(values), type=field.type))
+            continue
+        element = field.type.value_type
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum([len(v) for v in values], out=offsets[1:])
+        flat = np.concatenate(values).astype(element.to_pandas_dtype(), copy=False) if values else np.zeros(0)
+        arrays.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, type=element)))
+    return pa.Table.from_arrays(arrays, schema=table_schema)
+
+
+__all__ = ["SplitOutcome", "cache_directory", "run_teacher_stage"]

@@ -1,0 +1,216 @@
+"""What a teacher cache holds for a recipe, how its manifest names it, and how large it is.
+
+:func:`teacher_reads` gives the teacher quantities the recipe's objective reads (the same
+layer maps as ``build_llm_run``); :func:`describe` the manifest's description of a split's
+cache, whose :data:`CONTENT_KEYS` decide its content (their hash is the run key, and training
+compares them one by one, so a mismatch is refused naming the key); :func:`estimate_bytes` the
+artefact's size from the rows' token counts, before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
+from mta.hashing import arrays_sha256, json_sha256, weights_fingerprint
+from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
+from mta.training.config.schema import Recipe
+from mta.versions import MTA_VERSION, package_versions
+
+ARTEFACT = "teacher-outputs"  # the manifest's ``artefact``
+CACHE_VERSION = 1  # the manifest's ``teacher_cache_version``: the columns and keys of this package
+SPLITS = ("train", "dev")
+# The description's keys that decide the stored values; each names the recipe key to change.
+CONTENT_KEYS = {
+    "teacher_cache_version": "mta teacher (rebuild the cache with this mta)",
+    "teacher_weights": "teacher.path (other teacher weights)",
+    "teacher_tokenizer": "teacher.tokenizer",
+    "teacher_tokens": "data.train / data.dev (rows whose teacher tokens differ)",
+    "max_length": "data.max_length",
+    "layers": "loss.layers / loss.sra_layers (a teacher layer the cache does not hold)",
+    "logits": "loss.base / loss.base_weight (a logit loss, and the cache holds no logits)",
+    "top_k": "teacher_cache.top_k",
+    "temperature": "loss.temperature",
+    "storage": "teacher_cache.storage",
+    "precision": "train.precision / teacher.dtype (the teacher's compute precision)",
+}
+BYTES = {"compact": 2, "fp32": 4}  # per stored hidden value and log-probability
+
+
+@dataclass(frozen=True)
+class TeacherReads:
+    """What the objective reads from the teacher: ``hidden_states`` indices and whether logits."""
+
+    layers: tuple[int, ...]
+    logits: bool
+
+
+def teacher_reads(recipe: Recipe, student_layers: int, teacher_layers: int) -> TeacherReads:
+    """The teacher layers (MTA's pairs, SRA's) and logits the recipe's losses read, from the two
+    models' depths; FDD and SRA's attention and logit terms are refused by the schema."""
+    loss = recipe.loss
+    layers: set[int] = set()
+    if loss.alignment_terms:
+        layers |= {pair.teacher for pair in resolve_layer_map(loss.layers, student_layers, teacher_layers)}
+    if loss.sra_weight:
+        layers |= {pair.teacher for pair in resolve_sra_layers(loss.sra_layers, student_layers, teacher_layers)}
+    return TeacherReads(tuple(sorted(layers)), bool(loss.base_weight) and loss.base != "ce")
+
+
+def teacher_tokens_fingerprint(table: pa.Table) -> str:
+    """``sha256:`` of what the teacher reads of annotated rows: their ids, teacher token ids and
+    teacher prompt lengths (the spans and the student's side are not in it, so annotations of
+    another span rule share the cache)."""
+    arrays = []
+    for name in ("id", INPUT_IDS["teacher"], PROMPT_LEN["teacher"]):
+        column = table.column(name).combine_chunks()
+        if pa.types.is_list(column.type):
+            arrays.append(pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64))
+            column = pc.list_flatten(column)
+        arrays.append(column.to_numpy(zero_copy_only=False).astype(np.int64))
+    return "sha256:" + arrays_sha256(arrays)
+
+
+def teacher_weights(path: str) -> str | None:
+    """The teacher's weights fingerprint (:func:`mta.hashing.weights_fingerprint`), ``hub:<name>``
+    for a name that is no directory, None for a directory without weight files."""
+    directory = Path(path).expanduser()
+    return weights_fingerprint(directory) if directory.is_dir() else f"hub:{path}"
+
+
+def describe(
+    recipe: Recipe,
+    split: str,
+    *,
+    reads: TeacherReads,
+    teacher_path: str,
+    weights: str | None,
+    tokenizer_fingerprint: str,
+    vocab_size: int,
+    hidden_size: int,
+    rows: pa.Table,
+    annotations_dir: Path,
+    precision: str,
+) -> dict[str, Any]:
+    """The manifest's description of ``split``'s cache (everything but the counts and parts)."""
+    spec = recipe.teacher_cache
+    return {
+        "artefact": ARTEFACT,
+        "teacher_cache_version": CACHE_VERSION,
+        "mta_version": MTA_VERSION,
+        "split": split,
+        "teacher": {"path": teacher_path, "hidden_size": hidden_size, "vocab_size": vocab_size},
+        "teacher_weights": weights,
+        "teacher_tokenizer": tokenizer_fingerprint,
+        "teacher_tokens": teacher_tokens_fingerprint(rows),
+        "annotations_dir": str(annotations_dir),
+        "max_length": recipe.data.max_length,
+        "layers": list(reads.layers),
+        "logits": reads.logits,
+        "top_k": min(spec.top_k, vocab_size) if reads.logits else None,
+        "temperature": recipe.loss.temperature if reads.logits else None,
+        "storage": spec.storage,
+        "precision": precision,
+        "versions": package_versions(),
+    }
+
+
+def content_key(description: dict[str, Any]) -> str:
+    """The run key: a hash of the description's :data:`CONTENT_KEYS` and its split."""
+    return "sha256:" + json_sha256({key: description.get(key) for key in (*CONTENT_KEYS, "split")})
+
+
+def mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+    """The content keys on which a stored cache does not serve the recipe, each as ``key: stored,
+    expected (what to change)``. A cache serves a recipe that reads less of it: ``layers`` may be
+    a superset of the recipe's, and a cache with logits serves a recipe without a logit loss (its
+    ``top_k`` and ``temperature`` are then not compared). A stored ``teacher_weights`` is
+    compared only when the teacher's weights are there to fingerprint (``expected`` not None)."""
+    found = []
+    for key, fix in CONTENT_KEYS.items():
+        if key == "teacher_weights" and expected.get(key) is None:
+            continue
+        if key == "layers" and set(expected.get(key) or ()) <= set(stored.get(key) or ()):
+            continue
+        if key == "logits" and stored.get(key) or key in ("top_k", "temperature") and not expected.get("logits"):
+            continue
+        if stored.get(key) != expected.get(key):
+            found.append(f"{key}: {stored.get(key)!r} in the cache, {expected.get(key)!r} for the recipe ({fix})")
+    return found
+
+
+def schema(storage: str) -> pa.Schema:
+    """The columns of a cache part (the package docstring), values in ``storage``'s precision."""
+    value = pa.float16() if storage == "compact" else pa.float32()
+    return pa.schema(
+        [
+            pa.field("id", pa.int64(), nullable=False),
+            pa.field("tokens", pa.int32(), nullable=False),
+            pa.field("positions", pa.list_(pa.int32()), nullable=False),
+            pa.field("top_ids", pa.list_(pa.int32()), nullable=False),
+            pa.field("top_log_probs", pa.list_(value), nullable=False),
+            pa.field("tail", pa.list_(pa.float32()), nullable=False),
+            pa.field("hidden", pa.list_(value), nullable=False),
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    """Bytes a cache takes: ``logits`` (ids, log-probs, tails) and ``hidden`` (states), over ``rows``."""
+
+    rows: int
+    logits: int
+    hidden: int
+
+    @property
+    def total(self) -> int:
+        return self.logits + self.hidden
+
+    @property
+    def per_row(self) -> float:
+        return self.total / max(self.rows, 1)
+
+
+def estimate_bytes(
+    reads: TeacherReads, *, top_k: int, storage: str, hidden_size: int, tokens: int, responses: int, rows: int
+) -> SizeEstimate:
+    """The cache's size for ``rows`` rows of ``tokens`` teacher tokens and ``responses`` response
+    positions in all (Parquet's list offsets and metadata, a few bytes a row, left out)."""
+    value = BYTES[storage]
+    logits = responses * (top_k * (4 + value) + 4 + 4) if reads.logits else 0
+    hidden = len(reads.layers) * tokens * hidden_size * value
+    return SizeEstimate(rows, logits, hidden)
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+__all__ = [
+    "ARTEFACT",
+    "CACHE_VERSION",
+    "CONTENT_KEYS",
+    "SPLITS",
+    "SizeEstimate",
+    "TeacherReads",
+    "teacher_tokens_fingerprint",
+    "content_key",
+    "describe",
+    "estimate_bytes",
+    "human_bytes",
+    "mismatches",
+    "schema",
+    "teacher_reads",
+    "teacher_weights",
+]

@@ -1,0 +1,207 @@
+"""Training from a teacher cache: a split's cache checked against the recipe, and the teacher's
+output of a gold micro batch rebuilt from it.
+
+:class:`TeacherCache` opens one split's finished ``mta teacher`` output: the manifest must be a
+teacher-outputs artefact of this version whose content keys equal the recipe's (a mismatch is
+refused naming each key and what to change), every part must match its sha256, and every row
+is found by id. :meth:`TeacherCache.outputs` gives a micro batch's ``TeacherOutput`` at the
+batch's width: the stored hidden states at their tokens (zeros on padding), and, with a logit
+loss, logits whose softmax at τ is the tail rule's p̃ at the positions that predict a response
+token (zeros elsewhere, which no loss reads). A stored row whose token count differs from the
+batch's row is refused: the cache was built from other annotations.
+
+:class:`CachedTeacher` holds the caches of train and dev; ``Trainer.teacher_forward`` asks it for
+the gold micro batches (``TrainBatch.origin == "gold"``) and the online teacher for the generated
+and replayed ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from mta.errors import MtaError
+from mta.hashing import file_sha256
+from mta.losses.teacher_topk import teacher_logits_from_top_k
+from mta.store.layout import META, part_path
+from mta.store.manifests import read_manifest
+from mta.training.batching import TrainBatch
+from mta.training.teacher import TeacherOutput
+from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION, mismatches
+
+
+def _build_hint(directory: Path) -> str:
+    return f"build it with `mta teacher --recipe RECIPE -o {directory.parent}`"
+
+
+class TeacherCache:
+    """One split's cache (``DIR/<split>``), checked against ``expected`` (the recipe's
+    :func:`~mta.training.teacher_cache.content.describe`)."""
+
+    def __init__(self, directory: str | Path, expected: dict[str, Any]):
+        self.directory = directory = Path(directory)
+        if not directory.is_dir():
+            raise MtaError(f"teacher_cache.dir: {directory} does not exist; {_build_hint(directory)}")
+        manifest = read_manifest(directory)
+        if manifest is None:
+            raise MtaError(
+                f"teacher_cache.dir: {directory} has no {META}/manifest.json: it is not a finished `mta teacher` "
+                "output (an interrupted or partly sharded run leaves none); re-run the same `mta teacher` command"
+            )
+        if manifest.get("artefact") != ARTEFACT:
+            raise MtaError(f"teacher_cache.dir: {directory} is a {manifest.get('artefact')!r} artefact, not {ARTEFACT}")
+        if manifest.get("teacher_cache_version") != CACHE_VERSION:
+            raise MtaError(
+                f"teacher_cache.dir: {directory} has teacher_cache_version {manifest.get('teacher_cache_version')!r}; "
+                f"this mta reads {CACHE_VERSION}: {_build_hint(directory)} (into a new directory, or with --force)"
+            )
+        differ = mismatches(manifest, expected)
+        if differ:
+            raise MtaError(
+                f"teacher_cache.dir: {directory} was built for another run; it is not used. "
+                + "; ".join(differ)
+                + f". Rebuild it: `mta teacher --recipe RECIPE -o {directory.parent}` (or --force)"
+            )
+        self.manifest = manifest
+        self.stored_layers: list[int] = list(manifest["layers"])
+        self.layers: list[int] = list(expected["layers"])  # what this run reads: a subset
+        self.logits = bool(expected["logits"])
+        self.hidden_size = int(manifest["teacher"]["hidden_size"])
+        self.vocab_size = int(manifest["teacher"]["vocab_size"])
+        self.temperature = float(manifest["temperature"] or 1.0)
+        self.files: list[pq.ParquetFile] = []
+        self.where: dict[int, tuple[int, int]] = {}  # row id -> (file, row group)
+        for number, part in enumerate(manifest["parts"]):
+            path = part_path(directory, part["file"])
+            if not path.is_file():
+                raise MtaError(f"{path} is listed in the manifest but missing; {_build_hint(directory)} --force")
+            if file_sha256(path) != part["sha256"]:
+                raise MtaError(
+                    f"{path} does not match the manifest's sha256: it changed after `mta teacher` wrote it; "
+                    f"{_build_hint(directory)} --force"
+                )
+            handle = pq.ParquetFile(path, memory_map=True)
+            ids = handle.read(columns=["id"]).column("id").to_numpy()
+            if handle.metadata.num_row_groups != len(ids) or len(ids) != part["rows"]:
+                raise MtaError(f"{path}: {len(ids)} rows in {handle.metadata.num_row_groups} row groups, not one each")
+            self.files.append(handle)
+            self.where.update({int(row_id): (number, group) for group, row_id in enumerate(ids)})
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def row(self, row_id: int) -> dict[str, np.ndarray]:
+        """The stored columns of one row, as numpy arrays."""
+        try:
+            number, group = self.where[row_id]
+        except KeyError:
+            raise MtaError(
+                f"teacher_cache.dir: {self.directory} has no row with id {row_id}; it was built from other "
+                f"annotations: {_build_hint(self.directory)} --force"
+            ) from None
+        table = self.files[number].read_row_group(group)
+        return {name: table.column(name).combine_chunks().flatten().to_numpy() for name in table.column_names[2:]} | {
+            "tokens": table.column("tokens").to_numpy()
+        }
+
+    def outputs(self, batch: TrainBatch) -> TeacherOutput:
+        """The teacher's output for ``batch`` (a gold micro batch of this split), on its device."""
+        side = batch.teacher
+        if side is None:
+            raise MtaError("a cached teacher reads the batch's teacher tokens, and the batch has none")
+        device = side.input_ids.device
+        width = side.input_ids.shape[1]
+        rows = [self.row(int(row_id)) for row_id in batch.row_ids]
+        tokens = side.attention_mask.sum(dim=1).tolist()
+        for row_id, row, n in zip(batch.row_ids, rows, tokens, strict=True):
+            if int(row["tokens"][0]) != n:
+                raise MtaError(
+                    f"teacher_cache.dir: row {row_id} has {int(row['tokens'][0])} teacher tokens in "
+                    f"{self.directory} and {n} in the batch; the cache was built from other annotations: "
+                    f"{_build_hint(self.directory)} --force"
+                )
+        hidden_states = {}
+        if self.layers:
+            wanted = [self.stored_layers.index(layer) for layer in self.layers]
+            hidden = torch.zeros(len(self.layers), len(rows), width, self.hidden_size)
+            for r, (row, n) in enumerate(zip(rows, tokens, strict=True)):
+                stored = torch.from_numpy(np.array(row["hidden"], dtype=np.float32))
+                hidden[:, r, :n] = stored.view(len(self.stored_layers), n, self.hidden_size)[wanted]
+            hidden = hidden.to(device)
+            hidden_states = {layer: hidden[i] for i, layer in enumerate(self.layers)}
+        logits = None
+        if self.logits:
+            k = int(self.manifest["top_k"])
+            counts = [len(row["positions"]) for row in rows]
+            row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts, dtype=torch.long))
+            position = torch.from_numpy(np.concatenate([row["positions"] for row in rows]).astype(np.int64))
+            ids = torch.from_numpy(np.concatenate([row["top_ids"] for row in rows]).astype(np.int64)).view(-1, k)
+            log_probs = torch.from_numpy(np.concatenate([row["top_log_probs"] for row in rows]).astype(np.float32))
+            tail = torch.from_numpy(np.concatenate([row["tail"] for row in rows]).astype(np.float32))
+            rebuilt = teacher_logits_from_top_k(ids, log_probs.view(-1, k), tail, self.vocab_size, self.temperature)
+            logits = torch.zeros(len(rows), width, self.vocab_size)
+            logits[row_of, position] = rebuilt
+            logits = logits.to(device)
+        return TeacherOutput(hidden_states, logits)
+
+
+class CachedTeacher:
+    """The caches of the run's splits (``{"train": TeacherCache, "dev": TeacherCache}``)."""
+
+    def __init__(self, caches: dict[str, TeacherCache]):
+        self.caches = caches
+
+    def outputs(self, batch: TrainBatch, split: str) -> TeacherOutput:
+        cache = self.caches.get(split)
+        if cache is None:
+            raise MtaError(f"teacher_cache.dir holds no {split} split; re-run `mta teacher` with data.{split} set")
+        return cache.outputs(batch)
+
+
+def open_teacher_caches(
+    recipe: Any,
+    splits: dict[str, Any],
+    *,
+    reads: Any,
+    teacher_path: str,
+    tokenizer: Any,
+    teacher_config: Any,
+    precision: str,
+) -> CachedTeacher:
+    """``recipe.teacher_cache.dir``'s cache of each split the run has (``splits``: the loaded
+    ``Annotations`` or None), each checked against what this run's teacher would compute.
+
+    The teacher's weights are fingerprinted when they are there; without them (deleted, or never
+    downloaded) the cache's record stands for them."""
+    from mta.models.tokenizers import tokenizer_fingerprint
+    from mta.training.model_loading import hidden_size
+    from mta.training.teacher_cache.content import describe, teacher_weights
+
+    root = recipe.resolve(recipe.teacher_cache.dir, "teacher_cache.dir")
+    weights = teacher_weights(teacher_path)
+    caches = {}
+    for split, rows in splits.items():
+        if rows is None:
+            continue
+        expected = describe(
+            recipe,
+            split,
+            reads=reads,
+            teacher_path=teacher_path,
+            weights=weights,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size(teacher_config),
+            rows=rows.table,
+            annotations_dir=rows.directory,
+            precision=precision,
+        )
+        caches[split] = TeacherCache(Path(root) / split, expected)
+    return CachedTeacher(caches)
+
+
+__all__ = ["CachedTeacher", "TeacherCache", "open_teacher_caches"]
