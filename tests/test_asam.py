@@ -198,6 +198,7 @@ def _trainer(zero_stage: int, asam_spec):
         flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0),
         output_dir=Path("."),
         off_policy=None,
+        teacher_cache=None,
     )
     trainer = Trainer(run, reporter=None)
     return trainer, engine

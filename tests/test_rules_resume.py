@@ -128,6 +128,9 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "generation.buffer_size": (FIXED, 10),
     "generation.max_new_tokens": (FIXED, 16),
     "generation.dev_rows": (FIXED, 100),
+    "teacher_cache.dir": (CHANGE, "runs/teacher-cache"),
+    "teacher_cache.top_k": (FIXED, 32),
+    "teacher_cache.storage": (FIXED, "fp32"),
     "deepspeed": (FIXED, {"wall_clock_breakdown": True}),
 }
 

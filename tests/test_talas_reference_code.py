@@ -234,6 +234,7 @@ def mta_trainer(model, *, zero_stage, lr, grad_clip, reference_code):
         flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0),
         output_dir=Path("."),
         off_policy=None,
+        teacher_cache=None,
     )
     return Trainer(run, reporter=None), engine
 
