@@ -93,6 +93,7 @@ bench: $(EMBED_STAMP)
 	$(PY) bench/annotate.py
 	$(PY) bench/distill_step.py
 	$(PY) bench/onpolicy_step.py
+	$(PY) bench/teacher_cache.py
 	$(PY) bench/generate.py
 	$(PY) bench/cpu_precision.py
 	$(PY) bench/embed_step.py

@@ -4,13 +4,14 @@ The pair is `make demo`'s: SmolLM2-135M-Instruct (30 layers) teaching its 10-lay
 Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew reverse KL +
 2·DSA + 0.2·HRA, 192 tokens, micro batch 8).
 
-1. **Accuracy of the top k** (k in 8, 32, 64, 256; the vocabulary has 49,152 tokens): on the
+1. **Accuracy of the top k** (k in 8 ... 4096; the vocabulary has 49,152 tokens): on the
    first micro batches, the base loss and its gradient with respect to the student's logits from
    the teacher rebuilt by the tail rule (its log-probabilities rounded to fp16 as
    `teacher_cache.storage: compact` stores them) against the online teacher's full logits:
-   relative error of the loss, cosine of the gradients; and the bytes per row of each cache.
+   relative error of the loss, cosine of the gradients; and the bytes per row of each cache. The
+   recipe's base (skew reverse KL) and, for contrast, forward KL (``top_k_fkl``).
 2. **Step time**: two runs built as `mta distill` builds them (``build_run``), one online and one
-   with ``teacher_cache.dir`` (k = 64, compact; built here by ``run_teacher_stage``), trained step
+   with ``teacher_cache.dir`` (the default k, compact; built here by ``run_teacher_stage``), trained step
    by step interleaved (the order rotates every round), each step a whole `Trainer.step`: the
    cache's reads are inside it. Medians of the per-round ratios; ``ratio_cached_vs_online_step``
    is the fixed-data one (``generation.mode: off``, the DistiLLM-2 rows' case, the teacher never
@@ -53,19 +54,22 @@ from mta.models.smollm2 import convert_smollm2
 from mta.reporting import SilentReporter
 from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
+from mta.training.config.schema import TeacherCacheSpec
 from mta.training.teacher_cache.build import run_teacher_stage
 from mta.training.teacher_cache.content import estimate_bytes, teacher_reads
 from mta.training.trainer import Trainer, build_run
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "teacher_cache.json"
-KS = (8, 32, 64, 256)
+KS = (8, 32, 64, 256, 1024, 4096)
+DEFAULT_K = TeacherCacheSpec().top_k  # the timed cache's k
 
 
-def accuracy(recipe, run, batches: int) -> dict:
-    """Per k: the base loss's relative error and the gradients' cosine against the online teacher."""
+def accuracy(recipe, run, batches: int, base: str | None = None) -> dict:
+    """Per k: the base loss's (``base``, default the recipe's) relative error and the gradients'
+    cosine against the online teacher."""
     loss = build_base_loss(
-        recipe.loss.base,
+        base or recipe.loss.base,
         temperature=recipe.loss.temperature,
         skew_alpha=recipe.loss.skew_alpha,
         vocab_size=len(run.tokenizer),
@@ -109,7 +113,7 @@ def accuracy(recipe, run, batches: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32 rows, 3 rounds")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--generated-share", type=float, default=0.5)
     parser.add_argument("--out", type=Path, default=OUT)
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     precision = online.precision.name
     print(f"accuracy of the top k against the online teacher ({precision})", flush=True)
     topk = accuracy(recipe, online, 2 if args.quick else 4)
+    topk_fkl = accuracy(recipe, online, 2 if args.quick else 4, base="fkl")  # how much the tail matters
     _, cached = built("cached", f"teacher_cache.dir={cache}")
     assert cached.teacher is None, "generation off: the cached run loads no teacher"
     variants = {"online": Trainer(online, SilentReporter()), "cached": Trainer(cached, SilentReporter())}
@@ -208,10 +213,15 @@ def main(argv: list[str] | None = None) -> int:
             }
             for k in KS
         },
+        "top_k_fkl": {str(k): topk_fkl[k] for k in KS},
         "loss_rel_error_k64": topk[64]["loss_rel_error"],
         "grad_cos_k64": topk[64]["grad_cos"],
         "bytes_per_row_k64": sizes[64].per_row,
-        "bytes_per_row_k64_on_disk": stored / annotations.num_rows,
+        "default_top_k": DEFAULT_K,
+        "loss_rel_error_default_k": topk[DEFAULT_K]["loss_rel_error"],
+        "grad_cos_default_k": topk[DEFAULT_K]["grad_cos"],
+        "bytes_per_row_default_k": sizes[DEFAULT_K].per_row,
+        "bytes_per_row_on_disk": stored / annotations.num_rows,
         "step_seconds": {"online": times["online"], "cached": times["cached"], "generated": generated_times},
         "ratio_cached_vs_online_step": paired_ratio(times["cached"], times["online"]),
         "generated_share": share,
@@ -224,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"cached / online step: {result['ratio_cached_vs_online_step']:.2f} (generation off), "
         f"{result['ratio_cached_vs_online_step_adaptive']:.2f} (adaptive at {share:.0%} generated); "
-        f"k=64: loss rel. error {result['loss_rel_error_k64']:.2e}, gradient cosine {result['grad_cos_k64']:.4f}, "
-        f"{result['bytes_per_row_k64'] / 1e6:.2f} MB a row -> {args.out}"
+        f"k={DEFAULT_K}: loss rel. error {result['loss_rel_error_default_k']:.2e}, gradient cosine "
+        f"{result['grad_cos_default_k']:.4f}, {result['bytes_per_row_default_k'] / 1e6:.2f} MB a row -> {args.out}"
     )
     return 0
 

@@ -185,17 +185,17 @@ def test_the_dry_run_estimates_the_cache_size_before_it_exists(tmp_path, tiny_ru
         tiny_run_recipe(tmp_path / "out", teacher_cache={"dir": str(tmp_path / "c")}, data={"dev": None})
     )
     notes = [note for note in plan_run(recipe).notes if note.startswith("teacher cache")]
-    assert "never loaded" in notes[-1] and "k = 64" in notes[0] and "hidden states over" in notes[0], notes
+    assert "never loaded" in notes[-1] and "k = 512" in notes[0] and "hidden states over" in notes[0], notes
     run_teacher_stage(recipe)
     stored = sum(path.stat().st_size for path in (tmp_path / "c" / "train").glob("part-*.parquet"))
     manifest = json.loads((tmp_path / "c" / "train" / ".mta" / "manifest.json").read_text())
-    assert manifest["layers"] == list(teacher_reads(recipe, 4, 4).layers) and manifest["top_k"] == 64
+    assert manifest["layers"] == list(teacher_reads(recipe, 4, 4).layers) and manifest["top_k"] == VOCAB  # min(1024, V)
     assert f"over {manifest['rows']['written']} rows" in notes[0]
     size = notes[0]  # "teacher cache, data.train (...): X KB logits + Y MB hidden states over 34 rows (...)"
     total = _parse_bytes(size.split("logits + ")[0].rsplit(": ", 1)[1]) + _parse_bytes(
         size.split("logits + ")[1].split(" hidden")[0]
     )
-    assert 0.9 < total / stored < 1.1, (total, stored)
+    assert 1.0 <= total / stored < 2.0, (total, stored)  # an upper bound: Parquet's dictionaries store less
 
 
 def _parse_bytes(text: str) -> float:

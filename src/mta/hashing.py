@@ -54,24 +54,6 @@ def directory_checksums(directory: str | Path) -> dict[str, str]:
     }
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def weights_fingerprint(directory: str | Path) -> str | None:
-    """``sha256:`` of a model directory's weight files (``WEIGHT_SUFFIXES``) and ``config.json``,
-    what decides its outputs; None when the directory holds no weight file (deleted, or never
-    downloaded)."""
-    directory = Path(directory)
-    files = sorted(
-        path
-        for path in directory.rglob("*")
-        if path.is_file() and (path.suffix in WEIGHT_SUFFIXES or path.name == "config.json")
-    )
-    if not any(path.suffix in WEIGHT_SUFFIXES for path in files):
-        return None
-    return "sha256:" + json_sha256({path.relative_to(directory).as_posix(): file_sha256(path) for path in files})
-
-
 def checksum_text(checksums: dict[str, str]) -> str:
     """The list in ``sha256sum`` format: ``<hex>  <path>`` per line."""
     return "".join(f"{digest}  {name}\n" for name, digest in checksums.items())

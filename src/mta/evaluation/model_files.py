@@ -42,15 +42,15 @@ from pathlib import Path
 
 from mta.errors import MtaError
 from mta.hashing import CHECKSUMS, file_sha256, json_sha256, read_checksums
+from mta.models.weights import CONFIG_PATTERNS, WEIGHT_PATTERNS
 
 # The one list of what transformers and peft read from a model directory (names relative to it;
+# the weights' and config's patterns live in mta.models.weights, which mta.training reads too;
 # a pattern matches names as deep as itself). tests/test_model_directory.py checks it against
 # transformers' own names and changes each file in turn.
-WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 ADAPTER_CONFIG = "adapter_config.json"  # peft's; transformers' ADAPTER_CONFIG_NAME
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 ADAPTER_PATTERNS = (ADAPTER_CONFIG, *ADAPTER_WEIGHTS)
-CONFIG_PATTERNS = ("config.json", "generation_config.json")
 TOKENIZER_PATTERNS = (
     "tokenizer*",
     "special_tokens_map.json",

@@ -59,12 +59,16 @@ def dense_log_probs(ids: torch.Tensor, log_probs: torch.Tensor, tail: torch.Tens
     """p̃ of the tail rule: ``ids, log_probs [n, k]``, ``tail [n]`` -> ``log p̃ [n, vocab_size]`` fp32,
     the top k at their stored values and every other token at ``tail − log(V − k)``."""
     n, k = ids.shape
-    if k >= vocab_size:
-        fill = torch.full((n, 1), LOG_FLOOR, dtype=torch.float32, device=ids.device)
-    else:
-        fill = (tail.float() - math.log(vocab_size - k)).clamp(min=LOG_FLOOR).unsqueeze(-1)
-    dense = fill.expand(n, vocab_size).clone()
+    dense = tail_fill(tail, k, vocab_size).unsqueeze(-1).expand(n, vocab_size).clone()
     return dense.scatter_(-1, ids.long(), log_probs.float())
+
+
+def tail_fill(tail: torch.Tensor, k: int, vocab_size: int) -> torch.Tensor:
+    """``log p̃`` of each tail token: ``tail [n]`` -> ``[n]`` fp32, ``tail − log(V − k)``
+    (``LOG_FLOOR`` when the top k is the whole vocabulary)."""
+    if k >= vocab_size:
+        return torch.full_like(tail, LOG_FLOOR, dtype=torch.float32)
+    return (tail.float() - math.log(vocab_size - k)).clamp(min=LOG_FLOOR)
 
 
 def teacher_logits_from_top_k(
@@ -75,4 +79,4 @@ def teacher_logits_from_top_k(
     return dense_log_probs(ids, log_probs, tail, vocab_size) * temperature
 
 
-__all__ = ["LOG_FLOOR", "dense_log_probs", "teacher_logits_from_top_k", "top_k_log_probs"]
+__all__ = ["LOG_FLOOR", "dense_log_probs", "tail_fill", "teacher_logits_from_top_k", "top_k_log_probs"]

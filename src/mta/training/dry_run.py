@@ -411,7 +411,8 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
             size = estimate_bytes(reads, tokens=tokens, responses=responses, rows=table.num_rows, **sizes)
             notes.append(
                 f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): {human_bytes(size.logits)} logits + "
-                f"{human_bytes(size.hidden)} hidden states over {size.rows:,} rows ({human_bytes(size.per_row)} a row)"
+                f"{human_bytes(size.hidden)} hidden states over {size.rows:,} rows ({human_bytes(size.per_row)} a row; "
+                "at most: Parquet's dictionary encoding stores the ids and values in less)"
             )
         else:
             length = recipe.data.max_length

@@ -26,7 +26,7 @@ import torch
 
 from mta.errors import MtaError
 from mta.hashing import file_sha256
-from mta.losses.teacher_topk import teacher_logits_from_top_k
+from mta.losses.teacher_topk import tail_fill
 from mta.store.layout import META, part_path
 from mta.store.manifests import read_manifest
 from mta.training.batching import TrainBatch
@@ -135,18 +135,26 @@ class TeacherCache:
             hidden_states = {layer: hidden[i] for i, layer in enumerate(self.layers)}
         logits = None
         if self.logits:
-            k = int(self.manifest["top_k"])
-            counts = [len(row["positions"]) for row in rows]
-            row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts, dtype=torch.long))
-            position = torch.from_numpy(np.concatenate([row["positions"] for row in rows]).astype(np.int64))
-            ids = torch.from_numpy(np.concatenate([row["top_ids"] for row in rows]).astype(np.int64)).view(-1, k)
-            log_probs = torch.from_numpy(np.concatenate([row["top_log_probs"] for row in rows]).astype(np.float32))
-            tail = torch.from_numpy(np.concatenate([row["tail"] for row in rows]).astype(np.float32))
-            rebuilt = teacher_logits_from_top_k(ids, log_probs.view(-1, k), tail, self.vocab_size, self.temperature)
-            logits = torch.zeros(len(rows), width, self.vocab_size)
-            logits[row_of, position] = rebuilt
-            logits = logits.to(device)
+            logits = self._logits(rows, width).to(device)
         return TeacherOutput(hidden_states, logits)
+
+    def _logits(self, rows: list[dict[str, np.ndarray]], width: int) -> torch.Tensor:
+        """``[batch, width, V]`` logits whose softmax at τ is p̃ at each stored position (the tail
+        rule of :func:`~mta.losses.teacher_topk.dense_log_probs`, written in one pass: every
+        position's tail value, then the top k over it), 0 elsewhere."""
+        k = int(self.manifest["top_k"])
+        counts = torch.tensor([len(row["positions"]) for row in rows], dtype=torch.long)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        position = torch.from_numpy(np.concatenate([row["positions"] for row in rows]).astype(np.int64))
+        flat = row_of * width + position  # [n] rows of the [batch · width, V] view
+        ids = torch.from_numpy(np.concatenate([row["top_ids"] for row in rows]).astype(np.int64)).view(-1, k)
+        log_probs = torch.from_numpy(np.concatenate([row["top_log_probs"] for row in rows]).astype(np.float32))
+        tail = torch.from_numpy(np.concatenate([row["tail"] for row in rows]).astype(np.float32))
+        fill = torch.zeros(len(rows) * width)
+        fill[flat] = tail_fill(tail, k, self.vocab_size) * self.temperature
+        logits = fill.unsqueeze(-1).expand(-1, self.vocab_size).contiguous()
+        logits.view(-1)[(flat.unsqueeze(-1) * self.vocab_size + ids).view(-1)] = log_probs * self.temperature
+        return logits.view(len(rows), width, self.vocab_size)
 
 
 class CachedTeacher:
