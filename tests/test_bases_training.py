@@ -71,10 +71,10 @@ def test_distillm2_trains_on_generated_pairs_kept_together(
     seen = []
     real = trainer_module.Trainer.teacher_forward
 
-    def recording(self, batch):
+    def recording(self, batch, split="train"):
         if batch.chosen is not None:  # dev batches (Dolly-like rows, no pairs) are not recorded
             seen.append((batch.row_ids, batch.chosen.tolist()))
-        return real(self, batch)
+        return real(self, batch, split)
 
     monkeypatch.setattr(trainer_module.Trainer, "teacher_forward", recording)
     # The dev set holds no pairs, as the published recipes' (Dolly's dev rows): its loss reads

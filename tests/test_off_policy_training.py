@@ -103,7 +103,9 @@ def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
     events = []
     real_forward, real_result = Trainer.teacher_forward, PendingSpans.result
     monkeypatch.setattr(
-        Trainer, "teacher_forward", lambda self, batch: events.append("teacher") or real_forward(self, batch)
+        Trainer,
+        "teacher_forward",
+        lambda self, batch, split="train": events.append("teacher") or real_forward(self, batch, split),
     )
     monkeypatch.setattr(PendingSpans, "result", lambda self, *a: events.append("spans") or real_result(self, *a))
     run_distillation(load_recipe(path))

@@ -176,3 +176,31 @@ def test_the_ablation_targets_plan_five_runs_beside_the_rows_two():
     assert ["--span-rule", "reference"] == next(
         w for w in commands if w[:2] == ["mta", "annotate"] and "--span-rule" in w
     )[-4:-2]
+
+
+def test_reproduce_all_runs_the_teacher_once_per_teacher_and_data_set_and_says_which_rows_load_it():
+    commands = plan("reproduce-all")
+    stages = [words for words in commands if words[:2] == ["mta", "teacher"]]
+    caches = {words[words.index("-o") + 1]: words for words in stages}
+    # GPT-2, Qwen and OPT on Dolly; GPT-2 and Qwen on their DistiLLM-2 pairs: five passes, eight rows.
+    assert sorted(caches) == sorted(f"runs/{row}/teacher" for row in ROWS if not row.endswith("-fdd"))
+    for row in ROWS:
+        runs = [o for _, o in distill_runs(commands) if overrides_dict(o)["output_dir"].startswith(f"runs/{row}/")]
+        read = {overrides_dict(o).get("teacher_cache.dir") for o in runs}
+        assert read == ({None} if row.endswith("-fdd") else {f"runs/{row}/teacher"}), row
+        said = next(" ".join(w) for w in commands if w[:1] == ["echo"] and w[1].startswith(f"reproduce-{row}:"))
+        if row.endswith("-fdd"):
+            assert "loads the teacher for every micro batch (FDD needs it online)" in said
+        elif row.endswith("-distillm2"):
+            assert "never loads the teacher" in said
+        else:
+            assert "loads the teacher for its generated micro batches only" in said
+    # The cache each row reads is the one its stage built for the same recipe and rows.
+    for words in stages:
+        data = {w for w in words if w.startswith("data.")}
+        readers = [o for _, o in distill_runs(commands) if f"teacher_cache.dir={words[words.index('-o') + 1]}" in o]
+        assert len(readers) == 2 and all(data <= set(o) for o in readers)
+    assert not [w for w in plan("reproduce-all", "TEACHER=online") if w[:2] == ["mta", "teacher"]]
+    ablations = distill_runs(plan("ablation-gpt2"))
+    paper = [o for _, o in ablations if "/ablation-gpt2-paper/" in overrides_dict(o)["output_dir"]]
+    assert all(overrides_dict(o)["teacher_cache.dir"] == "runs/gpt2-distillm/teacher" for o in paper)
