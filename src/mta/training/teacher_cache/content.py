@@ -185,8 +185,8 @@ def estimate_bytes(
 ) -> SizeEstimate:
     """At most the cache's size for ``rows`` rows of ``tokens`` teacher tokens and ``responses``
     response positions in all (Parquet's dictionary encoding stores the ids and many values in
-    fewer bytes: 0.6 of it on the demo's pair at k = 1024); each row's Parquet row group (its metadata, page headers and statistics,
-    ``ROW_GROUP_BYTES``) is counted with the logits."""
+    fewer bytes: 0.6 of it on the demo's pair at k = 1024); each row's Parquet row group (its
+    metadata, page headers and statistics, ``ROW_GROUP_BYTES``) is counted with the logits."""
     value = BYTES[storage]
     logits = responses * (top_k * (4 + value) + 4 + 4) if reads.logits else 0
     hidden = len(reads.layers) * tokens * hidden_size * value
