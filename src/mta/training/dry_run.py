@@ -389,12 +389,23 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
     from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
     from mta.store.layout import holds_artefact
     from mta.store.read import read_annotations
-    from mta.training.teacher_cache.content import estimate_bytes, human_bytes, teacher_reads
+    from mta.training.teacher_cache.content import SizeEstimate, estimate_bytes, human_bytes, teacher_reads
 
     spec = recipe.teacher_cache
     reads = teacher_reads(recipe, student.num_layers, teacher.num_layers)
     top_k = min(spec.top_k, teacher.vocab_rows)
-    sizes = dict(top_k=top_k, storage=spec.storage, hidden_size=teacher.hidden_size)
+
+    def size_of(tokens: int, responses: int, rows: int) -> SizeEstimate:
+        return estimate_bytes(
+            reads,
+            top_k=top_k,
+            storage=spec.storage,
+            hidden_size=teacher.hidden_size,
+            tokens=tokens,
+            responses=responses,
+            rows=rows,
+        )
+
     what = f"layers {', '.join(map(str, reads.layers)) or 'none'}" + (f", k = {top_k}" if reads.logits else "")
     notes = []
     for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
@@ -408,7 +419,7 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
             lengths = pc.list_value_length(table.column(INPUT_IDS["teacher"]))
             tokens = int(pc.sum(lengths).as_py() or 0)
             responses = tokens - int(pc.sum(table.column(PROMPT_LEN["teacher"])).as_py() or 0)
-            size = estimate_bytes(reads, tokens=tokens, responses=responses, rows=table.num_rows, **sizes)
+            size = size_of(tokens, responses, table.num_rows)
             notes.append(
                 f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): {human_bytes(size.logits)} logits + "
                 f"{human_bytes(size.hidden)} hidden states over {size.rows:,} rows ({human_bytes(size.per_row)} a row; "
@@ -417,7 +428,7 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
         else:
             length = recipe.data.max_length
             responses = length - recipe.data.max_prompt_length
-            size = estimate_bytes(reads, tokens=length, responses=responses, rows=1, **sizes)
+            size = size_of(length, responses, 1)
             notes.append(
                 f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): at most {human_bytes(size.total)} a "
                 f"row at data.max_length={length} ({key} is not annotated yet: the total follows its rows)"
