@@ -201,3 +201,14 @@ def test_the_dry_run_estimates_the_cache_size_before_it_exists(tmp_path, tiny_ru
 def _parse_bytes(text: str) -> float:
     value, unit = text.split()
     return float(value) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+
+def test_under_torchrun_each_rank_computes_its_share_into_one_cache(tmp_path, tiny_run_recipe):
+    from conftest import torchrun
+
+    path = tiny_run_recipe(tmp_path / "out", teacher_cache={"dir": str(tmp_path / "one")}, data={"dev": None})
+    run_teacher_stage(load_recipe(path))
+    torchrun(["-m", "mta_cli.main", "teacher", "--recipe", path, "-o", tmp_path / "two"])
+    manifest = json.loads((tmp_path / "two" / "train" / ".mta" / "manifest.json").read_text())
+    assert manifest["num_shards"] == 2 and len(manifest["parts"]) == 2
+    assert_same_rows(table(tmp_path / "two" / "train"), table(tmp_path / "one" / "train"))
