@@ -52,7 +52,7 @@ from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
 from mta.training.tasks import task_of
 from mta.training.teacher import FrozenTeacher, TeacherOutput
-from mta.training.teacher_cache.content import TeacherReads
+from mta.training.teacher_cache.content import TeacherReads, teacher_precision
 from mta.training.teacher_cache.read import CachedTeacher, open_teacher_caches
 from mta.training.train_data import load_split
 
@@ -233,6 +233,19 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
             "and set data.train to PAIRS.jsonl (annotated on first use)"
         )
+    # Before the engine starts: a cache that does not serve this recipe is refused at once.
+    teacher_cache = None
+    if recipe.teacher_cache.dir is not None and teacher_side is not None and teacher_config is not None:
+        teacher_cache = open_teacher_caches(
+            recipe,
+            {"train": train_split, "dev": dev_split},
+            reads=TeacherReads(tuple(objective.teacher_layers), objective.needs_teacher_logits),
+            teacher_path=teacher_side.path,
+            tokenizer=teacher_tokenizer,
+            teacher_config=teacher_config,
+            precision=teacher_precision(precision.name, recipe),
+        )
+
     accumulation = recipe.train.accumulation_steps(world_size)
     schedule = StepSchedule(len(train_examples), recipe.train.micro_batch_size, accumulation, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
@@ -286,18 +299,6 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             engines.teacher_zero3_engine(teacher, recipe.train.micro_batch_size, world_size)
             if recipe.train.teacher_zero3
             else teacher.to(device)
-        )
-
-    teacher_cache = None
-    if recipe.teacher_cache.dir is not None and teacher_side is not None and teacher_config is not None:
-        teacher_cache = open_teacher_caches(
-            recipe,
-            {"train": train_split, "dev": dev_split},
-            reads=TeacherReads(tuple(objective.teacher_layers), objective.needs_teacher_logits),
-            teacher_path=teacher_side.path,
-            tokenizer=teacher_tokenizer,
-            teacher_config=teacher_config,
-            precision=f"{precision.name}/teacher {recipe.teacher.dtype if recipe.teacher else None}",
         )
 
     flops = StepFlops(engine.module, engine.module.student, teacher)

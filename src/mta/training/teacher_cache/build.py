@@ -57,6 +57,7 @@ from mta.training.teacher_cache.content import (
     content_key,
     describe,
     schema,
+    teacher_precision,
     teacher_reads,
     teacher_weights,
 )
@@ -186,7 +187,7 @@ class TeacherStage:
             hidden_size=hidden_size(self.teacher.config),
             rows=annotations.table,
             annotations_dir=annotations.directory,
-            precision=f"{self.precision.name}/teacher {self.recipe.teacher.dtype}",
+            precision=teacher_precision(self.precision.name, self.recipe),
         )
 
     def frozen_teacher(self) -> FrozenTeacher:

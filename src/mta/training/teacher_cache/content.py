@@ -86,6 +86,12 @@ def teacher_weights(path: str) -> str | None:
     return weights_fingerprint(directory) if directory.is_dir() else f"hub:{path}"
 
 
+def teacher_precision(training_precision: str, recipe: Recipe) -> str:
+    """The ``precision`` content key: the training precision the teacher runs under (its autocast)
+    and the teacher's own dtype, e.g. ``bf16/teacher fp32``."""
+    return f"{training_precision}/teacher {recipe.teacher.dtype if recipe.teacher else None}"
+
+
 def describe(
     recipe: Recipe,
     split: str,
@@ -215,6 +221,7 @@ __all__ = [
     "human_bytes",
     "mismatches",
     "schema",
+    "teacher_precision",
     "teacher_reads",
     "teacher_weights",
 ]
