@@ -44,6 +44,8 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "teacher.tiny.vocab_size": (FIXED, 600),
     "teacher.tiny.seed": (FIXED, 1),
     "teacher.lora": (FIXED, {"r": 8}),
+    "teacher.license": (FIXED, "mit"),
+    "student.license": (CHANGE, "mit"),
     "student.path": (FIXED, "other-student"),
     "student.tokenizer": (FIXED, "other-tokenizer"),
     "student.dtype": (FIXED, "bf16"),

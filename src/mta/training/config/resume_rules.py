@@ -73,6 +73,7 @@ MUTABLE_KEYS: dict[str, str] = {
     "data.dev": "dev loss and samples only",
     "student.config": "read by --dry-run only",
     "teacher.config": "read by --dry-run only",
+    "student.license": "the licence the exported students' model cards name, from the next export on",
     "loss.chunk_size": "memory only: the same loss, summed in other chunks",
     "teacher_cache.dir": (
         "where the teacher's outputs are read from (null: the online teacher); a cache is checked against the "

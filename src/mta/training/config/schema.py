@@ -109,6 +109,11 @@ class ModelSpec(Strict):
         None,
         description="student only: train LoRA adapters {r, alpha, dropout, target_modules}; null: full fine-tuning",
     )
+    license: str | None = Field(
+        None,
+        description="student only: the license the trained student's model card names (a Hub license id, e.g. "
+        "apache-2.0); null: the start model's own where its files record one",
+    )
 
     @property
     def tokenizer_path(self) -> str:
@@ -664,6 +669,15 @@ class Recipe(RecipeChecks):
 
     @model_validator(mode="after")
     def _lora_on_the_student(self) -> Recipe:
+        if self.teacher is not None and self.teacher.license is not None:
+            raise PydanticCustomError(
+                "license_setting",
+                "{message}",
+                {
+                    "message": "the license names the trained student's card: set student.license, not teacher.license",
+                    "within": ("teacher", "license"),
+                },
+            )
         if self.teacher is not None and self.teacher.lora is not None:
             raise PydanticCustomError(
                 "lora_setting",

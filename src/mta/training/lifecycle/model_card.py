@@ -2,8 +2,9 @@
 
 ``final/`` (and any other exported student directory, e.g. a ``best/``) carries one, so the
 directory says what it is when it is copied, shared or pushed to the Hub without mta: YAML front
-matter (``library_name``, ``pipeline_tag``, ``base_model`` when the student started from a Hub
-model, ``datasets`` where the training data is a set the Hub knows, ``tags``), then the teacher,
+matter (``library_name``, ``pipeline_tag``, ``license`` and ``base_model``: ``student.license`` or
+what the start's files record of its origin (:func:`start_origin`), ``datasets`` where the
+training data is a set the Hub knows, ``tags``), then the teacher,
 the student's start, the recipe's name and hash, the data, the steps, the last dev metrics at
 save time and the mta version. The recipe hash is ``mta.hashing.json_sha256`` of the resolved
 recipe, the mapping ``recipe.yaml`` beside the card holds, so the card names exactly that file.
@@ -11,6 +12,7 @@ recipe, the mapping ``recipe.yaml`` beside the card holds, so the card names exa
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,13 +91,102 @@ def loss_terms(terms: Iterable[tuple[str, float]]) -> str:
     return " + ".join(f"{weight:g}·{name}" for name, weight in terms if weight)
 
 
+ORIGIN_RECORDS = ("mta_init.json", "mta_source.json")  # init-student's / a converter's record
+ORIGIN_HOPS = 4  # a start pruned from a conversion of a Hub model is two hops away
+
+
+@dataclass(frozen=True)
+class StartOrigin:
+    """Where a student's start came from: the Hub model it descends from and its licence, as far
+    as the start's files record them (None where they do not)."""
+
+    base_model: str | None = None
+    license: str | None = None
+
+
+def start_origin(spec: Any, recipe: Any) -> StartOrigin:
+    """The student's start as the card names it. A Hub name is its own ``base_model`` (its licence
+    is the Hub's to say: None). A local directory is followed back, up to ``ORIGIN_HOPS``
+    directories, through what it records: its own card's front matter (``base_model``,
+    ``license``), a converter's ``mta_source.json`` (``hub_id``, ``license``) and
+    ``mta init-student``'s ``mta_init.json`` (``source``: the directory or Hub name it was pruned
+    from); the first value found for each wins."""
+    if spec is None or getattr(spec, "tiny", None) is not None:
+        return StartOrigin()
+    name = hub_name(spec, recipe)
+    if name:
+        return StartOrigin(base_model=name)
+    try:
+        current: str | None = str(recipe.resolve(spec.path))
+    except MtaError:
+        return StartOrigin()
+    found: dict[str, str | None] = {"base_model": None, "license": None}
+    for _ in range(ORIGIN_HOPS):
+        if current is None:
+            break
+        directory = Path(current)
+        if not directory.is_dir():  # a Hub name a record points to
+            found["base_model"] = found["base_model"] or current
+            break
+        recorded = _front_matter(directory / CARD)
+        for record in ORIGIN_RECORDS:
+            recorded = {**_json(directory / record), **recorded}
+        found["base_model"] = found["base_model"] or _text(recorded.get("base_model") or recorded.get("hub_id"))
+        found["license"] = found["license"] or _text(recorded.get("license"))
+        current = _text(_json(directory / "mta_init.json").get("source"))
+    return StartOrigin(**found)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _front_matter(path: Path) -> dict[str, Any]:
+    """A model card's YAML front matter ({} when there is none or it does not parse)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    if not text.startswith("---"):
+        return {}
+    block = text[3:].split("\n---", 1)[0]
+    try:
+        loaded = yaml.safe_load(block)
+    except yaml.YAMLError:
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
 def base_metadata(recipe: Any, *, library: str, pipeline: str) -> dict[str, Any]:
-    """Front matter every task's card starts from: library, pipeline tag and ``base_model``."""
+    """Front matter every task's card starts from: library, pipeline tag, ``license``
+    (``student.license``, else the start's own) and ``base_model`` (the start's Hub origin)."""
     meta: dict[str, Any] = {"library_name": library, "pipeline_tag": pipeline}
-    base_model = hub_name(recipe.student, recipe)
-    if base_model:
-        meta["base_model"] = base_model
+    origin = start_origin(recipe.student, recipe)
+    license_id = getattr(recipe.student, "license", None) or origin.license
+    if license_id:
+        meta["license"] = license_id
+    if origin.base_model:
+        meta["base_model"] = origin.base_model
     return meta
+
+
+def resolved_precision(recipe: Any) -> str:
+    """``train.precision`` as it resolves on this process's device (what ran, when the card is
+    written by the run): ``bf16``, or ``bf16 (train.precision=auto)``."""
+    from mta.distributed import local_device
+    from mta.dtypes import resolve_precision
+
+    requested = recipe.train.precision
+    name = resolve_precision(requested, local_device())
+    return name if requested == name else f"{name} (train.precision={requested})"
 
 
 def llm_card_facts(recipe: Recipe) -> CardFacts:
@@ -163,7 +254,7 @@ def model_card(
         (
             "steps",
             (f"{step}" if step is not None else "not recorded")
-            + f" (global batch {recipe.train.batch_size}, lr {recipe.train.lr:g}, {recipe.train.precision})",
+            + f" (global batch {recipe.train.batch_size}, lr {recipe.train.lr:g}, {resolved_precision(recipe)})",
         ),
         ("mta", version),
     ]

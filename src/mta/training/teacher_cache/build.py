@@ -44,12 +44,19 @@ from mta.reporting import Reporter, SilentReporter
 from mta.store.chunked_work import ChunkedShard
 from mta.store.layout import remove_if_empty
 from mta.store.locks import shard_lock
+from mta.store.manifests import read_manifest
 from mta.store.publish import commit_shard, finish_publishing
 from mta.store.read import Annotations
 from mta.store.reuse import reusable_output
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.schema import Recipe, teacher_cache_problem
-from mta.training.model_loading import LoadedConfig, hidden_size, load_config_and_tokenizer, num_layers
+from mta.training.model_loading import (
+    LoadedConfig,
+    hidden_size,
+    load_causal_lm,
+    load_config_and_tokenizer,
+    num_layers,
+)
 from mta.training.teacher import FrozenTeacher
 from mta.training.teacher_cache.content import (
     SPLITS,
@@ -144,14 +151,8 @@ def run_teacher_stage(
                 outcomes.append(stage.split(split, annotations, root / split, index, count, force=force))
         if shard is None and distributed.is_distributed():
             distributed.barrier()  # the last rank's commit wrote each manifest
-            outcomes = [replace(o, manifest=_read_manifest(o.directory)) for o in outcomes]
+            outcomes = [replace(o, manifest=read_manifest(o.directory)) for o in outcomes]
     return outcomes
-
-
-def _read_manifest(directory: Path) -> dict[str, Any] | None:
-    from mta.store.manifests import read_manifest
-
-    return read_manifest(directory)
 
 
 class TeacherStage:
@@ -192,8 +193,6 @@ class TeacherStage:
 
     def frozen_teacher(self) -> FrozenTeacher:
         if self.model is None:
-            from mta.training.model_loading import load_causal_lm
-
             assert self.recipe.teacher is not None, "run_teacher_stage checked the recipe's teacher"
             loaded = load_causal_lm(self.recipe.teacher, self.recipe, "teacher")
             model = loaded.model
