@@ -94,6 +94,7 @@ def _register() -> None:
         evaluate,
         generate,
         models,
+        push,
         recipes,
         show,
         teacher,
@@ -106,6 +107,7 @@ def _register() -> None:
     app.command("distill")(distill.distill)
     app.command("evaluate")(evaluate.evaluate)
     app.command("generate")(generate.generate)
+    app.command("push")(push.push)
     app.add_typer(models.app, name="models")
     app.add_typer(data.app, name="data")
     app.add_typer(recipes.app, name="recipes")

@@ -1,0 +1,52 @@
+"""`mta push`: check an exported student, then upload it to the Hub (:mod:`mta.models.push`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
+
+
+def push(
+    directory: Path = typer.Argument(..., help="An exported student: OUT/final or OUT/best of `mta distill`."),
+    repo_id: str = typer.Argument(..., help="The Hub repository, user/name or org/name (created when missing)."),
+    private: bool = typer.Option(False, "--private", help="Create the repository private."),
+    revision: str | None = typer.Option(None, "--revision", help="Push to this branch (created when missing)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check and list what would be pushed; send nothing."),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
+) -> None:
+    """Push a trained student to the Hugging Face Hub, after checking it.
+
+    The directory must match its checksums.sha256 (each file `mta distill` wrote, unchanged) and
+    hold a model card whose front matter the Hub reads; otherwise nothing is sent and the
+    message names each file. --dry-run prints the files, the repository and the card's
+    metadata. The token comes from the usual places (HF_TOKEN, `hf auth login`).
+
+    Example: mta push runs/gpt2-mta/final my-org/gpt2-mta --private --dry-run
+    """
+    quiet_third_party(verbose)
+    from mta.models.push import plan_push
+    from mta.models.push import push as upload
+
+    plan = plan_push(directory, repo_id, private=private, revision=revision)
+    table = Table(title=f"push {directory} -> {repo_id}" + (f"@{revision}" if revision else ""))
+    table.add_column("file")
+    table.add_column("bytes", justify="right")
+    for name, size in plan.files.items():
+        table.add_row(name, f"{size:,}")
+    table.add_row("total", f"{plan.total_bytes:,}")
+    out = Console()
+    out.print(table)
+    card = ", ".join(f"{key}: {value}" for key, value in plan.card.items() if key != "tags")
+    out.print(
+        f"repository: {repo_id} ({'private' if private else 'public'}); card: {card}", highlight=False, soft_wrap=True
+    )
+    if dry_run:
+        out.print("dry run: nothing was sent")
+        return
+    Console(stderr=True).print(f"uploading {len(plan.files)} files ({plan.total_bytes / 1e6:.1f} MB)")
+    out.print(f"pushed: {upload(plan)}", highlight=False, soft_wrap=True)

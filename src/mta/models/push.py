@@ -1,0 +1,116 @@
+"""`mta push DIR REPO_ID`: an exported student (``final/``, ``best/``) onto the Hugging Face Hub.
+
+:func:`plan_push` checks the directory before anything leaves the machine: it must be a model
+directory (``config.json`` and weights) whose files match its ``checksums.sha256`` (every
+``mta distill`` export has one; a directory without it, or one whose files changed, is refused
+naming each file), with a model card whose YAML front matter the Hub reads
+(``huggingface_hub.metadata_load``). The plan lists the files and their bytes, the repository,
+its visibility and revision, and the card's metadata: ``mta push --dry-run`` prints it and stops.
+:func:`push` uploads it through ``huggingface_hub`` (``create_repo(exist_ok=True)``, then one
+``upload_folder`` commit), the token from the usual places (``HF_TOKEN``, ``hf auth login``);
+with ``HF_HUB_OFFLINE=1`` or an unreachable Hub it fails at once, naming the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mta.errors import MtaError
+from mta.hashing import CHECKSUMS, checksum_differences, read_checksums
+from mta.models.hub import endpoint, offline_mode, unreachable_reason
+from mta.models.weights import WEIGHT_PATTERNS
+
+CARD = "README.md"
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """What ``push`` uploads: ``files`` (relative paths -> bytes) of ``directory`` to ``repo_id``."""
+
+    directory: Path
+    repo_id: str
+    files: dict[str, int]
+    card: dict[str, Any]  # the model card's front matter
+    private: bool = False
+    revision: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def plan_push(directory: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None) -> PushPlan:
+    """The upload of ``directory`` to ``repo_id``, checked (module docstring); nothing is sent."""
+    from huggingface_hub import metadata_load
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise MtaError(f"{directory} is not a directory; give an exported student (OUT/final or OUT/best)")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise MtaError(f"REPO_ID {repo_id!r} is not a Hub repository id (user/name or org/name): {error}") from None
+    if "/" not in repo_id:
+        raise MtaError(f"REPO_ID {repo_id!r}: name its owner too, as user/name or org/name")
+    names = [path.name for path in directory.iterdir() if path.is_file()]
+    if "config.json" not in names or not any(fnmatch.fnmatch(n, p) for n in names for p in WEIGHT_PATTERNS):
+        raise MtaError(
+            f"{directory} holds no config.json and weights: give an exported student (OUT/final or OUT/best)"
+        )
+    recorded = read_checksums(directory)
+    if recorded is None:
+        raise MtaError(
+            f"{directory} has no {CHECKSUMS}: mta pushes only directories it can verify (every `mta distill` export "
+            f"has one; `sha256sum` of each file into {CHECKSUMS} makes one for another directory)"
+        )
+    differences = checksum_differences(directory, recorded)
+    if differences:
+        raise MtaError(
+            f"{directory} does not match its {CHECKSUMS}: "
+            + "; ".join(differences)
+            + ". It changed after it was written: re-export it (or re-run the step that wrote it)"
+        )
+    card = metadata_load(directory / CARD) if (directory / CARD).is_file() else None
+    if not card:
+        raise MtaError(f"{directory}/{CARD}: no model card with YAML front matter (mta distill writes one)")
+    files = {
+        path.relative_to(directory).as_posix(): path.stat().st_size
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts)
+    }
+    return PushPlan(directory, repo_id, files, dict(card), private=private, revision=revision)
+
+
+def push(plan: PushPlan, *, api: Any = None) -> str:
+    """Upload ``plan`` (one commit); returns the commit's URL. ``api``: an ``HfApi`` (the default
+    one when None), e.g. for another endpoint."""
+    if api is None:
+        if offline_mode():
+            raise MtaError("HF_HUB_OFFLINE=1 is set: pushing needs the Hub; unset it where the Hub is reachable")
+        reason = unreachable_reason(endpoint())
+        if reason is not None:
+            raise MtaError(
+                f"the Hugging Face Hub ({endpoint()}) cannot be reached ({reason}); push from a machine that reaches it"
+            )
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    api.create_repo(plan.repo_id, private=plan.private, exist_ok=True, repo_type="model")
+    if plan.revision is not None:
+        api.create_branch(plan.repo_id, branch=plan.revision, exist_ok=True, repo_type="model")
+    commit = api.upload_folder(
+        folder_path=str(plan.directory),
+        repo_id=plan.repo_id,
+        repo_type="model",
+        revision=plan.revision,
+        allow_patterns=list(plan.files),
+        commit_message=f"mta push: {plan.directory.name} ({len(plan.files)} files)",
+    )
+    return str(getattr(commit, "commit_url", commit))
+
+
+__all__ = ["PushPlan", "plan_push", "push"]

@@ -1,0 +1,84 @@
+"""`mta push` (mta.models.push): an exported student is checked against its checksums and card
+before anything is sent; --dry-run plans the upload; the upload is one `upload_folder` commit.
+huggingface_hub ships no local stand-in of the Hub, so the upload calls are checked on a
+recording `HfApi` stand-in; the real Hub path is not exercised here (no network)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from mta.errors import MtaError
+from mta.hashing import CHECKSUMS, checksum_text, directory_checksums
+from mta.models.push import plan_push, push
+from mta_cli.main import app
+
+CARD = (
+    "---\nlicense: apache-2.0\nlibrary_name: transformers\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\n---\n# s\n"
+)
+
+
+@pytest.fixture
+def export(tmp_path, tiny_model_dir):
+    directory = tmp_path / "final"
+    shutil.copytree(tiny_model_dir, directory)
+    (directory / "README.md").write_text(CARD)
+    (directory / CHECKSUMS).write_text(checksum_text(directory_checksums(directory)))
+    return directory
+
+
+class RecordingApi:
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, repo_id, **options):
+        self.calls.append(("create_repo", repo_id, options))
+
+    def create_branch(self, repo_id, **options):
+        self.calls.append(("create_branch", repo_id, options))
+
+    def upload_folder(self, **options):
+        self.calls.append(("upload_folder", options["repo_id"], options))
+        return "https://huggingface.co/o/m/commit/abc"
+
+
+def test_the_dry_run_lists_the_files_the_repository_and_the_card(export):
+    result = CliRunner().invoke(
+        app, ["push", str(export), "me/student", "--private", "--dry-run"], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0, result.output
+    assert "model.safetensors" in result.stdout and CHECKSUMS in result.stdout and "README.md" in result.stdout
+    assert "me/student (private)" in result.stdout and "license: apache-2.0" in result.stdout
+    assert "dry run: nothing was sent" in result.stdout
+
+
+def test_the_upload_is_one_commit_of_the_checked_files(export):
+    api = RecordingApi()
+    plan = plan_push(export, "me/student", private=True, revision="v1")
+    assert push(plan, api=api) == "https://huggingface.co/o/m/commit/abc"
+    (_, _, repo), (_, _, branch), (_, repo_id, upload) = api.calls
+    assert repo["private"] is True and branch["branch"] == "v1" and repo_id == "me/student"
+    assert upload["revision"] == "v1" and set(upload["allow_patterns"]) == set(plan.files) and CHECKSUMS in plan.files
+
+
+def test_a_changed_file_a_missing_list_or_a_bad_repo_id_is_refused_before_anything_is_sent(export):
+    with pytest.raises(MtaError, match="not a Hub repository id|name its owner"):
+        plan_push(export, "no slash")
+    with pytest.raises(MtaError, match="name its owner"):
+        plan_push(export, "student")
+    (export / "config.json").write_text((export / "config.json").read_text() + " ")
+    with pytest.raises(MtaError, match=r"config\.json \(changed"):
+        plan_push(export, "me/student")
+    (export / CHECKSUMS).unlink()
+    with pytest.raises(MtaError, match="has no checksums.sha256"):
+        plan_push(export, "me/student")
+
+
+def test_offline_the_upload_fails_at_once_naming_the_setting(export, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(MtaError, match="HF_HUB_OFFLINE=1"):
+        push(plan_push(export, "me/student"))
