@@ -461,5 +461,7 @@ def test_every_readme_offline_block_runs_as_written(tmp_path):
     _run_blocks([code for _, code in readme_blocks()], tmp_path)
     work = tmp_path / "work"
     assert (work / "runs" / "tiny" / "final" / "README.md").is_file()
+    assert (work / "runs" / "tiny-teacher" / "train" / ".mta" / "manifest.json").is_file()
+    assert (work / "runs" / "tiny-cached" / "final" / "config.json").is_file()  # trained from the cache
     results = json.loads((work / "runs" / "eval" / "results.json").read_text())
     assert list(results["checkpoints"]) == ["tiny", "tiny-fdd"]

@@ -82,3 +82,36 @@ def test_offline_the_upload_fails_at_once_naming_the_setting(export, monkeypatch
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(MtaError, match="HF_HUB_OFFLINE=1"):
         push(plan_push(export, "me/student"))
+
+
+def test_train_push_to_hub_pushes_final_and_best_when_the_run_ends(tmp_path, tiny_run_recipe, monkeypatch):
+    import huggingface_hub
+
+    from mta.models import push as push_module
+    from mta.training.config.loading import load_recipe
+    from mta.training.trainer import run_distillation
+
+    api = RecordingApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
+    monkeypatch.setattr(push_module, "unreachable_reason", lambda url: None)
+    recipe = load_recipe(tiny_run_recipe(tmp_path / "out", train={"push_to_hub": "me/tiny", "max_steps": 2}))
+    final = run_distillation(recipe)
+    uploads = [options for name, _, options in api.calls if name == "upload_folder"]
+    assert (tmp_path / "out" / "best").is_dir() and len(uploads) == 2  # a dev split: best/ by dev loss
+    assert uploads[0]["folder_path"] == str(final) and uploads[0]["revision"] is None
+    assert uploads[1]["folder_path"] == str(tmp_path / "out" / "best") and uploads[1]["revision"] == "best"
+
+
+def test_train_push_to_hub_offline_stops_before_any_work(tmp_path, tiny_run_recipe, monkeypatch):
+    from huggingface_hub import constants
+
+    from mta.training.config.loading import load_recipe
+    from mta.training.trainer import run_distillation
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    recipe = load_recipe(tiny_run_recipe(tmp_path / "out", train={"push_to_hub": "me/tiny"}))
+    with pytest.raises(MtaError, match="HF_HUB_OFFLINE=1 is set: train.push_to_hub needs the Hub"):
+        run_distillation(recipe)
+    assert not (tmp_path / "out" / "run.json").exists()
+    with pytest.raises(MtaError, match="push_to_hub"):
+        load_recipe(tiny_run_recipe(tmp_path / "out", train={"push_to_hub": "no owner"}))

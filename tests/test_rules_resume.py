@@ -121,6 +121,7 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "train.asam.rho": (FIXED, 0.5),
     "train.asam.eta": (FIXED, 0.01),
     "train.asam.scope": (FIXED, "weights"),
+    "train.push_to_hub": (CHANGE, "me/student"),
     "train.report_to": (CHANGE, ["tensorboard"]),
     "generation.mode": (FIXED, "always"),
     "generation.init_threshold": (FIXED, 0.5),

@@ -85,17 +85,21 @@ def plan_push(directory: str | Path, repo_id: str, *, private: bool = False, rev
     return PushPlan(directory, repo_id, files, dict(card), private=private, revision=revision)
 
 
+def require_hub(what: str = "pushing") -> None:
+    """``MtaError`` at once when the Hub cannot take a push: ``HF_HUB_OFFLINE=1``, or unreachable
+    (one short request, :func:`mta.models.hub.unreachable_reason`)."""
+    if offline_mode():
+        raise MtaError(f"HF_HUB_OFFLINE=1 is set: {what} needs the Hub; unset it where the Hub is reachable")
+    reason = unreachable_reason(endpoint())
+    if reason is not None:
+        raise MtaError(f"the Hugging Face Hub ({endpoint()}) cannot be reached ({reason}); {what} needs it")
+
+
 def push(plan: PushPlan, *, api: Any = None) -> str:
     """Upload ``plan`` (one commit); returns the commit's URL. ``api``: an ``HfApi`` (the default
     one when None), e.g. for another endpoint."""
     if api is None:
-        if offline_mode():
-            raise MtaError("HF_HUB_OFFLINE=1 is set: pushing needs the Hub; unset it where the Hub is reachable")
-        reason = unreachable_reason(endpoint())
-        if reason is not None:
-            raise MtaError(
-                f"the Hugging Face Hub ({endpoint()}) cannot be reached ({reason}); push from a machine that reaches it"
-            )
+        require_hub()
         from huggingface_hub import HfApi
 
         api = HfApi()
@@ -113,4 +117,21 @@ def push(plan: PushPlan, *, api: Any = None) -> str:
     return str(getattr(commit, "commit_url", commit))
 
 
-__all__ = ["PushPlan", "plan_push", "push"]
+def push_run_exports(output_dir: Path, repo_id: str) -> list[str]:
+    """``train.push_to_hub``: a finished run's ``final/`` to ``repo_id`` and its ``best/`` (when
+    there is one) to the branch ``best``; the commits' URLs. A failed push leaves the run as it is
+    and names the `mta push` command that retries it."""
+    urls = []
+    for name, revision in (("final", None), ("best", "best")):
+        directory = Path(output_dir) / name
+        if name == "best" and not directory.is_dir():
+            continue
+        try:
+            urls.append(push(plan_push(directory, repo_id, revision=revision)))
+        except Exception as error:
+            retry = f"mta push {directory} {repo_id}" + (f" --revision {revision}" if revision else "")
+            raise MtaError(f"train.push_to_hub: {error}; the run is complete: push it with `{retry}`") from error
+    return urls
+
+
+__all__ = ["PushPlan", "plan_push", "push", "push_run_exports", "require_hub"]

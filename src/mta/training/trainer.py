@@ -770,6 +770,10 @@ def run_distillation(
     """
     reporter = reporter or SilentReporter()
     tracking.require(recipe.train.report_to)  # a tracker not installed stops the run before any work
+    if recipe.train.push_to_hub and distributed.is_main():
+        from mta.models.push import require_hub
+
+        require_hub("train.push_to_hub")  # an offline or unreachable Hub stops the run before any work
     output_dir = recipe.resolve(recipe.output_dir, "output_dir")
     stops = stopping.StopRequests()
     # SIGUSR1 / SIGTERM stop the run (stopping.RunStopped) from before the claim, and the
@@ -781,8 +785,14 @@ def run_distillation(
                 log.info(message)
                 reporter.message(message)
             try:
-                return Trainer(run, reporter, stops=stops).train()
+                final = Trainer(run, reporter, stops=stops).train()
             finally:
                 run.close()
+            if recipe.train.push_to_hub and distributed.is_main():
+                from mta.models.push import push_run_exports
+
+                for url in push_run_exports(output_dir, recipe.train.push_to_hub):
+                    reporter.message(f"pushed: {url}")
+            return final
         finally:
             run_directory.release(output_dir)

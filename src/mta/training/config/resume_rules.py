@@ -98,6 +98,7 @@ MUTABLE_KEYS: dict[str, str] = {
     "train.save_generated": (
         "whether the rows the student generates are also written to generated/, from the resumed step on"
     ),
+    "train.push_to_hub": "where final/ (and best/) are pushed when the run ends",
     "train.report_to": (
         "which experiment trackers get the records from the resumed step on; one the run "
         "reported to before continues its run there (OUT/tracking.json)"

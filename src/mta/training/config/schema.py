@@ -380,6 +380,12 @@ class TrainSpec(Strict):
         description="sharpness-aware steps {rho, eta, scope} (mta.training.asam): two forward and "
         "backward passes of each accumulation window; null: off",
     )
+    push_to_hub: str | None = Field(
+        None,
+        pattern=r"^[\w.-]+/[\w.-]+$",
+        description="a Hub repository (user/name or org/name): final/ is pushed to it when the run ends, best/ to "
+        "its branch `best`, as `mta push` pushes them; null: nothing is pushed",
+    )
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
         description="experiment trackers that also get every metrics.jsonl record, the recipe and "
