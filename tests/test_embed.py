@@ -8,10 +8,7 @@ twice; the pooling modes against a loop; sentence-transformers configs.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from fixtures.processes import sigkill_when_it_says
 from mta.embedding import encoder as encoder_module
 from mta.embedding import teacher_embeddings as stage
 from mta.embedding.export import read_sentence_transformers_config
@@ -187,24 +185,7 @@ stage.build_teacher_embeddings(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 
 def test_a_run_killed_by_sigkill_resumes_without_duplicates(encoders, tmp_path, monkeypatch):
     data, out = EXAMPLES / "tiny.jsonl", tmp_path / "e"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-c", KILLED_RUN, str(encoders["st"]), str(data), str(out)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stdout.readline().strip() == "journalled"
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    assert process.returncode == -signal.SIGKILL
+    assert sigkill_when_it_says(KILLED_RUN, [encoders["st"], data, out], "journalled") == -signal.SIGKILL
     assert not (out / ".mta" / "manifest.json").exists() and not list(out.glob("*.parquet"))
     work = out / ".mta" / "work" / "shard-00000-of-00001"
     assert len(list(work.glob("chunk-*.parquet"))) == 3

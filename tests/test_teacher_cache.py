@@ -6,19 +6,16 @@ finished chunks; shards merge into the same cache; FDD is refused with the reaso
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import REPO, subprocess_env
 from fixtures.distill import weights
+from fixtures.processes import sigkill_when_it_says
 from mta.errors import MtaError
 from mta.losses.teacher_topk import dense_log_probs
 from mta.training.config.loading import load_recipe
@@ -134,19 +131,7 @@ def test_the_stage_resumes_after_sigkill_without_redoing_finished_chunks(tmp_pat
     path = tiny_run_recipe(tmp_path / "out", teacher_cache={"dir": str(tmp_path / "whole")})
     recipe = load_recipe(path)
     run_teacher_stage(recipe, batch_size=2)
-    env = subprocess_env(PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
-    process = subprocess.Popen(
-        [sys.executable, "-c", KILLED_STAGE, str(path), str(tmp_path / "cut")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stdout.readline().strip() == "journalled"
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+    assert sigkill_when_it_says(KILLED_STAGE, [path, tmp_path / "cut"], "journalled") == -signal.SIGKILL
     assert not (tmp_path / "cut" / "train" / ".mta" / "manifest.json").exists()
     monkeypatch.setattr(stage_module, "CHUNK_BYTES", 1)  # the killed run's plan
     outcomes = run_teacher_stage(recipe, out_dir=tmp_path / "cut", batch_size=2)
