@@ -39,9 +39,14 @@ class RecordingApi:
     def create_branch(self, repo_id, **options):
         self.calls.append(("create_branch", repo_id, options))
 
-    def upload_folder(self, **options):
-        self.calls.append(("upload_folder", options["repo_id"], options))
+    def create_commit(self, **options):
+        self.calls.append(("create_commit", options["repo_id"], options))
         return "https://huggingface.co/o/m/commit/abc"
+
+
+def uploaded(options) -> dict[str, object]:
+    """``path in repo -> what is sent`` (a file's path, or bytes) of one recorded commit."""
+    return {op.path_in_repo: op.path_or_fileobj for op in options["operations"]}
 
 
 def test_the_dry_run_lists_the_files_the_repository_and_the_card(export):
@@ -58,9 +63,10 @@ def test_the_upload_is_one_commit_of_the_checked_files(export):
     api = RecordingApi()
     plan = plan_push(export, "me/student", private=True, revision="v1")
     assert push(plan, api=api) == "https://huggingface.co/o/m/commit/abc"
-    (_, _, repo), (_, _, branch), (_, repo_id, upload) = api.calls
+    (_, _, repo), (_, _, branch), (_, repo_id, commit) = api.calls
     assert repo["private"] is True and branch["branch"] == "v1" and repo_id == "me/student"
-    assert upload["revision"] == "v1" and set(upload["allow_patterns"]) == set(plan.files) and CHECKSUMS in plan.files
+    assert commit["revision"] == "v1" and set(uploaded(commit)) == set(plan.files) and CHECKSUMS in plan.files
+    assert uploaded(commit)["README.md"] == str(export / "README.md")  # the directory's own card
 
 
 def test_a_changed_file_a_missing_list_or_a_bad_repo_id_is_refused_before_anything_is_sent(export):
@@ -96,10 +102,11 @@ def test_train_push_to_hub_pushes_final_and_best_when_the_run_ends(tmp_path, tin
     monkeypatch.setattr(push_module, "unreachable_reason", lambda url: None)
     recipe = load_recipe(tiny_run_recipe(tmp_path / "out", train={"push_to_hub": "me/tiny", "max_steps": 2}))
     final = run_distillation(recipe)
-    uploads = [options for name, _, options in api.calls if name == "upload_folder"]
-    assert (tmp_path / "out" / "best").is_dir() and len(uploads) == 2  # a dev split: best/ by dev loss
-    assert uploads[0]["folder_path"] == str(final) and uploads[0]["revision"] is None
-    assert uploads[1]["folder_path"] == str(tmp_path / "out" / "best") and uploads[1]["revision"] == "best"
+    commits = [options for name, _, options in api.calls if name == "create_commit"]
+    assert (tmp_path / "out" / "best").is_dir() and len(commits) == 2  # a dev split: best/ by dev loss
+    assert uploaded(commits[0])["config.json"] == str(final / "config.json") and commits[0]["revision"] is None
+    assert uploaded(commits[1])["config.json"] == str(tmp_path / "out" / "best" / "config.json")
+    assert commits[1]["revision"] == "best"
 
 
 def test_train_push_to_hub_offline_stops_before_any_work(tmp_path, tiny_run_recipe, monkeypatch):
@@ -115,3 +122,37 @@ def test_train_push_to_hub_offline_stops_before_any_work(tmp_path, tiny_run_reci
     assert not (tmp_path / "out" / "run.json").exists()
     with pytest.raises(MtaError, match="push_to_hub"):
         load_recipe(tiny_run_recipe(tmp_path / "out", train={"push_to_hub": "no owner"}))
+
+
+def test_results_add_a_model_index_to_the_uploaded_card_and_leave_the_directory_s_own(export, tmp_path):
+    import json
+
+    from huggingface_hub import ModelCard
+
+    results = tmp_path / "eval"
+    results.mkdir()
+    sets = {"dolly": {"rougeL": {"mean": 24.51234}}, "vicuna": {"rougeL": {"mean": 17.2}}}
+    payload = {
+        "settings": {"seeds": [10, 20, 30]},
+        "sets": {"dolly": {"title": "Dolly"}, "vicuna": {"title": "Vicuna"}},
+        "checkpoints": {
+            "other": {"checkpoint": str(tmp_path / "x"), "sets": {}},
+            "s": {"checkpoint": str(export), "sets": sets},
+        },
+    }
+    (results / "results.json").write_text(json.dumps(payload))
+    before = (export / "README.md").read_text()
+    plan = plan_push(export, "me/student", results=results)
+    card = ModelCard(plan.card_text)
+    assert card.data.license == "apache-2.0" and card.data.model_name == "student"
+    scores = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert scores == {("dolly", "rougeL"): 24.5123, ("vicuna", "rougeL"): 17.2}
+    assert "mean over 3 sampling seeds" in card.data.eval_results[0].metric_name
+    api = RecordingApi()
+    push(plan, api=api)
+    assert uploaded(api.calls[-1][2])["README.md"] == plan.card_text.encode("utf-8")
+    assert (export / "README.md").read_text() == before  # its checksums still hold
+    payload["checkpoints"].pop("s")
+    (results / "results.json").write_text(json.dumps(payload))
+    with pytest.raises(MtaError, match="not .*final: evaluate it first"):
+        plan_push(export, "me/student", results=results)

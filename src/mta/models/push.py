@@ -7,13 +7,14 @@ naming each file), with a model card whose YAML front matter the Hub reads
 (``huggingface_hub.metadata_load``). The plan lists the files and their bytes, the repository,
 its visibility and revision, and the card's metadata: ``mta push --dry-run`` prints it and stops.
 :func:`push` uploads it through ``huggingface_hub`` (``create_repo(exist_ok=True)``, then one
-``upload_folder`` commit), the token from the usual places (``HF_TOKEN``, ``hf auth login``);
+``create_commit`` of every file), the token from the usual places (``HF_TOKEN``, ``hf auth login``);
 with ``HF_HUB_OFFLINE=1`` or an unreachable Hub it fails at once, naming the fix.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,17 +34,28 @@ class PushPlan:
     directory: Path
     repo_id: str
     files: dict[str, int]
-    card: dict[str, Any]  # the model card's front matter
+    card: dict[str, Any]  # the model card's front matter, as uploaded
     private: bool = False
     revision: str | None = None
+    card_text: str | None = None  # README.md as uploaded, when it differs from the directory's (--results)
 
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
 
 
-def plan_push(directory: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None) -> PushPlan:
-    """The upload of ``directory`` to ``repo_id``, checked (module docstring); nothing is sent."""
+def plan_push(
+    directory: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    results: str | Path | None = None,
+) -> PushPlan:
+    """The upload of ``directory`` to ``repo_id``, checked (module docstring); nothing is sent.
+    ``results``: an ``mta evaluate`` output whose results.json scored this directory: the
+    uploaded card gains its ``model-index`` (:func:`with_model_index`; the directory's own card,
+    which its checksums cover, is left as it is)."""
     from huggingface_hub import metadata_load
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -82,7 +94,55 @@ def plan_push(directory: str | Path, repo_id: str, *, private: bool = False, rev
         for path in sorted(directory.rglob("*"))
         if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts)
     }
-    return PushPlan(directory, repo_id, files, dict(card), private=private, revision=revision)
+    card_text = None
+    if results is not None:
+        card_text = with_model_index((directory / CARD).read_text(encoding="utf-8"), directory, repo_id, Path(results))
+        card = metadata_from_text(card_text)
+    return PushPlan(directory, repo_id, files, dict(card), private=private, revision=revision, card_text=card_text)
+
+
+def metadata_from_text(text: str) -> dict[str, Any]:
+    from huggingface_hub import ModelCard
+
+    return ModelCard(text).data.to_dict()
+
+
+def with_model_index(card_text: str, directory: Path, repo_id: str, results_dir: Path) -> str:
+    """``card_text`` with a ``model-index``: the mean ROUGE-L over seeds of every set
+    ``results_dir/results.json`` scored for the checkpoint at ``directory`` (found by its path),
+    through ``huggingface_hub.EvalResult``. ``MtaError`` when the file scored another model."""
+    from huggingface_hub import EvalResult, ModelCard
+
+    path = results_dir / "results.json"
+    if not path.is_file():
+        raise MtaError(f"--results {results_dir}: no results.json; give the -o directory of `mta evaluate`")
+    results = json.loads(path.read_text(encoding="utf-8"))
+    wanted = directory.resolve()
+    entry = next(
+        (e for e in results.get("checkpoints", {}).values() if Path(str(e.get("checkpoint"))).resolve() == wanted),
+        None,
+    )
+    if entry is None:
+        scored = ", ".join(str(e.get("checkpoint")) for e in results.get("checkpoints", {}).values()) or "none"
+        raise MtaError(
+            f"--results {results_dir} scored {scored}, not {directory}: evaluate it first (`mta evaluate {directory}`)"
+        )
+    seeds = len(results.get("settings", {}).get("seeds", []) or [])
+    card = ModelCard(card_text)
+    card.data.model_name = repo_id.split("/", 1)[1]
+    card.data.eval_results = [
+        EvalResult(
+            task_type="text-generation",
+            task_name="Instruction following (MiniLLM protocol)",
+            dataset_type=name,
+            dataset_name=results.get("sets", {}).get(name, {}).get("title", name),
+            metric_type="rougeL",
+            metric_name=f"ROUGE-L (mean over {seeds} sampling seeds)" if seeds else "ROUGE-L",
+            metric_value=round(float(summary["rougeL"]["mean"]), 4),
+        )
+        for name, summary in entry["sets"].items()
+    ]
+    return str(card)
 
 
 def require_hub(what: str = "pushing") -> None:
@@ -103,15 +163,23 @@ def push(plan: PushPlan, *, api: Any = None) -> str:
         from huggingface_hub import HfApi
 
         api = HfApi()
+    from huggingface_hub import CommitOperationAdd
+
     api.create_repo(plan.repo_id, private=plan.private, exist_ok=True, repo_type="model")
     if plan.revision is not None:
         api.create_branch(plan.repo_id, branch=plan.revision, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(
-        folder_path=str(plan.directory),
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(plan.directory / name))
+        for name in plan.files
+        if not (name == CARD and plan.card_text is not None)
+    ]
+    if plan.card_text is not None:
+        operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=plan.card_text.encode("utf-8")))
+    commit = api.create_commit(
         repo_id=plan.repo_id,
         repo_type="model",
         revision=plan.revision,
-        allow_patterns=list(plan.files),
+        operations=operations,
         commit_message=f"mta push: {plan.directory.name} ({len(plan.files)} files)",
     )
     return str(getattr(commit, "commit_url", commit))
