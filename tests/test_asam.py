@@ -4,7 +4,6 @@ perturbation, ZeRO-3 refused, and an LLM recipe with train.asam trains."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from fixtures.trainers import trainer_of
 from mta.errors import MtaError
 from mta.training.asam import Asam, perturbation
 from mta.training.config.loading import load_recipe
@@ -171,7 +171,6 @@ class ToyEngineModel(nn.Module):
 def _trainer(zero_stage: int, asam_spec):
     """A Trainer over a DeepSpeed engine of ToyEngineModel, its micro batches replaced."""
     from mta.training import engine as engines
-    from mta.training.trainer import Trainer
 
     engines.init_distributed()
     train = TrainSpec(
@@ -188,19 +187,7 @@ def _trainer(zero_stage: int, asam_spec):
     )
     model = ToyEngineModel()
     engine = engines.initialize(model, [], train, {}, 3, 1)
-    run = SimpleNamespace(
-        engine=engine,
-        device=torch.device("cpu"),
-        teacher=None,
-        schedule=SimpleNamespace(accumulation=2),
-        recipe=SimpleNamespace(train=train),
-        precision=SimpleNamespace(context=contextlib.nullcontext),
-        flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0),
-        output_dir=Path("."),
-        off_policy=None,
-        teacher_cache=None,
-    )
-    trainer = Trainer(run, reporter=None)
+    trainer = trainer_of(engine, train, accumulation=2)
     return trainer, engine
 
 

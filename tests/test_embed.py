@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from fixtures.processes import sigkill_when_it_says
+from fixtures.processes import sigkill_when_it_says, stalling_journal
 from mta.embedding import encoder as encoder_module
 from mta.embedding import teacher_embeddings as stage
 from mta.embedding.export import read_sentence_transformers_config
@@ -165,22 +165,16 @@ def test_a_matching_artefact_is_reused_without_loading_the_teacher(encoders, tmp
     assert len(list((tmp_path / "e").glob("*.parquet"))) == 1  # the superseded part is gone
 
 
-KILLED_RUN = """
-import sys
+KILLED_RUN = (
+    stalling_journal(3)
+    + """
 from pathlib import Path
 from mta.embedding import teacher_embeddings as stage
-from mta.store import chunked_work
 
 stage.CHUNK_ROWS = 4
-class Stalling(chunked_work.Journal):
-    def append(self, rows):
-        super().append(rows)
-        if sum(1 for _ in open(self.path)) == 3:  # three chunks journalled: wait to be killed
-            print("journalled", flush=True)
-            sys.stdin.read()
-chunked_work.Journal = Stalling
 stage.build_teacher_embeddings(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), batch_size=2, device="cpu")
 """
+)
 
 
 def test_a_run_killed_by_sigkill_resumes_without_duplicates(encoders, tmp_path, monkeypatch):

@@ -13,9 +13,7 @@ purpose, a batch where the difference is at work shows mta's default disagreeing
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +27,7 @@ from fixtures.talas_reference import (
     author_scheduler,
     author_step,
 )
+from fixtures.trainers import trainer_of
 from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
 from mta.embedding.pooling import pool
 from mta.embedding.recipe import EmbeddingLossSpec
@@ -207,7 +206,6 @@ def mta_trainer(model, *, zero_stage, lr, grad_clip, reference_code):
     builds it), fp32, a constant schedule, ASAM at the author's setting (ρ 0.05, T_w = |w|)."""
     from mta.embedding.training_run import initialize_engine
     from mta.training import engine as engines
-    from mta.training.trainer import Trainer
 
     engines.init_distributed()
     train = TrainSpec(
@@ -224,19 +222,7 @@ def mta_trainer(model, *, zero_stage, lr, grad_clip, reference_code):
     )
     recipe = SimpleNamespace(train=train, loss=EmbeddingLossSpec(reference_code=reference_code), deepspeed={})
     engine = initialize_engine(model, recipe, 3, 1)
-    run = SimpleNamespace(
-        engine=engine,
-        device=torch.device("cpu"),
-        teacher=None,
-        schedule=SimpleNamespace(accumulation=1),
-        recipe=SimpleNamespace(train=train),
-        precision=SimpleNamespace(context=contextlib.nullcontext),
-        flops=SimpleNamespace(count=lambda batch: None, take=lambda: 0.0),
-        output_dir=Path("."),
-        off_policy=None,
-        teacher_cache=None,
-    )
-    return Trainer(run, reporter=None), engine
+    return trainer_of(engine, train, accumulation=1), engine
 
 
 def steps_side_by_side(*, lambdas, zero_stage=0, grad_clip=1.0, reference_code=False, lr=1e-3):

@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from fixtures.distill import weights
-from fixtures.processes import sigkill_when_it_says
+from fixtures.processes import sigkill_when_it_says, stalling_journal
 from mta.errors import MtaError
 from mta.losses.teacher_topk import dense_log_probs
 from mta.training.config.loading import load_recipe
@@ -108,23 +108,17 @@ def test_a_cache_that_does_not_match_the_recipe_is_refused_by_key(tmp_path, tiny
     assert (run_distillation(base) / "config.json").is_file()
 
 
-KILLED_STAGE = """
-import sys
+KILLED_STAGE = (
+    stalling_journal(2)
+    + """
 from pathlib import Path
-from mta.store import chunked_work
 from mta.training.config.loading import load_recipe
 from mta.training.teacher_cache import build
 
 build.CHUNK_BYTES = 1  # one batch a chunk
-class Stalling(chunked_work.Journal):
-    def append(self, rows):
-        super().append(rows)
-        if sum(1 for _ in open(self.path)) == 2:  # two chunks journalled: wait to be killed
-            print("journalled", flush=True)
-            sys.stdin.read()
-chunked_work.Journal = Stalling
 build.run_teacher_stage(load_recipe(sys.argv[1]), out_dir=Path(sys.argv[2]), batch_size=2)
 """
+)
 
 
 def test_the_stage_resumes_after_sigkill_without_redoing_finished_chunks(tmp_path, tiny_run_recipe, monkeypatch):

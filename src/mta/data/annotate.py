@@ -34,13 +34,12 @@ from mta.data.sources import InputSource, input_identity, open_source
 from mta.data.span_extraction import SpanExtractor, WordSpans, check_span_rule, load_spacy, resolve_spacy_model
 from mta.data.token_ranges import SpanRule
 from mta.errors import MtaError
-from mta.files import disk_full_is_reported, make_output_directory
+from mta.files import disk_full_is_reported
 from mta.hashing import json_sha256
 from mta.reporting import Reporter, SilentReporter
-from mta.store.layout import remove_if_empty, staged_part
-from mta.store.locks import shard_lock
+from mta.store.layout import staged_part
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES
-from mta.store.publish import PartWriter, commit_shard, finish_publishing
+from mta.store.publish import PartWriter, commit_shard, writing_shard
 from mta.store.reuse import reusable_output
 from mta.versions import MTA_VERSION
 
@@ -207,42 +206,32 @@ def run_annotate(
         if problem is not None:
             raise source.error(problem)
 
-    created = not out_dir.exists()
-    make_output_directory(out_dir)
-    try:
-        with disk_full_is_reported(out_dir), shard_lock(out_dir, shard, num_shards) as unsupported:
-            if unsupported:
-                reporter.message(f"{unsupported}: make sure no other `mta annotate` writes this shard")
-            finish_publishing(out_dir)  # a planted manifest is refused before any work
-            if not force:  # the holder we would have collided with may have just written it
-                reused = _reusable(out_dir, run_key, shard, num_shards)
-                if reused is not None:
-                    return reused
-            shard_manifest = _annotate_shard(
-                source,
-                out_dir,
-                settings,
-                teacher,
-                student,
-                spacy_name,
-                shard=shard,
-                num_shards=num_shards,
-                style=style,
-                total=len(range(shard, summary.rows, num_shards)) * (2 if source.is_pairs() else 1),
-                reporter=reporter,
-            )
-            shard_manifest.update(
-                {VERSION_KEY: SCHEMA_VERSION},
-                run_key=run_key,
-                shard=shard,
-                num_shards=num_shards,
-                description=description,
-            )
-            manifest = commit_shard(out_dir, shard_manifest)
-    except BaseException:
-        if created:
-            remove_if_empty(out_dir)
-        raise
+    with writing_shard(out_dir, shard, num_shards, command="mta annotate", warn=reporter.message):
+        if not force:  # the holder we would have collided with may have just written it
+            reused = _reusable(out_dir, run_key, shard, num_shards)
+            if reused is not None:
+                return reused
+        shard_manifest = _annotate_shard(
+            source,
+            out_dir,
+            settings,
+            teacher,
+            student,
+            spacy_name,
+            shard=shard,
+            num_shards=num_shards,
+            style=style,
+            total=len(range(shard, summary.rows, num_shards)) * (2 if source.is_pairs() else 1),
+            reporter=reporter,
+        )
+        shard_manifest.update(
+            {VERSION_KEY: SCHEMA_VERSION},
+            run_key=run_key,
+            shard=shard,
+            num_shards=num_shards,
+            description=description,
+        )
+        manifest = commit_shard(out_dir, shard_manifest)
     return AnnotateOutcome(out_dir, shard_manifest, manifest, reused=False)
 
 

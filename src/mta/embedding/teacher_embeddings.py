@@ -70,14 +70,12 @@ from mta.dtypes import resolve_dtype
 from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
 from mta.embedding.pooling import AUTO
 from mta.errors import MtaError
-from mta.files import disk_full_is_reported, make_output_directory
-from mta.hashing import directory_checksums, file_sha256, json_sha256
+from mta.hashing import directory_checksums, json_sha256
 from mta.reporting import Reporter, SilentReporter
 from mta.store.chunked_work import ChunkedShard
-from mta.store.layout import META, manifest_path, part_path, remove_if_empty
-from mta.store.locks import shard_lock
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES, read_manifest
-from mta.store.publish import commit_shard, finish_publishing
+from mta.store.publish import commit_shard, writing_shard
+from mta.store.read import read_stage_manifest, verified_parts
 from mta.store.reuse import reusable_output
 from mta.versions import MTA_VERSION, package_versions
 
@@ -188,34 +186,16 @@ def read_teacher_embeddings(directory: str | Path) -> TeacherEmbeddings:
     """Read a complete ``mta embed`` output (every part checked against its sha256 and row
     count); ``MtaError`` naming the fix when it is incomplete, changed or another artefact."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise MtaError(f"{directory} does not exist; build it with `mta embed --teacher TEACHER DATA -o {directory}`")
-    manifest = read_manifest(directory)
-    if manifest is None:
-        raise MtaError(
-            f"{directory} has no {META}/manifest.json: it is not a finished `mta embed` output (an "
-            f"interrupted or partly sharded run leaves none); re-run the same `mta embed` command to finish it"
-        )
-    if manifest.get("artefact") != ARTEFACT:
-        raise MtaError(
-            f"{manifest_path(directory)} is not a teacher-embeddings artefact (artefact: "
-            f"{manifest.get('artefact')!r}); give the -o directory of `mta embed`"
-        )
-    if manifest.get("embeddings_version") != EMBEDDINGS_VERSION:
-        raise MtaError(
-            f"{manifest_path(directory)} has embeddings_version {manifest.get('embeddings_version')!r}; this mta "
-            f"({MTA_VERSION}) reads version {EMBEDDINGS_VERSION}: re-run `mta embed` into a new directory"
-        )
+    manifest = read_stage_manifest(
+        directory,
+        artefact=ARTEFACT,
+        version_key="embeddings_version",
+        version=EMBEDDINGS_VERSION,
+        command="mta embed",
+        build=f"mta embed --teacher TEACHER DATA -o {directory}",
+    )
     tables = []
-    for part in manifest["parts"]:
-        path = part_path(directory, part["file"])
-        if not path.is_file():
-            raise MtaError(f"{path} is listed in the manifest but missing; re-run `mta embed ... --force`")
-        if part.get("sha256") is not None and file_sha256(path) != part["sha256"]:
-            raise MtaError(
-                f"{path} does not match the manifest's sha256: it was changed after `mta embed` wrote it; "
-                "re-run `mta embed ... --force` into this or a new directory"
-            )
+    for path, part in verified_parts(directory, manifest, command="mta embed"):
         try:
             table = pq.read_table(path, schema=SCHEMA)
         except (pa.ArrowException, OSError) as error:
@@ -377,43 +357,31 @@ def _run_shard(
         if reused is not None:
             return reused  # the teacher's weights are never loaded
     texts, ids, problems = _shard_texts(source, text_field, on_error, shard, num_shards)
-    created = not out_dir.exists()
-    make_output_directory(out_dir)
-    try:
-        with disk_full_is_reported(out_dir), shard_lock(out_dir, shard, num_shards, command="mta embed") as unsupported:
-            if unsupported:
-                reporter.message(f"{unsupported}: make sure no other `mta embed` writes this shard")
-            finish_publishing(out_dir)
-            if not force:
-                reused = _reusable(out_dir, run_key, shard, num_shards)
-                if reused is not None:
-                    return reused
-            encoder = load_encoder(teacher, dtype=compute_dtype, device=torch_device, plan=plan)
-            shard_manifest, done, resumed, work = _embed_shard(
-                encoder,
-                texts,
-                ids,
-                out_dir,
-                run_key,
-                shard,
-                num_shards,
-                batch_size,
-                reporter,
-                label=f"embed {data.name}" + (f" · shard {shard}/{num_shards}" if num_shards > 1 else ""),
-            )
-            skipped = Counter(problem.reason for problem in problems)
-            shard_manifest["counts"]["rows"].update(read=len(ids) + len(problems), skipped=len(problems))
-            shard_manifest["counts"]["skipped"] = dict(skipped)
-            shard_manifest["skipped_examples"] = [
-                source.describe(problem) for problem in problems[:MAX_SKIPPED_EXAMPLES]
-            ]
-            shard_manifest.update(run_key=run_key, shard=shard, num_shards=num_shards, description=description)
-            manifest = commit_shard(out_dir, shard_manifest)
-            work.remove()
-    except BaseException:
-        if created:
-            remove_if_empty(out_dir)
-        raise
+    with writing_shard(out_dir, shard, num_shards, command="mta embed", warn=reporter.message):
+        if not force:
+            reused = _reusable(out_dir, run_key, shard, num_shards)
+            if reused is not None:
+                return reused
+        encoder = load_encoder(teacher, dtype=compute_dtype, device=torch_device, plan=plan)
+        shard_manifest, done, resumed, work = _embed_shard(
+            encoder,
+            texts,
+            ids,
+            out_dir,
+            run_key,
+            shard,
+            num_shards,
+            batch_size,
+            reporter,
+            label=f"embed {data.name}" + (f" · shard {shard}/{num_shards}" if num_shards > 1 else ""),
+        )
+        skipped = Counter(problem.reason for problem in problems)
+        shard_manifest["counts"]["rows"].update(read=len(ids) + len(problems), skipped=len(problems))
+        shard_manifest["counts"]["skipped"] = dict(skipped)
+        shard_manifest["skipped_examples"] = [source.describe(problem) for problem in problems[:MAX_SKIPPED_EXAMPLES]]
+        shard_manifest.update(run_key=run_key, shard=shard, num_shards=num_shards, description=description)
+        manifest = commit_shard(out_dir, shard_manifest)
+        work.remove()
     return EmbedOutcome(out_dir, manifest, reused=False, rows=done, resumed_rows=resumed)
 
 

@@ -7,6 +7,8 @@ the merge lock."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -16,7 +18,14 @@ import pyarrow.parquet as pq
 
 from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, SCHEMA, VERSION_KEY
 from mta.errors import MtaError
-from mta.files import atomic_write_json, fsync_directory, publish, temporary_beside
+from mta.files import (
+    atomic_write_json,
+    disk_full_is_reported,
+    fsync_directory,
+    make_output_directory,
+    publish,
+    temporary_beside,
+)
 from mta.hashing import file_sha256
 from mta.store.layout import (
     MANIFEST,
@@ -27,10 +36,11 @@ from mta.store.layout import (
     meta_directory,
     part_name,
     part_path,
+    remove_if_empty,
     shard_manifest_name,
     staging_directory,
 )
-from mta.store.locks import merge_lock
+from mta.store.locks import merge_lock, shard_lock
 from mta.store.manifests import (
     MAX_SKIPPED_EXAMPLES,
     check_directory,
@@ -43,7 +53,15 @@ from mta.store.manifests import (
     shard_sets,
 )
 
-__all__ = ["PartWriter", "commit_shard", "finish_publishing", "merge_shards", "merged_manifest", "try_merge"]
+__all__ = [
+    "PartWriter",
+    "commit_shard",
+    "finish_publishing",
+    "merge_shards",
+    "merged_manifest",
+    "try_merge",
+    "writing_shard",
+]
 
 
 class PartWriter:
@@ -338,3 +356,27 @@ def merge_shards(out_dir: str | Path) -> dict[str, Any]:
             if manifest is not None:
                 return manifest
     raise MtaError(incomplete_message(out_dir, by_set))
+
+
+@contextmanager
+def writing_shard(
+    out_dir: Path, shard: int, num_shards: int, *, command: str, warn: Callable[[str], None]
+) -> Iterator[None]:
+    """Around a stage's work on shard ``shard``/``num_shards`` of ``out_dir`` (``mta annotate``,
+    ``mta embed``, ``mta teacher``): the directory made (probed before any work, and removed again
+    when this call made it and a failure leaves it empty), a full disk reported as one line, the
+    shard's lock held (``command`` names the stage in a refusal; ``warn`` gets the warning of a
+    filesystem without locks), and a publish an earlier writer left half done finished (a planted
+    manifest is refused there, before any work)."""
+    created = not out_dir.exists()
+    make_output_directory(out_dir)
+    try:
+        with disk_full_is_reported(out_dir), shard_lock(out_dir, shard, num_shards, command=command) as unsupported:
+            if unsupported:
+                warn(f"{unsupported}: make sure no other `{command}` writes this shard")
+            finish_publishing(out_dir)
+            yield
+    except BaseException:
+        if created:
+            remove_if_empty(out_dir)
+        raise

@@ -52,7 +52,7 @@ from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
 from mta.training.tasks import task_of
 from mta.training.teacher import FrozenTeacher, TeacherOutput
-from mta.training.teacher_cache.content import TeacherReads, teacher_precision
+from mta.training.teacher_cache.content import TeacherIdentity, TeacherReads, teacher_precision
 from mta.training.teacher_cache.read import CachedTeacher, open_teacher_caches
 from mta.training.train_data import load_split
 
@@ -240,10 +240,9 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             recipe,
             {"train": train_split, "dev": dev_split},
             reads=TeacherReads(tuple(objective.teacher_layers), objective.needs_teacher_logits),
-            teacher_path=teacher_side.path,
-            tokenizer=teacher_tokenizer,
-            teacher_config=teacher_config,
-            precision=teacher_precision(precision.name, recipe),
+            teacher=TeacherIdentity.of(
+                teacher_side.path, teacher_tokenizer, teacher_config, teacher_precision(precision.name, recipe)
+            ),
         )
 
     accumulation = recipe.train.accumulation_steps(world_size)

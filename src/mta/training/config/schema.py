@@ -744,8 +744,8 @@ def teacher_cache_problem(recipe: Recipe) -> tuple[tuple[str, ...], str] | None:
     if recipe.loss.fdd_weight:
         return ("loss", "fdd_weight"), (
             "FDD needs the online teacher: it applies the teacher's final norm and LM head to the hidden states of "
-            "every FDD layer at every position, a vocabulary-wide distribution per layer and token (GPT-2 1.5B on "
-            f"Dolly: about 100 GB per layer in fp16); set loss.fdd_weight=0, {online}"
+            "every FDD layer at every position, a vocabulary-wide distribution per layer and token (GPT-2's 50,257 "
+            f"tokens: 100 KB a token and layer in fp16); set loss.fdd_weight=0, {online}"
         )
     if recipe.loss.reference_code:
         return ("loss", "reference_code"), (

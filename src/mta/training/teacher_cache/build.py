@@ -36,23 +36,19 @@ import torch
 from mta import distributed
 from mta.data.artefact_schema import INPUT_IDS, reannotate_command
 from mta.errors import MtaError
-from mta.files import disk_full_is_reported, make_output_directory
 from mta.hashing import json_sha256
 from mta.losses.teacher_topk import top_k_log_probs
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.store.chunked_work import ChunkedShard
-from mta.store.layout import remove_if_empty
-from mta.store.locks import shard_lock
 from mta.store.manifests import read_manifest
-from mta.store.publish import commit_shard, finish_publishing
+from mta.store.publish import commit_shard, writing_shard
 from mta.store.read import Annotations
 from mta.store.reuse import reusable_output
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.schema import Recipe, teacher_cache_problem
 from mta.training.model_loading import (
     LoadedConfig,
-    hidden_size,
     load_causal_lm,
     load_config_and_tokenizer,
     num_layers,
@@ -60,13 +56,14 @@ from mta.training.model_loading import (
 from mta.training.teacher import FrozenTeacher
 from mta.training.teacher_cache.content import (
     SPLITS,
+    TeacherIdentity,
     TeacherReads,
     content_key,
     describe,
+    estimate_bytes,
     schema,
     teacher_precision,
     teacher_reads,
-    teacher_weights,
 )
 
 CHUNK_BYTES = 256 * 1024 * 1024  # values per journalled chunk: what a killed run may redo
@@ -141,10 +138,12 @@ def run_teacher_stage(
                 for split in SPLITS
             }
         reads = teacher_reads(recipe, num_layers(student.config), num_layers(teacher.config))
-        weights = teacher_weights(teacher.path)
-        if weights is None:
+        identity = TeacherIdentity.of(
+            teacher.path, teacher.tokenizer, teacher.config, teacher_precision(precision.name, recipe)
+        )
+        if identity.weights is None:
             raise MtaError(f"teacher.path: {teacher.path} holds no weight file (*.safetensors, *.bin)")
-        stage = TeacherStage(recipe, teacher, reads, weights, precision, device, size, reporter, student.tokenizer)
+        stage = TeacherStage(recipe, teacher, identity, reads, precision, device, size, reporter, student.tokenizer)
         outcomes = []
         for split, annotations in splits.items():
             if annotations is not None:
@@ -162,33 +161,27 @@ class TeacherStage:
         self,
         recipe: Recipe,
         teacher: LoadedConfig,
+        identity: TeacherIdentity,
         reads: TeacherReads,
-        weights: str,
         precision: Any,
         device: torch.device,
         batch_size: int,
         reporter: Reporter,
         student_tokenizer: Any,
     ):
-        self.recipe, self.teacher, self.reads, self.weights = recipe, teacher, reads, weights
+        self.recipe, self.teacher, self.identity, self.reads = recipe, teacher, identity, reads
         self.precision, self.device, self.batch_size, self.reporter = precision, device, batch_size, reporter
         self.student_tokenizer = student_tokenizer
         self.model: FrozenTeacher | None = None
 
     def describe(self, split: str, annotations: Annotations) -> dict[str, Any]:
-        assert self.recipe.teacher is not None, "run_teacher_stage checked the recipe's teacher"
         return describe(
             self.recipe,
             split,
             reads=self.reads,
-            teacher_path=self.teacher.path,
-            weights=self.weights,
-            tokenizer_fingerprint=tokenizer_fingerprint(self.teacher.tokenizer),
-            vocab_size=len(self.teacher.tokenizer),
-            hidden_size=hidden_size(self.teacher.config),
+            teacher=self.identity,
             rows=annotations.table,
             annotations_dir=annotations.directory,
-            precision=teacher_precision(self.precision.name, self.recipe),
         )
 
     def frozen_teacher(self) -> FrozenTeacher:
@@ -211,73 +204,57 @@ class TeacherStage:
             earlier = reusable_output(out_dir, run_key, shard, num_shards) if out_dir.is_dir() else None
             if earlier is not None:
                 return SplitOutcome(split, out_dir, earlier.manifest, reused=True)
-        created = not out_dir.exists()
-        make_output_directory(out_dir)
-        try:
-            with (
-                disk_full_is_reported(out_dir),
-                shard_lock(out_dir, shard, num_shards, command="mta teacher") as unsupported,
-            ):
-                if unsupported:
-                    self.reporter.message(f"{unsupported}: make sure no other `mta teacher` writes this shard")
-                finish_publishing(out_dir)
-                examples = AnnotatedExamples(
-                    annotations.table,
-                    student_pad_id=self.student_tokenizer.pad_token_id,
-                    teacher_pad_id=self.teacher.tokenizer.pad_token_id,
-                    with_teacher=True,
-                    granularities=(),
-                    rebuild=reannotate_command(annotations.manifest, annotations.directory),
-                )
-                lengths = pc.list_value_length(annotations.table.column(INPUT_IDS["teacher"])).to_numpy()
-                positions = np.arange(shard, len(examples), num_shards)
-                chunks = self._chunks(positions, lengths, description)
-                plan_key = json_sha256(
-                    {
-                        "run_key": run_key,
-                        "rows": positions.tolist(),
-                        "chunks": [[b.tolist() for b in c] for c in chunks],
-                    }
-                )
-                work = ChunkedShard(out_dir, shard, num_shards, plan_key, schema(description["storage"]))
-                label = f"teacher {split}" + (f" · shard {shard}/{num_shards}" if num_shards > 1 else "")
-                resumed = work.resumed_rows
-                if resumed:
-                    self.reporter.message(f"resuming: {resumed} of {len(positions)} rows were done")
-                self.reporter.start(label, len(positions), completed=resumed, unit="rows")
-                try:
-                    computed = work.compute(
-                        chunks,
-                        lambda chunk: self.chunk_table(examples, annotations, chunk, description),
-                        compression="none",
-                    )
-                finally:
-                    self.reporter.stop()
-                entry = work.part(len(chunks), row_group_rows=1, compression="none")
-                shard_manifest = {
-                    "counts": {"rows": {"written": len(positions)}},
-                    "skipped_examples": [],
-                    "part": entry,
+        with writing_shard(out_dir, shard, num_shards, command="mta teacher", warn=self.reporter.message):
+            examples = AnnotatedExamples(
+                annotations.table,
+                student_pad_id=self.student_tokenizer.pad_token_id,
+                teacher_pad_id=self.teacher.tokenizer.pad_token_id,
+                with_teacher=True,
+                granularities=(),
+                rebuild=reannotate_command(annotations.manifest, annotations.directory),
+            )
+            lengths = pc.list_value_length(annotations.table.column(INPUT_IDS["teacher"])).to_numpy()
+            positions = np.arange(shard, len(examples), num_shards)
+            chunks = self._chunks(positions, lengths, description)
+            plan_key = json_sha256(
+                {
                     "run_key": run_key,
-                    "shard": shard,
-                    "num_shards": num_shards,
-                    "description": description,
+                    "rows": positions.tolist(),
+                    "chunks": [[b.tolist() for b in c] for c in chunks],
                 }
-                manifest = commit_shard(out_dir, shard_manifest)
-                work.remove()
-        except BaseException:
-            if created:
-                remove_if_empty(out_dir)
-            raise
+            )
+            work = ChunkedShard(out_dir, shard, num_shards, plan_key, schema(description["storage"]))
+            label = f"teacher {split}" + (f" · shard {shard}/{num_shards}" if num_shards > 1 else "")
+            resumed = work.resumed_rows
+            if resumed:
+                self.reporter.message(f"resuming: {resumed} of {len(positions)} rows were done")
+            self.reporter.start(label, len(positions), completed=resumed, unit="rows")
+            try:
+                computed = work.compute(
+                    chunks,
+                    lambda chunk: self.chunk_table(examples, annotations, chunk, description),
+                    compression="none",
+                )
+            finally:
+                self.reporter.stop()
+            entry = work.part(len(chunks), row_group_rows=1, compression="none")
+            shard_manifest = {
+                "counts": {"rows": {"written": len(positions)}},
+                "skipped_examples": [],
+                "part": entry,
+                "run_key": run_key,
+                "shard": shard,
+                "num_shards": num_shards,
+                "description": description,
+            }
+            manifest = commit_shard(out_dir, shard_manifest)
+            work.remove()
         return SplitOutcome(split, out_dir, manifest, reused=False, rows=computed, resumed_rows=resumed)
 
     def _chunks(self, positions: np.ndarray, lengths: np.ndarray, description: dict) -> list[list[np.ndarray]]:
         """Batches of ``batch_size`` rows, longest first, grouped into chunks of about CHUNK_BYTES."""
         order = positions[np.argsort(-lengths[positions], kind="stable")]
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        value = 2 if description["storage"] == "compact" else 4
-        per_token = len(self.reads.layers) * description["teacher"]["hidden_size"] * value
-        per_token += (description["top_k"] or 0) * (4 + value) + 8
         chunks: list[list[np.ndarray]] = []
         held = CHUNK_BYTES
         for batch in batches:
@@ -285,7 +262,16 @@ class TeacherStage:
                 chunks.append([])
                 held = 0
             chunks[-1].append(batch)
-            held += int(lengths[batch].sum()) * per_token
+            tokens = int(lengths[batch].sum())  # every token counted as a response position: an upper bound
+            held += estimate_bytes(
+                self.reads,
+                top_k=description["top_k"] or 0,
+                storage=description["storage"],
+                hidden_size=self.identity.hidden_size,
+                tokens=tokens,
+                responses=tokens,
+                rows=len(batch),
+            ).total
         return chunks
 
     @torch.no_grad()

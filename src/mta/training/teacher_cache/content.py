@@ -19,9 +19,11 @@ import pyarrow.compute as pc
 
 from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
 from mta.hashing import arrays_sha256, json_sha256
+from mta.models.tokenizers import tokenizer_fingerprint
 from mta.models.weights import weights_fingerprint
 from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
 from mta.training.config.schema import Recipe
+from mta.training.model_loading import hidden_size
 from mta.versions import MTA_VERSION, package_versions
 
 ARTEFACT = "teacher-outputs"  # the manifest's ``artefact``
@@ -92,19 +94,33 @@ def teacher_precision(training_precision: str, recipe: Recipe) -> str:
     return f"{training_precision}/teacher {recipe.teacher.dtype if recipe.teacher else None}"
 
 
+@dataclass(frozen=True)
+class TeacherIdentity:
+    """What decides a teacher's outputs, as both the stage and a cached run record it (each
+    computed once per process): where it loads from, its weights fingerprint (None: no weight
+    files there), its tokenizer's fingerprint and vocabulary, its width, the precision it runs in."""
+
+    path: str
+    weights: str | None
+    tokenizer_fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    precision: str
+
+    @classmethod
+    def of(cls, path: str, tokenizer: Any, config: Any, precision: str) -> TeacherIdentity:
+        return cls(
+            path,
+            teacher_weights(path),
+            tokenizer_fingerprint(tokenizer),
+            len(tokenizer),
+            hidden_size(config),
+            precision,
+        )
+
+
 def describe(
-    recipe: Recipe,
-    split: str,
-    *,
-    reads: TeacherReads,
-    teacher_path: str,
-    weights: str | None,
-    tokenizer_fingerprint: str,
-    vocab_size: int,
-    hidden_size: int,
-    rows: pa.Table,
-    annotations_dir: Path,
-    precision: str,
+    recipe: Recipe, split: str, *, reads: TeacherReads, teacher: TeacherIdentity, rows: pa.Table, annotations_dir: Path
 ) -> dict[str, Any]:
     """The manifest's description of ``split``'s cache (everything but the counts and parts)."""
     spec = recipe.teacher_cache
@@ -113,18 +129,18 @@ def describe(
         "teacher_cache_version": CACHE_VERSION,
         "mta_version": MTA_VERSION,
         "split": split,
-        "teacher": {"path": teacher_path, "hidden_size": hidden_size, "vocab_size": vocab_size},
-        "teacher_weights": weights,
-        "teacher_tokenizer": tokenizer_fingerprint,
+        "teacher": {"path": teacher.path, "hidden_size": teacher.hidden_size, "vocab_size": teacher.vocab_size},
+        "teacher_weights": teacher.weights,
+        "teacher_tokenizer": teacher.tokenizer_fingerprint,
         "teacher_tokens": teacher_tokens_fingerprint(rows),
         "annotations_dir": str(annotations_dir),
         "max_length": recipe.data.max_length,
         "layers": list(reads.layers),
         "logits": reads.logits,
-        "top_k": min(spec.top_k, vocab_size) if reads.logits else None,
+        "top_k": min(spec.top_k, teacher.vocab_size) if reads.logits else None,
         "temperature": recipe.loss.temperature if reads.logits else None,
         "storage": spec.storage,
-        "precision": precision,
+        "precision": teacher.precision,
         "versions": package_versions(),
     }
 
@@ -213,6 +229,7 @@ __all__ = [
     "CONTENT_KEYS",
     "SPLITS",
     "SizeEstimate",
+    "TeacherIdentity",
     "TeacherReads",
     "teacher_tokens_fingerprint",
     "content_key",

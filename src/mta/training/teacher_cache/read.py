@@ -25,13 +25,11 @@ import pyarrow.parquet as pq
 import torch
 
 from mta.errors import MtaError
-from mta.hashing import file_sha256
 from mta.losses.teacher_topk import tail_fill
-from mta.store.layout import META, part_path
-from mta.store.manifests import read_manifest
+from mta.store.read import read_stage_manifest, verified_parts
 from mta.training.batching import TrainBatch
 from mta.training.teacher import TeacherOutput
-from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION, mismatches
+from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION, TeacherIdentity, describe, mismatches
 
 
 def _build_hint(directory: Path) -> str:
@@ -44,21 +42,15 @@ class TeacherCache:
 
     def __init__(self, directory: str | Path, expected: dict[str, Any]):
         self.directory = directory = Path(directory)
-        if not directory.is_dir():
-            raise MtaError(f"teacher_cache.dir: {directory} does not exist; {_build_hint(directory)}")
-        manifest = read_manifest(directory)
-        if manifest is None:
-            raise MtaError(
-                f"teacher_cache.dir: {directory} has no {META}/manifest.json: it is not a finished `mta teacher` "
-                "output (an interrupted or partly sharded run leaves none); re-run the same `mta teacher` command"
-            )
-        if manifest.get("artefact") != ARTEFACT:
-            raise MtaError(f"teacher_cache.dir: {directory} is a {manifest.get('artefact')!r} artefact, not {ARTEFACT}")
-        if manifest.get("teacher_cache_version") != CACHE_VERSION:
-            raise MtaError(
-                f"teacher_cache.dir: {directory} has teacher_cache_version {manifest.get('teacher_cache_version')!r}; "
-                f"this mta reads {CACHE_VERSION}: {_build_hint(directory)} (into a new directory, or with --force)"
-            )
+        manifest = read_stage_manifest(
+            directory,
+            artefact=ARTEFACT,
+            version_key="teacher_cache_version",
+            version=CACHE_VERSION,
+            command="mta teacher",
+            build=f"mta teacher --recipe RECIPE -o {directory.parent}",
+            what="teacher_cache.dir: ",
+        )
         differ = mismatches(manifest, expected)
         if differ:
             raise MtaError(
@@ -75,15 +67,7 @@ class TeacherCache:
         self.temperature = float(manifest["temperature"] or 1.0)
         self.files: list[pq.ParquetFile] = []
         self.where: dict[int, tuple[int, int]] = {}  # row id -> (file, row group)
-        for number, part in enumerate(manifest["parts"]):
-            path = part_path(directory, part["file"])
-            if not path.is_file():
-                raise MtaError(f"{path} is listed in the manifest but missing; {_build_hint(directory)} --force")
-            if file_sha256(path) != part["sha256"]:
-                raise MtaError(
-                    f"{path} does not match the manifest's sha256: it changed after `mta teacher` wrote it; "
-                    f"{_build_hint(directory)} --force"
-                )
+        for number, (path, part) in enumerate(verified_parts(directory, manifest, command="mta teacher")):
             handle = pq.ParquetFile(path, memory_map=True)
             ids = handle.read(columns=["id"]).column("id").to_numpy()
             if handle.metadata.num_row_groups != len(ids) or len(ids) != part["rows"]:
@@ -170,45 +154,21 @@ class CachedTeacher:
         return cache.outputs(batch)
 
 
-def open_teacher_caches(
-    recipe: Any,
-    splits: dict[str, Any],
-    *,
-    reads: Any,
-    teacher_path: str,
-    tokenizer: Any,
-    teacher_config: Any,
-    precision: str,
-) -> CachedTeacher:
+def open_teacher_caches(recipe: Any, splits: dict[str, Any], *, reads: Any, teacher: TeacherIdentity) -> CachedTeacher:
     """``recipe.teacher_cache.dir``'s cache of each split the run has (``splits``: the loaded
-    ``Annotations`` or None), each checked against what this run's teacher would compute.
+    ``Annotations`` or None), each checked against what this run's ``teacher`` would compute.
 
     The teacher's weights are fingerprinted when they are there; without them (deleted, or never
     downloaded) the cache's record stands for them."""
-    from mta.models.tokenizers import tokenizer_fingerprint
-    from mta.training.model_loading import hidden_size
-    from mta.training.teacher_cache.content import describe, teacher_weights
-
-    root = recipe.resolve(recipe.teacher_cache.dir, "teacher_cache.dir")
-    weights = teacher_weights(teacher_path)
-    caches = {}
-    for split, rows in splits.items():
-        if rows is None:
-            continue
-        expected = describe(
-            recipe,
-            split,
-            reads=reads,
-            teacher_path=teacher_path,
-            weights=weights,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            vocab_size=len(tokenizer),
-            hidden_size=hidden_size(teacher_config),
-            rows=rows.table,
-            annotations_dir=rows.directory,
-            precision=precision,
+    root = Path(recipe.resolve(recipe.teacher_cache.dir, "teacher_cache.dir"))
+    caches = {
+        split: TeacherCache(
+            root / split,
+            describe(recipe, split, reads=reads, teacher=teacher, rows=rows.table, annotations_dir=rows.directory),
         )
-        caches[split] = TeacherCache(Path(root) / split, expected)
+        for split, rows in splits.items()
+        if rows is not None
+    }
     return CachedTeacher(caches)
 
 
