@@ -597,7 +597,7 @@ def test_mismatched_annotations_name_a_command_into_a_new_directory_that_works(
     target = copy.parent / "out-longer-2"
     assert f"-o {target}`, then set data.train: {target}" in message
     assert (
-        f"or point data.train at the JSONL file (annotated on first use into {tmp_path / 'run' / 'data' / 'train'})"
+        f"or point data.train at the rows (annotated on first use into {tmp_path / 'run' / 'data' / 'train'})"
         in message
     )
 

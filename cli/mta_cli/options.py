@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+import typer
+
 from mta.errors import MtaError
 
 
@@ -50,3 +52,26 @@ def deprecated_alias(new_value, old_value, *, old: str, new: str):
         flush=True,
     )
     return old_value
+
+
+# A Hugging Face Hub dataset id in place of a data file (mta.data.sources.input_reference).
+SPLIT_OPTION = typer.Option(
+    None, "--split", help="The split of a Hub dataset id (owner/name) [default: train]; ignored for no local file."
+)
+SUBSET_OPTION = typer.Option(None, "--subset", help="The subset (datasets' config name) of a Hub dataset id.")
+REVISION_OPTION = typer.Option(
+    None, "--revision", help="The branch, tag or commit of a Hub dataset id [default: main]; the commit is recorded."
+)
+
+
+def parse_fields(texts: list[str] | None) -> dict[str, str] | None:
+    """``--field KEY=COLUMN`` options as ``{KEY: COLUMN}`` (None when none is given)."""
+    if not texts:
+        return None
+    fields = {}
+    for text in texts:
+        key, sep, column = text.partition("=")
+        if not sep or not key.strip() or not column.strip():
+            raise MtaError(f"--field '{text}' must look like KEY=COLUMN, e.g. --field prompt=question")
+        fields[key.strip()] = column.strip()
+    return fields

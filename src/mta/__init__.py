@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ reso
         Annotator,
         Collator,
         GeneratedRow,
+        HubDataset,
         KDLoss,
         LayerPair,
         MtaError,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ reso
         SpanParser,
         TokenBatch,
         TrainBatch,
+        annotate,
         layer_map,
     )
 
@@ -53,6 +55,7 @@ __all__ = [
     "Annotator",
     "Collator",
     "GeneratedRow",
+    "HubDataset",
     "KDLoss",
     "LayerPair",
     "MTALoss",
@@ -61,6 +64,7 @@ __all__ = [
     "SpanParser",
     "TokenBatch",
     "TrainBatch",
+    "annotate",
     "layer_map",
 ]
 

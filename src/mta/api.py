@@ -4,6 +4,8 @@ Everything here wraps the code the pipeline runs, so a custom loop computes what
 computes:
 
 - :class:`Annotator`: in-memory rows -> the rows ``mta annotate`` writes (``mta.data``'s annotator);
+  :func:`annotate`: a file, a :class:`HubDataset` or a ``datasets.Dataset`` -> an ``mta annotate``
+  directory (``mta.data.annotate.run_annotate``);
 - :class:`Collator`: annotated (or raw) rows -> the :class:`TrainBatch` the losses read
   (``mta.training.batching.AnnotatedExamples``);
 - :class:`KDLoss`: one base loss (``mta.losses.kd``), :class:`MTALoss`: base + DSA + HRA
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -29,12 +33,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks
+from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks, run_annotate
 from mta.data.artefact_schema import INPUT_IDS, SCHEMA
 from mta.data.example_annotator import ChunkResult, GeneratedRow
 from mta.data.online_spans import SpanParser, load_sides, merge_results, online_annotator
 from mta.data.prompts import prompt_style
 from mta.data.rows import Example, RowProblem, is_pair_record, map_fields, record_rows
+from mta.data.sources import HubDataset
 from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
 from mta.losses.contrastive import DistiLLM2Loss
@@ -52,6 +57,7 @@ __all__ = [
     "Annotator",
     "Collator",
     "GeneratedRow",
+    "HubDataset",
     "KDLoss",
     "LayerPair",
     "MTALoss",
@@ -60,6 +66,7 @@ __all__ = [
     "SpanParser",
     "TokenBatch",
     "TrainBatch",
+    "annotate",
     "layer_map",
 ]
 
@@ -120,6 +127,16 @@ class Annotator:
         spacy_name = resolve_spacy_model(self.settings.spacy_model)[0]
         build = functools.partial(build_annotator, self.settings, *self._sides, spacy_name)  # as annotate's pool
         return merge_results(list(map_chunks(build, iter(chunks), workers)))
+
+
+def annotate(data: Any, out_dir: str | Path, settings: AnnotateSettings, *, force: bool = False) -> Path:
+    """Annotate ``data`` into the directory ``out_dir`` as ``mta annotate`` does, and return it.
+
+    data: a path (JSONL, Parquet, CSV, a save_to_disk directory), a :class:`HubDataset` (one split
+    of a Hub dataset at one commit, through the Hugging Face cache), or an in-memory
+    ``datasets.Dataset`` (keyed on its rows' content). An artefact of the same input and settings
+    already there is reused unless ``force``."""
+    return run_annotate(data, out_dir, settings, force=force).directory
 
 
 class Collator:
@@ -483,6 +500,33 @@ class MTALoss(nn.Module):
         with torch.autocast(student_logits.device.type, enabled=False):
             losses: dict[str, torch.Tensor] = objective(student_logits, student_hidden, teacher, batch)
         return losses
+
+    def alignment(
+        self,
+        student_hidden_states: Sequence[torch.Tensor],
+        teacher_hidden_states: Sequence[torch.Tensor],
+        student_attention_mask: torch.Tensor,
+        teacher_attention_mask: torch.Tensor,
+        spans: Mapping[str, SpanBatch],
+    ) -> dict[str, torch.Tensor]:
+        """DSA and HRA alone, on hidden states of any padding layout (a trainer that left-pads
+        its prompts, as TRL's do): fp32 scalars ``{"dsa", "hra", "total"}`` (the terms in use;
+        ``total`` weighted by ``dsa_weight`` / ``hra_weight``), what :meth:`forward` adds to the base.
+
+        student_hidden_states / teacher_hidden_states: the models' ``hidden_states`` (every index
+        :attr:`student_layers` / :attr:`teacher_layers` names), ``[B, T_s, d_s]`` / ``[B, T_t, d_t]``;
+        the attention masks ``[B, T]`` 1 on real tokens; spans: ``{granularity: SpanBatch}`` as token
+        ranges in those same positions."""
+        objective = self.objective
+        if objective.alignment is None:
+            raise MtaError("MTALoss.alignment: dsa_weight and hra_weight are both 0; there is nothing to align")
+        teacher = {layer: teacher_hidden_states[layer] for layer in objective.teacher_layers}
+        with torch.autocast(student_attention_mask.device.type, enabled=False):
+            terms = objective.alignment(
+                tuple(student_hidden_states), teacher, student_attention_mask, teacher_attention_mask, spans
+            )
+        terms["total"] = functools.reduce(operator.add, (objective.weights[name] * value for name, value in terms.items()))
+        return terms
 
     def _teacher(self, outputs: Any, batch: TrainBatch) -> TeacherOutput | None:
         objective = self.objective

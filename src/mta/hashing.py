@@ -38,6 +38,17 @@ def json_sha256(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
+def records_sha256(records: Iterable[Any]) -> str:
+    """The hex sha256 of JSON-able records in order, each as canonical JSON preceded by its
+    length (an in-memory table's content: the same rows in the same order give the same hash)."""
+    digest = hashlib.sha256()
+    for record in records:
+        data = json.dumps(record, sort_keys=True, default=str).encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
 # --------------------------------------------------------------------------- checksum lists
 
 CHECKSUMS = "checksums.sha256"  # `sha256sum -c checksums.sha256` verifies a directory by hand

@@ -1,6 +1,7 @@
 """`mta generate`: DistiLLM-2's training pairs, one teacher and one student response per prompt.
 
-Every prompt of a JSONL file (any format ``mta annotate`` reads; the reference response is
+Every prompt of an input (any format and container ``mta annotate`` reads, a Hub dataset id
+included, its columns mapped by ``fields``: :mod:`mta.data.sources`; the reference response is
 ignored) gets one response sampled from the teacher (``chosen``) and one from the student
 (``rejected``), and the output holds one row per usable input row, in input order::
 
@@ -39,7 +40,8 @@ from typing import Any, Literal
 import torch
 
 from mta import distributed
-from mta.data.rows import INVALID_TEXT, Example, RowProblem, check_input_file, read_rows, summarize_input
+from mta.data.rows import INVALID_TEXT, Example, RowProblem, field_problems
+from mta.data.sources import HubDataset, InputSource, input_identity, open_source
 from mta.dtypes import DTYPES, dtype_name, resolve_dtype
 from mta.errors import MtaError
 from mta.evaluation.model_files import checkpoint_fingerprint
@@ -83,6 +85,7 @@ class PairSettings:
     limit: only the input rows whose id is below it (the first N rows).
     on_error: "fail" stops at the first bad row (naming file:line); "skip" counts it and goes on.
     overwrite: replace an existing output file (and an unfinished journal of other settings).
+    fields: ``{format key: input column}`` (``--field KEY=COLUMN``), as annotate's.
     """
 
     temperature: float = 0.8
@@ -97,8 +100,13 @@ class PairSettings:
     device: str = "auto"
     on_error: Literal["fail", "skip"] = "fail"
     overwrite: bool = False
+    fields: tuple[tuple[str, str], ...] = ()  # a dict is accepted
 
     def __post_init__(self) -> None:
+        fields = dict(self.fields.items() if isinstance(self.fields, dict) else self.fields)
+        if field_problems(fields):
+            raise MtaError("fields: " + "; ".join(field_problems(fields)))
+        object.__setattr__(self, "fields", tuple(sorted(fields.items())))
         try:
             self.sampling()
         except ValueError as error:
@@ -159,34 +167,34 @@ class PairsPaths:
 def generate_pairs(
     teacher: str | Path,
     student: str | Path,
-    data: str | Path,
+    data: str | Path | HubDataset | Any,
     output: str | Path,
     settings: PairSettings | None = None,
     reporter: Reporter | None = None,
 ) -> PairsOutcome:
     """Sample a teacher and a student response to every prompt of ``data`` into ``output``.
 
-    ``teacher``, ``student``: model directories (with their tokenizer) or hub names. Everything
-    is checked before a model loads; an unfinished run of the same settings is resumed. Under
+    ``teacher``, ``student``: model directories (with their tokenizer) or hub names. ``data``: a
+    path, a :class:`~mta.data.sources.HubDataset` or a ``datasets.Dataset``. Everything is
+    checked before a model loads; an unfinished run of the same settings is resumed. Under
     torchrun every rank calls this with the same arguments and gets the same outcome; rank 0
     writes the file.
     """
     settings = settings or PairSettings()
     reporter = reporter or SilentReporter()
     teacher, student = str(teacher), str(student)
-    data, paths = Path(data), PairsPaths(Path(output))
-    check_input_file(data)
+    source, paths = open_source(data, dict(settings.fields)), PairsPaths(Path(output))
     _check_output(paths, settings.overwrite)
     for checkpoint in dict.fromkeys((teacher, student)):  # the same model as both: checked once
         check_checkpoint(checkpoint)
-    rows, problems = read_prompts(data, settings.limit)
+    rows, problems = read_prompts(source, settings.limit)
     if problems and settings.on_error == "fail":
-        raise problems[0].error(data)
+        raise source.error(problems[0])
     if not rows and not problems:
-        raise MtaError(f"{data} holds no rows; give a JSONL file with one prompt per line")
+        raise MtaError(f"{source.name} holds no rows; give a JSONL file with one prompt per line")
     device = distributed.resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    claim = describe_run(teacher, student, data, settings, dtype)
+    claim = describe_run(teacher, student, source, settings, dtype)
     fresh = not _check_journal(paths, claim, settings.overwrite)
     make_output_directory(paths.output.parent, "the directory of -o")  # read-only or full: before any model loads
     models = {"teacher": teacher, "student": student}
@@ -218,22 +226,22 @@ def generate_pairs(
         outcome = None
         if distributed.is_main():
             with disk_full_is_reported(paths.output):
-                outcome = _write_output(paths, rows, problems, data, resumed)
+                outcome = _write_output(paths, rows, problems, source, resumed)
         outcome = distributed.broadcast_from_main(outcome)
     if problems and distributed.is_main():
-        reporter.message(f"skipped {len(problems)} bad input row(s), e.g. {problems[0].describe(data)}")
+        reporter.message(f"skipped {len(problems)} bad input row(s), e.g. {source.describe(problems[0])}")
     return outcome
 
 
 # --------------------------------------------------------------------------- input and claim
 
 
-def read_prompts(path: Path, limit: int | None = None) -> tuple[list[Example], list[RowProblem]]:
-    """The usable rows of ``path`` with id below ``limit``, and the unusable ones (a row whose
+def read_prompts(source: InputSource, limit: int | None = None) -> tuple[list[Example], list[RowProblem]]:
+    """The usable rows of ``source`` with id below ``limit``, and the unusable ones (a row whose
     prompt is empty is one: a model cannot continue nothing)."""
     rows: list[Example] = []
     problems: list[RowProblem] = []
-    for row in read_rows(path):
+    for row in source.rows():
         if limit is not None and row.id >= limit:
             break
         if isinstance(row, Example) and not row.prompt:
@@ -242,14 +250,21 @@ def read_prompts(path: Path, limit: int | None = None) -> tuple[list[Example], l
     return rows, problems
 
 
-def describe_run(teacher: str, student: str, data: Path, settings: PairSettings, dtype: torch.dtype) -> dict[str, Any]:
-    """What every response depends on besides its row: the claim a journal is kept under."""
+def describe_run(
+    teacher: str, student: str, source: InputSource, settings: PairSettings, dtype: torch.dtype
+) -> dict[str, Any]:
+    """What every response depends on besides its row: the claim a journal is kept under. The
+    input is its sha256 (a JSONL file read as it is: the claim journals always had), or with its
+    format and fields (:func:`mta.data.sources.input_identity`); a Hub dataset is also named by
+    its id, commit and split."""
 
     def location(name: str) -> str:
         path = Path(name)
         return str(path.resolve()) if path.exists() else name
 
-    summary = summarize_input(data)
+    summary = source.summary()
+    record = source.record(summary)
+    identity = input_identity(record)
     fingerprints = {name: checkpoint_fingerprint(name)[0] for name in dict.fromkeys((teacher, student))}  # hashed once
     return {
         "format": JOURNAL_FORMAT,
@@ -257,8 +272,10 @@ def describe_run(teacher: str, student: str, data: Path, settings: PairSettings,
         "teacher_fingerprint": fingerprints[teacher],
         "student": location(student),
         "student_fingerprint": fingerprints[student],
-        "data": location(str(data)),
+        "data": location(str(record["path"])),
         "data_sha256": summary.sha256,
+        **({} if isinstance(identity, str) else {"data_input": identity}),
+        **{key: record[key] for key in ("hub_id", "revision", "split", "subset") if key in record},
         "temperature": settings.temperature,
         "top_p": settings.top_p,
         "top_k": settings.top_k,
@@ -399,7 +416,11 @@ def _generate_side(
 
 
 def _write_output(
-    paths: PairsPaths, rows: Sequence[Example], problems: Sequence[RowProblem], data: Path, resumed: dict[str, int]
+    paths: PairsPaths,
+    rows: Sequence[Example],
+    problems: Sequence[RowProblem],
+    source: InputSource,
+    resumed: dict[str, int],
 ) -> PairsOutcome:
     """Rank 0: the pairs in input order, written atomically; then the journal is removed."""
     done = finished_responses(paths, rows)
@@ -416,7 +437,7 @@ def _write_output(
         path=paths.output,
         rows=len(pairs),
         skipped=len(problems),
-        skipped_examples=[p.describe(data) for p in problems[:MAX_SKIPPED_EXAMPLES]],
+        skipped_examples=[source.describe(p) for p in problems[:MAX_SKIPPED_EXAMPLES]],
         resumed=dict(resumed),
         prompts_truncated={s: sum(bool(r.get("prompt_truncated")) for r in done[s].values()) for s in SIDES},
         unfinished={s: sum(not r.get("finished", True) for r in done[s].values()) for s in SIDES},

@@ -9,8 +9,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mta.data.sources import HubDataset
 from mta.errors import MtaError
-from mta_cli.options import OnError, TemplateChoice, parse_shard
+from mta_cli.options import (
+    REVISION_OPTION,
+    SPLIT_OPTION,
+    SUBSET_OPTION,
+    OnError,
+    TemplateChoice,
+    parse_fields,
+    parse_shard,
+)
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
@@ -19,8 +28,11 @@ DEFAULT_RECIPE = "gpt2"
 DEFAULT_OUT_PARENT = Path("annotations")
 
 
-def default_out_dir(data: Path) -> Path:
-    """Where ``mta annotate DATA`` writes without ``-o``: ``annotations/<DATA's stem>``."""
+def default_out_dir(data: Path | HubDataset) -> Path:
+    """Where ``mta annotate DATA`` writes without ``-o``: ``annotations/<DATA's stem>``, or for a
+    Hub dataset ``annotations/<name>-<split>``."""
+    if isinstance(data, HubDataset):
+        return DEFAULT_OUT_PARENT / f"{data.repo_id.rpartition('/')[2]}-{data.split}"
     return DEFAULT_OUT_PARENT / data.stem
 
 
@@ -34,26 +46,18 @@ class SpanRuleChoice(str, Enum):  # mta.data.token_ranges.SPAN_RULES
     reference = "reference"
 
 
-def _parse_fields(texts: list[str] | None) -> dict[str, str] | None:
-    """``--field KEY=COLUMN`` options as ``{KEY: COLUMN}`` (None when none is given)."""
-    if not texts:
-        return None
-    fields = {}
-    for text in texts:
-        key, sep, column = text.partition("=")
-        if not sep or not key.strip() or not column.strip():
-            raise MtaError(f"--field '{text}' must look like KEY=COLUMN, e.g. --field prompt=question")
-        fields[key.strip()] = column.strip()
-    return fields
-
-
 def annotate(
-    data: Path | None = typer.Argument(
+    data: str | None = typer.Argument(
         None,
         help="JSONL rows: MiniLLM (instruction/input/output), Dolly, prompt/response, "
         "TRL prompt/completion, or conversations (messages); or the same rows as a Parquet or "
-        "CSV file or a datasets save_to_disk directory.",
+        "CSV file, a datasets save_to_disk directory, or a Hugging Face Hub dataset id (owner/name; "
+        "a local path of that spelling wins).",
+        show_default=False,
     ),
+    split: str | None = SPLIT_OPTION,
+    subset: str | None = SUBSET_OPTION,
+    revision: str | None = REVISION_OPTION,
     out_dir: Path | None = typer.Option(
         None, "-o", "--out", help="Output directory [default: annotations/<DATA's stem>, e.g. annotations/train]."
     ),
@@ -128,6 +132,9 @@ def annotate(
 
     Example: mta annotate rows.jsonl --teacher Qwen/Qwen1.5-1.8B --student gpt2 -o runs/ann/train
     (or --recipe gpt2 in place of --teacher and --student: the recipe's tokenizers and lengths).
+    A Hub dataset: mta annotate trl-lib/Capybara --split train --recipe qwen (its files come
+    through the Hugging Face cache; HF_DATASETS_OFFLINE=1 reads the cache only; the manifest
+    records the id, the commit and the split).
 
     Defaults: `mta annotate rows.jsonl` alone takes the tokenizers and lengths of the shipped
     recipe gpt2 (GPT-2 1.5B and GPT-2: the Hub or its cache) and writes annotations/rows; the
@@ -146,10 +153,15 @@ def annotate(
         results.print(f"merged {manifest['num_shards']} shards into {manifest_path(merge)}")
         return
     if data is None:
-        raise MtaError("give DATA (a JSONL, Parquet or CSV file, or a datasets directory), or --merge DIR")
+        raise MtaError(
+            "give DATA (a JSONL, Parquet or CSV file, a datasets directory, or a Hub dataset id), or --merge DIR"
+        )
+    from mta.data.sources import input_reference
+
+    source = input_reference(data, split=split, subset=subset, revision=revision)
     defaults = []
     if out_dir is None:
-        out_dir = default_out_dir(data)
+        out_dir = default_out_dir(source)
         defaults.append(f"-o {out_dir}")
     if recipe is None and teacher is None and student is None:
         recipe = DEFAULT_RECIPE
@@ -165,7 +177,7 @@ def annotate(
         on_error=on_error.value,
         workers=workers,
         template=template.value if template else None,
-        fields=_parse_fields(field),
+        fields=parse_fields(field),
     )
     if recipe is not None:
         from mta.training.config.catalog import find_recipe
@@ -196,7 +208,7 @@ def annotate(
 
     with make_reporter(console) as reporter:
         outcome = run_annotate(
-            data,
+            source,
             out_dir,
             settings,
             force=force,
@@ -216,7 +228,7 @@ def annotate(
     results.print(f"wrote {manifest_path(out_dir)}")
 
 
-def _announce(console: Console, data: Path, defaults: list[str]) -> None:
+def _announce(console: Console, data: str, defaults: list[str]) -> None:
     """The log's first line: every default this run takes (none: no line)."""
     if defaults:
         console.print(f"annotate {data}: defaults {', '.join(defaults)}", highlight=False, soft_wrap=True)

@@ -12,7 +12,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.options import TemplateChoice, deprecated_alias
+from mta_cli.options import REVISION_OPTION, SUBSET_OPTION, TemplateChoice, deprecated_alias, parse_fields
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 from mta_cli.results import comparison_table
@@ -48,8 +48,15 @@ def evaluate(
         None,
         "--benchmarks",
         help="Comma-separated sets [default: dolly,self-inst,vicuna,sinst,uinst; missing ones skipped]; "
-        "also another split of one as <set>-<split> (dolly-dev: DIR/dolly/dev.jsonl) and JSONL files, "
-        "each named by its file stem (dolly,path/to/mine.jsonl).",
+        "also another split of one as <set>-<split> (dolly-dev: DIR/dolly/dev.jsonl), JSONL files, "
+        "each named by its file stem (dolly,path/to/mine.jsonl), and Hub dataset ids, each named by its "
+        "name (acme/qa: qa; --split, --subset, --revision, --field).",
+    ),
+    split: str = typer.Option("test", "--split", help="The split of a Hub dataset id in --benchmarks."),
+    subset: str | None = SUBSET_OPTION,
+    revision: str | None = REVISION_OPTION,
+    field: list[str] | None = typer.Option(
+        None, "--field", help="A Hub set's column COLUMN read as row key KEY (KEY=COLUMN, repeatable)."
     ),
     seeds: str = typer.Option("10,20,30,40,50", "--seeds", help="Comma-separated sampling seeds."),
     max_prompt_length: int = typer.Option(256, help="Prompt tokens kept (a longer prompt keeps its first ones)."),
@@ -183,6 +190,10 @@ def evaluate(
             perplexity=perplexity,
             perplexity_limit=perplexity_limit,
             template=template.value,
+            split=split,
+            subset=subset,
+            revision=revision,
+            fields=parse_fields(field) or {},
         )
     except ValueError as error:  # pydantic's ValidationError names the option and the bound
         raise MtaError(f"invalid option: {error}") from error

@@ -9,7 +9,14 @@ import typer
 from rich.console import Console
 
 from mta.errors import MtaError
-from mta_cli.options import OnError, deprecated_alias
+from mta_cli.options import (
+    REVISION_OPTION,
+    SPLIT_OPTION,
+    SUBSET_OPTION,
+    OnError,
+    deprecated_alias,
+    parse_fields,
+)
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
@@ -21,12 +28,19 @@ MAX_NEW_TOKENS, MAX_PROMPT_LENGTH, BATCH_SIZE, SEED = 256, 256, 16, 42
 def generate(
     teacher: str = typer.Option(..., "--teacher", help="Teacher model directory (with its tokenizer) or hub name."),
     student: str = typer.Option(..., "--student", help="Student model directory (with its tokenizer) or hub name."),
-    data: Path | None = typer.Argument(
+    data: str | None = typer.Argument(
         None,
-        help="JSONL prompts: MiniLLM (instruction/input/output), Dolly or prompt/response rows.",
+        help="Prompts: MiniLLM (instruction/input/output), Dolly or prompt/response rows, as a JSONL, "
+        "Parquet or CSV file, a datasets save_to_disk directory or a Hub dataset id (owner/name).",
         show_default=False,
     ),
-    data_old: Path | None = typer.Option(None, "--data", hidden=True),  # deprecated: DATA, as in annotate
+    data_old: str | None = typer.Option(None, "--data", hidden=True),  # deprecated: DATA, as in annotate
+    split: str | None = SPLIT_OPTION,
+    subset: str | None = SUBSET_OPTION,
+    revision: str | None = REVISION_OPTION,
+    field: list[str] | None = typer.Option(
+        None, "--field", help="Read input column COLUMN as format key KEY (KEY=COLUMN, repeatable)."
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Output JSONL: id, prompt, chosen, rejected per row."),
     temperature: float = typer.Option(TEMPERATURE, help="Sampling temperature (0: greedy)."),
     top_p: float = typer.Option(TOP_P, help="Nucleus sampling: smallest set of tokens reaching this mass (1.0: off)."),
@@ -69,9 +83,11 @@ def generate(
     quiet_third_party(verbose)  # our bars only: no weight-loading bar
     data = deprecated_alias(data, data_old, old="--data", new="DATA (the first argument)")
     if data is None:
-        raise MtaError("give DATA, the JSONL prompts")
+        raise MtaError("give DATA, the prompts (a JSONL file or a Hub dataset id)")
+    from mta.data.sources import input_reference
     from mta.pairs import PairSettings, generate_pairs
 
+    source = input_reference(data, split=split, subset=subset, revision=revision)
     settings = PairSettings(
         temperature=temperature,
         top_p=top_p,
@@ -85,10 +101,11 @@ def generate(
         device=device,
         on_error=on_error.value,
         overwrite=overwrite,
+        fields=parse_fields(field) or {},
     )
     console = Console(stderr=True)
     with make_reporter(console) as reporter:
-        outcome = generate_pairs(teacher, student, data, out, settings, reporter)
+        outcome = generate_pairs(teacher, student, source, out, settings, reporter)
     if int(os.environ.get("RANK", 0)) != 0:
         return
     for side in ("teacher", "student"):

@@ -30,7 +30,7 @@ from mta.data.encoding import TokenizerSide
 from mta.data.example_annotator import ChunkResult, ExampleAnnotator, annotate_in_worker, init_annotator_worker
 from mta.data.prompts import PromptStyle, Template, check_template, prompt_style
 from mta.data.rows import Example, InputSummary, RowProblem, field_problems
-from mta.data.sources import InputSource, input_identity, open_source
+from mta.data.sources import HubDataset, InputSource, input_identity, open_source
 from mta.data.span_extraction import SpanExtractor, WordSpans, check_span_rule, load_spacy, resolve_spacy_model
 from mta.data.token_ranges import SpanRule
 from mta.errors import MtaError
@@ -156,7 +156,7 @@ class AnnotateOutcome:
 
 
 def annotate_file(
-    input_path: str | Path,
+    input_path: str | Path | HubDataset | Any,
     out_dir: str | Path,
     settings: AnnotateSettings,
     *,
@@ -168,7 +168,7 @@ def annotate_file(
 
 
 def run_annotate(
-    input_path: str | Path,
+    input_path: str | Path | HubDataset | Any,
     out_dir: str | Path,
     settings: AnnotateSettings,
     *,
@@ -178,8 +178,9 @@ def run_annotate(
     num_shards: int = 1,
 ) -> AnnotateOutcome:
     """Annotate shard ``shard`` of ``num_shards`` (every ``num_shards``-th row) of an input
-    (a JSONL, Parquet or CSV file, or a save_to_disk directory: :func:`mta.data.sources.open_source`)."""
-    input_path, out_dir = Path(input_path), Path(out_dir)
+    (a JSONL, Parquet or CSV file, a save_to_disk directory, a :class:`~mta.data.sources.HubDataset`
+    or an in-memory ``datasets.Dataset``: :func:`mta.data.sources.open_source`)."""
+    out_dir = Path(out_dir)
     source = open_source(input_path, dict(settings.fields))
     if not 0 <= shard < num_shards:
         raise MtaError(f"--shard {shard}/{num_shards}: the index must be in 0..{num_shards - 1}")
@@ -339,7 +340,7 @@ def _annotate_shard(
     done = 0
     build = functools.partial(build_annotator, settings, teacher, student, spacy_name)
     part = staged_part(out_dir, shard, num_shards, secrets.token_hex(4))  # published at the merge
-    reporter.start(f"annotate {source.path.name}", total)
+    reporter.start(f"annotate {source.label}", total)
     results = closing(map_chunks(build, example_chunks(examples(), CHUNK_ROWS), workers))
     # closing(): on any error the workers stop at once, before the error is reported.
     try:

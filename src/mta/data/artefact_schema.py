@@ -381,10 +381,16 @@ def annotate_command(
     on_error: Any = None,
     fields: Any = None,
     span_rule: Any = None,
+    hub: Any = None,
 ) -> str:
     """The shell-quoted ``mta annotate`` command line for these settings (None: the default).
-    ``fields``: ``{format key: input column}``, one ``--field KEY=COLUMN`` each."""
+    ``fields``: ``{format key: input column}``, one ``--field KEY=COLUMN`` each. ``hub``: a
+    manifest's record of a Hub dataset input (``split``, ``subset``, ``revision``: the commit)."""
     command = ["mta", "annotate", str(input_path), "--teacher", str(teacher), "--student", str(student)]
+    if isinstance(hub, dict):
+        for option in ("split", "subset", "revision"):
+            if hub.get(option):
+                command += [f"--{option}", str(hub[option])]
     if isinstance(fields, dict):
         for key, column in sorted(fields.items()):
             command += ["--field", f"{key}={column}"]

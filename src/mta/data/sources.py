@@ -6,7 +6,13 @@
   keeps an Arrow copy in the datasets cache, ``HF_DATASETS_CACHE``). CSV cells are read as text,
   as written: an empty cell is an empty string, ``NA`` is the two letters;
 - a directory ``Dataset.save_to_disk`` wrote (one dataset: for a ``DatasetDict``, give one
-  split's subdirectory): ``datasets.load_from_disk``.
+  split's subdirectory): ``datasets.load_from_disk``;
+- a Hugging Face Hub dataset id, ``owner/name`` (:class:`HubDataset`: with a split, default
+  ``train``, a subset (``datasets``' config name) and a revision): its files at one commit come
+  through the Hugging Face cache (:func:`mta.models.hub.dataset_snapshot`: ``HF_DATASETS_OFFLINE``
+  honoured, an unreachable Hub answered within seconds) and are read with ``datasets.load_dataset``
+  on that snapshot. An existing local path always wins over an id of the same spelling;
+- an in-memory ``datasets.Dataset`` (the Python API).
 
 A ``datasets`` row is turned into the JSON object a JSONL line would hold and parsed by the same
 code (:func:`mta.data.rows.record_rows`), so the same content annotates to the same rows in any
@@ -21,7 +27,10 @@ onto the keys the row formats read (:data:`mta.data.rows.FIELD_NAMES`), for ever
 What the manifest records of the input (:meth:`InputSource.record`): its path, ``sha256`` and
 ``rows``, its ``format``, and the ``fields`` when there are any. A file's sha256 is its bytes'; a
 ``save_to_disk`` directory's is the sha256 of its checksum list (every file in it, by relative
-path: :func:`mta.hashing.directory_checksums`).
+path: :func:`mta.hashing.directory_checksums`). A Hub dataset also records ``hub_id``,
+``revision`` (the commit, never a branch name), ``split`` and ``subset``; its sha256 is that of
+those four (a commit names its files' bytes). An in-memory table's is its rows'
+(:func:`mta.hashing.records_sha256`).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import csv
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -52,12 +62,15 @@ from mta.data.rows import (
     summarize_input,
 )
 from mta.errors import MtaError
-from mta.hashing import directory_checksums, file_sha256, json_sha256
+from mta.hashing import directory_checksums, file_sha256, json_sha256, records_sha256
 
 JSONL = "jsonl"
 PARQUET = "parquet"
 CSV = "csv"
 DATASET = "dataset"  # a save_to_disk directory
+HUB = "hub"  # a Hugging Face Hub dataset id
+IN_MEMORY = "in-memory"  # a datasets.Dataset handed to the Python API
+DEFAULT_SPLIT = "train"
 SUFFIXES = {".parquet": PARQUET, ".csv": CSV}  # any other file is JSONL
 BATCH_ROWS = 1024  # rows converted from Arrow at a time
 
@@ -71,6 +84,16 @@ class InputSource:
     def __init__(self, path: Path, fields: Mapping[str, str]):
         self.path = path
         self.fields = dict(fields)
+
+    @property
+    def name(self) -> str:
+        """How messages name the input."""
+        return str(self.path)
+
+    @property
+    def label(self) -> str:
+        """How a progress bar names it: the file's name."""
+        return self.path.name
 
     def summary(self) -> InputSummary:
         raise NotImplementedError
@@ -151,48 +174,54 @@ class DatasetsSource(InputSource):
         super().__init__(path, fields)
         self.format = format
 
+    def load(self, datasets: Any) -> Any:
+        """The table as ``datasets`` reads it (``datasets.Dataset``, or a ``DatasetDict``)."""
+        if self.format == DATASET:
+            return datasets.load_from_disk(str(self.path))
+        if self.format == CSV:
+            # Every column as text, as written: numbers stay strings, empty cells "".
+            features = datasets.Features({name: datasets.Value("string") for name in _csv_header(self.path)})
+            return datasets.load_dataset(
+                "csv",
+                data_files=str(self.path),
+                split="train",
+                features=features,
+                na_filter=False,
+                keep_default_na=False,
+            )
+        return datasets.load_dataset("parquet", data_files=str(self.path), split="train")
+
     @cached_property
     def dataset(self) -> Any:
         """The table (``datasets.Dataset``, no output format), its mapped columns checked."""
         try:
             import datasets
         except ImportError as error:  # a dependency of mta; absent only in a broken install
-            raise MtaError(f"reading {self.path} needs the `datasets` package: pip install datasets") from error
+            raise MtaError(f"reading {self.name} needs the `datasets` package: pip install datasets") from error
         try:
             with _quiet(datasets):
-                if self.format == DATASET:
-                    table = datasets.load_from_disk(str(self.path))
-                elif self.format == CSV:
-                    # Every column as text, as written: numbers stay strings, empty cells "".
-                    features = datasets.Features({name: datasets.Value("string") for name in _csv_header(self.path)})
-                    table = datasets.load_dataset(
-                        "csv",
-                        data_files=str(self.path),
-                        split="train",
-                        features=features,
-                        na_filter=False,
-                        keep_default_na=False,
-                    )
-                else:
-                    table = datasets.load_dataset("parquet", data_files=str(self.path), split="train")
+                table = self.load(datasets)
         except MtaError:
             raise
         except Exception as error:  # datasets and Arrow raise many kinds; all mean "not readable"
-            raise MtaError(
-                f"cannot read {self.path} as {_KIND[self.format]} ({type(error).__name__}: {error}); "
-                "check the file, or convert it to JSONL"
-            ) from error
+            raise MtaError(self.unreadable(error)) from error
         if isinstance(table, datasets.DatasetDict):  # load_from_disk of a DatasetDict: refused earlier
             raise MtaError(_dataset_dict_message(self.path, list(table)))
         table = table.with_format(None)
         missing = {key: column for key, column in self.fields.items() if column not in table.column_names}
         if missing:
             raise MtaError(
-                f"{self.path} has no column {', '.join(repr(c) for c in missing.values())} (read as "
+                f"{self.name} has no column {', '.join(repr(c) for c in missing.values())} (read as "
                 f"{_mapping(missing)}); its columns are: {', '.join(table.column_names) or 'none'}. "
                 "Name existing columns in data.fields / --field KEY=COLUMN"
             )
         return table
+
+    def unreadable(self, error: Exception) -> str:
+        return (
+            f"cannot read {self.path} as {_KIND[self.format]} ({type(error).__name__}: {error}); "
+            "check the file, or convert it to JSONL"
+        )
 
     def summary(self) -> InputSummary:
         if self.format == DATASET:
@@ -223,22 +252,140 @@ class DatasetsSource(InputSource):
             yield index, index, record
 
     def describe(self, problem: RowProblem) -> str:
-        text = f"{self.path}: row {problem.line}: {problem.message}"  # ``line`` holds the index
+        text = f"{self.name}: row {problem.line}: {problem.message}"  # ``line`` holds the index
         if self.fields:
             text += f" (columns read as: {_mapping(self.fields)})"
         return text
 
 
+@dataclass(frozen=True)
+class HubDataset:
+    """A Hugging Face Hub dataset as an input: ``repo_id`` (``owner/name``), one ``split``, a
+    ``subset`` (``datasets``' config name; None: the default) and a ``revision`` (a branch, tag
+    or commit; None: the default branch). ``mta annotate ID --split S --subset C --revision R``."""
+
+    repo_id: str
+    split: str = DEFAULT_SPLIT
+    subset: str | None = None
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        subset = f", subset {self.subset}" if self.subset else ""
+        return f"{self.repo_id} (split {self.split}{subset})"
+
+
+class HubSource(DatasetsSource):
+    """One split of a Hub dataset at one commit, read with ``datasets`` from its cached snapshot."""
+
+    def __init__(self, reference: HubDataset, fields: Mapping[str, str]):
+        from mta.models.hub import dataset_snapshot
+
+        snapshot, commit = dataset_snapshot(reference.repo_id, reference.revision)
+        super().__init__(snapshot, HUB, fields)
+        self.reference, self.commit = reference, commit
+
+    @property
+    def name(self) -> str:
+        return str(self.reference)
+
+    @property
+    def label(self) -> str:
+        return f"{self.reference.repo_id}:{self.reference.split}"
+
+    def load(self, datasets: Any) -> Any:
+        return datasets.load_dataset(str(self.path), name=self.reference.subset, split=self.reference.split)
+
+    def unreadable(self, error: Exception) -> str:
+        return (
+            f"cannot read {self.name} at commit {self.commit[:12]} ({type(error).__name__}: {error}); "
+            "check the split (--split, data.train_split / data.dev_split) and subset (--subset, data.subset)"
+        )
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "hub_id": self.reference.repo_id,
+            "revision": self.commit,
+            "split": self.reference.split,
+            "subset": self.reference.subset,
+        }
+
+    def summary(self) -> InputSummary:
+        return InputSummary(sha256=json_sha256(self.identity()), rows=len(self.dataset))
+
+    def record(self, summary: InputSummary) -> dict[str, Any]:
+        """The id, the commit, the split and subset in place of a path."""
+        record = super().record(summary)
+        record["path"] = self.reference.repo_id
+        return {**record, **self.identity()}
+
+
+class InMemorySource(DatasetsSource):
+    """A ``datasets.Dataset`` the caller holds (the Python API): nothing on disk names it."""
+
+    def __init__(self, table: Any, fields: Mapping[str, str]):
+        super().__init__(Path("<datasets.Dataset>"), IN_MEMORY, fields)
+        self.table = table
+
+    @property
+    def name(self) -> str:
+        return "the in-memory datasets.Dataset"
+
+    @property
+    def label(self) -> str:
+        return "datasets.Dataset"
+
+    def load(self, datasets: Any) -> Any:
+        return self.table
+
+    def summary(self) -> InputSummary:
+        table = self.dataset
+        batches = (table[start : start + BATCH_ROWS] for start in range(0, len(table), BATCH_ROWS))
+        return InputSummary(sha256=records_sha256(batches), rows=len(table))
+
+    def record(self, summary: InputSummary) -> dict[str, Any]:
+        record = super().record(summary)
+        record["path"] = self.name
+        return record
+
+
 _KIND = {PARQUET: "Parquet", CSV: "CSV", DATASET: "a datasets save_to_disk directory"}
 
 
-def open_source(path: str | Path, fields: Mapping[str, str] | None = None) -> InputSource:
-    """The input at ``path``, by what it is (see the module docstring); ``MtaError`` naming
-    what to give when it is none of them, or when ``fields`` maps onto an unknown key."""
-    path, fields = Path(path), dict(fields or {})
+def input_reference(
+    text: str | Path, *, split: str | None = None, subset: str | None = None, revision: str | None = None
+) -> Path | HubDataset:
+    """What a command line or recipe names: a local path when one exists (or when ``text`` is no
+    Hub dataset id), else the Hub dataset ``text`` with ``split`` (default ``train``), ``subset``
+    and ``revision``. Those three apply to Hub ids only: given with a local path, an ``MtaError``."""
+    from mta.models.hub import is_dataset_id
+
+    if is_dataset_id(text):
+        return HubDataset(str(text), split or DEFAULT_SPLIT, subset, revision)
+    options = (("split", split), ("subset", subset), ("revision", revision))
+    given = [f"{name} {value}" for name, value in options if value]
+    if given:
+        raise MtaError(
+            f"{text} is a local path; {', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to a Hugging Face "
+            "Hub dataset id (owner/name) only: drop it, or give the file of that split"
+        )
+    return Path(text)
+
+
+def open_source(path: str | Path | HubDataset | Any, fields: Mapping[str, str] | None = None) -> InputSource:
+    """The input at ``path``, by what it is (see the module docstring): a path, a
+    :class:`HubDataset`, or an in-memory ``datasets.Dataset``; ``MtaError`` naming what to give
+    when it is none of them, or when ``fields`` maps onto an unknown key."""
+    fields = dict(fields or {})
     problems = field_problems(fields)
     if problems:
         raise MtaError(f"field mapping {_mapping(fields)}: " + "; ".join(problems))
+    if isinstance(path, HubDataset):
+        return HubSource(path, fields)
+    if not isinstance(path, (str, Path)):
+        if _is_dataset_object(path):
+            return InMemorySource(path, fields)
+        raise MtaError(f"an input must be a path, a HubDataset or a datasets.Dataset, not {type(path).__name__}")
+    path = Path(path)
     if path.is_dir():
         from mta.store.layout import holds_artefact
 
@@ -251,6 +398,15 @@ def open_source(path: str | Path, fields: Mapping[str, str] | None = None) -> In
     if format is not None:
         return DatasetsSource(path, format, fields)
     return JsonlSource(path, fields)
+
+
+def _is_dataset_object(value: Any) -> bool:
+    """Whether ``value`` is a ``datasets.Dataset`` (a ``DatasetDict`` is refused: give one split)."""
+    import datasets
+
+    if isinstance(value, datasets.DatasetDict):
+        raise MtaError(f"a datasets.DatasetDict with splits {', '.join(value)}: give one split, e.g. dataset['train']")
+    return isinstance(value, datasets.Dataset)
 
 
 def is_dataset_directory(path: str | Path) -> bool:

@@ -5,7 +5,10 @@ UnNI may also sit in their ``11_`` bucket (``DIR/sinst/11_/valid.jsonl``), which
 exist because it is the file the published scripts read. Beside the built-in sets a user may
 name another split of one, ``<set>-<split>`` (``dolly-dev`` is ``DIR/dolly/dev.jsonl``, the
 development split the paper recipes select checkpoints on), or any JSONL file of such rows, named
-by its file stem (``--benchmarks dolly,path/to/mine.jsonl`` evaluates ``dolly`` and ``mine``).
+by its file stem (``--benchmarks dolly,path/to/mine.jsonl`` evaluates ``dolly`` and ``mine``), or a
+Hugging Face Hub dataset id, named by its name (``--benchmarks acme/qa`` evaluates ``qa``: one split,
+``test`` unless ``EvalSettings.split`` says otherwise, its columns mapped by ``EvalSettings.fields``,
+read through :mod:`mta.data.sources`; an existing local path of that spelling wins).
 Every row becomes an ``EvalRow`` whose ``index`` (its position in the file) keys the sampling
 noise and the resume journal.
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mta.data.prompts import ALPACA, PromptProblem, PromptStyle, conversation, split_conversation
+from mta.data.sources import HubDataset
 from mta.errors import MtaError
 
 log = logging.getLogger(__name__)
@@ -69,9 +73,10 @@ class EvalRow:
 @dataclass(frozen=True)
 class EvalSet:
     benchmark: Benchmark
-    path: Path
+    path: Path  # a Hub set: its id
     rows: list[EvalRow]
     rows_in_file: int
+    origin: dict | None = None  # a Hub set: hub_id, revision (the commit), split, subset
 
     @property
     def name(self) -> str:
@@ -99,6 +104,13 @@ def is_file_spec(spec: str) -> bool:
     return spec.endswith(".jsonl") or "/" in spec or os.sep in spec or (spec not in BENCHMARKS and Path(spec).is_file())
 
 
+def is_hub_spec(spec: str) -> bool:
+    """Whether a ``--benchmarks`` item names a Hub dataset (``owner/name``, nothing local)."""
+    from mta.models.hub import is_dataset_id
+
+    return is_dataset_id(spec)
+
+
 def split_benchmark(spec: str) -> tuple[Benchmark, str] | None:
     """``<set>-<split>`` (``dolly-dev``: ``DIR/dolly/dev.jsonl``) as (the set, the split), or None."""
     name, _, split = spec.rpartition("-")
@@ -107,13 +119,22 @@ def split_benchmark(spec: str) -> tuple[Benchmark, str] | None:
     return None
 
 
-def _requested_set(data_dir: Path, spec: str) -> tuple[Benchmark, list[Path]]:
+def _requested_set(data_dir: Path, spec: str, hub: HubOptions) -> tuple[Benchmark, list[Path | HubDataset]]:
     """A ``--benchmarks`` item as its set and the files looked for, in order of preference.
 
     A built-in name (its test file); ``<set>-<split>``, another split of a built-in set (named so:
-    ``dolly-dev``; never in avg4); or a JSONL file, named by its stem (out of distribution)."""
+    ``dolly-dev``; never in avg4); a JSONL file, named by its stem (out of distribution); or a Hub
+    dataset id, named by its name."""
     if spec in BENCHMARKS:
         return BENCHMARKS[spec], candidate_paths(data_dir, BENCHMARKS[spec])
+    if is_hub_spec(spec):
+        name = spec.rpartition("/")[2]
+        if name in BENCHMARKS:
+            raise MtaError(
+                f"--benchmarks {spec}: a Hub set is named by its name, and '{name}' is the built-in set of "
+                "that name; evaluate the built-in set, or save the split as a JSONL file of another name"
+            )
+        return Benchmark(name, name), [HubDataset(spec, hub.split, hub.subset, hub.revision)]
     if is_file_spec(spec):
         path = Path(spec)
         if path.stem in BENCHMARKS:
@@ -139,7 +160,18 @@ def _requested_set(data_dir: Path, spec: str) -> tuple[Benchmark, list[Path]]:
     )
 
 
-def resolve_benchmarks(data_dir: Path, requested: Sequence[str] | None) -> list[tuple[Benchmark, Path]]:
+@dataclass(frozen=True)
+class HubOptions:
+    """How a Hub dataset id in ``--benchmarks`` is read: its split, subset and revision."""
+
+    split: str = "test"
+    subset: str | None = None
+    revision: str | None = None
+
+
+def resolve_benchmarks(
+    data_dir: Path, requested: Sequence[str] | None, hub: HubOptions | None = None
+) -> list[tuple[Benchmark, Path | HubDataset]]:
     """The (set, file) pairs to evaluate.
 
     ``requested=None`` means the default sets: a missing one is logged with the paths looked for
@@ -147,7 +179,8 @@ def resolve_benchmarks(data_dir: Path, requested: Sequence[str] | None) -> list[
     names, ``requested`` may hold ``<set>-<split>`` (``dolly-dev``) and JSONL paths (``_requested_set``).
     """
     names = list(requested) if requested is not None else list(DEFAULT_BENCHMARKS)
-    sets = {spec: _requested_set(data_dir, spec) for spec in dict.fromkeys(names)}
+    hub = hub or HubOptions()
+    sets = {spec: _requested_set(data_dir, spec, hub) for spec in dict.fromkeys(names)}
     by_name: dict[str, list[str]] = {}
     for spec, (benchmark, _) in sets.items():
         by_name.setdefault(benchmark.name, []).append(spec)
@@ -158,9 +191,9 @@ def resolve_benchmarks(data_dir: Path, requested: Sequence[str] | None) -> list[
             + "; ".join(f"{' and '.join(specs)} are both '{name}'" for name, specs in clashes.items())
             + ". Rename one of the files"
         )
-    found: list[tuple[Benchmark, Path]] = []
+    found: list[tuple[Benchmark, Path | HubDataset]] = []
     for spec, (benchmark, candidates) in sets.items():
-        path = next((p for p in candidates if p.is_file()), None)
+        path = next((p for p in candidates if isinstance(p, HubDataset) or p.is_file()), None)
         if path is not None:
             found.append((benchmark, path))
             continue
@@ -215,6 +248,12 @@ def _parse_row(path: Path, line_number: int, text: str, index: int, style: Promp
         raise MtaError(f"{where}: unreadable JSON ({problem}); fix or delete the line") from error
     if not isinstance(row, dict):
         raise MtaError(f"{where}: expected a JSON object with 'prompt'/'instruction' and 'output'")
+    return _parse_record(where, row, index, line_number, style)
+
+
+def _parse_record(where: str, row: dict, index: int, line_number: int, style: PromptStyle) -> EvalRow:
+    """One set row (a decoded JSON object, or a table's row) as an ``EvalRow``; ``where`` names
+    it in an error (``FILE:LINE`` or ``SET: row I``)."""
     try:
         if "messages" in row:
             turns, reference = split_conversation(conversation(row["messages"], "messages"), "messages")
@@ -260,6 +299,44 @@ def load_rows(
     return rows[:keep], len(rows)
 
 
-def load_eval_set(benchmark: Benchmark, path: Path, limit: int | None = None, style: PromptStyle = ALPACA) -> EvalSet:
+def load_hub_rows(
+    reference: HubDataset,
+    fields: dict[str, str] | None = None,
+    *,
+    cap: int | None = None,
+    limit: int | None = None,
+    style: PromptStyle = ALPACA,
+) -> tuple[list[EvalRow], int, dict]:
+    """Rows of one split of a Hub dataset, as :func:`load_rows` reads a file's (every row
+    validated), the number it holds, and its origin (id, commit, split, subset)."""
+    from mta.data.rows import RowProblem
+    from mta.data.sources import HubSource, open_source
+
+    source = open_source(reference, fields)
+    assert isinstance(source, HubSource)
+    rows: list[EvalRow] = []
+    for index, _, record in source.records():
+        where = f"{source.name}: row {index}"
+        if isinstance(record, RowProblem):
+            raise MtaError(f"{where}: {record.message}")
+        if not isinstance(record, dict):
+            raise MtaError(f"{where}: expected a row with 'prompt'/'instruction' and 'output' columns")
+        rows.append(_parse_record(where, record, len(rows), index, style))
+    if not rows:
+        raise MtaError(f"{source.name} holds no rows; check --split")
+    keep = min(n for n in (cap, limit, len(rows)) if n is not None)
+    return rows[:keep], len(rows), source.identity()
+
+
+def load_eval_set(
+    benchmark: Benchmark,
+    path: Path | HubDataset,
+    limit: int | None = None,
+    style: PromptStyle = ALPACA,
+    fields: dict[str, str] | None = None,
+) -> EvalSet:
+    if isinstance(path, HubDataset):
+        rows, in_file, origin = load_hub_rows(path, fields, cap=benchmark.cap, limit=limit, style=style)
+        return EvalSet(benchmark=benchmark, path=Path(path.repo_id), rows=rows, rows_in_file=in_file, origin=origin)
     rows, in_file = load_rows(path, cap=benchmark.cap, limit=limit, style=style)
     return EvalSet(benchmark=benchmark, path=path, rows=rows, rows_in_file=in_file)

@@ -161,6 +161,7 @@ def set_description(eval_set: EvalSet) -> dict:
         "title": eval_set.benchmark.title,
         "in_distribution": eval_set.benchmark.in_distribution,
         "path": str(eval_set.path),
+        **(eval_set.origin or {}),  # a Hub set: hub_id, revision (the commit), split, subset
         "rows": len(eval_set.rows),
         "rows_in_file": eval_set.rows_in_file,
         "references_without_rouge_tokens": sum(

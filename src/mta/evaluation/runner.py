@@ -26,6 +26,7 @@ from mta.dtypes import dtype_name, resolve_dtype
 from mta.errors import MtaError
 from mta.evaluation.datasets import (
     EvalSet,
+    HubOptions,
     default_data_dir,
     load_eval_set,
     load_rows,
@@ -86,10 +87,14 @@ def evaluate_checkpoints(
         check_checkpoint(checkpoint)
     fingerprint_of = {checkpoint: checkpoint_fingerprint(checkpoint) for checkpoint in distinct}
     fingerprints = [fingerprint_of[checkpoint] for checkpoint in checkpoints]
-    found = resolve_benchmarks(data_dir, settings.benchmarks)
+    hub = HubOptions(settings.split, settings.subset, settings.revision)
+    found = resolve_benchmarks(data_dir, settings.benchmarks, hub)
     # The prompts of each checkpoint: with template chat, rendered with its own chat template.
     styles = [prompt_style(settings.template, checkpoint) for checkpoint in checkpoints]
-    sets_of = {style: [load_eval_set(b, p, settings.limit, style) for b, p in found] for style in dict.fromkeys(styles)}
+    sets_of = {
+        style: [load_eval_set(b, p, settings.limit, style, settings.fields) for b, p in found]
+        for style in dict.fromkeys(styles)
+    }
     perplexity_of = {style: _perplexity_set(data_dir, settings, style) for style in sets_of}
     eval_sets = sets_of[styles[0]]  # the sets' names, rows and references, the same for every style
 

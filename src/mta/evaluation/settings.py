@@ -39,6 +39,12 @@ class EvalSettings(BaseModel):
     template: Template = Field(
         "alpaca", description="how prompts are built (mta.data.prompts); chat: each checkpoint's own chat template"
     )
+    split: str = Field("test", description="the split of a Hub dataset id in benchmarks")
+    subset: str | None = Field(None, description="the subset (config name) of a Hub dataset id in benchmarks")
+    revision: str | None = Field(None, description="the branch, tag or commit of a Hub dataset id in benchmarks")
+    fields: dict[str, str] = Field(
+        default_factory=dict, description="a Hub set's columns read as the row keys, {format key: column}"
+    )
 
     @field_validator("seeds")
     @classmethod

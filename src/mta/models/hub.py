@@ -14,6 +14,11 @@ minute per file. Every loader in mta (tokenizers, the recipe's models, evaluated
   is an ``MtaError`` naming it. Unreachable: a name already in the cache loads from it (with a
   warning); any other is an ``MtaError`` within seconds, naming ``HF_HUB_OFFLINE=1`` and the
   local-directory alternative.
+
+Datasets by Hub id (``owner/name``) follow the same rules through :func:`dataset_snapshot`: the
+repository's files at one commit, in the Hugging Face cache (``HF_HUB_CACHE``), resolved by
+``huggingface_hub.snapshot_download``; offline when ``HF_DATASETS_OFFLINE`` says so (else
+``HF_HUB_OFFLINE``), as ``datasets`` decides.
 """
 
 from __future__ import annotations
@@ -137,6 +142,90 @@ def load_options(name_or_path: str | Path, *, what: str = "model", filename: str
         "download the model where the Hub is reachable and set HF_HUB_OFFLINE=1 to load it from the "
         "Hugging Face cache without asking the Hub."
     )
+
+
+def datasets_offline() -> bool:
+    """Whether ``datasets`` would stay offline: ``HF_DATASETS_OFFLINE`` when it is set, else
+    ``HF_HUB_OFFLINE`` (read now, so a test or a caller may set it after import)."""
+    import os
+
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_DATASETS_OFFLINE")
+    if value is None:
+        return offline_mode()
+    return value.upper() in constants.ENV_VARS_TRUE_VALUES
+
+
+def is_dataset_id(name: str | Path) -> bool:
+    """Shaped like a Hub dataset id, ``owner/name``, and nothing on this machine of that name.
+
+    One slash exactly, a valid repo id, and no data-file suffix (``data/train.jsonl`` is a
+    missing file, not an id)."""
+    text = str(name)
+    return (
+        text.count("/") == 1
+        and not is_local(text)
+        and not text.startswith((".", "~"))
+        and Path(text).suffix.lower() not in {".jsonl", ".json", ".parquet", ".csv", ".txt", ".arrow"}
+        and _valid_name(text)
+    )
+
+
+def dataset_snapshot(repo_id: str, revision: str | None = None) -> tuple[Path, str]:
+    """The local directory of Hub dataset ``repo_id`` at ``revision`` (a branch, tag or commit;
+    None: the default branch) and the commit it is, downloading what the cache lacks.
+
+    Offline (:func:`datasets_offline`), or with the Hub unreachable and the revision cached, the
+    cache alone answers; anything else the Hub cannot give is an ``MtaError`` within seconds
+    saying why and what to do (the offline hint, the spelling, a login)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"dataset '{repo_id}'" + (f" at revision '{revision}'" if revision else "")
+    local_only = datasets_offline()
+    reason = None if local_only else unreachable_reason(endpoint())
+    if reason is not None:
+        local_only = True
+    try:
+        directory = snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=local_only)
+    except GatedRepoError as error:
+        raise MtaError(
+            f"{where} is gated on the Hugging Face Hub: accept its terms on its page and log in "
+            "(`hf auth login`, or set HF_TOKEN)"
+        ) from error
+    except RepositoryNotFoundError as error:
+        raise MtaError(
+            f"{where}: no such file or directory here, and no such dataset on the Hugging Face Hub "
+            f"({endpoint()}); check the spelling (a private dataset needs `hf auth login`)"
+        ) from error
+    except RevisionNotFoundError as error:
+        raise MtaError(f"{where}: the dataset has no such branch, tag or commit") from error
+    except LocalEntryNotFoundError as error:
+        if reason is not None:
+            why = f"the Hugging Face Hub at {endpoint()} cannot be reached ({reason})"
+        else:
+            why = "HF_DATASETS_OFFLINE=1 (or HF_HUB_OFFLINE=1) is set"
+        raise MtaError(
+            f"{where} is not a local path and not in the Hugging Face cache ({_hub_cache()}), and {why}. "
+            f"Download it where the Hub is reachable (`hf download --repo-type dataset {repo_id}`; then "
+            "HF_DATASETS_OFFLINE=1 reads it from the cache), or give a local file"
+        ) from error
+    if reason is not None:
+        _warn_cached(repo_id, reason)
+    directory = Path(directory)
+    return directory, directory.name  # snapshots/<commit>: the name is the commit
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
 
 
 def _chain(error: BaseException):

@@ -128,14 +128,17 @@ def with_model_index(card_text: str, directory: Path, repo_id: str, results_dir:
             f"--results {results_dir} scored {scored}, not {directory}: evaluate it first (`mta evaluate {directory}`)"
         )
     seeds = len(results.get("settings", {}).get("seeds", []) or [])
+    sets = results.get("sets", {})
     card = ModelCard(card_text)
     card.data.model_name = repo_id.split("/", 1)[1]
     card.data.eval_results = [
         EvalResult(
             task_type="text-generation",
             task_name="Instruction following (MiniLLM protocol)",
-            dataset_type=name,
-            dataset_name=results.get("sets", {}).get(name, {}).get("title", name),
+            dataset_type=sets.get(name, {}).get("hub_id", name),  # a Hub set: its id, as the Hub links it
+            dataset_name=sets.get(name, {}).get("title", name),
+            dataset_split=sets.get(name, {}).get("split"),
+            dataset_revision=sets.get(name, {}).get("revision"),
             metric_type="rougeL",
             metric_name=f"ROUGE-L (mean over {seeds} sampling seeds)" if seeds else "ROUGE-L",
             metric_value=round(float(summary["rougeL"]["mean"]), 4),

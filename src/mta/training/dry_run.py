@@ -453,7 +453,16 @@ def data_notes(recipe: Recipe) -> list[str]:
             for name in missing:
                 unset.setdefault(name, []).append(key)
         elif not (path := recipe.resolve(written, key)).exists():
-            notes.append(f"{key}: {path} does not exist yet")
+            from mta.models.hub import is_dataset_id
+
+            if is_dataset_id(written):
+                split = recipe.data.train_split if key == "data.train" else recipe.data.dev_split
+                notes.append(
+                    f"{key}: the Hub dataset {written} (split {split}), read through the Hugging Face cache and "
+                    "annotated at first use"
+                )
+            else:
+                notes.append(f"{key}: {path} does not exist yet")
     for name, keys in unset.items():
         notes.append(f"{' and '.join(keys)} use ${name}, which is not set: export {name}=... before training")
     return notes

@@ -32,6 +32,8 @@ def load_split(
     reporter: Reporter | None = None,
 ) -> Annotations | None:
     """The checked artefact for ``data.<split>`` (None when the recipe has no such split).
+    A Hub dataset id reads ``data.train_split`` / ``data.dev_split``, ``data.subset`` and
+    ``data.revision``.
 
     teacher_tokenizer / student_tokenizer: directories or names the tokenizers load from (for
     SFT both are the student's). fingerprints: ``{"teacher": ..., "student": ...}`` of the
@@ -41,10 +43,16 @@ def load_split(
     if written is None:
         return None
     key = f"data.{split}"
-    source = recipe.resolve(written, key)
-    from mta.data.sources import is_dataset_directory
+    from mta.data.sources import HubDataset, is_dataset_directory
+    from mta.models.hub import is_dataset_id
 
-    if source.is_file() or is_dataset_directory(source):  # rows: JSONL, Parquet, CSV, save_to_disk
+    local = recipe.resolve(written, key)
+    source: Path | HubDataset = local
+    if not local.exists() and is_dataset_id(written):  # a local path of that spelling wins
+        hub_split = recipe.data.train_split if split == "train" else recipe.data.dev_split
+        source = HubDataset(written, hub_split, recipe.data.subset, recipe.data.revision)
+    if isinstance(source, HubDataset) or source.is_file() or is_dataset_directory(source):
+        # rows: JSONL, Parquet, CSV, save_to_disk, a Hub dataset
         from mta.data.annotate import AnnotateSettings, annotate_file
 
         # The tokenizers are the ones the models were loaded with (a `tiny:` model's is built
@@ -58,7 +66,7 @@ def load_split(
     else:
         raise MtaError(
             f"{key}: {source} does not exist: give an annotate output directory, a JSONL, Parquet "
-            "or CSV file, or a datasets save_to_disk directory"
+            "or CSV file, a datasets save_to_disk directory, or a Hugging Face Hub dataset id (owner/name)"
         )
     annotations = read_annotations(directory)
     check_manifest(annotations, recipe, key, teacher_tokenizer, student_tokenizer, fingerprints)
@@ -130,11 +138,12 @@ def _rebuild_hint(
 
     recorded = annotations.manifest.get("input")
     source = recorded.get("path") if isinstance(recorded, dict) else None
+    hub = recorded if isinstance(recorded, dict) and recorded.get("hub_id") else None
     first_use = (
-        f"point {key} at the JSONL file (annotated on first use into "
+        f"point {key} at the rows (annotated on first use into "
         f"{recipe.resolve(recipe.output_dir, 'output_dir') / 'data' / key.rpartition('.')[2]})"
     )
-    if not (isinstance(source, str) and Path(source).exists()):  # a file, or a save_to_disk dir
+    if hub is None and not (isinstance(source, str) and Path(source).exists()):  # a file, a save_to_disk dir
         gone = f" (the input it was built from, {source}, is not there)" if isinstance(source, str) else ""
         return f"Annotate the input again with the recipe's tokenizers{gone}, or {first_use}"
     settings = AnnotateSettings.from_recipe(recipe, teacher=teacher_tokenizer, student=student_tokenizer)
@@ -152,6 +161,7 @@ def _rebuild_hint(
         on_error=annotations.manifest.get("on_error"),
         fields=dict(settings.fields),
         span_rule=settings.span_rule,
+        hub=hub,
     )
     if settings.template != "alpaca":  # annotate_command knows no template; alpaca is the default
         command += f" --template {settings.template}"

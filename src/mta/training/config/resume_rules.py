@@ -71,6 +71,10 @@ MUTABLE_KEYS: dict[str, str] = {
         "tokenizers and lengths when they load, not against the earlier run's rows"
     ),
     "data.dev": "dev loss and samples only",
+    "data.train_split": "as data.train: which rows of a Hub dataset id are read from here on",
+    "data.dev_split": "as data.dev: dev loss and samples only",
+    "data.subset": "as data.train: which rows of a Hub dataset id are read from here on",
+    "data.revision": "as data.train: which commit of a Hub dataset id is read from here on",
     "student.config": "read by --dry-run only",
     "teacher.config": "read by --dry-run only",
     "student.license": "the licence the exported students' model cards name, from the next export on",

@@ -123,12 +123,22 @@ class ModelSpec(Strict):
 class DataSpec(Strict):
     train: str = Field(
         description="annotate output directory, or rows annotated on first use: a JSONL, Parquet "
-        "or CSV file, or a datasets save_to_disk directory"
+        "or CSV file, a datasets save_to_disk directory, or a Hugging Face Hub dataset id "
+        "(owner/name; an existing local path of that spelling wins)"
     )
     dev: str | None = Field(
         None,
         description="the dev rows, as data.train: dev loss, samples and best/ at each evaluation "
         "(train.eval_interval); null: no dev evaluation",
+    )
+    train_split: str = Field("train", description="the split data.train reads when it is a Hub dataset id")
+    dev_split: str = Field("validation", description="the split data.dev reads when it is a Hub dataset id")
+    subset: str | None = Field(
+        None, description="the subset (datasets' config name) of a Hub dataset id; null: its default"
+    )
+    revision: str | None = Field(
+        None,
+        description="the branch, tag or commit of a Hub dataset id (null: main); the annotations record the commit",
     )
     max_length: int = Field(256, ge=8, description="tokens per row (prompt + response, EOS included) on each side")
     max_prompt_length: int = Field(

@@ -64,9 +64,15 @@ def describe_model(spec: ModelSpec | None) -> str:
 
 
 def _datasets(paths: Iterable[str | None]) -> list[str]:
-    found = []
+    """The Hub datasets a card names: a Hub dataset id as it is, or a known set by its file's name."""
+    from mta.models.hub import is_dataset_id
+
+    found: list[str] = []
     for path in paths:
         if not path:
+            continue
+        if is_dataset_id(path):
+            found += [path] if path not in found else []
             continue
         for part in Path(path).parts:
             name = KNOWN_DATASETS.get(Path(part).stem.lower()) or KNOWN_DATASETS.get(part.lower())
