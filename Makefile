@@ -49,7 +49,7 @@ $(EMBED_STAMP): $(STAMP)
 	touch $@
 
 # The quality gate (pyproject.toml [tool.ruff], [tool.mypy]; the same tools in .pre-commit-config.yaml).
-LINTED := src cli tests bench setup.py
+LINTED := src cli tests bench examples setup.py
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
@@ -98,6 +98,7 @@ bench: $(EMBED_STAMP)
 	$(PY) bench/cpu_precision.py
 	$(PY) bench/embed_step.py
 	$(PY) bench/startup.py
+	$(PY) bench/trl_step.py
 
 # Mutation testing (bench/mutation.py): mutmut over src/mta/losses, token_ranges and truncation
 # with their fast tests, in a scratch copy; writes bench/results/mutation.json. Not part of

@@ -190,6 +190,20 @@ def test_mta_loss_on_model_outputs_equals_mtas_distillation_model(models, case, 
     for term, value in expected.items():
         assert got[term].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-7), term
 
+    # alignment(): the DSA and HRA of forward(), weighted into their own total.
+    aligned = loss.alignment(
+        student_out.hidden_states,
+        teacher_out.hidden_states,
+        batch.student.attention_mask,
+        batch.teacher.attention_mask,
+        batch.spans,
+    )
+    assert set(aligned) == {"dsa", "hra", "total"}
+    for term in ("dsa", "hra"):
+        assert aligned[term].item() == pytest.approx(got[term].item(), rel=1e-6), term
+    weights = {"dsa": 2.0, "hra": 0.2}  # MTALoss's defaults
+    assert aligned["total"].item() == pytest.approx(sum(weights[t] * aligned[t].item() for t in weights), rel=1e-6)
+
     got["total"].backward()  # the gradient reaches the student and the projectors
     assert student.get_input_embeddings().weight.grad is not None
     assert all(parameter.grad is not None for parameter in loss.parameters())

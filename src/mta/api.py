@@ -525,7 +525,8 @@ class MTALoss(nn.Module):
             terms = objective.alignment(
                 tuple(student_hidden_states), teacher, student_attention_mask, teacher_attention_mask, spans
             )
-        terms["total"] = functools.reduce(operator.add, (objective.weights[name] * value for name, value in terms.items()))
+        weighted = (objective.weights[name] * value for name, value in terms.items())
+        terms["total"] = functools.reduce(operator.add, weighted)
         return terms
 
     def _teacher(self, outputs: Any, batch: TrainBatch) -> TeacherOutput | None:

@@ -1,0 +1,475 @@
+"""MTA's terms inside TRL's ``DistillationTrainer`` (``pip install 'mta[trl]'``; docs/trl.md).
+
+:class:`MTADistillationTrainer` is TRL's on-policy ``DistillationTrainer`` (its generalised JSD as
+the base loss, its generation, PEFT, accelerate) with DSA + HRA (docs/method.md §3) added on the
+same forwards:
+
+- TRL runs the student and the teacher once per micro batch through ``_get_last_hidden_state``;
+  this trainer asks those same backbone calls for every layer's hidden states
+  (``output_hidden_states``), so no model runs twice.
+- The spans of the on-policy completions are parsed by mta's span parser
+  (:class:`mta.SpanParser`, worker processes, the code ``mta distill`` and ``mta annotate`` run):
+  every micro batch of a generation batch is submitted as soon as TRL has generated it, and its
+  result is awaited only after both forwards of that micro batch, so parsing overlaps the models.
+- DSA and HRA are :meth:`mta.MTALoss.alignment` on TRL's own layout (prompts left-padded,
+  completions right-padded): each row's spans are shifted by its prompt padding, nothing is
+  copied or re-laid. The term is ``dsa_weight·DSA + hra_weight·HRA``, divided by the gradient
+  accumulation steps in training (TRL's loss is already scaled for them), added to TRL's loss.
+- The HRA projectors get their own AdamW parameter group (``projector_lr``, no weight decay), are
+  saved in each checkpoint as ``mta_projectors.safetensors`` and loaded on resume; the saved
+  student is TRL's (no mta key in it: it loads with transformers alone).
+- ``mta/dsa``, ``mta/hra`` and ``mta/total`` join TRL's logged metrics (and so its ``report_to``).
+
+Teacher and student must share one tokenizer: TRL feeds both models the same ``input_ids``. A
+teacher whose tokenizer differs is refused, pointing to ``mta distill`` (which annotates each
+side with its own tokenizer). DeepSpeed and FSDP are refused: TRL's accelerate path would leave
+the projectors outside the sharded optimizer.
+
+The config is TRL's ``DistillationConfig`` plus ``mta`` (:class:`MTASection`): a mapping (or its
+JSON text on a command line) of ``dsa_weight``, ``hra_weight``, ``layers``, ``importance``,
+``projector_lr``, the span settings, or ``recipe: PATH`` to take a recipe's ``loss`` and ``data``
+values (keys given beside it win).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import torch
+from transformers import TrainerCallback
+from trl import DistillationConfig, DistillationTrainer
+
+from mta.api import AnnotateSettings, Collator, GeneratedRow, LayerPair, MTALoss, SpanBatch, SpanParser
+from mta.errors import MtaError
+
+TESTED_TRL = ">=1.10,<1.17"  # the `trl` extra's range; 1.16 is the version the tests pin
+PROJECTORS = "mta_projectors.safetensors"  # in each checkpoint-N/ directory
+# The TRL methods this trainer overrides, with the parameters TRL 1.16 gives them: a test checks
+# both TRL's and ours against this list (tests/test_trl_plugin.py).
+OVERRIDDEN: dict[str, tuple[str, ...]] = {
+    "__init__": (
+        "self",
+        "model",
+        "teacher_model",
+        "args",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "callbacks",
+        "optimizers",
+        "quantization_config",
+        "peft_config",
+        "tools",
+    ),
+    "_prepare_inputs": ("self", "generation_batch"),
+    "_get_last_hidden_state": (
+        "self",
+        "unwrapped_model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    ),
+    "_compute_loss": ("self", "unwrapped_student", "inputs", "num_items_in_batch"),
+    "create_optimizer": ("self", "model"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
+}
+PENDING = "mta_spans"  # the key of a micro batch's parsed (pending) spans in TRL's inputs
+
+
+class MTASection(pydantic.BaseModel):
+    """The ``mta`` section of :class:`MTADistillationConfig`: the recipe keys of the same names
+    (``loss.dsa_weight``, ``loss.hra_weight``, ``loss.layers``, ``loss.importance``,
+    ``train.projector_lr``, ``data.spacy_model``, ``data.word_spans``, ``data.span_rule``)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    recipe: str | None = pydantic.Field(None, description="take the values of this recipe (keys here win)")
+    dsa_weight: float = pydantic.Field(2.0, ge=0)
+    hra_weight: float = pydantic.Field(0.2, ge=0)
+    layers: Literal["auto"] | list[LayerPair] = "auto"
+    importance: Literal["attention", "uniform"] = "attention"
+    projector_lr: float | None = pydantic.Field(None, gt=0, description="None: the student's learning_rate")
+    spacy_model: str = "en_core_web_sm"
+    word_spans: Literal["phrase", "all"] = "phrase"
+    span_rule: Literal["paper", "reference"] = "paper"
+    span_workers: int = pydantic.Field(1, ge=0, description="span parser processes; 0: in the training process")
+
+    @classmethod
+    def of(cls, value: MTASection | Mapping[str, Any] | str | None) -> MTASection:
+        """The section from a mapping, its JSON text, or None (every default); ``MtaError``
+        naming each bad key."""
+        if isinstance(value, MTASection):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise MtaError(f"mta: not a JSON object ({error.msg} at column {error.colno})") from error
+        given = dict(value or {})
+        if given.get("recipe"):
+            given = {**_recipe_values(str(given["recipe"])), **given}
+        try:
+            return cls.model_validate(given)
+        except pydantic.ValidationError as error:
+            problems = "; ".join(f"mta.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+            raise MtaError(problems) from None
+
+
+def _recipe_values(path: str) -> dict[str, Any]:
+    """The section's keys as a recipe sets them (its resolved values: defaults included)."""
+    from mta.training.config.catalog import find_recipe
+    from mta.training.config.loading import load_recipe
+
+    recipe = load_recipe(find_recipe(path).path)
+    loss, data = recipe.loss, recipe.data
+    return {
+        "dsa_weight": loss.dsa_weight,
+        "hra_weight": loss.hra_weight,
+        "layers": loss.layers,
+        "importance": loss.importance,
+        "projector_lr": recipe.train.projector_lr,
+        "spacy_model": data.spacy_model,
+        "word_spans": data.word_spans,
+        "span_rule": data.span_rule,
+    }
+
+
+@dataclass
+class MTADistillationConfig(DistillationConfig):
+    """TRL's ``DistillationConfig`` plus ``mta``: :class:`MTASection`'s keys (a mapping, or its
+    JSON text from the command line)."""
+
+    mta: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "MTA's section: dsa_weight, hra_weight, layers, importance, projector_lr, spacy_model, "
+            "word_spans, span_rule, span_workers, or recipe (a recipe file whose values are the defaults)."
+        },
+    )
+
+
+class CloseSpanParser(TrainerCallback):
+    """Stops the span parser's worker processes when training ends (a later use restarts them)."""
+
+    def __init__(self, trainer: MTADistillationTrainer):
+        self.trainer = trainer
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.close_span_parser()
+
+
+class MTADistillationTrainer(DistillationTrainer):
+    """``trl.DistillationTrainer`` with MTA's DSA + HRA added (module docstring). Takes what it
+    takes; ``args`` is an :class:`MTADistillationConfig` (a plain ``DistillationConfig``: MTA's
+    defaults)."""
+
+    _tag_names = ["trl", "distillation", "mta"]
+
+    def __init__(
+        self,
+        model,
+        teacher_model=None,
+        args=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+    ):
+        section = MTASection.of(getattr(args, "mta", None))
+        if processing_class is not None and teacher_model is not None:  # before TRL's own vocabulary check
+            _check_same_tokenizer(getattr(processing_class, "tokenizer", processing_class), teacher_model)
+        super().__init__(
+            model,
+            teacher_model,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            callbacks,
+            optimizers,
+            quantization_config,
+            peft_config,
+            tools,
+        )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise MtaError(
+                "MTADistillationTrainer does not run under DeepSpeed or FSDP yet: the HRA projectors would stay "
+                "outside the sharded optimizer. Use plain DDP (accelerate launch / torchrun), or `mta distill` "
+                "(DeepSpeed ZeRO 1-3)"
+            )
+        self.mta_section = section
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        _check_same_tokenizer(tokenizer, self.teacher_model)
+        student = self.accelerator.unwrap_model(self.model)
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        self.mta_loss = MTALoss.for_models(
+            student,
+            teacher,
+            vocab_size=len(tokenizer),
+            same_tokenizer=True,
+            layers=section.layers,
+            base=None,
+            dsa_weight=section.dsa_weight,
+            hra_weight=section.hra_weight,
+            importance=section.importance,
+        ).to(self.accelerator.device)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.mta_collator = Collator(student_pad_id=pad, teacher_pad_id=pad, granularities=self.mta_loss.granularities)
+        self.mta_tokenizer = tokenizer
+        self.span_settings = AnnotateSettings(
+            teacher=tokenizer.name_or_path,
+            student=tokenizer.name_or_path,
+            spacy_model=section.spacy_model,
+            word_spans=section.word_spans,
+            span_rule=section.span_rule,
+            template="none",
+        )
+        self._span_parser: SpanParser | None = None
+        self._mta_hidden: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._mta_parsed: object = None  # the buffered generation batch whose spans are submitted
+        self.add_callback(CloseSpanParser(self))
+
+    # ----------------------------------------------------------------------- spans
+
+    @property
+    def span_parser(self) -> SpanParser:
+        """The span parser (started at first use: after the models are loaded, before training)."""
+        if self._span_parser is None:
+            self._span_parser = SpanParser(self.span_settings, workers=self.mta_section.span_workers).start()
+        return self._span_parser
+
+    def close_span_parser(self) -> None:
+        if self._span_parser is not None:
+            self._span_parser.close()
+            self._span_parser = None
+
+    def generated_rows(self, inputs: Mapping[str, Any]) -> list[GeneratedRow]:
+        """TRL's micro batch as rows for the span parser: each row's prompt ids (its padding
+        dropped), what was generated (up to the completion mask's end) and the prompt's text."""
+        prompts = _unpadded(inputs["prompt_ids"], inputs["prompt_mask"])
+        completions = _unpadded(inputs["completion_ids"], inputs["completion_mask"])
+        eos = self.mta_tokenizer.eos_token_id
+        return [
+            GeneratedRow(
+                self.mta_tokenizer.decode(prompt),
+                prompt,
+                completion,
+                finished=bool(completion) and completion[-1] == eos,
+                id=index,
+            )
+            for index, (prompt, completion) in enumerate(zip(prompts, completions, strict=True))
+        ]
+
+    def spans_of(self, inputs: Mapping[str, Any]) -> dict[str, SpanBatch]:
+        """The micro batch's spans as token ranges in TRL's positions (``[prompt | completion]``,
+        the prompt left-padded): the parsed ranges shifted by each row's prompt padding."""
+        pending = inputs.get(PENDING)
+        result = pending.result() if pending is not None else self.span_parser.parse(self.generated_rows(inputs))
+        rows = result.batch.to_pylist()
+        if [row["id"] for row in rows] != list(range(len(inputs["prompt_ids"]))):
+            raise RuntimeError("the span parser returned rows other than the micro batch's")
+        spans = self.mta_collator(rows).spans
+        mask = inputs["prompt_mask"]
+        shift = (mask.shape[1] - mask.sum(dim=1)).to(torch.long)[:, None]  # [B, 1] the prompt's padding
+        device = inputs["prompt_ids"].device
+        return {
+            name: replace(
+                batch,
+                student_start=(batch.student_start + shift.cpu()) * batch.mask,
+                student_end=(batch.student_end + shift.cpu()) * batch.mask,
+                teacher_start=(batch.teacher_start + shift.cpu()) * batch.mask,
+                teacher_end=(batch.teacher_end + shift.cpu()) * batch.mask,
+            ).to(device)
+            for name, batch in spans.items()
+        }
+
+    # ----------------------------------------------------------------------- TRL's steps
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._buffered_inputs is not self._mta_parsed:
+            # A new generation batch: submit every micro batch's spans now; each is awaited
+            # after its own forwards (spans_of).
+            for micro_batch in self._buffered_inputs:
+                micro_batch[PENDING] = self.span_parser.submit(self.generated_rows(micro_batch))
+            self._mta_parsed = self._buffered_inputs
+        return inputs
+
+    def _get_last_hidden_state(
+        self,
+        unwrapped_model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_attention_mask=None,
+        spatial_shapes=None,
+        image_sizes=None,
+        token_type_ids=None,
+        mm_token_type_ids=None,
+        image_position_ids=None,
+    ):
+        side = "teacher" if unwrapped_model is self.accelerator.unwrap_model(self.teacher_model) else "student"
+        with all_hidden_states(unwrapped_model) as captured:
+            last = super()._get_last_hidden_state(
+                unwrapped_model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                pixel_attention_mask=pixel_attention_mask,
+                spatial_shapes=spatial_shapes,
+                image_sizes=image_sizes,
+                token_type_ids=token_type_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_position_ids=image_position_ids,
+            )
+        self._mta_hidden[side] = captured.hidden_states
+        return last
+
+    def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        self._mta_hidden = {}
+        loss, entropy_sum, valid = super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
+        terms = self.mta_terms(inputs)
+        mode = "train" if self.model.training else "eval"
+        for name, value in terms.items():
+            self._metrics[mode][f"mta/{name}"].append(value.item())
+        # TRL's loss is already scaled for gradient accumulation: the term is scaled alike.
+        steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        scale = steps if self.model.training else 1
+        self._mta_hidden = {}
+        return loss + terms["total"].to(loss.dtype) / scale, entropy_sum, valid
+
+    def mta_terms(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``{"dsa", "hra", "total"}`` of the micro batch, from the hidden states its two
+        forwards left (``total`` weighted, unscaled for accumulation)."""
+        if set(self._mta_hidden) != {"student", "teacher"}:
+            raise RuntimeError("both forwards must run before MTA's terms (TRL's _compute_loss changed?)")
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        return self.mta_loss.alignment(
+            self._mta_hidden["student"], self._mta_hidden["teacher"], mask, mask, self.spans_of(inputs)
+        )
+
+    # ----------------------------------------------------------------------- the projectors
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        projectors = [p for p in self.mta_loss.parameters() if p.requires_grad]
+        if projectors and not any(p is projectors[0] for g in optimizer.param_groups for p in g["params"]):
+            lr = self.mta_section.projector_lr or self.args.learning_rate
+            optimizer.add_param_group({"params": projectors, "lr": lr, "weight_decay": 0.0})
+        return optimizer
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        from safetensors.torch import save
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from mta.files import atomic_write_bytes
+
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save and folder.is_dir():
+            state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.mta_loss.state_dict().items()}
+            atomic_write_bytes(folder / PROJECTORS, save(state))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = Path(resume_from_checkpoint) / PROJECTORS
+        if not path.is_file():
+            raise MtaError(
+                f"{resume_from_checkpoint} has no {PROJECTORS}: it was not written by MTADistillationTrainer, or its "
+                "save was cut short; resume from another checkpoint, or start without resume_from_checkpoint"
+            )
+        from safetensors.torch import load_file
+
+        self.mta_loss.load_state_dict(load_file(str(path), device=str(self.accelerator.device)))
+
+
+def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row of ``ids [B, T]`` without its padding (where ``mask`` is 0), as a list."""
+    lengths = mask.sum(dim=1).tolist()
+    kept = ids[mask.bool()].tolist()  # row-major: each row's kept ids in order
+    starts = [sum(lengths[:row]) for row in range(len(lengths))]
+    return [kept[start : start + length] for start, length in zip(starts, lengths, strict=True)]
+
+
+@dataclass
+class CapturedHiddenStates:
+    hidden_states: tuple[torch.Tensor, ...] = ()
+
+
+class all_hidden_states:  # noqa: N801 (a context manager used as a function)
+    """Within the block, the backbone of ``model`` (what TRL's ``_get_last_hidden_state`` calls:
+    ``model.base_model``, a peft model's underlying one) also returns every layer's hidden states,
+    captured into the yielded object."""
+
+    def __init__(self, model: torch.nn.Module):
+        from peft import PeftModel
+
+        inner = model.base_model.model if isinstance(model, PeftModel) else model
+        self.backbone = inner.base_model
+        self.captured = CapturedHiddenStates()
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> CapturedHiddenStates:
+        def ask(module, args, kwargs):
+            return args, {**kwargs, "output_hidden_states": True}
+
+        def keep(module, args, kwargs, output):
+            self.captured.hidden_states = tuple(output.hidden_states)
+
+        self.handles = [
+            self.backbone.register_forward_pre_hook(ask, with_kwargs=True),
+            self.backbone.register_forward_hook(keep, with_kwargs=True),
+        ]
+        return self.captured
+
+    def __exit__(self, *exc_info) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _check_same_tokenizer(tokenizer: Any, teacher: str | torch.nn.Module) -> None:
+    """Refuse a teacher (a name or directory, or a model) whose own tokenizer (loaded from where
+    it came from, when it has one) is not the student's: TRL feeds both models the same ids."""
+    from mta.models.tokenizers import load_tokenizer, tokenizer_fingerprint
+
+    if isinstance(teacher, (str, Path)):
+        source: Any = str(teacher)
+    else:
+        source = getattr(getattr(teacher, "config", None), "_name_or_path", None) or getattr(
+            teacher, "name_or_path", None
+        )
+    try:
+        teacher_tokenizer = load_tokenizer(source) if source else None
+    except Exception:  # no tokenizer beside the teacher's weights: nothing to compare
+        teacher_tokenizer = None
+    if teacher_tokenizer is not None and tokenizer_fingerprint(teacher_tokenizer) != tokenizer_fingerprint(tokenizer):
+        raise MtaError(
+            f"the teacher ({source}) has another tokenizer than the student ({tokenizer.name_or_path}); TRL's "
+            "DistillationTrainer feeds both models the same ids. Distil across tokenizers with `mta distill` "
+            "(recipes/cross-tokenizer.yaml), which annotates each side with its own tokenizer"
+        )
+
+
+__all__ = ["MTADistillationConfig", "MTADistillationTrainer", "MTASection", "OVERRIDDEN", "TESTED_TRL"]
