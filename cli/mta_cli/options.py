@@ -15,6 +15,19 @@ class OnError(str, Enum):
     skip = "skip"
 
 
+class EngineChoice(str, Enum):  # mta.generation.vllm_engine.ENGINES
+    hf = "hf"
+    vllm = "vllm"
+
+
+ENGINE_OPTION = typer.Option(
+    EngineChoice.hf,
+    "--engine",
+    help="Generation engine: hf (transformers) or vllm (its own environment: `make install-vllm`, or "
+    "MTA_VLLM_PYTHON). Sampled rows agree in distribution, not row for row; greedy ones agree.",
+)
+
+
 class TemplateChoice(str, Enum):  # mta.data.prompts.TEMPLATES
     alpaca = "alpaca"
     chat = "chat"

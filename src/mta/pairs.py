@@ -56,8 +56,9 @@ from mta.files import (
     make_output_directory,
     read_jsonl_lenient,
 )
-from mta.generation.generator import HFGenerator
+from mta.generation.generator import Generator, HFGenerator
 from mta.generation.sampling import SamplingParams, sampling_seed
+from mta.generation.vllm_engine import ENGINE_KEY, UNRECORDED, engine_name, vllm_generation
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES
@@ -86,6 +87,7 @@ class PairSettings:
     on_error: "fail" stops at the first bad row (naming file:line); "skip" counts it and goes on.
     overwrite: replace an existing output file (and an unfinished journal of other settings).
     fields: ``{format key: input column}`` (``--field KEY=COLUMN``), as annotate's.
+    engine: ``hf`` or ``vllm`` (:mod:`mta.generation.vllm_engine`); a journal of the other is refused.
     """
 
     temperature: float = 0.8
@@ -101,6 +103,7 @@ class PairSettings:
     on_error: Literal["fail", "skip"] = "fail"
     overwrite: bool = False
     fields: tuple[tuple[str, str], ...] = ()  # a dict is accepted
+    engine: Literal["hf", "vllm"] = "hf"
 
     def __post_init__(self) -> None:
         fields = dict(self.fields.items() if isinstance(self.fields, dict) else self.fields)
@@ -118,6 +121,8 @@ class PairSettings:
             raise MtaError(f"limit must be at least 1 (or unset for every row), got {self.limit}")
         if self.on_error not in ("fail", "skip"):
             raise MtaError(f"on_error must be 'fail' or 'skip', got '{self.on_error}'")
+        if self.engine not in ("hf", "vllm"):
+            raise MtaError(f"engine must be 'hf' or 'vllm', got '{self.engine}'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise MtaError(f"unknown dtype '{self.dtype}'; choose from auto, {', '.join(DTYPES)}")
 
@@ -283,8 +288,9 @@ def describe_run(
         "max_prompt_length": settings.max_prompt_length,
         "seed": settings.seed,
         "dtype": dtype_name(dtype),
-        "sampling": settings.sampling().describe()
+        "sampling": settings.sampling().describe(settings.engine)
         + "; row key sampling_seed(seed, 'generate/<teacher|student>', 0, row id)",
+        ENGINE_KEY: engine_name(settings.engine),  # responses of two engines never share a journal
     }
 
 
@@ -313,9 +319,9 @@ def _check_journal(paths: PairsPaths, claim: dict[str, Any], overwrite: bool) ->
             f"cannot be told; remove {paths.journal_dir} to start over, pass --overwrite, or write to another -o"
         ) from None
     changed = [
-        f"{key}: {previous.get(key)!r} -> {value!r}"
+        f"{key}: {previous.get(key, UNRECORDED.get(key))!r} -> {value!r}"
         for key, value in claim.items()
-        if key not in _LOCATIONS and previous.get(key) != value
+        if key not in _LOCATIONS and previous.get(key, UNRECORDED.get(key)) != value
     ]
     if not changed:
         return True
@@ -376,6 +382,27 @@ def finished_responses(paths: PairsPaths, rows: Sequence[Example]) -> dict[str, 
     return done
 
 
+@contextmanager
+def _side_generator(
+    checkpoint: str, settings: PairSettings, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[Generator, Any]]:
+    """``(generator, tokenizer)`` of one model on the chosen engine; the model (or the vLLM
+    worker) is released on exit."""
+    if settings.engine == "vllm":
+        from mta.models.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint)
+        length = settings.max_prompt_length + settings.max_new_tokens
+        with vllm_generation(
+            checkpoint, tokenizer, settings.sampling(), dtype=dtype, device=device, max_model_len=length
+        ) as generator:
+            yield generator, tokenizer
+        return
+    with loaded_checkpoint(checkpoint, device, dtype) as (model, tokenizer):
+        yield HFGenerator(model, tokenizer, settings.sampling(), batch_size=settings.batch_size), tokenizer
+        del model  # so that leaving the context really frees the weights
+
+
 def _generate_side(
     side: str,
     checkpoint: str,
@@ -387,8 +414,7 @@ def _generate_side(
     reporter: Reporter,
 ) -> None:
     """``side``'s response to each of ``rows``, journalled batch by batch as they finish."""
-    with loaded_checkpoint(checkpoint, device, dtype) as (model, tokenizer):
-        generator = HFGenerator(model, tokenizer, settings.sampling(), batch_size=settings.batch_size)
+    with _side_generator(checkpoint, settings, device, dtype) as (generator, tokenizer):
         prompts = [tokenizer(row.prompt, add_special_tokens=False)["input_ids"] for row in rows]
         # Evaluation's rule (mta.evaluation.runner): a longer prompt keeps its first tokens.
         truncated = [len(p) > settings.max_prompt_length for p in prompts]
@@ -412,7 +438,7 @@ def _generate_side(
                 reporter.advance(len(completions), tokens=sum(c.num_tokens for c in completions))
         finally:
             reporter.stop()
-        del model, generator  # so that leaving the context really frees the weights
+        del generator
 
 
 def _write_output(

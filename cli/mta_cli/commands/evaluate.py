@@ -12,7 +12,15 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from mta.errors import MtaError
-from mta_cli.options import REVISION_OPTION, SUBSET_OPTION, TemplateChoice, deprecated_alias, parse_fields
+from mta_cli.options import (
+    ENGINE_OPTION,
+    REVISION_OPTION,
+    SUBSET_OPTION,
+    EngineChoice,
+    TemplateChoice,
+    deprecated_alias,
+    parse_fields,
+)
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 from mta_cli.results import comparison_table
@@ -52,6 +60,7 @@ def evaluate(
         "each named by its file stem (dolly,path/to/mine.jsonl), and Hub dataset ids, each named by its "
         "name (acme/qa: qa; --split, --subset, --revision, --field).",
     ),
+    engine: EngineChoice = ENGINE_OPTION,
     split: str = typer.Option("test", "--split", help="The split of a Hub dataset id in --benchmarks."),
     subset: str | None = SUBSET_OPTION,
     revision: str | None = REVISION_OPTION,
@@ -190,6 +199,7 @@ def evaluate(
             perplexity=perplexity,
             perplexity_limit=perplexity_limit,
             template=template.value,
+            engine=engine.value,
             split=split,
             subset=subset,
             revision=revision,

@@ -10,9 +10,11 @@ from rich.console import Console
 
 from mta.errors import MtaError
 from mta_cli.options import (
+    ENGINE_OPTION,
     REVISION_OPTION,
     SPLIT_OPTION,
     SUBSET_OPTION,
+    EngineChoice,
     OnError,
     deprecated_alias,
     parse_fields,
@@ -35,6 +37,7 @@ def generate(
         show_default=False,
     ),
     data_old: str | None = typer.Option(None, "--data", hidden=True),  # deprecated: DATA, as in annotate
+    engine: EngineChoice = ENGINE_OPTION,
     split: str | None = SPLIT_OPTION,
     subset: str | None = SUBSET_OPTION,
     revision: str | None = REVISION_OPTION,
@@ -102,6 +105,7 @@ def generate(
         on_error=on_error.value,
         overwrite=overwrite,
         fields=parse_fields(field) or {},
+        engine=engine.value,
     )
     console = Console(stderr=True)
     with make_reporter(console) as reporter:

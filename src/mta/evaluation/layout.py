@@ -79,6 +79,8 @@ def generation_manifest(
     checkpoint: str, settings: EvalSettings, dtype: torch.dtype, fingerprint: str, files: dict[str, str]
 ) -> dict:
     """What generation.json records: everything a prediction depends on besides its row."""
+    from mta.generation.vllm_engine import ENGINE_KEY, engine_name
+
     source = Path(checkpoint)
     return {
         "checkpoint": str(source.resolve()) if source.exists() else checkpoint,
@@ -88,6 +90,7 @@ def generation_manifest(
         "max_new_tokens": settings.max_new_tokens,
         "dtype": dtype_name(dtype),
         "sampling": settings.sampling_description(),
+        ENGINE_KEY: engine_name(settings.engine),  # predictions of two engines never share a directory
     }
 
 
@@ -103,11 +106,13 @@ def check_claim(paths: CheckpointPaths, manifest: dict) -> bool:
         ) from error
     if previous is None:
         return False
+    from mta.generation.vllm_engine import UNRECORDED
+
     reasons = []
     settings = [
-        f"{k}: {previous.get(k)!r} -> {v!r}"
+        f"{k}: {previous.get(k, UNRECORDED.get(k))!r} -> {v!r}"
         for k, v in manifest.items()
-        if k not in (FINGERPRINT, FILES) and previous.get(k) != v
+        if k not in (FINGERPRINT, FILES) and previous.get(k, UNRECORDED.get(k)) != v
     ]
     if settings:
         reasons.append(f"they were made with other settings ({'; '.join(settings)})")

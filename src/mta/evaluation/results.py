@@ -180,13 +180,20 @@ def collect_results(
     dtype: str,
 ) -> dict:
     """results.json, computed from the predictions files alone."""
+    from mta.generation.vllm_engine import engine_name
+
     runs = {
         label: checkpoint_results(checkpoint, CheckpointPaths.of(out_dir, label), eval_sets, settings)
         for checkpoint, label in zip(checkpoints, labels, strict=True)
     }
     return {
         "protocol": protocol(settings),
-        "settings": {**settings.model_dump(), "dtype": dtype, "data_dir": str(data_dir)},
+        "settings": {
+            **settings.model_dump(),
+            "engine": engine_name(settings.engine),  # hf, or vLLM's distribution and version
+            "dtype": dtype,
+            "data_dir": str(data_dir),
+        },
         "sets": {s.name: set_description(s) for s in eval_sets},
         "checkpoints": runs,
         "differences": differences_to_first(runs, {s.name: s.benchmark for s in eval_sets}),

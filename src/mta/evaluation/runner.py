@@ -159,6 +159,22 @@ def _evaluate_checkpoint(
     if not todo and not wants_perplexity:
         log.info("%s: every predictions file is complete, nothing to generate", label)
         return
+    if settings.engine == "vllm" and todo:
+        from mta.generation.vllm_engine import vllm_generation
+        from mta.models.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint)
+        length = settings.max_prompt_length + settings.max_new_tokens
+        reporter.message(f"{label}: starting vLLM on {checkpoint}")
+        with vllm_generation(
+            checkpoint, tokenizer, settings.sampling(), dtype=dtype, device=device, max_model_len=length
+        ) as generator:
+            reporter.message(f"{label}: {generator.engine.version} ready in {generator.engine.startup_s:.1f} s")
+            for eval_set, seed in todo:
+                _generate_set(generator, tokenizer, eval_set, seed, paths, settings, reporter, label)
+        todo = []
+        if not wants_perplexity:
+            return
     with loaded_checkpoint(checkpoint, device, dtype) as (model, tokenizer):
         generator = HFGenerator(model, tokenizer, settings.sampling(), batch_size=settings.batch_size)
         for eval_set, seed in todo:

@@ -39,6 +39,9 @@ class EvalSettings(BaseModel):
     template: Template = Field(
         "alpaca", description="how prompts are built (mta.data.prompts); chat: each checkpoint's own chat template"
     )
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="the generation engine: hf (transformers, mta's own) or vllm (mta.generation.vllm_engine)"
+    )
     split: str = Field("test", description="the split of a Hub dataset id in benchmarks")
     subset: str | None = Field(None, description="the subset (config name) of a Hub dataset id in benchmarks")
     revision: str | None = Field(None, description="the branch, tag or commit of a Hub dataset id in benchmarks")
@@ -59,4 +62,4 @@ class EvalSettings(BaseModel):
 
     def sampling_description(self) -> str:
         """The sampler and its row key, as generation.json and results.json record them."""
-        return f"{self.sampling().describe()}; row key sampling_seed(seed, 'evaluate/<set>', 0, row index)"
+        return f"{self.sampling().describe(self.engine)}; row key sampling_seed(seed, 'evaluate/<set>', 0, row index)"

@@ -3,9 +3,9 @@
 ``Generator`` is all a caller needs: give it prompts as token ids and one seed per prompt (see
 ``sampling_seed``), get completions back batch by batch. ``HFGenerator`` implements it with
 ``transformers``' ``generate`` (left padding, KV cache, prompts sorted by length so a batch wastes
-little padding) and works on a model in the middle of training (see ``model_state``). A faster
-engine (vLLM, whose ``SamplingParams(seed=...)`` is per request like ``row_seeds``) fits behind
-the same interface.
+little padding) and works on a model in the middle of training (see ``model_state``).
+``mta.generation.vllm_engine.VLLMGenerator`` implements it on vLLM, in its own environment
+(``--engine vllm`` of ``mta evaluate`` and ``mta generate``).
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ class Generator(Protocol):
         ...
 
 
-def eos_token_ids(model: CausalLM, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def eos_token_ids(model: CausalLM | GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Every id that ends a response: the tokenizer's EOS and the model's own (chat models
-    such as SmolLM2-Instruct end turns with a token the tokenizer does not call EOS)."""
+    such as SmolLM2-Instruct end turns with a token the tokenizer does not call EOS). ``model``:
+    the model, or its ``GenerationConfig`` (an engine that does not load the model here)."""
     ids = {tokenizer.eos_token_id}
-    configured = model.generation_config.eos_token_id
+    config = model if isinstance(model, GenerationConfig) else model.generation_config
+    configured = config.eos_token_id
     ids.update(configured if isinstance(configured, list) else [configured])
     ids.discard(None)
     if not ids:

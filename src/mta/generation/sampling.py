@@ -82,10 +82,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def describe(self) -> str:
-        """One line naming the sampler and its parameters, as artefacts record it."""
+    def describe(self, engine: str = "hf") -> str:
+        """One line naming the sampler and its parameters, as artefacts record it; ``engine``
+        ``vllm``: vLLM's own sampler, the row's seed its per-request seed."""
         if self.greedy:
             text = "greedy decoding"
+        elif engine == "vllm":
+            text = (
+                f"vLLM's sampler, per-request seed from the key {SEED_KEY}: temperature {self.temperature}, "
+                f"top_k {self.top_k}, top_p {self.top_p}"
+            )
         else:
             text = (
                 f"keyed Gumbel-max, seed key {SEED_KEY}: temperature {self.temperature}, "

@@ -402,7 +402,7 @@ class MTADistillationTrainer(DistillationTrainer):
             )
         from safetensors.torch import load_file
 
-        self.mta_loss.load_state_dict(load_file(str(path), device=str(self.accelerator.device)))
+        self.mta_loss.load_state_dict(load_file(str(path)))  # copied onto the projectors' device
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
