@@ -25,7 +25,7 @@ help:
 	@echo "make install-vllm  the vLLM engine's environment, .venv-vllm (--engine vllm; about 3.5 GB)"
 	@echo "make docs          regenerate docs/recipe-keys.md from the recipe schemas"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
-	@echo "make mutate        mutation testing of losses, token ranges, truncation (~10 min, 1 core)"
+	@echo "make mutate        mutation testing (bench/mutation.py; MODULES=losses,... one group; all: hours, 1 core)"
 	@echo "make reproduce-<pair>-<base>  a row of the paper's table, e.g. reproduce-gpt2-fdd (GPUs + Hub)"
 	@echo "make reproduce-all  the eight rows (16 distill runs); make ablation-gpt2: the ablations"
 
@@ -126,9 +126,11 @@ bench: $(EMBED_STAMP)
 	$(PY) bench/startup.py
 	$(PY) bench/trl_step.py
 
-# Mutation testing (bench/mutation.py): mutmut over src/mta/losses, token_ranges and truncation
+# Mutation testing (bench/mutation.py): mutmut over the losses, token ranges, truncation and the
+# rule modules (bench/mutation.py's GROUPS; the glue it leaves out is listed there with its reason)
 # with their fast tests, in a scratch copy; writes bench/results/mutation.json. Not part of
-# `make test`. MODULES=truncation re-runs one group and keeps the others' last results.
+# `make test`. MODULES=losses re-runs one group and keeps the others' last results; every group at
+# once takes hours on one worker.
 MUTATE_STAMP := $(VENV)/.installed-mutate
 $(MUTATE_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[mutate]'
