@@ -5,6 +5,7 @@ The plain reporter's row progress, the MTA_PROGRESS choice and the noise filter,
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import re
@@ -122,14 +123,21 @@ def test_piped_distill_prints_plain_lines_ctrl_c_prints_a_command_that_resumes_v
     reader = threading.Thread(target=lambda: chunks.append(process.stdout.read()))  # a full pipe would stall it
     reader.start()
     deadline = time.monotonic() + 300
+    # The 8 steps take about a second: a garbage collection of the whole suite's heap in this
+    # process while it polls could outlast them, so none runs until the signal is sent.
+    gc.freeze()
+    gc.disable()
     try:
         while latest_checkpoint(out) is None:
             assert process.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.01)
         process.send_signal(signal.SIGINT)
+        gc.enable()
         process.wait(timeout=120)
     finally:
+        gc.enable()
+        gc.unfreeze()
         if process.poll() is None:
             process.kill()
             process.wait()
