@@ -5,7 +5,6 @@ The plain reporter's row progress, the MTA_PROGRESS choice and the noise filter,
 
 from __future__ import annotations
 
-import gc
 import io
 import logging
 import re
@@ -40,6 +39,26 @@ def command_env() -> dict[str, str]:
     for name in ("MTA_PROGRESS", "TORCH_CPP_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS"):
         env.pop(name, None)  # the defaults under test, whatever this shell exports
     return env
+
+
+PAUSED = b"first checkpoint written: waiting"
+# `mta ARGS` whose run waits on its stdin once its first checkpoint is written (the piped Ctrl-C test).
+PAUSE_AFTER_FIRST_CHECKPOINT = f"""
+import sys
+from mta.training.lifecycle import checkpointing
+save = checkpointing.save_checkpoint
+def save_then_wait(*args, **kwargs):
+    path = save(*args, **kwargs)
+    if not getattr(save_then_wait, "done", False):
+        save_then_wait.done = True
+        print({PAUSED.decode()!r}, flush=True)
+        sys.stdin.readline()
+    return path
+checkpointing.save_checkpoint = save_then_wait
+from mta_cli.main import main
+sys.argv = ["mta", *sys.argv[1:]]
+main()
+"""
 
 
 def mta(*args: str) -> list[str]:
@@ -113,31 +132,40 @@ def test_piped_distill_prints_plain_lines_ctrl_c_prints_a_command_that_resumes_v
         },
     )
     overrides = ["seed=5", "train.lr=4e-3"]
+    # The eight steps take about a second, so the run waits after its first checkpoint (on its
+    # stdin) until the Ctrl-C has been sent: polling for the checkpoint raced the run's end when
+    # the machine was busy.
     process = subprocess.Popen(
-        mta("distill", "--recipe", str(recipe), *overrides),
+        [sys.executable, "-c", PAUSE_AFTER_FIRST_CHECKPOINT, "distill", "--recipe", str(recipe), *overrides],
         env=command_env(),
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
     chunks: list[bytes] = []
-    reader = threading.Thread(target=lambda: chunks.append(process.stdout.read()))  # a full pipe would stall it
+    paused = threading.Event()
+
+    def read() -> None:  # line by line, so that the pause is seen; a full pipe would stall the run
+        for line in process.stdout:
+            if line.strip() == PAUSED:
+                paused.set()
+            else:
+                chunks.append(line)
+
+    reader = threading.Thread(target=read)
     reader.start()
-    deadline = time.monotonic() + 300
-    # The 8 steps take about a second: a garbage collection of the whole suite's heap in this
-    # process while it polls could outlast them, so none runs until the signal is sent.
-    gc.freeze()
-    gc.disable()
     try:
-        while latest_checkpoint(out) is None:
-            assert process.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.01)
+        assert paused.wait(timeout=300), b"".join(chunks).decode(errors="replace")[-3000:]
+        assert latest_checkpoint(out) is not None
         process.send_signal(signal.SIGINT)
-        gc.enable()
+        time.sleep(0.5)  # the signal is handled before the run goes on
+        try:  # a run that stops at the signal at once no longer reads
+            process.stdin.write(b"go on\n")
+            process.stdin.close()
+        except BrokenPipeError:
+            pass
         process.wait(timeout=120)
     finally:
-        gc.enable()
-        gc.unfreeze()
         if process.poll() is None:
             process.kill()
             process.wait()
