@@ -133,14 +133,16 @@ def test_piped_distill_prints_plain_lines_ctrl_c_prints_a_command_that_resumes_v
     )
     overrides = ["seed=5", "train.lr=4e-3"]
     # The eight steps take about a second, so the run waits after its first checkpoint (on its
-    # stdin) until the Ctrl-C has been sent: polling for the checkpoint raced the run's end when
-    # the machine was busy.
+    # stdin) until the Ctrl-C has been sent, rather than being raced by a poll for it.
     process = subprocess.Popen(
         [sys.executable, "-c", PAUSE_AFTER_FIRST_CHECKPOINT, "distill", "--recipe", str(recipe), *overrides],
         env=command_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        # Ctrl-C as a terminal sends it, whatever this suite inherited: a shell's background job
+        # (`make test &`) ignores SIGINT, and so would the run, so Python's KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     chunks: list[bytes] = []
     paused = threading.Event()
