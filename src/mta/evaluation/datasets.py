@@ -21,10 +21,11 @@ default, ``chat`` with the evaluated checkpoint's own chat template, or ``none``
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,13 +105,6 @@ def is_file_spec(spec: str) -> bool:
     return spec.endswith(".jsonl") or "/" in spec or os.sep in spec or (spec not in BENCHMARKS and Path(spec).is_file())
 
 
-def is_hub_spec(spec: str) -> bool:
-    """Whether a ``--benchmarks`` item names a Hub dataset (``owner/name``, nothing local)."""
-    from mta.models.hub import is_dataset_id
-
-    return is_dataset_id(spec)
-
-
 def split_benchmark(spec: str) -> tuple[Benchmark, str] | None:
     """``<set>-<split>`` (``dolly-dev``: ``DIR/dolly/dev.jsonl``) as (the set, the split), or None."""
     name, _, split = spec.rpartition("-")
@@ -119,22 +113,26 @@ def split_benchmark(spec: str) -> tuple[Benchmark, str] | None:
     return None
 
 
-def _requested_set(data_dir: Path, spec: str, hub: HubOptions) -> tuple[Benchmark, list[Path | HubDataset]]:
+def _requested_set(
+    data_dir: Path, spec: str, hub: Callable[[str], HubDataset]
+) -> tuple[Benchmark, list[Path | HubDataset]]:
     """A ``--benchmarks`` item as its set and the files looked for, in order of preference.
 
     A built-in name (its test file); ``<set>-<split>``, another split of a built-in set (named so:
     ``dolly-dev``; never in avg4); a JSONL file, named by its stem (out of distribution); or a Hub
-    dataset id, named by its name."""
+    dataset id, named by its name (``hub`` makes its :class:`HubDataset`)."""
+    from mta.models.hub import is_dataset_id
+
     if spec in BENCHMARKS:
         return BENCHMARKS[spec], candidate_paths(data_dir, BENCHMARKS[spec])
-    if is_hub_spec(spec):
+    if is_dataset_id(spec):
         name = spec.rpartition("/")[2]
         if name in BENCHMARKS:
             raise MtaError(
                 f"--benchmarks {spec}: a Hub set is named by its name, and '{name}' is the built-in set of "
                 "that name; evaluate the built-in set, or save the split as a JSONL file of another name"
             )
-        return Benchmark(name, name), [HubDataset(spec, hub.split, hub.subset, hub.revision)]
+        return Benchmark(name, name), [hub(spec)]
     if is_file_spec(spec):
         path = Path(spec)
         if path.stem in BENCHMARKS:
@@ -160,17 +158,13 @@ def _requested_set(data_dir: Path, spec: str, hub: HubOptions) -> tuple[Benchmar
     )
 
 
-@dataclass(frozen=True)
-class HubOptions:
-    """How a Hub dataset id in ``--benchmarks`` is read: its split, subset and revision."""
-
-    split: str = "test"
-    subset: str | None = None
-    revision: str | None = None
-
-
 def resolve_benchmarks(
-    data_dir: Path, requested: Sequence[str] | None, hub: HubOptions | None = None
+    data_dir: Path,
+    requested: Sequence[str] | None,
+    *,
+    split: str = "test",
+    subset: str | None = None,
+    revision: str | None = None,
 ) -> list[tuple[Benchmark, Path | HubDataset]]:
     """The (set, file) pairs to evaluate.
 
@@ -179,7 +173,7 @@ def resolve_benchmarks(
     names, ``requested`` may hold ``<set>-<split>`` (``dolly-dev``) and JSONL paths (``_requested_set``).
     """
     names = list(requested) if requested is not None else list(DEFAULT_BENCHMARKS)
-    hub = hub or HubOptions()
+    hub = functools.partial(HubDataset, split=split, subset=subset, revision=revision)  # a Hub id's split
     sets = {spec: _requested_set(data_dir, spec, hub) for spec in dict.fromkeys(names)}
     by_name: dict[str, list[str]] = {}
     for spec, (benchmark, _) in sets.items():

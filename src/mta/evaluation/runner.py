@@ -26,7 +26,6 @@ from mta.dtypes import dtype_name, resolve_dtype
 from mta.errors import MtaError
 from mta.evaluation.datasets import (
     EvalSet,
-    HubOptions,
     default_data_dir,
     load_eval_set,
     load_rows,
@@ -87,8 +86,9 @@ def evaluate_checkpoints(
         check_checkpoint(checkpoint)
     fingerprint_of = {checkpoint: checkpoint_fingerprint(checkpoint) for checkpoint in distinct}
     fingerprints = [fingerprint_of[checkpoint] for checkpoint in checkpoints]
-    hub = HubOptions(settings.split, settings.subset, settings.revision)
-    found = resolve_benchmarks(data_dir, settings.benchmarks, hub)
+    found = resolve_benchmarks(
+        data_dir, settings.benchmarks, split=settings.split, subset=settings.subset, revision=settings.revision
+    )
     # The prompts of each checkpoint: with template chat, rendered with its own chat template.
     styles = [prompt_style(settings.template, checkpoint) for checkpoint in checkpoints]
     sets_of = {

@@ -34,7 +34,8 @@ values (keys given beside it win).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -283,20 +284,19 @@ class MTADistillationTrainer(DistillationTrainer):
         the prompt left-padded): the parsed ranges shifted by each row's prompt padding."""
         pending = inputs.get(PENDING)
         result = pending.result() if pending is not None else self.span_parser.parse(self.generated_rows(inputs))
-        rows = result.batch.to_pylist()
-        if [row["id"] for row in rows] != list(range(len(inputs["prompt_ids"]))):
+        if result.batch.column("id").to_pylist() != list(range(len(inputs["prompt_ids"]))):
             raise RuntimeError("the span parser returned rows other than the micro batch's")
-        spans = self.mta_collator(rows).spans
+        spans = self.mta_collator(result.batch).spans  # the record batch as the parser gave it
         mask = inputs["prompt_mask"]
-        shift = (mask.shape[1] - mask.sum(dim=1)).to(torch.long)[:, None]  # [B, 1] the prompt's padding
+        shift = (mask.shape[1] - mask.sum(dim=1)).to(torch.long).cpu()[:, None]  # [B, 1] the prompt's padding
         device = inputs["prompt_ids"].device
         return {
             name: replace(
                 batch,
-                student_start=(batch.student_start + shift.cpu()) * batch.mask,
-                student_end=(batch.student_end + shift.cpu()) * batch.mask,
-                teacher_start=(batch.teacher_start + shift.cpu()) * batch.mask,
-                teacher_end=(batch.teacher_end + shift.cpu()) * batch.mask,
+                student_start=(batch.student_start + shift) * batch.mask,
+                student_end=(batch.student_end + shift) * batch.mask,
+                teacher_start=(batch.teacher_start + shift) * batch.mask,
+                teacher_end=(batch.teacher_end + shift) * batch.mask,
             ).to(device)
             for name, batch in spans.items()
         }
@@ -344,7 +344,7 @@ class MTADistillationTrainer(DistillationTrainer):
                 mm_token_type_ids=mm_token_type_ids,
                 image_position_ids=image_position_ids,
             )
-        self._mta_hidden[side] = captured.hidden_states
+        self._mta_hidden[side] = captured["hidden_states"]
         return last
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
@@ -407,45 +407,35 @@ class MTADistillationTrainer(DistillationTrainer):
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     """Each row of ``ids [B, T]`` without its padding (where ``mask`` is 0), as a list."""
-    lengths = mask.sum(dim=1).tolist()
-    kept = ids[mask.bool()].tolist()  # row-major: each row's kept ids in order
-    starts = [sum(lengths[:row]) for row in range(len(lengths))]
-    return [kept[start : start + length] for start, length in zip(starts, lengths, strict=True)]
+    kept = ids[mask.bool()].split(mask.sum(dim=1).tolist())  # row-major: each row's kept ids in order
+    return [row.tolist() for row in kept]
 
 
-@dataclass
-class CapturedHiddenStates:
-    hidden_states: tuple[torch.Tensor, ...] = ()
-
-
-class all_hidden_states:  # noqa: N801 (a context manager used as a function)
+@contextmanager
+def all_hidden_states(model: torch.nn.Module) -> Iterator[dict[str, tuple[torch.Tensor, ...]]]:
     """Within the block, the backbone of ``model`` (what TRL's ``_get_last_hidden_state`` calls:
     ``model.base_model``, a peft model's underlying one) also returns every layer's hidden states,
-    captured into the yielded object."""
+    yielded as ``{"hidden_states": ...}`` once it has run."""
+    from peft import PeftModel
 
-    def __init__(self, model: torch.nn.Module):
-        from peft import PeftModel
+    inner = model.base_model.model if isinstance(model, PeftModel) else model
+    backbone = inner.base_model
+    captured: dict[str, tuple[torch.Tensor, ...]] = {}
 
-        inner = model.base_model.model if isinstance(model, PeftModel) else model
-        self.backbone = inner.base_model
-        self.captured = CapturedHiddenStates()
-        self.handles: list[Any] = []
+    def ask(module, args, kwargs):
+        return args, {**kwargs, "output_hidden_states": True}
 
-    def __enter__(self) -> CapturedHiddenStates:
-        def ask(module, args, kwargs):
-            return args, {**kwargs, "output_hidden_states": True}
+    def keep(module, args, kwargs, output):
+        captured["hidden_states"] = tuple(output.hidden_states)
 
-        def keep(module, args, kwargs, output):
-            self.captured.hidden_states = tuple(output.hidden_states)
-
-        self.handles = [
-            self.backbone.register_forward_pre_hook(ask, with_kwargs=True),
-            self.backbone.register_forward_hook(keep, with_kwargs=True),
-        ]
-        return self.captured
-
-    def __exit__(self, *exc_info) -> None:
-        for handle in self.handles:
+    handles = [
+        backbone.register_forward_pre_hook(ask, with_kwargs=True),
+        backbone.register_forward_hook(keep, with_kwargs=True),
+    ]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
             handle.remove()
 
 
