@@ -34,3 +34,27 @@ def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | No
         except metadata.PackageNotFoundError:
             versions[name] = None
     return versions
+
+
+def source_commit() -> dict[str, str | bool | None]:
+    """The git commit mta runs from, for results that name the code they came from:
+    ``{"commit": sha or None, "dirty": whether tracked files differ from it}``; ``None`` when mta
+    is not a git checkout (an installed wheel) or git is missing."""
+    import subprocess  # here: `import mta` stays without it
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": sha or None, "dirty": bool(status.strip())}

@@ -1,0 +1,203 @@
+"""The evidence's report: ``results.md``, ``results.json`` and ``evidence.png`` (issue 33).
+
+``results.md`` holds, in order: when and from which commit, the settings (fixed before the
+runs), the per-set and average difference MTA − base with its 95 % interval and the smallest
+difference the design detects at 80 % power, the sentence that says what that means, the "writes
+text" check, every run's choice and times, every stage's wall time and the bootstrap procedure.
+The picture: every run's dev ROUGE-L and dev loss curves, and the differences with their
+intervals.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from mta import distributed
+from mta.demo.evidence import BASE, MTA, EvidenceSettings, plan_lines
+from mta.demo.report import pyplot, save_figure
+from mta.evaluation.bootstrap import AVERAGE
+from mta.evaluation.datasets import BENCHMARKS
+from mta.files import atomic_write_json, atomic_write_text
+from mta.tables import markdown_table
+
+RESULTS_MARKDOWN, RESULTS_JSON, PICTURE = "results.md", "results.json", "evidence.png"
+COLOURS = {BASE.label: "tab:blue", MTA.label: "tab:orange"}
+
+
+def _title(name: str) -> str:
+    return "average" if name == AVERAGE else BENCHMARKS[name].title if name in BENCHMARKS else name
+
+
+def verdict(differences: dict[str, dict]) -> str:
+    """The plain sentence on the average difference: its sign, whether its interval excludes 0,
+    and what the design could have detected."""
+    average = differences[AVERAGE]
+    estimate, low, high, detectable = (average[k] for k in ("estimate", "low", "high", "detectable"))
+    interval = f"{estimate:+.2f} ROUGE-L (95 % interval {low:+.2f} to {high:+.2f})"
+    if low > 0:
+        return f"MTA helps its base loss here: on average {interval}; the interval excludes 0."
+    if high < 0:
+        return f"MTA hurts its base loss here: on average {interval}; the interval excludes 0."
+    return (
+        f"No difference detected: on average MTA − base is {interval}, an interval that includes 0. "
+        f"This design detects a difference of {detectable:.2f} ROUGE-L or more at 80 % power; a smaller "
+        "gain (or loss) than that would go unseen."
+    )
+
+
+def difference_table(results: dict) -> tuple[list[str], list[list[str]]]:
+    """Per set, then the average: teacher, base and MTA means, the difference, its interval, the
+    detectable difference."""
+    header = ["set", "teacher", BASE.label, MTA.label, "MTA − base", "95 % interval", "detectable (80 %)"]
+    body = []
+    teacher, means, differences = results["teacher"]["sets"], results["means"], results["differences"]
+    for name in [*results["settings"]["test_sets"], AVERAGE]:
+        if name == AVERAGE:
+            cells = [sum(values.values()) / len(values) for values in (teacher, means[BASE.label], means[MTA.label])]
+        else:
+            cells = [teacher[name], means[BASE.label][name], means[MTA.label][name]]
+        d = differences[name]
+        body.append(
+            [
+                _title(name),
+                *(f"{value:.2f}" for value in cells),
+                f"{d['estimate']:+.2f}",
+                f"{d['low']:+.2f} to {d['high']:+.2f}",
+                f"{d['detectable']:.2f}",
+            ]
+        )
+    return header, body
+
+
+def _runs_table(results: dict) -> list[str]:
+    header = [
+        "run",
+        "chosen step",
+        "dev ROUGE-L at selection",
+        "dev ROUGE-L (evaluated)",
+        "writes text",
+        "dev loss",
+        "train time",
+    ]
+    body = []
+    for label, run in results["runs"].items():
+        losses = [point["loss"] for point in run["curve"] if point["loss"] is not None]
+        seconds = results["timings"].get(f"train {label}")
+        body.append(
+            [
+                label,
+                str(run["chosen_step"]),
+                f"{run['dev_rouge_at_selection']:.2f}",
+                f"{run['dev_rouge']:.2f}",
+                "yes" if run["writes_text"] else "**no**",
+                f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "-",
+                f"{seconds / 60:.1f} min" if seconds is not None else "-",
+            ]
+        )
+    return markdown_table(header, body)
+
+
+def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
+    settings = EvidenceSettings(**{k: v for k, v in results["settings"].items() if k != "train_rows"})
+    commit = results["commit"]
+    sha = commit.get("commit") or "unknown"
+    source = f"commit {sha[:12]}" + (" with uncommitted changes" if commit.get("dirty") else "")
+    timings = results["timings"]
+    total = sum(timings.values())
+    dev_teacher = results["teacher"]["dev_rouge"]
+    writes = [label for label, run in results["runs"].items() if run["writes_text"]]
+    lines = [
+        f"# Does MTA help here? {BASE.label} against {MTA.label}",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {source} · {platform.machine()}, "
+        f"{distributed.available_cores()} cores, {results['precision']} · stages {total / 60:.1f} min in all "
+        f"(this session {elapsed_seconds / 60:.1f} min)",
+        "",
+        "## The difference",
+        "",
+        *markdown_table(*difference_table(results)),
+        "",
+        "ROUGE-L (F × 100), each variant's mean over its training seeds, the sampling seeds and the rows. "
+        + verdict(results["differences"]),
+        "",
+        "## Does the student write text?",
+        "",
+        f"The teacher's dev ROUGE-L is {dev_teacher:.2f} on the {settings.select_rows} selection rows "
+        f"(seeds {list(settings.sampling_seeds)}); half of it is {dev_teacher / 2:.2f}. "
+        f"{len(writes)} of the {len(results['runs'])} chosen checkpoints reach it.",
+        "",
+        *_runs_table(results),
+        "",
+        "dev ROUGE-L at selection: one sample per row (the seed of `train.select_by: rouge`), the best "
+        "of the run's evaluations, so it is biased upwards; evaluated: the chosen checkpoint under "
+        "`mta evaluate`'s protocol and sampling seeds. dev loss: the run's own objective on the dev rows, "
+        "first and last evaluation.",
+        "",
+        "## Stages",
+        "",
+        *markdown_table(["stage", "wall time"], [[stage, f"{s / 60:.1f} min"] for stage, s in timings.items()]),
+        "",
+        "## Settings, fixed before the runs",
+        "",
+        "```",
+        *plan_lines(settings),
+        "```",
+        "",
+        "## How the interval is computed",
+        "",
+        "A variant's scores on a set are `[training seeds, sampling seeds, rows]`. One bootstrap replicate "
+        "draws, with replacement, each variant's training seeds, then within each drawn run its sampling "
+        "seeds, then the set's rows (one draw for both variants: they answer the same prompts); the "
+        "difference of the means is recomputed. The 95 % interval is the estimate ± t(0.975, n_A + n_B − 2) "
+        f"× the replicates' standard deviation ({settings.replicates} replicates); the smallest difference "
+        "detectable at 80 % power is (t(0.975) + t(0.80)) × that standard deviation. The average is the "
+        "mean of the four per-set differences. `mta.evaluation.bootstrap`; `tests/test_bootstrap.py` checks "
+        "the coverage and the power on simulated data with a planted difference.",
+        "",
+    ]
+    return lines
+
+
+def plot(results: dict, path: Path) -> None:
+    """Dev ROUGE-L and dev loss of every run against the step, then the differences."""
+    plt = pyplot()
+    figure, (rouge, loss, diff) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for run in results["runs"].values():
+        colour = COLOURS[run["variant"]]
+        points = [p for p in run["curve"] if p["rougeL"] is not None and p["step"] > 0]
+        rouge.plot([p["step"] for p in points], [p["rougeL"] for p in points], color=colour, alpha=0.7, marker=".")
+        losses = [p for p in run["curve"] if p["loss"] is not None]
+        loss.plot([p["step"] for p in losses], [p["loss"] for p in losses], color=colour, alpha=0.7, marker=".")
+    for variant in (BASE, MTA):
+        rouge.plot([], [], color=COLOURS[variant.label], label=variant.label)
+    rouge.axhline(results["teacher"]["dev_rouge"], color="grey", linestyle="--", label="teacher")
+    rouge.axhline(results["teacher"]["dev_rouge"] / 2, color="grey", linestyle=":", label="half the teacher")
+    rouge.set(title="dev ROUGE-L (selection rows, 1 sample)", xlabel="step", ylabel="ROUGE-L")
+    rouge.legend(fontsize=8)
+    loss.set(title="dev loss (each run's objective)", xlabel="step", ylabel="loss")
+    names = [*results["settings"]["test_sets"], AVERAGE]
+    estimates = [results["differences"][n]["estimate"] for n in names]
+    lows = [results["differences"][n]["estimate"] - results["differences"][n]["low"] for n in names]
+    highs = [results["differences"][n]["high"] - results["differences"][n]["estimate"] for n in names]
+    diff.errorbar(range(len(names)), estimates, yerr=[lows, highs], fmt="o", capsize=4, color="tab:orange")
+    diff.axhline(0, color="black", linewidth=0.8)
+    diff.set_xticks(range(len(names)), [_title(n) for n in names])
+    diff.set(title="MTA − base, ROUGE-L (95 % interval)", ylabel="difference")
+    save_figure(figure, path)
+
+
+def write_report(results: dict[str, Any], out_dir: str | Path, elapsed_seconds: float) -> tuple[Path, Path]:
+    """results.json, results.md and evidence.png in ``out_dir``; returns the last two."""
+    out_dir = Path(out_dir)
+    atomic_write_json(out_dir / RESULTS_JSON, results)
+    markdown = out_dir / RESULTS_MARKDOWN
+    atomic_write_text(markdown, "\n".join(markdown_lines(results, elapsed_seconds)))
+    picture = out_dir / PICTURE
+    plot(results, picture)
+    return markdown, picture
+
+
+__all__ = ["difference_table", "markdown_lines", "plot", "verdict", "write_report"]

@@ -1,0 +1,160 @@
+"""`make evidence` end to end on a tiny teacher: every stage, the numbers against the files they
+come from, the report, and a second run that redoes nothing (issue 33)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mta.demo.evidence import BASE, MTA, EvidenceSettings, plan_lines, run_evidence, run_label
+from mta.demo.evidence_report import difference_table, verdict, write_report
+from mta.evaluation.bootstrap import AVERAGE, bootstrap_differences
+
+REPO = Path(__file__).resolve().parents[1]
+
+SETTINGS = EvidenceSettings(
+    name="test",
+    student_layers=2,
+    train_steps=2,
+    eval_interval=1,
+    train_seeds=(1, 2),
+    dev_rows=4,
+    select_rows=2,
+    eval_rows=2,
+    sampling_seeds=(10, 20),
+    max_new_tokens=4,
+    eval_batch_size=4,
+    replicates=200,
+    test_sets=("dolly", "self-inst"),
+)
+OVERRIDES = (
+    "data.max_length=384",
+    "data.max_prompt_length=256",
+    "train.batch_size=4",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=0",
+    "train.num_sample_generations=0",
+)
+
+
+def _data_dir(root: Path) -> Path:
+    """A MiniLLM-layout directory made of the repo's example rows (no ../shared needed)."""
+    rows = (REPO / "recipes" / "examples" / "tiny.jsonl").read_text(encoding="utf-8").splitlines()
+    for relative, chosen in {
+        "dolly/train.jsonl": rows,
+        "dolly/dev.jsonl": rows[:6],
+        "dolly/valid.jsonl": rows[8:12],
+        "self-inst/valid.jsonl": rows[12:15],
+    }.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(chosen) + "\n", encoding="utf-8")
+    return root
+
+
+def _scores(out: Path, split: str, label: str, set_name: str) -> list[list[float]]:
+    """[sampling seeds, rows] ROUGE-L read straight from the predictions files."""
+    return [
+        [json.loads(line)["rougeL"] for line in path.read_text().splitlines()]
+        for path in sorted((out / "eval" / split / "predictions" / label / set_name).glob("seed-*.jsonl"))
+    ]
+
+
+@pytest.mark.slow
+def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model_dir):
+    torch.set_num_threads(1)
+    out, data = tmp_path / "evidence", _data_dir(tmp_path / "data")
+
+    results = run_evidence(SETTINGS, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=OVERRIDES)
+
+    labels = [run_label(v, s) for s in SETTINGS.train_seeds for v in (BASE, MTA)]
+    assert list(results["runs"]) == labels
+    for label in labels:
+        run = results["runs"][label]
+        # The chosen checkpoint is the run's best dev ROUGE-L among its evaluations (step 0 excluded).
+        curve = [p for p in run["curve"] if p["step"] > 0]
+        assert [p["step"] for p in curve] == [1, 2]
+        assert run["dev_rouge_at_selection"] == max(p["rougeL"] for p in curve)
+        assert run["chosen_step"] == next(p["step"] for p in curve if p["rougeL"] == run["dev_rouge_at_selection"])
+        assert (out / "runs" / label / "best" / "config.json").exists()
+        # Seeds are the recipe's: runs of one variant share the start, not the data order.
+        assert json.loads((out / "runs" / label / "best" / "selection.json").read_text())["step"] == run["chosen_step"]
+        dev = np.mean(_scores(out, "dev", label, "dolly-dev"))
+        assert run["dev_rouge"] == pytest.approx(dev)
+        assert run["writes_text"] == (dev >= results["teacher"]["dev_rouge"] / 2)
+    # MTA's terms are on in the MTA runs only; the teacher ran once, in the teacher stage.
+    for variant in (BASE, MTA):
+        records = (out / "runs" / run_label(variant, 1) / "metrics.jsonl").read_text()
+        assert ('"loss/dsa"' in records) == (variant is MTA)
+    assert (out / "teacher-cache" / "train" / ".mta" / "manifest.json").exists()
+
+    # The means and the differences are the predictions files' numbers, bootstrapped again.
+    arrays = {
+        v.label: {
+            name: np.array([_scores(out, "test", run_label(v, s), name) for s in SETTINGS.train_seeds])
+            for name in SETTINGS.test_sets
+        }
+        for v in (BASE, MTA)
+    }
+    for variant, per_set in arrays.items():
+        assert per_set["dolly"].shape == (2, 2, 2) and per_set["self-inst"].shape == (2, 2, 2)
+        for name, values in per_set.items():
+            assert results["means"][variant][name] == pytest.approx(values.mean())
+    again = bootstrap_differences(arrays[BASE.label], arrays[MTA.label], replicates=SETTINGS.replicates)
+    for name in [*SETTINGS.test_sets, AVERAGE]:
+        assert results["differences"][name]["estimate"] == pytest.approx(again[name].estimate)
+        assert results["differences"][name]["low"] == pytest.approx(again[name].low)
+    assert set(results["timings"]) >= {"prepare", "teacher stage", "evaluate test", "evaluate dev"} | {
+        f"train {label}" for label in labels
+    }
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert results["commit"]["commit"] == (commit.strip() or None)
+
+    markdown, picture = write_report(results, out, elapsed_seconds=1.0)
+    text = markdown.read_text(encoding="utf-8")
+    assert verdict(results["differences"]) in text
+    for row in difference_table(results)[1]:
+        assert "| " + " | ".join(row) + " |" in text
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "results.json").read_text())["differences"] == results["differences"]
+
+    # A second run finds every stage complete: nothing is trained or timed again.
+    stamps = {label: (out / "runs" / label / "best" / "config.json").stat().st_mtime_ns for label in labels}
+    second = run_evidence(SETTINGS, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=OVERRIDES)
+    assert second["timings"] == results["timings"]
+    assert stamps == {label: (out / "runs" / label / "best" / "config.json").stat().st_mtime_ns for label in labels}
+
+
+def test_verdict_states_the_sign_plainly():
+    def difference(estimate: float, low: float, high: float) -> dict:
+        return {AVERAGE: {"estimate": estimate, "low": low, "high": high, "detectable": 1.5}}
+
+    assert verdict(difference(1.0, 0.2, 1.8)).startswith("MTA helps")
+    assert verdict(difference(-1.0, -1.8, -0.2)).startswith("MTA hurts")
+    neither = verdict(difference(0.3, -0.5, 1.1))
+    assert neither.startswith("No difference detected") and "1.50" in neither
+
+
+def test_the_plan_names_every_run_and_fits_the_budget():
+    settings = EvidenceSettings.full()
+    assert len(settings.train_seeds) >= 4 and len(settings.runs()) == 2 * len(settings.train_seeds)
+    # Interleaved by seed, so a stopped run leaves both variants equally far.
+    assert [v for v, _ in settings.runs()[:2]] == [BASE, MTA]
+    text = "\n".join(plan_lines(settings))
+    assert f"{len(settings.runs())} runs of {settings.train_steps} steps" in text
+    # The budget is the development machine's, where auto means bf16 (the tests run fp32).
+    assert sum(dataclasses.replace(settings, precision="bf16").estimated_seconds().values()) < 150 * 60
+    # Selection passes fall on the runs' checkpoints; the step count is a whole number of them.
+    assert settings.train_steps % settings.eval_interval == 0
+
+
+def test_make_n_evidence_prints_the_plan():
+    made = subprocess.run(["make", "-n", "evidence"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert "8 runs of" in made.stdout + made.stderr and "estimate:" in made.stdout + made.stderr
