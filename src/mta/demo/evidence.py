@@ -59,6 +59,7 @@ from mta.files import atomic_write_json
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
 from mta.reporting import Reporter, SilentReporter
+from mta.training.config.layers import auto_layer_map
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import Recipe
 from mta.training.lifecycle.checkpointing import latest_checkpoint
@@ -71,6 +72,7 @@ EVIDENCE_LAYOUT = 1  # bumped when a directory written earlier cannot be continu
 TEST_SETS = ("dolly", "self-inst", "vicuna", "sinst")
 DEV_SET = "dolly-dev"
 TEACHER = "teacher"
+TEACHER_LAYERS = 30  # SmolLM2-135M-Instruct's
 TIMINGS_FILE = "timings.json"
 
 # Seconds per unit on the 2-core development machine in bf16 (AVX512-BF16), for the plan's
@@ -99,7 +101,7 @@ class EvidenceVariant:
 BASE = EvidenceVariant(
     "srkl", ("loss.dsa_weight=0", "loss.hra_weight=0"), "DistiLLM's skew reverse KL (α 0.1) on the references"
 )
-MTA = EvidenceVariant("srkl+mta", (), "srkl + 2·DSA + 0.2·HRA, layers auto (8→16 word, 11→22, 15→30 phrase)")
+MTA = EvidenceVariant("srkl+mta", (), "srkl + 2·DSA + 0.2·HRA, layers auto")
 VARIANTS = (BASE, MTA)
 
 
@@ -214,6 +216,10 @@ def plan_lines(settings: EvidenceSettings, out_dir: str | Path = "runs/evidence"
         f"(batch 8, {settings.train_rows} Dolly train rows drawn with seed 0), sampling during training off",
     ]
     lines += [f"    {variant.label}: {variant.description}" for variant in VARIANTS]
+    pairs = auto_layer_map(settings.student_layers, TEACHER_LAYERS)
+    lines.append(
+        "    auto layers (student -> teacher): " + ", ".join(f"{p.student}->{p.teacher} {p.granularity}" for p in pairs)
+    )
     lines += [
         f"  selection: dev ROUGE-L (1 sample, <= {settings.max_new_tokens} new tokens) on the first "
         f"{settings.select_rows} Dolly dev rows at step 0 and every {settings.eval_interval} steps "
