@@ -6,13 +6,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from mta.demo.evidence import BASE, MTA, EvidenceSettings, plan_lines, run_evidence, run_label
+from mta.demo.evidence import (
+    BASE,
+    MTA,
+    EvidencePaths,
+    EvidenceSettings,
+    plan_lines,
+    run_evidence,
+    run_label,
+    timed_stage,
+)
 from mta.demo.evidence_report import difference_table, verdict, write_report
 from mta.evaluation.bootstrap import AVERAGE, bootstrap_differences
 
@@ -158,3 +168,21 @@ def test_make_n_evidence_prints_the_plan():
     made = subprocess.run(["make", "-n", "evidence"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     assert "8 runs of" in made.stdout + made.stderr and "estimate:" in made.stdout + made.stderr
+
+
+def test_a_stage_stopped_midway_keeps_its_time_and_a_reused_one_adds_none(tmp_path):
+    paths = EvidencePaths(tmp_path)
+
+    def stopped() -> None:
+        time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        timed_stage(paths, "train x", stopped, done=False)
+    first = json.loads(paths.timings.read_text())["train x"]
+    assert first >= 0.05
+    assert timed_stage(paths, "train x", lambda: time.sleep(0.02) or "ran", done=False) == "ran"
+    second = json.loads(paths.timings.read_text())["train x"]
+    assert second >= first + 0.02
+    timed_stage(paths, "train x", lambda: time.sleep(0.02), done=True)
+    assert json.loads(paths.timings.read_text()) == {"train x": second}

@@ -242,16 +242,18 @@ def plan_lines(settings: EvidenceSettings, out_dir: str | Path = "runs/evidence"
 Result = TypeVar("Result")
 
 
-def _timed(paths: EvidencePaths, stage: str, work: Callable[[], Result], *, done: bool) -> Result:
+def timed_stage(paths: EvidencePaths, stage: str, work: Callable[[], Result], *, done: bool) -> Result:
     """``work()``, its wall time added to the stage's in timings.json unless the stage was
-    already ``done`` (then only reused: the time of the run that did it stays)."""
-    timings = json.loads(paths.timings.read_text()) if paths.timings.exists() else {}
+    already ``done`` (then only reused: the time of the run that did it stays). A stage stopped
+    midway (Ctrl-C, a crash) keeps the time it ran: the next session continues its work."""
     started = time.perf_counter()
-    result = work()
-    if not done:
-        timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - started
-        atomic_write_json(paths.timings, timings)
-    return result
+    try:
+        return work()
+    finally:
+        if not done:
+            timings = json.loads(paths.timings.read_text()) if paths.timings.exists() else {}
+            timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - started
+            atomic_write_json(paths.timings, timings)
 
 
 def run_evidence(
@@ -291,9 +293,9 @@ def run_evidence(
         return model, recipe
 
     prepared = all((paths.annotations(s) / ".mta" / "manifest.json").exists() for s in ("train", "dev"))
-    model, recipe = _timed(paths, "prepare", prepare, done=prepared)
+    model, recipe = timed_stage(paths, "prepare", prepare, done=prepared)
     cached = all((paths.teacher_cache / s / ".mta" / "manifest.json").exists() for s in ("train", "dev"))
-    _timed(paths, "teacher stage", lambda: run_teacher_stage(recipe, reporter=reporter), done=cached)
+    timed_stage(paths, "teacher stage", lambda: run_teacher_stage(recipe, reporter=reporter), done=cached)
 
     chosen: dict[str, Path] = {}
     for variant, seed in settings.runs():
@@ -304,7 +306,7 @@ def run_evidence(
         if not finished:
             resumed = latest_checkpoint(paths.run(label)) is not None
             reporter.message(f"distill: {label}" + (" (resumed)" if resumed else ""))
-        _timed(
+        timed_stage(
             paths,
             f"train {label}",
             functools.partial(run_distillation, run_recipe, resume="auto", reporter=reporter),
@@ -332,7 +334,7 @@ def run_evidence(
         )
         reporter.message(f"evaluate: {', '.join(sets)} ({limit} rows, seeds {list(settings.sampling_seeds)})")
         done = (directory / "results.json").exists()
-        evaluated[split] = _timed(
+        evaluated[split] = timed_stage(
             paths,
             f"evaluate {split}",
             functools.partial(
@@ -464,4 +466,5 @@ __all__ = [
     "run_evidence",
     "run_label",
     "summarise",
+    "timed_stage",
 ]
