@@ -23,7 +23,7 @@ from mta.demo.evidence import (
     run_label,
     timed_stage,
 )
-from mta.demo.evidence_report import difference_table, verdict, write_report
+from mta.demo.evidence_report import code_source, difference_table, verdict, write_report
 from mta.evaluation.bootstrap import AVERAGE, bootstrap_differences
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
         f"train {label}" for label in labels
     }
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    assert results["commit"]["commit"] == (commit.strip() or None)
+    assert [session["commit"] for session in results["sessions"]] == [commit.strip() or None]
 
     markdown, picture = write_report(results, out, elapsed_seconds=1.0)
     text = markdown.read_text(encoding="utf-8")
@@ -138,6 +138,7 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
     stamps = {label: (out / "runs" / label / "best" / "config.json").stat().st_mtime_ns for label in labels}
     second = run_evidence(SETTINGS, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=OVERRIDES)
     assert second["timings"] == results["timings"]
+    assert len(second["sessions"]) == 2 and "2 sessions" in code_source(second["sessions"])
     assert stamps == {label: (out / "runs" / label / "best" / "config.json").stat().st_mtime_ns for label in labels}
 
 
@@ -186,3 +187,38 @@ def test_a_stage_stopped_midway_keeps_its_time_and_a_reused_one_adds_none(tmp_pa
     assert second >= first + 0.02
     timed_stage(paths, "train x", lambda: time.sleep(0.02), done=True)
     assert json.loads(paths.timings.read_text()) == {"train x": second}
+
+
+def test_the_report_names_every_commit_its_sessions_ran():
+    one = {"started": "2026-12-02T05:00:00Z", "commit": "a" * 40, "dirty": False}
+    assert code_source([one]) == f"commit {'a' * 12} (1 session, the first started 2026-12-02T05:00:00Z)"
+    other = {"started": "2026-12-02T07:00:00Z", "commit": "b" * 40, "dirty": True}
+    text = code_source([one, dict(one, started="2026-12-02T06:00:00Z"), other])
+    assert text.startswith(f"commit {'a' * 12}, {'b' * 12} with uncommitted changes (3 sessions")
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "says"),
+    [
+        (KeyboardInterrupt(), 130, "interrupted: every finished stage is kept in"),
+        ("SIGTERM", 143, "stopped by SIGTERM after step 69: saved ckpt/step-69; every finished stage"),
+        ("SIGUSR1", 75, "stopped by SIGUSR1 after step 69"),
+    ],
+)
+def test_a_demo_stopped_midway_says_so_in_one_line_with_its_exit_code(tmp_path, capsys, stop, code, says):
+    import typer
+
+    from mta.training.lifecycle.stopping import RunStopped
+    from mta_cli.results import run_demo_command
+
+    def run(reporter):
+        raise stop if isinstance(stop, BaseException) else RunStopped(stop, step=69, checkpoint=Path("ckpt/step-69"))
+
+    def never(*args):
+        raise AssertionError("no report for a stopped run")
+
+    with pytest.raises(typer.Exit) as ended:
+        run_demo_command("mta demo --evidence", 60.0, tmp_path, run, never, never)
+    assert ended.value.exit_code == code
+    stderr = " ".join(capsys.readouterr().err.split())
+    assert says in stderr and "Traceback" not in stderr

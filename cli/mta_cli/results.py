@@ -12,9 +12,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from mta_cli.exit_codes import INTERRUPTED, stopped_exit_code
 from mta_cli.reporting import make_reporter
 
 Cells = tuple[list[str], list[list[str]]]  # header, body
@@ -53,11 +56,26 @@ def run_demo_command(
     table: Callable[[dict], Cells],
 ) -> None:
     """Say what runs and for about how long, ``run(reporter)`` it with progress on stderr, write
-    its report into ``out_dir`` and print its table."""
+    its report into ``out_dir`` and print its table. Ctrl-C or a stopping signal ends it with one
+    line (what was saved, how to continue) and the exit code ``mta distill`` gives."""
     console = Console(stderr=True)
     console.print(f"[bold]{title}[/]: about {estimated_seconds / 60:.0f} min on a 2-core CPU; output in {out_dir}/")
+    from mta.training.lifecycle.stopping import RunStopped
+
     started = time.perf_counter()
-    with make_reporter(console) as reporter:
-        results = run(reporter)
+    again = f"every finished stage is kept in {out_dir}/: run the same command again to continue"
+    try:
+        with make_reporter(console) as reporter:
+            results = run(reporter)
+    except KeyboardInterrupt:
+        console.print(Text(f"interrupted: {again}", style="yellow"), soft_wrap=True)
+        raise typer.Exit(INTERRUPTED) from None
+    except RunStopped as stopped:
+        saved = (
+            f"saved {stopped.checkpoint}" if stopped.checkpoint is not None else f"without saving ({stopped.reason})"
+        )
+        line = f"stopped by {stopped.signal_name} after step {stopped.step}: {saved}; {again}"
+        console.print(Text(line, style="yellow"), soft_wrap=True)
+        raise typer.Exit(stopped_exit_code(stopped)) from None
     markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
     print_results(title, *table(results), markdown, picture)

@@ -11,15 +11,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from mta_cli.exit_codes import INTERRUPTED, stopped_exit_code
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
-
-INTERRUPTED = 130  # the shell's code for a command ended by SIGINT (128 + 2)
-# SIGUSR1 (Slurm's warning before the time limit): stopped after a step with a checkpoint of it;
-# a job script requeues on it (docs/slurm.md). 75 is EX_TEMPFAIL, "try again later" (sysexits.h).
-STOPPED = 75
-# SIGTERM, with a checkpoint when it fitted (the line says): 128 + 15, what the signal alone gives,
-# so that scancel's job is not requeued by a script that requeues on STOPPED.
-TERMINATED = 143
 
 
 def resume_command(recipe: str, overrides: list[str], *, verbose: bool = False) -> str:
@@ -153,7 +146,7 @@ def distill(
                 resume_command(recipe, list(overrides or []), verbose=verbose),
             )
             console.print(Text(line, style="yellow"), soft_wrap=True)
-        raise typer.Exit(TERMINATED if stopped.signal_name == "SIGTERM" else STOPPED) from None
+        raise typer.Exit(stopped_exit_code(stopped)) from None
     if is_main:
         how = "AutoModelForCausalLM.from_pretrained"
         if loaded.task == "embedding":

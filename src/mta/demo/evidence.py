@@ -19,13 +19,16 @@ the weights' fingerprints):
 3. the teacher stage (``mta teacher``): its hidden states at the aligned layers and its top-k
    logits, stored once for every run (no teacher forward in a training step);
 4. the training runs, ``train_steps`` steps each; at every ``eval_interval`` the dev loss on the
-   dev rows and the dev ROUGE-L of one sampled response on the first ``select_rows`` of them
+   annotated dev rows (those of the first ``dev_rows`` whose prompt fits ``data.max_prompt_length``)
+   and the dev ROUGE-L of one sampled response on the first ``select_rows`` of them
    (``train.select_by: rouge``): ``OUT/runs/<run>/best/`` is the chosen checkpoint. No test row
    chooses anything;
 5. the evaluation (``mta evaluate``, MiniLLM protocol: top_k 0, top_p 1, T 1): the teacher and
    every chosen checkpoint on the first ``eval_rows`` rows of Dolly, SelfInst, Vicuna and S-NI
-   under each of ``sampling_seeds``, and on the ``select_rows`` dev rows (the "writes text"
-   check: a student's dev ROUGE-L at its chosen checkpoint against half the teacher's);
+   under each of ``sampling_seeds``, and on the first ``select_rows`` rows of Dolly dev (the
+   "writes text" check: a student's dev ROUGE-L at its chosen checkpoint against half the
+   teacher's; ``mta evaluate`` keeps a long prompt's first 256 tokens where the annotation skips it,
+   so these rows overlap the selection's without being the same);
 6. the comparison (:mod:`mta.evaluation.bootstrap`): per set and on average, MTA − base with a
    95 % interval from a hierarchical bootstrap and the smallest difference detectable at 80 %
    power; :mod:`mta.demo.evidence_report` writes results.md, results.json and the picture.
@@ -74,6 +77,7 @@ DEV_SET = "dolly-dev"
 TEACHER = "teacher"
 TEACHER_LAYERS = 30  # SmolLM2-135M-Instruct's
 TIMINGS_FILE = "timings.json"
+SESSIONS_FILE = "sessions.json"
 
 # Seconds per unit on the 2-core development machine in bf16 (AVX512-BF16), for the plan's
 # estimate: the base step measured by a 160-step pilot of the evidence's sizes (15-layer student,
@@ -202,6 +206,10 @@ class EvidencePaths:
     def timings(self) -> Path:
         return self.root / TIMINGS_FILE
 
+    @property
+    def sessions(self) -> Path:
+        return self.root / SESSIONS_FILE
+
 
 def plan_lines(settings: EvidenceSettings, out_dir: str | Path = "runs/evidence") -> list[str]:
     """What :func:`run_evidence` will do, and for about how long, before it does it."""
@@ -222,13 +230,13 @@ def plan_lines(settings: EvidenceSettings, out_dir: str | Path = "runs/evidence"
     )
     lines += [
         f"  selection: dev ROUGE-L (1 sample, <= {settings.max_new_tokens} new tokens) on the first "
-        f"{settings.select_rows} Dolly dev rows at step 0 and every {settings.eval_interval} steps "
-        f"({passes} passes a run; step 0 is never chosen); "
-        f"dev loss on {settings.dev_rows} dev rows",
+        f"{settings.select_rows} annotated Dolly dev rows at step 0 and every {settings.eval_interval} steps "
+        f"({passes} passes a run; step 0 is never chosen); dev loss on the annotated ones of the first "
+        f"{settings.dev_rows} dev rows (a prompt over 128 tokens is skipped)",
         f"  evaluation: the teacher and the {len(settings.runs())} chosen checkpoints on the first "
         f"{settings.eval_rows} rows of {', '.join(settings.test_sets)}, sampling seeds "
-        f"{list(settings.sampling_seeds)}, <= {settings.max_new_tokens} new tokens; the same on the "
-        f"{settings.select_rows} dev rows (does the student write text?)",
+        f"{list(settings.sampling_seeds)}, <= {settings.max_new_tokens} new tokens; the same on the first "
+        f"{settings.select_rows} Dolly dev rows (does the student write text?)",
         f"  statistics: hierarchical bootstrap ({settings.replicates} replicates: training seeds, then "
         "sampling seeds, then rows), 95 % intervals, smallest difference detectable at 80 % power",
         f"  precision: {settings.resolved_precision()} (requested {settings.precision})",
@@ -256,6 +264,15 @@ def timed_stage(paths: EvidencePaths, stage: str, work: Callable[[], Result], *,
             atomic_write_json(paths.timings, timings)
 
 
+def record_session(paths: EvidencePaths) -> list[dict]:
+    """Add this session (its start and the commit of the code it runs) to sessions.json, so the
+    results name the code every stage came from; returns every session so far."""
+    sessions = json.loads(paths.sessions.read_text()) if paths.sessions.exists() else []
+    sessions.append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **source_commit()})
+    atomic_write_json(paths.sessions, sessions)
+    return sessions
+
+
 def run_evidence(
     settings: EvidenceSettings,
     out_dir: str | Path = "runs/evidence",
@@ -276,6 +293,7 @@ def run_evidence(
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     stamp = {**asdict(settings), "layout": EVIDENCE_LAYOUT, "resolved_precision": settings.resolved_precision()}
     claim_demo_directory(paths.root, stamp, reporter)
+    record_session(paths)
 
     def prepare() -> tuple[Path, Recipe]:
         model = Path(teacher) if teacher is not None else convert_smollm2(report=lambda line: reporter.message(line))
@@ -449,7 +467,7 @@ def summarise(settings: EvidenceSettings, paths: EvidencePaths, evaluated: dict[
         "timings": json.loads(paths.timings.read_text()) if paths.timings.exists() else {},
         "protocol": evaluated["test"].get("protocol"),
         "precision": settings.resolved_precision(),
-        "commit": source_commit(),
+        "sessions": json.loads(paths.sessions.read_text()),
     }
 
 
@@ -465,6 +483,7 @@ __all__ = [
     "row_scores",
     "run_evidence",
     "run_label",
+    "record_session",
     "summarise",
     "timed_stage",
 ]

@@ -100,11 +100,19 @@ def _runs_table(results: dict) -> list[str]:
     return markdown_table(header, body)
 
 
+def code_source(sessions: list[dict]) -> str:
+    """Which code the stages ran: ``commit abc123 (2 sessions, the first 2026-12-02T05:40:00Z)``,
+    naming every commit when the sessions ran different ones and uncommitted changes where a
+    session had them."""
+    commits = list(dict.fromkeys((s.get("commit") or "unknown", bool(s.get("dirty"))) for s in sessions))
+    named = ", ".join(f"{sha[:12]}" + (" with uncommitted changes" if dirty else "") for sha, dirty in commits)
+    count = f"{len(sessions)} session" + ("s" if len(sessions) != 1 else "")
+    return f"commit {named} ({count}, the first started {sessions[0]['started']})" if sessions else "commit unknown"
+
+
 def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
     settings = EvidenceSettings(**{k: v for k, v in results["settings"].items() if k != "train_rows"})
-    commit = results["commit"]
-    sha = commit.get("commit") or "unknown"
-    source = f"commit {sha[:12]}" + (" with uncommitted changes" if commit.get("dirty") else "")
+    source = code_source(results["sessions"])
     timings = results["timings"]
     total = sum(timings.values())
     dev_teacher = results["teacher"]["dev_rouge"]
@@ -114,7 +122,7 @@ def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {source} · {platform.machine()}, "
         f"{distributed.available_cores()} cores, {results['precision']} · stages {total / 60:.1f} min in all "
-        f"(this session {elapsed_seconds / 60:.1f} min)",
+        f"(the session that wrote this report: {elapsed_seconds / 60:.1f} min)",
         "",
         "## The difference",
         "",
@@ -125,16 +133,17 @@ def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
         "",
         "## Does the student write text?",
         "",
-        f"The teacher's dev ROUGE-L is {dev_teacher:.2f} on the {settings.select_rows} selection rows "
-        f"(seeds {list(settings.sampling_seeds)}); half of it is {dev_teacher / 2:.2f}. "
+        f"The teacher's dev ROUGE-L is {dev_teacher:.2f} on the first {settings.select_rows} Dolly dev rows "
+        f"(`mta evaluate`, seeds {list(settings.sampling_seeds)}); half of it is {dev_teacher / 2:.2f}. "
         f"{len(writes)} of the {len(results['runs'])} chosen checkpoints reach it.",
         "",
         *_runs_table(results),
         "",
-        "dev ROUGE-L at selection: one sample per row (the seed of `train.select_by: rouge`), the best "
-        "of the run's evaluations, so it is biased upwards; evaluated: the chosen checkpoint under "
-        "`mta evaluate`'s protocol and sampling seeds. dev loss: the run's own objective on the dev rows, "
-        "first and last evaluation.",
+        f"dev ROUGE-L at selection: one sample per row on the first {settings.select_rows} annotated dev rows "
+        "(prompts of at most 128 tokens; the seed of `train.select_by: rouge`), the best of the run's "
+        "evaluations, so biased upwards; evaluated: the chosen checkpoint under `mta evaluate`'s protocol "
+        "and sampling seeds on the rows the teacher's figure uses. dev loss: the run's own objective on the "
+        "annotated dev rows, first and last evaluation.",
         "",
         "## Stages",
         "",
@@ -200,4 +209,4 @@ def write_report(results: dict[str, Any], out_dir: str | Path, elapsed_seconds: 
     return markdown, picture
 
 
-__all__ = ["difference_table", "markdown_lines", "plot", "verdict", "write_report"]
+__all__ = ["code_source", "difference_table", "markdown_lines", "plot", "verdict", "write_report"]
