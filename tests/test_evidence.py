@@ -19,11 +19,13 @@ from mta.demo.evidence import (
     EvidencePaths,
     EvidenceSettings,
     plan_lines,
+    read_back,
     run_evidence,
     run_label,
     timed_stage,
 )
 from mta.demo.evidence_report import code_source, difference_table, verdict, write_report
+from mta.errors import MtaError
 from mta.evaluation.bootstrap import AVERAGE, bootstrap_differences
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +36,7 @@ SETTINGS = EvidenceSettings(
     train_steps=2,
     eval_interval=1,
     train_seeds=(1, 2),
+    batch_size=4,
     dev_rows=4,
     select_rows=2,
     eval_rows=2,
@@ -46,8 +49,6 @@ SETTINGS = EvidenceSettings(
 OVERRIDES = (
     "data.max_length=384",
     "data.max_prompt_length=256",
-    "train.batch_size=4",
-    "train.micro_batch_size=4",
     "train.warmup_steps=0",
     "train.num_sample_generations=0",
 )
@@ -93,11 +94,25 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
         assert run["dev_rouge_at_selection"] == max(p["rougeL"] for p in curve)
         assert run["chosen_step"] == next(p["step"] for p in curve if p["rougeL"] == run["dev_rouge_at_selection"])
         assert (out / "runs" / label / "best" / "config.json").exists()
-        # Seeds are the recipe's: runs of one variant share the start, not the data order.
-        assert json.loads((out / "runs" / label / "best" / "selection.json").read_text())["step"] == run["chosen_step"]
         dev = np.mean(_scores(out, "dev", label, "dolly-dev"))
         assert run["dev_rouge"] == pytest.approx(dev)
         assert run["writes_text"] == (dev >= results["teacher"]["dev_rouge"] / 2)
+        records = [json.loads(line) for line in (out / "runs" / label / "metrics.jsonl").read_text().splitlines()]
+        dev_records = [r for r in records if r.get("split") == "dev"]
+        assert [p["base_loss"] for p in run["curve"]] == [r["loss/base"] for r in dev_records]
+        if run["variant"] == BASE.label:  # the base loss is the whole objective
+            assert [p["loss"] for p in run["curve"]] == [p["base_loss"] for p in run["curve"]]
+    # Every run starts from the same student (its step-0 dev base loss is the same), and a seed
+    # changes the data order (the first logged training loss differs between seeds).
+    for seed in SETTINGS.train_seeds:
+        starts = [results["runs"][run_label(v, seed)]["curve"][0]["base_loss"] for v in (BASE, MTA)]
+        assert starts[0] == pytest.approx(starts[1], rel=1e-5)
+
+    def first_train_loss(label: str) -> float:
+        records = [json.loads(line) for line in (out / "runs" / label / "metrics.jsonl").read_text().splitlines()]
+        return next(r["loss"] for r in records if r.get("split", "train") == "train")
+
+    assert first_train_loss(run_label(BASE, 1)) != pytest.approx(first_train_loss(run_label(BASE, 2)), rel=1e-6)
     # MTA's terms are on in the MTA runs only; the teacher ran once, in the teacher stage.
     for variant in (BASE, MTA):
         records = (out / "runs" / run_label(variant, 1) / "metrics.jsonl").read_text()
@@ -119,7 +134,8 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
     again = bootstrap_differences(arrays[BASE.label], arrays[MTA.label], replicates=SETTINGS.replicates)
     for name in [*SETTINGS.test_sets, AVERAGE]:
         assert results["differences"][name]["estimate"] == pytest.approx(again[name].estimate)
-        assert results["differences"][name]["low"] == pytest.approx(again[name].low)
+        for key in ("low", "high", "standard_error", "detectable"):
+            assert results["differences"][name][key] == pytest.approx(getattr(again[name], key))
     assert set(results["timings"]) >= {"prepare", "teacher stage", "evaluate test", "evaluate dev"} | {
         f"train {label}" for label in labels
     }
@@ -135,11 +151,32 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
     assert json.loads((out / "results.json").read_text())["differences"] == results["differences"]
 
     # A second run finds every stage complete: nothing is trained or timed again.
-    stamps = {label: (out / "runs" / label / "best" / "config.json").stat().st_mtime_ns for label in labels}
+    def stamps() -> dict[str, int]:
+        return {
+            str(path.relative_to(out)): path.stat().st_mtime_ns
+            for label in labels
+            for path in (out / "runs" / label).glob("*/config.json")  # final/, best/
+        }
+
+    before = stamps()
     second = run_evidence(SETTINGS, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=OVERRIDES)
     assert second["timings"] == results["timings"]
+    assert stamps() == before and len(before) == 2 * len(labels)
+    assert second["differences"] == results["differences"]
     assert len(second["sessions"]) == 2 and "2 sessions" in code_source(second["sessions"])
-    assert stamps == {label: (out / "runs" / label / "best" / "config.json").stat().st_mtime_ns for label in labels}
+
+    # The report reads back from the directory alone; other settings are refused, nothing touched.
+    back = read_back(out)
+    assert back["differences"] == results["differences"] and back["means"] == results["means"]
+    with pytest.raises(MtaError, match="recipe_overrides, train_steps differ"):
+        run_evidence(
+            dataclasses.replace(SETTINGS, train_steps=3),
+            out,
+            data_dir=data,
+            teacher=tiny_model_dir,
+            recipe_overrides=(*OVERRIDES, "train.lr=1e-4"),
+        )
+    assert stamps() == before and read_back(out)["differences"] == results["differences"]
 
 
 def test_verdict_states_the_sign_plainly():

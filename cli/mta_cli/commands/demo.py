@@ -22,6 +22,9 @@ def demo(
         "each, a bootstrap interval (~2 h; mta.demo.evidence)",
     ),
     plan: bool = typer.Option(False, "--plan", help="with --evidence: print the plan and its estimate, run nothing"),
+    report: bool = typer.Option(
+        False, "--report", help="with --evidence: write the report again from a finished OUT, run nothing"
+    ),
     out_dir: Path | None = typer.Option(
         None, "--out", "-o", help="where every stage writes [default: runs/demo, runs/evidence]", show_default=False
     ),
@@ -43,10 +46,10 @@ def demo(
     """
     quiet_third_party(verbose)  # the demo draws its own bars
     if evidence:
-        _evidence(out_dir or Path("runs/evidence"), data_dir, plan=plan, quick=quick)
+        _evidence(out_dir or Path("runs/evidence"), data_dir, plan=plan, report=report, quick=quick)
         return
-    if plan:
-        raise MtaError("--plan prints the plan of --evidence; give both")
+    if plan or report:
+        raise MtaError(f"{'--plan' if plan else '--report'} belongs to --evidence; give both")
     out_dir = out_dir or Path("runs/demo")
     from mta.demo.pipeline import run_demo
     from mta.demo.report import table, write_report
@@ -63,14 +66,19 @@ def demo(
     )
 
 
-def _evidence(out_dir: Path, data_dir: Path | None, *, plan: bool, quick: bool) -> None:
+def _evidence(out_dir: Path, data_dir: Path | None, *, plan: bool, report: bool, quick: bool) -> None:
     from rich.console import Console
 
-    from mta.demo.evidence import EvidenceSettings, plan_lines, run_evidence
+    from mta.demo.evidence import EvidenceSettings, plan_lines, read_back, run_evidence
     from mta.demo.evidence_report import difference_table, write_report
+    from mta_cli.results import print_results
 
     if quick:
         raise MtaError("--evidence has one size (its plan is fixed before its runs); leave out --quick")
+    if report:
+        results = read_back(out_dir)
+        print_results("mta demo --evidence", *difference_table(results), *write_report(results, out_dir))
+        return
     settings = EvidenceSettings.full()
     Console(stderr=True, soft_wrap=True).print("\n".join(plan_lines(settings, out_dir)), markup=False, highlight=False)
     if plan:

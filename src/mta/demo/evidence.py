@@ -6,12 +6,15 @@ published GPT-2 row's loss settings where they apply (docs/method.md §4): ``srk
 skew reverse KL (α 0.1) on the reference responses, and ``srkl+mta``, the same + 2·DSA + 0.2·HRA
 with the ``auto`` layer map. Sampling during training is off (``generation.mode: off``, the
 recipe's): every step trains on the gold responses, so the two variants differ in the MTA terms
-only. Each variant trains ``train_seeds`` runs; a seed changes the data order and the HRA
-projectors' initialisation, never the start (``seed`` is the recipe's).
+only. Each variant trains ``train_seeds`` runs; a seed (the recipe's ``seed``) changes the data
+order, the HRA projectors' initialisation and the sampling noise of the dev selection, never the
+start.
 
-The stages, each reused when its output is complete (a stopped run is continued by running the
-same command again; the training runs resume with ``--resume auto``, the evaluation is keyed on
-the weights' fingerprints):
+The stages, each reused when its output is complete (Ctrl-C anywhere, or SIGTERM / SIGUSR1 during a
+training run, stops it; running the same command again continues: a training run resumes from its
+newest checkpoint, the evaluation is keyed on the weights' fingerprints). The directory is stamped
+with the settings, the recipe's content, the overrides and the teacher; a directory of other ones
+is refused, never overwritten:
 
 1. the teacher (converted once into the model cache), the pruned start;
 2. ``train_rows`` Dolly train rows drawn with seed 0 and the first ``dev_rows`` Dolly **dev**
@@ -34,11 +37,13 @@ the weights' fingerprints):
    power; :mod:`mta.demo.evidence_report` writes results.md, results.json and the picture.
 
 :func:`plan_lines` is the plan with its estimate (``mta demo --evidence --plan``, ``make -n
-evidence``); :func:`run_evidence` runs it.
+evidence``); :func:`run_evidence` runs it; :func:`summarise` reads a finished directory back
+(``mta demo --evidence --report``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -50,7 +55,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.demo.pipeline import DEMO_RECIPE, claim_demo_directory, copy_dolly_rows
+from mta.demo.pipeline import DEMO_RECIPE, SETTINGS_FILE, claim_demo_directory, copy_dolly_rows
 from mta.distributed import local_device
 from mta.dtypes import resolve_precision
 from mta.errors import MtaError
@@ -59,6 +64,7 @@ from mta.evaluation.bootstrap import bootstrap_differences
 from mta.evaluation.datasets import default_data_dir
 from mta.evaluation.layout import CheckpointPaths
 from mta.files import atomic_write_json
+from mta.hashing import file_sha256
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
 from mta.reporting import Reporter, SilentReporter
@@ -113,8 +119,8 @@ VARIANTS = (BASE, MTA)
 class EvidenceSettings:
     """Sizes of the comparison, fixed before its runs (``full()`` is ``make evidence``).
 
-    The training settings not named here (lr 2e-4 cosine with 4 warm-up steps, batch 8, 192
-    tokens of which 128 prompt, ZeRO-1, precision auto) are the demo recipe's, smollm2-demo.yaml.
+    The training settings not named here (lr 2e-4 cosine with 4 warm-up steps, 192 tokens of
+    which 128 prompt, ZeRO-1) are the demo recipe's, smollm2-demo.yaml.
     """
 
     name: str = "full"
@@ -122,6 +128,7 @@ class EvidenceSettings:
     train_steps: int = 128
     eval_interval: int = 32  # dev loss and the dev ROUGE-L selection pass
     train_seeds: tuple[int, ...] = (1, 2, 3, 4)
+    batch_size: int = 8  # train.batch_size = train.micro_batch_size (one process, no accumulation)
     dev_rows: int = 64  # dev loss on these; selection on the first select_rows of them
     select_rows: int = 32
     eval_rows: int = 40  # first rows of each test set
@@ -138,9 +145,9 @@ class EvidenceSettings:
 
     @property
     def train_rows(self) -> int:
-        """Dolly train rows drawn: one pass of the longest run, a few more for prompts over the
-        length limit (skipped); every run sees the same rows in its own order."""
-        return int(self.train_steps * 8 * 1.1)
+        """Dolly train rows drawn: one pass of a run, a few more for prompts over the length limit
+        (skipped); every run sees the same rows in its own order."""
+        return int(self.train_steps * self.batch_size * 1.1)
 
     def runs(self) -> list[tuple[EvidenceVariant, int]]:
         """Every training run, interleaved by seed (base, MTA, base, ...) so a run stopped halfway
@@ -152,20 +159,20 @@ class EvidenceSettings:
 
     def estimated_seconds(self) -> dict[str, float]:
         """The plan's estimate per stage, from the measured costs above."""
-        slow = 1.0 if self.resolved_precision() == "bf16" else BF16_SPEEDUP
+        fp32_slowdown = 1.0 if self.resolved_precision() == "bf16" else BF16_SPEEDUP
         passes = self.train_steps // self.eval_interval + 1  # and the step-0 baseline
         models = len(self.runs())
         eval_rows = len(self.test_sets) * self.eval_rows + self.select_rows
         tokens = eval_rows * len(self.sampling_seeds) * self.max_new_tokens
-        return {
+        steps = self.train_steps * self.batch_size / 8  # the costs are per step of batch 8
+        estimate = {
             "prepare": FIXED_SECONDS,
-            "teacher stage": (self.train_rows + self.dev_rows) * SECONDS_PER_TEACHER_ROW * slow,
-            "training": sum(SECONDS_PER_STEP[v.label] for v, _ in self.runs()) * self.train_steps * slow,
-            "selection": models * passes * self.select_rows * SECONDS_PER_SELECTION_ROW * slow,
-            "evaluation": tokens
-            * (models * SECONDS_PER_EVAL_TOKEN["student"] + SECONDS_PER_EVAL_TOKEN["teacher"])
-            * slow,
+            "teacher stage": (self.train_rows + self.dev_rows) * SECONDS_PER_TEACHER_ROW,
+            "training": sum(SECONDS_PER_STEP[v.label] for v, _ in self.runs()) * steps,
+            "selection": models * passes * self.select_rows * SECONDS_PER_SELECTION_ROW,
+            "evaluation": tokens * (models * SECONDS_PER_EVAL_TOKEN["student"] + SECONDS_PER_EVAL_TOKEN["teacher"]),
         }
+        return {stage: seconds * (1.0 if stage == "prepare" else fp32_slowdown) for stage, seconds in estimate.items()}
 
 
 def run_label(variant: EvidenceVariant, seed: int) -> str:
@@ -211,8 +218,12 @@ class EvidencePaths:
         return self.root / SESSIONS_FILE
 
 
-def plan_lines(settings: EvidenceSettings, out_dir: str | Path = "runs/evidence") -> list[str]:
-    """What :func:`run_evidence` will do, and for about how long, before it does it."""
+def plan_lines(
+    settings: EvidenceSettings, out_dir: str | Path = "runs/evidence", *, precision: str | None = None
+) -> list[str]:
+    """What :func:`run_evidence` will do, and for about how long, before it does it. precision:
+    what ``settings.precision`` resolved to where the runs ran (default: on this machine)."""
+    precision = precision or settings.resolved_precision()
     estimate = settings.estimated_seconds()
     passes = settings.train_steps // settings.eval_interval + 1
     lines = [
@@ -221,7 +232,8 @@ def plan_lines(settings: EvidenceSettings, out_dir: str | Path = "runs/evidence"
         "the same start for every run",
         f"  runs: {len(VARIANTS)} variants x {len(settings.train_seeds)} training seeds "
         f"{list(settings.train_seeds)} = {len(settings.runs())} runs of {settings.train_steps} steps "
-        f"(batch 8, {settings.train_rows} Dolly train rows drawn with seed 0), sampling during training off",
+        f"(batch {settings.batch_size}, {settings.train_rows} Dolly train rows drawn with seed 0), "
+        "sampling during training off",
     ]
     lines += [f"    {variant.label}: {variant.description}" for variant in VARIANTS]
     pairs = auto_layer_map(settings.student_layers, TEACHER_LAYERS)
@@ -232,14 +244,14 @@ def plan_lines(settings: EvidenceSettings, out_dir: str | Path = "runs/evidence"
         f"  selection: dev ROUGE-L (1 sample, <= {settings.max_new_tokens} new tokens) on the first "
         f"{settings.select_rows} annotated Dolly dev rows at step 0 and every {settings.eval_interval} steps "
         f"({passes} passes a run; step 0 is never chosen); dev loss on the annotated ones of the first "
-        f"{settings.dev_rows} dev rows (a prompt over 128 tokens is skipped)",
+        f"{settings.dev_rows} dev rows (a prompt over data.max_prompt_length is skipped)",
         f"  evaluation: the teacher and the {len(settings.runs())} chosen checkpoints on the first "
         f"{settings.eval_rows} rows of {', '.join(settings.test_sets)}, sampling seeds "
         f"{list(settings.sampling_seeds)}, <= {settings.max_new_tokens} new tokens; the same on the first "
         f"{settings.select_rows} Dolly dev rows (does the student write text?)",
         f"  statistics: hierarchical bootstrap ({settings.replicates} replicates: training seeds, then "
         "sampling seeds, then rows), 95 % intervals, smallest difference detectable at 80 % power",
-        f"  precision: {settings.resolved_precision()} (requested {settings.precision})",
+        f"  precision: {precision} (requested {settings.precision})",
         "  estimate: "
         + ", ".join(f"{stage} {seconds / 60:.0f} min" for stage, seconds in estimate.items())
         + f"; total about {sum(estimate.values()) / 60:.0f} min (finished stages are reused)",
@@ -291,8 +303,15 @@ def run_evidence(
     reporter = reporter or SilentReporter()
     paths = EvidencePaths(Path(out_dir))
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-    stamp = {**asdict(settings), "layout": EVIDENCE_LAYOUT, "resolved_precision": settings.resolved_precision()}
-    claim_demo_directory(paths.root, stamp, reporter)
+    stamp = {
+        **asdict(settings),
+        "layout": EVIDENCE_LAYOUT,
+        "resolved_precision": settings.resolved_precision(),
+        "recipe_sha256": file_sha256(recipe_path),
+        "recipe_overrides": list(recipe_overrides),
+        "teacher": str(teacher) if teacher is not None else None,
+    }
+    claim_demo_directory(paths.root, stamp, reporter, restart=False)
     record_session(paths)
 
     def prepare() -> tuple[Path, Recipe]:
@@ -320,16 +339,17 @@ def run_evidence(
         label = run_label(variant, seed)
         overrides = [*_shared_overrides(model, paths, settings, recipe_overrides), *variant.overrides]
         run_recipe = _load_recipe(recipe_path, [*overrides, f"seed={seed}", f"output_dir={paths.run(label)}"])
-        finished = (paths.run(label) / "final" / "config.json").exists()
-        if not finished:
+        if (paths.run(label) / "final" / "config.json").exists():
+            reporter.message(f"{label}: already trained")
+        else:
             resumed = latest_checkpoint(paths.run(label)) is not None
             reporter.message(f"distill: {label}" + (" (resumed)" if resumed else ""))
-        timed_stage(
-            paths,
-            f"train {label}",
-            functools.partial(run_distillation, run_recipe, resume="auto", reporter=reporter),
-            done=finished,
-        )
+            timed_stage(
+                paths,
+                f"train {label}",
+                functools.partial(run_distillation, run_recipe, resume="auto", reporter=reporter),
+                done=False,
+            )
         best = paths.run(label) / "best"
         if not (best / "config.json").exists():
             raise MtaError(f"{paths.run(label)} has no best/ checkpoint: its dev selection never ran")
@@ -340,8 +360,7 @@ def run_evidence(
         "test": (paths.eval_test, list(settings.test_sets), settings.eval_rows),
         "dev": (paths.eval_dev, [DEV_SET], settings.select_rows),
     }
-    evaluated: dict[str, dict] = {}
-    for split, (directory, sets, limit) in evaluations.items():
+    for directory, sets, limit in evaluations.values():
         eval_settings = EvalSettings(
             benchmarks=sets,
             seeds=list(settings.sampling_seeds),
@@ -352,9 +371,9 @@ def run_evidence(
         )
         reporter.message(f"evaluate: {', '.join(sets)} ({limit} rows, seeds {list(settings.sampling_seeds)})")
         done = (directory / "results.json").exists()
-        evaluated[split] = timed_stage(
+        timed_stage(
             paths,
-            f"evaluate {split}",
+            f"evaluate {directory.name}",
             functools.partial(
                 evaluate_checkpoints,
                 [str(p) for p in checkpoints.values()],
@@ -366,7 +385,20 @@ def run_evidence(
             ),
             done=done,
         )
-    return summarise(settings, paths, evaluated)
+    return summarise(settings, paths)
+
+
+def read_back(out_dir: str | Path) -> dict[str, Any]:
+    """What :func:`run_evidence` returned, read from a finished directory with the settings it
+    was stamped with (``mta demo --evidence --report``: the report again, nothing run)."""
+    paths = EvidencePaths(Path(out_dir))
+    stamp_path = paths.root / SETTINGS_FILE
+    if not stamp_path.exists():
+        raise MtaError(f"{paths.root} holds no evidence run ({stamp_path} is missing)")
+    stamp = json.loads(stamp_path.read_text())
+    fields = {f.name for f in dataclasses.fields(EvidenceSettings)}
+    known = {k: tuple(v) if isinstance(v, list) else v for k, v in stamp.items() if k in fields}
+    return summarise(EvidenceSettings(**known), paths)
 
 
 def _load_recipe(path: str | Path, overrides: Sequence[str]) -> Recipe:
@@ -387,6 +419,8 @@ def _shared_overrides(
         f"data.dev={paths.annotations('dev')}",
         f"teacher_cache.dir={paths.teacher_cache}",
         f"train.precision={settings.precision}",
+        f"train.batch_size={settings.batch_size}",
+        f"train.micro_batch_size={settings.batch_size}",
         f"train.max_steps={settings.train_steps}",
         f"train.eval_interval={settings.eval_interval}",
         f"train.save_interval={settings.eval_interval}",
@@ -399,29 +433,41 @@ def _shared_overrides(
 
 def row_scores(eval_dir: Path, label: str, set_name: str, seeds: Sequence[int]) -> np.ndarray:
     """ROUGE-L (F x 100) of every row of ``set_name`` under each seed: ``[seeds, rows]``, read
-    from the predictions files ``mta evaluate`` wrote."""
+    from the predictions files ``mta evaluate`` wrote, columns in row order (the bootstrap pairs
+    the variants' scores by column: a file whose rows are not 0, 1, 2, ... is refused)."""
     paths = CheckpointPaths.of(eval_dir, label)
     scores = []
     for seed in seeds:
-        lines = paths.predictions(set_name, seed).read_text(encoding="utf-8").splitlines()
-        scores.append([json.loads(line)["rougeL"] for line in lines if line.strip()])
+        path = paths.predictions(set_name, seed)
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if [record["index"] for record in records] != list(range(len(records))):
+            raise MtaError(
+                f"{path}: its rows are not in order 0..{len(records) - 1}; evaluate again into a new directory"
+            )
+        scores.append([record["rougeL"] for record in records])
+    if len({len(row) for row in scores}) > 1:
+        raise MtaError(f"{paths.root / set_name}: the seeds' predictions hold different numbers of rows")
     return np.asarray(scores, dtype=np.float64)
 
 
 def dev_curve(run_dir: Path) -> list[dict]:
-    """The dev records of a run's metrics.jsonl: step, loss, dev ROUGE-L (None at a record
-    without it)."""
+    """The dev records of a run's metrics.jsonl: step, loss (the run's objective), base_loss (the
+    base loss alone, which both variants share), dev ROUGE-L (None where a record lacks one)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [
-        {"step": r["step"], "loss": r.get("loss"), "rougeL": r.get(ROUGE_KEY)}
+        {"step": r["step"], "loss": r.get("loss"), "base_loss": r.get("loss/base"), "rougeL": r.get(ROUGE_KEY)}
         for r in records
         if r.get("split") == "dev"
     ]
 
 
-def summarise(settings: EvidenceSettings, paths: EvidencePaths, evaluated: dict[str, dict]) -> dict[str, Any]:
-    """The comparison from the files on disk: per-run curves and choices, per-variant scores,
-    the bootstrap differences, the "writes text" check, the stage times."""
+def summarise(settings: EvidenceSettings, paths: EvidencePaths) -> dict[str, Any]:
+    """The comparison from the files on disk (every stage finished): per-run curves and choices,
+    per-variant scores, the bootstrap differences, the "writes text" check, the stage times and
+    the sessions' commits. What results.json holds."""
+    missing = [str(p) for p in (paths.eval_test / "results.json", paths.eval_dev / "results.json") if not p.exists()]
+    if missing:
+        raise MtaError(f"{paths.root} is not finished ({', '.join(missing)} missing): run `mta demo --evidence` first")
     runs: dict[str, dict] = {}
     for variant, seed in settings.runs():
         label = run_label(variant, seed)
@@ -465,8 +511,9 @@ def summarise(settings: EvidenceSettings, paths: EvidencePaths, evaluated: dict[
         "differences": {name: asdict(d) for name, d in differences.items()},
         "runs": runs,
         "timings": json.loads(paths.timings.read_text()) if paths.timings.exists() else {},
-        "protocol": evaluated["test"].get("protocol"),
-        "precision": settings.resolved_precision(),
+        "protocol": json.loads((paths.eval_test / "results.json").read_text()).get("protocol"),
+        "precision": json.loads((paths.root / SETTINGS_FILE).read_text())["resolved_precision"],
+        "out_dir": str(paths.root),
         "sessions": json.loads(paths.sessions.read_text()),
     }
 
@@ -480,6 +527,7 @@ __all__ = [
     "EvidenceVariant",
     "dev_curve",
     "plan_lines",
+    "read_back",
     "row_scores",
     "run_evidence",
     "run_label",

@@ -4,8 +4,8 @@
 runs), the per-set and average difference MTA − base with its 95 % interval and the smallest
 difference the design detects at 80 % power, the sentence that says what that means, the "writes
 text" check, every run's choice and times, every stage's wall time and the bootstrap procedure.
-The picture: every run's dev ROUGE-L and dev loss curves, and the differences with their
-intervals.
+The picture: every run's dev ROUGE-L and dev skew-reverse-KL curves (the base loss both variants
+share), and the differences with their intervals.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from mta.evaluation.bootstrap import AVERAGE
 from mta.evaluation.datasets import BENCHMARKS
 from mta.files import atomic_write_json, atomic_write_text
 from mta.tables import markdown_table
+from mta.versions import source_commit
 
 RESULTS_MARKDOWN, RESULTS_JSON, PICTURE = "results.md", "results.json", "evidence.png"
 COLOURS = {BASE.label: "tab:blue", MTA.label: "tab:orange"}
@@ -79,12 +80,14 @@ def _runs_table(results: dict) -> list[str]:
         "dev ROUGE-L at selection",
         "dev ROUGE-L (evaluated)",
         "writes text",
-        "dev loss",
+        "dev srkl, first → last",
+        "dev objective, last",
         "train time",
     ]
     body = []
     for label, run in results["runs"].items():
-        losses = [point["loss"] for point in run["curve"] if point["loss"] is not None]
+        base = [point["base_loss"] for point in run["curve"] if point.get("base_loss") is not None]
+        objective = [point["loss"] for point in run["curve"] if point["loss"] is not None]
         seconds = results["timings"].get(f"train {label}")
         body.append(
             [
@@ -93,7 +96,8 @@ def _runs_table(results: dict) -> list[str]:
                 f"{run['dev_rouge_at_selection']:.2f}",
                 f"{run['dev_rouge']:.2f}",
                 "yes" if run["writes_text"] else "**no**",
-                f"{losses[0]:.3f} → {losses[-1]:.3f}" if losses else "-",
+                f"{base[0]:.3f} → {base[-1]:.3f}" if base else "-",
+                f"{objective[-1]:.3f}" if objective else "-",
                 f"{seconds / 60:.1f} min" if seconds is not None else "-",
             ]
         )
@@ -110,7 +114,18 @@ def code_source(sessions: list[dict]) -> str:
     return f"commit {named} ({count}, the first started {sessions[0]['started']})" if sessions else "commit unknown"
 
 
-def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
+def _report_commit(results: dict) -> str:
+    """``; this report from commit X`` when the code writing it is not the stages' (only) commit."""
+    now = source_commit()
+    ran = {(s.get("commit"), bool(s.get("dirty"))) for s in results["sessions"]}
+    if ran == {(now["commit"], bool(now["dirty"]))}:
+        return ""
+    sha = now["commit"] or "unknown"
+    return f"; this report from commit {sha[:12]}" + (" with uncommitted changes" if now["dirty"] else "")
+
+
+def markdown_lines(results: dict, elapsed_seconds: float | None) -> list[str]:
+    """results.md's lines; ``elapsed_seconds``: the session that wrote it (None: a report read back)."""
     settings = EvidenceSettings(**{k: v for k, v in results["settings"].items() if k != "train_rows"})
     source = code_source(results["sessions"])
     timings = results["timings"]
@@ -120,9 +135,14 @@ def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
     lines = [
         f"# Does MTA help here? {BASE.label} against {MTA.label}",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {source} · {platform.machine()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · stages from {source}{_report_commit(results)} · "
+        f"{platform.machine()}, "
         f"{distributed.available_cores()} cores, {results['precision']} · stages {total / 60:.1f} min in all "
-        f"(the session that wrote this report: {elapsed_seconds / 60:.1f} min)",
+        + (
+            f" (the session that wrote this report: {elapsed_seconds / 60:.1f} min)"
+            if elapsed_seconds is not None
+            else ""
+        ),
         "",
         "## The difference",
         "",
@@ -142,8 +162,9 @@ def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
         f"dev ROUGE-L at selection: one sample per row on the first {settings.select_rows} annotated dev rows "
         "(prompts of at most 128 tokens; the seed of `train.select_by: rouge`), the best of the run's "
         "evaluations, so biased upwards; evaluated: the chosen checkpoint under `mta evaluate`'s protocol "
-        "and sampling seeds on the rows the teacher's figure uses. dev loss: the run's own objective on the "
-        "annotated dev rows, first and last evaluation.",
+        "and sampling seeds on the rows the teacher's figure uses. dev srkl: the skew reverse KL to the "
+        "teacher on the annotated dev rows, the base loss both variants share (first and last evaluation); "
+        "dev objective: the run's own loss (srkl + 2·DSA + 0.2·HRA for MTA).",
         "",
         "## Stages",
         "",
@@ -152,7 +173,7 @@ def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
         "## Settings, fixed before the runs",
         "",
         "```",
-        *plan_lines(settings),
+        *plan_lines(settings, results["out_dir"], precision=results["precision"]),
         "```",
         "",
         "## How the interval is computed",
@@ -163,8 +184,8 @@ def markdown_lines(results: dict, elapsed_seconds: float) -> list[str]:
         "difference of the means is recomputed. The 95 % interval is the estimate ± t(0.975, n_A + n_B − 2) "
         f"× the replicates' standard deviation ({settings.replicates} replicates); the smallest difference "
         "detectable at 80 % power is (t(0.975) + t(0.80)) × that standard deviation. The average is the "
-        "mean of the four per-set differences. `mta.evaluation.bootstrap`; `tests/test_bootstrap.py` checks "
-        "the coverage and the power on simulated data with a planted difference.",
+        f"mean of the {len(settings.test_sets)} per-set differences. `mta.evaluation.bootstrap`; "
+        "`tests/test_bootstrap.py` checks the coverage and the power on simulated data with a planted difference.",
         "",
     ]
     return lines
@@ -178,15 +199,15 @@ def plot(results: dict, path: Path) -> None:
         colour = COLOURS[run["variant"]]
         points = [p for p in run["curve"] if p["rougeL"] is not None and p["step"] > 0]
         rouge.plot([p["step"] for p in points], [p["rougeL"] for p in points], color=colour, alpha=0.7, marker=".")
-        losses = [p for p in run["curve"] if p["loss"] is not None]
-        loss.plot([p["step"] for p in losses], [p["loss"] for p in losses], color=colour, alpha=0.7, marker=".")
+        losses = [p for p in run["curve"] if p.get("base_loss") is not None]
+        loss.plot([p["step"] for p in losses], [p["base_loss"] for p in losses], color=colour, alpha=0.7, marker=".")
     for variant in (BASE, MTA):
         rouge.plot([], [], color=COLOURS[variant.label], label=variant.label)
     rouge.axhline(results["teacher"]["dev_rouge"], color="grey", linestyle="--", label="teacher")
     rouge.axhline(results["teacher"]["dev_rouge"] / 2, color="grey", linestyle=":", label="half the teacher")
     rouge.set(title="dev ROUGE-L (selection rows, 1 sample)", xlabel="step", ylabel="ROUGE-L")
     rouge.legend(fontsize=8)
-    loss.set(title="dev loss (each run's objective)", xlabel="step", ylabel="loss")
+    loss.set(title="dev skew reverse KL (the base loss of both)", xlabel="step", ylabel="loss")
     names = [*results["settings"]["test_sets"], AVERAGE]
     estimates = [results["differences"][n]["estimate"] for n in names]
     lows = [results["differences"][n]["estimate"] - results["differences"][n]["low"] for n in names]
@@ -198,7 +219,9 @@ def plot(results: dict, path: Path) -> None:
     save_figure(figure, path)
 
 
-def write_report(results: dict[str, Any], out_dir: str | Path, elapsed_seconds: float) -> tuple[Path, Path]:
+def write_report(
+    results: dict[str, Any], out_dir: str | Path, elapsed_seconds: float | None = None
+) -> tuple[Path, Path]:
     """results.json, results.md and evidence.png in ``out_dir``; returns the last two."""
     out_dir = Path(out_dir)
     atomic_write_json(out_dir / RESULTS_JSON, results)

@@ -132,13 +132,22 @@ def _claim(paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> None
     )
 
 
-def claim_demo_directory(root: Path, stamp: dict, reporter: Reporter) -> None:
-    """Make ``root`` a demo's directory stamped ``stamp`` (its settings, in ``demo.json``): a
+def claim_demo_directory(root: Path, stamp: dict, reporter: Reporter, *, restart: bool = True) -> None:
+    """Make ``root`` a demo's directory stamped ``stamp`` (its settings, in ``demo.json``). A
     directory stamped otherwise is deleted first (``reporter`` says so), so a demo of other
-    settings is started over rather than continued."""
+    settings is started over rather than continued; with ``restart=False`` (hours of runs) it is
+    refused instead, naming the settings that differ."""
     stamp_path = root / SETTINGS_FILE
     wanted = json.dumps(stamp, sort_keys=True)
-    if stamp_path.exists() and json.dumps(json.loads(stamp_path.read_text()), sort_keys=True) != wanted:
+    found = json.loads(stamp_path.read_text()) if stamp_path.exists() else None
+    if found is not None and json.dumps(found, sort_keys=True) != wanted:
+        if not restart:
+            written = json.loads(wanted)  # tuples as the JSON file holds them: lists
+            differ = sorted(k for k in {*found, *written} if found.get(k) != written.get(k))
+            raise MtaError(
+                f"{root} holds a run of other settings ({', '.join(differ)} differ; {stamp_path} has "
+                "its own): give another --out, or delete the directory to start over"
+            )
         reporter.message(f"{root} holds a demo with other settings: starting it over")
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
