@@ -151,7 +151,7 @@ EXCLUDED: dict[str, str] = {
 }
 
 # What the scratch copy needs: the sources, the tests and their data, the project file.
-COPIED = ["src", "cli", "tests", "docs", "pyproject.toml", "README.md"]
+COPIED = ["src", "cli", "tests", "docs", "recipes", "pyproject.toml", "README.md"]
 
 # Surviving mutants that are not gaps in the tests, in bench/mutation_survivors.json: "equivalent"
 # (no result can change; each with its reason) and "accepted" (a corner no cheap test reaches; each
@@ -289,7 +289,7 @@ def write_config(scratch: Path, files: list[str], tests: list[str]) -> None:
         # CPU seconds per mutant: 2 x TIMEOUT_MULTIPLIER x (its tests' clean time + TIMEOUT_CONSTANT).
         "timeout_multiplier": TIMEOUT_MULTIPLIER,
         "timeout_constant": TIMEOUT_CONSTANT,
-        "also_copy": ["cli/", "docs/"],
+        "also_copy": ["cli/", "docs/", "recipes/"],  # recipes/examples: the tiny models' corpus
     }
     lines = ["", "[tool.mutmut]"] + [f"{key} = {json.dumps(value)}" for key, value in table.items()]
     pyproject.write_text(text + "\n".join(lines) + "\n", encoding="utf-8")

@@ -137,7 +137,7 @@ def markdown_lines(results: dict, elapsed_seconds: float | None) -> list[str]:
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · stages from {source}{_report_commit(results)} · "
         f"{platform.machine()}, "
-        f"{distributed.available_cores()} cores, {results['precision']} · stages {total / 60:.1f} min in all "
+        f"{distributed.available_cores()} cores, {results['precision']} · stages {total / 60:.1f} min in all"
         + (
             f" (the session that wrote this report: {elapsed_seconds / 60:.1f} min)"
             if elapsed_seconds is not None
@@ -203,7 +203,9 @@ def plot(results: dict, path: Path) -> None:
         loss.plot([p["step"] for p in losses], [p["base_loss"] for p in losses], color=colour, alpha=0.7, marker=".")
     for variant in (BASE, MTA):
         rouge.plot([], [], color=COLOURS[variant.label], label=variant.label)
-    rouge.axhline(results["teacher"]["dev_rouge"], color="grey", linestyle="--", label="teacher")
+    rouge.axhline(
+        results["teacher"]["dev_rouge"], color="grey", linestyle="--", label="teacher (evaluated, first dev rows)"
+    )
     rouge.axhline(results["teacher"]["dev_rouge"] / 2, color="grey", linestyle=":", label="half the teacher")
     rouge.set(title="dev ROUGE-L (selection rows, 1 sample)", xlabel="step", ylabel="ROUGE-L")
     rouge.legend(fontsize=8)
