@@ -17,7 +17,7 @@ RUNS   ?= runs
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
 	@echo "make demo-quick    the same, smaller (~2 min with bf16, ~5 in fp32)"
-	@echo "make evidence      does MTA help? srkl vs srkl + MTA, 8 runs, bootstrap intervals (~2 h); make -n evidence: the plan"
+	@echo "make evidence      does MTA help? srkl vs srkl + MTA, 8 runs, bootstrap intervals (~65 min); make -n evidence: the plan"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
 	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 2 budgets x 3 seeds (~28 min); PLAN=1: the plan only"
 	@echo "make test          the test suite (what CI runs, after make lint)"
@@ -103,7 +103,7 @@ demo-quick: $(STAMP)
 	$(MTA) demo --quick
 
 # Does MTA help? (mta.demo.evidence) srkl against srkl + MTA on a 15-layer SmolLM2 student, 4
-# training seeds each, chosen on Dolly dev ROUGE-L, a bootstrap interval per set (~2 h, resumable).
+# training seeds each, chosen on Dolly dev ROUGE-L, a bootstrap interval per set (~65 min, resumable).
 # It prints its plan first; `make -n evidence` (or PLAN=1) prints the plan only: the `+` line runs
 # under -n, with --plan.
 evidence: $(STAMP)

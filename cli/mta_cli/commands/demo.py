@@ -19,7 +19,7 @@ def demo(
         False,
         "--evidence",
         help="instead: does MTA help? srkl against srkl + MTA, a 15-layer student, 4 training seeds "
-        "each, a bootstrap interval (~2 h; mta.demo.evidence)",
+        "each, a bootstrap interval (~65 min with bf16; mta.demo.evidence)",
     ),
     plan: bool = typer.Option(False, "--plan", help="with --evidence: print the plan and its estimate, run nothing"),
     report: bool = typer.Option(
