@@ -235,10 +235,26 @@ def undecorate(source: str) -> tuple[str, list[int | None]]:
     return "".join(out), origin
 
 
+def defines_functions(path: Path) -> bool:
+    """Whether the module has a function or method for mutmut to mutate (it mutates function
+    bodies only: a module of re-exports and constants, such as most ``__init__.py``, has none)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) for node in ast.walk(tree))
+
+
 def mutated_files(groups: list[str], scratch: Path) -> list[str]:
+    """The files of ``groups`` that have a function to mutate; the others are listed in the
+    results as excluded (``NO_FUNCTIONS``)."""
     patterns = [pattern for group in groups for pattern in GROUPS[group]["mutate"]]
     files = sorted({str(p.relative_to(scratch)) for pattern in patterns for p in scratch.glob(pattern)})
-    return [f for f in files if Path(f).name != "__init__.py" or (scratch / f).read_text().strip()]
+    return [f for f in files if defines_functions(scratch / f)]
+
+
+def functionless_files(groups: list[str], root: Path = REPO) -> list[str]:
+    """The files of ``groups`` that :func:`mutated_files` leaves out: no function in them."""
+    patterns = [pattern for group in groups for pattern in GROUPS[group]["mutate"]]
+    files = sorted({str(p.relative_to(root)) for pattern in patterns for p in root.glob(pattern)})
+    return [f for f in files if not defines_functions(root / f)]
 
 
 def select_tests(groups: list[str], scratch: Path, env: dict) -> list[str]:
@@ -578,7 +594,12 @@ def main(argv: list[str] | None = None) -> int:
                 "not_mutated": "module-level constants and class attributes (mutmut mutates function bodies only)",
             },
             **summarise(modules),
-            "excluded": EXCLUDED,
+            "excluded": {
+                **EXCLUDED,
+                **{
+                    f: "no function to mutate (re-exports and constants only)" for f in functionless_files(list(GROUPS))
+                },
+            },
             "modules": dict(sorted(modules.items())),
             "runs": dict(sorted(runs.items())),
             "survivors": sorted(survivors, key=lambda s: (s["file"], s["line"] or 0, natural(s["mutant"]))),

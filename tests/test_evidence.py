@@ -259,3 +259,19 @@ def test_a_demo_stopped_midway_says_so_in_one_line_with_its_exit_code(tmp_path, 
     assert ended.value.exit_code == code
     stderr = " ".join(capsys.readouterr().err.split())
     assert says in stderr and "Traceback" not in stderr
+
+
+def test_a_directory_of_other_settings_is_refused_naming_them_and_left_as_it_was(tmp_path):
+    from mta.demo.pipeline import claim_demo_directory
+    from mta.reporting import SilentReporter
+
+    root = tmp_path / "evidence"
+    claim_demo_directory(root, {"train_steps": 128, "seeds": (1, 2), "teacher": None}, SilentReporter(), restart=False)
+    (root / "runs").mkdir()
+    (root / "runs" / "kept.txt").write_text("hours of runs")
+    stamp = (root / "demo.json").read_text()
+    # The same settings continue (tuples and lists are one thing once written).
+    claim_demo_directory(root, {"train_steps": 128, "seeds": [1, 2], "teacher": None}, SilentReporter(), restart=False)
+    with pytest.raises(MtaError, match=r"holds a run of other settings \(teacher, train_steps differ"):
+        claim_demo_directory(root, {"train_steps": 3, "seeds": (1, 2), "teacher": "t"}, SilentReporter(), restart=False)
+    assert (root / "runs" / "kept.txt").read_text() == "hours of runs" and (root / "demo.json").read_text() == stamp

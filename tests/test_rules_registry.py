@@ -131,6 +131,9 @@ RULES: dict[str, tuple[str, ...]] = {
 # Each README sentence that says "refused" / "refuses" (quoted as the README words it, whitespace
 # joined) -> the fast tests of that refusal.
 REFUSALS: dict[str, tuple[str, ...]] = {
+    "A directory of other settings is refused, never overwritten.": (
+        "test_evidence.py::test_a_directory_of_other_settings_is_refused_naming_them_and_left_as_it_was",
+    ),
     "The manifest records it and a recipe with another template is refused.": (
         "test_rules_refusals.py::test_annotations_built_for_another_template_rule_length_or_tokenizer_are_refused",
     ),
