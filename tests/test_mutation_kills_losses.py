@@ -494,3 +494,45 @@ def test_the_token_union_is_built_only_for_token_level_hra(terms, same_tokenizer
     got = loss([torch.randn(1, 3, 4)] * 2, [torch.randn(1, 3, 6)] * 2, student_mask, teacher_mask, spans)
     assert set(got) == set(terms) and all(torch.isfinite(v) for v in got.values())
     assert built == ([3] if same_tokenizer and "hra" in terms else [])
+
+
+def _naive_uniform_dsa(student, teacher, salience, mask, reduction):
+    """Every ordered pair i != j of spans with mask and positive salience weighs 1 (the authors'
+    uniform-weights ablation), written as loops over the pairs."""
+    per_sequence, gaps = [], []
+    for b in range(student.shape[0]):
+        kept = [i for i in range(student.shape[1]) if mask[b, i] and salience[b, i] > 0]
+        here = []
+        for i in kept:
+            for j in kept:
+                if i != j:
+                    cos_s = torch.dot(student[b, i], student[b, j]) / (student[b, i].norm() * student[b, j].norm())
+                    cos_t = torch.dot(teacher[b, i], teacher[b, j]) / (teacher[b, i].norm() * teacher[b, j].norm())
+                    here.append(float((cos_s - cos_t) ** 2))
+        gaps += here
+        if here and int(mask[b].sum()) >= 2:
+            per_sequence.append(sum(here) / len(here))
+    if reduction == "batch":
+        return sum(gaps) / len(gaps)
+    return sum(per_sequence) / len(per_sequence)
+
+
+@pytest.mark.parametrize("reduction", ["sequence", "batch"])
+def test_dsa_uniform_pair_weights_weigh_every_pair_of_salient_spans_one(reduction):
+    from mta.losses.dsa import dynamic_structural_alignment
+
+    torch.manual_seed(0)
+    student, teacher = torch.randn(3, 5, 4), torch.randn(3, 5, 6)
+    salience = torch.rand(3, 5) + 0.1
+    salience[0, 1] = 0.0  # a span without salience drops out of every pair
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[2, 1:] = False  # one span: no pair
+    got = dynamic_structural_alignment(student, teacher, salience, mask, reduction=reduction, pair_weights="uniform")
+    assert float(got) == pytest.approx(_naive_uniform_dsa(student, teacher, salience, mask, reduction), rel=1e-5)
+    # Uniform: the salience's size does not matter; the default weighs pairs by it.
+    rescaled = salience * torch.tensor([1.0, 7.0, 0.2, 3.0, 0.5])
+    again = dynamic_structural_alignment(student, teacher, rescaled, mask, reduction=reduction, pair_weights="uniform")
+    assert float(again) == pytest.approx(float(got), rel=1e-6)
+    weighted = dynamic_structural_alignment(student, teacher, rescaled, mask, reduction=reduction)
+    assert float(weighted) != pytest.approx(float(got), rel=1e-3)

@@ -40,3 +40,14 @@ def test_an_entry_without_its_explanation_is_refused(tmp_path):
     path.write_text('{"equivalent": [{"file": "f", "function": "g", "from": "a", "to": "b"}], "accepted": []}')
     with pytest.raises(SystemExit, match=re.escape("equivalent[0] lacks ['reason']")):
         driver.load_survivors(path)
+
+
+def test_a_module_without_functions_is_left_out_with_its_reason_not_failed_on(tmp_path):
+    driver = _driver()
+    (tmp_path / "reexports.py").write_text("from os import path\n__all__ = ['path']\nLIMIT = 3\n")
+    (tmp_path / "rules.py").write_text("class C:\n    def f(self):\n        return 1\n")
+    assert not driver.defines_functions(tmp_path / "reexports.py")
+    assert driver.defines_functions(tmp_path / "rules.py")
+    left_out = driver.functionless_files(list(driver.GROUPS))
+    assert "src/mta/losses/__init__.py" in left_out and "src/mta/losses/dsa.py" not in left_out
+    assert set(driver.mutated_files(["losses"], REPO)).isdisjoint(left_out)
