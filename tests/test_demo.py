@@ -4,36 +4,18 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fixtures.instruct import example_instruct_dir
 from fixtures.perplexity import loop_sums
 from mta.demo.pipeline import run_demo
 from mta.demo.report import table, write_report
 from mta.demo.settings import VARIANTS, DemoSettings
 from mta.evaluation.datasets import load_rows
 from mta.models.tokenizers import load_tokenizer
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _data_dir(root: Path) -> Path:
-    """A MiniLLM-layout directory made of the repo's example rows (no ../shared needed)."""
-    examples = REPO / "recipes" / "examples" / "tiny.jsonl"
-    rows = examples.read_text(encoding="utf-8").splitlines()
-    for relative, chosen in {
-        "dolly/train.jsonl": rows,
-        "dolly/dev.jsonl": rows[:8],
-        "dolly/valid.jsonl": rows[8:12],
-        "self-inst/valid.jsonl": rows[12:15],
-    }.items():
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(chosen) + "\n", encoding="utf-8")
-    return root
 
 
 @pytest.mark.slow
@@ -59,7 +41,7 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
         "train.num_sample_generations=0",
     )
     out = tmp_path / "demo"
-    data = _data_dir(tmp_path / "data")
+    data = example_instruct_dir(tmp_path / "data")
 
     results = run_demo(settings, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=overrides)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from fixtures.instruct import example_instruct_dir
 from mta.demo.evidence import (
     BASE,
     MTA,
@@ -54,21 +55,6 @@ OVERRIDES = (
 )
 
 
-def _data_dir(root: Path) -> Path:
-    """A MiniLLM-layout directory made of the repo's example rows (no ../shared needed)."""
-    rows = (REPO / "recipes" / "examples" / "tiny.jsonl").read_text(encoding="utf-8").splitlines()
-    for relative, chosen in {
-        "dolly/train.jsonl": rows,
-        "dolly/dev.jsonl": rows[:6],
-        "dolly/valid.jsonl": rows[8:12],
-        "self-inst/valid.jsonl": rows[12:15],
-    }.items():
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(chosen) + "\n", encoding="utf-8")
-    return root
-
-
 def _scores(out: Path, split: str, label: str, set_name: str) -> list[list[float]]:
     """[sampling seeds, rows] ROUGE-L read straight from the predictions files."""
     return [
@@ -80,7 +66,7 @@ def _scores(out: Path, split: str, label: str, set_name: str) -> list[list[float
 @pytest.mark.slow
 def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model_dir):
     torch.set_num_threads(1)
-    out, data = tmp_path / "evidence", _data_dir(tmp_path / "data")
+    out, data = tmp_path / "evidence", example_instruct_dir(tmp_path / "data")
 
     results = run_evidence(SETTINGS, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=OVERRIDES)
 

@@ -55,7 +55,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from mta.data.annotate import AnnotateSettings, annotate_file
-from mta.demo.pipeline import DEMO_RECIPE, SETTINGS_FILE, claim_demo_directory, copy_dolly_rows
+from mta.demo.pipeline import DEMO_RECIPE, SETTINGS_FILE, StudentDirectory, claim_demo_directory, copy_dolly_rows
 from mta.distributed import local_device
 from mta.dtypes import resolve_precision
 from mta.errors import MtaError
@@ -181,19 +181,7 @@ def run_label(variant: EvidenceVariant, seed: int) -> str:
 
 
 @dataclass(frozen=True)
-class EvidencePaths:
-    root: Path
-
-    @property
-    def student_init(self) -> Path:
-        return self.root / "student-init"
-
-    def data(self, split: str) -> Path:
-        return self.root / "data" / f"{split}.jsonl"
-
-    def annotations(self, split: str) -> Path:
-        return self.root / "annotations" / split
-
+class EvidencePaths(StudentDirectory):
     @property
     def teacher_cache(self) -> Path:
         return self.root / "teacher-cache"

@@ -40,7 +40,10 @@ DEMO_LAYOUT = 2
 
 
 @dataclass(frozen=True)
-class DemoPaths:
+class StudentDirectory:
+    """What every LLM demo directory starts with: the pruned start, the sampled Dolly rows and
+    their annotations (``mta demo`` and ``mta demo --evidence``)."""
+
     root: Path
 
     @property
@@ -53,6 +56,9 @@ class DemoPaths:
     def annotations(self, split: str) -> Path:
         return self.root / "annotations" / split
 
+
+@dataclass(frozen=True)
+class DemoPaths(StudentDirectory):
     def run(self, variant: Variant) -> Path:
         return self.root / "runs" / variant.name
 
