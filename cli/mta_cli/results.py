@@ -63,18 +63,19 @@ def run_demo_command(
     from mta.training.lifecycle.stopping import RunStopped
 
     started = time.perf_counter()
-    again = f"every finished stage is kept in {out_dir}/: run the same command again to continue"
+    continue_hint = f"every finished stage is kept in {out_dir}/: run the same command again to continue"
     try:
         with make_reporter(console) as reporter:
             results = run(reporter)
     except KeyboardInterrupt:
-        console.print(Text(f"interrupted: {again}", style="yellow"), soft_wrap=True)
+        console.print(Text(f"interrupted: {continue_hint}", style="yellow"), soft_wrap=True)
         raise typer.Exit(INTERRUPTED) from None
     except RunStopped as stopped:
         saved = (
             f"saved {stopped.checkpoint}" if stopped.checkpoint is not None else f"without saving ({stopped.reason})"
         )
-        line = f"stopped by {stopped.signal_name} after step {stopped.step}: {saved}; {again}"
+        when = f"after step {stopped.step}" if stopped.step is not None else "before its first step"
+        line = f"stopped by {stopped.signal_name} {when}: {saved}; {continue_hint}"
         console.print(Text(line, style="yellow"), soft_wrap=True)
         raise typer.Exit(stopped_exit_code(stopped)) from None
     markdown, picture = write_report(results, out_dir, time.perf_counter() - started)
