@@ -536,3 +536,29 @@ def test_dsa_uniform_pair_weights_weigh_every_pair_of_salient_spans_one(reductio
     assert float(again) == pytest.approx(float(got), rel=1e-6)
     weighted = dynamic_structural_alignment(student, teacher, rescaled, mask, reduction=reduction)
     assert float(weighted) != pytest.approx(float(got), rel=1e-3)
+
+
+def test_hra_batch_reduction_is_one_weighted_mean_over_every_masked_item():
+    from mta.losses.hra import hidden_representation_alignment
+
+    torch.manual_seed(1)
+    student = torch.randn(2, 4, 6, requires_grad=True)
+    teacher = torch.randn(2, 4, 6)
+    weights = torch.tensor([[0.5, 2.0, 0.0, 1.0], [3.0, 0.1, 0.2, 0.4]])
+    mask = torch.tensor([[True, True, True, False], [True, True, False, True]])
+    got = hidden_representation_alignment(student, teacher, weights, mask, reduction="batch")
+    total, weight = 0.0, 0.0
+    for b in range(2):
+        for i in range(4):
+            if mask[b, i]:
+                cos = torch.dot(student[b, i], teacher[b, i]) / (student[b, i].norm() * teacher[b, i].norm())
+                total += float(weights[b, i] * (1 - cos))
+                weight += float(weights[b, i])
+    assert float(got) == pytest.approx(total / weight, rel=1e-5)
+    # Not the per-sequence mean: the sequences' weight sums differ.
+    per_sequence = hidden_representation_alignment(student, teacher, weights, mask)
+    assert float(per_sequence) != pytest.approx(float(got), rel=1e-3)
+    # No weight anywhere: a zero that keeps the graph, not a NaN.
+    nothing = hidden_representation_alignment(student, teacher, torch.zeros(2, 4), mask, reduction="batch")
+    nothing.backward()
+    assert float(nothing) == 0.0 and student.grad is not None and torch.isfinite(student.grad).all()
