@@ -12,7 +12,8 @@ generation, store, talas, online_spans, pairs, hashing_scoring); the glue left o
 each with its reason. A module in scope that yields no mutant is an error.
 
 and runs, for each mutant, only the fast tests (`-m "not slow"`) that call the mutated function:
-tests/test_losses_*.py, tests/test_token_ranges.py, the long-row tests of
+tests/test_losses_*.py, tests/test_reference_code.py, tests/test_talas_reference_code.py,
+tests/test_token_ranges.py, the long-row tests of
 tests/test_annotate_faults.py (bounded encoding windows) and the tests written to kill survivors
 (tests/test_mutation_kills_*.py, tests/test_truncation_mutants.py).
 
@@ -73,7 +74,11 @@ LONG_ROW_TESTS = ("tests/test_annotate_faults.py", r"bounded_encoding|multi_mega
 GROUPS: dict[str, dict] = {
     "losses": {
         "mutate": ["src/mta/losses/*.py"],
-        "tests": ["tests/test_losses_*.py", "tests/test_mutation_kills_losses*.py", "tests/test_teacher_topk.py"],
+        "tests": [
+            *("tests/test_losses_*.py", "tests/test_mutation_kills_losses*.py", "tests/test_teacher_topk.py"),
+            # the authors' code paths (loss.reference_code) of the trajectory and TALAS losses
+            *("tests/test_reference_code.py", "tests/test_talas_reference_code.py"),
+        ],
     },
     "token_ranges": {
         "mutate": ["src/mta/data/token_ranges.py"],
