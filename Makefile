@@ -106,8 +106,11 @@ demo-quick: $(STAMP)
 # training seeds each, chosen on Dolly dev ROUGE-L, a bootstrap interval per set (~65 min, resumable).
 # It prints its plan first; `make -n evidence` (or PLAN=1) prints the plan only: the `+` line runs
 # under -n, with --plan.
+EVIDENCE_PLAN_ONLY := $(or $(PLAN),$(findstring n,$(firstword -$(MAKEFLAGS))))
 evidence: $(STAMP)
-	+$(MTA) demo --evidence$(if $(or $(PLAN),$(findstring n,$(firstword -$(MAKEFLAGS)))), --plan)
+	+@if [ -x $(MTA) ] || [ -z "$(EVIDENCE_PLAN_ONLY)" ]; then \
+		$(MTA) demo --evidence$(if $(EVIDENCE_PLAN_ONLY), --plan); \
+	else echo "the plan needs mta installed: run make install (or make evidence, which installs it) first"; fi
 
 # TALAS on real sentence encoders (mta.embedding.demo): mpnet teacher, a 3-layer MiniLM student.
 demo-embed: $(EMBED_STAMP)
