@@ -40,7 +40,9 @@ line, the mutated line) so the list survives mutmut's renumbering; they are repo
 out of the kill rate's denominator. Its "accepted" lists the few that can change a result only
 in a corner no cheap test reaches (each says what it would take); they stay "survived" and
 count against the rate. Kill rate: (killed + timeout) /
-(total - equivalent), per file, per group and overall.
+(total - equivalent), per file, per group and overall. The results list every survivor and every
+equivalent mutant with its original and mutated line (``mutmut show`` in a ``--keep`` scratch copy
+gives the diff); "no tests" and "not checked" are counted per file only.
 
     .venv/bin/python bench/mutation.py                       # every group
     .venv/bin/python bench/mutation.py --modules truncation  # re-run one group, merge the rest
@@ -429,8 +431,12 @@ def lookup(table: list[dict[str, str]], key: str, file: str, function: str, old:
     return None
 
 
+# Statuses counted per file but not listed mutant by mutant: thousands of them on a first run that
+# stops at its wall-clock limit, and each says only "run longer" or "map a test to the function".
+UNLISTED = ("not checked", "no tests")
+
+
 def collect(scratch: Path, files: list[str], originals: dict[str, str], origins: dict[str, list]) -> dict:
-    from mutmut.mutation.diff_apply import get_diff_for_mutant
     from mutmut.stats import status_by_exit_code
 
     per_file: dict[str, dict] = {}
@@ -449,9 +455,8 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
             equivalent = 0
             for mutant, code in sorted(codes.items(), key=lambda item: natural(item[0])):
                 status = status_by_exit_code[code]
-                if status in DETECTED:
-                    continue
-                diff = get_diff_for_mutant(mutant, path=file)
+                if status in DETECTED or status in UNLISTED:
+                    continue  # counted per file below; only survivors are listed one by one
                 _, function = mangled_parts(mutant)
                 scratch_line, old, new = changed_line(mutant, file, function, defs)
                 line = None
@@ -475,7 +480,7 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
                 note = lookup(ACCEPTED, "note", file, function, old, new) if status == "survived" else None
                 if note:
                     entry["note"] = note
-                survivors.append({**entry, "from": old, "to": new, "diff": diff})
+                survivors.append({**entry, "from": old, "to": new})
             detected = sum(counts[s] for s in DETECTED)
             total = sum(counts.values())
             per_file[file] = {

@@ -72,6 +72,7 @@ from mta.training.config.layers import auto_layer_map
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import Recipe
 from mta.training.lifecycle.checkpointing import latest_checkpoint
+from mta.training.lifecycle.metrics import read_metrics
 from mta.training.lifecycle.selection import ROUGE_KEY
 from mta.training.teacher_cache.build import run_teacher_stage
 from mta.training.trainer import run_distillation
@@ -142,6 +143,13 @@ class EvidenceSettings:
     @classmethod
     def full(cls) -> EvidenceSettings:
         return cls()
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> EvidenceSettings:
+        """The settings a stamp or results.json recorded (JSON lists back to tuples; other keys,
+        such as the stamp's recipe hash, ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in names})
 
     @property
     def train_rows(self) -> int:
@@ -383,10 +391,7 @@ def read_back(out_dir: str | Path) -> dict[str, Any]:
     stamp_path = paths.root / SETTINGS_FILE
     if not stamp_path.exists():
         raise MtaError(f"{paths.root} holds no evidence run ({stamp_path} is missing)")
-    stamp = json.loads(stamp_path.read_text())
-    fields = {f.name for f in dataclasses.fields(EvidenceSettings)}
-    known = {k: tuple(v) if isinstance(v, list) else v for k, v in stamp.items() if k in fields}
-    return summarise(EvidenceSettings(**known), paths)
+    return summarise(EvidenceSettings.from_record(json.loads(stamp_path.read_text())), paths)
 
 
 def _load_recipe(path: str | Path, overrides: Sequence[str]) -> Recipe:
@@ -441,10 +446,9 @@ def row_scores(eval_dir: Path, label: str, set_name: str, seeds: Sequence[int]) 
 def dev_curve(run_dir: Path) -> list[dict]:
     """The dev records of a run's metrics.jsonl: step, loss (the run's objective), base_loss (the
     base loss alone, which both variants share), dev ROUGE-L (None where a record lacks one)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [
         {"step": r["step"], "loss": r.get("loss"), "base_loss": r.get("loss/base"), "rougeL": r.get(ROUGE_KEY)}
-        for r in records
+        for r in read_metrics(run_dir / "metrics.jsonl")
         if r.get("split") == "dev"
     ]
 

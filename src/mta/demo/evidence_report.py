@@ -126,7 +126,7 @@ def _report_commit(results: dict) -> str:
 
 def markdown_lines(results: dict, elapsed_seconds: float | None) -> list[str]:
     """results.md's lines; ``elapsed_seconds``: the session that wrote it (None: a report read back)."""
-    settings = EvidenceSettings(**{k: v for k, v in results["settings"].items() if k != "train_rows"})
+    settings = EvidenceSettings.from_record(results["settings"])
     source = code_source(results["sessions"])
     timings = results["timings"]
     total = sum(timings.values())
