@@ -10,7 +10,7 @@ rouge_score is imported on the first score, not with this module (``completion_t
 that training and ``mta generate`` need of it most of the time): its stemmer is nltk's, and
 ``import nltk`` imports all of nltk, whose optional wrappers import scikit-learn (with pandas and
 pyarrow) and scipy.stats when they are installed: 1 to 1.5 s on the development machine for
-code ROUGE never runs. nltk is imported with those two hidden from it (``_import_nltk``: 0.3 s);
+code ROUGE never runs. nltk is imported with those two hidden from it (``import_nltk``: 0.3 s);
 the stemmer and the scores are the same.
 """
 
@@ -40,7 +40,7 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]
 HIDDEN_FROM_NLTK = ("sklearn", "scipy.stats")
 
 
-def _import_nltk() -> None:
+def import_nltk() -> None:
     """Import nltk with ``HIDDEN_FROM_NLTK`` hidden from it, those not imported already.
 
     While nltk is imported, each hidden module's ``sys.modules`` entry is None, so nltk's
@@ -62,8 +62,9 @@ def _import_nltk() -> None:
 
 
 @lru_cache(maxsize=1)
-def _scorer() -> RougeScorer:
-    _import_nltk()
+def rouge_l_scorer() -> RougeScorer:
+    """The protocol's scorer, built once: ``rougeL`` with the Porter stemmer (``use_stemmer``)."""
+    import_nltk()
     from rouge_score import rouge_scorer
 
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
@@ -71,7 +72,7 @@ def _scorer() -> RougeScorer:
 
 def rouge_l(prediction: str, references: Sequence[str]) -> float:
     """ROUGE-L F-measure x 100 of ``prediction``, the best over ``references``."""
-    scorer = _scorer()
+    scorer = rouge_l_scorer()
     return 100.0 * max(scorer.score(ref, prediction)["rougeL"].fmeasure for ref in references)
 
 

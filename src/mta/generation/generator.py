@@ -80,7 +80,8 @@ def cut_at_stop(new_tokens: torch.Tensor, stop_ids: Sequence[int]) -> tuple[list
     is_stop = torch.isin(new_tokens, torch.tensor(list(stop_ids), device=new_tokens.device))
     finished = is_stop.any(dim=1)
     lengths = torch.where(finished, is_stop.int().argmax(dim=1), new_tokens.shape[1])
-    return [row[:n] for row, n in zip(new_tokens.tolist(), lengths.tolist(), strict=True)], finished.tolist()
+    rows = new_tokens.tolist()
+    return [rows[b][:n] for b, n in enumerate(lengths.tolist())], finished.tolist()
 
 
 class HFGenerator:
@@ -108,15 +109,13 @@ class HFGenerator:
         eos_ids = eos_token_ids(self.model, tokenizer)
         self.stop_ids = sorted({*eos_ids, *params.stop_token_ids})
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-        # Greedy search over KeyedGumbelSampler's scores = keyed sampling under ``params``.
+        # Greedy search (GenerationConfig's default: no sampling, one beam, KV cache) over
+        # KeyedGumbelSampler's scores = keyed sampling under ``params``.
         self.config = GenerationConfig(
-            do_sample=False,
-            num_beams=1,
             max_new_tokens=params.max_new_tokens,
             min_new_tokens=params.min_new_tokens or None,  # HF masks every stop id until then
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
-            use_cache=True,
         )
 
     def generate(self, prompts: Sequence[list[int]], row_seeds: Sequence[int]) -> Iterator[list[Completion]]:
@@ -145,11 +144,10 @@ class HFGenerator:
     def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seeds: list[int]) -> torch.Tensor:
         """[batch, prompt] -> [batch, prompt + new]; padded with pad_id after the stop token."""
         sampler = KeyedGumbelSampler(self.params, seeds, device=input_ids.device)
-        with generation_mode(self.model, self.config), torch.no_grad():
+        with generation_mode(self.model, self.config), torch.no_grad():  # config: the model's own meanwhile
             return self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                generation_config=self.config,
                 logits_processor=LogitsProcessorList([sampler]),
                 synced_gpus=self.synced,
             )

@@ -107,16 +107,16 @@ def restricted_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     top-k and top-p nucleus. A row always keeps its most likely token; ties at the k-th value
     are all kept (as HF's top-k warper does)."""
     scaled = logits.float() / params.temperature
-    if 0 < params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if 0 < params.top_k < scaled.shape[1]:
+        kth = torch.topk(scaled, params.top_k, dim=1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, -torch.inf)
     if params.top_p < 1.0:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the most likely token
+        sorted_logits, order = scaled.sort(dim=1, descending=True)
+        probs = sorted_logits.softmax(dim=1)
+        mass_before = probs.cumsum(dim=1) - probs  # exactly 0 for the most likely token
         outside_sorted = mass_before >= params.top_p
-        outside = torch.empty_like(outside_sorted).scatter_(-1, order, outside_sorted)
-        scaled = scaled.masked_fill(outside, float("-inf"))
+        outside = torch.empty_like(outside_sorted).scatter_(1, order, outside_sorted)
+        scaled = scaled.masked_fill(outside, -torch.inf)
     return scaled
 
 
