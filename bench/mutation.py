@@ -443,9 +443,7 @@ def changed_line(mutant: str, file: str, function: str, defs: dict[str, int]) ->
 
 
 # Equivalent by construction wherever they occur, so not listed one by one in the survivors file.
-CODEC_CASE = (
-    "codec names are case-insensitive (codecs.lookup): 'UTF-8' is the codec 'utf-8' names"
-)
+CODEC_CASE = "codec names are case-insensitive (codecs.lookup): 'UTF-8' is the codec 'utf-8' names"
 
 
 def equivalent_by_rule(old: str, new: str) -> str | None:
