@@ -195,8 +195,8 @@ ACCEPTED: list[dict[str, str]] = SURVIVOR_TABLES["accepted"]
 # tests' own, without their module fixtures, which each mutant's fresh pytest session builds
 # again (a tiny model, a training run: up to about 12 s): the constant covers them, so a mutant
 # is never counted as detected for its fixtures' time. mutmut's defaults (15, 1) give a mutant
-# that loops forever in last_fitting_cut two minutes; these give it one.
-TIMEOUT_MULTIPLIER, TIMEOUT_CONSTANT = 4.0, 15.0
+# that loops forever in last_fitting_cut two minutes; these give it 30 s.
+TIMEOUT_MULTIPLIER, TIMEOUT_CONSTANT = 2.0, 15.0
 
 DETECTED = ("killed", "timeout", "segfault")  # segfault: mutmut's name for SIGKILL after SIGXCPU
 
@@ -482,8 +482,11 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
             mutated_source = (scratch / file).read_text(encoding="utf-8")
             defs = function_lines(mutated_source)
             equivalent = 0
+            untested: set[str] = set()  # functions no selected test calls
             for mutant, code in sorted(codes.items(), key=lambda item: natural(item[0])):
                 status = status_by_exit_code[code]
+                if status == "no tests":
+                    untested.add(mangled_parts(mutant)[1])
                 if status in DETECTED or status in UNLISTED:
                     continue  # counted per file below; only survivors are listed one by one
                 _, function = mangled_parts(mutant)
@@ -525,6 +528,8 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
                 "other": total - detected - counts["survived"] - counts["no tests"] - counts["not checked"],
                 "kill_rate": rate(detected, total - equivalent),
             }
+            if untested:
+                per_file[file]["untested_functions"] = sorted(untested)
     finally:
         os.chdir(here)
     return {"modules": per_file, "survivors": survivors}

@@ -8,36 +8,16 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from conftest import EXAMPLES
-from mta.evaluation.datasets import load_rows
+from fixtures.generation import completions, model_and_tokenizer, prompts  # noqa: F401  (fixtures)
 from mta.generation import HFGenerator, KeyedGumbelSampler, SamplingParams, sampling_seed
 from mta.generation.generator import cut_at_stop, left_pad, length_sorted_batches
-from mta.models.tokenizers import load_tokenizer
 
 # Two rows of distinct logits, not sorted alike, so a mask computed across rows would show.
 LOGITS = (
     [2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0],
     [-1.0, 0.3, 1.7, -0.2, 0.9, -2.5, 0.1, 1.2],
 )
-
-
-@pytest.fixture(scope="module")
-def model_and_tokenizer(tiny_model_dir):
-    """The tiny random model with its logits scaled up: a random init is so near uniform that
-    its samples would hardly depend on the model, and a batching bug would go unseen."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    return model, load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(model_and_tokenizer) -> list[list[int]]:
-    _, tokenizer = model_and_tokenizer
-    rows, _ = load_rows(EXAMPLES, limit=5)
-    return [tokenizer(r.prompt, add_special_tokens=False)["input_ids"][: 24 + 4 * r.index] for r in rows]
 
 
 def plain_distribution(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -125,11 +105,7 @@ def test_completions_end_before_their_first_stop_token():
     assert finished == [False, True, True]
 
 
-def completions(generator: HFGenerator, prompts, seeds) -> dict[int, tuple[list[int], bool]]:
-    return {c.position: (c.token_ids, c.finished) for batch in generator.generate(prompts, seeds) for c in batch}
-
-
-def test_batched_generation_equals_one_prompt_at_a_time(model_and_tokenizer, prompts):
+def test_batched_generation_equals_one_prompt_at_a_time(model_and_tokenizer, prompts):  # noqa: F811
     """Left padding, position ids and the KV cache are right when batch composition changes
     nothing: each row keeps its own noise, so its sample is the same alone or in a batch."""
     model, tokenizer = model_and_tokenizer
@@ -141,7 +117,7 @@ def test_batched_generation_equals_one_prompt_at_a_time(model_and_tokenizer, pro
     assert len({tuple(ids) for ids, _ in batched.values()}) > 1
 
 
-def test_top_k_one_is_greedy_decoding(model_and_tokenizer, prompts):
+def test_top_k_one_is_greedy_decoding(model_and_tokenizer, prompts):  # noqa: F811
     model, tokenizer = model_and_tokenizer
     seeds = list(range(len(prompts)))
     top_1 = completions(HFGenerator(model, tokenizer, SamplingParams(top_k=1, max_new_tokens=6)), prompts, seeds)
@@ -149,7 +125,7 @@ def test_top_k_one_is_greedy_decoding(model_and_tokenizer, prompts):
     assert top_1 == greedy
 
 
-def test_a_stop_token_ends_the_completion_where_it_first_appears(model_and_tokenizer, prompts):
+def test_a_stop_token_ends_the_completion_where_it_first_appears(model_and_tokenizer, prompts):  # noqa: F811
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_new_tokens=12)
     free = completions(HFGenerator(model, tokenizer, params), prompts[:1], [5])[0][0]
@@ -160,7 +136,7 @@ def test_a_stop_token_ends_the_completion_where_it_first_appears(model_and_token
     assert stopped[0] == (free[: free.index(stop)], True)
 
 
-def test_min_new_tokens_holds_every_stop_token_back(model_and_tokenizer, prompts):
+def test_min_new_tokens_holds_every_stop_token_back(model_and_tokenizer, prompts):  # noqa: F811
     model, tokenizer = model_and_tokenizer
     stop = completions(HFGenerator(model, tokenizer, SamplingParams(max_new_tokens=12)), prompts[:1], [5])[0][0][1]
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), min_new_tokens=12)
@@ -169,7 +145,7 @@ def test_min_new_tokens_holds_every_stop_token_back(model_and_tokenizer, prompts
     assert all(len(ids) == 12 and not finished and not stops & set(ids) for ids, finished in held.values())
 
 
-def test_generation_ignores_settings_saved_with_the_model(model_and_tokenizer, prompts):
+def test_generation_ignores_settings_saved_with_the_model(model_and_tokenizer, prompts):  # noqa: F811
     model, tokenizer = model_and_tokenizer
     params = SamplingParams(max_new_tokens=10)
     first = completions(HFGenerator(model, tokenizer, params), prompts[:1], [1])
@@ -192,7 +168,7 @@ def borrowed_state(model) -> dict:
     }
 
 
-def test_a_model_in_training_is_given_back_as_it_was(model_and_tokenizer, prompts, monkeypatch):
+def test_a_model_in_training_is_given_back_as_it_was(model_and_tokenizer, prompts, monkeypatch):  # noqa: F811
     """Train/eval flag of every module, generation config, use_cache and the global RNG, after a
     normal run and after a failing one; the samples are those of the model in eval mode."""
     model, tokenizer = model_and_tokenizer

@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from fixtures.generation import completions, model_and_tokenizer, prompts  # noqa: F401  (fixtures)
 from mta import distributed
 from mta.generation import HFGenerator, KeyedGumbelSampler, SamplingParams
 from mta.generation.generator import Completion, cut_at_stop, eos_token_ids, left_pad
 from mta.generation.sampling import restricted_logits
-from test_generation import completions, model_and_tokenizer, prompts  # noqa: F401  (fixtures)
 
 
 def test_eos_ids_join_the_tokenizers_and_the_configs_own():

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fixtures.generated_rows import make_row
 from mta.errors import MtaError
 from mta.generation import sampling_seed
 from mta.training.config.schema import GenerationSpec
@@ -32,7 +33,6 @@ from mta.training.sampling.replay_buffer import (
     rows_table,
     write_generated_rows,
 )
-from test_off_policy import make_row
 
 SEED = 97
 

@@ -15,13 +15,13 @@ import pyarrow as pa
 import pytest
 from transformers import AutoModelForCausalLM
 
+from fixtures.selection import dev_table, recipe
 from mta import distributed
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tokenizers import load_tokenizer
 from mta.scoring import completion_text, rouge_l
 from mta.training.lifecycle import checkpointing, selection
-from test_rules_selection import dev_table, recipe
 
 
 class MarkingTokenizer:

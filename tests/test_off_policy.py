@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fixtures.generated_rows import make_row
 from mta.data.artefact_schema import SCHEMA_VERSION
 from mta.errors import MtaError
 from mta.training.batching import AnnotatedExamples
@@ -256,50 +257,6 @@ def test_a_malformed_state_is_refused(tmp_path, change, message):
 
 
 # --- the replay buffer ----------------------------------------------------------------------
-
-
-def make_row(index: int) -> dict:
-    """A generated row in the annotate artefact's columns."""
-    text = f"### Prompt {index}:\nwhy?\n### Response:\nBecause ünïcode — {index}."
-    spans = (
-        []
-        if index % 3 == 0
-        else [
-            {
-                "char_start": 0,
-                "char_end": 3,
-                "label": "NP",
-                "teacher_start": 0,
-                "teacher_end": 1,
-                "student_start": 0,
-                "student_end": 2,
-            },
-            {
-                "char_start": 4,
-                "char_end": 10,
-                "label": "VP",
-                "teacher_start": 1,
-                "teacher_end": 3,
-                "student_start": 2,
-                "student_end": 4,
-            },
-        ]
-    )
-    ids = [5 + index, 6, 7, 2**31 - 1]
-    return {
-        "id": index,
-        "text": text,
-        "prompt_chars": 30,
-        "teacher_input_ids": ids,
-        "student_input_ids": ids[:3],
-        "teacher_prompt_len": 2,
-        "student_prompt_len": 1,
-        "phrase_spans": spans,
-        "word_spans": spans[:1],
-        "pair_id": None,
-        "role": None,
-        "boundary_spans": [{key: value for key, value in span.items() if key != "label"} for span in spans],
-    }
 
 
 def test_the_buffer_is_first_in_first_out():

@@ -9,10 +9,10 @@ import json
 from typing import Any, get_args
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-from mta.training.config.schema import Recipe, TrainSpec
+from fixtures.selection import Tokenizer, dev_table, recipe
+from mta.training.config.schema import TrainSpec
 from mta.training.lifecycle import checkpointing, selection
 
 # select_by -> (the metric selection.json names, the dev record key holding it, the goal).
@@ -61,37 +61,6 @@ def test_the_criterion_names_the_restated_metric_key_and_goal(select_by):
     assert rule.better(lower, higher) is (GOALS[select_by][2] == "lowest")
     assert rule.better(higher, lower) is (GOALS[select_by][2] == "highest")
     assert rule.better(lower, lower) is False and rule.better(lower, None) is True  # a tie is no improvement
-
-
-class Tokenizer:
-    """Characters as token ids: enough for DevPrompts."""
-
-    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
-        return {"input_ids": [ord(c) for c in text]}
-
-
-def dev_table() -> pa.Table:
-    rows = [("Q0? ", "a0"), ("Q1? ", "b1"), ("Q1? ", "c1"), ("Q2? ", "d2")]
-    return pa.table(
-        {
-            "text": [prompt + response for prompt, response in rows],
-            "prompt_chars": [len(prompt) for prompt, _ in rows],
-            "role": [None, "chosen", "rejected", None],
-        }
-    )
-
-
-def recipe(select_by: str) -> Recipe:
-    return Recipe.model_validate(
-        {
-            "name": "select",
-            "output_dir": "runs/select",
-            "teacher": {"path": "t"},
-            "student": {"path": "s"},
-            "data": {"train": "train.jsonl", "dev": "dev.jsonl"},
-            "train": {"max_steps": 10, "batch_size": 2, "micro_batch_size": 2, "select_by": select_by},
-        }
-    )
 
 
 @pytest.mark.parametrize("select_by", sorted(GOALS))
