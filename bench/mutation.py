@@ -25,8 +25,8 @@ and bench/results/mutation.json written.
 
 One mutmut worker, one thread per library (OMP/MKL): the machine is shared. Each mutant's tests
 run under a time limit derived from their clean duration and TIMEOUT_CONSTANT (a mutant that
-loops forever is a "timeout", which counts as detected), and the whole run under --limit-min of wall time
-(mutants it did not reach are reported as "not checked").
+loops forever is a "timeout", which counts as detected), and the whole run under --limit-min of
+wall time (mutants it did not reach are reported as "not checked").
 
 mutmut mutates only undecorated functions (and @staticmethod / @classmethod). So that the
 decorated ones are tested too, the scratch copy rewrites each other single-decorator function
@@ -485,11 +485,11 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
             untested: set[str] = set()  # functions no selected test calls
             for mutant, code in sorted(codes.items(), key=lambda item: natural(item[0])):
                 status = status_by_exit_code[code]
+                _, function = mangled_parts(mutant)
                 if status == "no tests":
-                    untested.add(mangled_parts(mutant)[1])
+                    untested.add(function)
                 if status in DETECTED or status in UNLISTED:
                     continue  # counted per file below; only survivors are listed one by one
-                _, function = mangled_parts(mutant)
                 scratch_line, old, new = changed_line(mutant, file, function, defs)
                 line = None
                 if scratch_line is not None and 0 < scratch_line < len(origins[file]):

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fixtures.selection import recipe
 from mta.errors import MtaError
 from mta.training.config.catalog import SHIPPED_DIR
 from mta.training.config.extends import RecipeFile, merged_recipe, parent_path
 from mta.training.config.layers import auto_fdd_layers, resolve_fdd_layers
 from mta.training.config.resume_rules import ABSENT, Change, resume_changes
-from mta.training.config.schema import LayerIndexPair, Recipe
+from mta.training.config.schema import LayerIndexPair
 from mta.training.config.yaml_reader import Refused, yaml_text
 
 
@@ -100,21 +101,8 @@ def test_a_refused_document_carries_its_message_and_one_based_line():
     assert str(error) == "anchors are not allowed" and error.line == 5
 
 
-def minimal_recipe() -> Recipe:
-    return Recipe.model_validate(
-        {
-            "name": "r",
-            "output_dir": "o",
-            "teacher": {"path": "t"},
-            "student": {"path": "s"},
-            "data": {"train": "x"},
-            "train": {"max_steps": 3, "batch_size": 2, "micro_batch_size": 2},
-        }
-    )
-
-
 def test_a_saved_recipe_the_schema_no_longer_takes_gets_todays_defaults_for_what_it_lacks():
-    new = minimal_recipe()
+    new = recipe("loss")  # a plain recipe: the selection tests' minimal one
     saved = new.model_dump(mode="json")
     saved["retired_key"] = 1  # no longer a recipe key: the saved mapping does not validate
     del saved["loss"]  # a whole section, and a key inside another, written before they existed
