@@ -7,7 +7,7 @@ mutates the functions of
     token_ranges  src/mta/data/token_ranges.py
     truncation    src/mta/data/truncation.py
 
-and of the rule modules (GROUPS below: training_config, selection, sampling, lora, checkpoints,
+and of the rule modules (GROUPS below: training_config, selection, stopping, sampling, lora, checkpoints,
 generation, store, talas, online_spans, pairs, hashing_scoring); the glue left out is EXCLUDED,
 each with its reason. A module in scope that yields no mutant is an error.
 
@@ -46,6 +46,7 @@ gives the diff); "no tests" and "not checked" are counted per file only.
 
     .venv/bin/python bench/mutation.py                       # every group
     .venv/bin/python bench/mutation.py --modules truncation  # re-run one group, merge the rest
+    .venv/bin/python bench/mutation.py --relabel             # apply edited survivor tables only
 """
 
 from __future__ import annotations
@@ -109,9 +110,10 @@ GROUPS: dict[str, dict] = {
         ],
     },
     "selection": {
-        "mutate": ["src/mta/training/lifecycle/selection.py", "src/mta/training/lifecycle/stopping.py"],
-        "tests": ["tests/test_selection.py", "tests/test_rules_selection.py", "tests/test_stop_signals.py"],
+        "mutate": ["src/mta/training/lifecycle/selection.py"],
+        "tests": ["tests/test_selection.py", "tests/test_rules_selection.py"],
     },
+    "stopping": {"mutate": ["src/mta/training/lifecycle/stopping.py"], "tests": ["tests/test_stop_signals.py"]},
     "sampling": {
         "mutate": ["src/mta/training/sampling/policy.py", "src/mta/training/sampling/replay_buffer.py"],
         "tests": ["tests/test_rules_sampling.py", "tests/test_off_policy.py"],
@@ -557,6 +559,30 @@ def summarise(modules: dict[str, dict]) -> dict:
     return {"groups": groups, "overall": overall}
 
 
+def relabel(report: dict) -> dict:
+    """``report`` with its survivors matched again against today's survivor tables (and rules):
+    an entry added to "equivalent" or "accepted" takes effect without running mutmut again."""
+    survivors = []
+    for entry in report["survivors"]:
+        entry = {key: value for key, value in entry.items() if key not in ("reason", "note")}
+        if entry["status"] in ("survived", "equivalent"):
+            args = (entry["file"], entry["function"], entry["from"], entry["to"])
+            reason = equivalent_by_rule(entry["from"], entry["to"]) or lookup(EQUIVALENT, "reason", *args)
+            entry["status"] = "equivalent" if reason else "survived"
+            if reason:
+                entry["reason"] = reason
+            elif note := lookup(ACCEPTED, "note", *args):
+                entry["note"] = note
+        survivors.append(entry)
+    modules = {file: dict(module) for file, module in report["modules"].items()}
+    for file, module in modules.items():
+        equivalent = sum(1 for s in survivors if s["file"] == file and s["status"] == "equivalent")
+        module["survived"] += module["equivalent"] - equivalent
+        module["equivalent"] = equivalent
+        module["kill_rate"] = rate(module["killed"] + module["timeout"], module["total"] - equivalent)
+    return {**report, **summarise(modules), "modules": modules, "survivors": survivors}
+
+
 def tool_version() -> str:
     from importlib.metadata import version
 
@@ -573,7 +599,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-min", type=float, default=25.0, help="wall-clock limit of the mutmut run (minutes)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     parser.add_argument("--output", type=Path, default=RESULT)
+    parser.add_argument(
+        "--relabel",
+        action="store_true",
+        help=f"match the survivors of --output again against {SURVIVORS.name} (no mutmut run) and rewrite it",
+    )
     args = parser.parse_args(argv)
+    if args.relabel:
+        report = relabel(json.loads(args.output.read_text(encoding="utf-8")))
+        temporary = args.output.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        temporary.replace(args.output)
+        log(f"relabelled {args.output.name}: overall kill rate {report['overall']['kill_rate']}")
+        return 0
     groups = [g.strip() for g in args.modules.split(",") if g.strip()]
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:

@@ -5,6 +5,7 @@ names and the summary line."""
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 
@@ -89,3 +90,34 @@ def test_the_summary_line_names_the_targets_and_the_trainable_share():
     assert "; all-linear)" in lora.describe(LoraSpec(target_modules="all-linear"), 0, 0)
     assert "peft's default for the architecture): 0 trainable" in lora.describe(LoraSpec(), 0, 0)
     assert "(0.00 % of the student's 0)" in lora.describe(LoraSpec(), 0, 0)
+    assert "(25.00 % of the student's 4)" in lora.describe(LoraSpec(), 1, 4)
+
+
+def test_a_wrapped_model_trains_only_its_adapters_and_saves_an_adapter_peft_loads(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not lora.is_wrapped(plain)
+    assert lora.trainable_parameters(plain) == sum(p.numel() for p in plain.parameters())
+    model = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraSpec(r=2), seed=0)
+    assert lora.is_wrapped(model)
+    adapters = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    assert lora.trainable_parameters(model) == sum(p.numel() for p in adapters.values()) > 0
+    with torch.no_grad():
+        for parameter in adapters.values():  # lora_B starts at zero: make the adapter matter
+            parameter.normal_(std=0.5)
+    target = lora.save_adapter(model, model.state_dict(), tmp_path / "checkpoint", base_model="org/base")
+    assert target == tmp_path / "checkpoint" / "adapter"
+    assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
+    assert config["inference_mode"] is True and config["base_model_name_or_path"] == "org/base"
+    assert config["r"] == 2 and model.peft_config["default"].inference_mode is False  # the model's own is kept
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(target)).eval()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, model.eval()(ids).logits, atol=1e-5)
+    unnamed = lora.save_adapter(model, model.state_dict(), tmp_path / "other")
+    assert (
+        json.loads((unnamed / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+        != "org/base"
+    )

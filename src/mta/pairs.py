@@ -189,7 +189,7 @@ def generate_pairs(
     reporter = reporter or SilentReporter()
     teacher, student = str(teacher), str(student)
     source, paths = open_source(data, dict(settings.fields)), PairsPaths(Path(output))
-    _check_output(paths, settings.overwrite)
+    check_output(paths, settings.overwrite)
     for checkpoint in dict.fromkeys((teacher, student)):  # the same model as both: checked once
         check_checkpoint(checkpoint)
     rows, problems = read_prompts(source, settings.limit)
@@ -200,17 +200,17 @@ def generate_pairs(
     device = distributed.resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     claim = describe_run(teacher, student, source, settings, dtype)
-    fresh = not _check_journal(paths, claim, settings.overwrite)
+    fresh = not check_journal(paths, claim, settings.overwrite)
     make_output_directory(paths.output.parent, "the directory of -o")  # read-only or full: before any model loads
     models = {"teacher": teacher, "student": student}
     with distributed.joined_process_group():
         rank, world = distributed.rank(), distributed.world_size()
-        with _rank_lock(paths, rank) as unsupported:
+        with rank_lock(paths, rank) as unsupported:
             if unsupported and distributed.is_main():
                 reporter.message(f"{unsupported}: make sure no other `mta generate` writes {paths.output}")
             distributed.barrier()  # every rank has read the claim before rank 0 replaces it
             if distributed.is_main():
-                _claim_journal(paths, claim, fresh)
+                claim_journal(paths, claim, fresh)
             distributed.barrier()
             done = finished_responses(paths, rows)
             resumed = {side: len(done[side]) for side in SIDES}
@@ -231,7 +231,7 @@ def generate_pairs(
         outcome = None
         if distributed.is_main():
             with disk_full_is_reported(paths.output):
-                outcome = _write_output(paths, rows, problems, source, resumed)
+                outcome = write_output(paths, rows, problems, source, resumed)
         outcome = distributed.broadcast_from_main(outcome)
     if problems and distributed.is_main():
         reporter.message(f"skipped {len(problems)} bad input row(s), e.g. {source.describe(problems[0])}")
@@ -294,7 +294,7 @@ def describe_run(
     }
 
 
-def _check_output(paths: PairsPaths, overwrite: bool) -> None:
+def check_output(paths: PairsPaths, overwrite: bool) -> None:
     output = paths.output
     if output.is_dir():
         raise MtaError(f"-o {output} is a directory; give the JSONL file to write, e.g. {output / 'pairs.jsonl'}")
@@ -302,7 +302,7 @@ def _check_output(paths: PairsPaths, overwrite: bool) -> None:
         raise MtaError(f"{output} already exists; pass --overwrite to replace it, or write to another -o")
 
 
-def _check_journal(paths: PairsPaths, claim: dict[str, Any], overwrite: bool) -> bool:
+def check_journal(paths: PairsPaths, claim: dict[str, Any], overwrite: bool) -> bool:
     """Whether an unfinished run of these settings left a journal to resume (False: none, or
     one of other settings that ``overwrite`` discards); refuse one of other settings."""
     if not paths.settings.exists():
@@ -334,7 +334,7 @@ def _check_journal(paths: PairsPaths, claim: dict[str, Any], overwrite: bool) ->
     )
 
 
-def _claim_journal(paths: PairsPaths, claim: dict[str, Any], fresh: bool) -> None:
+def claim_journal(paths: PairsPaths, claim: dict[str, Any], fresh: bool) -> None:
     """Rank 0: start an empty journal under ``claim`` (``fresh``) or keep the one there."""
     if not fresh and paths.settings.exists():
         return
@@ -346,7 +346,7 @@ def _claim_journal(paths: PairsPaths, claim: dict[str, Any], fresh: bool) -> Non
 
 
 @contextmanager
-def _rank_lock(paths: PairsPaths, rank: int) -> Iterator[str | None]:
+def rank_lock(paths: PairsPaths, rank: int) -> Iterator[str | None]:
     """``exclusive_lock`` on this rank's lock file (yields why locking is unsupported, or None);
     a second writer of the same output and rank is one ``MtaError`` naming it."""
     path = paths.lock(rank)
@@ -441,7 +441,7 @@ def _generate_side(
         del generator
 
 
-def _write_output(
+def write_output(
     paths: PairsPaths,
     rows: Sequence[Example],
     problems: Sequence[RowProblem],

@@ -18,7 +18,8 @@ What is the same and what is not:
   engines agree in distribution (tests/test_vllm_engine.py checks it with a chi-square test), not
   row for row, and their results are never mixed in one predictions directory.
 
-On a CPU the engine runs eagerly (compilation costs minutes at start), with
+On a CPU the engine runs eagerly unless ``MTA_VLLM_COMPILE=1`` (compiling costs about two minutes
+at start and then generates about twice as fast: ``bench/generate.py``), with
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default 2 here) and ``VLLM_CPU_OMP_THREADS_BIND``
 (default: every core this process may use) set unless the environment sets them. On GPUs each
 process (each torchrun rank: data parallel) starts its own engine on its device; tensor
@@ -48,6 +49,7 @@ from mta.generation.generator import Completion, eos_token_ids
 from mta.generation.sampling import SamplingParams
 
 PYTHON_ENV = "MTA_VLLM_PYTHON"
+COMPILE_ON_CPU = "MTA_VLLM_COMPILE"  # 1: compile on a CPU too (minutes at start, then faster)
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"  # make install-vllm, from the repository root
 WORKER = Path(__file__).with_name("vllm_worker.py")
 ENGINES = ("hf", "vllm")
@@ -137,12 +139,18 @@ def core_list() -> str:
 @dataclass(frozen=True)
 class EngineSettings:
     """How the vLLM engine is started: ``tensor_parallel_size`` GPUs per engine; ``enforce_eager``
-    (None: eager on a CPU, where compiling costs minutes, compiled on a GPU); ``max_model_len``
-    (None: the model's own)."""
+    (None: compiled on a GPU; on a CPU, where compiling costs minutes, eager unless the
+    environment sets ``MTA_VLLM_COMPILE=1``); ``max_model_len`` (None: the model's own)."""
 
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None
     max_model_len: int | None = None
+
+    def eager_on(self, device: torch.device) -> bool:
+        """Whether the engine runs eagerly on ``device``."""
+        if self.enforce_eager is not None:
+            return self.enforce_eager
+        return device.type == "cpu" and os.environ.get(COMPILE_ON_CPU) != "1"
 
 
 class VLLMEngine:
@@ -177,7 +185,7 @@ class VLLMEngine:
     def start(self) -> None:
         if self.dtype not in DTYPES:
             raise MtaError(f"--engine vllm runs fp32, bf16 or fp16, not {self.dtype}")
-        eager = self.settings.enforce_eager if self.settings.enforce_eager is not None else self.device.type == "cpu"
+        eager = self.settings.eager_on(self.device)
         started = time.perf_counter()
         self.process = subprocess.Popen(
             [str(self.python), str(WORKER)],
@@ -315,16 +323,18 @@ def vllm_generation(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int | None = None,
+    enforce_eager: bool | None = None,
 ) -> Iterator[VLLMGenerator]:
     """A :class:`VLLMGenerator` on ``checkpoint`` for the span of the block (the engine started,
     then stopped): its stop ids the model's generation config's EOS and the tokenizer's, as the
-    HF engine's; ``max_model_len``: the longest prompt + completion asked for (sizes the cache)."""
+    HF engine's; ``max_model_len``: the longest prompt + completion asked for (sizes the cache);
+    ``enforce_eager``: as :class:`EngineSettings`."""
     from transformers import GenerationConfig
 
     try:
         config = GenerationConfig.from_pretrained(checkpoint)
     except OSError:  # no generation_config.json: the tokenizer's EOS alone
         config = GenerationConfig()
-    settings = EngineSettings(max_model_len=max_model_len)
+    settings = EngineSettings(max_model_len=max_model_len, enforce_eager=enforce_eager)
     with VLLMEngine(checkpoint, dtype=dtype, device=device, settings=settings) as engine:
         yield VLLMGenerator(engine, params, eos_token_ids(config, tokenizer))

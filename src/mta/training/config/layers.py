@@ -87,7 +87,7 @@ def resolve_sra_layers(
     """The recipe's ``loss.sra_layers``: ``last`` is each model's last layer (the public port's)."""
     if layers == "last":
         return [LayerIndexPair(student=student_layers, teacher=teacher_layers)]
-    return _checked_pairs(layers, "loss.sra_layers", student_layers, teacher_layers)
+    return _checked_pairs(layers, "loss.sra_layers", student_layers, teacher_layers, keyword="last")
 
 
 def _round_half_up(numerator: int, denominator: int) -> int:
@@ -110,8 +110,11 @@ def resolve_layer_map(
     return _checked_pairs(layers, "loss.layers", student_layers, teacher_layers)
 
 
-def _checked_pairs(pairs: Sequence[Pair], key_name: str, student_layers: int, teacher_layers: int) -> list[Pair]:
-    """``pairs`` after checking each against both depths and for repeats (``key_name[i]`` in errors)."""
+def _checked_pairs(
+    pairs: Sequence[Pair], key_name: str, student_layers: int, teacher_layers: int, keyword: str = "auto"
+) -> list[Pair]:
+    """``pairs`` after checking each against both depths and for repeats (``key_name[i]`` in errors;
+    ``keyword``: the key's word for the default map, which the message offers as the fix)."""
     resolved: list[Pair] = []
     for index, pair in enumerate(pairs):
         key = f"{key_name}[{index}]"
@@ -123,7 +126,7 @@ def _checked_pairs(pairs: Sequence[Pair], key_name: str, student_layers: int, te
                 raise MtaError(
                     f"{key}: {side} layer {layer} does not exist; the {side} has {depth} "
                     f"layers, so hidden-state indices run from 0 (embeddings) to {depth}. "
-                    f"Fix the pair or write `{key_name.rpartition('.')[2]}: auto`."
+                    f"Fix the pair or write `{key_name.rpartition('.')[2]}: {keyword}`."
                 )
         if pair in resolved:
             raise MtaError(

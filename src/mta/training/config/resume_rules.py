@@ -43,14 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from mta.errors import MtaError
 from mta.training.config.loading import recipe_schema
 from mta.training.config.schema import Recipe, models_in
-from mta.training.config.yaml_reader import load_yaml
+from mta.training.config.yaml_reader import load_yaml, yaml_text
 
 SAVED_RECIPE = "recipe.yaml"
 
@@ -191,7 +190,7 @@ def read_saved_recipe(checkpoint: Path) -> dict[str, Any]:
 def resume_changes(saved: dict[str, Any], new: Recipe) -> ResumeChanges:
     """Compare a checkpoint's saved recipe mapping with the recipe a resume was given."""
     changes = ResumeChanges()
-    for change in _differences(_with_defaults(saved), new.model_dump(mode="json"), ()):
+    for change in _differences(_with_defaults(saved), to_jsonable_python(new), ()):
         mutable = change.key in MUTABLE_KEYS or not _known_to_schema(change.key.split("."), type(new))
         (changes.applied if mutable else changes.refused).append(change)
     return changes
@@ -229,7 +228,7 @@ def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     (the schema has since tightened) each missing key takes its field's default as written."""
     schema = recipe_schema(saved)  # the checkpoint's task: llm (Recipe) or embedding
     try:
-        return schema.model_validate(saved).model_dump(mode="json")
+        return to_jsonable_python(schema.model_validate(saved))
     except ValidationError:
         return _fill_defaults(schema, saved)
 
@@ -243,9 +242,7 @@ def _fill_defaults(model: type[BaseModel], data: dict[str, Any]) -> dict[str, An
                 filled[name] = _fill_defaults(nested[0], filled[name])
         elif not info.is_required():
             default = info.get_default(call_default_factory=True)
-            filled[name] = (
-                default.model_dump(mode="json") if isinstance(default, BaseModel) else to_jsonable_python(default)
-            )
+            filled[name] = to_jsonable_python(default)  # a section's default: its model_dump(mode="json")
     return filled
 
 
@@ -268,9 +265,7 @@ def _same(old: Any, new: Any) -> bool:
         return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new, strict=True))
     if isinstance(old, dict) and isinstance(new, dict):
         return old.keys() == new.keys() and all(_same(old[key], new[key]) for key in old)
-    if type(old) is not type(new) and not (isinstance(old, (int, float)) and isinstance(new, (int, float))):
-        return False
-    return old == new
+    return old == new  # JSON values of different types are unequal, but for numbers (5 == 5.0)
 
 
 def _known_to_schema(parts: list[str], schema: type[BaseModel] = Recipe) -> bool:
@@ -289,7 +284,7 @@ def _known_to_schema(parts: list[str], schema: type[BaseModel] = Recipe) -> bool
 def _text(value: Any) -> str:
     if value is ABSENT:
         return repr(value)
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).removesuffix("\n...\n").strip()
+    return yaml_text(value)
 
 
 def _restoring(change: Change) -> str:

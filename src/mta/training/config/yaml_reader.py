@@ -7,6 +7,7 @@ expand past ``MAX_YAML_VALUES`` values (a "billion laughs" bomb), nests deeper t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import yaml
@@ -73,9 +74,7 @@ def _check_composed(root: yaml.Node) -> None:
         key = id(node)
         if key in open_nodes:
             raise Refused(node.start_mark, "an alias refers to a node that contains it (a recursive structure)")
-        if key not in done:
-            if level > MAX_YAML_DEPTH:
-                raise Refused(node.start_mark, f"aliases nest the values more than {MAX_YAML_DEPTH} levels deep")
+        if key not in done:  # first met where it is written: at most MAX_YAML_DEPTH deep (composing)
             open_nodes.add(key)
             if isinstance(node, yaml.MappingNode):
                 _refuse_duplicate_keys(node)
@@ -146,7 +145,7 @@ def yaml_problem(error: yaml.YAMLError, text: str) -> str:
     if isinstance(error, yaml.reader.ReaderError):
         before = text[: error.position]
         line, column = before.count("\n") + 1, error.position - (before.rfind("\n") + 1) + 1
-        character = error.character if isinstance(error.character, int) else ord(error.character)
+        character = error.character  # PyYAML gives the code point (an int) for text and bytes alike
         return (
             f"line {line}, column {column}: the control character U+{character:04X} is not allowed in YAML "
             "(a binary file, or a character pasted in by mistake?); remove it"
@@ -161,4 +160,6 @@ def yaml_problem(error: yaml.YAMLError, text: str) -> str:
 
 def yaml_text(value: Any) -> str:
     """``value`` as YAML flow text: ``true``, ``null``, ``[1, 2]``, ``{a: 1}``."""
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).removesuffix("\n...\n").strip()
+    return (
+        yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=math.inf).removesuffix("\n...\n").strip()
+    )
