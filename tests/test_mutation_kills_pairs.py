@@ -221,7 +221,7 @@ def test_a_fresh_claim_replaces_the_journal_and_a_resumed_one_keeps_it(tmp_path)
 
 
 def test_a_second_writer_of_the_same_output_and_rank_is_refused_naming_the_holder(tmp_path):
-    paths = PairsPaths(tmp_path / "deeper" / "pairs.jsonl")
+    paths = PairsPaths(tmp_path / "a" / "b" / "pairs.jsonl")  # the lock's directory is made, parents too
     with pairs.rank_lock(paths, 0) as unsupported:
         assert unsupported is None and paths.lock(0).exists()
         with pairs.rank_lock(paths, 1):  # another rank: side by side

@@ -19,8 +19,10 @@ from fixtures.selection import dev_table, recipe
 from mta import distributed
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
+from mta.generation.generator import Completion
 from mta.models.tokenizers import load_tokenizer
 from mta.scoring import completion_text, rouge_l
+from mta.training.config.schema import Recipe
 from mta.training.lifecycle import checkpointing, selection
 
 
@@ -119,3 +121,102 @@ def test_a_selection_file_that_is_not_an_object_reads_as_none(tmp_path):
 def test_records_without_a_step_are_not_dev_evaluations_and_step_1_is(tmp_path):
     records = [{"split": "dev", "loss": 0.1}, {"split": "dev", "step": 1, "loss": 0.5}]
     assert selection.best_step_of(records, "loss") == (1, 0.5)
+
+
+def test_measuring_samples_the_dev_rows_with_the_runs_seed_lengths_and_batch(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(selection, "dev_rouge", lambda *args, **kwargs: calls.append((args, kwargs)) or 41.5)
+    by_loss = selection.Selector(recipe("loss"), tmp_path, "r", dev_table=dev_table(), tokenizer=MarkingTokenizer())
+    assert by_loss.measure("model") == {} and calls == []
+    the_recipe = recipe("rouge")
+    by_rouge = selection.Selector(the_recipe, tmp_path, "r", dev_table=dev_table(), tokenizer=MarkingTokenizer())
+    assert by_rouge.measure("model") == {selection.ROUGE_KEY: 41.5}
+    ((args, kwargs),) = calls
+    assert args == ("model", by_rouge.tokenizer, by_rouge.prompts)
+    assert kwargs == {
+        "seed": the_recipe.seed,
+        "max_new_tokens": the_recipe.data.max_length - the_recipe.data.max_prompt_length,
+        "batch_size": 4 * the_recipe.train.micro_batch_size,
+    }
+
+
+def test_the_closing_note_says_why_there_is_no_best(tmp_path):
+    selector = selection.Selector(recipe("loss"), tmp_path, "r", dev_table=dev_table(), tokenizer=MarkingTokenizer())
+    assert selector.closing_note() == (
+        f"no best/: no dev evaluation after step 0 (train.eval_interval={selector.recipe.train.eval_interval} "
+        "is longer than the run)"
+    )
+    selector.best = (6, 1.23456)
+    assert selector.closing_note() == (
+        "no best/: the best dev evaluation (dev/loss 1.2346 at step 6) was in a part of the run a resume "
+        "discarded, and none after it beat it"
+    )
+    selector.directory.mkdir()
+    assert selector.closing_note() is None
+
+
+ANSWERS = {"Name a colour: ": "red blue", "Count to two: ": "one", "Say hi: ": "hi there you"}
+
+
+def test_dev_rouge_scores_each_rows_keyed_sample_against_its_reference_and_averages(monkeypatch):
+    """A fake engine that answers with words of the references, so every score is above 0 (a tiny
+    random model's samples score 0, where a sum and a difference look alike)."""
+    requests = []
+
+    class Engine:
+        def __init__(self, model, tokenizer, params, batch_size):
+            requests.append((model, params, batch_size))
+
+        def generate(self, prompts, seeds):
+            texts = [
+                ANSWERS["".join(map(chr, prompt))] + " w" * (seed % 4)
+                for prompt, seed in zip(prompts, seeds, strict=True)
+            ]
+            answers = [[ord(c) for c in text] for text in texts]
+            for start in range(0, len(prompts), 2):
+                yield [Completion(i, answers[i], True) for i in range(start, min(start + 2, len(prompts)))]
+
+    class Decoding(MarkingTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    monkeypatch.setattr(selection, "HFGenerator", Engine)
+    rows = [("Name a colour: ", "red"), ("Count to two: ", "one two"), ("Say hi: ", "hi there")]
+    table = pa.table({"text": [p + r for p, r in rows], "prompt_chars": [len(p) for p, _ in rows]})
+    prompts = selection.DevPrompts.from_table(table, Decoding(), count=3, max_prompt_length=16)
+    got = selection.dev_rouge("model", Decoding(), prompts, seed=5, max_new_tokens=6, batch_size=2)
+    expected = [
+        rouge_l(ANSWERS[prompt[:16]] + " w" * (sampling_seed(5, "select/dev-rouge", 0, row) % 4), [reference])
+        for row, (prompt, reference) in enumerate(rows)
+    ]
+    assert min(expected) > 0 and got == pytest.approx(sum(expected) / 3)
+    assert len({sampling_seed(5, "select/dev-rouge", 0, row) % 4 for row in range(3)}) > 1  # the seeds matter
+    assert requests == [("model", SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=6), 2)]
+
+
+def test_a_selector_takes_the_recipes_row_count_and_prompt_length(tmp_path):
+    raw = recipe("rouge").model_dump(mode="json")
+    raw["train"]["select_rows"], raw["data"]["max_prompt_length"] = 2, 2
+    few = selection.Selector(
+        Recipe.model_validate(raw), tmp_path, "r", dev_table=dev_table(), tokenizer=MarkingTokenizer()
+    )
+    assert few.prompts.rows == [0, 1] and all(len(p) == 2 for p in few.prompts.prompts)
+
+
+def test_dev_rouge_of_one_row_is_that_rows_score(monkeypatch):
+    class Engine:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def generate(self, prompts, seeds):
+            yield [Completion(0, [ord(c) for c in "red blue"], True)]
+
+    class Decoding(MarkingTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    monkeypatch.setattr(selection, "HFGenerator", Engine)
+    table = pa.table({"text": ["Name a colour: red"], "prompt_chars": [len("Name a colour: ")]})
+    prompts = selection.DevPrompts.from_table(table, Decoding(), count=1, max_prompt_length=16)
+    score = selection.dev_rouge("model", Decoding(), prompts, seed=5, max_new_tokens=6, batch_size=2)
+    assert score == pytest.approx(rouge_l("red blue", ["red"])) and score > 0

@@ -243,3 +243,51 @@ def test_a_stuck_merge_lock_is_refused_after_the_wait_naming_the_holder(tmp_path
         f"{path} has been held by {HOLDER} for over 0 s while it merges shards; if that process "
         "is stuck, stop it and re-run (the lock is released when it exits)"
     )
+
+
+def test_the_done_chunks_are_the_journals_entries_and_removing_twice_is_harmless(tmp_path):
+    shard = ChunkedShard(tmp_path, 0, 1, "plan", SCHEMA)
+    shard.compute(CHUNKS, Counting())
+    assert shard.done == {entry["chunk"]: entry for entry in journal(shard)}
+    shard.remove()
+    shard.remove()  # already gone: nothing raised
+    assert not shard.work.exists()
+
+
+def test_the_part_is_named_with_a_fresh_tag_and_batches_of_at_most_a_row_group(tmp_path):
+    import re
+
+    shard = ChunkedShard(tmp_path, 0, 1, "plan", SCHEMA)
+    shard.compute([(0, 1024), (1024, 1024), (2048, 1), (2049, 3000)], Counting())
+    entry = shard.part(3)  # the default row group: 2048 rows
+    assert re.fullmatch(r"part-00000-of-00001-[0-9a-f]{8}\.parquet", entry["file"])
+    assert pq_row_groups(tmp_path / META / STAGING / entry["file"]) == [2048, 1]
+    other = shard.part(4, row_group_rows=1024, compression="none")
+    assert other["file"] != entry["file"]
+    path = tmp_path / META / STAGING / other["file"]
+    assert pq_row_groups(path) == [1024, 1024, 1025, 1024, 952]  # chunk 3 read 1024 rows at a time
+    assert pq.ParquetFile(path).metadata.row_group(0).column(0).compression == "UNCOMPRESSED"
+
+
+def pq_row_groups(path) -> list[int]:
+    metadata = pq.ParquetFile(path).metadata
+    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+
+
+def test_a_full_disk_while_writing_a_chunk_or_the_part_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    shard = ChunkedShard(tmp_path, 0, 1, "plan", SCHEMA)
+    shard.compute(CHUNKS[:1], Counting())
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(chunked_work.pq, "write_table", full)
+    with pytest.raises(MtaError, match=rf"^.*{shard.work / 'chunk-00001.parquet'}"):
+        shard.compute(CHUNKS, Counting())
+    monkeypatch.undo()
+    monkeypatch.setattr(PartWriter, "write", full)
+    with pytest.raises(MtaError) as refused:
+        shard.part(1)
+    assert str(tmp_path / META / STAGING / "part-00000-of-00001-") in str(refused.value)

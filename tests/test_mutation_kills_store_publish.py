@@ -275,3 +275,70 @@ def test_this_shards_own_part_of_the_same_key_is_reused_and_merged_when_the_set_
     commit_shard(tmp_path, stage(tmp_path, 0, 2, "k2", [0]))
     staged.write_bytes(b"changed")
     assert reusable_output(tmp_path, "k2", 0, 2) is None  # its part no longer matches its sha256
+
+
+# --- row groups, syncing and the settled fast path --------------------------------------------------
+
+
+def row_groups(path: Path) -> list[int]:
+    metadata = pq.ParquetFile(path).metadata
+    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+
+
+def test_a_row_group_closes_at_exactly_its_size_and_the_default_size_is_2048(tmp_path):
+    with PartWriter(tmp_path / "three.parquet", row_group_rows=3, schema=SCHEMA) as writer:
+        for first in (0, 3):
+            writer.write(pa.record_batch([pa.array(range(first, first + 3), pa.int64())], schema=SCHEMA))
+        writer.commit()
+    assert row_groups(tmp_path / "three.parquet") == [3, 3]
+    with PartWriter(tmp_path / "default.parquet", schema=SCHEMA) as writer:
+        for rows in (1024, 1024, 1):
+            writer.write(pa.record_batch([pa.array(range(rows), pa.int64())], schema=SCHEMA))
+        writer.commit()
+    assert row_groups(tmp_path / "default.parquet") == [2048, 1]
+
+
+def test_finishing_a_publish_syncs_the_directories_it_changed_and_a_settled_one_is_only_read(tmp_path, monkeypatch):
+    from mta.store import publish
+
+    for shard in (0, 1):
+        commit_shard(tmp_path, stage(tmp_path, shard, 2, "k", [shard]))
+    synced = []
+    monkeypatch.setattr(publish, "fsync_directory", synced.append)
+
+    def no_lock(out_dir):
+        raise AssertionError("a settled directory is only read")
+
+    monkeypatch.setattr(publish, "merge_lock", no_lock)
+    finish_publishing(tmp_path)  # settled: no lock, nothing synced
+    assert synced == []
+    monkeypatch.undo()
+    monkeypatch.setattr(publish, "fsync_directory", synced.append)
+    (tmp_path / part(1, 2, "k")).rename(tmp_path / META / STAGING / part(1, 2, "k"))
+    finish_publishing(tmp_path)
+    assert synced == [tmp_path, tmp_path / META / STAGING]
+
+
+def test_a_published_part_is_never_replaced_by_a_staged_copy_of_the_same_name(tmp_path):
+    for shard in (0, 1):
+        commit_shard(tmp_path, stage(tmp_path, shard, 2, "k", [shard]))
+    published = (tmp_path / part(0, 2, "k")).read_bytes()
+    (tmp_path / META / STAGING / part(0, 2, "k")).write_bytes(b"a leftover copy")
+    (tmp_path / part(1, 2, "k")).rename(tmp_path / META / STAGING / part(1, 2, "k"))  # something to finish
+    finish_publishing(tmp_path)
+    assert (tmp_path / part(0, 2, "k")).read_bytes() == published
+
+
+def test_a_layout_1_manifest_without_shard_files_and_shard_files_alone_are_adopted(tmp_path):
+    for shard in (0, 1):
+        commit_shard(tmp_path, stage(tmp_path, shard, 2, "k", [shard]))
+    manifest = read_manifest(tmp_path)
+    legacy = {key: value for key, value in manifest.items() if key != LAYOUT_KEY}
+    (tmp_path / "manifest.json").write_text(json.dumps(legacy), encoding="utf-8")
+    manifest_path(tmp_path).unlink()
+    finish_publishing(tmp_path)
+    assert read_manifest(tmp_path) == {**legacy, LAYOUT_KEY: LAYOUT_VERSION}
+    assert not (tmp_path / "manifest.json").exists()
+    (tmp_path / shard_file(1, 2)).rename(tmp_path / "shard-00001-of-00002.json")  # a legacy shard file alone
+    finish_publishing(tmp_path)
+    assert (tmp_path / shard_file(1, 2)).is_file() and not (tmp_path / "shard-00001-of-00002.json").exists()

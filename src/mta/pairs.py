@@ -106,7 +106,7 @@ class PairSettings:
     engine: Literal["hf", "vllm"] = "hf"
 
     def __post_init__(self) -> None:
-        fields = dict(self.fields.items() if isinstance(self.fields, dict) else self.fields)
+        fields = dict(self.fields)  # a mapping, or (key, column) pairs
         if field_problems(fields):
             raise MtaError("fields: " + "; ".join(field_problems(fields)))
         object.__setattr__(self, "fields", tuple(sorted(fields.items())))
