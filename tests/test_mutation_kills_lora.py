@@ -116,6 +116,11 @@ def test_a_wrapped_model_trains_only_its_adapters_and_saves_an_adapter_peft_load
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, model.eval()(ids).logits, atol=1e-5)
+    from safetensors import safe_open
+
+    with safe_open(str(target / "adapter_model.safetensors"), framework="pt") as saved:
+        assert saved.metadata() == {"format": "pt"}  # what transformers and peft look for
+    assert lora.save_adapter(model, model.state_dict(), tmp_path / "checkpoint") == target  # again: replaced
     unnamed = lora.save_adapter(model, model.state_dict(), tmp_path / "other")
     assert (
         json.loads((unnamed / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]

@@ -196,12 +196,18 @@ def test_a_part_no_manifest_lists_but_a_shard_names_goes_back_to_staging(tmp_pat
     assert staged.is_file() and not (tmp_path / part(0, 2, "k")).exists()
 
 
-def test_a_layout_1_directory_is_adopted_in_place(tmp_path):
+def with_legacy_manifest(out: Path) -> dict:
+    """A complete two-shard directory with its manifest also beside the parts, as layout 1 has
+    it (no layout key); that manifest."""
     for shard in (0, 1):
-        commit_shard(tmp_path, stage(tmp_path, shard, 2, "k", [shard]))
-    manifest = read_manifest(tmp_path)
-    legacy = {key: value for key, value in manifest.items() if key != LAYOUT_KEY}
-    (tmp_path / "manifest.json").write_text(json.dumps(legacy), encoding="utf-8")
+        commit_shard(out, stage(out, shard, 2, "k", [shard]))
+    legacy = {key: value for key, value in read_manifest(out).items() if key != LAYOUT_KEY}
+    (out / "manifest.json").write_text(json.dumps(legacy), encoding="utf-8")
+    return legacy
+
+
+def test_a_layout_1_directory_is_adopted_in_place(tmp_path):
+    legacy = with_legacy_manifest(tmp_path)
     for shard in (0, 1):
         (tmp_path / shard_file(shard, 2)).rename(tmp_path / f"shard-{shard:05d}-of-00002.json")
     manifest_path(tmp_path).unlink()
@@ -330,11 +336,7 @@ def test_a_published_part_is_never_replaced_by_a_staged_copy_of_the_same_name(tm
 
 
 def test_a_layout_1_manifest_without_shard_files_and_shard_files_alone_are_adopted(tmp_path):
-    for shard in (0, 1):
-        commit_shard(tmp_path, stage(tmp_path, shard, 2, "k", [shard]))
-    manifest = read_manifest(tmp_path)
-    legacy = {key: value for key, value in manifest.items() if key != LAYOUT_KEY}
-    (tmp_path / "manifest.json").write_text(json.dumps(legacy), encoding="utf-8")
+    legacy = with_legacy_manifest(tmp_path)
     manifest_path(tmp_path).unlink()
     finish_publishing(tmp_path)
     assert read_manifest(tmp_path) == {**legacy, LAYOUT_KEY: LAYOUT_VERSION}

@@ -16,7 +16,7 @@ from mta.data.artefact_schema import LAYOUT_KEY, SCHEMA, SCHEMA_VERSION, VERSION
 from mta.errors import MtaError
 from mta.store.layout import META, manifest_path, staged_part
 from mta.store.publish import PartWriter, commit_shard
-from mta.store.read import read_annotations
+from mta.store.read import read_annotations, read_stage_manifest, verified_parts
 
 INPUT = {"input": {"path": "/data/in.jsonl"}, "teacher": {"name": "t"}, "student": {"name": "s"}}
 
@@ -180,3 +180,68 @@ def test_a_manifest_of_a_layout_or_version_this_mta_does_not_read_is_refused(tmp
     manifest_path(tmp_path).write_text(json.dumps({**written, VERSION_KEY: 99}), encoding="utf-8")
     assert refusal(tmp_path).startswith(f"{manifest_path(tmp_path)} has {VERSION_KEY} 99, which this mta")
     assert f"`{reannotate_command(written, tmp_path)}`" in refusal(tmp_path)
+
+
+def test_a_row_is_read_by_position_and_a_position_out_of_range_names_the_range(tmp_path):
+    publish(tmp_path, [[0, 2], [1]])
+    annotations = read_annotations(tmp_path)
+    assert annotations.row(2)["id"] == 2 and annotations.row(0)["id"] == 0
+    for position in (-1, 3):
+        with pytest.raises(MtaError) as refused:
+            annotations.row(position)
+        assert str(refused.value) == f"row {position} is out of range: {tmp_path} has 3 rows (0..2)"
+
+
+STAGE = dict(
+    artefact="annotations", version_key="layout_version", version=2, command="mta embed", build="mta embed X -o D"
+)
+
+
+def test_another_stages_manifest_is_checked_for_its_artefact_and_version(tmp_path):
+    absent = tmp_path / "absent"
+    with pytest.raises(MtaError) as refused:
+        read_stage_manifest(absent, **STAGE, what="cache: ")
+    assert str(refused.value) == f"cache: {absent} does not exist; build it with `mta embed X -o D`"
+    with pytest.raises(MtaError) as refused:
+        read_stage_manifest(tmp_path, **STAGE)
+    assert str(refused.value) == (
+        f"{tmp_path} has no {META}/manifest.json: it is not a finished `mta embed` output (an interrupted "
+        "or partly sharded run leaves none); re-run the same `mta embed` command to finish it"
+    )
+    publish(tmp_path, [[0]])
+    written = manifest(tmp_path)
+    manifest_path(tmp_path).write_text(json.dumps({**written, "artefact": "annotations"}), encoding="utf-8")
+    assert read_stage_manifest(tmp_path, **STAGE)["artefact"] == "annotations"
+    with pytest.raises(MtaError) as refused:
+        read_stage_manifest(tmp_path, **{**STAGE, "artefact": "embeddings"})
+    assert str(refused.value) == (
+        f"{manifest_path(tmp_path)} is not a embeddings artefact (artefact: 'annotations'); give the -o "
+        "directory of `mta embed`"
+    )
+    with pytest.raises(MtaError) as refused:
+        read_stage_manifest(tmp_path, **{**STAGE, "version": 3})
+    assert str(refused.value) == (
+        f"{manifest_path(tmp_path)} has layout_version 2; this mta reads version 3: re-run `mta embed` into "
+        "a new directory (or with --force)"
+    )
+
+
+def test_another_stages_parts_are_each_present_and_unchanged(tmp_path):
+    publish(tmp_path, [[0], [1]])
+    written = manifest(tmp_path)
+    parts = verified_parts(tmp_path, written, command="mta embed")
+    assert parts == [(tmp_path / p["file"], p) for p in written["parts"]]
+    first = part_file(tmp_path, 0)
+    first.write_bytes(b"changed")
+    with pytest.raises(MtaError) as refused:
+        verified_parts(tmp_path, written, command="mta embed")
+    assert str(refused.value) == (
+        f"{first} does not match the manifest's sha256: it was changed after `mta embed` wrote it; re-run "
+        "`mta embed ... --force` into this or a new directory"
+    )
+    unchecked = {**written, "parts": [{**p, "sha256": None} for p in written["parts"]]}
+    assert len(verified_parts(tmp_path, unchecked, command="mta embed")) == 2
+    first.unlink()
+    with pytest.raises(MtaError) as refused:
+        verified_parts(tmp_path, unchecked, command="mta embed")
+    assert str(refused.value) == f"{first} is listed in the manifest but missing; re-run `mta embed ... --force`"
