@@ -65,6 +65,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -586,6 +587,18 @@ def relabel(report: dict) -> dict:
     return {**report, **summarise(modules), "modules": modules, "survivors": survivors}
 
 
+def write_report(path: Path, report: dict, private: Iterable[str] = ()) -> None:
+    """``report`` as JSON at ``path``, replaced whole (a temporary file renamed), each ``private``
+    path written as ``<path>``."""
+    text = json.dumps(report, indent=2, ensure_ascii=False) + "\n"
+    for name in private:
+        text = text.replace(name, "<path>")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.replace(path)
+
+
 def tool_version() -> str:
     from importlib.metadata import version
 
@@ -610,9 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.relabel:
         report = relabel(json.loads(args.output.read_text(encoding="utf-8")))
-        temporary = args.output.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        temporary.replace(args.output)
+        write_report(args.output, report)
         log(f"relabelled {args.output.name}: overall kill rate {report['overall']['kill_rate']}")
         return 0
     groups = [g.strip() for g in args.modules.split(",") if g.strip()]
@@ -708,13 +719,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": dict(sorted(runs.items())),
             "survivors": sorted(survivors, key=lambda s: (s["file"], s["line"] or 0, natural(s["mutant"]))),
         }
-        text = json.dumps(report, indent=2, ensure_ascii=False) + "\n"
-        for private in {str(root), str(scratch), str(REPO), str(Path.home())}:
-            text = text.replace(private, "<path>")
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        temporary = args.output.with_suffix(".json.tmp")
-        temporary.write_text(text, encoding="utf-8")
-        temporary.replace(args.output)
+        write_report(args.output, report, private={str(root), str(scratch), str(REPO), str(Path.home())})
         overall = report["overall"]
         log(
             f"{overall['killed'] + overall['timeout']}/{overall['total'] - overall['equivalent']} detected "

@@ -9,9 +9,9 @@ import concurrent.futures
 from collections import Counter
 from concurrent.futures.process import BrokenProcessPool
 
-import pyarrow as pa
 import pytest
 
+from fixtures.store import annotate_rows
 from mta.data.artefact_schema import SCHEMA
 from mta.data.example_annotator import ChunkResult
 from mta.data.online_spans import PendingSpans, merge_results
@@ -19,18 +19,9 @@ from mta.data.rows import RowProblem
 from mta.errors import MtaError
 
 
-def rows_batch(ids: list[int]) -> pa.RecordBatch:
-    """A SCHEMA batch whose rows differ by id only (the other columns empty or zero)."""
-    columns = {
-        field.name: pa.array(ids, field.type) if field.name == "id" else pa.nulls(len(ids), field.type)
-        for field in SCHEMA
-    }
-    return pa.RecordBatch.from_pydict(columns, schema=SCHEMA)
-
-
 def chunk(ids: list[int], **counts: int) -> ChunkResult:
     skipped = [RowProblem(i, i + 1, "invalid_text", f"row {i}") for i in ids if i < 0]
-    return ChunkResult(batch=rows_batch([i for i in ids if i >= 0]), skipped=skipped, counts=Counter(counts))
+    return ChunkResult(batch=annotate_rows([i for i in ids if i >= 0]), skipped=skipped, counts=Counter(counts))
 
 
 def done(value=None, error=None) -> concurrent.futures.Future:

@@ -155,6 +155,13 @@ def test_the_closing_note_says_why_there_is_no_best(tmp_path):
     assert selector.closing_note() is None
 
 
+class Decoding(MarkingTokenizer):
+    """MarkingTokenizer that decodes its ids back to characters."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
 ANSWERS = {"Name a colour: ": "red blue", "Count to two: ": "one", "Say hi: ": "hi there you"}
 
 
@@ -175,10 +182,6 @@ def test_dev_rouge_scores_each_rows_keyed_sample_against_its_reference_and_avera
             answers = [[ord(c) for c in text] for text in texts]
             for start in range(0, len(prompts), 2):
                 yield [Completion(i, answers[i], True) for i in range(start, min(start + 2, len(prompts)))]
-
-    class Decoding(MarkingTokenizer):
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(map(chr, ids))
 
     monkeypatch.setattr(selection, "HFGenerator", Engine)
     rows = [("Name a colour: ", "red"), ("Count to two: ", "one two"), ("Say hi: ", "hi there")]
@@ -210,10 +213,6 @@ def test_dev_rouge_of_one_row_is_that_rows_score(monkeypatch):
 
         def generate(self, prompts, seeds):
             yield [Completion(0, [ord(c) for c in "red blue"], True)]
-
-    class Decoding(MarkingTokenizer):
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(map(chr, ids))
 
     monkeypatch.setattr(selection, "HFGenerator", Engine)
     table = pa.table({"text": ["Name a colour: red"], "prompt_chars": [len("Name a colour: ")]})

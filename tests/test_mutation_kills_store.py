@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fixtures.store import row_groups
 from mta.errors import MtaError
 from mta.files import exclusive_lock
 from mta.hashing import file_sha256
@@ -261,17 +262,12 @@ def test_the_part_is_named_with_a_fresh_tag_and_batches_of_at_most_a_row_group(t
     shard.compute([(0, 1024), (1024, 1024), (2048, 1), (2049, 3000)], Counting())
     entry = shard.part(3)  # the default row group: 2048 rows
     assert re.fullmatch(r"part-00000-of-00001-[0-9a-f]{8}\.parquet", entry["file"])
-    assert pq_row_groups(tmp_path / META / STAGING / entry["file"]) == [2048, 1]
+    assert row_groups(tmp_path / META / STAGING / entry["file"]) == [2048, 1]
     other = shard.part(4, row_group_rows=1024, compression="none")
     assert other["file"] != entry["file"]
     path = tmp_path / META / STAGING / other["file"]
-    assert pq_row_groups(path) == [1024, 1024, 1025, 1024, 952]  # chunk 3 read 1024 rows at a time
+    assert row_groups(path) == [1024, 1024, 1025, 1024, 952]  # chunk 3 read 1024 rows at a time
     assert pq.ParquetFile(path).metadata.row_group(0).column(0).compression == "UNCOMPRESSED"
-
-
-def pq_row_groups(path) -> list[int]:
-    metadata = pq.ParquetFile(path).metadata
-    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
 
 
 def test_a_full_disk_while_writing_a_chunk_or_the_part_names_the_file(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fixtures.store import row_groups
 from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, VERSION_KEY
 from mta.errors import MtaError
 from mta.store.layout import META, STAGING, manifest_path, staged_part
@@ -284,11 +285,6 @@ def test_this_shards_own_part_of_the_same_key_is_reused_and_merged_when_the_set_
 
 
 # --- row groups, syncing and the settled fast path --------------------------------------------------
-
-
-def row_groups(path: Path) -> list[int]:
-    metadata = pq.ParquetFile(path).metadata
-    return [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
 
 
 def test_a_row_group_closes_at_exactly_its_size_and_the_default_size_is_2048(tmp_path):

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fixtures.store import annotate_rows
 from mta.data.artefact_schema import LAYOUT_KEY, SCHEMA, SCHEMA_VERSION, VERSION_KEY, reannotate_command
 from mta.errors import MtaError
 from mta.store.layout import META, manifest_path, staged_part
@@ -21,19 +22,13 @@ from mta.store.read import read_annotations, read_stage_manifest, verified_parts
 INPUT = {"input": {"path": "/data/in.jsonl"}, "teacher": {"name": "t"}, "student": {"name": "s"}}
 
 
-def batch(ids: list[int]) -> pa.RecordBatch:
-    """Rows of the current annotate schema that differ by id only (other columns null)."""
-    columns = {f.name: pa.array(ids, f.type) if f.name == "id" else pa.nulls(len(ids), f.type) for f in SCHEMA}
-    return pa.RecordBatch.from_pydict(columns, schema=SCHEMA)
-
-
 def publish(out: Path, shards: list[list[int]], *, run: str = "k") -> None:
     """One shard per id list, committed: the directory is complete after the last."""
     for index, ids in enumerate(shards):
         path = staged_part(out, index, len(shards), run)
         path.parent.mkdir(parents=True, exist_ok=True)
         with PartWriter(path) as writer:
-            writer.write(batch(ids))
+            writer.write(annotate_rows(ids))
             entry = writer.commit()
         shard = {
             "shard": index,
@@ -124,7 +119,7 @@ def test_a_missing_changed_unreadable_or_miscounted_part_is_refused_naming_it_an
     original = part.read_bytes()
     part.unlink()
     assert refusal(tmp_path) == f"{part} is listed in manifest.json but missing{tail}"
-    pq.write_table(pa.Table.from_batches([batch([7])]), part)
+    pq.write_table(pa.Table.from_batches([annotate_rows([7])]), part)
     digest = manifest(tmp_path)["parts"][1]["sha256"]
     assert refusal(tmp_path).startswith(f"{part} does not match manifest.json: its sha256 is ")
     assert refusal(tmp_path).endswith(

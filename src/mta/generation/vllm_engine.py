@@ -19,7 +19,7 @@ What is the same and what is not:
   row for row, and their results are never mixed in one predictions directory.
 
 On a CPU the engine runs eagerly unless ``MTA_VLLM_COMPILE=1`` (compiling costs about two minutes
-at start, then generates about a fifth faster: ``bench/generate.py``), with
+at start, then generation takes about a fifth less time: ``bench/generate.py``), with
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default 2 here) and ``VLLM_CPU_OMP_THREADS_BIND``
 (default: every core this process may use) set unless the environment sets them. On GPUs each
 process (each torchrun rank: data parallel) starts its own engine on its device; tensor
