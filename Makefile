@@ -140,15 +140,15 @@ bench: $(EMBED_STAMP)
 # Mutation testing (bench/mutation.py): mutmut over the losses, token ranges, truncation and the
 # rule modules (bench/mutation.py's GROUPS; the glue it leaves out is listed there with its reason)
 # with their fast tests, in a scratch copy; writes bench/results/mutation.json. Not part of
-# `make test`. MODULES=losses re-runs one group and keeps the others' last results; every group at
-# once takes hours on one worker.
+# `make test`. MODULES=losses re-runs one group and keeps the others' last results (ONLY=a glob of
+# its files, e.g. src/mta/losses/fdd.py: those alone); every group at once takes hours on one worker.
 MUTATE_STAMP := $(VENV)/.installed-mutate
 $(MUTATE_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[mutate]'
 	touch $@
 
 mutate: $(MUTATE_STAMP)
-	$(PY) bench/mutation.py $(if $(MODULES),--modules $(MODULES))
+	$(PY) bench/mutation.py $(if $(MODULES),--modules $(MODULES)) $(if $(ONLY),--only $(ONLY))
 
 # --- The paper's table (docs/method.md §4, §7): GPUs and the Hugging Face Hub needed. ----------
 # One target per row: `make reproduce-<pair>-<base>`, pair gpt2 / qwen / opt, base fdd / distillm /

@@ -46,6 +46,7 @@ gives the diff); "no tests" and "not checked" are counted per file only.
 
     .venv/bin/python bench/mutation.py                       # every group
     .venv/bin/python bench/mutation.py --modules truncation  # re-run one group, merge the rest
+    .venv/bin/python bench/mutation.py --modules losses --only src/mta/losses/fdd.py  # one file of it
     .venv/bin/python bench/mutation.py --relabel             # apply edited survivor tables only
 """
 
@@ -74,6 +75,9 @@ RESULT = REPO / "bench" / "results" / "mutation.json"
 # The annotate tests that drive truncation's encoding windows (and token_ranges through them):
 # picked by name from tests/test_annotate_faults.py, so a renamed or added one is followed.
 LONG_ROW_TESTS = ("tests/test_annotate_faults.py", r"bounded_encoding|multi_megabyte")
+
+# The run-directory tests that need no training run (those that train are picked out by name).
+RUN_DIRECTORY_TESTS = r"^(?!.*(same_command|the_command_refuses|bug_report|non_finite_weights|resume_applies))"
 
 GROUPS: dict[str, dict] = {
     "losses": {
@@ -122,7 +126,16 @@ GROUPS: dict[str, dict] = {
     "lora": {"mutate": ["src/mta/training/lora.py"], "tests": ["tests/test_lora.py"]},
     "checkpoints": {
         "mutate": ["src/mta/training/lifecycle/safe_loading.py", "src/mta/training/lifecycle/run_directory.py"],
-        "tests": ["tests/test_rules_checksums.py", "tests/test_checkpoint_faults.py", "tests/test_run_directory.py"],
+        # Not tests/test_checkpoint_faults.py (DeepSpeed engines at every ZeRO stage) nor the
+        # tests of test_run_directory.py that train (a tiny run each): each mutant's session would
+        # build them again, and with them the group ran out of time with 315 mutants unchecked.
+        # What only they reached (load_state_file's refusals, the engine's wrapper, each decision
+        # of a claim) has fast tests in tests/test_mutation_kills_checkpoints.py.
+        "tests": [
+            "tests/test_rules_checksums.py",
+            ("tests/test_run_directory.py", RUN_DIRECTORY_TESTS),
+            ("tests/test_rules_refusals.py", r"directory|state_file|run_output"),
+        ],
     },
     "generation": {
         "mutate": ["src/mta/generation/sampling.py", "src/mta/generation/generator.py"],
@@ -136,13 +149,26 @@ GROUPS: dict[str, dict] = {
         "mutate": ["src/mta/embedding/objective.py", "src/mta/embedding/pooling.py"],
         "tests": [
             "tests/test_losses_talas.py",
-            "tests/test_talas_reference_code.py",
+            # Not its ASAM steps through DeepSpeed engines (asam_steps, clip_differs: 4 s of a
+            # pool or objective mutant's 5 s of tests, and with them the group ran out of time with
+            # 102 mutants unchecked; without them it takes about 3 minutes). What only they reached
+            # (projector_parameters) has fast tests in tests/test_mutation_kills_talas_parts.py.
+            ("tests/test_talas_reference_code.py", r"^(?!.*(asam_steps|clip_differs))"),
             # Not tests/test_embedding_training.py: its module fixtures train and export models
             # (12 s a mutant), and what it alone reaches (PoolingConfig.record, export_files) has
             # fast tests in tests/test_mutation_kills_talas.py.
         ],
     },
-    "online_spans": {"mutate": ["src/mta/data/online_spans.py"], "tests": ["tests/test_online_spans.py"]},
+    "online_spans": {
+        "mutate": ["src/mta/data/online_spans.py"],
+        # The kill tests alone (tests/test_mutation_kills_online_spans*.py: stand-ins for spaCy and
+        # the pool, the worker set-up run in-process). Not tests/test_online_spans.py: every test of
+        # it loads spaCy and the tokenizers (3 s) or runs `mta annotate`, starts forked workers or
+        # a trainer it kills, and with it the group ran out of time (142 mutants unchecked, slow
+        # sessions counted as timeouts); its workers, the only callers of the worker set-up, report
+        # nothing back to mutmut, so that set-up was "no tests" anyway.
+        "tests": [],
+    },
     # mta generate's pair files (tests/test_pair_rows.py and test_rules_pairs.py test the pair
     # rows of `mta annotate`, in mta.data, and call nothing here). Its rules by the kill tests
     # alone: tests/test_generate_command.py runs the models end to end, and each mutant's session
@@ -267,11 +293,12 @@ def defines_functions(path: Path) -> bool:
     return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) for node in ast.walk(tree))
 
 
-def mutated_files(groups: list[str], scratch: Path) -> list[str]:
-    """The files of ``groups`` that have a function to mutate; the others are listed in the
-    results as excluded (``NO_FUNCTIONS``)."""
+def mutated_files(groups: list[str], scratch: Path, only: Iterable[str] = ()) -> list[str]:
+    """The files of ``groups`` that have a function to mutate (the others are listed in the
+    results as excluded), narrowed to those matching one of the ``only`` patterns if any."""
     patterns = [pattern for group in groups for pattern in GROUPS[group]["mutate"]]
     files = sorted({str(p.relative_to(scratch)) for pattern in patterns for p in scratch.glob(pattern)})
+    files = [f for f in files if not only or any(fnmatch.fnmatch(f, pattern) for pattern in only)]
     return [f for f in files if defines_functions(scratch / f)]
 
 
@@ -587,6 +614,30 @@ def relabel(report: dict) -> dict:
     return {**report, **summarise(modules), "modules": modules, "survivors": survivors}
 
 
+def merged(
+    previous: dict, found: dict, groups: list[str], only_files: list[str] | None, run: dict
+) -> tuple[dict, list, dict]:
+    """The modules, survivors and runs of a report: ``found`` (this run's :func:`collect`) in place
+    of what ``previous`` (the last report) had for the files this run stands in for, which are
+    ``only_files`` (an ``--only`` run) or else every file of ``groups`` (so a file gone from a
+    group leaves the report); the rest of ``previous`` kept. ``run`` is recorded for each group."""
+
+    def replaced(file: str) -> bool:
+        if file in found["modules"]:
+            return True
+        if only_files is not None:
+            return file in only_files
+        return any(fnmatch.fnmatch(file, pattern) for group in groups for pattern in GROUPS[group]["mutate"])
+
+    modules = {f: m for f, m in previous.get("modules", {}).items() if not replaced(f)}
+    modules.update(found["modules"])
+    survivors = [s for s in previous.get("survivors", []) if s["file"] in modules and s["file"] not in found["modules"]]
+    survivors += found["survivors"]
+    runs = {g: r for g, r in previous.get("runs", {}).items() if g not in groups}
+    runs.update({group: dict(run) for group in groups})
+    return modules, survivors, runs
+
+
 def write_report(path: Path, report: dict, private: Iterable[str] = ()) -> None:
     """``report`` as JSON at ``path``, replaced whole (a temporary file renamed), each ``private``
     path written as ``<path>``."""
@@ -612,6 +663,12 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(GROUPS),
         help=f"groups to run, comma-separated ({', '.join(GROUPS)}); the others keep their last results",
     )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="re-run only these files of the groups, comma-separated globs (src/mta/losses/fdd.py); "
+        "the groups' other files keep their last results",
+    )
     parser.add_argument("--limit-min", type=float, default=25.0, help="wall-clock limit of the mutmut run (minutes)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     parser.add_argument("--output", type=Path, default=RESULT)
@@ -630,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         parser.error(f"unknown group(s) {unknown}; known: {', '.join(GROUPS)}")
+    only = [pattern.strip() for pattern in args.only.split(",") if pattern.strip()]
 
     import importlib.util
 
@@ -639,7 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         scratch = make_scratch(root)
         env = run_environment()
-        files = mutated_files(groups, scratch)
+        files = mutated_files(groups, scratch, only)
+        if not files:
+            parser.error(f"--only {args.only!r} matches no file of the groups {', '.join(groups)}")
         originals, origins = {}, {}
         for file in files:
             originals[file] = (scratch / file).read_text(encoding="utf-8")
@@ -666,25 +726,11 @@ def main(argv: list[str] | None = None) -> int:
         if all(m["no_tests"] == m["total"] for m in found["modules"].values()):
             raise SystemExit("no test reached a mutated function: were the scratch copy's sources imported?")
 
-        previous = json.loads(args.output.read_text()) if args.output.exists() else {}
-        modules = {
-            f: m
-            for f, m in previous.get("modules", {}).items()
-            if f not in found["modules"] and not any(fnmatch.fnmatch(f, p) for g in groups for p in GROUPS[g]["mutate"])
-        }
-        modules.update(found["modules"])
-        survivors = [
-            s for s in previous.get("survivors", []) if s["file"] in modules and s["file"] not in found["modules"]
-        ]
-        survivors += found["survivors"]
-        runs = {g: r for g, r in previous.get("runs", {}).items() if g not in groups}
-        for group in groups:
-            runs[group] = {
-                "date": dt.date.today().isoformat(),
-                "wall_s": round(wall),
-                "completed": code == 0,
-                "tests": [t for t in tests],
-            }
+        previous = json.loads(args.output.read_text(encoding="utf-8")) if args.output.exists() else {}
+        run = {"date": dt.date.today().isoformat(), "wall_s": round(wall), "completed": code == 0, "tests": tests}
+        if only:
+            run["only"] = files
+        modules, survivors, runs = merged(previous, found, groups, files if only else None, run)
         report = {
             "benchmark": "mutation testing of the fast tests (bench/mutation.py, `make mutate`)",
             "tool": f"mutmut {tool_version()}",

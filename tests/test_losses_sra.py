@@ -397,6 +397,18 @@ def test_without_shared_vocab_the_logit_term_is_off():
     torch.testing.assert_close(out["sra"], out["sra_span"] + GEOMETRY_WEIGHT * out["sra_geometry"])
 
 
+def test_the_logit_term_when_off_is_an_fp32_zero_whatever_the_default_dtype():
+    case = make_case(seed=9)
+    loss = make_loss(logit_weight=3.0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = run(loss, case, shared_vocab=None)
+    finally:
+        torch.set_default_dtype(previous)
+    assert {name: term.dtype for name, term in out.items()} == dict.fromkeys(out, torch.float32)
+
+
 def test_defaults_and_errors():
     loss = make_loss()
     assert (loss.geometry_weight, loss.logit_weight, loss.temperature) == (GEOMETRY_WEIGHT, LOGIT_WEIGHT, 1.0)

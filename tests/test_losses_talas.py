@@ -6,11 +6,10 @@ share no code with mta; values and gradients are compared, and padding must chan
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from fixtures.talas_losses import ref_cls_attention, ref_lasd, ref_mean, ref_simcse, ref_tamd
 from mta.embedding.pooling import cls_attention_pool, pool
 from mta.losses.talas import TeacherAnchor, lasd_loss, simcse_loss, tamd_loss
 
@@ -20,71 +19,6 @@ LENGTHS = [9, 4, 1, 6, 3]  # real tokens per row; the rest is right padding
 
 def _mask() -> torch.Tensor:
     return torch.tensor([[1] * n + [0] * (T - n) for n in LENGTHS])
-
-
-def _cos(u, v) -> float:
-    dot = sum(a * b for a, b in zip(u, v, strict=True))
-    return dot / max(math.sqrt(sum(a * a for a in u)) * math.sqrt(sum(b * b for b in v)), 1e-8)
-
-
-def _unit(u):
-    norm = max(math.sqrt(sum(a * a for a in u)), 1e-12)
-    return [a / norm for a in u]
-
-
-# ---------------------------------------------------------------- references (scalar loops)
-
-
-def ref_cls_attention(hidden, lengths):
-    out = []
-    for row, n in zip(hidden, lengths, strict=True):
-        d = len(row[0])
-        scores = [sum(row[0][i] * row[t][i] for i in range(d)) / math.sqrt(d) for t in range(n)]
-        top = max(scores)
-        weights = [math.exp(s - top) for s in scores]
-        total = sum(weights)
-        out.append([sum(weights[t] / total * row[t][i] for t in range(n)) for i in range(d)])
-    return out
-
-
-def ref_mean(hidden, lengths):
-    return [
-        [sum(row[t][i] for t in range(n)) / n for i in range(len(row[0]))]
-        for row, n in zip(hidden, lengths, strict=True)
-    ]
-
-
-def ref_tamd(embeddings, weights, teacher):
-    total, count = 0.0, 0
-    for layer, w in zip(embeddings, weights, strict=True):
-        for row, target in zip(layer, teacher, strict=True):
-            projected = [sum(w[o][i] * row[i] for i in range(len(row))) for o in range(len(w))]
-            total += 1.0 - _cos(projected, target)
-            count += 1
-    return total / count
-
-
-def ref_lasd(embeddings, detach_upper_is_irrelevant_here=True, reduction="mean"):
-    def matrix(layer):
-        units = [_unit(row) for row in layer]
-        return [[sum(a * b for a, b in zip(u, v, strict=True)) for v in units] for u in units]
-
-    total = 0.0
-    for index in range(len(embeddings) - 1):
-        lower, upper = matrix(embeddings[index]), matrix(embeddings[index + 1])
-        squares = [(upper[i][j] - lower[i][j]) ** 2 for i in range(len(lower)) for j in range(len(lower))]
-        total += sum(squares) / (len(squares) if reduction == "mean" else 1)
-    return total / (len(embeddings) - 1)
-
-
-def ref_simcse(first, second, tau):
-    q, p = [_unit(r) for r in first], [_unit(r) for r in second]
-    total = 0.0
-    for b in range(len(q)):
-        scores = [sum(x * y for x, y in zip(q[b], p[c], strict=True)) / tau for c in range(len(p))]
-        top = max(scores)
-        total += -(scores[b] - top - math.log(sum(math.exp(s - top) for s in scores)))
-    return total / len(q)
 
 
 def numeric_grad(function, tensor, eps=1e-6):
@@ -117,7 +51,8 @@ def test_pooling_matches_the_loop_and_ignores_padding(mode):
         "mean": lambda: ref_mean(rows, LENGTHS),
         "cls": lambda: [row[0] for row in rows],
     }[mode]()
-    assert torch.allclose(pooled, torch.tensor(expected, dtype=torch.float64), atol=1e-10)
+    # float64 in, float64 throughout: as exact as the loop (float32 sums would be ~1e-8 off).
+    assert torch.allclose(pooled, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     # Anything in the padded positions (and more padding) leaves every row's embedding as it was.
     noisy = hidden.clone()
     noisy[mask == 0] = 1e3 * torch.randn(int((mask == 0).sum()), D_S, generator=g, dtype=torch.float64)

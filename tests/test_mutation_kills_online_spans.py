@@ -11,23 +11,10 @@ from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
-from fixtures.store import annotate_rows
+from fixtures.online_spans import chunk, done, late
 from mta.data.artefact_schema import SCHEMA
-from mta.data.example_annotator import ChunkResult
 from mta.data.online_spans import PendingSpans, merge_results
-from mta.data.rows import RowProblem
 from mta.errors import MtaError
-
-
-def chunk(ids: list[int], **counts: int) -> ChunkResult:
-    skipped = [RowProblem(i, i + 1, "invalid_text", f"row {i}") for i in ids if i < 0]
-    return ChunkResult(batch=annotate_rows([i for i in ids if i >= 0]), skipped=skipped, counts=Counter(counts))
-
-
-def done(value=None, error=None) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_exception(error) if error is not None else future.set_result(value)
-    return future
 
 
 def test_chunk_results_merge_in_order_with_counts_summed():
@@ -53,10 +40,11 @@ def test_a_batch_is_done_when_every_chunk_is_and_its_result_is_theirs_in_order()
 
 
 def test_a_batch_that_gets_no_answer_in_time_says_how_many_chunks_are_pending():
-    stuck = PendingSpans([done(chunk([0])), concurrent.futures.Future(), concurrent.futures.Future()], timeout_s=0.05)
-    with pytest.raises(TimeoutError) as late:
+    # Chunks that finish only after 2 s: a result() that waited longer than asked returns them.
+    stuck = PendingSpans([done(chunk([0])), late(chunk([1]), 2.0), late(chunk([2]), 2.0)], timeout_s=0.05)
+    with pytest.raises(TimeoutError) as answer:
         stuck.result()
-    assert str(late.value) == (
+    assert str(answer.value) == (
         "span parsing gave no answer within 0.05 s (2 of 3 chunks pending); the span workers may be "
         "stuck: use SpanParser(workers=0) to parse in the training process"
     )

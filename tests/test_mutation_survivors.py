@@ -51,3 +51,43 @@ def test_a_module_without_functions_is_left_out_with_its_reason_not_failed_on(tm
     left_out = driver.functionless_files(list(driver.GROUPS))
     assert "src/mta/losses/__init__.py" in left_out and "src/mta/losses/dsa.py" not in left_out
     assert set(driver.mutated_files(["losses"], REPO)).isdisjoint(left_out)
+
+
+def _module(killed: int) -> dict:
+    return {"total": 10, "killed": killed, "timeout": 0, "survived": 10 - killed, "equivalent": 0}
+
+
+def _survivor(file: str, mutant: str) -> dict:
+    return {"file": file, "function": "f", "mutant": mutant, "status": "survived", "from": "a", "to": "b"}
+
+
+def test_an_only_run_replaces_its_files_and_keeps_the_rest_of_the_group():
+    driver = _driver()
+    fdd, kd, dsa = (f"src/mta/losses/{name}.py" for name in ("fdd", "kd", "dsa"))
+    previous = {
+        "modules": {fdd: _module(5), kd: _module(7), dsa: _module(9)},
+        "survivors": [_survivor(fdd, "old_fdd"), _survivor(kd, "old_kd")],
+        "runs": {"losses": {"wall_s": 700}, "store": {"wall_s": 900}},
+    }
+    found = {"modules": {fdd: _module(9)}, "survivors": [_survivor(fdd, "new_fdd")]}
+    run = {"wall_s": 60, "only": [fdd]}
+
+    modules, survivors, runs = driver.merged(previous, found, ["losses"], [fdd], run)
+    assert modules == {fdd: _module(9), kd: _module(7), dsa: _module(9)}
+    assert sorted(s["mutant"] for s in survivors) == ["new_fdd", "old_kd"]
+    assert runs == {"losses": run, "store": {"wall_s": 900}}
+
+    # A whole-group run stands in for every file of the group: one it did not mutate (gone from
+    # the tree, say) leaves the report with its survivors.
+    modules, survivors, _ = driver.merged(previous, found, ["losses"], None, {"wall_s": 700})
+    assert modules == {fdd: _module(9)}
+    assert [s["mutant"] for s in survivors] == ["new_fdd"]
+
+
+def test_only_narrows_a_groups_files_to_the_patterns():
+    driver = _driver()
+    assert driver.mutated_files(["losses"], REPO, ["src/mta/losses/fdd.py", "src/mta/losses/k*.py"]) == [
+        "src/mta/losses/fdd.py",
+        "src/mta/losses/kd.py",
+    ]
+    assert len(driver.mutated_files(["losses"], REPO)) > 2

@@ -42,7 +42,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 
 import pyarrow as pa
@@ -170,7 +170,7 @@ class PendingSpans:
         return merge_results(results)
 
 
-def _completed(result: ChunkResult | None = None, error: BaseException | None = None):
+def _completed(result: ChunkResult | None = None, error: BaseException | None = None) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
     if error is not None:
         future.set_exception(error)
@@ -179,7 +179,7 @@ def _completed(result: ChunkResult | None = None, error: BaseException | None = 
     return future
 
 
-def _limit_threads() -> None:
+def limit_worker_threads() -> None:
     """One core per worker: no OpenMP/BLAS/torch thread pools and no Rust tokenizer threads.
     A worker forked from a trainer inherits torch's settings but must not enter a parallel
     region whose threads did not survive the fork."""
@@ -191,14 +191,14 @@ def _limit_threads() -> None:
         torch.set_num_threads(1)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to end this worker when the process that started it dies (even by SIGKILL), so
     a crashed trainer leaves no parsers behind; elsewhere nothing is done."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's handler, inherited by fork
     if not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         return
@@ -206,13 +206,14 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _init_online_worker(source) -> None:
-    _limit_threads()
-    _die_with_parent()
+def init_online_worker(source: ExampleAnnotator | Callable[[], ExampleAnnotator]) -> None:
+    """A span worker's initializer: one thread, ended with its trainer, ``source``'s annotator."""
+    limit_worker_threads()
+    die_with_parent()
     init_annotator_worker(source)  # SIGINT left to the trainer; the annotator installed
 
 
-def _split(rows: Sequence[GeneratedRow], parts: int) -> list[list[GeneratedRow]]:
+def split_rows(rows: Sequence[GeneratedRow], parts: int) -> list[list[GeneratedRow]]:
     """``rows`` in at most ``parts`` contiguous chunks of near-equal size, in order."""
     size = max(1, math.ceil(len(rows) / max(parts, 1)))
     return [list(rows[start : start + size]) for start in range(0, len(rows), size)]
@@ -290,7 +291,7 @@ class SpanParser:
             self._executor = concurrent.futures.ProcessPoolExecutor(
                 self.workers,
                 mp_context=multiprocessing.get_context(self.start_method),
-                initializer=_init_online_worker,
+                initializer=init_online_worker,
                 initargs=(self._annotator if fork else self._build,),
             )
             try:
@@ -332,7 +333,7 @@ class SpanParser:
     def __enter__(self) -> SpanParser:
         return self.start()
 
-    def __exit__(self, exc_type, *exc_info) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         # Leaving on an error (Ctrl-C included): nothing will collect the rows, stop at once.
         self.close(CLOSE_GRACE_S if exc_type is None else 0.0)
 
@@ -356,7 +357,7 @@ class SpanParser:
             except Exception as error:  # reported where a worker's error would be
                 return PendingSpans([_completed(error=error)], self.result_timeout_s)
         try:
-            futures = [self._executor.submit(annotate_in_worker, chunk) for chunk in _split(rows, self.workers)]
+            futures = [self._executor.submit(annotate_in_worker, chunk) for chunk in split_rows(rows, self.workers)]
         except BrokenProcessPool as error:
             futures = [_completed(error=error)]
         return PendingSpans(futures, self.result_timeout_s)

@@ -30,15 +30,17 @@ AUTO = "auto"
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """``[B, T, D]`` states, ``[B, T]`` mask (1 = token, 0 = padding) -> ``[B, D]`` in ``hidden``'s
-    dtype. A row with no real token pools to zeros (mean) or its first position (cls, last)."""
+    dtype (mean sums in float32 at least: float64 stays float64). A row with no real token pools to
+    zeros (mean), its first position (cls, last) or the dtype's lowest value (max)."""
     if mode == "cls":
         return hidden[:, 0]
     if mode == "cls_attention":
         return cls_attention_pool(hidden, mask)
     weights = mask.to(hidden.dtype).unsqueeze(-1)  # [B, T, 1]
     if mode == "mean":
-        summed = (hidden * weights).sum(dim=1, dtype=torch.float32)
-        return (summed / weights.sum(dim=1, dtype=torch.float32).clamp(min=1.0)).to(hidden.dtype)
+        wide = torch.promote_types(hidden.dtype, torch.float32)
+        summed = (hidden * weights).sum(dim=1, dtype=wide)
+        return (summed / weights.sum(dim=1, dtype=wide).clamp(min=1.0)).to(hidden.dtype)
     if mode == "max":
         floor = torch.finfo(hidden.dtype).min
         return hidden.masked_fill(weights == 0, floor).amax(dim=1)
@@ -60,7 +62,7 @@ def cls_attention_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     wide = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
     scores = torch.einsum("bd,btd->bt", wide[:, 0], wide) / hidden.shape[-1] ** 0.5
     scores = scores.masked_fill(mask == 0, torch.finfo(scores.dtype).min)
-    weights = scores.softmax(dim=-1).to(hidden.dtype)
+    weights = scores.softmax(dim=1).to(hidden.dtype)  # over t ([B, T] scores)
     return torch.einsum("bt,btd->bd", weights, hidden)
 
 

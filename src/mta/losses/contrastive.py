@@ -29,7 +29,6 @@ Memory: one pass of ``mta.losses.chunked.chunked_token_loss`` with per-token wei
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mta.errors import MtaError
@@ -81,8 +80,8 @@ class DistiLLM2Loss(nn.Module):
         SKL where ``kind`` is chosen, SRKL where it is rejected."""
         if teacher is None:
             raise MtaError("DistiLLM2Loss compares with a teacher; teacher logits are None")
-        log_q = F.log_softmax(student / self.temperature, dim=-1)
-        log_p = F.log_softmax(teacher / self.temperature, dim=-1)
+        log_q = (student / self.temperature).log_softmax(dim=1)
+        log_p = (teacher / self.temperature).log_softmax(dim=1)
         alpha = self.skew_alpha
         loss = torch.zeros(kind.shape[0], dtype=log_q.dtype, device=log_q.device)
         forward = kind == _CHOSEN

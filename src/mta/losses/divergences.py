@@ -11,7 +11,7 @@ from mta.errors import MtaError
 
 
 def _log(weight: float) -> float:
-    return math.log(weight) if weight > 0 else float("-inf")
+    return math.log(weight) if weight > 0 else -math.inf
 
 
 def log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> torch.Tensor:
@@ -21,7 +21,7 @@ def log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> to
 
 def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """``KL(p ‖ q)`` per row: ``[n, vocab]`` log-probabilities -> ``[n]``."""
-    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=1)
 
 
 def check_unit_interval(name: str, value: float) -> None:

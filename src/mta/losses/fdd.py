@@ -150,35 +150,38 @@ class FeatureDynamicsLoss(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chunk, all pairs: ``hidden`` is K student ``[c, d_s]`` then K teacher ``[c, d_t]``
         rows. Returns the chunk's sums (over positions and pairs) of the two terms, fp32."""
-        trajectory = torch.zeros((), dtype=torch.float32, device=hidden[0].device)
-        dynamics = torch.zeros((), dtype=torch.float32, device=hidden[0].device)
+        trajectory_sums: list[torch.Tensor] = []  # one per pair
+        dynamics_sums: list[torch.Tensor] = []  # one per pair after the first
         previous: tuple[torch.Tensor, torch.Tensor] | None = None
         for student_hidden, teacher_hidden in zip(hidden[:pairs], hidden[pairs:], strict=True):
             student_logits = student_lens(student_hidden)
             with torch.no_grad():
                 teacher_logits = teacher_lens(teacher_hidden)
             vocab = self._vocab(student_logits, teacher_logits)
+            # [c, vocab] fp32: dim 1 is the vocabulary.
             student = student_logits[:, :vocab].float()
-            log_q = F.log_softmax(student / self.temperature, dim=-1)
-            student_log = F.log_softmax(student, dim=-1)
+            log_q = (student / self.temperature).log_softmax(dim=1)
+            student_log = student.log_softmax(dim=1)
             with torch.no_grad():
                 teacher = teacher_logits[:, :vocab].float()
-                log_p = F.log_softmax(teacher / self.temperature, dim=-1)
-                teacher_log = F.log_softmax(teacher, dim=-1)
-            trajectory = trajectory + (log_p.exp() * (log_p - log_q)).sum()
+                log_p = (teacher / self.temperature).log_softmax(dim=1)
+                teacher_log = teacher.log_softmax(dim=1)
+            trajectory_sums.append((log_p.exp() * (log_p - log_q)).sum())
             if previous is not None:
                 student_change = student_log - previous[0]
                 teacher_change = teacher_log - previous[1]
-                cosine = F.cosine_similarity(student_change, teacher_change, dim=-1, eps=COSINE_EPS)
-                dynamics = dynamics + (1.0 - cosine).sum()
+                cosine = F.cosine_similarity(student_change, teacher_change, dim=1, eps=COSINE_EPS)
+                dynamics_sums.append((1.0 - cosine).sum())
             previous = (student_log, teacher_log)
+        trajectory = torch.stack(trajectory_sums).sum()
+        dynamics = torch.stack(dynamics_sums).sum() if dynamics_sums else torch.zeros_like(trajectory)
         return trajectory, dynamics
 
     def _vocab(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> int:
         for side, logits in (("student", student_logits), ("teacher", teacher_logits)):
             if logits.dim() != 2:
                 raise MtaError(f"the {side} lens must return [n, vocab] logits, got {tuple(logits.shape)}")
-        width = min(student_logits.shape[-1], teacher_logits.shape[-1])
+        width = min(student_logits.shape[1], teacher_logits.shape[1])
         vocab = self.vocab_size or width
         if vocab > width:
             raise MtaError(

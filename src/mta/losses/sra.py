@@ -94,8 +94,8 @@ def last_token_attention(attentions: torch.Tensor, attention_mask: torch.Tensor)
     """
     real = attention_mask.bool()
     positions = torch.arange(real.shape[1], device=real.device)
-    last = torch.where(real, positions, -1).amax(dim=-1)  # [B]; -1 when no real token
-    rows = attentions[torch.arange(real.shape[0], device=real.device), :, last.clamp(min=0)]  # [B, H, T]
+    last = torch.where(real, positions, 0).amax(dim=1)  # [B]; 0 when no real token (then all masked below)
+    rows = attentions[torch.arange(real.shape[0], device=real.device), :, last]  # [B, H, T]
     return rows.float().sum(dim=1) * real  # a real row never attends a later padding key anyway
 
 
@@ -156,10 +156,13 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _sequence_mean(per_span: torch.Tensor, span_weights: torch.Tensor) -> torch.Tensor:
     """``Σ_k w̃_k x_k`` per sequence (``w̃`` normalised over its spans), averaged over the
-    sequences with positive weight; a zero that keeps the graph when none has any."""
-    total = span_weights.sum(dim=-1, keepdim=True)
-    per_sequence = (per_span * span_weights / total.clamp(min=WEIGHT_EPS)).sum(dim=-1)
-    contributes = total.squeeze(-1) > 0
+    sequences with positive weight; a zero that keeps the graph when none has any.
+
+    per_span, span_weights: ``[batch, spans]``.
+    """
+    total = span_weights.sum(dim=1, keepdim=True)
+    per_sequence = (per_span * span_weights / total.clamp(min=WEIGHT_EPS)).sum(dim=1)
+    contributes = total.squeeze(1) > 0
     return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)
 
 
@@ -248,7 +251,7 @@ class SpanRepresentationLoss(nn.Module):
         terms = {"sra_span": span_loss, "sra_geometry": geometry}
         total = span_loss + self.geometry_weight * geometry
         if shared_vocab is None:
-            terms["sra_logit"] = torch.zeros((), device=span_loss.device)
+            terms["sra_logit"] = torch.zeros((), dtype=torch.float32, device=span_loss.device)
         else:
             if student_head is None or teacher_head is None:
                 raise MtaError("the SRA logit term needs both the student's and the teacher's head")
@@ -295,8 +298,8 @@ class SpanRepresentationLoss(nn.Module):
         with torch.no_grad():
             teacher_logits = teacher_head(teacher[rows].to(teacher_dtype), teacher_ids).float()
         per_row = kl(
-            F.log_softmax(teacher_logits / self.temperature, dim=-1),
-            F.log_softmax(student_logits / self.temperature, dim=-1),
+            (teacher_logits / self.temperature).log_softmax(dim=1),  # [n, k]
+            (student_logits / self.temperature).log_softmax(dim=1),
         )  # [n]
         per_span = torch.zeros_like(span_weights).masked_scatter(rows, per_row)
         return _sequence_mean(per_span, span_weights)

@@ -39,16 +39,18 @@ def top_k_log_probs(
     ``tail [n]`` fp32, the log of the mass outside the top k (``LOG_FLOOR`` when there is none).
     Computed ``CHUNK_POSITIONS`` positions at a time in fp32.
     """
-    vocab = vocab_size or logits.shape[-1]
+    vocab = vocab_size or logits.shape[1]
     k = min(k, vocab)
     ids, values, tails = [], [], []
     for begin in range(0, logits.shape[0], CHUNK_POSITIONS):
-        log_p = torch.log_softmax(logits[begin : begin + CHUNK_POSITIONS, :vocab].float() / temperature, dim=-1)
-        top_values, top_ids = log_p.topk(k, dim=-1)
-        rest = log_p.scatter(-1, top_ids, float("-inf")).logsumexp(dim=-1) if k < vocab else None
+        # [chunk, vocab] fp32: dim 1 is the vocabulary (topk's default, the last dim, is that too).
+        log_p = (logits[begin : begin + CHUNK_POSITIONS, :vocab].float() / temperature).log_softmax(dim=1)
+        top_values, top_ids = log_p.topk(k)
+        # With k = vocab every entry is masked out: logsumexp gives −inf, clamped to LOG_FLOOR.
+        rest = log_p.scatter(1, top_ids, -math.inf).logsumexp(dim=1)
         ids.append(top_ids)
         values.append(top_values.clamp(min=LOG_FLOOR))
-        tails.append(torch.full_like(top_values[:, 0], LOG_FLOOR) if rest is None else rest.clamp(min=LOG_FLOOR))
+        tails.append(rest.clamp(min=LOG_FLOOR))
     if not ids:
         empty = logits.new_zeros((0, k))
         return empty.long(), empty.float(), empty[:, 0].float()
@@ -59,8 +61,8 @@ def dense_log_probs(ids: torch.Tensor, log_probs: torch.Tensor, tail: torch.Tens
     """p̃ of the tail rule: ``ids, log_probs [n, k]``, ``tail [n]`` -> ``log p̃ [n, vocab_size]`` fp32,
     the top k at their stored values and every other token at ``tail − log(V − k)``."""
     n, k = ids.shape
-    dense = tail_fill(tail, k, vocab_size).unsqueeze(-1).expand(n, vocab_size).clone()
-    return dense.scatter_(-1, ids.long(), log_probs.float())
+    dense = tail_fill(tail, k, vocab_size).unsqueeze(1).expand(n, vocab_size).clone()
+    return dense.scatter_(1, ids.long(), log_probs.float())
 
 
 def tail_fill(tail: torch.Tensor, k: int, vocab_size: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -149,7 +150,8 @@ def load_state_file(path: str | Path, map_location: Any = None) -> Any:
                 "nothing in it ran"
             ),
         ) from error
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as error:
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, struct.error) as error:
+        # struct.error: a legacy (non-zip) file cut inside a length field
         raise _unreadable(path, error) from error
 
 
