@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fixtures.store import row_groups
+from fixtures.store import ID_SCHEMA, listing, part, row_groups, shard_file, stage
 from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, VERSION_KEY
 from mta.errors import MtaError
 from mta.store.layout import META, STAGING, manifest_path, staged_part
@@ -27,42 +27,6 @@ from mta.store.publish import (
     writing_shard,
 )
 from mta.store.reuse import ReusableOutput, reusable_output
-
-SCHEMA = pa.schema([("id", pa.int64())])
-
-
-def stage(out: Path, shard: int, num_shards: int, run: str, ids: list[int], again: str = "") -> dict:
-    """Shard ``shard``'s part written into staging; its shard manifest (not yet committed). The
-    part's name ends in ``run`` + ``again`` (writers use a fresh random tag each time)."""
-    path = staged_part(out, shard, num_shards, run + again)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with PartWriter(path, schema=SCHEMA) as writer:
-        writer.write(pa.record_batch([pa.array(ids, pa.int64())], schema=SCHEMA))
-        entry = writer.commit()
-    return {
-        "shard": shard,
-        "num_shards": num_shards,
-        "run_key": run,
-        VERSION_KEY: 3,
-        "counts": {"rows": len(ids), "skipped": {"empty": shard}},
-        "skipped_examples": [f"shard {shard} skipped a row"],
-        "description": {"artefact": "test"},
-        "part": entry,
-    }
-
-
-def listing(out: Path) -> list[str]:
-    """Every file under ``out``, relative, sorted (locks left out)."""
-    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and ".lock" not in p.name)
-
-
-def part(shard: int, num_shards: int, run: str) -> str:
-    return f"part-{shard:05d}-of-{num_shards:05d}-{run}.parquet"
-
-
-def shard_file(shard: int, num_shards: int) -> str:
-    return f"{META}/shard-{shard:05d}-of-{num_shards:05d}.json"
-
 
 # --- commit and merge -------------------------------------------------------------------------------
 
@@ -288,14 +252,14 @@ def test_this_shards_own_part_of_the_same_key_is_reused_and_merged_when_the_set_
 
 
 def test_a_row_group_closes_at_exactly_its_size_and_the_default_size_is_2048(tmp_path):
-    with PartWriter(tmp_path / "three.parquet", row_group_rows=3, schema=SCHEMA) as writer:
+    with PartWriter(tmp_path / "three.parquet", row_group_rows=3, schema=ID_SCHEMA) as writer:
         for first in (0, 3):
-            writer.write(pa.record_batch([pa.array(range(first, first + 3), pa.int64())], schema=SCHEMA))
+            writer.write(pa.record_batch([pa.array(range(first, first + 3), pa.int64())], schema=ID_SCHEMA))
         writer.commit()
     assert row_groups(tmp_path / "three.parquet") == [3, 3]
-    with PartWriter(tmp_path / "default.parquet", schema=SCHEMA) as writer:
+    with PartWriter(tmp_path / "default.parquet", schema=ID_SCHEMA) as writer:
         for rows in (1024, 1024, 1):
-            writer.write(pa.record_batch([pa.array(range(rows), pa.int64())], schema=SCHEMA))
+            writer.write(pa.record_batch([pa.array(range(rows), pa.int64())], schema=ID_SCHEMA))
         writer.commit()
     assert row_groups(tmp_path / "default.parquet") == [2048, 1]
 

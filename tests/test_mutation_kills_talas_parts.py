@@ -78,11 +78,14 @@ def test_a_row_without_real_tokens_pools_to_zeros_for_mean_and_to_its_first_posi
 
 def test_mean_pooling_in_bf16_counts_and_sums_wider_than_bf16():
     """257 and 259 are not bf16 numbers (they round to 256 and 260): a sum or a count kept in
-    bf16 would make the mean of ones 256/257 or 259/260, not 1."""
-    hidden = torch.ones(2, 259, 3, dtype=torch.bfloat16)
-    pooled = pool(hidden, _right_mask([257, 259], 259), "mean")
+    bf16 would make the mean of ones 256/257 or 259/260, not 1. The third row, a 2 and 256 ones,
+    sums to 258 (a bf16 number) over 257 tokens: 1.0039 rounds to 1 in bf16, where a sum and a
+    count both kept in bf16 give 258/256, the next bf16 number up (1 + 2⁻⁷)."""
+    hidden = torch.ones(3, 259, 3, dtype=torch.bfloat16)
+    hidden[2, 0] = 2.0
+    pooled = pool(hidden, _right_mask([257, 259, 257], 259), "mean")
     assert pooled.dtype == torch.bfloat16
-    assert torch.equal(pooled, torch.ones(2, 3, dtype=torch.bfloat16))
+    assert torch.equal(pooled, torch.ones(3, 3, dtype=torch.bfloat16))
 
 
 def test_cls_attention_in_bf16_scores_in_float32():

@@ -61,7 +61,8 @@ class Annotations:
             raise MtaError(
                 f"row {position} is out of range: {self.directory} has {len(self)} rows (0..{len(self) - 1})"
             )
-        return self.table.slice(position, 1).to_pylist()[0]
+        (row,) = self.table.slice(position, 1).to_pylist()
+        return row
 
 
 def read_annotations(out_dir: str | Path) -> Annotations:
