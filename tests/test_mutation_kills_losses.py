@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fixtures.losses import kl, softmax
 from mta.errors import MtaError
 from mta.losses import (
     SpanBatch,
@@ -38,16 +39,6 @@ from mta.losses.kd import (
 )
 
 # ---------------------------------------------------------------- python-float references
-
-
-def softmax(row: list[float], tau: float = 1.0) -> list[float]:
-    top = max(row)
-    exps = [math.exp((x - top) / tau) for x in row]
-    return [e / sum(exps) for e in exps]
-
-
-def kl(a: list[float], b: list[float]) -> float:
-    return sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b, strict=True) if x > 0)
 
 
 def mix(weight: float, a: list[float], b: list[float]) -> list[float]:

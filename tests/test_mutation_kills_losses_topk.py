@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from fixtures.losses import softmax
 from mta.losses.divergences import kl, log_mixture
 from mta.losses.teacher_topk import (
     CHUNK_POSITIONS,
@@ -26,12 +27,6 @@ from mta.losses.teacher_topk import (
 )
 
 # ---------------------------------------------------------------- python-float reference
-
-
-def softmax(row: list[float], tau: float = 1.0) -> list[float]:
-    top = max(row)
-    weights = [math.exp((x - top) / tau) for x in row]
-    return [w / sum(weights) for w in weights]
 
 
 def top_k_by_hand(row: list[float], k: int, tau: float = 1.0) -> tuple[list[int], list[float], float]:

@@ -64,7 +64,11 @@ def test_the_journal_settings_and_locks_are_named_after_the_output(tmp_path):
         ({"on_error": "ignore"}, r"^on_error must be 'fail' or 'skip', got 'ignore'$"),
         ({"engine": "tgi"}, r"^engine must be 'hf' or 'vllm', got 'tgi'$"),
         ({"dtype": "fp8"}, r"^unknown dtype 'fp8'; choose from auto, "),
-        ({"fields": {"nonsense": "x"}}, r"^fields: "),
+        (
+            {"fields": {"nonsense": "x", "prompt": ""}},
+            r"^fields: 'nonsense' is not a key the row formats read \(they read: [^)]+\); 'prompt' must name a "
+            r"column, got ''$",
+        ),
     ],
 )
 def test_settings_that_cannot_run_are_refused_naming_the_option(options, message):

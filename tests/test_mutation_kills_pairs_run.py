@@ -79,17 +79,21 @@ class FakeEngine:
 def engine(monkeypatch) -> FakeEngine:
     fake = FakeEngine()
 
+    tokenizers: dict[str, Tokenizer] = {}  # the tokenizer loaded with each model
+
     @contextmanager
     def loaded_checkpoint(checkpoint, device, dtype):
         fake.loaded.append((checkpoint, device, dtype))
-        yield f"model {Path(checkpoint).name}", Tokenizer()
+        model = f"model {Path(checkpoint).name}"
+        tokenizers[model] = Tokenizer()
+        yield model, tokenizers[model]
+
+    def hf_generator(model, tokenizer, params, batch_size):
+        assert tokenizer is tokenizers[model], "the generator must decode with its model's own tokenizer"
+        return fake.generator(model.split()[1], params, batch_size)
 
     monkeypatch.setattr(pairs, "loaded_checkpoint", loaded_checkpoint)
-    monkeypatch.setattr(
-        pairs,
-        "HFGenerator",
-        lambda model, tokenizer, params, batch_size: fake.generator(model.split()[1], params, batch_size),
-    )
+    monkeypatch.setattr(pairs, "HFGenerator", hf_generator)
     monkeypatch.setattr(pairs, "check_checkpoint", lambda checkpoint: fake.loaded.append(("checked", checkpoint)))
     monkeypatch.setattr(pairs, "checkpoint_fingerprint", lambda name: (f"fp-{Path(name).name}", None))
     return fake

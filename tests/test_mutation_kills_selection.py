@@ -195,6 +195,9 @@ def test_dev_rouge_scores_each_rows_keyed_sample_against_its_reference_and_avera
     assert min(expected) > 0 and got == pytest.approx(sum(expected) / 3)
     assert len({sampling_seed(5, "select/dev-rouge", 0, row) % 4 for row in range(3)}) > 1  # the seeds matter
     assert requests == [("model", SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=6), 2)]
+    # One dev row: its own score, not a share of it.
+    one = selection.DevPrompts.from_table(table.slice(0, 1), Decoding(), count=1, max_prompt_length=16)
+    assert selection.dev_rouge("model", Decoding(), one, seed=5, max_new_tokens=6, batch_size=2) == expected[0]
 
 
 def test_a_selector_takes_the_recipes_row_count_and_prompt_length(tmp_path):

@@ -3,17 +3,23 @@ mutation testing (bench/mutation.py) found unchecked.
 
 Token counts come from ``transformers`` (``AutoTokenizer`` with offsets), not from the Rust
 backend or from ``mta.data.token_ranges``; a prompt token is one starting before the end of the
-prompt (docs/method.md §1).
+prompt (docs/method.md §1). Where the windows, the cut search's probes and its estimate are
+pinned (the module docstring's rules), the sides are regex tokenizers (:class:`RegexSide`) whose
+tokens are worked out by hand, including whitespace in no token, a word straddling the prompt's
+end, and a token whose prefixes split into characters.
 """
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from mta.data import truncation
-from mta.data.encoding import TokenizerSide
-from mta.data.truncation import FittedText, PromptTooLong, fit_to_limits
+from mta.data.encoding import Encoding, TokenizerSide
+from mta.data.truncation import FittedText, PromptTooLong, fit_to_limits, last_fitting_cut
 
 PROMPT = "Instruction: tell me why the river flows down to the sea, in a few words.\n\nAnswer: "
 RESPONSE = "Because water runs downhill, pulled by gravity, until it reaches the lowest place."
@@ -172,3 +178,112 @@ def test_a_long_row_is_only_encoded_through_its_first_window(sides, encoded, max
     fitted = fit_to_limits("Q: ", RESPONSE * 250, sides, max_length=max_length, max_prompt_length=max_length // 2)
     assert isinstance(fitted, FittedText) and fitted.complete is False
     assert encoded and max(encoded) <= window
+
+
+# ---------------------------------------------------------------- tokenizers whose tokens are known by hand
+
+
+class RegexSide:
+    """A tokenizer side whose tokens are the matches of ``pattern`` (``\\S+``: one token a word,
+    whitespace in no token, as a WordPiece pre-tokenizer drops it); records each encoded length."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = re.compile(pattern)
+        self.encoded: list[int] = []
+
+    def encode(self, text: str) -> Encoding:
+        self.encoded.append(len(text))
+        spans = [match.span() for match in self.pattern.finditer(text)]
+        return Encoding(np.arange(len(spans), dtype=np.int32), np.array(spans, dtype=np.int64).reshape(-1, 2))
+
+
+@pytest.mark.parametrize(
+    ("head", "windows", "known"),
+    [
+        # max_length 1 needs 2 known tokens; the first window knows the text up to 16 characters
+        # (1 x WINDOW_CHARS_PER_TOKEN) and encodes 16 + LOCALITY_CHARS of it. "bbbbbbbb" ends at
+        # exactly 16: both words are known and the first window decides.
+        ("aaaaaaa bbbbbbbb" + " cc" * 1000, [1016], 2),
+        # "bbbbbbbb" ends at 17: one known word; the window grows 4x to 64 characters, where
+        # "aaaaaaaa", "bbbbbbbb" and the 15 "cc" ending by 64 (at 20, 23, ..., 62) are known.
+        ("aaaaaaaa bbbbbbbb" + " cc" * 1000, [1016, 1064], 17),
+        # Only whitespace after 16 in the first window: no token ends beyond 16, so all its tokens
+        # are known (2) and it decides.
+        ("aaaaaaa bbbbbbbb" + " " * 3000 + "cc dd", [1016], 2),
+    ],
+    ids=["token-ends-at-the-window", "window-grows-4x", "whitespace-to-the-window-end"],
+)
+def test_a_long_prompt_is_refused_on_the_tokens_its_first_sufficient_window_knows(head, windows, known):
+    """Module docstring: the first window holds max_length x WINDOW_CHARS_PER_TOKEN characters,
+    grown 4x until it knows max_length + 1 tokens on every side; a token is known once it ends
+    within it. A prompt over the limit there is refused with that lower bound ("at least")."""
+    side = RegexSide(r"\S+")
+    refused = fit_to_limits(head, "", [side], max_length=1, max_prompt_length=1)
+    assert refused == PromptTooLong(known, "teacher", 1, at_least=True)
+    assert side.encoded == windows
+
+
+def test_the_cut_search_confirms_an_exact_estimate_with_two_probes_and_gallops_by_doubling_steps():
+    """last_fitting_cut starts at the estimate and gallops (steps 1, 2, 4, ...) until a probe does
+    not fit, then bisects: an exact estimate costs the estimate and the next character."""
+    probes: list[int] = []
+
+    def fits(cut: int) -> bool:
+        probes.append(cut)
+        return cut <= 40
+
+    assert last_fitting_cut("x" * 100, 0, 40, fits) == 40
+    assert probes == [40, 41]
+    probes.clear()
+    assert last_fitting_cut("x" * 100, 0, 10, fits) == 40
+    assert probes == [10, 11, 13, 17, 25, 41, 33, 37, 39, 40]  # gallop to 41, then bisect 25..41
+
+
+def test_a_response_cut_starts_where_the_limit_th_token_ends_and_costs_two_encodes():
+    """One token a character: the 10th token ends at 10, which fits, and 11 does not. Besides the
+    whole text (29 characters, one window), only those two prefixes are encoded."""
+    side = RegexSide(r"(?s).")
+    fitted = fit_to_limits("Q: ", "abcdefghijklmnopqrstuvwxyz", [side], max_length=10, max_prompt_length=5)
+    assert isinstance(fitted, FittedText) and fitted.text == "Q: abcdefg" and fitted.complete is False
+    assert side.encoded == [29, 10, 11]
+
+
+def test_a_text_at_max_length_without_room_for_eos_is_kept_whole_after_one_check():
+    """No side has more than max_length tokens, so the cut search starts at the end of the text,
+    not at the end of the last token (the trailing spaces belong to no token)."""
+    side = RegexSide(r"\S+")
+    text = "Q: one two three   "
+    fitted = fit_to_limits("Q:", text[2:], [side], max_length=4, max_prompt_length=4)
+    assert isinstance(fitted, FittedText) and fitted.text == text and fitted.complete is False
+    assert side.encoded == [len(text), len(text)]
+
+
+def test_a_prompt_cut_counts_a_word_that_straddles_the_cut_and_ends_far_into_the_response():
+    """Prompt "a b " + 600 x, response 300 y then 10,000 " z"; at most 2 prompt tokens. A cut
+    inside the x's leaves a third prompt token (x..xy..y) that ends more than
+    PROMPT_PROBE_CHARS past the cut: it still counts, so the prompt keeps "a b ". The response
+    is then cut after 50 tokens: a, b, the y's and 47 z's (the 47th ends at 398, a space follows).
+    No encode is longer than the row's second head window (4 x 50 x 16 + LOCALITY_CHARS)."""
+    side = RegexSide(r"\S+")
+    prompt, response = "a b " + "x" * 600, "y" * 300 + " z" * 10_000
+    fitted = fit_to_limits(prompt, response, [side], max_length=50, max_prompt_length=2, truncate_prompt=True)
+    assert isinstance(fitted, FittedText) and fitted.prompt_cut and fitted.complete is False
+    assert (fitted.prompt_chars, fitted.text) == (4, ("a b " + response)[:399])
+    assert max(side.encoded) <= 4 * 50 * truncation.WINDOW_CHARS_PER_TOKEN + truncation.LOCALITY_CHARS
+
+
+def test_a_prompt_limit_of_zero_with_truncation_keeps_no_prompt():
+    side = RegexSide(r"\S+")
+    fitted = fit_to_limits("abc def", " ghi", [side], max_length=100, max_prompt_length=0, truncate_prompt=True)
+    assert isinstance(fitted, FittedText)
+    assert (fitted.text, fitted.prompt_chars, fitted.prompt_cut, fitted.complete) == (" ghi", 0, True, True)
+
+
+def test_a_cut_at_the_end_of_the_prompt_that_the_search_never_probed_is_encoded_for_the_result():
+    """Side B has one token for "abcdef q r" but splits any prefix of it into characters, so every
+    cut after "p a" is over max_length 2 on B (the whole text is over on A, 4 words): the cut is the
+    prompt's end, where both sides have the 2 tokens "p", "a"."""
+    words, merged = RegexSide(r"\S+"), RegexSide(r"abcdef q r|\S")
+    fitted = fit_to_limits("p a", "bcdef q r", [words, merged], max_length=2, max_prompt_length=2)
+    assert isinstance(fitted, FittedText) and fitted.text == "p a" and fitted.complete is False
+    assert [encoding.offsets.tolist() for encoding in fitted.encodings] == [[[0, 1], [2, 3]]] * 2

@@ -25,6 +25,16 @@ SPAN_RULES = ("paper", "reference")
 _IS_SPACE = np.array([chr(code).isspace() for code in range(0x3001)], dtype=bool)
 
 
+def _ranges(values: np.ndarray) -> np.ndarray:
+    """``values`` (an array or nested lists, possibly empty) as ``[n, 2]`` int64 ranges."""
+    return np.asarray(values, dtype=np.int64).reshape(-1, 2)
+
+
+def _check_rule(rule: str) -> None:
+    if rule not in SPAN_RULES:
+        raise ValueError(f"the span rule must be one of {SPAN_RULES}, not {rule!r}")
+
+
 def _non_space(text: str) -> np.ndarray:
     """``[characters]`` the positions of ``text``'s characters that are not whitespace."""
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -38,14 +48,14 @@ def visible_ranges(text: str, offsets: np.ndarray) -> np.ndarray:
     offsets: ``[tokens, 2]`` character ranges into ``text``. A token that is only whitespace, or a
     special token at ``(0, 0)``, gets an empty range (start == end).
     """
-    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    offsets = _ranges(offsets)
     non_space = np.append(_non_space(text), len(text))
     # The first visible character at or after each token's start, but never past its end.
     starts = np.minimum(non_space[np.searchsorted(non_space, offsets[:, 0])], offsets[:, 1])
     return np.stack([starts, offsets[:, 1]], axis=1)
 
 
-def _before_trailing_space(non_space: np.ndarray, ends: np.ndarray) -> np.ndarray:
+def before_trailing_space(non_space: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """For each end position, one past the last non-whitespace character before it (0: none)."""
     left = np.concatenate([[-1], non_space])
     return left[np.searchsorted(left, ends) - 1] + 1
@@ -58,7 +68,7 @@ def stripped_ranges(text: str, offsets: np.ndarray) -> np.ndarray:
     A token such as ``".\n\n"`` (Qwen) ends on its last visible character, so it fits a span
     whose own trailing whitespace is stripped (:func:`boundary_spans`)."""
     visible = visible_ranges(text, offsets)
-    ends = np.maximum(_before_trailing_space(_non_space(text), visible[:, 1]), visible[:, 0])
+    ends = np.maximum(before_trailing_space(_non_space(text), visible[:, 1]), visible[:, 0])
     return np.stack([visible[:, 0], ends], axis=1)
 
 
@@ -74,9 +84,10 @@ def boundary_spans(
     boundary); a *common boundary* is a boundary of both sides. The spans run from each common
     boundary to the next one (the last to the end of the text), trailing whitespace stripped:
     the finest segmentation both tokenizers respect. Their token range on a side is
-    ``[first, last + 1)`` of the tokens whose stripped range lies inside them; a span that one
-    side has no token in is dropped. With the same tokenizer on both sides the spans are the
-    tokens (tokens sharing one range — pieces of one character — share its span).
+    ``[first, last + 1)`` of the tokens whose stripped range lies inside them: never empty (a
+    token of each side starts on the span's boundary), and a token never crosses a span edge (it
+    would strictly contain the next boundary). With the same tokenizer on both sides the spans
+    are the tokens (tokens sharing one range — pieces of one character — share its span).
 
     teacher_offsets, student_offsets: ``[tokens, 2]`` character ranges into ``text`` (EOS, if
     any, at ``(0, 0)`` or left out). Returns ``(chars, teacher, student)``, each ``[spans, 2]``
@@ -86,8 +97,8 @@ def boundary_spans(
     non_space = _non_space(text)
     ranges, is_boundary = [], np.ones(length + 1, dtype=bool)
     for offsets in (teacher_offsets, student_offsets):  # the two sides, not the tokens
-        stripped = stripped_ranges(text, offsets)
-        stripped = np.clip(stripped, 0, length)
+        # A stripped range ends by len(text) (on a visible character); a negative offset reads as 0.
+        stripped = np.maximum(stripped_ranges(text, offsets), 0)
         ranges.append(stripped)
         real = stripped[stripped[:, 0] < stripped[:, 1]]
         starts = np.zeros(length + 1, dtype=bool)
@@ -95,37 +106,35 @@ def boundary_spans(
         # +1 after each start, -1 at each end: positions strictly inside a token count > 0.
         inside = (
             np.cumsum(
-                np.bincount(real[:, 0] + 1, minlength=length + 2)[: length + 2]
-                - np.bincount(real[:, 1], minlength=length + 2)[: length + 2]
+                np.bincount(real[:, 0] + 1, minlength=length + 2)  # starts < ends <= length
+                - np.bincount(real[:, 1], minlength=length + 2)
             )[: length + 1]
             > 0
         )
         is_boundary &= starts & ~inside
     begins = np.flatnonzero(is_boundary)
-    ends = _before_trailing_space(non_space, np.append(begins[1:], length)[: len(begins)])
+    ends = before_trailing_space(non_space, np.append(begins[1:], length)[: len(begins)])
     spans = np.stack([begins, ends], axis=1)
 
     token_spans = []
     for stripped in ranges:
-        # The span each token starts in, and whether it ends inside it too.
+        # The span each non-empty token starts in (and ends in: it crosses no span edge).
         span_of = np.searchsorted(begins, stripped[:, 0], side="right") - 1
-        member = (stripped[:, 0] < stripped[:, 1]) & (span_of >= 0)
-        member &= stripped[:, 1] <= ends[np.maximum(span_of, 0)] if len(ends) else False
-        tokens = np.flatnonzero(member)
-        first = np.full(len(begins), np.iinfo(np.int64).max, dtype=np.int64)
-        last = np.full(len(begins), -1, dtype=np.int64)
+        tokens = np.flatnonzero((stripped[:, 0] < stripped[:, 1]) & (span_of >= 0))
+        first = np.full_like(begins, np.iinfo(np.int64).max)
+        stop = np.zeros_like(begins)
         np.minimum.at(first, span_of[tokens], tokens)
-        np.maximum.at(last, span_of[tokens], tokens)
-        token_spans.append(np.stack([first, last + 1], axis=1))
-    keep = (token_spans[0][:, 1] > 0) & (token_spans[1][:, 1] > 0)
-    return spans[keep], token_spans[0][keep], token_spans[1][keep]
+        np.maximum.at(stop, span_of[tokens], tokens + 1)
+        token_spans.append(np.stack([first, stop], axis=1))
+    return spans, token_spans[0], token_spans[1]
 
 
 def membership_ranges(text: str, offsets: np.ndarray, rule: SpanRule = "paper") -> np.ndarray:
     """``[tokens, 2]`` the ranges :func:`member_ranges` compares with spans under ``rule``: the
-    visible ranges (``"paper"``) or the raw offsets (``"reference"``)."""
+    visible ranges (``"paper"``) or the raw offsets (``"reference"``); another rule: ValueError."""
+    _check_rule(rule)
     if rule == "reference":
-        return np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        return _ranges(offsets)
     return visible_ranges(text, offsets)
 
 
@@ -133,8 +142,10 @@ def member_ranges(
     visible: np.ndarray, spans: np.ndarray, rule: SpanRule = "paper"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Token ranges of ``spans`` given the tokens' ``visible`` ranges (see :func:`token_ranges`);
-    with ``rule="reference"`` ``visible`` holds the raw offsets (:func:`membership_ranges`)."""
-    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    with ``rule="reference"`` ``visible`` holds the raw offsets (:func:`membership_ranges`).
+    Another rule: ValueError."""
+    _check_rule(rule)
+    spans = _ranges(spans)
     if len(visible) == 0 or len(spans) == 0:
         empty = np.zeros(len(spans), dtype=np.int64)
         return empty, empty, np.zeros(len(spans), dtype=bool)
@@ -168,5 +179,5 @@ def prompt_token_count(offsets: np.ndarray, prompt_chars: int) -> int:
 
     A token straddling the prompt/response boundary belongs to the prompt.
     """
-    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    offsets = _ranges(offsets)
     return int(np.count_nonzero(offsets[:, 0] < prompt_chars))

@@ -37,6 +37,9 @@ WINDOW_CHARS_PER_TOKEN = 16
 # ../shared (2,072 cut rows at max_length 128, 256 and 512, GPT-2 tokenizer) the kept spans equal
 # those of a whole-text parse from a margin of 400 characters on; this is five times that.
 PARSE_MARGIN_CHARS = 2000
+# How far past a candidate cut of the prompt its probe's window knows the text: a response token
+# starting within it makes the probe's prompt count exact.
+PROMPT_PROBE_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -128,17 +131,17 @@ class _Window:
 
     encodings: list[Encoding]
     known: list[int]
-    whole: bool
+    whole: bool = False
 
     def prompt_lengths(self, prompt_chars: int) -> tuple[list[int], bool]:
         """Each side's prompt tokens among the known ones, and whether every count is exact
         (a known token starts after the prompt, or the window is the whole text)."""
-        lengths = [
-            prompt_token_count(encoding.offsets[:known], prompt_chars)
+        counts = [
+            (prompt_token_count(encoding.offsets[:known], prompt_chars), known)
             for encoding, known in zip(self.encodings, self.known, strict=True)
         ]
-        exact = self.whole or all(length < known for length, known in zip(lengths, self.known, strict=True))
-        return lengths, exact
+        exact = self.whole or all(length < known for length, known in counts)
+        return [length for length, _ in counts], exact
 
 
 def _encode_head(
@@ -150,13 +153,13 @@ def _encode_head(
     while True:
         if known_chars + LOCALITY_CHARS >= len(text):
             encodings = encode_all(sides, text)
-            return _Window(encodings, [len(encoding) for encoding in encodings], True)
+            return _Window(encodings, [len(encoding) for encoding in encodings], whole=True)
         encodings = encode_all(sides, text[: known_chars + LOCALITY_CHARS])
         known = []
         for encoding in encodings:
             beyond = encoding.offsets[:, 1] > known_chars
             known.append(int(np.argmax(beyond)) if beyond.any() else len(encoding))
-        window = _Window(encodings, known, False)
+        window = _Window(encodings, known)
         if enough(window):
             return window
         known_chars *= 4
@@ -203,7 +206,7 @@ def fit_to_limits(
                 lengths, exact = head.prompt_lengths(cut)
                 return exact or max(lengths) > max_prompt_length
 
-            head = _encode_head(sides, prompt[:cut] + response, cut + 256, decided)
+            head = _encode_head(sides, prompt[:cut] + response, cut + PROMPT_PROBE_CHARS, decided)
             return max(head.prompt_lengths(cut)[0]) <= max_prompt_length
 
         cut = last_fitting_cut(prompt, 0, _estimate(window.encodings, max_prompt_length, len(prompt)), prompt_fits)

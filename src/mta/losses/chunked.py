@@ -75,11 +75,12 @@ class _ChunkedTokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, columns, grad_rows = ctx.saved_tensors
-        if grad_rows is None:
-            return (None,) * 7
-        grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)
-        scale = grad_output / ctx.divisor
-        grad[rows, columns, : ctx.vocab_size] = (grad_rows * scale).to(grad.dtype)
+        grad: torch.Tensor | None = None  # forward kept no gradient: only the teacher asked for one
+        if grad_rows is not None:
+            grad = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)
+            scale = grad_output / ctx.divisor
+            # scale is a 0-dim float tensor: the product keeps grad_rows' dtype, which is grad's.
+            grad[rows, columns, : ctx.vocab_size] = grad_rows * scale
         # The teacher is a constant of the loss: no gradient flows to it.
         return grad, None, None, None, None, None, None
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 COS_EPS = 1e-8
 WEIGHT_EPS = 1e-12
+REDUCTIONS = ("sequence", "batch")
+PAIR_WEIGHTS = ("salience", "uniform")
 
 
 def _cosine_matrix(spans: torch.Tensor) -> torch.Tensor:
@@ -42,14 +44,18 @@ def dynamic_structural_alignment(
 
     The authors' code (docs/method.md §8): ``reduction="batch"`` is one weighted mean over the
     intra-sequence pairs of the whole batch; ``pair_weights="uniform"`` (their uniform-weights
-    ablation) weighs every pair of spans with positive salience 1.
+    ablation) weighs every pair of spans with positive salience 1. Other values: ValueError.
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    if pair_weights not in PAIR_WEIGHTS:
+        raise ValueError(f"pair_weights must be one of {PAIR_WEIGHTS}, not {pair_weights!r}")
     mask = span_mask.bool()
-    salience = salience.float() * mask
+    salience = salience.float() * mask  # [batch, spans]
     if pair_weights == "uniform":
         normalised = (salience > 0).float()
     else:
-        normalised = salience / salience.sum(dim=-1, keepdim=True).clamp(min=WEIGHT_EPS)
+        normalised = salience / salience.sum(dim=1, keepdim=True).clamp(min=WEIGHT_EPS)
     num_spans = mask.shape[1]
     off_diagonal = ~torch.eye(num_spans, dtype=torch.bool, device=mask.device)
     weights = normalised.unsqueeze(2) * normalised.unsqueeze(1) * off_diagonal  # [B, K, K]
@@ -60,6 +66,7 @@ def dynamic_structural_alignment(
     weight_sum = weights.sum(dim=(1, 2))
     per_sequence = (weights * gap.square()).sum(dim=(1, 2)) / weight_sum.clamp(min=WEIGHT_EPS)
 
-    contributes = (mask.sum(dim=-1) >= 2) & (weight_sum > 0)
+    # The pair weights are masked and off the diagonal: a positive sum means two masked spans.
+    contributes = weight_sum > 0
     # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.
     return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)

@@ -7,8 +7,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-COS_EPS = 1e-8
 WEIGHT_EPS = 1e-12
+REDUCTIONS = ("sequence", "batch")
 
 
 def hidden_representation_alignment(
@@ -29,15 +29,18 @@ def hidden_representation_alignment(
     Per sequence ``Σ w (1 − cos) / Σ w`` over its masked items; returns the mean over sequences
     with at least one item (and positive weight), or a graph-carrying zero when there is none.
     ``reduction="batch"``: one ``Σ w (1 − cos) / Σ w`` over the masked items of the whole batch
-    (the authors' uniform-weights ablation, docs/method.md §8).
+    (the authors' uniform-weights ablation, docs/method.md §8). Another ``reduction``: ValueError.
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
     mask = mask.bool()
-    weights = weights.float() * mask
-    distance = 1.0 - F.cosine_similarity(projected_student.float(), teacher.detach().float(), dim=-1, eps=COS_EPS)
+    weights = weights.float() * mask  # [batch, items]
+    # cosine_similarity's own eps (1e-8) keeps a zero vector's distance finite.
+    distance = 1.0 - F.cosine_similarity(projected_student.float(), teacher.detach().float(), dim=-1)
     if reduction == "batch":  # zero weights everywhere: a zero that keeps the graph
         return (weights * distance).sum() / weights.sum().clamp(min=WEIGHT_EPS)
-    weight_sum = weights.sum(dim=-1)
-    per_sequence = (weights * distance).sum(dim=-1) / weight_sum.clamp(min=WEIGHT_EPS)
-    contributes = mask.any(dim=-1) & (weight_sum > 0)
+    weight_sum = weights.sum(dim=1)
+    per_sequence = (weights * distance).sum(dim=1) / weight_sum.clamp(min=WEIGHT_EPS)
+    contributes = weight_sum > 0  # the weights are masked: a positive sum means a masked item
     # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.
     return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)

@@ -40,7 +40,7 @@ def span_cover_count(
     step = live.to(torch.int32)
     change = torch.zeros(start.shape[0], seq_len + 1, dtype=torch.int32, device=start.device)
     change.scatter_add_(1, start, step).scatter_add_(1, end, -step)
-    return change.cumsum(dim=1)[:, :seq_len]
+    return change.cumsum(dim=1, dtype=torch.int32)[:, :-1]  # the last column only closes spans ending at seq_len
 
 
 def span_union_mask(
