@@ -8,7 +8,7 @@ mutates the functions of
     truncation    src/mta/data/truncation.py
 
 and of the rule modules (GROUPS below: training_config, selection, stopping, sampling, lora, checkpoints,
-generation, store, talas, online_spans, pairs, hashing_scoring); the glue left out is EXCLUDED,
+asam, generation, store, talas, online_spans, pairs, hashing_scoring); the glue left out is EXCLUDED,
 each with its reason. A module in scope that yields no mutant is an error.
 
 and runs, for each mutant, only the fast tests (`-m "not slow"`) that call the mutated function:
@@ -125,7 +125,11 @@ GROUPS: dict[str, dict] = {
     },
     "lora": {"mutate": ["src/mta/training/lora.py"], "tests": ["tests/test_lora.py"]},
     "checkpoints": {
-        "mutate": ["src/mta/training/lifecycle/safe_loading.py", "src/mta/training/lifecycle/run_directory.py"],
+        "mutate": [
+            "src/mta/training/lifecycle/safe_loading.py",
+            "src/mta/training/lifecycle/run_directory.py",
+            "src/mta/training/lifecycle/checkpointing.py",
+        ],
         # Not tests/test_checkpoint_faults.py (DeepSpeed engines at every ZeRO stage) nor the
         # tests of test_run_directory.py that train (a tiny run each): each mutant's session would
         # build them again, and with them the group ran out of time with 315 mutants unchecked.
@@ -135,7 +139,14 @@ GROUPS: dict[str, dict] = {
             "tests/test_rules_checksums.py",
             ("tests/test_run_directory.py", RUN_DIRECTORY_TESTS),
             ("tests/test_rules_refusals.py", r"directory|state_file|run_output"),
+            "tests/test_checkpointing.py",
         ],
+    },
+    # ASAM (TALAS's optimizer step): the closed form and the two-pass update by hand; not the test
+    # that trains the tiny recipe end to end (a run per mutant).
+    "asam": {
+        "mutate": ["src/mta/training/asam.py"],
+        "tests": [("tests/test_asam.py", r"^(?!.*tiny_llm_recipe_trains)")],
     },
     "generation": {
         "mutate": ["src/mta/generation/sampling.py", "src/mta/generation/generator.py"],
@@ -231,6 +242,15 @@ ACCEPTED: list[dict[str, str]] = SURVIVOR_TABLES["accepted"]
 TIMEOUT_MULTIPLIER, TIMEOUT_CONSTANT = 2.0, 15.0
 
 DETECTED = ("killed", "timeout", "segfault")  # segfault: mutmut's name for SIGKILL after SIGXCPU
+
+
+def mutant_status(code: int | None, named: dict) -> str:
+    """The status of a mutant whose tests exited with ``code``: mutmut's name for it (``named``,
+    its ``status_by_exit_code``), except that a test process ended by a signal mutmut has no name
+    for (a negative code: a SIGUSR1 or SIGTERM the mutant left unhandled, say) is "killed" where
+    mutmut says "suspicious": the tests did not pass."""
+    status = named[code]
+    return "killed" if status == "suspicious" and code is not None and code < 0 else status
 
 
 def log(message: str) -> None:
@@ -511,13 +531,13 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
             codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
             if not codes:
                 continue  # nothing to mutate (a package __init__ of imports only)
-            counts = Counter(status_by_exit_code[code] for code in codes.values())
+            counts = Counter(mutant_status(code, status_by_exit_code) for code in codes.values())
             mutated_source = (scratch / file).read_text(encoding="utf-8")
             defs = function_lines(mutated_source)
             equivalent = 0
             untested: set[str] = set()  # functions no selected test calls
             for mutant, code in sorted(codes.items(), key=lambda item: natural(item[0])):
-                status = status_by_exit_code[code]
+                status = mutant_status(code, status_by_exit_code)
                 _, function = mangled_parts(mutant)
                 if status == "no tests":
                     untested.add(function)
@@ -753,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                     "text file opened with the locale's encoding fails its test"
                 ),
                 "equivalent_by_rule": CODEC_CASE,
+                "signals": "a test process ended by a signal mutmut has no name for counts as killed, not 'suspicious'",
             },
             **summarise(modules),
             "excluded": {

@@ -107,3 +107,16 @@ def test_every_label_matches_a_survivor_of_the_last_results():
     for table, entries in driver.load_survivors().items():
         stale = [e for e in entries if (e["file"], e["function"], e["from"], e["to"]) not in labelled[table]]
         assert not stale, f"{table}: {len(stale)} entries match no survivor of bench/results/mutation.json: {stale[:3]}"
+
+
+def test_a_test_process_ended_by_an_unnamed_signal_counts_as_killed():
+    from collections import defaultdict
+
+    driver = _driver()
+    # mutmut 3's table: known codes by name, any other code "suspicious"
+    named = defaultdict(lambda: "suspicious", {0: "survived", 1: "killed", None: "not checked", -9: "segfault"})
+    assert driver.mutant_status(-10, named) == "killed"  # SIGUSR1 the mutant left unhandled
+    assert driver.mutant_status(-9, named) == "segfault"
+    assert driver.mutant_status(0, named) == "survived"
+    assert driver.mutant_status(None, named) == "not checked"
+    assert driver.mutant_status(35, named) == "suspicious"  # an exit code, not a signal: left as it is
