@@ -78,23 +78,18 @@ def perturbation(
     whether T_w = |w| + η (else T_w = 1). ε_i = ρ · T_i² g_i / ‖T · g‖₂, the norm over all of
     them. Computed in fp32 at least (float64 stays float64); each ε in its weight's dtype.
     """
-    scales: list[torch.Tensor | None] = []
-    scaled: list[torch.Tensor] = []
+    parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.dtype]] = []  # (T·g, T or None, ε's dtype)
     for weight, grad, is_adaptive in zip(weights, grads, adaptive, strict=True):
         wide = torch.promote_types(weight.dtype, torch.float32)
         scale = weight.detach().to(wide).abs() + eta if is_adaptive else None
-        scales.append(scale)
-        scaled.append(grad.to(wide) * scale if scale is not None else grad.to(wide))
-    if not scaled:
+        parts.append((grad.to(wide) * scale if scale is not None else grad.to(wide), scale, weight.dtype))
+    if not parts:
         return None
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part) for part in scaled]))
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(part) for part, _, _ in parts]))
     if not bool(torch.isfinite(norm)) or norm.item() == 0.0:
         return None
     factor = rho / norm
-    return [
-        (part * factor * (scale if scale is not None else 1.0)).to(weight.dtype)
-        for part, scale, weight in zip(scaled, scales, weights, strict=True)
-    ]
+    return [(part * factor * (scale if scale is not None else 1.0)).to(dtype) for part, scale, dtype in parts]
 
 
 class Asam:
@@ -135,9 +130,9 @@ class Asam:
         for loss in losses:
             count += 1
             grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-            for buffer, grad in zip(total, grads, strict=True):
+            for index, grad in enumerate(grads):  # one per parameter, as total
                 if grad is not None:
-                    buffer.add_(grad.to(buffer.dtype))
+                    total[index].add_(grad)  # widened to total's dtype by add_
         distributed.sum_tensors_over_ranks(total)
         if self.student_clip and count:
             self.clip_student_part(total, count * distributed.world_size())
@@ -168,13 +163,13 @@ class Asam:
             yield False
             return
         with torch.no_grad():
-            saved = [param.detach().clone() for param in self.params]
-            for param, delta in zip(self.params, epsilon, strict=True):
-                param.add_(delta)
+            saved = [(param, param.detach().clone()) for param in self.params]
+            for index, param in enumerate(self.params):  # epsilon: one per parameter
+                param.add_(epsilon[index])
         del epsilon
         try:
             yield True
         finally:
             with torch.no_grad():
-                for param, weight in zip(self.params, saved, strict=True):
+                for param, weight in saved:
                     param.copy_(weight)  # in place: DeepSpeed's flat buffers keep their views
