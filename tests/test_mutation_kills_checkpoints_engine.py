@@ -24,29 +24,16 @@ import pytest
 import torch
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+from fixtures.recipes import tiny_recipe
 from mta.errors import MtaError
 from mta.training import lora
 from mta.training.config.loading import recipe_to_yaml
-from mta.training.config.schema import Recipe
 from mta.training.lifecycle import checkpointing
 from mta.training.lifecycle.checkpointing import TrainerState
 from mta.training.lifecycle.safe_loading import CheckpointFileError
 from mta.versions import package_versions
 
 LIST = "checksums.sha256"
-
-
-def tiny_recipe(keep: int = 2) -> Recipe:
-    return Recipe.model_validate(
-        {
-            "name": "tiny",
-            "output_dir": "runs/tiny",
-            "teacher": {"path": "t"},
-            "student": {"path": "s"},
-            "data": {"train": "train.jsonl"},
-            "train": {"max_steps": 8, "batch_size": 2, "micro_batch_size": 2, "keep_checkpoints": keep},
-        }
-    )
 
 
 def restated_checksums(directory: Path) -> dict[str, str]:
@@ -285,7 +272,7 @@ def test_a_checkpoint_prunes_this_runs_older_ones_beyond_keep_checkpoints(tmp_pa
         published_checkpoint(out, step)
     published_checkpoint(out, 3, run_id="other-run")
     state = TrainerState(step=6, total_steps=8, run_id="run-a")
-    checkpointing.save_checkpoint(Engine(), Tokenizer(), tiny_recipe(keep=2), out, state)
+    checkpointing.save_checkpoint(Engine(), Tokenizer(), tiny_recipe(keep_checkpoints=2), out, state)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-4", "step-6"]
 
 
@@ -310,7 +297,9 @@ def test_a_full_disk_while_checkpointing_removes_the_partial_and_names_the_intac
     full = OSError(errno.ENOSPC, "No space left on device")
     engine = Engine(save_error=full)
     with pytest.raises(MtaError) as raised:
-        checkpointing.save_checkpoint(engine, Tokenizer(), tiny_recipe(keep=9), out, TrainerState(6, 8, run_id="run-a"))
+        checkpointing.save_checkpoint(
+            engine, Tokenizer(), tiny_recipe(keep_checkpoints=9), out, TrainerState(6, 8, run_id="run-a")
+        )
     final = out / "checkpoints" / "step-6"
     assert str(raised.value) == (
         f"disk full while writing {final}; nothing was lost: the unfinished step-6.partial was removed and "
@@ -341,7 +330,9 @@ def test_the_first_checkpoint_failing_says_there_was_none_before_and_an_interrup
 
 def saved(tmp_path: Path, step: int = 4, run_id: str = "run-a") -> Path:
     state = TrainerState(step=step, total_steps=8, run_id=run_id)
-    return checkpointing.save_checkpoint(Engine(), Tokenizer(), tiny_recipe(keep=9), tmp_path / "run", state)
+    return checkpointing.save_checkpoint(
+        Engine(), Tokenizer(), tiny_recipe(keep_checkpoints=9), tmp_path / "run", state
+    )
 
 
 def test_a_resume_restores_the_state_and_the_rng_through_the_restricted_loader(tmp_path, no_lora):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fixtures.recipes import tiny_recipe
 from mta.errors import MtaError
 from mta.evaluation.layout import CheckpointPaths, check_claim, generation_manifest
 from mta.evaluation.model_files import check_weights, checkpoint_fingerprint
@@ -22,7 +23,6 @@ from mta.evaluation.settings import EvalSettings
 from mta.hashing import checksum_text, directory_checksums, read_checksums
 from mta.store.manifests import checked_manifest, part_is_intact
 from mta.store.read import read_annotations
-from mta.training.config.schema import Recipe
 from mta.training.lifecycle import checkpointing
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
@@ -104,19 +104,6 @@ def test_a_corrupt_list_is_refused_and_a_checkpoint_without_one_resumes_with_a_w
     with caplog.at_level(logging.WARNING):
         checkpointing.verify_checkpoint(path)
     assert "could not be verified" in caplog.text
-
-
-def tiny_recipe() -> Recipe:
-    return Recipe.model_validate(
-        {
-            "name": "tiny",
-            "output_dir": "runs/tiny",
-            "teacher": {"path": "t"},
-            "student": {"path": "s"},
-            "data": {"train": "train.jsonl"},
-            "train": {"max_steps": 2, "batch_size": 2, "micro_batch_size": 2},
-        }
-    )
 
 
 def export_tiny(engine, tokenizer, recipe, directory: Path, **kwargs) -> None:
