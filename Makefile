@@ -26,7 +26,7 @@ help:
 	@echo "make install-vllm  the vLLM engine's environment, .venv-vllm (--engine vllm; about 3.5 GB)"
 	@echo "make docs          regenerate docs/recipe-keys.md from the recipe schemas"
 	@echo "make bench         the benchmarks in bench/, results in bench/results/"
-	@echo "make mutate        mutation testing (bench/mutation.py; MODULES=losses,... one group; all: hours, 1 core)"
+	@echo "make mutate        mutation testing (bench/mutation.py; MODULES=losses,... one group; all: ~1 hour, 1 core)"
 	@echo "make reproduce-<pair>-<base>  a row of the paper's table, e.g. reproduce-gpt2-fdd (GPUs + Hub)"
 	@echo "make reproduce-all  the eight rows (16 distill runs); make ablation-gpt2: the ablations"
 
@@ -141,7 +141,7 @@ bench: $(EMBED_STAMP)
 # rule modules (bench/mutation.py's GROUPS; the glue it leaves out is listed there with its reason)
 # with their fast tests, in a scratch copy; writes bench/results/mutation.json. Not part of
 # `make test`. MODULES=losses re-runs one group and keeps the others' last results (ONLY=a glob of
-# its files, e.g. src/mta/losses/fdd.py: those alone); every group at once takes hours on one worker.
+# its files, e.g. src/mta/losses/fdd.py: those alone); every group at once: about an hour on one worker.
 MUTATE_STAMP := $(VENV)/.installed-mutate
 $(MUTATE_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[mutate]'

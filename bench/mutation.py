@@ -96,7 +96,8 @@ GROUPS: dict[str, dict] = {
         "mutate": ["src/mta/data/truncation.py"],
         "tests": ["tests/test_token_ranges.py", "tests/test_truncation_mutants.py", LONG_ROW_TESTS],
     },
-    # The rule modules added since (issue 32). Their first full run takes hours on one worker.
+    # The rule modules added since (issue 32). Every group at once: about 64 minutes on one worker
+    # (the sum of the last runs' wall times in bench/results/mutation.json, 2026-12-04).
     "training_config": {
         "mutate": [
             "src/mta/training/config/resume_rules.py",
@@ -143,8 +144,9 @@ GROUPS: dict[str, dict] = {
         ],
     },
     # ASAM (TALAS's optimizer step): the closed form and the two-pass update by hand; not the tests
-    # that build DeepSpeed engines or train the tiny recipe (about 10 s a mutant: 205 mutants ran
-    # past 25 minutes). What only they reach has fast tests in tests/test_mutation_kills_asam*.py.
+    # that build DeepSpeed engines or train the tiny recipe (with them, 71 of 205 mutants in 15
+    # minutes; without, 174 in 35 s). What only they reach has fast tests in
+    # tests/test_mutation_kills_asam*.py.
     "asam": {
         "mutate": ["src/mta/training/asam.py"],
         "tests": [("tests/test_asam.py", r"^(?!.*(tiny_llm_recipe_trains|trainer_steps_are_adamw))")],
@@ -532,13 +534,13 @@ def collect(scratch: Path, files: list[str], originals: dict[str, str], origins:
             codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
             if not codes:
                 continue  # nothing to mutate (a package __init__ of imports only)
-            counts = Counter(mutant_status(code, status_by_exit_code) for code in codes.values())
+            statuses = {mutant: mutant_status(code, status_by_exit_code) for mutant, code in codes.items()}
+            counts = Counter(statuses.values())
             mutated_source = (scratch / file).read_text(encoding="utf-8")
             defs = function_lines(mutated_source)
             equivalent = 0
             untested: set[str] = set()  # functions no selected test calls
-            for mutant, code in sorted(codes.items(), key=lambda item: natural(item[0])):
-                status = mutant_status(code, status_by_exit_code)
+            for mutant, status in sorted(statuses.items(), key=lambda item: natural(item[0])):
                 _, function = mangled_parts(mutant)
                 if status == "no tests":
                     untested.add(function)

@@ -21,22 +21,13 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from fixtures.planted import Planted
 from mta.errors import MtaError
 from mta.files import LockHeld
 from mta.training.lifecycle import run_directory, safe_loading
 from mta.training.lifecycle.safe_loading import CheckpointFileError
 
 ALLOWED = "DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address"  # sorted by name
-
-
-class Planted:
-    """A pickle that creates a directory when unpickled."""
-
-    def __init__(self, target: Path):
-        self.target = str(target)
-
-    def __reduce__(self):
-        return os.mkdir, (self.target,)
 
 
 class Other:

@@ -11,11 +11,10 @@ on it.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
+from fixtures.losses import exactly
 from mta.errors import MtaError
 from mta.losses.contrastive import DistiLLM2Loss
 
@@ -29,10 +28,6 @@ def small_batch(batch: int = 4, seq: int = 5, vocab: int = 6, seed: int = 0):
     labels[:, 0] = -100
     chosen = torch.arange(batch) % 2 == 0
     return student, teacher, labels, chosen
-
-
-def exactly(message: str) -> str:
-    return f"^{re.escape(message)}$"
 
 
 def test_the_default_chunk_is_128_response_positions():

@@ -4,7 +4,8 @@ other one"), DSA's guard against span vectors of near-zero norm (``COS_EPS``), a
 sequences whose weights sum to less than one.
 
 Expected values come from python floats and loops over the formulas of the docstrings
-(docs/method.md §3), not from the code under test.
+(docs/method.md §3), not from the code under test; the default-mode checks compare the code with
+itself (a default is the mode it names) beside checks that the other mode differs.
 """
 
 from __future__ import annotations

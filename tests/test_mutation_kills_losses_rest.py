@@ -13,29 +13,20 @@ docstrings and docs/method.md (§2, §5, §8), not from the code under test.
 from __future__ import annotations
 
 import math
-import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from fixtures.losses import kl, softmax
+from fixtures.losses import exactly, kl, softmax
+from fixtures.talas_losses import cos
 from mta.errors import MtaError
 from mta.losses import SpanBatch, TrajectoryAlignmentLoss, build_base_loss, token_importance
 from mta.losses.kd import ForwardKL, JensenShannon
 from mta.losses.trajectory import projector_at
 
 # ---------------------------------------------------------------- python-float references
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
-
-
-def exactly(message: str) -> str:
-    return f"^{re.escape(message)}$"
 
 
 # ---------------------------------------------------------------- base losses (kd.py)
@@ -45,9 +36,12 @@ def _spy_on_chunks(loss: nn.Module) -> list[int]:
     """The number of rows of each chunk ``loss`` hands its ``token_loss``."""
     seen: list[int] = []
     inner = loss.token_loss
-    loss.token_loss = lambda student, teacher, labels: (seen.append(student.shape[0]), inner(student, teacher, labels))[
-        1
-    ]
+
+    def spied(student, teacher, labels):
+        seen.append(student.shape[0])
+        return inner(student, teacher, labels)
+
+    loss.token_loss = spied
     return seen
 
 
@@ -255,6 +249,6 @@ def test_the_authors_uniform_hra_counts_only_the_memberships_of_real_tokens():
                     projected = [
                         sum(w * x for w, x in zip(row, s, strict=True)) + c for row, c in zip(weight, bias, strict=True)
                     ]
-                    distances.append(1 - cosine(projected, teacher[1][b, t].double().tolist()))
+                    distances.append(1 - cos(projected, teacher[1][b, t].double().tolist()))
     assert len(distances) == 7
     assert got == pytest.approx(sum(distances) / len(distances), rel=1e-5)

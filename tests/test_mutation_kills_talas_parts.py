@@ -8,7 +8,10 @@ GPU). Objective: which layers are pooled, the refusals and their boundaries, the
 temperature and reduction reaching the terms, the projections' default draw, and the model's
 passes, frozen pooler and optimizer groups (with a stand-in student instead of a tiny BERT, so
 no test here builds a model). Expected values come from python loops (tests/test_losses_talas.py's
-references), hand-derived cases or the module docstrings, never from the code under test.
+references), hand-derived cases or the module docstrings, not from the code under test; the
+default-device and default-mode checks compare the code with itself under another default (what
+they pin is that the result does not depend on it) and each also asserts what the other default
+must not change.
 """
 
 from __future__ import annotations

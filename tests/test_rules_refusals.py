@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from fixtures.planted import Planted
 from mta.errors import MtaError
 from mta.evaluation.layout import CheckpointPaths, check_claim, generation_manifest
 from mta.evaluation.settings import EvalSettings
@@ -150,16 +151,6 @@ def test_a_checkpoint_past_the_new_total_is_refused(tmp_path):
     check_resume_length(10, 10, recipe, "step-10")
     with pytest.raises(MtaError, match=r"step-11 is at step 11, past the 10 steps this recipe trains"):
         check_resume_length(11, 10, recipe, "step-11")
-
-
-class Planted:
-    """A pickle that would create a directory when unpickled."""
-
-    def __init__(self, target: Path):
-        self.target = str(target)
-
-    def __reduce__(self):
-        return os.mkdir, (self.target,)
 
 
 def test_a_state_file_needing_another_type_is_refused_by_name_and_runs_nothing(tmp_path):

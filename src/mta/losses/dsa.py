@@ -6,15 +6,19 @@ and in tokenizer; no projection is involved.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 COS_EPS = 1e-8
 WEIGHT_EPS = 1e-12
-REDUCTIONS = ("sequence", "batch")
-PAIR_WEIGHTS = ("salience", "uniform")
+# How DSA and HRA reduce over a batch: per sequence then averaged, or the authors' one pool of the
+# whole batch; how DSA weighs a pair of spans. The tuples are what the functions accept.
+Reduction = Literal["sequence", "batch"]
+PairWeights = Literal["salience", "uniform"]
+REDUCTIONS: tuple[str, ...] = get_args(Reduction)
+PAIR_WEIGHTS: tuple[str, ...] = get_args(PairWeights)
 
 
 def _cosine_matrix(spans: torch.Tensor) -> torch.Tensor:
@@ -29,8 +33,8 @@ def dynamic_structural_alignment(
     salience: torch.Tensor,
     span_mask: torch.Tensor,
     *,
-    reduction: Literal["sequence", "batch"] = "sequence",
-    pair_weights: Literal["salience", "uniform"] = "salience",
+    reduction: Reduction = "sequence",
+    pair_weights: PairWeights = "salience",
 ) -> torch.Tensor:
     """Salience-weighted squared difference of the two span similarity matrices.
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
+from mta.losses.dsa import REDUCTIONS, Reduction
+
 WEIGHT_EPS = 1e-12
-REDUCTIONS = ("sequence", "batch")
 
 
 def hidden_representation_alignment(
@@ -17,7 +16,7 @@ def hidden_representation_alignment(
     weights: torch.Tensor,
     mask: torch.Tensor,
     *,
-    reduction: Literal["sequence", "batch"] = "sequence",
+    reduction: Reduction = "sequence",
 ) -> torch.Tensor:
     """Weighted cosine distance between aligned positions.
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from mta.errors import MtaError
-from mta.losses.dsa import dynamic_structural_alignment
+from mta.losses.dsa import PairWeights, Reduction, dynamic_structural_alignment
 from mta.losses.hra import hidden_representation_alignment
 from mta.losses.importance import IMPORTANCE, ImportanceMode, token_importance
 from mta.losses.pooling import pool_spans
@@ -94,8 +94,8 @@ class TrajectoryAlignmentLoss(nn.Module):
         )
         uniform = reference_code and importance == "uniform"
         # DSA: the authors' one weighted mean over the batch's pairs, or the per-sequence formula.
-        self._dsa_reduction: Literal["sequence", "batch"] = "batch" if reference_code else "sequence"
-        self._dsa_pair_weights: Literal["salience", "uniform"] = "uniform" if uniform else "salience"
+        self._dsa_reduction: Reduction = "batch" if reference_code else "sequence"
+        self._dsa_pair_weights: PairWeights = "uniform" if uniform else "salience"
         self._uniform_items = uniform  # HRA: every membership weighs 1, one mean over the batch
         self.terms = tuple(term for term in ("dsa", "hra") if term in terms)
         self.projectors = (
