@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fixtures.fdd import reference
 from mta.errors import MtaError
-from mta.losses.fdd import COSINE_EPS, FeatureDynamicsLoss
+from mta.losses.fdd import FeatureDynamicsLoss
 
 B, S, D_S, D_T, V = 2, 5, 6, 8, 11
 NORM_EPS = 1e-6
@@ -18,56 +19,6 @@ NORM_EPS = 1e-6
 
 def num(tensor: torch.Tensor) -> float:
     return float(tensor.detach())
-
-
-# --------------------------------------------------------------------------- reference
-
-
-def reference(
-    student_states,
-    teacher_states,
-    student_lens,
-    teacher_lens,
-    mask,
-    *,
-    temperature,
-    vocab=None,
-    trajectory_weight=1.0,
-    dynamics_weight=1.0,
-):
-    """Straight from the formulas, in float64: for every masked token and every pair, the lens
-    logits of one position; KL(p ‖ q) at the temperature; the change of log-probabilities
-    (temperature 1) from the previous pair; 1 − cos; means over tokens, then over pairs."""
-    pairs = len(student_states)
-    trajectory_per_pair = [[] for _ in range(pairs)]
-    dynamics_per_pair = [[] for _ in range(pairs - 1)]
-    for b in range(mask.shape[0]):
-        for t in range(mask.shape[1]):
-            if not bool(mask[b, t]):
-                continue
-            previous = None
-            for k in range(pairs):
-                zs = student_lens(student_states[k][b, t].double()[None])[0]
-                zt = teacher_lens(teacher_states[k][b, t].double()[None])[0].detach()
-                width = vocab or min(zs.numel(), zt.numel())
-                zs, zt = zs[:width], zt[:width]
-                q = torch.exp(zs / temperature) / torch.exp(zs / temperature).sum()
-                p = torch.exp(zt / temperature) / torch.exp(zt / temperature).sum()
-                trajectory_per_pair[k].append((p * (torch.log(p) - torch.log(q))).sum())
-                log_s = zs - torch.log(torch.exp(zs).sum())
-                log_t = zt - torch.log(torch.exp(zt).sum())
-                if previous is not None:
-                    a, c = log_s - previous[0], log_t - previous[1]
-                    na, nc = torch.sqrt((a * a).sum()), torch.sqrt((c * c).sum())
-                    cos = (a * c).sum() / (torch.clamp(na, min=COSINE_EPS) * torch.clamp(nc, min=COSINE_EPS))
-                    dynamics_per_pair[k - 1].append(1.0 - cos)
-                previous = (log_s, log_t)
-    zero = torch.zeros((), dtype=torch.float64)
-    if not trajectory_per_pair[0]:
-        return zero, zero, zero
-    trajectory = sum(sum(v) / len(v) for v in trajectory_per_pair) / pairs
-    dynamics = sum(sum(v) / len(v) for v in dynamics_per_pair) / (pairs - 1) if pairs > 1 else zero
-    return trajectory, dynamics, trajectory_weight * trajectory + dynamics_weight * dynamics
 
 
 class Side(nn.Module):

@@ -3,61 +3,22 @@
 The dynamics mean over several tokens with two pairs, temperatures below 1, a one-token
 vocabulary, the default chunk of 128 positions, the results' fp32 dtype and device under other
 defaults, and the messages of refused settings and inputs. With the identity lens (hidden state =
-logits) every expected value comes from python floats and loops over the formulas of the module
-docstring (docs/method.md), not from the code under test; the default-device and default-dtype
+logits) every expected value comes from the float64 loop over the formulas (tests/fixtures/fdd.py,
+docs/method.md), not from the code under test; the default-device and default-dtype
 checks compare the code with itself under another default, since what they pin is that the
 result does not depend on it.
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from fixtures.fdd import reference
 from mta.errors import MtaError
-from mta.losses.fdd import COSINE_EPS, FeatureDynamicsLoss
+from mta.losses.fdd import FeatureDynamicsLoss
 
-# ---------------------------------------------------------------- python-float reference
-
-
-def log_softmax(row: list[float], tau: float = 1.0) -> list[float]:
-    scaled = [x / tau for x in row]
-    top = max(scaled)
-    log_total = top + math.log(sum(math.exp(x - top) for x in scaled))
-    return [x - log_total for x in scaled]
-
-
-def clamped_cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norm_a, norm_b = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(y * y for y in b))
-    return dot / (max(norm_a, COSINE_EPS) * max(norm_b, COSINE_EPS))
-
-
-def ref_fdd(student, teacher, mask, *, tau: float, vocab: int | None = None) -> tuple[float, float]:
-    """(trajectory, dynamics) with the identity lens: student[k][b][t] are the logits of pair k."""
-    pairs = len(student)
-    trajectory = dynamics = 0.0
-    tokens = 0
-    for b, row in enumerate(mask):
-        for t, keep in enumerate(row):
-            if not keep:
-                continue
-            tokens += 1
-            previous = None
-            for k in range(pairs):
-                width = vocab or min(len(student[k][b][t]), len(teacher[k][b][t]))
-                zs, zt = student[k][b][t][:width], teacher[k][b][t][:width]
-                log_q, log_p = log_softmax(zs, tau), log_softmax(zt, tau)
-                trajectory += sum(math.exp(lp) * (lp - lq) for lp, lq in zip(log_p, log_q, strict=True))
-                now = (log_softmax(zs), log_softmax(zt))
-                if previous is not None:
-                    change_s = [x - y for x, y in zip(now[0], previous[0], strict=True)]
-                    change_t = [x - y for x, y in zip(now[1], previous[1], strict=True)]
-                    dynamics += 1.0 - clamped_cosine(change_s, change_t)
-                previous = now
-    return trajectory / (tokens * pairs), (dynamics / (tokens * (pairs - 1)) if pairs > 1 else 0.0)
+# ---------------------------------------------------------------- helpers
 
 
 def identity(hidden: torch.Tensor) -> torch.Tensor:
@@ -86,8 +47,9 @@ def test_values_over_several_tokens_with_temperatures_down_to_a_quarter(pairs, t
     student, teacher = logit_states(40, pairs, 7), logit_states(41, pairs, 6, scale=3.0)
     loss = FeatureDynamicsLoss(temperature=temperature, vocab_size=vocab_size, chunk_size=2)
     out = loss(student, teacher, identity, identity, MASK)
-    trajectory, dynamics = ref_fdd(
-        [s.tolist() for s in student], [t.tolist() for t in teacher], MASK.tolist(), tau=temperature, vocab=vocab_size
+    trajectory, dynamics, _ = (
+        value.item()
+        for value in reference(student, teacher, identity, identity, MASK, temperature=temperature, vocab=vocab_size)
     )
     assert dynamics > 0.1 and trajectory > 0.1
     assert out["fdd_trajectory"].item() == pytest.approx(trajectory, rel=1e-5)
