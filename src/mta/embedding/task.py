@@ -1,24 +1,46 @@
-"""``task: embedding`` (TALAS) in the task registry (``mta.training.tasks``): its recipe schema,
-its run built and planned by ``mta.embedding.training_run``, and how the one training loop runs it."""
+"""``task: embedding`` (TALAS) as a ``mta.training.tasks.Task`` (registered by ``mta.tasks``): its
+recipe schema, its run built and planned by ``mta.embedding.training_run``, and how the one
+training loop runs it."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from mta.embedding.recipe import EmbeddingRecipe
 from mta.training.lifecycle.model_card import CardFacts, base_metadata, describe_model, loss_terms
 from mta.training.tasks import Task
 
-EMBEDDING_TASK = Task(
-    name="embedding",
-    schema=EmbeddingRecipe,
-    builder="mta.embedding.training_run:build_embedding_run",
-    planner="mta.embedding.training_run:plan_embedding_run",
-    card_facts="mta.embedding.task:embedding_card_facts",
+if TYPE_CHECKING:
+    from mta.reporting import Reporter
+    from mta.training.dry_run import RunPlan
+    from mta.training.trainer import Run
+
+
+class EmbeddingTask(Task):
+    """``task: embedding``: distil a sentence encoder with TALAS."""
+
+    name = "embedding"
+    schema = EmbeddingRecipe
     # Uniformly random micro batches (SimCSE's and LASD's in-batch comparisons), as TALAS's
     # author's shuffled DataLoader.
-    group_factor=1,
-    samples_dev_prompts=False,  # an encoder generates nothing
-    reference_padding=False,  # loss.reference_code is MTA's, an LLM recipe's
-)
+    group_factor = 1
+    samples_dev_prompts = False  # an encoder generates nothing
+    reference_padding = False  # loss.reference_code is MTA's, an LLM recipe's
+
+    def build_run(
+        self, recipe: EmbeddingRecipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False
+    ) -> Run:
+        from mta.embedding.training_run import build_embedding_run
+
+        return build_embedding_run(recipe, reporter, resume=resume, overwrite=overwrite)
+
+    def plan_run(self, recipe: EmbeddingRecipe, world_size: int = 1) -> RunPlan:
+        from mta.embedding.training_run import plan_embedding_run
+
+        return plan_embedding_run(recipe, world_size)
+
+    def card(self, recipe: EmbeddingRecipe) -> CardFacts:
+        return embedding_card_facts(recipe)
 
 
 def embedding_card_facts(recipe: EmbeddingRecipe) -> CardFacts:

@@ -23,6 +23,7 @@ import torch
 from mta import distributed
 from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
 from mta.embedding.recipe import EmbeddingRecipe, EncoderSpec
+from mta.embedding.task import EmbeddingTask
 from mta.embedding.training_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
 from mta.errors import MtaError
 from mta.reporting import Reporter
@@ -180,6 +181,8 @@ def build_embedding_run(
         messages += resumed_with.log_lines()
     return Run(
         recipe=recipe,
+        task=EmbeddingTask(),
+        plan=None,  # planned for --dry-run only (plan_embedding_run)
         output_dir=output_dir,
         run_id=owner.run_id,
         engine=engine,

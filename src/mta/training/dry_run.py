@@ -14,13 +14,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from mta.distributed import local_device
-from mta.dtypes import BYTES_PER_ELEMENT, resolve_precision
+from mta.dtypes import BYTES_PER_ELEMENT
 from mta.errors import MtaError
-from mta.losses.sra import tokenizers_shared_vocabulary
-from mta.models.tokenizers import load_tokenizer
-from mta.training.config.layers import LayerPair, resolve_layer_map, resolve_sra_layers
-from mta.training.config.model_checks import check_sequence_lengths, position_limit
+from mta.training.config.layers import LayerIndexPair, LayerPair
+from mta.training.config.model_checks import position_limit
 from mta.training.config.schema import ModelSpec, Recipe, TinyModel, unset_variables
 from mta.training.model_loading import embedding_rows
 from mta.training.tasks import task_of
@@ -88,6 +85,13 @@ class RunPlan:
     memory: MemoryEstimate
     notes: list[str] = field(default_factory=list)
     projectors: str = "HRA projector"  # what projector_parameters counts (task: embedding: TAMD's)
+    # task: llm (mta.training.llm.plan): what the run builds from this plan besides the above.
+    fdd_layers: list[LayerIndexPair] = field(default_factory=list)
+    sra_layers: list[LayerIndexPair] = field(default_factory=list)
+    teacher_source: str | None = None  # "online", "cache", "cache + online" (generated micro batches), None
+    generation: str = "off"  # generation.mode: the student's own responses during training
+    generation_new_tokens: int | None = None  # tokens each generated response may have
+    summary: list[str] = field(default_factory=list)  # the plan's lines of the run's log before its first step
 
 
 def load_model_config(spec: ModelSpec, recipe: Recipe, role: str) -> tuple[PretrainedConfig, str]:
@@ -174,10 +178,10 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 def plan_model(spec: ModelSpec, recipe: Recipe, role: str) -> ModelPlan:
     config, source = load_model_config(spec, recipe, role)
-    return _plan_from_config(spec, role, config, source)
+    return plan_from_config(spec, role, config, source)
 
 
-def _plan_from_config(spec: ModelSpec, role: str, config: PretrainedConfig, source: str) -> ModelPlan:
+def plan_from_config(spec: ModelSpec, role: str, config: PretrainedConfig, source: str) -> ModelPlan:
     model = meta_model(config)
     limit = position_limit(config)
     parameters = parameter_count(model)
@@ -269,176 +273,9 @@ def estimate_memory(
 
 def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     """Everything ``--dry-run`` reports for ``recipe`` on ``world_size`` devices; no weights. The
-    recipe's task plans it (``mta.training.tasks``): ``plan_llm_run`` for ``task: llm``,
+    recipe's task plans it (``mta.training.tasks``): ``mta.training.llm.plan`` for ``task: llm``,
     ``mta.embedding.training_run`` for ``task: embedding``."""
     return task_of(recipe).plan_run(recipe, world_size)
-
-
-def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
-    """``plan_run`` for ``task: llm``.
-
-    Raises ``MtaError`` when a config cannot be found offline, ``data.max_length`` (or the dev
-    samples) needs more positions than a model has, a layer pair points past a model's depth, or
-    the global batch cannot be split over ``world_size`` devices.
-    """
-    if world_size < 1:
-        raise MtaError(f"world size must be at least 1, got {world_size}")
-    train = recipe.train
-    accumulation = train.accumulation_steps(world_size)
-    configs = {
-        role: load_model_config(spec, recipe, role)
-        for role, spec in (("student", recipe.student), ("teacher", recipe.teacher))
-        if spec is not None
-    }
-    # Before the models are built: a length no model can take is the first thing to fix.
-    for role, (config, _) in configs.items():
-        check_sequence_lengths(
-            recipe.data,
-            config,
-            role,
-            model=getattr(recipe, role).path,
-            source=recipe.source,
-            sample_new_tokens=recipe.dev_sample_new_tokens if role == "student" else 0,
-        )
-    student = _plan_from_config(recipe.student, "student", *configs["student"])
-    teacher = _plan_from_config(recipe.teacher, "teacher", *configs["teacher"]) if recipe.teacher else None
-    notes: list[str] = []
-
-    layers: list[LayerPair] = []
-    projector_parameters = 0
-    if teacher is not None and recipe.loss.alignment_terms:
-        layers = resolve_layer_map(recipe.loss.layers, student.num_layers, teacher.num_layers)
-    if teacher is not None and "hra" in recipe.loss.alignment_terms and layers:
-        # HRA holds one nn.Linear(d_S, d_T) with bias per aligned pair.
-        projector_parameters = len(layers) * (student.hidden_size + 1) * teacher.hidden_size
-    if teacher is not None and recipe.loss.sra_weight:
-        # SRA holds one nn.Linear(d_S, d_T) with bias per span pair, trained with the projectors.
-        sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, student.num_layers, teacher.num_layers)
-        projector_parameters += len(sra_pairs) * (student.hidden_size + 1) * teacher.hidden_size
-        notes.append(_shared_vocabulary_note(recipe))
-    logit_loss = recipe.loss.base != "ce"
-    if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
-        notes.append(
-            f"embedding rows differ (teacher {teacher.vocab_rows:,}, student "
-            f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
-            f"common real vocabulary, checked when the tokenizers load"
-        )
-    if recipe.student.lora is not None and student.trainable_parameters is not None:  # both or neither
-        from mta.training import lora
-
-        notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
-    notes.extend(data_notes(recipe))
-    if teacher is not None and recipe.teacher_cache.dir is not None:
-        notes.extend(teacher_cache_notes(recipe, student, teacher))
-
-    memory = estimate_memory(
-        student,
-        teacher,
-        trainable_extra=projector_parameters,
-        aligned_teacher_layers=len({pair.teacher for pair in layers}),
-        # auto: what it means on this machine (bf16 on a GPU or a CPU with bf16 instructions)
-        precision=resolve_precision(train.precision, local_device()),
-        zero_stage=train.zero_stage,
-        teacher_zero3=train.teacher_zero3,
-        world_size=world_size,
-        micro_batch_size=train.micro_batch_size,
-        sequence_length=recipe.data.max_length,
-    )
-    return RunPlan(
-        name=recipe.name,
-        student=student,
-        teacher=teacher,
-        layers=layers,
-        projector_parameters=projector_parameters,
-        world_size=world_size,
-        micro_batch_size=train.micro_batch_size,
-        accumulation_steps=accumulation,
-        global_batch=train.micro_batch_size * accumulation * world_size,
-        zero_stage=train.zero_stage,
-        teacher_zero3=train.teacher_zero3,
-        precision=train.precision,
-        memory=memory,
-        notes=notes,
-    )
-
-
-def _shared_vocabulary_note(recipe: Recipe) -> str:
-    """SRA's shared vocabulary size when both tokenizers are local directories (else when they load)."""
-    if not recipe.loss.sra_logit_weight:
-        return "SRA: span logit term off (loss.sra_logit_weight=0)"
-    teacher = recipe.teacher
-    assert teacher is not None, "asked for SRA only, which the schema refuses without a teacher"
-    paths = [
-        recipe.resolve(spec.tokenizer_path, role) for role, spec in (("teacher", teacher), ("student", recipe.student))
-    ]
-    if not all((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() for path in paths):
-        return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
-    teacher_tokenizer, student_tokenizer = (load_tokenizer(path) for path in paths)
-    student_ids, _ = tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer)
-    if len(student_ids) == 0:
-        return "SRA: the tokenizers share no token; the span logit term will be off"
-    return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"
-
-
-def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) -> list[str]:
-    """The teacher cache's size per split (``mta teacher``'s artefact), from the annotated rows'
-    token counts when ``data.<split>`` is an annotate directory, else an upper bound per row at
-    ``data.max_length``; and which micro batches still run the teacher."""
-    import pyarrow.compute as pc
-
-    from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
-    from mta.store.layout import holds_artefact
-    from mta.store.read import read_annotations
-    from mta.training.teacher_cache.content import SizeEstimate, estimate_bytes, human_bytes, teacher_reads
-
-    spec = recipe.teacher_cache
-    reads = teacher_reads(recipe, student.num_layers, teacher.num_layers)
-    top_k = min(spec.top_k, teacher.vocab_rows)
-
-    def size_of(tokens: int, responses: int, rows: int) -> SizeEstimate:
-        return estimate_bytes(
-            reads,
-            top_k=top_k,
-            storage=spec.storage,
-            hidden_size=teacher.hidden_size,
-            tokens=tokens,
-            responses=responses,
-            rows=rows,
-        )
-
-    what = f"layers {', '.join(map(str, reads.layers)) or 'none'}" + (f", k = {top_k}" if reads.logits else "")
-    notes = []
-    for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
-        if written is None or unset_variables(written):
-            continue
-        path = recipe.resolve(written, key)
-        if path.is_file():  # rows annotated on first use, into the run's data/ cache
-            path = recipe.resolve(recipe.output_dir, "output_dir") / "data" / key.split(".")[1]
-        if path.is_dir() and holds_artefact(path):
-            table = read_annotations(path).table
-            lengths = pc.list_value_length(table.column(INPUT_IDS["teacher"]))
-            tokens = int(pc.sum(lengths).as_py() or 0)
-            responses = tokens - int(pc.sum(table.column(PROMPT_LEN["teacher"])).as_py() or 0)
-            size = size_of(tokens, responses, table.num_rows)
-            notes.append(
-                f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): {human_bytes(size.logits)} logits + "
-                f"{human_bytes(size.hidden)} hidden states over {size.rows:,} rows ({human_bytes(size.per_row)} a row; "
-                "at most: Parquet's dictionary encoding stores the ids and values in less)"
-            )
-        else:
-            length = recipe.data.max_length
-            responses = length - recipe.data.max_prompt_length
-            size = size_of(length, responses, 1)
-            notes.append(
-                f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): at most {human_bytes(size.total)} a "
-                f"row at data.max_length={length} ({key} is not annotated yet: the total follows its rows)"
-            )
-    online = "generated and replayed micro batches" if recipe.generation.mode != "off" else None
-    notes.append(
-        f"teacher cache: gold micro batches read {spec.dir}; "
-        + (f"the teacher is loaded for the {online}" if online else "the teacher's weights are never loaded")
-    )
-    return notes
 
 
 def data_notes(recipe: Recipe) -> list[str]:

@@ -1,68 +1,79 @@
-"""The training tasks a recipe's ``task:`` names, and what each one decides.
+"""The training tasks a recipe's ``task:`` names: the interface the one training loop runs, and
+the registry that maps a name to its task.
 
-A task is a ``Task``: its recipe schema, the functions that build its run and plan it for
-``--dry-run``, and the few things the one training loop (``mta.training.trainer.Trainer``) does
-differently for it. ``TASKS`` registers each by name as ``"module:NAME"`` of its ``Task``, imported
-on first use (``importlib``), so ``mta.training`` never imports a task's package: the embedding
-wing (``mta.embedding``, TALAS) imports training, never the reverse. A task's builder and planner
-are named the same way, so picking a recipe's schema loads no model code.
+A task is a ``Task``: its recipe schema, how its run is built and planned for ``--dry-run``,
+what an exported student's model card says, and the few things the loop
+(``mta.training.trainer.Trainer``) does differently for it. The loop never asks which task it
+runs: the builder puts the task on the ``Run`` once.
 
-A new task is a ``Task`` in its own module and one entry in ``TASKS``.
+The registry is filled from above: ``mta.tasks`` (the layer above ``mta.training`` and
+``mta.embedding``, imported by the ``mta`` package itself, so it has run before any lookup)
+registers each task by name with a loader that imports it on first use. So ``mta.training``
+never imports ``mta.embedding`` (TALAS is a wing on top of training), looking up a recipe's
+schema loads no model code, and ``import mta`` stays light.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mta.errors import MtaError
 
-TASKS: dict[str, str] = {
-    "llm": "mta.training.llm_task:LLM_TASK",
-    "embedding": "mta.embedding.task:EMBEDDING_TASK",
-}
+if TYPE_CHECKING:  # the run and plan types import models and torch; the interface names them only
+    from mta.reporting import Reporter
+    from mta.training.dry_run import RunPlan
+    from mta.training.lifecycle.model_card import CardFacts
+    from mta.training.trainer import Run
 
 
-@dataclass(frozen=True)
-class Task:
-    """One ``task:`` of a recipe, registered in ``TASKS``."""
+class Task(ABC):
+    """One ``task:`` of a recipe."""
 
-    name: str
-    schema: type  # the recipe class load_recipe validates a file of this task with
-    builder: str  # "module:function" (recipe, reporter, *, resume, overwrite) -> trainer.Run
-    planner: str  # "module:function" (recipe, world_size) -> dry_run.RunPlan
-    card_facts: str  # "module:function" (recipe) -> lifecycle.model_card.CardFacts of its exports
-    group_factor: int | None = None  # micro batches per length-sorted pool; None: micro_batch_order's
-    samples_dev_prompts: bool = True  # each evaluation samples the student's continuations of dev prompts
-    reference_padding: bool = True  # loss.reference_code pads every micro batch to data.max_length
+    name: ClassVar[str]
+    schema: ClassVar[type]  # the recipe class load_recipe validates a file of this task with
+    group_factor: ClassVar[int | None] = None  # micro batches per length-sorted pool; None: micro_batch_order's
+    samples_dev_prompts: ClassVar[bool] = True  # each evaluation samples the student's continuations of dev prompts
+    reference_padding: ClassVar[bool] = True  # loss.reference_code pads every micro batch to data.max_length
 
-    def build_run(self, recipe: Any, reporter: Any, *, resume: str | None = None, overwrite: bool = False) -> Any:
+    @abstractmethod
+    def build_run(self, recipe: Any, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
         """The ``Run`` of ``recipe``: output directory claimed, models and data loaded, engine started."""
-        return _named_object(self.builder)(recipe, reporter, resume=resume, overwrite=overwrite)
 
-    def plan_run(self, recipe: Any, world_size: int = 1) -> Any:
+    @abstractmethod
+    def plan_run(self, recipe: Any, world_size: int = 1) -> RunPlan:
         """The ``RunPlan`` ``mta distill --dry-run`` shows for ``recipe``; no weights loaded."""
-        return _named_object(self.planner)(recipe, world_size)
 
-    def card(self, recipe: Any) -> Any:
+    @abstractmethod
+    def card(self, recipe: Any) -> CardFacts:
         """What the model card of an exported student of ``recipe`` says for this task."""
-        return _named_object(self.card_facts)(recipe)
+
+
+_LOADERS: dict[str, Callable[[], Task]] = {}
+_LOADED: dict[str, Task] = {}
+
+
+def register(name: str, loader: Callable[[], Task]) -> None:
+    """Register the task ``name``; ``loader`` imports and returns it on its first lookup."""
+    _LOADERS[name] = loader
+    _LOADED.pop(name, None)
+
+
+def task_names() -> tuple[str, ...]:
+    """Every registered task's name, in registration order."""
+    return tuple(_LOADERS)
 
 
 def task_named(name: str) -> Task:
     """The registered task ``name``; ``MtaError`` naming the tasks for any other."""
-    if name not in TASKS:
-        raise MtaError(f"task {name!r} is not a task; use one of {', '.join(map(repr, TASKS))}")
-    return _named_object(TASKS[name])
+    if name not in _LOADERS:
+        raise MtaError(f"task {name!r} is not a task; use one of {', '.join(map(repr, _LOADERS))}")
+    if name not in _LOADED:
+        _LOADED[name] = _LOADERS[name]()
+    return _LOADED[name]
 
 
 def task_of(recipe: Any) -> Task:
     """The task of a validated recipe (its ``task`` key)."""
     return task_named(recipe.task)
-
-
-def _named_object(reference: str) -> Any:
-    """The object ``"package.module:name"`` names, its module imported on first use."""
-    module, _, name = reference.partition(":")
-    return getattr(importlib.import_module(module), name)

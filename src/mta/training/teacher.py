@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,6 +30,13 @@ class TeacherOutput:
     logits: torch.Tensor | None
     lens: LogitLens | None = None
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_states index -> [b, heads, t, t]
+
+
+class TeacherForward(Protocol):
+    """What gives a run the teacher's side of a micro batch: ``FrozenTeacher``, or the ZeRO-3
+    engine around it (``train.teacher_zero3``)."""
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TeacherOutput: ...
 
 
 class FrozenTeacher(nn.Module):

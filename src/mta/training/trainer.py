@@ -8,53 +8,37 @@ finite check -> backward -> DeepSpeed step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from mta import distributed, tracking
-from mta.data.annotate import AnnotateSettings
-from mta.data.artefact_schema import reannotate_command
-from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
-from mta.losses.sra import tokenizers_shared_vocabulary
-from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
-from mta.store.read import Annotations
-from mta.training import asam, lora
+from mta.training import asam
 from mta.training import engine as engines
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
 from mta.training.config import resume_rules
-from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
-from mta.training.config.model_checks import check_generation_fits, check_sequence_lengths
-from mta.training.config.schema import LayerIndexPair, LayerPair, Recipe
+from mta.training.config.schema import Recipe
+from mta.training.dry_run import RunPlan
 from mta.training.lifecycle import checkpointing, run_directory, stopping, utilisation
 from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
-from mta.training.logit_lens import LogitLens
-from mta.training.model_loading import (
-    LoadedConfig,
-    LoadedModel,
-    hidden_size,
-    load_causal_lm,
-    load_config_and_tokenizer,
-    num_layers,
-)
-from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
-from mta.training.tasks import task_of
-from mta.training.teacher import FrozenTeacher, TeacherOutput
-from mta.training.teacher_cache.content import TeacherIdentity, TeacherReads, teacher_precision
-from mta.training.teacher_cache.read import CachedTeacher, open_teacher_caches
-from mta.training.train_data import load_split
+from mta.training.tasks import Task, task_of
+from mta.training.teacher import TeacherForward, TeacherOutput
+from mta.training.teacher_cache.read import CachedTeacher
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +67,13 @@ class Run:
     """Everything one training run holds, built by ``build_run``."""
 
     recipe: Recipe
+    task: Task  # the recipe's task, resolved once: what the loop does differently for it
+    plan: RunPlan | None  # what the run was built from, ``mta distill --dry-run``'s plan (task: llm)
     output_dir: Path
     run_id: str
-    engine: Any
-    teacher: Any | None
-    tokenizer: Any
+    engine: DeepSpeedEngine
+    teacher: TeacherForward | None  # the frozen teacher (a ZeRO-3 engine around it with train.teacher_zero3)
+    tokenizer: PreTrainedTokenizerBase
     train: AnnotatedExamples
     dev: AnnotatedExamples | None
     schedule: StepSchedule
@@ -111,249 +97,9 @@ class Run:
 
 
 def build_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
-    """The run of ``recipe``, built by its task (``mta.training.tasks``): ``build_llm_run`` for
-    ``task: llm``, ``mta.embedding.training_run`` for ``task: embedding``."""
+    """The run of ``recipe``, built by its task (``mta.training.tasks``): ``mta.training.llm.build``
+    for ``task: llm``, ``mta.embedding.training_run`` for ``task: embedding``."""
     return task_of(recipe).build_run(recipe, reporter, resume=resume, overwrite=overwrite)
-
-
-def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
-    """Claim the output directory, load models and data, check they fit together, and start
-    the DeepSpeed engine."""
-    rank, world_size = engines.init_distributed()
-    device = distributed.local_device()
-    precision = engines.resolve_training_precision(recipe.train, device)  # fp16 on a CPU: refused now
-    if device.type == "cpu":
-        engines.keep_freed_memory()  # each step reuses the large blocks the last one freed
-    output_dir = recipe.resolve(recipe.output_dir, "output_dir")
-    owner = run_directory.claim(output_dir, recipe.name, resume=resume, overwrite=overwrite)
-    resume_from = checkpointing.resolve_resume(resume, output_dir)
-    # Before any model loads: a resume may change only what cannot change the run's meaning.
-    resumed_with = resume_rules.check_resume(resume_from, recipe) if resume_from is not None else None
-
-    # Rank 0 builds tiny models and annotates data first; the others then find them cached.
-    # A teacher cache with no generated micro batches: the teacher's weights are never loaded.
-    teacher_runs = recipe.teacher is not None and (recipe.teacher_cache.dir is None or recipe.generation.mode != "off")
-    with distributed.main_process_first():
-        student_loaded = load_causal_lm(recipe.student, recipe, "student")
-        teacher_loaded = load_causal_lm(recipe.teacher, recipe, "teacher") if recipe.teacher and teacher_runs else None
-        teacher_side = teacher_loaded or (
-            load_config_and_tokenizer(recipe.teacher, recipe, "teacher") if recipe.teacher is not None else None
-        )
-        # SFT: the artefact's teacher side is the student's tokenizer.
-        sides: dict[str, LoadedModel | LoadedConfig] = {
-            "student": student_loaded,
-            "teacher": teacher_side or student_loaded,
-        }
-        fingerprints = {side: tokenizer_fingerprint(loaded.tokenizer) for side, loaded in sides.items()}
-        splits = {
-            split: load_split(
-                recipe,
-                split,
-                teacher_tokenizer=sides["teacher"].tokenizer_source,
-                student_tokenizer=sides["student"].tokenizer_source,
-                fingerprints=fingerprints,
-                reporter=reporter if rank == 0 else None,
-            )
-            for split in ("train", "dev")
-        }
-    student, tokenizer = student_loaded.model, student_loaded.tokenizer
-    teacher_model = teacher_loaded.model if teacher_loaded else None
-    teacher_config = teacher_side.config if isinstance(teacher_side, LoadedConfig) else None
-    teacher_config = teacher_model.config if teacher_model is not None else teacher_config
-    if teacher_model is not None and precision.frozen_dtype is not None and teacher_model.dtype == torch.float32:
-        # CPU bf16: held in bf16, its products are bf16 anyway. The ignore: transformers declares
-        # PreTrainedModel.to with @wraps(nn.Module.to), which mypy reads unbound (dtype taken as self).
-        teacher_model.to(precision.frozen_dtype)  # type: ignore[arg-type]
-    check_sequence_lengths(
-        recipe.data,
-        student.config,
-        "student",
-        model=recipe.student.path,
-        sample_new_tokens=recipe.dev_sample_new_tokens,
-        source=recipe.source,
-    )
-    if teacher_config is not None and recipe.teacher is not None:  # loaded from recipe.teacher
-        check_sequence_lengths(recipe.data, teacher_config, "teacher", model=recipe.teacher.path, source=recipe.source)
-    teacher_tokenizer = sides["teacher"].tokenizer
-    same_tokenizer = fingerprints["teacher"] == fingerprints["student"]
-    check_generation_fits(recipe, same_tokenizer)
-
-    layer_pairs: list[LayerPair] = []
-    fdd_pairs: list[LayerIndexPair] = []
-    sra_pairs: list[LayerIndexPair] = []
-    shared_vocab = None
-    if teacher_config is not None:  # the schema refuses DSA, HRA, FDD and SRA without a teacher
-        if recipe.loss.alignment_terms:
-            layer_pairs = resolve_layer_map(recipe.loss.layers, num_layers(student), num_layers(teacher_config))
-        if recipe.loss.fdd_weight:
-            fdd_pairs = resolve_fdd_layers(recipe.loss.fdd_layers, num_layers(student), num_layers(teacher_config))
-        if recipe.loss.sra_weight:
-            sra_pairs = resolve_sra_layers(recipe.loss.sra_layers, num_layers(student), num_layers(teacher_config))
-            shared_vocab = _shared_vocabulary(tokenizer, teacher_tokenizer, recipe.loss.sra_logit_weight)
-            if recipe.loss.sra_centre == "last_token_attention":
-                # The port's centre weights are the models' own attention rows: computed eagerly.
-                for side_model in (student, teacher_model):
-                    if side_model is not None:  # a cached teacher refuses this centre (the schema)
-                        side_model.set_attn_implementation("eager")
-    # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
-    torch.manual_seed(recipe.seed)
-    objective = DistillationObjective(
-        recipe.loss,
-        layer_pairs,
-        student_hidden_size=hidden_size(student),
-        teacher_hidden_size=hidden_size(teacher_config) if teacher_config is not None else None,
-        same_tokenizer=same_tokenizer,
-        vocab_size=len(tokenizer),
-        fdd_pairs=fdd_pairs,
-        sra_pairs=sra_pairs,
-        shared_vocab=shared_vocab,
-    )
-
-    granularities = tuple(sorted({pair.granularity for pair in layer_pairs}))
-
-    def examples_of(annotations: Annotations) -> AnnotatedExamples:
-        return AnnotatedExamples(
-            annotations.table,
-            student_pad_id=tokenizer.pad_token_id,
-            teacher_pad_id=teacher_tokenizer.pad_token_id,
-            with_teacher=teacher_config is not None,
-            granularities=granularities,
-            boundary=bool(recipe.loss.sra_weight),
-            rebuild=reannotate_command(annotations.manifest, annotations.directory),
-        )
-
-    train_split, dev_split = splits["train"], splits["dev"]
-    assert train_split is not None, "data.train is a required recipe key: load_split returns its rows"
-    train_examples = examples_of(train_split)
-    dev_examples = examples_of(dev_split) if dev_split is not None else None
-
-    if recipe.loss.base == "distillm2" and train_examples.pair_ids is None:
-        raise MtaError(
-            f"loss.base=distillm2 trains on pair rows, and data.train ({recipe.data.train}) holds none: "
-            "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
-            "and set data.train to PAIRS.jsonl (annotated on first use)"
-        )
-    # Before the engine starts: a cache that does not serve this recipe is refused at once.
-    teacher_cache = None
-    if recipe.teacher_cache.dir is not None and teacher_side is not None and teacher_config is not None:
-        teacher_cache = open_teacher_caches(
-            recipe,
-            {"train": train_split, "dev": dev_split},
-            reads=TeacherReads(tuple(objective.teacher_layers), objective.needs_teacher_logits),
-            teacher=TeacherIdentity.of(
-                teacher_side.path, teacher_tokenizer, teacher_config, teacher_precision(precision.name, recipe)
-            ),
-        )
-
-    accumulation = recipe.train.accumulation_steps(world_size)
-    schedule = StepSchedule(len(train_examples), recipe.train.micro_batch_size, accumulation, world_size)
-    total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
-    model = DistillationModel(student, objective, fdd_final_norm=recipe.loss.fdd_final_norm)
-    engine = engines.initialize(
-        model,
-        model.projector_parameters(),
-        recipe.train,
-        recipe.deepspeed,
-        total_steps,
-        world_size,
-        precision=precision,
-    )
-    sampled = None
-    if recipe.generation.mode != "off":
-        settings = AnnotateSettings.from_recipe(
-            recipe, teacher=sides["teacher"].tokenizer_source, student=sides["student"].tokenizer_source
-        )
-        parser = SpanParser(settings, workers=SPAN_WORKERS if distributed.available_cores() > 1 else 0).start()
-        sampled = OffPolicyBatches(
-            recipe,
-            train_split.table,
-            model=engine.module.student,
-            tokenizer=tokenizer,
-            pad_ids={"student": tokenizer.pad_token_id, "teacher": teacher_tokenizer.pad_token_id},
-            with_teacher=teacher_config is not None,
-            granularities=granularities,
-            parser=parser,
-            total_steps=total_steps,
-        )
-
-    teacher = None
-    if teacher_model is not None:
-        lens = (
-            LogitLens(
-                teacher_model,
-                final_norm=recipe.loss.fdd_final_norm or objective.fdd is None,
-                num_layers=num_layers(teacher_model),
-            )
-            if objective.fdd is not None or objective.sra_logits
-            else None
-        )
-        teacher = FrozenTeacher(
-            teacher_model,
-            objective.teacher_layers,
-            objective.needs_teacher_logits,
-            lens,
-            attention_layers=objective.attention_layers["teacher"],
-        )
-        teacher = (
-            engines.teacher_zero3_engine(teacher, recipe.train.micro_batch_size, world_size)
-            if recipe.train.teacher_zero3
-            else teacher.to(device)
-        )
-
-    flops = StepFlops(engine.module, engine.module.student, teacher)
-    messages = [precision.describe()] + _summary(
-        recipe,
-        accumulation,
-        world_size,
-        schedule,
-        total_steps,
-        splits,
-        has_teacher=teacher_config is not None,
-        same_tokenizer=same_tokenizer,
-        vocab_size=len(tokenizer),
-        layer_pairs=layer_pairs,
-        fdd_pairs=fdd_pairs,
-    )
-    if teacher_cache is not None:
-        messages.append(
-            f"teacher: read from {recipe.teacher_cache.dir} for the rows of "
-            + ", ".join(f"{split} ({len(cache)} rows)" for split, cache in teacher_cache.caches.items())
-            + ("; online for the generated micro batches" if teacher is not None else "; its weights are not loaded")
-        )
-    if resumed_with is not None:
-        messages += resumed_with.log_lines()
-    if recipe.student.lora is not None:
-        adapters = lora.trainable_parameters(student)
-        messages.append(
-            lora.describe(recipe.student.lora, adapters, sum(p.numel() for p in student.parameters()) - adapters)
-        )
-    selector = (
-        Selector(recipe, output_dir, owner.run_id, dev_table=dev_split.table, tokenizer=tokenizer)
-        if dev_split is not None
-        else None
-    )
-    return Run(
-        recipe=recipe,
-        output_dir=output_dir,
-        run_id=owner.run_id,
-        engine=engine,
-        teacher=teacher,
-        tokenizer=tokenizer,
-        train=train_examples,
-        dev=dev_examples,
-        schedule=schedule,
-        total_steps=total_steps,
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        resume_from=resume_from,
-        off_policy=sampled,
-        teacher_cache=teacher_cache,
-        messages=messages,
-        selector=selector,
-        precision=precision,
-        flops=flops,
-    )
 
 
 class Trainer:
@@ -375,7 +121,7 @@ class Trainer:
         if epoch not in self._orders:
             # The task's pools (mta.training.tasks): TALAS's uniformly random micro batches, or
             # the length-grouped ones of micro_batch_order's default.
-            group_factor = task_of(run.recipe).group_factor
+            group_factor = run.task.group_factor
             pools = {"group_factor": group_factor} if group_factor is not None else {}
             self._orders = {
                 epoch: micro_batch_order(
@@ -394,7 +140,7 @@ class Trainer:
             # replay buffer (the same decision on every rank).
             batch = gold if run.off_policy is None else self._off_policy_batch(run.off_policy, step, k, rows, gold)
             # The authors pad every batch to max_length, and their importance averages those rows.
-            reference = task_of(run.recipe).reference_padding and run.recipe.loss.reference_code
+            reference = run.task.reference_padding and run.recipe.loss.reference_code
             yield batch.padded_to(run.recipe.data.max_length, run.train.pad_ids) if reference else batch
 
     def _off_policy_batch(
@@ -539,7 +285,7 @@ class Trainer:
         run, dev = self.run, self.run.dev
         assert dev is not None, "a run samples dev prompts only with data.dev (Trainer.train checks)"
         count = min(run.recipe.train.num_sample_generations, len(dev))
-        if count == 0 or not task_of(run.recipe).samples_dev_prompts:  # an encoder generates nothing
+        if count == 0 or not run.task.samples_dev_prompts:  # an encoder generates nothing
             return []
         rows = np.arange(count)
         dev_batch = dev.batch(rows)
@@ -666,80 +412,6 @@ class Trainer:
             self.save(done)
         assert self.saved is not None, "save() records the checkpoint it wrote"
         raise stopping.RunStopped(name, step=done, checkpoint=self.saved[1])
-
-
-def _shared_vocabulary(
-    student_tokenizer: PreTrainedTokenizerBase, teacher_tokenizer: PreTrainedTokenizerBase, logit_weight: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """SRA's shared vocabulary (computed once per run), or None when the logit term is off or the
-    tokenizers share no token (the log says which)."""
-    if not logit_weight:
-        return None
-    student_ids, teacher_ids = tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer)
-    if len(student_ids) == 0:
-        log.warning("SRA: the two tokenizers share no token; the span logit term is off")
-        return None
-    log.info("SRA: %d tokens shared by the two vocabularies", len(student_ids))
-    return student_ids, teacher_ids
-
-
-def _summary(
-    recipe: Recipe,
-    accumulation: int,
-    world_size: int,
-    schedule: StepSchedule,
-    total_steps: int,
-    splits: Mapping[str, Annotations | None],
-    *,
-    has_teacher: bool,
-    same_tokenizer: bool,
-    vocab_size: int,
-    layer_pairs: Sequence[LayerPair],
-    fdd_pairs: Sequence[LayerIndexPair] = (),
-) -> list[str]:
-    """What a person should know before the first step: batch, data, tokenizer mode, layers."""
-    lines = [
-        f"global batch {recipe.train.batch_size} = {recipe.train.micro_batch_size} per device "
-        f"× {accumulation} accumulation × {world_size} process(es); {total_steps} steps, "
-        f"{schedule.steps_per_epoch} per epoch over {schedule.num_rows} rows",
-    ]
-    lines += [
-        _rows_note(split, annotations.manifest) for split, annotations in splits.items() if annotations is not None
-    ]
-    if not has_teacher:
-        lines.append("no teacher: plain SFT on the reference responses")
-    elif same_tokenizer:
-        lines.append(
-            f"teacher and student share a tokenizer: base loss {recipe.loss.base} on the "
-            f"{vocab_size}-token vocabulary" + (", token-level HRA" if layer_pairs else "")
-        )
-    else:
-        lines.append(
-            "teacher and student tokenizers differ: no logit loss (base ce on the reference), "
-            "each model pools spans on its own tokens, DSA on span geometry, HRA on span representations"
-        )
-    if layer_pairs:
-        lines.append(
-            "aligned layers (student→teacher): "
-            + ", ".join(f"{p.student}→{p.teacher} {p.granularity}" for p in layer_pairs)
-        )
-    if fdd_pairs:
-        lines.append(
-            f"FDD through the logit lens at T={recipe.loss.fdd_temperature} on "
-            f"{'all tokens' if recipe.loss.fdd_tokens == 'all' else 'response tokens'}"
-            f"{', after the final norm' if recipe.loss.fdd_final_norm else ''}: "
-            + ", ".join(f"{p.student}→{p.teacher}" for p in fdd_pairs)
-        )
-    return lines
-
-
-def _rows_note(split: str, manifest: dict[str, Any]) -> str:
-    rows = manifest.get("rows", {})
-    note = f"{split}: {rows.get('written', '?')} annotated rows"
-    if rows.get("skipped"):
-        reasons = ", ".join(f"{count} {reason}" for reason, count in manifest.get("skipped", {}).items())
-        note += f" ({rows['skipped']} of {rows.get('read', '?')} skipped: {reasons})"
-    return note
 
 
 def _sum_over_processes(values: dict[str, float]) -> dict[str, float]:

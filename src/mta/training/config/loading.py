@@ -22,7 +22,7 @@ from mta.training.config.extends import key_locations, merged_recipe, recipe_cha
 from mta.training.config.overrides import apply_overrides
 from mta.training.config.schema import Recipe, RecipeChecks, models_in
 from mta.training.config.yaml_reader import BoundedLoader, Refused, yaml_text
-from mta.training.tasks import TASKS, task_named
+from mta.training.tasks import task_named, task_names
 
 
 class _TaskOnly(BaseModel):
@@ -39,7 +39,7 @@ def recipe_schema(raw: Any) -> type[RecipeChecks]:
     """The schema a recipe mapping is read with: by its ``task`` (default llm; a value that is no
     task is reported by ``Recipe``'s own check of the key)."""
     task = raw.get("task", "llm") if isinstance(raw, dict) else "llm"
-    return task_named(task).schema if isinstance(task, str) and task in TASKS else Recipe
+    return task_named(task).schema if isinstance(task, str) and task in task_names() else Recipe
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeChecks:
@@ -220,7 +220,7 @@ def _other_task_with_key(path: tuple[Any, ...], root: type[BaseModel]) -> str | 
 
 def _task_schemas() -> dict[str, type[BaseModel]]:
     """Every registered task's recipe schema, by task name (``mta.training.tasks``)."""
-    return {task: task_named(task).schema for task in TASKS}
+    return {task: task_named(task).schema for task in task_names()}
 
 
 def _sections_with_key(key: str, root: type[BaseModel] | None = None) -> list[str]:

@@ -27,7 +27,7 @@ from pydantic_core import to_jsonable_python
 
 from mta.errors import MtaError
 from mta.training.config.resume_rules import MUTABLE_KEYS
-from mta.training.tasks import TASKS, task_named
+from mta.training.tasks import task_named, task_names
 
 REQUIRED = "required"
 
@@ -62,7 +62,7 @@ def select_rows(section: str | None = None, task: str | None = None) -> list[Key
     """The rows of ``task`` (default: every task, ``llm`` first) under ``section`` (a key such as
     ``train`` or ``train.asam``: it and the keys inside it; default: all). ``MtaError`` naming
     the sections when nothing matches."""
-    tasks = list(TASKS) if task is None else [task_named(task).name]
+    tasks = list(task_names()) if task is None else [task_named(task).name]
     rows = [row for name in tasks for row in key_rows(name)]
     if section is None:
         return rows
@@ -94,7 +94,7 @@ def reference_markdown() -> str:
         "takes its keys' defaults once set. `mta recipes keys [SECTION]` prints the same in a terminal.",
         "",
     ]
-    for task in TASKS:
+    for task in task_names():
         lines += [
             f"## task: {task}",
             "",

@@ -1,0 +1,266 @@
+"""``task: llm``'s plan: a recipe and its models' configs (no weights) resolved into the one
+``RunPlan`` that ``mta distill --dry-run`` prints and ``mta.training.llm.build`` builds the run from:
+models, layer pairs (MTA's, FDD's, SRA's), length checks, batch split, precision, where the
+teacher's side comes from, off-policy settings, memory estimate and notes.
+
+The configs are found offline (``mta.training.dry_run.load_model_config``); a run plans after
+its models are loaded, so a Hub model is then in the cache, and checks that the plan describes
+the models it loaded (``check_plan_matches``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PretrainedConfig
+
+from mta.distributed import local_device
+from mta.dtypes import resolve_precision
+from mta.errors import MtaError
+from mta.losses.sra import tokenizers_shared_vocabulary
+from mta.models.tokenizers import load_tokenizer
+from mta.training.config.layers import (
+    LayerIndexPair,
+    LayerPair,
+    resolve_fdd_layers,
+    resolve_layer_map,
+    resolve_sra_layers,
+)
+from mta.training.config.model_checks import check_sequence_lengths, position_limit
+from mta.training.config.schema import Recipe, unset_variables
+from mta.training.dry_run import (
+    ModelPlan,
+    RunPlan,
+    data_notes,
+    estimate_memory,
+    load_model_config,
+    plan_from_config,
+)
+
+
+def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
+    """``mta.training.dry_run.plan_run`` for ``task: llm``: what ``mta distill --dry-run`` prints
+    and what ``mta.training.llm.build`` builds the run from.
+
+    Raises ``MtaError`` when a config cannot be found offline, ``data.max_length`` (or the dev
+    samples) needs more positions than a model has, a layer pair points past a model's depth, or
+    the global batch cannot be split over ``world_size`` devices.
+    """
+    if world_size < 1:
+        raise MtaError(f"world size must be at least 1, got {world_size}")
+    train = recipe.train
+    accumulation = train.accumulation_steps(world_size)
+    configs = {
+        role: load_model_config(spec, recipe, role)
+        for role, spec in (("student", recipe.student), ("teacher", recipe.teacher))
+        if spec is not None
+    }
+    # Before the models are built: a length no model can take is the first thing to fix.
+    for role, (config, _) in configs.items():
+        check_sequence_lengths(
+            recipe.data,
+            config,
+            role,
+            model=getattr(recipe, role).path,
+            source=recipe.source,
+            sample_new_tokens=recipe.dev_sample_new_tokens if role == "student" else 0,
+        )
+    student = plan_from_config(recipe.student, "student", *configs["student"])
+    teacher = plan_from_config(recipe.teacher, "teacher", *configs["teacher"]) if recipe.teacher else None
+    notes: list[str] = []
+
+    layers: list[LayerPair] = []
+    fdd_layers: list[LayerIndexPair] = []
+    sra_layers: list[LayerIndexPair] = []
+    projector_parameters = 0
+    if teacher is not None and recipe.loss.alignment_terms:
+        layers = resolve_layer_map(recipe.loss.layers, student.num_layers, teacher.num_layers)
+    if teacher is not None and recipe.loss.fdd_weight:
+        fdd_layers = resolve_fdd_layers(recipe.loss.fdd_layers, student.num_layers, teacher.num_layers)
+    if teacher is not None and "hra" in recipe.loss.alignment_terms and layers:
+        # HRA holds one nn.Linear(d_S, d_T) with bias per aligned pair.
+        projector_parameters = len(layers) * (student.hidden_size + 1) * teacher.hidden_size
+    if teacher is not None and recipe.loss.sra_weight:
+        # SRA holds one nn.Linear(d_S, d_T) with bias per span pair, trained with the projectors.
+        sra_layers = resolve_sra_layers(recipe.loss.sra_layers, student.num_layers, teacher.num_layers)
+        projector_parameters += len(sra_layers) * (student.hidden_size + 1) * teacher.hidden_size
+        notes.append(_shared_vocabulary_note(recipe))
+    logit_loss = recipe.loss.base != "ce"
+    if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
+        notes.append(
+            f"embedding rows differ (teacher {teacher.vocab_rows:,}, student "
+            f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
+            f"common real vocabulary, checked when the tokenizers load"
+        )
+    if recipe.student.lora is not None and student.trainable_parameters is not None:  # both or neither
+        from mta.training import lora
+
+        notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
+    notes.extend(data_notes(recipe))
+    if teacher is not None and recipe.teacher_cache.dir is not None:
+        notes.extend(teacher_cache_notes(recipe, student, teacher))
+
+    memory = estimate_memory(
+        student,
+        teacher,
+        trainable_extra=projector_parameters,
+        aligned_teacher_layers=len({pair.teacher for pair in layers}),
+        # auto: what it means on this machine (bf16 on a GPU or a CPU with bf16 instructions)
+        precision=resolve_precision(train.precision, local_device()),
+        zero_stage=train.zero_stage,
+        teacher_zero3=train.teacher_zero3,
+        world_size=world_size,
+        micro_batch_size=train.micro_batch_size,
+        sequence_length=recipe.data.max_length,
+    )
+    return RunPlan(
+        name=recipe.name,
+        student=student,
+        teacher=teacher,
+        layers=layers,
+        projector_parameters=projector_parameters,
+        world_size=world_size,
+        micro_batch_size=train.micro_batch_size,
+        accumulation_steps=accumulation,
+        global_batch=train.micro_batch_size * accumulation * world_size,
+        zero_stage=train.zero_stage,
+        teacher_zero3=train.teacher_zero3,
+        precision=train.precision,
+        memory=memory,
+        notes=notes,
+        fdd_layers=fdd_layers,
+        sra_layers=sra_layers,
+        teacher_source=teacher_source(recipe),
+        generation=recipe.generation.mode,
+        generation_new_tokens=recipe.generation_max_new_tokens if recipe.generation.mode != "off" else None,
+        summary=layer_lines(recipe, layers, fdd_layers),
+    )
+
+
+def _shared_vocabulary_note(recipe: Recipe) -> str:
+    """SRA's shared vocabulary size when both tokenizers are local directories (else when they load)."""
+    if not recipe.loss.sra_logit_weight:
+        return "SRA: span logit term off (loss.sra_logit_weight=0)"
+    teacher = recipe.teacher
+    assert teacher is not None, "asked for SRA only, which the schema refuses without a teacher"
+    paths = [
+        recipe.resolve(spec.tokenizer_path, role) for role, spec in (("teacher", teacher), ("student", recipe.student))
+    ]
+    if not all((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() for path in paths):
+        return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
+    teacher_tokenizer, student_tokenizer = (load_tokenizer(path) for path in paths)
+    student_ids, _ = tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer)
+    if len(student_ids) == 0:
+        return "SRA: the tokenizers share no token; the span logit term will be off"
+    return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"
+
+
+def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) -> list[str]:
+    """The teacher cache's size per split (``mta teacher``'s artefact), from the annotated rows'
+    token counts when ``data.<split>`` is an annotate directory, else an upper bound per row at
+    ``data.max_length``; and which micro batches still run the teacher."""
+    import pyarrow.compute as pc
+
+    from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
+    from mta.store.layout import holds_artefact
+    from mta.store.read import read_annotations
+    from mta.training.teacher_cache.content import SizeEstimate, estimate_bytes, human_bytes, teacher_reads
+
+    spec = recipe.teacher_cache
+    reads = teacher_reads(recipe, student.num_layers, teacher.num_layers)
+    top_k = min(spec.top_k, teacher.vocab_rows)
+
+    def size_of(tokens: int, responses: int, rows: int) -> SizeEstimate:
+        return estimate_bytes(
+            reads,
+            top_k=top_k,
+            storage=spec.storage,
+            hidden_size=teacher.hidden_size,
+            tokens=tokens,
+            responses=responses,
+            rows=rows,
+        )
+
+    what = f"layers {', '.join(map(str, reads.layers)) or 'none'}" + (f", k = {top_k}" if reads.logits else "")
+    notes = []
+    for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
+        if written is None or unset_variables(written):
+            continue
+        path = recipe.resolve(written, key)
+        if path.is_file():  # rows annotated on first use, into the run's data/ cache
+            path = recipe.resolve(recipe.output_dir, "output_dir") / "data" / key.split(".")[1]
+        if path.is_dir() and holds_artefact(path):
+            table = read_annotations(path).table
+            lengths = pc.list_value_length(table.column(INPUT_IDS["teacher"]))
+            tokens = int(pc.sum(lengths).as_py() or 0)
+            responses = tokens - int(pc.sum(table.column(PROMPT_LEN["teacher"])).as_py() or 0)
+            size = size_of(tokens, responses, table.num_rows)
+            notes.append(
+                f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): {human_bytes(size.logits)} logits + "
+                f"{human_bytes(size.hidden)} hidden states over {size.rows:,} rows ({human_bytes(size.per_row)} a row; "
+                "at most: Parquet's dictionary encoding stores the ids and values in less)"
+            )
+        else:
+            length = recipe.data.max_length
+            responses = length - recipe.data.max_prompt_length
+            size = size_of(length, responses, 1)
+            notes.append(
+                f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): at most {human_bytes(size.total)} a "
+                f"row at data.max_length={length} ({key} is not annotated yet: the total follows its rows)"
+            )
+    online = "generated and replayed micro batches" if recipe.generation.mode != "off" else None
+    notes.append(
+        f"teacher cache: gold micro batches read {spec.dir}; "
+        + (f"the teacher is loaded for the {online}" if online else "the teacher's weights are never loaded")
+    )
+    return notes
+
+
+def teacher_source(recipe: Recipe) -> str | None:
+    """Where the run takes the teacher's side of a micro batch from: ``"online"`` (the teacher's
+    forward), ``"cache"`` (``teacher_cache.dir``; its weights are never loaded), ``"cache +
+    online"`` (the cache for gold micro batches, the teacher for generated and replayed ones), or
+    None without a teacher (SFT)."""
+    if recipe.teacher is None:
+        return None
+    if recipe.teacher_cache.dir is None:
+        return "online"
+    return "cache" if recipe.generation.mode == "off" else "cache + online"
+
+
+def layer_lines(
+    recipe: Recipe, layer_pairs: Sequence[LayerPair], fdd_pairs: Sequence[LayerIndexPair] = ()
+) -> list[str]:
+    """The run log's lines on the aligned layers (MTA's, and FDD's through the logit lens)."""
+    lines = []
+    if layer_pairs:
+        lines.append(
+            "aligned layers (student→teacher): "
+            + ", ".join(f"{p.student}→{p.teacher} {p.granularity}" for p in layer_pairs)
+        )
+    if fdd_pairs:
+        lines.append(
+            f"FDD through the logit lens at T={recipe.loss.fdd_temperature} on "
+            f"{'all tokens' if recipe.loss.fdd_tokens == 'all' else 'response tokens'}"
+            f"{', after the final norm' if recipe.loss.fdd_final_norm else ''}: "
+            + ", ".join(f"{p.student}→{p.teacher}" for p in fdd_pairs)
+        )
+    return lines
+
+
+def check_plan_matches(plan: RunPlan, configs: dict[str, PretrainedConfig]) -> None:
+    """The models a run loaded are the ones its plan describes (a recipe's ``<role>.config`` JSON
+    stands in for its model offline, so it must describe the same architecture)."""
+    for role, config in configs.items():
+        planned = plan.student if role == "student" else plan.teacher
+        assert planned is not None, "a run loads a teacher only when its plan has one"
+        text = config.get_text_config()
+        limit = position_limit(config)
+        loaded = (text.num_hidden_layers, text.hidden_size, limit[0] if limit else None)
+        expected = (planned.num_layers, planned.hidden_size, planned.max_positions)
+        if loaded != expected:
+            raise MtaError(
+                f"{role}: the model loaded from {planned.name} has (layers, hidden size, positions) {loaded}, "
+                f"but its plan, from {planned.config_source}, {expected}: make {role}.config describe "
+                f"the model {role}.path names, or remove {role}.config"
+            )

@@ -1,0 +1,119 @@
+"""Plan, then build (issue 45): ``mta distill --dry-run`` prints the plan the run builds from, and
+the restructured run behaves as the run before it (the golden baselines of ``tests/golden.py``,
+recorded from the code before the refactor)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pytest
+
+import golden
+from mta.training.config.loading import load_recipe
+from mta.training.dry_run import plan_run
+from mta.training.tasks import Task, task_named, task_names
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _differences(recorded, now, where="plan") -> list[str]:
+    """Where ``now`` differs from ``recorded`` on the keys ``recorded`` has (a key the plan gained
+    since is not a difference); floats to a relative 1e-5."""
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        return [
+            line
+            for key, value in recorded.items()
+            for line in (_differences(value, now[key], f"{where}.{key}") if key in now else [f"{where}.{key} is gone"])
+        ]
+    if isinstance(recorded, list) and isinstance(now, list) and len(recorded) == len(now):
+        return [
+            line
+            for i, (a, b) in enumerate(zip(recorded, now, strict=True))
+            for line in _differences(a, b, f"{where}[{i}]")
+        ]
+    if isinstance(recorded, float) and isinstance(now, float):
+        return [] if math.isclose(recorded, now, rel_tol=1e-5, abs_tol=1e-7) else [f"{where}: {recorded} -> {now}"]
+    return [] if recorded == now else [f"{where}: {recorded!r} -> {now!r}"]
+
+
+def test_the_comparison_sees_a_changed_value_a_lost_key_and_ignores_a_new_one():
+    recorded = {"a": 1.0, "b": {"c": [1, 2]}, "d": "x"}
+    assert _differences(recorded, {**recorded, "new": 3}) == []
+    assert _differences(recorded, {**recorded, "a": 1.01}) == ["plan.a: 1.0 -> 1.01"]
+    assert _differences(recorded, {"a": 1.0, "b": {"c": [1, 3]}}) == ["plan.b.c[1]: 2 -> 3", "plan.d is gone"]
+
+
+def test_every_shipped_recipe_plans_as_recorded_before_the_refactor(monkeypatch):
+    for name, value in golden.PLAN_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+    for name in golden.UNSET_FOR_PLANS:
+        monkeypatch.delenv(name, raising=False)
+    recorded = json.loads((golden.GOLDEN / "dry-run-plans.json").read_text(encoding="utf-8"))
+    paths = golden.shipped_recipe_paths()
+    assert sorted(path.stem for path in paths) == sorted(recorded), "a shipped recipe without a recorded plan"
+    for path in paths:
+        assert _differences(recorded[path.stem], golden.recorded_plan(path), path.stem) == []
+
+
+@pytest.mark.parametrize("name", sorted(golden.TINY_RUNS))
+def test_a_tiny_run_logs_the_recorded_metrics_and_was_built_from_its_dry_run_plan(tmp_path, monkeypatch, name):
+    """The run's metrics equal the recorded ones to float tolerance; the plan the run was built
+    from is the plan ``--dry-run`` prints for the same recipe (once its tiny models exist)."""
+    from mta.training import trainer
+
+    built = []
+    real = trainer.Trainer
+
+    class Recording(real):
+        def __init__(self, run, *args, **kwargs):
+            built.append(run.plan)
+            super().__init__(run, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "Trainer", Recording)
+    records = golden.tiny_run_metrics(name, tmp_path / name)
+    recorded = json.loads((golden.GOLDEN / f"{name}-metrics.json").read_text(encoding="utf-8"))
+    assert len(records) == len(recorded)
+    assert _differences(recorded, records, name) == []
+
+    recipe = load_recipe(
+        golden.REPO / "recipes" / "tiny.yaml", [*golden.TINY_RUNS[name], f"output_dir={tmp_path / name}"]
+    )
+    assert built == [plan_run(recipe)]
+    assert built[0].generation == ("adaptive" if "generation" in name else "off")
+    assert built[0].teacher_source == "online"
+
+
+def test_each_task_is_a_real_object_registered_from_above_and_resolved_once():
+    assert task_names() == ("llm", "embedding")
+    for name in task_names():
+        task = task_named(name)
+        assert isinstance(task, Task) and task.name == name
+        assert task_named(name) is task  # loaded once
+    with pytest.raises(Exception, match="'talas' is not a task; use one of 'llm', 'embedding'"):
+        task_named("talas")
+
+
+def test_a_config_that_does_not_describe_the_loaded_model_is_refused(tmp_path):
+    """A recipe's ``<role>.config`` stands in for its model offline: the run checks the plan made
+    from it against the model it loaded."""
+    import dataclasses
+
+    from mta.errors import MtaError
+    from mta.training.dry_run import tiny_config
+    from mta.training.llm.plan import check_plan_matches
+
+    recipe = load_recipe(golden.REPO / "recipes" / "tiny.yaml", [f"output_dir={tmp_path}"])
+    plan = plan_run(recipe)
+    config = tiny_config(recipe.student.tiny)
+    check_plan_matches(plan, {"student": config})  # the same architecture: accepted
+    deeper = dataclasses.replace(plan, student=dataclasses.replace(plan.student, num_layers=6))
+    with pytest.raises(
+        MtaError, match=r"student: the model loaded from models/student has .* \(4, 32, 1024\).*\(6, 32, 1024\)"
+    ):
+        check_plan_matches(deeper, {"student": config})
+
+
+def test_golden_paths_are_portable(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert golden.portable(str(golden.REPO / "recipes" / "x.yaml")) == "<repo>/recipes/x.yaml"
+    assert golden.portable([str(tmp_path / "a")]) == ["<cwd>/a"]
