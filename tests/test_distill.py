@@ -135,12 +135,12 @@ def test_zero_stages_1_2_3_and_a_zero3_teacher_train_the_same_model(tmp_path, te
 
 @pytest.mark.slow
 def test_sft_loads_no_teacher(tmp_path, tiny_model_dir, same_data, monkeypatch):
-    import mta.training.trainer as trainer
+    import mta.training.llm.build as build
 
     loaded = []
-    real_load = trainer.load_causal_lm
+    real_load = build.load_causal_lm
     monkeypatch.setattr(
-        trainer, "load_causal_lm", lambda spec, recipe, role: loaded.append(role) or real_load(spec, recipe, role)
+        build, "load_causal_lm", lambda spec, recipe, role: loaded.append(role) or real_load(spec, recipe, role)
     )
     out = tmp_path / "sft"
     recipe = load_recipe(

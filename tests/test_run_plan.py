@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+
 import pytest
 
 import golden
 from mta.training.config.loading import load_recipe
 from mta.training.dry_run import plan_run
-from mta.training.tasks import Task, task_named, task_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,16 +81,6 @@ def test_a_tiny_run_logs_the_recorded_metrics_and_was_built_from_its_dry_run_pla
     assert built == [plan_run(recipe)]
     assert built[0].generation == ("adaptive" if "generation" in name else "off")
     assert built[0].teacher_source == "online"
-
-
-def test_each_task_is_a_real_object_registered_from_above_and_resolved_once():
-    assert task_names() == ("llm", "embedding")
-    for name in task_names():
-        task = task_named(name)
-        assert isinstance(task, Task) and task.name == name
-        assert task_named(name) is task  # loaded once
-    with pytest.raises(Exception, match="'talas' is not a task; use one of 'llm', 'embedding'"):
-        task_named("talas")
 
 
 def test_a_config_that_does_not_describe_the_loaded_model_is_refused(tmp_path):

@@ -1,4 +1,4 @@
-"""The task registry (``mta.training.tasks``): every ``task:`` a recipe may name is registered,
+"""The task registry (``mta.task_registry``): every ``task:`` a recipe may name is registered,
 and the LLM path loads nothing of the embedding wing."""
 
 from __future__ import annotations
@@ -11,19 +11,20 @@ from pathlib import Path
 import pytest
 
 from mta.errors import MtaError
+from mta.task_registry import Task, task_named, task_names, task_of
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import Recipe
-from mta.training.tasks import TASKS, task_named, task_of
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "mta"
 
 
 def test_every_task_a_recipe_may_name_is_registered():
-    assert tuple(TASKS) == typing.get_args(Recipe.model_fields["task"].annotation)
-    for name in TASKS:
+    assert task_names() == typing.get_args(Recipe.model_fields["task"].annotation)
+    for name in task_names():
         task = task_named(name)
-        assert task.name == name
+        assert isinstance(task, Task) and task.name == name
+        assert task_named(name) is task  # a real object, loaded once
         assert name in typing.get_args(task.schema.model_fields["task"].annotation)
 
 

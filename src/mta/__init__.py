@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mta import tasks  # noqa: F401 (registers the training tasks with mta.training.tasks, before any lookup)
+from mta import tasks  # noqa: F401 (registers the training tasks with mta.task_registry, before any lookup)
 from mta.lazy_exports import lazy_exports
 from mta.versions import MTA_VERSION as __version__  # noqa: F401 (re-exported; its one home is mta.versions)
 

@@ -1,4 +1,4 @@
-"""The tasks ``mta distill`` trains, registered with the one training loop (``mta.training.tasks``).
+"""The tasks ``mta distill`` trains, registered with the one training loop (``mta.task_registry``).
 
 This module sits above ``mta.training`` and ``mta.embedding`` and is imported by the ``mta``
 package itself, so every lookup finds both tasks registered. Each loader imports its task on
@@ -8,7 +8,7 @@ A new task is a ``Task`` in its own module and one ``register`` line here.
 
 from __future__ import annotations
 
-from mta.training.tasks import Task, register
+from mta.task_registry import Task, register
 
 
 def _llm() -> Task:

@@ -1,4 +1,4 @@
-"""``task: embedding`` (TALAS) as a ``mta.training.tasks.Task`` (registered by ``mta.tasks``): its
+"""``task: embedding`` (TALAS) as a ``mta.task_registry.Task`` (registered by ``mta.tasks``): its
 recipe schema, its run built and planned by ``mta.embedding.training_run``, and how the one
 training loop runs it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mta.embedding.recipe import EmbeddingRecipe
+from mta.task_registry import Task
 from mta.training.lifecycle.model_card import CardFacts, base_metadata, describe_model, loss_terms
-from mta.training.tasks import Task
 
 if TYPE_CHECKING:
     from mta.reporting import Reporter
@@ -32,7 +32,7 @@ class EmbeddingTask(Task):
     ) -> Run:
         from mta.embedding.training_run import build_embedding_run
 
-        return build_embedding_run(recipe, reporter, resume=resume, overwrite=overwrite)
+        return build_embedding_run(recipe, reporter, self, resume=resume, overwrite=overwrite)
 
     def plan_run(self, recipe: EmbeddingRecipe, world_size: int = 1) -> RunPlan:
         from mta.embedding.training_run import plan_embedding_run

@@ -23,10 +23,10 @@ import torch
 from mta import distributed
 from mta.embedding.objective import EmbeddingDistillationModel, EmbeddingObjective
 from mta.embedding.recipe import EmbeddingRecipe, EncoderSpec
-from mta.embedding.task import EmbeddingTask
 from mta.embedding.training_data import EmbeddingExamples, describe_embeddings, load_teacher_embeddings
 from mta.errors import MtaError
 from mta.reporting import Reporter
+from mta.task_registry import Task
 from mta.training import engine as engines
 from mta.training.batching import StepSchedule
 from mta.training.config import resume_rules
@@ -123,10 +123,10 @@ def load_student(recipe: EmbeddingRecipe):
 
 
 def build_embedding_run(
-    recipe: EmbeddingRecipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False
+    recipe: EmbeddingRecipe, reporter: Reporter, task: Task, *, resume: str | None = None, overwrite: bool = False
 ):
     """``build_run`` for ``task: embedding``: claim the output directory, load the student and
-    the teacher embeddings, check they fit, start the DeepSpeed engine."""
+    the teacher embeddings, check they fit, start the DeepSpeed engine; ``task`` goes on the run."""
     from mta.training.lifecycle.utilisation import StepFlops
     from mta.training.trainer import Run
 
@@ -181,7 +181,7 @@ def build_embedding_run(
         messages += resumed_with.log_lines()
     return Run(
         recipe=recipe,
-        task=EmbeddingTask(),
+        task=task,
         plan=None,  # planned for --dry-run only (plan_embedding_run)
         output_dir=output_dir,
         run_id=owner.run_id,

@@ -16,11 +16,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from mta.dtypes import BYTES_PER_ELEMENT
 from mta.errors import MtaError
+from mta.task_registry import task_of
 from mta.training.config.layers import LayerIndexPair, LayerPair
 from mta.training.config.model_checks import position_limit
 from mta.training.config.schema import ModelSpec, Recipe, TinyModel, unset_variables
 from mta.training.model_loading import embedding_rows
-from mta.training.tasks import task_of
 
 GIB = 1024**3
 
@@ -273,7 +273,7 @@ def estimate_memory(
 
 def plan_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     """Everything ``--dry-run`` reports for ``recipe`` on ``world_size`` devices; no weights. The
-    recipe's task plans it (``mta.training.tasks``): ``mta.training.llm.plan`` for ``task: llm``,
+    recipe's task plans it (``mta.task_registry``): ``mta.training.llm.plan`` for ``task: llm``,
     ``mta.embedding.training_run`` for ``task: embedding``."""
     return task_of(recipe).plan_run(recipe, world_size)
 

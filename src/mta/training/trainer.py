@@ -22,6 +22,7 @@ from mta.errors import MtaError
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
+from mta.task_registry import Task, task_of
 from mta.training import asam
 from mta.training import engine as engines
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
@@ -33,7 +34,6 @@ from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
 from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
-from mta.training.tasks import Task, task_of
 from mta.training.teacher import TeacherForward, TeacherOutput
 from mta.training.teacher_cache.read import CachedTeacher
 
@@ -97,7 +97,7 @@ class Run:
 
 
 def build_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
-    """The run of ``recipe``, built by its task (``mta.training.tasks``): ``mta.training.llm.build``
+    """The run of ``recipe``, built by its task (``mta.task_registry``): ``mta.training.llm.build``
     for ``task: llm``, ``mta.embedding.training_run`` for ``task: embedding``."""
     return task_of(recipe).build_run(recipe, reporter, resume=resume, overwrite=overwrite)
 
@@ -119,7 +119,7 @@ class Trainer:
         run = self.run
         epoch, step_in_epoch = run.schedule.locate(step)
         if epoch not in self._orders:
-            # The task's pools (mta.training.tasks): TALAS's uniformly random micro batches, or
+            # The task's pools (mta.task_registry): TALAS's uniformly random micro batches, or
             # the length-grouped ones of micro_batch_order's default.
             group_factor = run.task.group_factor
             pools = {"group_factor": group_factor} if group_factor is not None else {}
@@ -299,7 +299,7 @@ class Trainer:
         completions = {c.position: c for batch in generator.generate(prompts, seeds) for c in batch}
         return [
             {
-                "prompt": run.tokenizer.decode(prompts[row], skip_special_tokens=True),
+                "prompt": str(run.tokenizer.decode(prompts[row], skip_special_tokens=True)),
                 "generation": completion_text(run.tokenizer, completions[row].token_ids),
             }
             for row in range(count)

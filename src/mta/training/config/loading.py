@@ -4,7 +4,7 @@ saved beside every checkpoint), and the validation errors as one line per proble
 
 Unknown keys are errors, and every error names the file, the line, the key and what is allowed.
 YAML is read by ``mta.training.config.yaml_reader`` (hostile documents refused before anything
-is built). The schema of each ``task`` is found through ``mta.training.tasks``.
+is built). The schema of each ``task`` is found through ``mta.task_registry``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from mta.errors import MtaError, close_match
+from mta.task_registry import task_named, task_names
 from mta.training.config.extends import key_locations, merged_recipe, recipe_chain
 from mta.training.config.overrides import apply_overrides
 from mta.training.config.schema import Recipe, RecipeChecks, models_in
 from mta.training.config.yaml_reader import BoundedLoader, Refused, yaml_text
-from mta.training.tasks import task_named, task_names
 
 
 class _TaskOnly(BaseModel):
@@ -51,7 +51,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     raw = apply_overrides(merged_recipe(chain), overrides)
     raw.setdefault("source", str(path))
     overridden = {item.partition("=")[0].strip(): item for item in overrides}
-    schema = recipe_schema(raw)  # by task (mta.training.tasks): task: embedding -> EmbeddingRecipe
+    schema = recipe_schema(raw)  # by task (mta.task_registry): task: embedding -> EmbeddingRecipe
     try:
         _TaskOnly.model_validate(raw)
         return schema.model_validate(raw)
@@ -219,7 +219,7 @@ def _other_task_with_key(path: tuple[Any, ...], root: type[BaseModel]) -> str | 
 
 
 def _task_schemas() -> dict[str, type[BaseModel]]:
-    """Every registered task's recipe schema, by task name (``mta.training.tasks``)."""
+    """Every registered task's recipe schema, by task name (``mta.task_registry``)."""
     return {task: task_named(task).schema for task in task_names()}
 
 

@@ -1,6 +1,6 @@
 """The recipe-key reference, generated from the schemas: every key of each task's recipe as a row.
 
-``key_rows(task)`` walks the task's schema (``mta.training.tasks``: ``Recipe`` for ``llm``,
+``key_rows(task)`` walks the task's schema (``mta.task_registry``: ``Recipe`` for ``llm``,
 ``EmbeddingRecipe`` for ``embedding``) section by section and gives each key its type, default,
 allowed values (a ``Literal``'s values, a number's bounds), the field's description and whether
 a ``--resume`` may change it (``mta.training.config.resume_rules.MUTABLE_KEYS``; every other key
@@ -26,8 +26,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from mta.errors import MtaError
+from mta.task_registry import task_named, task_names
 from mta.training.config.resume_rules import MUTABLE_KEYS
-from mta.training.tasks import task_named, task_names
 
 REQUIRED = "required"
 

@@ -3,7 +3,7 @@
 This module holds what every task's recipe shares (``Strict``, ``TrainSpec``, ``RecipeChecks``)
 and the LLM recipe (``Recipe``, ``task: llm``); the embedding recipe is ``mta.embedding.recipe``
 (TALAS). A file is read by ``mta.training.config.loading.load_recipe``, which picks the schema by
-``task`` (``mta.training.tasks``); ``key=value`` overrides (``mta.training.config.overrides``) are
+``task`` (``mta.task_registry``); ``key=value`` overrides (``mta.training.config.overrides``) are
 applied before validation so they are checked exactly like the file; the recipe against the
 models' configs and tokenizers is ``mta.training.config.model_checks``.
 

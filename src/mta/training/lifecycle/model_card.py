@@ -23,9 +23,9 @@ import yaml
 from mta.errors import MtaError
 from mta.files import atomic_write_text
 from mta.hashing import json_sha256
+from mta.task_registry import task_of
 from mta.training.config.schema import ModelSpec, Recipe
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.tasks import task_of
 from mta.versions import package_versions
 
 CARD = "README.md"
@@ -83,7 +83,7 @@ def _datasets(paths: Iterable[str | None]) -> list[str]:
 
 @dataclass(frozen=True)
 class CardFacts:
-    """What a card says that depends on the recipe's task (``mta.training.tasks.Task.card``)."""
+    """What a card says that depends on the recipe's task (``mta.task_registry.Task.card``)."""
 
     metadata: dict[str, Any]  # the YAML front matter
     intro: str  # what the directory is and how to load it

@@ -25,6 +25,7 @@ from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter
 from mta.store.read import Annotations
+from mta.task_registry import Task
 from mta.training import engine as engines
 from mta.training import lora
 from mta.training.batching import AnnotatedExamples, StepSchedule
@@ -36,7 +37,6 @@ from mta.training.lifecycle import checkpointing, run_directory
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
 from mta.training.llm.plan import check_plan_matches, plan_llm_run
-from mta.training.llm.task import LLMTask
 from mta.training.logit_lens import LogitLens
 from mta.training.model_loading import (
     LoadedConfig,
@@ -80,9 +80,11 @@ class LoadedSides:
         return self.teacher_side.tokenizer
 
 
-def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
+def build_llm_run(
+    recipe: Recipe, reporter: Reporter, task: Task, *, resume: str | None = None, overwrite: bool = False
+) -> Run:
     """Claim the output directory, load models and data, plan, check they fit together, and
-    start the DeepSpeed engine."""
+    start the DeepSpeed engine; ``task`` (``task: llm``'s) goes on the run."""
     rank, world_size = engines.init_distributed()
     device = distributed.local_device()
     precision = engines.resolve_training_precision(recipe.train, device)  # fp16 on a CPU: refused now
@@ -150,7 +152,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
     tokenizer = sides.student.tokenizer
     return Run(
         recipe=recipe,
-        task=LLMTask(),
+        task=task,
         plan=plan,
         output_dir=output_dir,
         run_id=owner.run_id,

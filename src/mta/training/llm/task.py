@@ -1,12 +1,12 @@
-"""``task: llm`` as a ``mta.training.tasks.Task`` (registered by ``mta.tasks``): its run planned by
+"""``task: llm`` as a ``mta.task_registry.Task`` (registered by ``mta.tasks``): its run planned by
 ``mta.training.llm.plan`` and built by ``mta.training.llm.build``."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mta.task_registry import Task
 from mta.training.config.schema import Recipe
-from mta.training.tasks import Task
 
 if TYPE_CHECKING:
     from mta.reporting import Reporter
@@ -29,7 +29,7 @@ class LLMTask(Task):
     ) -> Run:
         from mta.training.llm.build import build_llm_run
 
-        return build_llm_run(recipe, reporter, resume=resume, overwrite=overwrite)
+        return build_llm_run(recipe, reporter, self, resume=resume, overwrite=overwrite)
 
     def plan_run(self, recipe: Recipe, world_size: int = 1) -> RunPlan:
         from mta.training.llm.plan import plan_llm_run

@@ -191,7 +191,7 @@ class TeacherStage:
             model = loaded.model
             frozen = self.precision.frozen_dtype
             if frozen is not None and model.dtype == torch.float32:
-                model.to(frozen)  # as build_llm_run holds it
+                model.to(frozen)  # as mta.training.llm.build holds it
             self.model = FrozenTeacher(model, list(self.reads.layers), self.reads.logits).to(self.device)
         return self.model
 

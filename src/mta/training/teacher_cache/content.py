@@ -1,7 +1,7 @@
 """What a teacher cache holds for a recipe, how its manifest names it, and how large it is.
 
 :func:`teacher_reads` gives the teacher quantities the recipe's objective reads (the same
-layer maps as ``build_llm_run``); :func:`describe` the manifest's description of a split's
+layer maps as ``mta.training.llm.build``); :func:`describe` the manifest's description of a split's
 cache, whose :data:`CONTENT_KEYS` decide its content (their hash is the run key, and training
 compares them one by one, so a mismatch is refused naming the key); :func:`estimate_bytes` the
 artefact's size from the rows' token counts, before anything runs.

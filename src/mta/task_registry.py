@@ -10,7 +10,9 @@ The registry is filled from above: ``mta.tasks`` (the layer above ``mta.training
 ``mta.embedding``, imported by the ``mta`` package itself, so it has run before any lookup)
 registers each task by name with a loader that imports it on first use. So ``mta.training``
 never imports ``mta.embedding`` (TALAS is a wing on top of training), looking up a recipe's
-schema loads no model code, and ``import mta`` stays light.
+schema loads no model code, and ``import mta`` stays light. The registry sits beside
+``mta.errors`` at the foot of the layers, outside ``mta.training``, so that ``import mta`` loads
+nothing of the training package.
 """
 
 from __future__ import annotations
