@@ -4,8 +4,10 @@ recorded from the code before the refactor)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
 
 import pytest
 
@@ -107,3 +109,26 @@ def test_golden_paths_are_portable(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert golden.portable(str(golden.REPO / "recipes" / "x.yaml")) == "<repo>/recipes/x.yaml"
     assert golden.portable([str(tmp_path / "a")]) == ["<cwd>/a"]
+
+
+def test_the_dry_run_prints_what_the_run_builds_from(tmp_path):
+    """The plan's FDD and SRA pairs, the teacher's side and the off-policy settings are printed,
+    not only held."""
+    from rich.console import Console
+
+    from mta_cli.dry_run_tables import render_plan
+
+    overrides = [
+        f"output_dir={tmp_path}",
+        "loss.fdd_weight=1",
+        "generation.mode=adaptive",
+        "generation.max_new_tokens=9",
+    ]
+    plan = plan_run(load_recipe(golden.REPO / "recipes" / "tiny.yaml", overrides))
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render_plan(plan))
+    text = console.export_text()
+    assert [(p.student, p.teacher) for p in plan.fdd_layers] == [(1, 1), (2, 2), (3, 3)]
+    assert "FDD layer pairs" in text and "SRA layer pairs" not in text
+    assert re.search(r"teacher's side from +│ online", text)
+    assert "adaptive, up to 9 new tokens" in text

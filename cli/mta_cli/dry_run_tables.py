@@ -10,7 +10,8 @@ from mta.training.dry_run import GIB, RunPlan
 
 
 def render_plan(plan: RunPlan) -> Group:
-    """The plan as rich tables: models, aligned layers, batch, memory per device, notes."""
+    """The plan as rich tables: models, aligned layers (MTA's, FDD's, SRA's), batch, the
+    teacher's side and off-policy generation, memory per device, notes."""
     present = [model for model in (plan.teacher, plan.student) if model is not None]
     models = _table(("", *(model.role for model in present)), numeric=())
     for label, value in (
@@ -31,6 +32,12 @@ def render_plan(plan: RunPlan) -> Group:
         for pair in plan.layers:
             layers.add_row(str(pair.student), str(pair.teacher), pair.granularity)
         parts += [_heading("aligned layers (hidden_states indices, 0 = embeddings)"), layers]
+    for term, pairs in (("FDD", plan.fdd_layers), ("SRA", plan.sra_layers)):
+        if pairs:
+            table = _table(("student", "teacher"), numeric=("student", "teacher"))
+            for pair in pairs:
+                table.add_row(str(pair.student), str(pair.teacher))
+            parts += [_heading(f"{term} layer pairs (hidden_states indices)"), table]
 
     batch = _table(("setting", "value"), numeric=())
     batch.add_row(
@@ -43,6 +50,10 @@ def render_plan(plan: RunPlan) -> Group:
     batch.add_row("ZeRO stage", f"{plan.zero_stage}{teacher_sharding}")
     if plan.projector_parameters:
         batch.add_row(f"{plan.projectors} parameters", _count(plan.projector_parameters))
+    if plan.teacher_source is not None:
+        batch.add_row("teacher's side from", plan.teacher_source)
+    if plan.generation != "off":
+        batch.add_row("off-policy generation", f"{plan.generation}, up to {plan.generation_new_tokens} new tokens")
     parts += [_heading("batch and parallelism"), batch]
 
     memory = _table(("component", "size"), numeric=("size",))

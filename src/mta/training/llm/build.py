@@ -79,6 +79,12 @@ class LoadedSides:
     def teacher_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.teacher_side.tokenizer
 
+    @property
+    def configs(self) -> dict[str, PretrainedConfig]:
+        """The loaded models' configs by role (the teacher's only when there is one)."""
+        teacher = self.teacher_config
+        return {"student": self.student.model.config} | ({"teacher": teacher} if teacher is not None else {})
+
 
 def build_llm_run(
     recipe: Recipe, reporter: Reporter, task: Task, *, resume: str | None = None, overwrite: bool = False
@@ -98,8 +104,7 @@ def build_llm_run(
 
     sides = load_sides(recipe, reporter if rank == 0 else None)
     plan = plan_llm_run(recipe, world_size)  # after loading: a Hub model's config is now in the cache
-    configs = {"student": sides.student.model.config, "teacher": sides.teacher_config}
-    check_plan_matches(plan, {role: config for role, config in configs.items() if config is not None})
+    check_plan_matches(plan, sides.configs)
     if sides.teacher is not None and precision.frozen_dtype is not None and sides.teacher.model.dtype == torch.float32:
         # CPU bf16: held in bf16, its products are bf16 anyway. The ignore: transformers declares
         # PreTrainedModel.to with @wraps(nn.Module.to), which mypy reads unbound (dtype taken as self).
@@ -107,19 +112,10 @@ def build_llm_run(
     check_generation_fits(recipe, sides.same_tokenizer)
 
     objective = build_objective(recipe, plan, sides)
-    train_split, dev_split = sides.splits["train"], sides.splits["dev"]
-    assert train_split is not None, "data.train is a required recipe key: load_split returns its rows"
-    train_examples = examples_of(train_split, recipe, plan, sides)
-    if recipe.loss.base == "distillm2" and train_examples.pair_ids is None:
-        raise MtaError(
-            f"loss.base=distillm2 trains on pair rows, and data.train ({recipe.data.train}) holds none: "
-            "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
-            "and set data.train to PAIRS.jsonl (annotated on first use)"
-        )
+    train, dev = build_examples(recipe, plan, sides)
     # Before the engine starts: a cache that does not serve this recipe is refused at once.
     teacher_cache = open_cache(recipe, sides, objective, precision.name)
-
-    schedule = StepSchedule(len(train_examples), recipe.train.micro_batch_size, plan.accumulation_steps, world_size)
+    schedule = StepSchedule(len(train), recipe.train.micro_batch_size, plan.accumulation_steps, world_size)
     total_steps = schedule.total_steps(recipe.train.epochs, recipe.train.max_steps)
     model = DistillationModel(sides.student.model, objective, fdd_final_norm=recipe.loss.fdd_final_norm)
     engine = engines.initialize(
@@ -134,22 +130,11 @@ def build_llm_run(
     off_policy = build_off_policy(recipe, plan, sides, engine.module.student, total_steps)
     teacher = build_teacher(recipe, sides.teacher.model, objective, world_size, device) if sides.teacher else None
 
-    messages = [precision.describe()] + run_summary(recipe, plan, schedule, total_steps, sides)
-    if teacher_cache is not None:
-        messages.append(
-            f"teacher: read from {recipe.teacher_cache.dir} for the rows of "
-            + ", ".join(f"{split} ({len(cache)} rows)" for split, cache in teacher_cache.caches.items())
-            + ("; online for the generated micro batches" if teacher is not None else "; its weights are not loaded")
-        )
-    if resumed_with is not None:
-        messages += resumed_with.log_lines()
-    if recipe.student.lora is not None:
-        student = sides.student.model
-        adapters = lora.trainable_parameters(student)
-        messages.append(
-            lora.describe(recipe.student.lora, adapters, sum(p.numel() for p in student.parameters()) - adapters)
-        )
-    tokenizer = sides.student.tokenizer
+    messages = [precision.describe(), *run_summary(recipe, plan, schedule, total_steps, sides)]
+    messages += cache_lines(recipe, teacher_cache, teacher_online=teacher is not None)
+    messages += resumed_with.log_lines() if resumed_with is not None else []
+    messages += lora_lines(recipe, sides.student.model)
+    dev_split, tokenizer = sides.splits["dev"], sides.student.tokenizer
     return Run(
         recipe=recipe,
         task=task,
@@ -159,8 +144,8 @@ def build_llm_run(
         engine=engine,
         teacher=teacher,
         tokenizer=tokenizer,
-        train=train_examples,
-        dev=examples_of(dev_split, recipe, plan, sides) if dev_split is not None else None,
+        train=train,
+        dev=dev,
         schedule=schedule,
         total_steps=total_steps,
         rank=rank,
@@ -234,6 +219,22 @@ def build_objective(recipe: Recipe, plan: RunPlan, sides: LoadedSides) -> Distil
         sra_pairs=plan.sra_layers,
         shared_vocab=shared_vocab,
     )
+
+
+def build_examples(
+    recipe: Recipe, plan: RunPlan, sides: LoadedSides
+) -> tuple[AnnotatedExamples, AnnotatedExamples | None]:
+    """The train and dev rows as the loop batches them; DistiLLM-2 refused without pair rows."""
+    train_split, dev_split = sides.splits["train"], sides.splits["dev"]
+    assert train_split is not None, "data.train is a required recipe key: load_split returns its rows"
+    train = examples_of(train_split, recipe, plan, sides)
+    if recipe.loss.base == "distillm2" and train.pair_ids is None:
+        raise MtaError(
+            f"loss.base=distillm2 trains on pair rows, and data.train ({recipe.data.train}) holds none: "
+            "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
+            "and set data.train to PAIRS.jsonl (annotated on first use)"
+        )
+    return train, examples_of(dev_split, recipe, plan, sides) if dev_split is not None else None
 
 
 def examples_of(annotations: Annotations, recipe: Recipe, plan: RunPlan, sides: LoadedSides) -> AnnotatedExamples:
@@ -364,6 +365,26 @@ def run_summary(
             "each model pools spans on its own tokens, DSA on span geometry, HRA on span representations"
         )
     return lines + plan.summary
+
+
+def cache_lines(recipe: Recipe, cache: CachedTeacher | None, *, teacher_online: bool) -> list[str]:
+    """Where the teacher's side is read from, when a teacher cache serves the run."""
+    if cache is None:
+        return []
+    return [
+        f"teacher: read from {recipe.teacher_cache.dir} for the rows of "
+        + ", ".join(f"{split} ({len(rows)} rows)" for split, rows in cache.caches.items())
+        + ("; online for the generated micro batches" if teacher_online else "; its weights are not loaded")
+    ]
+
+
+def lora_lines(recipe: Recipe, student: PreTrainedModel) -> list[str]:
+    """A LoRA student's adapters against its frozen weights."""
+    if recipe.student.lora is None:
+        return []
+    adapters = lora.trainable_parameters(student)
+    total = sum(p.numel() for p in student.parameters())
+    return [lora.describe(recipe.student.lora, adapters, total - adapters)]
 
 
 def rows_note(split: str, manifest: Mapping[str, Any]) -> str:

@@ -11,6 +11,7 @@ the models it loaded (``check_plan_matches``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
@@ -38,6 +39,16 @@ from mta.training.dry_run import (
 )
 
 
+@dataclass(frozen=True)
+class LayerPlan:
+    """The layer pairs of MTA's, FDD's and SRA's terms, and the projectors they train."""
+
+    layers: list[LayerPair]
+    fdd_layers: list[LayerIndexPair]
+    sra_layers: list[LayerIndexPair]
+    projector_parameters: int
+
+
 def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     """``mta.training.dry_run.plan_run`` for ``task: llm``: what ``mta distill --dry-run`` prints
     and what ``mta.training.llm.build`` builds the run from.
@@ -50,61 +61,13 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         raise MtaError(f"world size must be at least 1, got {world_size}")
     train = recipe.train
     accumulation = train.accumulation_steps(world_size)
-    configs = {
-        role: load_model_config(spec, recipe, role)
-        for role, spec in (("student", recipe.student), ("teacher", recipe.teacher))
-        if spec is not None
-    }
-    # Before the models are built: a length no model can take is the first thing to fix.
-    for role, (config, _) in configs.items():
-        check_sequence_lengths(
-            recipe.data,
-            config,
-            role,
-            model=getattr(recipe, role).path,
-            source=recipe.source,
-            sample_new_tokens=recipe.dev_sample_new_tokens if role == "student" else 0,
-        )
-    student = plan_from_config(recipe.student, "student", *configs["student"])
-    teacher = plan_from_config(recipe.teacher, "teacher", *configs["teacher"]) if recipe.teacher else None
-    notes: list[str] = []
-
-    layers: list[LayerPair] = []
-    fdd_layers: list[LayerIndexPair] = []
-    sra_layers: list[LayerIndexPair] = []
-    projector_parameters = 0
-    if teacher is not None and recipe.loss.alignment_terms:
-        layers = resolve_layer_map(recipe.loss.layers, student.num_layers, teacher.num_layers)
-    if teacher is not None and recipe.loss.fdd_weight:
-        fdd_layers = resolve_fdd_layers(recipe.loss.fdd_layers, student.num_layers, teacher.num_layers)
-    if teacher is not None and "hra" in recipe.loss.alignment_terms and layers:
-        # HRA holds one nn.Linear(d_S, d_T) with bias per aligned pair.
-        projector_parameters = len(layers) * (student.hidden_size + 1) * teacher.hidden_size
-    if teacher is not None and recipe.loss.sra_weight:
-        # SRA holds one nn.Linear(d_S, d_T) with bias per span pair, trained with the projectors.
-        sra_layers = resolve_sra_layers(recipe.loss.sra_layers, student.num_layers, teacher.num_layers)
-        projector_parameters += len(sra_layers) * (student.hidden_size + 1) * teacher.hidden_size
-        notes.append(_shared_vocabulary_note(recipe))
-    logit_loss = recipe.loss.base != "ce"
-    if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
-        notes.append(
-            f"embedding rows differ (teacher {teacher.vocab_rows:,}, student "
-            f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
-            f"common real vocabulary, checked when the tokenizers load"
-        )
-    if recipe.student.lora is not None and student.trainable_parameters is not None:  # both or neither
-        from mta.training import lora
-
-        notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
-    notes.extend(data_notes(recipe))
-    if teacher is not None and recipe.teacher_cache.dir is not None:
-        notes.extend(teacher_cache_notes(recipe, student, teacher))
-
+    student, teacher = plan_models(recipe)
+    pairs = plan_layers(recipe, student, teacher)
     memory = estimate_memory(
         student,
         teacher,
-        trainable_extra=projector_parameters,
-        aligned_teacher_layers=len({pair.teacher for pair in layers}),
+        trainable_extra=pairs.projector_parameters,
+        aligned_teacher_layers=len({pair.teacher for pair in pairs.layers}),
         # auto: what it means on this machine (bf16 on a GPU or a CPU with bf16 instructions)
         precision=resolve_precision(train.precision, local_device()),
         zero_stage=train.zero_stage,
@@ -117,8 +80,8 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         name=recipe.name,
         student=student,
         teacher=teacher,
-        layers=layers,
-        projector_parameters=projector_parameters,
+        layers=pairs.layers,
+        projector_parameters=pairs.projector_parameters,
         world_size=world_size,
         micro_batch_size=train.micro_batch_size,
         accumulation_steps=accumulation,
@@ -127,14 +90,71 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         teacher_zero3=train.teacher_zero3,
         precision=train.precision,
         memory=memory,
-        notes=notes,
-        fdd_layers=fdd_layers,
-        sra_layers=sra_layers,
+        notes=plan_notes(recipe, student, teacher),
+        fdd_layers=pairs.fdd_layers,
+        sra_layers=pairs.sra_layers,
         teacher_source=teacher_source(recipe),
         generation=recipe.generation.mode,
         generation_new_tokens=recipe.generation_max_new_tokens if recipe.generation.mode != "off" else None,
-        summary=layer_lines(recipe, layers, fdd_layers),
+        summary=layer_lines(recipe, pairs.layers, pairs.fdd_layers),
     )
+
+
+def plan_models(recipe: Recipe) -> tuple[ModelPlan, ModelPlan | None]:
+    """The student and the teacher as the run builds them, from their configs found offline;
+    first of all, a length no model can take is refused."""
+    configs = {
+        role: load_model_config(spec, recipe, role)
+        for role, spec in (("student", recipe.student), ("teacher", recipe.teacher))
+        if spec is not None
+    }
+    for role, (config, _) in configs.items():
+        check_sequence_lengths(
+            recipe.data,
+            config,
+            role,
+            model=getattr(recipe, role).path,
+            source=recipe.source,
+            sample_new_tokens=recipe.dev_sample_new_tokens if role == "student" else 0,
+        )
+    student = plan_from_config(recipe.student, "student", *configs["student"])
+    teacher = plan_from_config(recipe.teacher, "teacher", *configs["teacher"]) if recipe.teacher else None
+    return student, teacher
+
+
+def plan_layers(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) -> LayerPlan:
+    """The layer pairs each term reads (none without a teacher: the schema refuses the terms) and
+    the projectors: one ``nn.Linear(d_S, d_T)`` with bias per HRA pair and per SRA pair."""
+    if teacher is None:
+        return LayerPlan([], [], [], 0)
+    loss, depths = recipe.loss, (student.num_layers, teacher.num_layers)
+    layers = resolve_layer_map(loss.layers, *depths) if loss.alignment_terms else []
+    fdd_layers = resolve_fdd_layers(loss.fdd_layers, *depths) if loss.fdd_weight else []
+    sra_layers = resolve_sra_layers(loss.sra_layers, *depths) if loss.sra_weight else []
+    projectors = (len(layers) if "hra" in loss.alignment_terms else 0) + len(sra_layers)
+    return LayerPlan(layers, fdd_layers, sra_layers, projectors * (student.hidden_size + 1) * teacher.hidden_size)
+
+
+def plan_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) -> list[str]:
+    """What a person should know of the plan: SRA's shared vocabulary, vocabularies of different
+    sizes, LoRA's adapters, missing data, the teacher cache's size."""
+    notes: list[str] = []
+    if teacher is not None and recipe.loss.sra_weight:
+        notes.append(_shared_vocabulary_note(recipe))
+    if teacher is not None and recipe.loss.base != "ce" and teacher.vocab_rows != student.vocab_rows:
+        notes.append(
+            f"embedding rows differ (teacher {teacher.vocab_rows:,}, student "
+            f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
+            f"common real vocabulary, checked when the tokenizers load"
+        )
+    if recipe.student.lora is not None and student.trainable_parameters is not None:  # both or neither
+        from mta.training import lora
+
+        notes.append(lora.describe(recipe.student.lora, student.trainable_parameters, student.parameters))
+    notes.extend(data_notes(recipe))
+    if teacher is not None and recipe.teacher_cache.dir is not None:
+        notes.extend(teacher_cache_notes(recipe, student, teacher))
+    return notes
 
 
 def _shared_vocabulary_note(recipe: Recipe) -> str:
