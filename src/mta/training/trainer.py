@@ -34,7 +34,7 @@ from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, m
 from mta.training.config import resume_rules
 from mta.training.config.layers import resolve_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.training.config.model_checks import check_generation_fits, check_sequence_lengths
-from mta.training.config.schema import LayerIndexPair, LayerPair, Recipe
+from mta.training.config.schema import UNIT_BASES, LayerIndexPair, LayerPair, Recipe
 from mta.training.lifecycle import checkpointing, run_directory, stopping, utilisation
 from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.lifecycle.selection import Selector
@@ -195,6 +195,8 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
                 for side_model in (student, teacher_model):
                     if side_model is not None:  # a cached teacher refuses this centre (the schema)
                         side_model.set_attn_implementation("eager")
+        if recipe.loss.base == "gold" and shared_vocab is None:  # the hybrid's shared tokens (docs/method.md §5b)
+            shared_vocab = tokenizers_shared_vocabulary(tokenizer, teacher_tokenizer)
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
     objective = DistillationObjective(
@@ -207,6 +209,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
         fdd_pairs=fdd_pairs,
         sra_pairs=sra_pairs,
         shared_vocab=shared_vocab,
+        teacher_vocab_size=len(teacher_tokenizer),
     )
 
     granularities = tuple(sorted({pair.granularity for pair in layer_pairs}))
@@ -218,7 +221,7 @@ def build_llm_run(recipe: Recipe, reporter: Reporter, *, resume: str | None = No
             teacher_pad_id=teacher_tokenizer.pad_token_id,
             with_teacher=teacher_config is not None,
             granularities=granularities,
-            boundary=bool(recipe.loss.sra_weight),
+            boundary=bool(recipe.loss.sra_weight) or objective.needs_units,
             rebuild=reannotate_command(annotations.manifest, annotations.directory),
         )
 
@@ -714,8 +717,13 @@ def _summary(
             f"{vocab_size}-token vocabulary" + (", token-level HRA" if layer_pairs else "")
         )
     else:
+        base = (
+            f"base {recipe.loss.base} on the units both tokenisations agree on"
+            if recipe.loss.base in UNIT_BASES
+            else "no logit loss (base ce on the reference)"
+        )
         lines.append(
-            "teacher and student tokenizers differ: no logit loss (base ce on the reference), "
+            f"teacher and student tokenizers differ: {base}, "
             "each model pools spans on its own tokens, DSA on span geometry, HRA on span representations"
         )
     if layer_pairs:

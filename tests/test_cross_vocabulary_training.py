@@ -1,0 +1,105 @@
+"""loss.base uld and gold end to end on the tiny cross-tokenizer recipe (two tiny models whose
+tokenizers differ), with MTA's DSA + HRA and SRA on top: gold trains, its dev cross-entropy on
+the references falls, an interrupted run resumes to the uninterrupted weights and the export
+loads; uld from a teacher cache at full k equals the online run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fixtures.distill import weights
+from mta.store.read import read_annotations
+from mta.training.batching import AnnotatedExamples
+from mta.training.config.loading import load_recipe
+from mta.training.lifecycle.metrics import read_metrics
+from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.trainer import Trainer, run_distillation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY_CROSS = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cross.yaml"
+
+
+def _recipe(out: Path, *overrides: str):
+    return load_recipe(
+        TINY_CROSS,
+        [
+            f"output_dir={out}",
+            "train.max_steps=4",
+            "train.save_interval=2",
+            "train.eval_interval=4",
+            "train.log_interval=1",
+            "train.num_sample_generations=0",
+            *overrides,
+        ],
+    )
+
+
+def dev_cross_entropy(model_dir: Path, out: Path) -> float:
+    """The student's mean cross-entropy on the reference responses of the run's dev rows."""
+    table = read_annotations(out / "data" / "dev").table
+    batch = AnnotatedExamples(table, student_pad_id=0, with_teacher=False, granularities=()).batch(
+        np.arange(table.num_rows)
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        return float(
+            model(
+                input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask, labels=batch.student.labels
+            ).loss
+        )
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_gold_with_mta_and_sra_trains_resumes_and_exports(tmp_path, monkeypatch):
+    final = run_distillation(_recipe(tmp_path / "gold", "loss.base=gold"))
+    records = [r for r in read_metrics(tmp_path / "gold" / "metrics.jsonl") if r["split"] == "train"]
+    assert len(records) == 4 and all(r["loss/base"] > 0 and r["loss/dsa"] > 0 and r["loss/sra"] > 0 for r in records)
+    (start,) = (tmp_path / "gold" / "models").glob("student-*")
+    assert dev_cross_entropy(final, tmp_path / "gold") < dev_cross_entropy(start, tmp_path / "gold")
+
+    real_step = Trainer.step
+
+    def interrupted(self, step):
+        if step == 2:  # after checkpoint step-2 was written
+            raise _Interrupted
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", interrupted)
+    with pytest.raises(_Interrupted):
+        run_distillation(_recipe(tmp_path / "again", "loss.base=gold"))
+    monkeypatch.setattr(Trainer, "step", real_step)
+    resumed = run_distillation(_recipe(tmp_path / "again", "loss.base=gold"), resume="auto")
+    expected, got = weights(final), weights(resumed)
+    for name in expected:
+        assert np.array_equal(expected[name].numpy(), got[name].numpy()), name
+
+
+@pytest.mark.slow
+def test_uld_from_a_teacher_cache_at_full_k_equals_the_online_run(tmp_path):
+    # The cache holds no attention rows and no LM head: SRA's importance centres, no span logit term.
+    settings = ("loss.base=uld", "loss.sra_centre=importance", "loss.sra_logit_weight=0", "train.max_steps=2")
+    cache = tmp_path / "cache"
+    cached_recipe = _recipe(
+        tmp_path / "cached", *settings, f"teacher_cache.dir={cache}", "teacher_cache.top_k=320",
+        "teacher_cache.storage=fp32",
+    )
+    run_teacher_stage(cached_recipe)
+    online = run_distillation(_recipe(tmp_path / "online", *settings))
+    cached = run_distillation(cached_recipe)
+    expected, got = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("online", "cached"))
+    assert [r["split"] for r in got] == [r["split"] for r in expected]
+    for want, have in zip(expected, got, strict=True):
+        assert have["loss/base"] == pytest.approx(want["loss/base"], rel=2e-4), (want, have)
+        assert have["loss"] == pytest.approx(want["loss"], rel=2e-4)
+    for name, tensor in weights(online).items():
+        torch.testing.assert_close(weights(cached)[name], tensor, rtol=1e-3, atol=1e-4)
