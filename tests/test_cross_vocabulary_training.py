@@ -50,7 +50,9 @@ def dev_cross_entropy(model_dir: Path, out: Path) -> float:
     with torch.no_grad():
         return float(
             model(
-                input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask, labels=batch.student.labels
+                input_ids=batch.student.input_ids,
+                attention_mask=batch.student.attention_mask,
+                labels=batch.student.labels,
             ).loss
         )
 
@@ -90,7 +92,10 @@ def test_uld_from_a_teacher_cache_at_full_k_equals_the_online_run(tmp_path):
     settings = ("loss.base=uld", "loss.sra_centre=importance", "loss.sra_logit_weight=0", "train.max_steps=2")
     cache = tmp_path / "cache"
     cached_recipe = _recipe(
-        tmp_path / "cached", *settings, f"teacher_cache.dir={cache}", "teacher_cache.top_k=320",
+        tmp_path / "cached",
+        *settings,
+        f"teacher_cache.dir={cache}",
+        "teacher_cache.top_k=320",
         "teacher_cache.storage=fp32",
     )
     run_teacher_stage(cached_recipe)

@@ -39,7 +39,11 @@ def tokenised(text: str, pieces: list[str]) -> np.ndarray:
 # Row 0: "unbelievable" is three teacher tokens and one student token; "cats" one and two.
 # Row 1: the two sides never agree inside either word ("abcd", "efgh": 2 vs 2 tokens each).
 ROWS = [
-    ("Q: unbelievable cats sat", ["Q", ":", " un", "believ", "able", " cats", " sat"], ["Q", ":", " unbelievable", " ca", "ts", " sat"]),
+    (
+        "Q: unbelievable cats sat",
+        ["Q", ":", " un", "believ", "able", " cats", " sat"],
+        ["Q", ":", " unbelievable", " ca", "ts", " sat"],
+    ),
     ("Q abcd efgh", ["Q", " ab", "cd", " ef", "gh"], ["Q", " a", "bcd", " e", "fgh"]),
 ]
 PROMPT = [(2, 2), (1, 1)]  # (teacher, student) prompt tokens of each row: "Q:" / "Q"
@@ -79,8 +83,8 @@ def test_boundary_spans_give_the_hand_aligned_units():
     got = list(
         zip(
             units.row.tolist(),
-            zip(units.student_first.tolist(), units.student_end.tolist()),
-            zip(units.teacher_first.tolist(), units.teacher_end.tolist()),
+            zip(units.student_first.tolist(), units.student_end.tolist(), strict=True),
+            zip(units.teacher_first.tolist(), units.teacher_end.tolist(), strict=True),
             strict=True,
         )
     )
@@ -142,8 +146,24 @@ def plain_units(spans, s_labels, t_labels):
     return out
 
 
-def plain_loss(s_logits, t_logits, s_ids, t_ids, s_labels, t_labels, spans, *, kind, tau, ce_w, uld_w, kl_w=1.0,
-               divergence="fkl", alpha=0.1, shared=SHARED):
+def plain_loss(
+    s_logits,
+    t_logits,
+    s_ids,
+    t_ids,
+    s_labels,
+    t_labels,
+    spans,
+    *,
+    kind,
+    tau,
+    ce_w,
+    uld_w,
+    kl_w=1.0,
+    divergence="fkl",
+    alpha=0.1,
+    shared=SHARED,
+):
     per_unit = []
     for b, sf, se, tf, te in plain_units(spans, s_labels, t_labels):
         ms = merged(s_logits[b], s_ids[b], sf, se, tau)
@@ -220,13 +240,31 @@ def test_the_hybrid_with_a_hand_built_overlap_matches_the_plain_reference(diverg
     spans, s_ids, t_ids, s_labels, t_labels, widths = hand_batch()
     s_logits, t_logits = logits_for(widths, seed=1)
     loss_fn = SharedVocabularyHybrid(
-        shared_tensors(), divergence=divergence, skew_alpha=0.2, kl_weight=0.8, uld_weight=1.3, ce_weight=0.5,
-        temperature=1.5, chunk_size=3,
+        shared_tensors(),
+        divergence=divergence,
+        skew_alpha=0.2,
+        kl_weight=0.8,
+        uld_weight=1.3,
+        ce_weight=0.5,
+        temperature=1.5,
+        chunk_size=3,
     )
     got, grad = value_and_grad(loss_fn, s_logits, t_logits, s_labels, t_labels, spans)
     want, want_grad = plain_value_and_grad(
-        s_logits, t_logits, s_ids, t_ids, s_labels, t_labels, spans, kind="gold", tau=1.5, ce_w=0.5, uld_w=1.3,
-        kl_w=0.8, divergence=divergence, alpha=0.2,
+        s_logits,
+        t_logits,
+        s_ids,
+        t_ids,
+        s_labels,
+        t_labels,
+        spans,
+        kind="gold",
+        tau=1.5,
+        ce_w=0.5,
+        uld_w=1.3,
+        kl_w=0.8,
+        divergence=divergence,
+        alpha=0.2,
     )
     assert got == pytest.approx(want, rel=1e-5)
     torch.testing.assert_close(grad.double(), want_grad, atol=2e-5, rtol=1e-3)
@@ -264,9 +302,18 @@ def test_with_one_tokenizer_the_hybrid_is_the_plain_kl():
     starts = torch.arange(seq).expand(batch, seq)
     spans = SpanBatch(starts, starts + 1, starts, starts + 1, torch.ones(batch, seq, dtype=torch.bool))
     everything = (torch.arange(vocab), torch.arange(vocab))
-    for divergence, plain in (("fkl", ForwardKL(temperature=2.0)), ("srkl", SkewReverseKL(temperature=2.0, skew_alpha=0.3))):
+    for divergence, plain in (
+        ("fkl", ForwardKL(temperature=2.0)),
+        ("srkl", SkewReverseKL(temperature=2.0, skew_alpha=0.3)),
+    ):
         hybrid = SharedVocabularyHybrid(
-            everything, divergence=divergence, skew_alpha=0.3, ce_weight=0.0, kl_weight=1.0, uld_weight=1.5, temperature=2.0
+            everything,
+            divergence=divergence,
+            skew_alpha=0.3,
+            ce_weight=0.0,
+            kl_weight=1.0,
+            uld_weight=1.5,
+            temperature=2.0,
         )
         got, grad = value_and_grad(hybrid, s_logits, t_logits, labels, labels, spans)
         leaf = s_logits.clone().requires_grad_(True)
@@ -285,8 +332,13 @@ def test_chunk_size_changes_nothing_and_a_batch_without_units_is_a_zero_with_a_g
     b, grad_b = value_and_grad(many, s_logits, t_logits, s_labels, t_labels, spans)
     assert a == pytest.approx(b, rel=1e-6)
     torch.testing.assert_close(grad_a, grad_b)
-    none = SpanBatch(*(x[:, :0] for x in (spans.student_start, spans.student_end, spans.teacher_start, spans.teacher_end)), spans.mask[:, :0])
-    value, grad = value_and_grad(UniversalLogitDistillation(ce_weight=0.0), s_logits, t_logits, s_labels, t_labels, none)
+    none = SpanBatch(
+        *(x[:, :0] for x in (spans.student_start, spans.student_end, spans.teacher_start, spans.teacher_end)),
+        spans.mask[:, :0],
+    )
+    value, grad = value_and_grad(
+        UniversalLogitDistillation(ce_weight=0.0), s_logits, t_logits, s_labels, t_labels, none
+    )
     assert value == 0.0 and grad.abs().sum() == 0
 
 

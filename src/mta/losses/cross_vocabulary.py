@@ -219,7 +219,11 @@ class UnitLogitLoss(nn.Module):
         self.vocab_size, self.teacher_vocab_size = vocab_size, teacher_vocab_size
 
     def unit_loss(
-        self, student: torch.Tensor, student_log_scale: torch.Tensor, teacher: torch.Tensor, teacher_log_scale: torch.Tensor
+        self,
+        student: torch.Tensor,
+        student_log_scale: torch.Tensor,
+        teacher: torch.Tensor,
+        teacher_log_scale: torch.Tensor,
     ) -> torch.Tensor:
         """``student [n, V_s]``, ``teacher [n, V_t]`` fp32 logits at the units' first tokens,
         log scales ``[n]`` -> ``[n]``."""
@@ -243,7 +247,13 @@ class UnitLogitLoss(nn.Module):
         units = aligned_units(spans, student_labels, teacher_labels)
         options: dict[str, Any] = {"temperature": self.temperature, "chunk_size": self.chunk_size}
         student_scale = unit_log_scales(
-            student_logits, student_labels, units.row, units.student_first, units.student_end, vocab_size=vocab_s, **options
+            student_logits,
+            student_labels,
+            units.row,
+            units.student_first,
+            units.student_end,
+            vocab_size=vocab_s,
+            **options,
         )
         with torch.no_grad():
             teacher_scale = unit_log_scales(
@@ -303,7 +313,11 @@ class UniversalLogitDistillation(UnitLogitLoss):
         self.uld_weight = float(uld_weight)
 
     def unit_loss(
-        self, student: torch.Tensor, student_log_scale: torch.Tensor, teacher: torch.Tensor, teacher_log_scale: torch.Tensor
+        self,
+        student: torch.Tensor,
+        student_log_scale: torch.Tensor,
+        teacher: torch.Tensor,
+        teacher_log_scale: torch.Tensor,
     ) -> torch.Tensor:
         return self.uld_weight * uld_unit_loss(
             student, student_log_scale, teacher, teacher_log_scale, temperature=self.temperature
@@ -345,20 +359,30 @@ class SharedVocabularyHybrid(UnitLogitLoss):
         self.register_buffer("student_ids", student_ids, persistent=False)
         self.register_buffer("teacher_ids", teacher_ids, persistent=False)
 
+    def shared_ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared vocabulary ``(student_ids [k], teacher_ids [k])`` on ``device``."""
+        student_ids, teacher_ids = self.student_ids, self.teacher_ids
+        assert isinstance(student_ids, torch.Tensor) and isinstance(teacher_ids, torch.Tensor), "registered buffers"
+        return student_ids.to(device), teacher_ids.to(device)
+
     def unit_loss(
-        self, student: torch.Tensor, student_log_scale: torch.Tensor, teacher: torch.Tensor, teacher_log_scale: torch.Tensor
+        self,
+        student: torch.Tensor,
+        student_log_scale: torch.Tensor,
+        teacher: torch.Tensor,
+        teacher_log_scale: torch.Tensor,
     ) -> torch.Tensor:
-        shared = (self.student_ids.to(student.device), self.teacher_ids.to(student.device))
-        keep = (shared[0] < student.shape[1]) & (shared[1] < teacher.shape[1])  # ids inside the real vocabularies
-        shared = (shared[0][keep], shared[1][keep])
-        unshared = tuple(_complement(ids, width) for ids, width in zip(shared, (student.shape[1], teacher.shape[1])))
+        student_ids, teacher_ids = self.shared_ids(student.device)
+        keep = (student_ids < student.shape[1]) & (teacher_ids < teacher.shape[1])  # inside the real vocabularies
+        shared = (student_ids[keep], teacher_ids[keep])
+        unshared = (_complement(shared[0], student.shape[1]), _complement(shared[1], teacher.shape[1]))
         return hybrid_unit_loss(
             student,
             student_log_scale,
             teacher,
             teacher_log_scale,
             shared=shared,
-            unshared=(unshared[0], unshared[1]),
+            unshared=unshared,
             divergence=self.divergence,
             skew_alpha=self.skew_alpha,
             kl_weight=self.kl_weight,

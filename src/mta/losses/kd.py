@@ -178,10 +178,10 @@ BASE_LOSSES: dict[str, type[nn.Module]] = {
     "jsd": JensenShannon,
     "tvd": TotalVariation,
     "distillm2": DistiLLM2Loss,  # pairs: needs the batch's ``chosen`` (mta.losses.contrastive)
-    # Across vocabularies, on aligned units: need the batch's boundary spans (mta.losses.cross_vocabulary).
-    "uld": UniversalLogitDistillation,
-    "gold": SharedVocabularyHybrid,
 }
+# Across vocabularies, on aligned units: (logits, teacher logits, both sides' labels, the boundary
+# spans), unshifted (mta.losses.cross_vocabulary).
+UNIT_LOSSES: dict[str, type[nn.Module]] = {"uld": UniversalLogitDistillation, "gold": SharedVocabularyHybrid}
 
 
 def build_base_loss(
@@ -204,13 +204,17 @@ def build_base_loss(
 
     ``uld`` and ``gold`` also take the teacher's real vocabulary and their weights; ``gold`` the
     shared vocabulary ``(student_ids [k], teacher_ids [k])`` (:func:`mta.losses.sra.shared_vocabulary`)."""
-    if name not in BASE_LOSSES:
-        raise MtaError(f"unknown base loss '{name}'; choose one of {', '.join(BASE_LOSSES)}")
-    cls = BASE_LOSSES[name]
+    known = {**BASE_LOSSES, **UNIT_LOSSES}
+    if name not in known:
+        raise MtaError(f"unknown base loss '{name}'; choose one of {', '.join(known)}")
+    cls = known[name]
     kwargs: dict[str, Any] = {"vocab_size": vocab_size, "chunk_size": chunk_size}
     if cls in (UniversalLogitDistillation, SharedVocabularyHybrid):
         kwargs.update(
-            temperature=temperature, ce_weight=uld_ce_weight, uld_weight=uld_weight, teacher_vocab_size=teacher_vocab_size
+            temperature=temperature,
+            ce_weight=uld_ce_weight,
+            uld_weight=uld_weight,
+            teacher_vocab_size=teacher_vocab_size,
         )
         if cls is UniversalLogitDistillation:
             return cls(**kwargs)
@@ -242,5 +246,6 @@ __all__ = [
     "SkewForwardKL",
     "SkewReverseKL",
     "TotalVariation",
+    "UNIT_LOSSES",
     "build_base_loss",
 ]

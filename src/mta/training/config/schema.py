@@ -783,7 +783,8 @@ def unit_base_problem(loss: LossSpec) -> tuple[tuple[str, ...], str] | None:
         return None
     return ("loss", "uld_weight"), (
         f"loss.base={loss.base} with {', '.join(f'loss.{key}=0' for key in terms)} compares nothing; "
-        f"give one of them a positive weight (the ULD authors': uld_weight 1.5, uld_ce_weight 1), or set loss.base_weight=0"
+        "give one of them a positive weight (the ULD authors': uld_weight 1.5, uld_ce_weight 1), or set "
+        "loss.base_weight=0"
     )
 
 
