@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import MINIMAL_RECIPE
 from fixtures.distill import weights
+from fixtures.recipes import error_of, write
 from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.loading import load_recipe
@@ -108,3 +110,32 @@ def test_uld_from_a_teacher_cache_at_full_k_equals_the_online_run(tmp_path):
         assert have["loss"] == pytest.approx(want["loss"], rel=2e-4)
     for name, tensor in weights(online).items():
         torch.testing.assert_close(weights(cached)[name], tensor, rtol=1e-3, atol=1e-4)
+
+
+UNIT_RECIPE = MINIMAL_RECIPE.format(teacher="teacher-model", student="student-model").replace(
+    "  base: fkl\n", "  base: uld\n  uld_weight: 0\n  uld_ce_weight: 0\n"
+)
+
+
+def test_a_unit_base_that_compares_nothing_is_refused_at_its_line(tmp_path):
+    path = write(tmp_path, UNIT_RECIPE)
+    line = UNIT_RECIPE.splitlines().index("  uld_weight: 0") + 1
+    message = error_of(path)
+    assert (
+        f"line {line}: loss.uld_weight: loss.base=uld with loss.uld_weight=0, loss.uld_ce_weight=0 compares nothing"
+        in message
+    )
+    # gold has a third term: with it on, the same weights train; with it off, they are refused.
+    assert load_recipe(path, ("loss.base=gold",)).loss.shared_kl_weight == 1.0
+    assert "loss.shared_kl_weight=0 compares nothing" in error_of(path, ("loss.base=gold", "loss.shared_kl_weight=0"))
+    assert load_recipe(path, ("loss.uld_ce_weight=1",)).loss.uld_ce_weight == 1.0
+    message = error_of(path, ("loss.base=gold", "loss.shared_divergence=rkl"))
+    assert "loss.shared_divergence" in message and "'fkl' or 'srkl'" in message
+
+
+def test_generation_with_a_unit_base_is_refused_saying_why(tmp_path):
+    text = UNIT_RECIPE.replace("  uld_weight: 0\n  uld_ce_weight: 0\n", "") + "generation:\n  mode: always\n"
+    line = text.splitlines().index("  mode: always") + 1
+    message = error_of(write(tmp_path, text))
+    assert f"line {line}: generation.mode: loss.base=uld compares the two models on the units" in message
+    assert "generated rows carry no such units; use generation.mode=off" in message
