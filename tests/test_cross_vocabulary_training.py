@@ -18,6 +18,7 @@ from fixtures.recipes import error_of, write
 from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.loading import load_recipe
+from mta.training.dry_run import plan_run
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.teacher_cache.build import run_teacher_stage
 from mta.training.trainer import Trainer, run_distillation
@@ -70,6 +71,30 @@ def test_gold_with_mta_and_sra_trains_resumes_and_exports(tmp_path, monkeypatch)
     assert len(records) == 4 and all(r["loss/base"] > 0 and r["loss/dsa"] > 0 and r["loss/sra"] > 0 for r in records)
     (start,) = (tmp_path / "gold" / "models").glob("student-*")
     assert dev_cross_entropy(final, tmp_path / "gold") < dev_cross_entropy(start, tmp_path / "gold")
+
+    # The dry run counts the units on the run's annotated rows: against a plain count of them.
+    table = read_annotations(tmp_path / "gold" / "data" / "train").table.to_pylist()
+    units = single_s = single_t = tokens_s = tokens_t = 0
+    for row in table:
+        for span in row["boundary_spans"]:
+            if (
+                span["student_start"] >= row["student_prompt_len"]
+                and span["teacher_start"] >= row["teacher_prompt_len"]
+            ):
+                size_s, size_t = (
+                    span["student_end"] - span["student_start"],
+                    span["teacher_end"] - span["teacher_start"],
+                )
+                units += 1
+                tokens_s, tokens_t = tokens_s + size_s, tokens_t + size_t
+                single_s += size_s == size_t == 1
+    single_t = single_s
+    notes = plan_run(_recipe(tmp_path / "gold", "loss.base=gold")).notes
+    assert (
+        f"gold: {units:,} aligned units in the responses of data.train's {len(table):,} rows; "
+        f"{single_s / tokens_s:.1%} of the student's and {single_t / tokens_t:.1%} of the teacher's response tokens"
+    ) in " ".join(notes)
+    assert 0 < single_s < units
 
     real_step = Trainer.step
 
