@@ -30,9 +30,12 @@ where the base loss is ce and no logit loss exists:
                       (target: ≤ 0.25 × base_cross)
 
     uld_cross         loss.base=uld (CE + 1.5·ULD on the aligned units, docs/method.md §5b)
-    gold_cross        loss.base=gold (CE + KL on the shared vocabulary + 1.5·ULD on the rest)
-                      (target: ≤ 1.25 × base_cross)
-    gold_mta_sra_cross  gold + DSA + HRA + SRA (recipes/cross-tokenizer-gold-mta-sra.yaml's terms)
+    gold_cross        loss.base=gold (CE + KL on the shared vocabulary + 1.5·ULD on the rest);
+                      beside base_cross it also pays the teacher's whole forward (its logits),
+                      which base_cross never runs
+    gold_mta_sra_cross  gold + DSA + HRA + SRA, the tiny-cross recipe with loss.base=gold: its
+                      ratio to mta_sra_cross (the recipe with ce, the teacher run either way) is
+                      the hybrid's cost in a run (target: ≤ 1.25)
 
 `--preset tiny-cross` gives the cross case recipes/tiny-cross.yaml's shapes (teacher 4 × 64 with a
 320-token BPE, student 4 × 32 with 512 tokens, micro batch 4, 384 positions): the shapes the
@@ -113,7 +116,7 @@ REPO = Path(__file__).resolve().parents[1]
 GPT2_VOCAB = 50257
 MTA_TARGET = 1.15
 SRA_TERMS_TARGET = 0.25  # sra_terms_only / base_cross
-GOLD_TARGET = 1.25  # gold_cross / base_cross
+GOLD_TARGET = 1.25  # gold_mta_sra_cross / mta_sra_cross: the tiny-cross recipe, base gold vs ce
 CROSS_TEACHER_FRACTION = 2 / 3  # the cross case's teacher BPE size, of the small one
 
 
@@ -694,7 +697,8 @@ def cross_case(
         variants, clock, base="base_cross", terms="sra_terms_only", expected="expected_sra_ratio_from_terms"
     )
     terms_ratio = summary["ratio_to_base"]["sra_terms_only"]
-    gold_ratio = summary["ratio_to_base"]["gold_cross"]
+    clock_medians = summary[clock]["seconds_per_step_median"]
+    gold_ratio = clock_medians["gold_mta_sra_cross"] / clock_medians["mta_sra_cross"]
     return {
         "vocabulary": vocab.description,
         "model_vocab_rows": vocab.model_rows,
@@ -713,8 +717,10 @@ def cross_case(
         **summary,
         "sra_terms_ratio_to_base": terms_ratio,
         "sra_terms_target": f"<= {SRA_TERMS_TARGET}",
-        "gold_ratio_to_base": gold_ratio,
-        "gold_target": f"<= {GOLD_TARGET}",
+        "gold_mta_sra_ratio_to_mta_sra": gold_ratio,
+        "gold_mta_sra_ratio_to_mta_sra_paired": summary[clock]["ratio_to_base_paired"]["gold_mta_sra_cross"]
+        / summary[clock]["ratio_to_base_paired"]["mta_sra_cross"],
+        "gold_target": f"gold_mta_sra_cross / mta_sra_cross <= {GOLD_TARGET}",
         "target_met": terms_ratio <= SRA_TERMS_TARGET and gold_ratio <= GOLD_TARGET,
     }
 
@@ -935,7 +941,7 @@ def main() -> None:
             "mta_parquet_ratio_at_most": MTA_TARGET,
             "cross": {
                 "sra_terms_ratio_to_base_at_most": SRA_TERMS_TARGET,
-                "gold_ratio_to_base_at_most": GOLD_TARGET,
+                "gold_mta_sra_ratio_to_mta_sra_at_most": GOLD_TARGET,
             },
         },
         "results": results,

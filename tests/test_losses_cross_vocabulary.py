@@ -345,3 +345,14 @@ def test_chunk_size_changes_nothing_and_a_batch_without_units_is_a_zero_with_a_g
 def test_the_hybrid_refuses_tokenizers_that_share_nothing():
     with pytest.raises(MtaError, match="share none.*loss.base=uld"):
         SharedVocabularyHybrid((torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_give_the_fp32_value_and_a_gradient_in_their_dtype(dtype):
+    spans, _, _, s_labels, t_labels, widths = hand_batch()
+    s_logits, t_logits = logits_for(widths, seed=6)
+    loss_fn = SharedVocabularyHybrid(shared_tensors())
+    want, _ = value_and_grad(loss_fn, s_logits.to(dtype).float(), t_logits.to(dtype).float(), s_labels, t_labels, spans)
+    got, grad = value_and_grad(loss_fn, s_logits.to(dtype), t_logits.to(dtype), s_labels, t_labels, spans)
+    assert got == pytest.approx(want, rel=1e-5)  # the maths is fp32 on the same (rounded) logits
+    assert grad.dtype == dtype and torch.isfinite(grad.float()).all() and grad.float().abs().sum() > 0
