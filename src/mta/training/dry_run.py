@@ -386,10 +386,9 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     counted = _shared_tokens(recipe)
     if counted is None:
         return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
-    student_ids = range(counted[0])
-    if len(student_ids) == 0:
+    if counted[0] == 0:
         return "SRA: the tokenizers share no token; the span logit term will be off"
-    return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"
+    return f"SRA: {counted[0]:,} tokens shared by the two vocabularies (its span logit term)"
 
 
 def cross_vocabulary_notes(recipe: Recipe) -> list[str]:
