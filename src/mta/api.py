@@ -43,7 +43,7 @@ from mta.data.sources import HubDataset
 from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
 from mta.losses.contrastive import DistiLLM2Loss
-from mta.losses.kd import IGNORE_INDEX, build_base_loss
+from mta.losses.kd import IGNORE_INDEX, UNIT_LOSSES, build_base_loss
 from mta.losses.span_masks import SpanBatch
 from mta.training.batching import AnnotatedExamples, TokenBatch, TrainBatch
 from mta.training.config.layers import resolve_layer_map
@@ -284,6 +284,11 @@ class KDLoss(nn.Module):
         chunk_size: int = 128,
     ) -> None:
         super().__init__()
+        if name in UNIT_LOSSES:
+            raise MtaError(
+                f"KDLoss compares two models on one vocabulary; loss.base={name} compares two vocabularies on "
+                "aligned units: use mta.losses.cross_vocabulary (UniversalLogitDistillation, SharedVocabularyHybrid)"
+            )
         self.name = name
         self.labels_shifted = labels_shifted
         self.loss = build_base_loss(

@@ -181,3 +181,26 @@ def prompt_token_count(offsets: np.ndarray, prompt_chars: int) -> int:
     """
     offsets = _ranges(offsets)
     return int(np.count_nonzero(offsets[:, 0] < prompt_chars))
+
+
+def unit_counts(teacher_ranges: np.ndarray, student_ranges: np.ndarray, response: np.ndarray) -> dict[str, int]:
+    """How the aligned units (``boundary_spans``) of some rows cover their response tokens.
+
+    teacher_ranges, student_ranges: ``[units, 2]`` half-open token ranges of the units (any number
+    of rows, flattened); response: ``[units]`` bool, the units a response loss reads. Returns
+    counts over the response units: ``units``, ``single_token_units`` (one token on both sides),
+    and per side ``<side>_tokens`` (tokens inside them) and ``<side>_tokens_in_single`` (inside
+    single-token units). The share of a side's positions in single-token units is the ratio of
+    its last two counts.
+    """
+    teacher_sizes = np.diff(_ranges(teacher_ranges), axis=1)[:, 0][response]
+    student_sizes = np.diff(_ranges(student_ranges), axis=1)[:, 0][response]
+    single = (teacher_sizes == 1) & (student_sizes == 1)
+    return {
+        "units": int(single.size),
+        "single_token_units": int(single.sum()),
+        "student_tokens": int(student_sizes.sum()),
+        "student_tokens_in_single": int(single.sum()),
+        "teacher_tokens": int(teacher_sizes.sum()),
+        "teacher_tokens_in_single": int(single.sum()),
+    }

@@ -111,3 +111,158 @@ def chunked_token_loss(
     return _ChunkedTokenLoss.apply(
         student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size, token_weights
     )
+
+
+class _ChunkedLabelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        temperature: float,
+        chunk_size: int,
+    ) -> torch.Tensor:
+        rows, columns = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
+        out = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+        with torch.no_grad():
+            for begin in range(0, rows.numel(), chunk_size):
+                where = (rows[begin : begin + chunk_size], columns[begin : begin + chunk_size])
+                log_q = (logits[where][:, :vocab_size].float() / temperature).log_softmax(dim=1)
+                out[where] = log_q.gather(1, labels[where].unsqueeze(1)).squeeze(1)
+        ctx.save_for_backward(logits, labels, rows, columns)
+        ctx.vocab_size, ctx.temperature, ctx.chunk_size = vocab_size, temperature, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, labels, rows, columns = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        grad = torch.zeros_like(logits)
+        vocab = ctx.vocab_size
+        for begin in range(0, rows.numel(), ctx.chunk_size):
+            where = (rows[begin : begin + ctx.chunk_size], columns[begin : begin + ctx.chunk_size])
+            # d log softmax(z / τ)[y] / dz = (onehot(y) − softmax(z / τ)) / τ, recomputed per chunk.
+            chunk = -(logits[where][:, :vocab].float() / ctx.temperature).softmax(dim=1)
+            chunk.scatter_add_(1, labels[where].unsqueeze(1), torch.ones_like(chunk[:, :1]))
+            grad[where[0], where[1], :vocab] = (chunk * (grad_output[where] / ctx.temperature).unsqueeze(1)).to(
+                grad.dtype
+            )
+        return grad, None, None, None, None
+
+
+def chunked_label_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, temperature: float = 1.0, chunk_size: int = 128
+) -> torch.Tensor:
+    """``log softmax(logits / τ)[label]`` at every position whose label is not ``-100`` (0 elsewhere).
+
+    logits ``[batch, seq, V']`` (only ``[:vocab_size]`` count), labels ``[batch, seq]`` aligned with
+    them (``logits[b, t]`` predicts ``labels[b, t]``). Returns ``[batch, seq]`` fp32; the gradient
+    flows to the logits, recomputed a chunk of positions at a time in backward (no
+    ``[tokens, vocab]`` fp32 softmax is kept between the passes).
+    """
+    return _ChunkedLabelLogProbs.apply(logits, labels, vocab_size, temperature, chunk_size)
+
+
+# (student rows [n, V_s] fp32, student log scale [n], teacher rows [n, V_t] fp32, teacher log
+# scale [n]) -> [n] per-unit loss (mta.losses.cross_vocabulary).
+UnitLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _ChunkedUnitLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        student_logits: torch.Tensor,
+        student_log_scale: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        teacher_log_scale: torch.Tensor,
+        rows: torch.Tensor,
+        student_positions: torch.Tensor,
+        teacher_positions: torch.Tensor,
+        unit_loss: UnitLossFn,
+        vocab_sizes: tuple[int, int],
+        chunk_size: int,
+    ) -> torch.Tensor:
+        count = rows.numel()
+        wants = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        student_vocab, teacher_vocab = vocab_sizes
+        total = torch.zeros((), dtype=torch.float32, device=student_logits.device)
+        grad_rows = (
+            torch.empty(count, student_vocab, dtype=student_logits.dtype, device=student_logits.device)
+            if wants[0]
+            else None
+        )
+        grad_scale = torch.zeros(count, dtype=torch.float32, device=student_logits.device)
+        for begin in range(0, count, chunk_size):
+            chunk = slice(begin, begin + chunk_size)
+            student = student_logits[rows[chunk], student_positions[chunk]][:, :student_vocab].float()
+            student = student.requires_grad_(wants[0])
+            scale = student_log_scale[chunk].detach().float().requires_grad_(wants[1])
+            teacher = teacher_logits[rows[chunk], teacher_positions[chunk]][:, :teacher_vocab].float()
+            with torch.enable_grad():
+                loss = unit_loss(student, scale, teacher, teacher_log_scale[chunk].detach().float()).sum()
+            inputs = [tensor for tensor, wanted in zip((student, scale), wants, strict=True) if wanted]
+            if inputs:
+                grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+                if wants[0]:
+                    assert grad_rows is not None, "allocated exactly when the student rows want a gradient"
+                    grad = grads.pop(0)
+                    grad_rows[chunk] = 0 if grad is None else grad
+                if wants[1]:
+                    grad = grads.pop(0)
+                    grad_scale[chunk] = 0 if grad is None else grad
+            total += loss.detach()
+        ctx.save_for_backward(rows, student_positions, grad_rows if wants[0] else None, grad_scale)
+        ctx.logits_shape, ctx.student_vocab, ctx.divisor = student_logits.shape, student_vocab, max(count, 1)
+        return total / ctx.divisor
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rows, positions, grad_rows, grad_scale = ctx.saved_tensors
+        scale = grad_output / ctx.divisor
+        grad_logits = None
+        if grad_rows is not None:
+            grad_logits = torch.zeros(ctx.logits_shape, dtype=grad_rows.dtype, device=grad_rows.device)
+            # Units never share a first position: one row of the gradient per unit.
+            grad_logits[rows, positions, : ctx.student_vocab] = grad_rows * scale
+        grad_log_scale = grad_scale * scale if ctx.needs_input_grad[1] else None
+        return grad_logits, grad_log_scale, None, None, None, None, None, None, None, None
+
+
+def chunked_unit_loss(
+    unit_loss: UnitLossFn,
+    student_logits: torch.Tensor,
+    student_log_scale: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    teacher_log_scale: torch.Tensor,
+    rows: torch.Tensor,
+    student_positions: torch.Tensor,
+    teacher_positions: torch.Tensor,
+    *,
+    vocab_sizes: tuple[int, int],
+    chunk_size: int,
+) -> torch.Tensor:
+    """Mean of ``unit_loss`` over n aligned units, a chunk of units at a time.
+
+    student_logits ``[batch, seq_s, V_s']``, teacher_logits ``[batch, seq_t, V_t']``: each unit reads
+    the row ``(rows[u], student_positions[u])`` of one and ``(rows[u], teacher_positions[u])`` of the
+    other (the first ``vocab_sizes`` entries); student_log_scale, teacher_log_scale ``[n]``: a
+    per-unit log factor handed to ``unit_loss`` as it is (the gradient flows back to the student's,
+    e.g. from :func:`chunked_label_log_probs`; the teacher's is a constant). Units must not share a
+    student position. Returns an fp32 scalar (0 with zero gradients when n = 0); as in
+    :func:`chunked_token_loss`, only each chunk's gradient is kept, in the logits' dtype.
+    """
+    return _ChunkedUnitLoss.apply(
+        student_logits,
+        student_log_scale,
+        teacher_logits,
+        teacher_log_scale,
+        rows,
+        student_positions,
+        teacher_positions,
+        unit_loss,
+        vocab_sizes,
+        chunk_size,
+    )

@@ -21,6 +21,7 @@ from torch import nn
 from mta.errors import MtaError
 from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
 from mta.losses.contrastive import DistiLLM2Loss
+from mta.losses.cross_vocabulary import SharedDivergence, SharedVocabularyHybrid, UniversalLogitDistillation
 from mta.losses.divergences import check_unit_interval, kl, log_mixture
 
 
@@ -178,6 +179,9 @@ BASE_LOSSES: dict[str, type[nn.Module]] = {
     "tvd": TotalVariation,
     "distillm2": DistiLLM2Loss,  # pairs: needs the batch's ``chosen`` (mta.losses.contrastive)
 }
+# Across vocabularies, on aligned units: (logits, teacher logits, both sides' labels, the boundary
+# spans), unshifted (mta.losses.cross_vocabulary).
+UNIT_LOSSES: dict[str, type[nn.Module]] = {"uld": UniversalLogitDistillation, "gold": SharedVocabularyHybrid}
 
 
 def build_base_loss(
@@ -189,12 +193,36 @@ def build_base_loss(
     distillm2_beta: float = 1.0,
     vocab_size: int | None = None,
     chunk_size: int = 128,
+    teacher_vocab_size: int | None = None,
+    uld_weight: float = 1.5,
+    uld_ce_weight: float = 1.0,
+    shared_kl_weight: float = 1.0,
+    shared_divergence: SharedDivergence = "fkl",
+    shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> nn.Module:
-    """The base loss a recipe names (``loss.base``), with the options that loss uses."""
-    if name not in BASE_LOSSES:
-        raise MtaError(f"unknown base loss '{name}'; choose one of {', '.join(BASE_LOSSES)}")
-    cls = BASE_LOSSES[name]
+    """The base loss a recipe names (``loss.base``), with the options that loss uses.
+
+    ``uld`` and ``gold`` also take the teacher's real vocabulary and their weights; ``gold`` the
+    shared vocabulary ``(student_ids [k], teacher_ids [k])`` (:func:`mta.losses.sra.shared_vocabulary`)."""
+    known = {**BASE_LOSSES, **UNIT_LOSSES}
+    if name not in known:
+        raise MtaError(f"unknown base loss '{name}'; choose one of {', '.join(known)}")
+    cls = known[name]
     kwargs: dict[str, Any] = {"vocab_size": vocab_size, "chunk_size": chunk_size}
+    if cls in (UniversalLogitDistillation, SharedVocabularyHybrid):
+        kwargs.update(
+            temperature=temperature,
+            ce_weight=uld_ce_weight,
+            uld_weight=uld_weight,
+            teacher_vocab_size=teacher_vocab_size,
+        )
+        if cls is UniversalLogitDistillation:
+            return cls(**kwargs)
+        if shared_vocab is None:  # refused by the hybrid, naming the fix
+            shared_vocab = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        return SharedVocabularyHybrid(
+            shared_vocab, divergence=shared_divergence, skew_alpha=skew_alpha, kl_weight=shared_kl_weight, **kwargs
+        )
     if issubclass(cls, DistributionLoss):
         kwargs["temperature"] = temperature
     if cls in (SkewForwardKL, SkewReverseKL):
@@ -218,5 +246,6 @@ __all__ = [
     "SkewForwardKL",
     "SkewReverseKL",
     "TotalVariation",
+    "UNIT_LOSSES",
     "build_base_loss",
 ]

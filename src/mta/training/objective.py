@@ -23,7 +23,7 @@ from mta.losses.importance import token_importance
 from mta.losses.kd import build_base_loss
 from mta.losses.sra import SpanRepresentationLoss, last_token_attention
 from mta.losses.trajectory import HiddenStates, TrajectoryAlignmentLoss
-from mta.training.batching import TrainBatch
+from mta.training.batching import BOUNDARY, TrainBatch
 from mta.training.config.schema import LayerIndexPair, LayerPair, LossSpec
 from mta.training.logit_lens import LogitLens
 from mta.training.teacher import TeacherOutput
@@ -37,9 +37,11 @@ class DistillationObjective(nn.Module):
     """Loss components for one micro batch, and their weighted total.
 
     same_tokenizer: teacher and student share a vocabulary (same fingerprint). Then the base
-    loss may compare logits and HRA aligns tokens; otherwise only ``ce`` is allowed as the
-    base loss and HRA aligns span representations (docs/method.md §3).
+    loss may compare logits and HRA aligns tokens; otherwise the base loss is ``ce``, or ``uld`` /
+    ``gold`` on the aligned units (docs/method.md §5b), and HRA aligns span representations (§3).
     vocab_size: the tokenizer's real vocabulary; padded embedding rows beyond it never count.
+    teacher_vocab_size: the teacher tokenizer's (``uld``, ``gold``); shared_vocab: SRA's logit
+    term's and ``gold``'s shared vocabulary.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class DistillationObjective(nn.Module):
         fdd_pairs: Sequence[LayerIndexPair] = (),
         sra_pairs: Sequence[LayerIndexPair] = (),
         shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
+        teacher_vocab_size: int | None = None,
     ):
         super().__init__()
         # A term whose weight is 0 is neither built nor computed.
@@ -66,14 +69,21 @@ class DistillationObjective(nn.Module):
                 distillm2_beta=spec.distillm2_beta,
                 vocab_size=vocab_size,
                 chunk_size=spec.chunk_size,
+                teacher_vocab_size=teacher_vocab_size,
+                uld_weight=spec.uld_weight,
+                uld_ce_weight=spec.uld_ce_weight,
+                shared_kl_weight=spec.shared_kl_weight,
+                shared_divergence=spec.shared_divergence,
+                shared_vocab=shared_vocab if spec.base == "gold" else None,
             )
             if spec.base_weight
             else None
         )
-        if self.needs_teacher_logits and not same_tokenizer:
+        if self.needs_teacher_logits and not same_tokenizer and not self.needs_units:
             raise MtaError(
                 f"loss.base={spec.base} compares teacher and student logits, but their tokenizers "
-                "differ (different vocabulary fingerprints); set loss.base=ce: across tokenizers "
+                "differ (different vocabulary fingerprints); set loss.base=ce, or uld / gold, which "
+                "compare them on the units both tokenisations agree on: across tokenizers "
                 "MTA aligns spans, not tokens"
             )
         self.weights = {
@@ -132,6 +142,12 @@ class DistillationObjective(nn.Module):
         return self.base is not None and bool(self.base.needs_teacher)
 
     @property
+    def needs_units(self) -> bool:
+        """The base loss compares logits on aligned units (``uld``, ``gold``): it reads the
+        batch's boundary spans."""
+        return bool(getattr(self.base, "needs_units", False))
+
+    @property
     def student_layers(self) -> list[int]:
         return self.alignment.student_layers if self.alignment else []
 
@@ -172,7 +188,16 @@ class DistillationObjective(nn.Module):
             # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
             teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
             pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch, self.training)}
-            losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **pairs)
+            if self.needs_units:  # across vocabularies: unshifted, each side's own tokens, the aligned units
+                losses["base"] = self.base(
+                    student_logits,
+                    _required(teacher, "the teacher's output").logits,
+                    batch.student.labels,
+                    _required(batch.teacher, "the batch's teacher tokens").labels,
+                    batch.spans[BOUNDARY],
+                )
+            else:
+                losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **pairs)
         if self.alignment is not None:
             losses.update(
                 self.alignment(

@@ -46,7 +46,9 @@ from mta.training.config.deepspeed_settings import deepspeed_problem
 
 log = logging.getLogger(__name__)
 
-BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2"]
+BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2", "uld", "gold"]
+# The base losses that compare logits across two vocabularies, on aligned units (mta.losses.cross_vocabulary).
+UNIT_BASES = ("uld", "gold")
 Precision = Literal["fp32", "bf16", "fp16"]
 # train.precision: auto is bf16 where the device computes it natively (mta.dtypes), else fp32.
 TrainPrecision = Literal["auto", "fp32", "bf16", "fp16"]
@@ -242,7 +244,8 @@ class LossSpec(Strict):
     base: BaseLossName = Field(
         "srkl",
         description="the base loss on the response tokens (docs/method.md §5): ce (SFT on the reference), "
-        "a teacher divergence, or distillm2 (pairs); across tokenizers only ce",
+        "a teacher divergence, or distillm2 (pairs); across tokenizers ce, or uld / gold on the units both "
+        "tokenisations agree on (docs/method.md §5b)",
     )
     base_weight: float = Field(1.0, ge=0, description="λ_base, the base loss's weight")
     temperature: float = Field(1.0, gt=0, description="divides the teacher's and the student's logits (no τ² factor)")
@@ -302,6 +305,26 @@ class LossSpec(Strict):
     sra_scope: Literal["response", "all"] = Field("response", description="the spans SRA aligns")
     sra_geometry_weight: float = Field(50.0, ge=0, description="SRA's span-geometry term (the port's 50)")
     sra_logit_weight: float = Field(1.0, ge=0, description="SRA's span logit KL over the shared vocabulary")
+    uld_weight: float = Field(
+        1.5,
+        ge=0,
+        description="loss.base=uld / gold: the weight of ULD's Wasserstein-1 distance of the sorted unit "
+        "distributions (gold: on the tokens the vocabularies do not share); the ULD authors' 1.5",
+    )
+    uld_ce_weight: float = Field(
+        1.0,
+        ge=0,
+        description="loss.base=uld / gold: the weight of the cross-entropy on the reference inside the base loss "
+        "(ULD's published CE + λ·W1: 1)",
+    )
+    shared_kl_weight: float = Field(
+        1.0, ge=0, description="loss.base=gold: the weight of the divergence on the shared vocabulary"
+    )
+    shared_divergence: Literal["fkl", "srkl"] = Field(
+        "fkl",
+        description="loss.base=gold: the divergence on the renormalised shared vocabulary, forward KL or "
+        "skew reverse KL (loss.skew_alpha)",
+    )
 
     @property
     def alignment_terms(self) -> tuple[str, ...]:
@@ -643,6 +666,14 @@ class Recipe(RecipeChecks):
         return self
 
     @model_validator(mode="after")
+    def _unit_base_trains(self) -> Recipe:
+        problem = unit_base_problem(self.loss)
+        if problem is not None:
+            within, message = problem
+            raise PydanticCustomError("unit_base_setting", "{message}", {"message": message, "within": within})
+        return self
+
+    @model_validator(mode="after")
     def _pairs_fit(self) -> Recipe:
         if self.loss.base != "distillm2":
             return self
@@ -740,6 +771,23 @@ class Recipe(RecipeChecks):
         return self.data.max_length - self.data.max_prompt_length
 
 
+def unit_base_problem(loss: LossSpec) -> tuple[tuple[str, ...], str] | None:
+    """Why ``loss.base: uld`` / ``gold`` would train nothing with these weights, as ``(key path,
+    message)``, or None."""
+    if loss.base not in UNIT_BASES or not loss.base_weight:
+        return None
+    terms = {"uld_weight": loss.uld_weight, "uld_ce_weight": loss.uld_ce_weight}
+    if loss.base == "gold":
+        terms["shared_kl_weight"] = loss.shared_kl_weight
+    if any(terms.values()):
+        return None
+    return ("loss", "uld_weight"), (
+        f"loss.base={loss.base} with {', '.join(f'loss.{key}=0' for key in terms)} compares nothing; "
+        "give one of them a positive weight (the ULD authors': uld_weight 1.5, uld_ce_weight 1), or set "
+        "loss.base_weight=0"
+    )
+
+
 # --- the stored teacher --------------------------------------------------------------------
 
 
@@ -801,6 +849,11 @@ def generation_problem(recipe: Recipe) -> tuple[tuple[str, ...], str] | None:
         return ("generation", "mode"), (
             f"{spec.mode!r} needs a logit loss (loss.base srkl as DistiLLM, or fkl, rkl, skl, jsd, "
             f"tvd): {ON_POLICY_NEEDS_LOGITS}. Set loss.base, or generation.mode=off"
+        )
+    if recipe.loss.base in UNIT_BASES:
+        return ("generation", "mode"), (
+            f"loss.base={recipe.loss.base} compares the two models on the units both tokenisations agree on "
+            "(annotate's boundary_spans), and generated rows carry no such units; use generation.mode=off"
         )
     budget = recipe.data.max_length - recipe.data.max_prompt_length
     if spec.max_new_tokens is not None and spec.max_new_tokens > budget:

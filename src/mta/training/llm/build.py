@@ -31,7 +31,7 @@ from mta.training import lora
 from mta.training.batching import AnnotatedExamples, StepSchedule
 from mta.training.config import resume_rules
 from mta.training.config.model_checks import check_generation_fits
-from mta.training.config.schema import Recipe
+from mta.training.config.schema import UNIT_BASES, Recipe
 from mta.training.dry_run import RunPlan
 from mta.training.lifecycle import checkpointing, run_directory
 from mta.training.lifecycle.selection import Selector
@@ -206,6 +206,8 @@ def build_objective(recipe: Recipe, plan: RunPlan, sides: LoadedSides) -> Distil
             for side in (sides.student, sides.teacher):
                 if side is not None:  # a cached teacher refuses this centre (the schema)
                     side.model.set_attn_implementation("eager")
+    if recipe.loss.base == "gold" and shared_vocab is None:  # the hybrid's shared tokens (docs/method.md §5b)
+        shared_vocab = tokenizers_shared_vocabulary(sides.student.tokenizer, sides.teacher_tokenizer)
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.
     torch.manual_seed(recipe.seed)
     return DistillationObjective(
@@ -218,6 +220,7 @@ def build_objective(recipe: Recipe, plan: RunPlan, sides: LoadedSides) -> Distil
         fdd_pairs=plan.fdd_layers,
         sra_pairs=plan.sra_layers,
         shared_vocab=shared_vocab,
+        teacher_vocab_size=len(sides.teacher_tokenizer),
     )
 
 
@@ -245,7 +248,7 @@ def examples_of(annotations: Annotations, recipe: Recipe, plan: RunPlan, sides: 
         teacher_pad_id=sides.teacher_tokenizer.pad_token_id,
         with_teacher=sides.teacher_config is not None,
         granularities=granularities(plan),
-        boundary=bool(recipe.loss.sra_weight),
+        boundary=bool(recipe.loss.sra_weight) or recipe.loss.base in UNIT_BASES,
         rebuild=reannotate_command(annotations.manifest, annotations.directory),
     )
 
@@ -360,8 +363,13 @@ def run_summary(
             f"{len(sides.student.tokenizer)}-token vocabulary" + (", token-level HRA" if plan.layers else "")
         )
     else:
+        base = (
+            f"base {recipe.loss.base} on the units both tokenisations agree on"
+            if recipe.loss.base in UNIT_BASES
+            else "no logit loss (base ce on the reference)"
+        )
         lines.append(
-            "teacher and student tokenizers differ: no logit loss (base ce on the reference), "
+            f"teacher and student tokenizers differ: {base}, "
             "each model pools spans on its own tokens, DSA on span geometry, HRA on span representations"
         )
     return lines + plan.summary

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from transformers import PretrainedConfig
 
 from mta.distributed import local_device
@@ -28,7 +29,7 @@ from mta.training.config.layers import (
     resolve_sra_layers,
 )
 from mta.training.config.model_checks import check_sequence_lengths, position_limit
-from mta.training.config.schema import Recipe, unset_variables
+from mta.training.config.schema import UNIT_BASES, Recipe, unset_variables
 from mta.training.dry_run import (
     ModelPlan,
     RunPlan,
@@ -141,7 +142,9 @@ def plan_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) ->
     notes: list[str] = []
     if teacher is not None and recipe.loss.sra_weight:
         notes.append(_shared_vocabulary_note(recipe))
-    if teacher is not None and recipe.loss.base != "ce" and teacher.vocab_rows != student.vocab_rows:
+    notes.extend(cross_vocabulary_notes(recipe))
+    logit_loss = recipe.loss.base not in ("ce", *UNIT_BASES)  # uld / gold compare their own vocabularies
+    if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
         notes.append(
             f"embedding rows differ (teacher {teacher.vocab_rows:,}, student "
             f"{student.vocab_rows:,}): the {recipe.loss.base} loss compares the tokenizers' "
@@ -157,22 +160,82 @@ def plan_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) ->
     return notes
 
 
-def _shared_vocabulary_note(recipe: Recipe) -> str:
-    """SRA's shared vocabulary size when both tokenizers are local directories (else when they load)."""
-    if not recipe.loss.sra_logit_weight:
-        return "SRA: span logit term off (loss.sra_logit_weight=0)"
+def _shared_tokens(recipe: Recipe) -> tuple[int, int, int] | None:
+    """``(shared tokens, student vocabulary, teacher vocabulary)`` when both tokenizers are local
+    directories, else None (they are counted when they load)."""
     teacher = recipe.teacher
-    assert teacher is not None, "asked for SRA only, which the schema refuses without a teacher"
+    assert teacher is not None, "asked for SRA or a unit base only, which the schema refuses without a teacher"
     paths = [
         recipe.resolve(spec.tokenizer_path, role) for role, spec in (("teacher", teacher), ("student", recipe.student))
     ]
     if not all((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() for path in paths):
-        return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
+        return None
     teacher_tokenizer, student_tokenizer = (load_tokenizer(path) for path in paths)
     student_ids, _ = tokenizers_shared_vocabulary(student_tokenizer, teacher_tokenizer)
-    if len(student_ids) == 0:
+    return len(student_ids), len(student_tokenizer), len(teacher_tokenizer)
+
+
+def _shared_vocabulary_note(recipe: Recipe) -> str:
+    """SRA's shared vocabulary size when both tokenizers are local directories (else when they load)."""
+    if not recipe.loss.sra_logit_weight:
+        return "SRA: span logit term off (loss.sra_logit_weight=0)"
+    counted = _shared_tokens(recipe)
+    if counted is None:
+        return "SRA: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
+    if counted[0] == 0:
         return "SRA: the tokenizers share no token; the span logit term will be off"
-    return f"SRA: {len(student_ids):,} tokens shared by the two vocabularies (its span logit term)"
+    return f"SRA: {counted[0]:,} tokens shared by the two vocabularies (its span logit term)"
+
+
+def cross_vocabulary_notes(recipe: Recipe) -> list[str]:
+    """``loss.base: uld / gold``: the vocabularies' overlap (when the tokenizers are at hand) and
+    how the aligned units cover the responses of data.train's annotated rows (when annotated:
+    an annotate directory, or the run's data/ cache of a file)."""
+    if recipe.loss.base not in UNIT_BASES or recipe.teacher is None:
+        return []
+    import pyarrow.compute as pc
+
+    from mta.data.artefact_schema import BOUNDARY_SPANS, PROMPT_LEN
+    from mta.data.token_ranges import unit_counts
+    from mta.store.layout import holds_artefact
+    from mta.store.read import read_annotations
+
+    base = recipe.loss.base
+    counted = _shared_tokens(recipe)
+    notes = [
+        f"{base}: the tokenizers' shared vocabulary is counted when they load (not at hand for a dry run)"
+        if counted is None
+        else f"{base}: {counted[0]:,} tokens shared by the two vocabularies ({counted[0] / max(counted[1], 1):.1%} of "
+        f"the student's {counted[1]:,}, {counted[0] / max(counted[2], 1):.1%} of the teacher's {counted[2]:,})"
+        + ("; the KL compares those, ULD the rest" if base == "gold" else "")
+    ]
+    written = recipe.data.train
+    path = None if unset_variables(written) else recipe.resolve(written, "data.train")
+    if path is not None and path.is_file():  # rows annotated on first use, into the run's data/ cache
+        path = recipe.resolve(recipe.output_dir, "output_dir") / "data" / "train"
+    if path is None or not (path.is_dir() and holds_artefact(path)):
+        return [*notes, f"{base}: the aligned units are counted on data.train's annotated rows (not annotated yet)"]
+    table = read_annotations(path).table
+    column = table.column(BOUNDARY_SPANS) if BOUNDARY_SPANS in table.column_names else None
+    if column is None or column.null_count:
+        return [*notes, f"{base}: data.train's annotations have no boundary_spans (the aligned units); annotate again"]
+    column = column.combine_chunks()
+    per_row = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    units = pc.list_flatten(column)
+    columns = {name: units.field(name).to_numpy(zero_copy_only=False) for name in units.type.names}
+    prompt = {side: np.repeat(table.column(PROMPT_LEN[side]).to_numpy(), per_row) for side in ("student", "teacher")}
+    counts = unit_counts(
+        np.stack([columns["teacher_start"], columns["teacher_end"]], axis=1),
+        np.stack([columns["student_start"], columns["student_end"]], axis=1),
+        (columns["student_start"] >= prompt["student"]) & (columns["teacher_start"] >= prompt["teacher"]),
+    )
+    return [
+        *notes,
+        f"{base}: {counts['units']:,} aligned units in the responses of data.train's {table.num_rows:,} rows; "
+        f"{counts['student_tokens_in_single'] / max(counts['student_tokens'], 1):.1%} of the student's and "
+        f"{counts['teacher_tokens_in_single'] / max(counts['teacher_tokens'], 1):.1%} of the teacher's response "
+        "tokens in them lie in single-token units (one token on both sides)",
+    ]
 
 
 def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) -> list[str]:
