@@ -42,3 +42,60 @@ def test_case1_teacher_into_an_annotations_directory_is_refused_even_with_force(
         with pytest.raises(MtaError, match=r"holds another stage's output \(annotations.*`mta teacher` writes"):
             run_teacher_stage(recipe, out_dir=tmp_path / "data", force=force)
         assert tree(annotations) == before
+
+
+# --------------------------------------------------------------------------- 2. the teacher cache's content key
+
+
+def cache_model(cache, repo_id: str, commit: str, source) -> None:
+    """``source``'s files as Hub model ``repo_id`` at ``commit`` in the Hub cache ``cache``, the
+    default branch moved to it (huggingface_hub's layout: snapshot files linking to blobs)."""
+    import hashlib
+
+    root = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file():
+            blob = root / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+            if not blob.exists():
+                shutil.copyfile(path, blob)
+            (snapshot / path.name).symlink_to(f"../../blobs/{blob.name}")
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_case2_the_teacher_content_key_covers_every_model_file_and_the_hub_commit(tmp_path, teacher_dir, monkeypatch):
+    from huggingface_hub import constants
+
+    from mta.training.teacher_cache.content import teacher_weights
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_dir, teacher)
+    seen = {teacher_weights(str(teacher))}
+    count = 1
+    for name, change in (
+        ("model.safetensors", lambda b: b[:-4] + bytes(4)),  # the weights
+        ("config.json", lambda b: b.replace(b"{", b'{"torch_dtype": "float32", ', 1)),  # the config
+        ("tokenizer.json", lambda b: b + b" "),  # the tokenizer
+        ("generation_config.json", lambda b: b.replace(b"{", b'{"top_k": 3, ', 1)),  # sampling defaults
+    ):
+        path = teacher / name
+        path.write_bytes(change(path.read_bytes()))
+        seen.add(teacher_weights(str(teacher)))
+        assert len(seen) == count + 1, f"{name} changed and the key did not"
+        count += 1
+    (teacher / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    (teacher / "adapter_model.safetensors").write_bytes((teacher / "model.safetensors").read_bytes())
+    seen.add(teacher_weights(str(teacher)))  # an adapter transformers applies on load
+    assert len(seen) == 6, seen
+    # A Hub name: the commit its snapshot resolves to, so a moved snapshot is another teacher.
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache_model(cache, "acme/teacher", "a" * 40, teacher_dir)
+    first = teacher_weights("acme/teacher")
+    cache_model(cache, "acme/teacher", "b" * 40, teacher)
+    assert first == f"hub:acme/teacher@{'a' * 40}" and teacher_weights("acme/teacher") == f"hub:acme/teacher@{'b' * 40}"
