@@ -99,3 +99,41 @@ def test_case2_the_teacher_content_key_covers_every_model_file_and_the_hub_commi
     first = teacher_weights("acme/teacher")
     cache_model(cache, "acme/teacher", "b" * 40, teacher)
     assert first == f"hub:acme/teacher@{'a' * 40}" and teacher_weights("acme/teacher") == f"hub:acme/teacher@{'b' * 40}"
+
+
+# --------------------------------------------------------------------------- 3. push matches scores by fingerprint
+
+
+@pytest.fixture
+def export(tmp_path, tiny_model_dir):
+    from mta.hashing import CHECKSUMS, checksum_text, directory_checksums
+
+    directory = tmp_path / "final"
+    shutil.copytree(tiny_model_dir, directory)
+    (directory / "README.md").write_text("---\nlicense: apache-2.0\n---\n# s\n")
+    (directory / CHECKSUMS).write_text(checksum_text(directory_checksums(directory)))
+    return directory
+
+
+def scores_of(checkpoint, fingerprint) -> dict:
+    return {
+        "settings": {"seeds": [1]},
+        "sets": {"dolly": {"title": "Dolly"}},
+        "checkpoints": {"s": {"checkpoint": str(checkpoint), "fingerprint": fingerprint, "sets": {"dolly": {"rougeL": {"mean": 9.0}}}}},
+    }
+
+
+def test_case3_push_results_of_the_same_path_but_another_model_are_refused_naming_both(export, tmp_path):
+    from mta.evaluation.model_files import checkpoint_fingerprint
+    from mta.models.push import plan_push
+
+    results = tmp_path / "eval"
+    results.mkdir()
+    old = "sha256:" + "0" * 64  # what final/ was when it was evaluated, before it was retrained
+    (results / "results.json").write_text(json.dumps(scores_of(export, old)))
+    now = checkpoint_fingerprint(str(export))[0]
+    with pytest.raises(MtaError, match=rf"when its fingerprint was {old}; it is {now} now"):
+        plan_push(export, "me/student", results=results)
+    # Scored under another path (evaluated from a copy): the fingerprint finds it.
+    (results / "results.json").write_text(json.dumps(scores_of(tmp_path / "copy", now)))
+    assert "9.0" in plan_push(export, "me/student", results=results).card_text

@@ -187,6 +187,46 @@ def removal_problems(path: str | Path) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- reading back mta's own artefacts
+
+
+def corrupt_artefact(path: str | Path, rebuild: str, error: BaseException | None = None) -> MtaError:
+    """The one line for an artefact mta wrote that does not read back: the file, what is wrong
+    with it in a few words, and ``rebuild`` (the command, or the step, that makes it again)."""
+    why = f" ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else 'unreadable'})" if error else ""
+    return MtaError(f"{path} is corrupt{why}; {rebuild}")
+
+
+@contextmanager
+def reading_artefact(path: str | Path, rebuild: str) -> Iterator[None]:
+    """Around reading one of mta's own artefacts (a JSON or YAML file, safetensors, a tensor of a
+    known shape): any error but a missing file becomes :func:`corrupt_artefact`'s one line."""
+    try:
+        yield
+    except (MtaError, FileNotFoundError):
+        raise
+    except Exception as error:  # every parser's own kind: JSON, YAML, safetensors, torch shapes
+        raise corrupt_artefact(path, rebuild, error) from error
+
+
+def read_artefact_json(path: str | Path, rebuild: str, *, kind: type = dict) -> Any | None:
+    """The JSON of one of mta's own artefacts, or None when there is no such file; a file that is
+    not valid UTF-8 JSON of type ``kind`` (an object by default) is one line naming it and
+    ``rebuild``."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError as error:
+        raise corrupt_artefact(path, rebuild, error) from error
+    with reading_artefact(path, rebuild):
+        content = json.loads(text.decode("utf-8"))
+    if not isinstance(content, kind):
+        raise corrupt_artefact(path, rebuild, TypeError(f"a JSON {type(content).__name__}, not {kind.__name__}"))
+    return content
+
+
 def read_jsonl_lenient(path: str | Path) -> list[dict]:
     """Every parseable object line of ``path``; an absent file and broken lines read as nothing."""
     rows = []
