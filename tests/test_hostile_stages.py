@@ -137,3 +137,31 @@ def test_case3_push_results_of_the_same_path_but_another_model_are_refused_namin
     # Scored under another path (evaluated from a copy): the fingerprint finds it.
     (results / "results.json").write_text(json.dumps(scores_of(tmp_path / "copy", now)))
     assert "9.0" in plan_push(export, "me/student", results=results).card_text
+
+
+# --------------------------------------------------------------------------- 4. a model replaced while evaluated
+
+
+def test_case4_a_model_replaced_while_evaluate_loads_it_generates_nothing(tmp_path, tiny_model_dir, data_dir, monkeypatch):
+    from contextlib import contextmanager
+
+    from mta.evaluation import EvalSettings, evaluate_checkpoints
+    from mta.evaluation import runner as runner_module
+
+    model = tmp_path / "best"
+    shutil.copytree(tiny_model_dir, model)
+    loaded = runner_module.loaded_checkpoint
+
+    @contextmanager
+    def replaced_while_loading(checkpoint, device, dtype):
+        with loaded(checkpoint, device, dtype) as held:
+            config = model / "config.json"  # a training run publishes a new best/ meanwhile
+            config.write_text(config.read_text().replace("{", '{"torch_dtype": "float32", ', 1))
+            yield held
+
+    monkeypatch.setattr(runner_module, "loaded_checkpoint", replaced_while_loading)
+    settings = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=2)
+    out = tmp_path / "eval"
+    with pytest.raises(MtaError, match=r"changed while it was being loaded .*Nothing was generated"):
+        evaluate_checkpoints([model], ["m"], data_dir, out, settings)
+    assert not list(out.rglob("*.jsonl")) and not (out / "results.json").exists()

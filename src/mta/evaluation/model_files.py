@@ -182,6 +182,20 @@ def checkpoint_fingerprint(checkpoint: str) -> tuple[str, dict[str, str]]:
     return model_fingerprint(checkpoint)
 
 
+def require_unchanged(checkpoint: str, fingerprint: str) -> None:
+    """Refuse a model that changed between its fingerprint and its load: called once the model is
+    loaded (in this process or a vLLM worker) and before anything is generated from it, so every
+    prediction comes from the model its ``generation.json`` names (evaluating ``best/`` while a
+    run still trains into it is the common way to get here)."""
+    now = checkpoint_fingerprint(checkpoint)[0]
+    if now != fingerprint:
+        raise MtaError(
+            f"checkpoint {checkpoint} changed while it was being loaded (fingerprint {fingerprint} when "
+            f"checked, {now} after loading): is a run still writing it? Nothing was generated from it. "
+            "Evaluate it when it no longer changes (or a copy of it)"
+        )
+
+
 def describe_changes(before: dict[str, str], after: dict[str, str]) -> str:
     """Which model files differ between two digest maps, in words."""
     changed = sorted(n for n in before.keys() & after.keys() if before[n] != after[n])
@@ -204,5 +218,6 @@ __all__ = [
     "describe_changes",
     "is_model_file",
     "model_files",
+    "require_unchanged",
     "verified_model_digests",
 ]
