@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +167,133 @@ def test_case4_a_model_replaced_while_evaluate_loads_it_generates_nothing(tmp_pa
     with pytest.raises(MtaError, match=r"changed while it was being loaded .*Nothing was generated"):
         evaluate_checkpoints([model], ["m"], data_dir, out, settings)
     assert not list(out.rglob("*.jsonl")) and not (out / "results.json").exists()
+
+
+# --------------------------------------------------------------------------- 5 and 10. the vLLM worker's replies
+
+FAKE_WORKER = Path(__file__).parent / "fixtures" / "fake_vllm_worker.py"
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """MTA_VLLM_PYTHON set to a launcher that says it holds vLLM and runs the fake worker in place
+    of vllm_worker.py; ``fake_vllm(reply)`` sets what it answers each request with."""
+    python = tmp_path / "vllm-python"
+    python.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-c" ]; then echo "vllm-fake 0.0"; exit 0; fi\n'
+        f'exec "{sys.executable}" "{FAKE_WORKER}"\n'
+    )
+    python.chmod(0o755)
+    monkeypatch.setenv("MTA_VLLM_PYTHON", str(python))
+
+    def reply(line: str | None) -> None:
+        if line is None:
+            monkeypatch.delenv("FAKE_VLLM_REPLY", raising=False)
+        else:
+            monkeypatch.setenv("FAKE_VLLM_REPLY", line)
+
+    return reply
+
+
+def test_case5_out_of_vocabulary_ids_stop_evaluate_before_anything_is_journalled(
+    tmp_path, tiny_model_dir, data_dir, fake_vllm
+):
+    from mta.evaluation import EvalSettings, evaluate_checkpoints
+
+    settings = EvalSettings(
+        benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=2, engine="vllm", dtype="fp32"
+    )
+    fake_vllm(json.dumps({"outputs": [{"token_ids": [5, 10**6], "finish_reason": "length"}] * 2}))
+    out = tmp_path / "eval"
+    with pytest.raises(MtaError, match=r"vLLM worker \(.*vllm-python .*pid \d+\) broke the protocol: output 0 holds token id 1000000, outside the vocabulary \(0 \.\. 511\)"):
+        evaluate_checkpoints([tiny_model_dir], ["m"], data_dir, out, settings)
+    assert not [line for path in out.rglob("*.jsonl") for line in path.read_text().splitlines()]
+    fake_vllm(None)  # a worker that keeps the protocol: the same run goes through
+    results = evaluate_checkpoints([tiny_model_dir], ["m"], data_dir, out, settings)
+    assert results["checkpoints"]["m"]["sets"]["dolly"]["rows"] == 2
+
+
+BROKEN_REPLIES = {
+    "truncated JSON": ('{"outputs": [{"token_ids": [1, 2', r"answered a line that is not JSON"),
+    "too few outputs": (json.dumps({"outputs": [{"token_ids": [1], "finish_reason": "stop"}]}), r"1 outputs for 2 prompts"),
+    "a list for an object": (json.dumps({"outputs": [[1, 2], [3]]}), r"output 0 is a JSON list, not an object"),
+    "a missing key": (json.dumps({"outputs": [{"token_ids": [1]}] * 2}), r"output 0's finish_reason is None"),
+    "a negative id": (
+        json.dumps({"outputs": [{"token_ids": [1, -3], "finish_reason": "stop"}] * 2}),
+        r"token id -3, outside the vocabulary",
+    ),
+    "a reply that is a list": ("[1, 2]", r"answered a JSON list, not an object"),
+    "ids that are not integers": (
+        json.dumps({"outputs": [{"token_ids": [1.5], "finish_reason": "stop"}] * 2}),
+        r"token_ids is \[1.5\], not a list of integers",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_REPLIES))
+def test_case10_each_broken_worker_reply_is_one_line(case, fake_vllm):
+    import torch
+
+    from mta.generation.vllm_engine import VLLMEngine
+
+    line, message = BROKEN_REPLIES[case]
+    fake_vllm(line)
+    with VLLMEngine("m", dtype=torch.float32, device=torch.device("cpu"), vocab_size=512) as engine:
+        with pytest.raises(MtaError, match=message) as raised:
+            engine.complete([[1, 2], [3]], [0, 1], {})
+    assert "\n" not in str(raised.value) and "vllm-python" in str(raised.value)
+
+
+def test_case10_a_worker_that_hangs_after_ready_is_timed_out_and_ended(fake_vllm, monkeypatch):
+    import torch
+
+    from mta.generation.vllm_engine import VLLMEngine
+
+    fake_vllm("HANG")
+    monkeypatch.setenv("MTA_VLLM_REPLY_TIMEOUT_S", "1")
+    with VLLMEngine("m", dtype=torch.float32, device=torch.device("cpu"), vocab_size=512) as engine:
+        process = engine.process
+        with pytest.raises(MtaError, match=r"did not answer within 1 s \(MTA_VLLM_REPLY_TIMEOUT_S\) while generating"):
+            engine.complete([[1]], [0], {})
+    assert process.poll() is not None
+
+
+SIGTERMED = """
+import sys, torch
+from mta.generation.vllm_engine import VLLMEngine
+with VLLMEngine("m", dtype=torch.float32, device=torch.device("cpu")) as engine:
+    print("asking", flush=True)
+    engine.complete([[1]], [0], {})
+"""
+
+
+def test_case10_sigterm_to_mta_ends_the_worker(fake_vllm, tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import subprocess_env
+
+    fake_vllm("HANG")
+    pid_file = tmp_path / "worker.pid"
+    monkeypatch.setenv("FAKE_VLLM_PID_FILE", str(pid_file))
+    mta = subprocess.Popen([sys.executable, "-c", SIGTERMED], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    assert mta.stdout.readline().strip() == "asking"
+    worker = int(pid_file.read_text())
+    mta.send_signal(signal.SIGTERM)
+    assert mta.wait(timeout=30) == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and worker_alive(worker):
+        time.sleep(0.05)
+    assert not worker_alive(worker), "the vLLM worker outlived mta"
+
+
+def worker_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped by init, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
