@@ -297,3 +297,42 @@ def worker_alive(pid: int) -> bool:
             return handle.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# --------------------------------------------------------------------------- 6. the TRL plug-in's projectors
+
+
+def projector_loss(layers, student_hidden=16, teacher_hidden=24):
+    from mta.api import MTALoss
+
+    return MTALoss(
+        layers,
+        student_hidden_size=student_hidden,
+        teacher_hidden_size=teacher_hidden,
+        vocab_size=32,
+        same_tokenizer=True,
+        base=None,
+    )
+
+
+def test_case6_trl_projectors_resume_only_onto_their_layer_map_and_sizes(tmp_path):
+    import torch
+
+    from mta.integrations.trl import read_projectors, write_projectors
+
+    pytest.importorskip("trl")
+    trained = projector_loss([(1, 2, "word"), (2, 4, "phrase")])
+    path = tmp_path / "mta_projectors.safetensors"
+    write_projectors(path, trained)
+    same = projector_loss([(1, 2, "word"), (2, 4, "phrase")])
+    read_projectors(path, same)
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(same.state_dict()[name], tensor)
+    for other in (
+        projector_loss([(1, 3, "word"), (2, 4, "phrase")]),  # the same number of pairs, another map
+        projector_loss([(1, 2, "word"), (2, 4, "phrase")], teacher_hidden=32),  # another teacher width
+    ):
+        before = {name: tensor.clone() for name, tensor in other.state_dict().items()}
+        with pytest.raises(MtaError, match=r"was made for .*the saved projectors would load onto other layers"):
+            read_projectors(path, other)
+        assert all(torch.equal(before[name], tensor) for name, tensor in other.state_dict().items())
