@@ -336,3 +336,69 @@ def test_case6_trl_projectors_resume_only_onto_their_layer_map_and_sizes(tmp_pat
         with pytest.raises(MtaError, match=r"was made for .*the saved projectors would load onto other layers"):
             read_projectors(path, other)
         assert all(torch.equal(before[name], tensor) for name, tensor in other.state_dict().items())
+
+
+# --------------------------------------------------------------------------- 7. no link followed out of a given directory
+
+
+def test_case7_a_planted_link_at_a_lock_is_refused_and_its_target_untouched(tmp_path):
+    import os
+
+    from mta.store.locks import shard_lock
+    from mta.training.lifecycle import run_directory
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / run_directory.RUN_LOCK).symlink_to(victim)
+    with pytest.raises(MtaError, match=r"\.run\.lock is a symbolic link .*never writes through a link"):
+        run_directory.claim(out, "test", resume=None, overwrite=False)
+    run_directory.release(out)
+    assert victim.read_text() == "precious\n"
+    # A store directory whose .mta/ leads elsewhere: no lock (nor anything) is made there.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / ".mta").symlink_to(elsewhere)
+    with pytest.raises(MtaError, match=rf"{store / '.mta'} is a symbolic link to .*outside {store}"):
+        with shard_lock(store, 0, 1):
+            pass
+    assert os.listdir(elsewhere) == []
+    # A directory where the lock file belongs: one line.
+    other = tmp_path / "other"
+    (other / run_directory.RUN_LOCK).mkdir(parents=True)
+    with pytest.raises(MtaError, match=r"\.run\.lock is a directory where mta keeps a file"):
+        run_directory.claim(other, "test", resume=None, overwrite=False)
+    run_directory.release(other)
+
+
+def test_case7_a_journal_never_appends_through_a_link(tmp_path):
+    from mta.files import Journal
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "eval" / "predictions" / "m" / "dolly"
+    out.mkdir(parents=True)
+    (out / "seed-1.rank0.journal.jsonl").symlink_to(victim)
+    with pytest.raises(MtaError, match=r"is a symbolic link"):
+        Journal(out / "seed-1.rank0.journal.jsonl", inside=tmp_path / "eval")
+    (tmp_path / "eval" / "predictions" / "n").symlink_to(tmp_path)  # a directory leading out
+    with pytest.raises(MtaError, match=r"predictions/n is a symbolic link to .*outside"):
+        Journal(tmp_path / "eval" / "predictions" / "n" / "dolly" / "seed-1.jsonl", inside=tmp_path / "eval")
+    assert victim.read_text() == "precious\n" and not (tmp_path / "dolly").exists()
+
+
+# --------------------------------------------------------------------------- 11. smaller
+
+
+def test_case11_a_lock_names_the_command_that_holds_it(tmp_path, monkeypatch):
+    from mta.store.locks import shard_lock
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/mta", "teacher", "--recipe", "r.yaml"])  # annotating on first use
+    with shard_lock(tmp_path, 0, 1, command="mta annotate"):
+        monkeypatch.setattr(sys, "argv", ["/venv/bin/mta", "distill", "--recipe", "r.yaml"])
+        with pytest.raises(MtaError, match=r"^another `mta teacher` \(pid \d+ on "):
+            with shard_lock(tmp_path, 0, 1, command="mta annotate"):
+                pass

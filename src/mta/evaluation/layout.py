@@ -42,6 +42,11 @@ class CheckpointPaths:
         return cls(Path(out_dir) / "predictions" / label)
 
     @property
+    def out_dir(self) -> Path:
+        """The evaluation's output directory (``-o``): no link out of it is followed."""
+        return self.root.parent.parent
+
+    @property
     def manifest(self) -> Path:
         return self.root / "generation.json"
 

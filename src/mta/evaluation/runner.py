@@ -236,7 +236,7 @@ def _generate_set(
         journal_path = paths.journal(eval_set.name, seed, distributed.rank())
         reporter.start(f"{label} · {eval_set.name} · seed {seed}", len(mine), unit="rows")
         try:
-            with disk_full_is_reported(journal_path), Journal(journal_path) as journal:
+            with disk_full_is_reported(journal_path), Journal(journal_path, inside=paths.out_dir) as journal:
                 for completions in generator.generate(prompts, seeds):
                     journal.append(
                         journal_record(
