@@ -402,3 +402,42 @@ def test_case11_a_lock_names_the_command_that_holds_it(tmp_path, monkeypatch):
         with pytest.raises(MtaError, match=r"^another `mta teacher` \(pid \d+ on "):
             with shard_lock(tmp_path, 0, 1, command="mta annotate"):
                 pass
+
+
+# --------------------------------------------------------------------------- 8. a Hub dataset's card pulls in local files
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_case8_a_hub_card_naming_files_outside_its_snapshot_is_refused(where, tmp_path, monkeypatch, tiny_tokenizer_dir):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from huggingface_hub import constants
+
+    from mta.data.annotate import AnnotateSettings, run_annotate
+    from mta.data.sources import input_reference
+    from test_hub_datasets import COMMIT, LINES, REPO, cache_dataset, qa_rows
+
+    cache = tmp_path / "hub"
+    snapshot = cache_dataset(cache, REPO, COMMIT, {"train": qa_rows(LINES[:2])})
+    secret = tmp_path / "home" / "secret.parquet"
+    secret.parent.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"question": "my password is", "answer": "hunter2"}]), secret)
+    named = str(secret) if where == "absolute" else "../../../../home/secret.parquet"
+    (snapshot / "README.md").write_text(
+        f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: {named}\n---\n# qa\n"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    settings = AnnotateSettings(
+        teacher=str(tiny_tokenizer_dir),
+        student=str(tiny_tokenizer_dir),
+        max_length=512,
+        max_prompt_length=384,
+        workers=1,
+        fields={"prompt": "question", "response": "answer"},
+    )
+    with pytest.raises(MtaError, match=r"README\.md: configs\[default\]\.data_files names .*outside the dataset's snapshot"):
+        run_annotate(input_reference(REPO), tmp_path / "out", settings)
+    assert not manifest_path(tmp_path / "out").exists()

@@ -293,6 +293,7 @@ class HubSource(DatasetsSource):
         return f"{self.reference.repo_id}:{self.reference.split}"
 
     def load(self, datasets: Any) -> Any:
+        check_snapshot_data_files(self.path)  # only files inside the snapshot are read
         return datasets.load_dataset(str(self.path), name=self.reference.subset, split=self.reference.split)
 
     def unreadable(self, error: Exception) -> str:
@@ -317,6 +318,58 @@ class HubSource(DatasetsSource):
         record = super().record(summary)
         record["path"] = self.reference.repo_id
         return {**record, **self.identity()}
+
+
+DATASET_CARDS = ("README.md", ".huggingface.yaml")  # where `datasets` reads `configs[].data_files`
+
+
+def _data_file_paths(value: Any) -> Iterator[str]:
+    """Every path a ``data_files`` value names: a string, a list of them, ``{split: ...}``, or a
+    list of ``{split, path}`` entries."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _data_file_paths(item.get("path") if isinstance(item, dict) else item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _data_file_paths(item)
+    elif value is not None:
+        yield str(value)
+
+
+def check_snapshot_data_files(snapshot: Path) -> None:
+    """Refuse a Hub dataset whose card points ``datasets`` at files outside its snapshot: every
+    ``configs[].data_files`` path (``README.md``'s front matter, ``.huggingface.yaml``) must be a
+    relative path inside it (no absolute path, no ``..``, no ``~``, no URL), so a dataset's card
+    can never pull local files into the annotations that the manifest credits to its commit."""
+    import yaml
+
+    for name in DATASET_CARDS:
+        path = snapshot / name
+        if not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if name == "README.md":
+            if not text.startswith("---"):
+                continue
+            text = text.split("---", 2)[1] if text.count("---") >= 2 else ""
+        try:
+            card = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue  # `datasets` fails on it too, naming it
+        configs = card.get("configs") if isinstance(card, dict) else None
+        for config in configs if isinstance(configs, list) else []:
+            if not isinstance(config, dict):
+                continue
+            for entry in _data_file_paths(config.get("data_files")):
+                parts = Path(entry).parts
+                if Path(entry).is_absolute() or ".." in parts or entry.startswith("~") or "://" in entry:
+                    raise MtaError(
+                        f"{path}: configs[{config.get('config_name', '?')}].data_files names {entry!r}, outside the "
+                        "dataset's snapshot; mta reads only the dataset's own files, so it is refused (nothing "
+                        "was read). Use a dataset whose card names its own files"
+                    )
 
 
 class InMemorySource(DatasetsSource):
