@@ -441,3 +441,55 @@ def test_case8_a_hub_card_naming_files_outside_its_snapshot_is_refused(where, tm
     with pytest.raises(MtaError, match=r"README\.md: configs\[default\]\.data_files names .*outside the dataset's snapshot"):
         run_annotate(input_reference(REPO), tmp_path / "out", settings)
     assert not manifest_path(tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- 9. one line per corrupt artefact
+
+
+def test_case9_corrupt_results_cards_perplexity_and_projectors_are_one_line_naming_the_rebuild(export, tmp_path):
+    from mta.evaluation.layout import CheckpointPaths
+    from mta.integrations.trl import read_projectors, write_projectors
+    from mta.models.push import plan_push
+
+    results = tmp_path / "eval"
+    results.mkdir()
+    (results / "results.json").write_text('{"checkpoints": {"s": ')
+    with pytest.raises(MtaError, match=r"results\.json is corrupt \(.*\); re-run the `mta evaluate \.\.\. -o .*eval`") as raised:
+        plan_push(export, "me/student", results=results)
+    assert "\n" not in str(raised.value)
+    (results / "results.json").write_text('{"checkpoints": ["s"]}')  # valid JSON, not what mta wrote
+    with pytest.raises(MtaError, match=r"results\.json is corrupt \(its 'checkpoints' is not an object"):
+        plan_push(export, "me/student", results=results)
+    (export / "README.md").write_text("---\nlicense: [apache\n---\n# s\n")  # the card's front matter
+    from mta.hashing import CHECKSUMS, checksum_text, directory_checksums
+
+    (export / CHECKSUMS).write_text(checksum_text(directory_checksums(export)))
+    with pytest.raises(MtaError, match=r"README\.md is corrupt \(.*\); its YAML front matter does not parse"):
+        plan_push(export, "me/student")
+    paths = CheckpointPaths.of(tmp_path / "out", "m")
+    paths.root.mkdir(parents=True)
+    paths.perplexity.write_text('{"ppl": 3.')
+    with pytest.raises(MtaError, match=r"perplexity\.json is corrupt .*re-run the same `mta evaluate`"):
+        paths.stored_perplexity()
+    projectors = tmp_path / "mta_projectors.safetensors"
+    loss = projector_loss([(1, 2, "word")])
+    write_projectors(projectors, loss)
+    projectors.write_bytes(projectors.read_bytes()[:6])  # a copy cut short: "invalid header length"
+    with pytest.raises(MtaError, match=r"mta_projectors\.safetensors is corrupt .*resume from another checkpoint"):
+        read_projectors(projectors, loss)
+
+
+def test_case9_a_corrupt_teacher_cache_manifest_names_mta_teacher_force_which_rebuilds_it(tmp_path, tiny_run_recipe):
+    from mta.training.teacher_cache.read import TeacherCache
+
+    cache = tmp_path / "cache"
+    recipe = load_recipe(tiny_run_recipe(tmp_path / "out", teacher_cache={"dir": str(cache), "top_k": 8}, data={"dev": None}))
+    run_teacher_stage(recipe)
+    manifest = manifest_path(cache / "train")
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(MtaError, match=r"manifest\.json is corrupt \(.*\); rebuild it: `mta teacher --recipe RECIPE -o .* --force`"):
+        TeacherCache(cache / "train", {})
+    with pytest.raises(MtaError, match=r"manifest\.json is corrupt .*rebuild it with `mta teacher --force`"):
+        run_teacher_stage(recipe)
+    (outcome,) = run_teacher_stage(recipe, force=True)
+    assert not outcome.reused and json.loads(manifest.read_text())["artefact"] == "teacher-outputs"

@@ -237,7 +237,8 @@ def open_inside(root: str | Path, path: str | Path, flags: int, mode: int = 0o64
 def corrupt_artefact(path: str | Path, rebuild: str, error: BaseException | None = None) -> MtaError:
     """The one line for an artefact mta wrote that does not read back: the file, what is wrong
     with it in a few words, and ``rebuild`` (the command, or the step, that makes it again)."""
-    why = f" ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else 'unreadable'})" if error else ""
+    said = str(error).strip().splitlines()[0][:200] if error is not None and str(error).strip() else ""
+    why = f" ({said or type(error).__name__})" if error is not None else ""
     return MtaError(f"{path} is corrupt{why}; {rebuild}")
 
 
@@ -262,8 +263,8 @@ def read_artefact_json(path: str | Path, rebuild: str, *, kind: type = dict) -> 
         text = path.read_bytes()
     except FileNotFoundError:
         return None
-    except IsADirectoryError as error:
-        raise corrupt_artefact(path, rebuild, error) from error
+    except OSError as error:  # not about its content: a directory in its place, no permission
+        raise MtaError(f"cannot read {path}: {error.strerror}") from error
     with reading_artefact(path, rebuild):
         content = json.loads(text.decode("utf-8"))
     if not isinstance(content, kind):
