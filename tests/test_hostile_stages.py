@@ -493,3 +493,49 @@ def test_case9_a_corrupt_teacher_cache_manifest_names_mta_teacher_force_which_re
         run_teacher_stage(recipe)
     (outcome,) = run_teacher_stage(recipe, force=True)
     assert not outcome.reused and json.loads(manifest.read_text())["artefact"] == "teacher-outputs"
+
+
+def test_case11_a_dangling_hub_blob_is_named_as_such_not_blamed_on_the_split(tmp_path, monkeypatch, tiny_tokenizer_dir):
+    import datasets
+    from huggingface_hub import constants
+
+    from mta.data.annotate import AnnotateSettings, run_annotate
+    from mta.data.sources import input_reference
+    from test_hub_datasets import COMMIT, LINES, REPO, cache_dataset, qa_rows
+
+    cache = tmp_path / "hub"
+    snapshot = cache_dataset(cache, REPO, COMMIT, {"train": qa_rows(LINES[:2])})
+    (snapshot / "data" / "train-00000-of-00001.parquet").resolve().unlink()  # the blob, cleaned by hand
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    settings = AnnotateSettings(
+        teacher=str(tiny_tokenizer_dir),
+        student=str(tiny_tokenizer_dir),
+        max_length=512,
+        max_prompt_length=384,
+        workers=1,
+        fields={"prompt": "question", "response": "answer"},
+    )
+    with pytest.raises(MtaError, match=r"cache's copy is incomplete: .*train-00000-of-00001\.parquet links to .*missing.*hf download --repo-type dataset acme/qa") as raised:
+        run_annotate(input_reference(REPO), tmp_path / "out", settings)
+    assert "check the split" not in str(raised.value)
+
+
+def test_case11_an_all_digit_revision_override_says_to_quote_it(tmp_path, tiny_run_recipe):
+    path = tiny_run_recipe(tmp_path / "out")
+    with pytest.raises(MtaError, match=r"data\.revision: .*\(got 1234\); quote it to keep it a string: .*key='\"1234\"'"):
+        load_recipe(path, ["data.revision=1234"])
+    assert load_recipe(path, ['data.revision="1234"']).data.revision == "1234"
+
+
+def test_case11_a_half_sharded_cache_does_not_say_train_from_it(tmp_path, tiny_run_recipe):
+    from typer.testing import CliRunner
+
+    from mta_cli.main import app
+
+    recipe = tiny_run_recipe(tmp_path / "out", data={"dev": None})
+    done = CliRunner().invoke(app, ["teacher", "--recipe", str(recipe), "-o", str(tmp_path / "c"), "--shard", "0/2"])
+    assert done.exit_code == 0, done.output
+    last = " ".join(done.output.split()).rsplit("└", 1)[-1]
+    assert "train from it" not in last and "run the others (--shard I/2" in last

@@ -36,6 +36,7 @@ those four (a commit names its files' bytes). An in-memory table's is its rows'
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -293,8 +294,21 @@ class HubSource(DatasetsSource):
         return f"{self.reference.repo_id}:{self.reference.split}"
 
     def load(self, datasets: Any) -> Any:
+        self._check_cached_copy()
         check_snapshot_data_files(self.path)  # only files inside the snapshot are read
         return datasets.load_dataset(str(self.path), name=self.reference.subset, split=self.reference.split)
+
+    def _check_cached_copy(self) -> None:
+        """Refuse a snapshot with a file whose blob is gone (a cache cleaned by hand, a download
+        cut short) naming the file and the download that restores it, before ``datasets`` fails on
+        it in words that would blame the split."""
+        for path in sorted(self.path.rglob("*")):
+            if path.is_symlink() and not path.exists():
+                raise MtaError(
+                    f"{self.name} at commit {self.commit[:12]}: the Hugging Face cache's copy is incomplete: "
+                    f"{path} links to {os.readlink(path)}, which is missing. Download it again where the Hub is "
+                    f"reachable (`hf download --repo-type dataset {self.reference.repo_id} --revision {self.commit}`)"
+                )
 
     def unreadable(self, error: Exception) -> str:
         return (
