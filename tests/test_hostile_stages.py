@@ -121,7 +121,13 @@ def scores_of(checkpoint, fingerprint) -> dict:
     return {
         "settings": {"seeds": [1]},
         "sets": {"dolly": {"title": "Dolly"}},
-        "checkpoints": {"s": {"checkpoint": str(checkpoint), "fingerprint": fingerprint, "sets": {"dolly": {"rougeL": {"mean": 9.0}}}}},
+        "checkpoints": {
+            "s": {
+                "checkpoint": str(checkpoint),
+                "fingerprint": fingerprint,
+                "sets": {"dolly": {"rougeL": {"mean": 9.0}}},
+            }
+        },
     }
 
 
@@ -144,7 +150,9 @@ def test_case3_push_results_of_the_same_path_but_another_model_are_refused_namin
 # --------------------------------------------------------------------------- 4. a model replaced while evaluated
 
 
-def test_case4_a_model_replaced_while_evaluate_loads_it_generates_nothing(tmp_path, tiny_model_dir, data_dir, monkeypatch):
+def test_case4_a_model_replaced_while_evaluate_loads_it_generates_nothing(
+    tmp_path, tiny_model_dir, data_dir, monkeypatch
+):
     from contextlib import contextmanager
 
     from mta.evaluation import EvalSettings, evaluate_checkpoints
@@ -206,7 +214,11 @@ def test_case5_out_of_vocabulary_ids_stop_evaluate_before_anything_is_journalled
     )
     fake_vllm(json.dumps({"outputs": [{"token_ids": [5, 10**6], "finish_reason": "length"}] * 2}))
     out = tmp_path / "eval"
-    with pytest.raises(MtaError, match=r"vLLM worker \(.*vllm-python .*pid \d+\) broke the protocol: output 0 holds token id 1000000, outside the vocabulary \(0 \.\. 511\)"):
+    with pytest.raises(
+        MtaError,
+        match=r"vLLM worker \(.*vllm-python .*pid \d+\) broke the protocol: output 0 holds token id 1000000, "
+        r"outside the vocabulary \(0 \.\. 511\)",
+    ):
         evaluate_checkpoints([tiny_model_dir], ["m"], data_dir, out, settings)
     assert not [line for path in out.rglob("*.jsonl") for line in path.read_text().splitlines()]
     fake_vllm(None)  # a worker that keeps the protocol: the same run goes through
@@ -216,7 +228,10 @@ def test_case5_out_of_vocabulary_ids_stop_evaluate_before_anything_is_journalled
 
 BROKEN_REPLIES = {
     "truncated JSON": ('{"outputs": [{"token_ids": [1, 2', r"answered a line that is not JSON"),
-    "too few outputs": (json.dumps({"outputs": [{"token_ids": [1], "finish_reason": "stop"}]}), r"1 outputs for 2 prompts"),
+    "too few outputs": (
+        json.dumps({"outputs": [{"token_ids": [1], "finish_reason": "stop"}]}),
+        r"1 outputs for 2 prompts",
+    ),
     "a list for an object": (json.dumps({"outputs": [[1, 2], [3]]}), r"output 0 is a JSON list, not an object"),
     "a missing key": (json.dumps({"outputs": [{"token_ids": [1]}] * 2}), r"output 0's finish_reason is None"),
     "a negative id": (
@@ -269,7 +284,6 @@ with VLLMEngine("m", dtype=torch.float32, device=torch.device("cpu")) as engine:
 
 
 def test_case10_sigterm_to_mta_ends_the_worker(fake_vllm, tmp_path, monkeypatch):
-    import os
     import signal
     import subprocess
     import time
@@ -338,7 +352,7 @@ def test_case6_trl_projectors_resume_only_onto_their_layer_map_and_sizes(tmp_pat
         assert all(torch.equal(before[name], tensor) for name, tensor in other.state_dict().items())
 
 
-# --------------------------------------------------------------------------- 7. no link followed out of a given directory
+# ----------------------------------------------------------------- 7. no link followed out of a given directory
 
 
 def test_case7_a_planted_link_at_a_lock_is_refused_and_its_target_untouched(tmp_path):
@@ -404,11 +418,13 @@ def test_case11_a_lock_names_the_command_that_holds_it(tmp_path, monkeypatch):
                 pass
 
 
-# --------------------------------------------------------------------------- 8. a Hub dataset's card pulls in local files
+# ----------------------------------------------------------------- 8. a Hub dataset's card pulls in local files
 
 
 @pytest.mark.parametrize("where", ["absolute", "parent"])
-def test_case8_a_hub_card_naming_files_outside_its_snapshot_is_refused(where, tmp_path, monkeypatch, tiny_tokenizer_dir):
+def test_case8_a_hub_card_naming_files_outside_its_snapshot_is_refused(
+    where, tmp_path, monkeypatch, tiny_tokenizer_dir
+):
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -438,7 +454,9 @@ def test_case8_a_hub_card_naming_files_outside_its_snapshot_is_refused(where, tm
         workers=1,
         fields={"prompt": "question", "response": "answer"},
     )
-    with pytest.raises(MtaError, match=r"README\.md: configs\[default\]\.data_files names .*outside the dataset's snapshot"):
+    with pytest.raises(
+        MtaError, match=r"README\.md: configs\[default\]\.data_files names .*outside the dataset's snapshot"
+    ):
         run_annotate(input_reference(REPO), tmp_path / "out", settings)
     assert not manifest_path(tmp_path / "out").exists()
 
@@ -454,7 +472,9 @@ def test_case9_corrupt_results_cards_perplexity_and_projectors_are_one_line_nami
     results = tmp_path / "eval"
     results.mkdir()
     (results / "results.json").write_text('{"checkpoints": {"s": ')
-    with pytest.raises(MtaError, match=r"results\.json is corrupt \(.*\); re-run the `mta evaluate \.\.\. -o .*eval`") as raised:
+    with pytest.raises(
+        MtaError, match=r"results\.json is corrupt \(.*\); re-run the `mta evaluate \.\.\. -o .*eval`"
+    ) as raised:
         plan_push(export, "me/student", results=results)
     assert "\n" not in str(raised.value)
     (results / "results.json").write_text('{"checkpoints": ["s"]}')  # valid JSON, not what mta wrote
@@ -483,11 +503,15 @@ def test_case9_a_corrupt_teacher_cache_manifest_names_mta_teacher_force_which_re
     from mta.training.teacher_cache.read import TeacherCache
 
     cache = tmp_path / "cache"
-    recipe = load_recipe(tiny_run_recipe(tmp_path / "out", teacher_cache={"dir": str(cache), "top_k": 8}, data={"dev": None}))
+    recipe = load_recipe(
+        tiny_run_recipe(tmp_path / "out", teacher_cache={"dir": str(cache), "top_k": 8}, data={"dev": None})
+    )
     run_teacher_stage(recipe)
     manifest = manifest_path(cache / "train")
     manifest.write_text(manifest.read_text()[:40])
-    with pytest.raises(MtaError, match=r"manifest\.json is corrupt \(.*\); rebuild it: `mta teacher --recipe RECIPE -o .* --force`"):
+    with pytest.raises(
+        MtaError, match=r"manifest\.json is corrupt \(.*\); rebuild it: `mta teacher --recipe RECIPE -o .* --force`"
+    ):
         TeacherCache(cache / "train", {})
     with pytest.raises(MtaError, match=r"manifest\.json is corrupt .*rebuild it with `mta teacher --force`"):
         run_teacher_stage(recipe)
@@ -517,14 +541,20 @@ def test_case11_a_dangling_hub_blob_is_named_as_such_not_blamed_on_the_split(tmp
         workers=1,
         fields={"prompt": "question", "response": "answer"},
     )
-    with pytest.raises(MtaError, match=r"cache's copy is incomplete: .*train-00000-of-00001\.parquet links to .*missing.*hf download --repo-type dataset acme/qa") as raised:
+    with pytest.raises(
+        MtaError,
+        match=r"cache's copy is incomplete: .*train-00000-of-00001\.parquet links to .*missing.*"
+        r"hf download --repo-type dataset acme/qa",
+    ) as raised:
         run_annotate(input_reference(REPO), tmp_path / "out", settings)
     assert "check the split" not in str(raised.value)
 
 
 def test_case11_an_all_digit_revision_override_says_to_quote_it(tmp_path, tiny_run_recipe):
     path = tiny_run_recipe(tmp_path / "out")
-    with pytest.raises(MtaError, match=r"data\.revision: .*\(got 1234\); quote it to keep it a string: .*key='\"1234\"'"):
+    with pytest.raises(
+        MtaError, match=r"data\.revision: .*\(got 1234\); quote it to keep it a string: .*key='\"1234\"'"
+    ):
         load_recipe(path, ["data.revision=1234"])
     assert load_recipe(path, ['data.revision="1234"']).data.revision == "1234"
 

@@ -190,12 +190,18 @@ def test_a_layout_1_directory_is_adopted_in_place(tmp_path):
 
 def test_writing_a_shard_makes_the_directory_and_removes_it_again_when_the_first_run_fails(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError), writing_shard(out, 0, 1, command="mta embed", kind="teacher-embeddings", warn=print):
+    with (
+        pytest.raises(RuntimeError),
+        writing_shard(out, 0, 1, command="mta embed", kind="teacher-embeddings", warn=print),
+    ):
         assert out.is_dir()
         raise RuntimeError
     assert not out.exists()
     out.mkdir()
-    with pytest.raises(RuntimeError), writing_shard(out, 0, 1, command="mta embed", kind="teacher-embeddings", warn=print):
+    with (
+        pytest.raises(RuntimeError),
+        writing_shard(out, 0, 1, command="mta embed", kind="teacher-embeddings", warn=print),
+    ):
         raise RuntimeError
     assert out.is_dir()  # not made by this call: left
 

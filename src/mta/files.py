@@ -582,7 +582,9 @@ def exclusive_lock(path: Path, *, wait_s: float, inside: str | Path | None = Non
     try:
         try:
             os.ftruncate(handle, 0)
-            os.pwrite(handle, f"{os.getpid()} {socket.gethostname()} {running_command() or ''}".rstrip().encode() + b"\n", 0)
+            os.pwrite(
+                handle, f"{os.getpid()} {socket.gethostname()} {running_command() or ''}".rstrip().encode() + b"\n", 0
+            )
         except OSError:
             pass  # the pid is for messages only (a full disk may refuse even these bytes)
         yield None

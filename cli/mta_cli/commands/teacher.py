@@ -94,7 +94,8 @@ def teacher(
         count = shard_spec[1] if shard_spec else "N"
         Console().print(
             f"wrote this shard of {root}; {', '.join(waiting)} is not complete until every shard is written: run "
-            f"the others (--shard I/{count}; the last one writes the manifest), then train with teacher_cache.dir={root}",
+            f"the others (--shard I/{count}; the last one writes the manifest), then train with "
+            f"teacher_cache.dir={root}",
             highlight=False,
             soft_wrap=True,
         )

@@ -37,9 +37,9 @@ from mta.errors import MtaError
 from mta.files import disk_full_is_reported
 from mta.hashing import json_sha256
 from mta.reporting import Reporter, SilentReporter
+from mta.store.kinds import ANNOTATIONS
 from mta.store.layout import staged_part
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES
-from mta.store.kinds import ANNOTATIONS
 from mta.store.publish import PartWriter, commit_shard, writing_shard
 from mta.store.reuse import reusable_output
 from mta.versions import MTA_VERSION

@@ -35,7 +35,6 @@ local hub cache (the one ``from_pretrained`` loads), or ``hub:<name>`` where non
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.util
 import json
 from pathlib import Path

@@ -199,13 +199,15 @@ def checked_reply(
     decoded, scored or journalled."""
 
     def refused(problem: str) -> WorkerReplyError:
-        return WorkerReplyError(f"the vLLM worker ({worker}) broke the protocol: {problem}; nothing of its reply was used")
+        return WorkerReplyError(
+            f"the vLLM worker ({worker}) broke the protocol: {problem}; nothing of its reply was used"
+        )
 
     if not isinstance(reply, dict):
         raise refused(f"its reply is a JSON {type(reply).__name__}, not an object")
     if ready:
         if reply.get("ready") is not True:
-            raise refused(f"its first reply is {json.dumps(reply)[:120]}, not {{\"ready\": true}}")
+            raise refused(f'its first reply is {json.dumps(reply)[:120]}, not {{"ready": true}}')
         return []
     outputs = reply.get("outputs")
     if not isinstance(outputs, list):
@@ -345,7 +347,9 @@ class VLLMEngine:
         if reader.is_alive():
             self.close(at_once=True)
             setting = f" ({REPLY_TIMEOUT_ENV})" if doing == "generating" else ""
-            raise self._failure(f"the vLLM worker ({worker}) did not answer within {timeout:.0f} s{setting} while {doing}")
+            raise self._failure(
+                f"the vLLM worker ({worker}) did not answer within {timeout:.0f} s{setting} while {doing}"
+            )
         if not answer or not answer[0].strip():
             self.process.wait(timeout=60)
             raise self._failure(f"the vLLM worker ended while {doing} (exit {self.process.returncode})")

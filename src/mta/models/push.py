@@ -87,7 +87,9 @@ def plan_push(
             + "; ".join(differences)
             + ". It changed after it was written: re-export it (or re-run the step that wrote it)"
         )
-    with reading_artefact(directory / CARD, "its YAML front matter does not parse: re-export the model (mta distill writes the card)"):
+    with reading_artefact(
+        directory / CARD, "its YAML front matter does not parse: re-export the model (mta distill writes the card)"
+    ):
         card = metadata_load(directory / CARD) if (directory / CARD).is_file() else None
     if not card:
         raise MtaError(f"{directory}/{CARD}: no model card with YAML front matter (mta distill writes one)")
@@ -117,7 +119,9 @@ def with_model_index(card_text: str, directory: Path, repo_id: str, results_dir:
     from huggingface_hub import EvalResult, ModelCard
 
     path = results_dir / "results.json"
-    rebuild = f"re-run the `mta evaluate ... -o {results_dir}` that wrote it (it rebuilds results.json from its predictions)"
+    rebuild = (
+        f"re-run the `mta evaluate ... -o {results_dir}` that wrote it (it rebuilds results.json from its predictions)"
+    )
     results = read_artefact_json(path, rebuild)
     if results is None:
         raise MtaError(f"--results {results_dir}: no results.json; give the -o directory of `mta evaluate`")

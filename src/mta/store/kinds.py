@@ -85,7 +85,8 @@ def require_kind(out_dir: str | Path, kind: str, *, command: str, force: bool = 
 
 def _other_kind(out_dir: Path, path: Path, found: str, kind: str, command: str) -> MtaError:
     return MtaError(
-        f"{out_dir} holds another stage's output ({found}, says {path}), and `{command}` writes {kind}: it never replaces "
+        f"{out_dir} holds another stage's output ({found}, says {path}), and `{command}` writes {kind}: "
+        "it never replaces "
         "or removes another stage's output (--force included); nothing in it was touched. Give a new "
         "directory"
     )

@@ -33,7 +33,7 @@ SPLITS = ("train", "dev")
 # The description's keys that decide the stored values; each names the recipe key to change.
 CONTENT_KEYS = {
     "teacher_cache_version": "mta teacher (rebuild the cache with this mta)",
-    "teacher_weights": "teacher.path (another teacher: its weight, adapter, config or tokenizer files, or its Hub commit)",
+    "teacher_weights": "teacher.path (another teacher: its weight, adapter, config or tokenizer files, or Hub commit)",
     "teacher_tokenizer": "teacher.tokenizer",
     "teacher_tokens": "data.train / data.dev (rows whose teacher tokens differ)",
     "max_length": "data.max_length",
