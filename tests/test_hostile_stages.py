@@ -274,30 +274,35 @@ def test_case10_a_worker_that_hangs_after_ready_is_timed_out_and_ended(fake_vllm
     assert process.poll() is not None
 
 
-SIGTERMED = """
-import sys, torch
-from mta.generation.vllm_engine import VLLMEngine
-with VLLMEngine("m", dtype=torch.float32, device=torch.device("cpu")) as engine:
-    print("asking", flush=True)
-    engine.complete([[1]], [0], {})
-"""
+def hold_a_hung_worker() -> None:
+    """In a forked process (mta): start the engine on the fake worker and wait on a request it
+    never answers, as ``mta evaluate`` waits on a generation."""
+    import torch
+
+    from mta.generation.vllm_engine import VLLMEngine
+
+    with VLLMEngine("m", dtype=torch.float32, device=torch.device("cpu")) as engine:
+        engine.complete([[1]], [0], {})
 
 
 def test_case10_sigterm_to_mta_ends_the_worker(fake_vllm, tmp_path, monkeypatch):
+    import multiprocessing
     import signal
-    import subprocess
     import time
-
-    from conftest import subprocess_env
 
     fake_vllm("HANG")
     pid_file = tmp_path / "worker.pid"
     monkeypatch.setenv("FAKE_VLLM_PID_FILE", str(pid_file))
-    mta = subprocess.Popen([sys.executable, "-c", SIGTERMED], stdout=subprocess.PIPE, text=True, env=subprocess_env())
-    assert mta.stdout.readline().strip() == "asking"
+    mta = multiprocessing.get_context("fork").Process(target=hold_a_hung_worker)
+    mta.start()
+    deadline = time.monotonic() + 30
+    while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     worker = int(pid_file.read_text())
-    mta.send_signal(signal.SIGTERM)
-    assert mta.wait(timeout=30) == -signal.SIGTERM
+    time.sleep(0.2)  # mta is waiting on the request
+    mta.terminate()  # SIGTERM, whose default action ends mta without running any cleanup
+    mta.join(timeout=30)
+    assert mta.exitcode == -signal.SIGTERM
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and worker_alive(worker):
         time.sleep(0.05)
