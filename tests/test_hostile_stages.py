@@ -17,12 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from conftest import EXAMPLES
+from fixtures.hub import cache_model
 from mta.errors import MtaError
 from mta.store.layout import manifest_path
 from mta.training.config.loading import load_recipe
 from mta.training.teacher_cache.build import run_teacher_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+REPO, COMMIT = "acme/qa", "4c1b2d8e9f0a1b2c3d4e5f60718293a4b5c6d7e8"
+LINES = EXAMPLES.read_text(encoding="utf-8").splitlines()
 
 
 def tree(directory) -> dict[str, bytes]:
@@ -47,25 +52,6 @@ def test_case1_teacher_into_an_annotations_directory_is_refused_even_with_force(
 
 
 # --------------------------------------------------------------------------- 2. the teacher cache's content key
-
-
-def cache_model(cache, repo_id: str, commit: str, source) -> None:
-    """``source``'s files as Hub model ``repo_id`` at ``commit`` in the Hub cache ``cache``, the
-    default branch moved to it (huggingface_hub's layout: snapshot files linking to blobs)."""
-    import hashlib
-
-    root = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = root / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (root / "blobs").mkdir(exist_ok=True)
-    for path in sorted(source.iterdir()):
-        if path.is_file():
-            blob = root / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
-            if not blob.exists():
-                shutil.copyfile(path, blob)
-            (snapshot / path.name).symlink_to(f"../../blobs/{blob.name}")
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / "main").write_text(commit)
 
 
 def test_case2_the_teacher_content_key_covers_every_model_file_and_the_hub_commit(tmp_path, teacher_dir, monkeypatch):
@@ -435,9 +421,9 @@ def test_case8_a_hub_card_naming_files_outside_its_snapshot_is_refused(
     import pyarrow.parquet as pq
     from huggingface_hub import constants
 
+    from fixtures.hub import cache_dataset, qa_rows
     from mta.data.annotate import AnnotateSettings, run_annotate
     from mta.data.sources import input_reference
-    from test_hub_datasets import COMMIT, LINES, REPO, cache_dataset, qa_rows
 
     cache = tmp_path / "hub"
     snapshot = cache_dataset(cache, REPO, COMMIT, {"train": qa_rows(LINES[:2])})
@@ -528,9 +514,9 @@ def test_case11_a_dangling_hub_blob_is_named_as_such_not_blamed_on_the_split(tmp
     import datasets
     from huggingface_hub import constants
 
+    from fixtures.hub import cache_dataset, qa_rows
     from mta.data.annotate import AnnotateSettings, run_annotate
     from mta.data.sources import input_reference
-    from test_hub_datasets import COMMIT, LINES, REPO, cache_dataset, qa_rows
 
     cache = tmp_path / "hub"
     snapshot = cache_dataset(cache, REPO, COMMIT, {"train": qa_rows(LINES[:2])})
