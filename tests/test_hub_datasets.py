@@ -17,7 +17,6 @@ test, read with ``HF_DATASETS_OFFLINE=1``. Checked:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -25,11 +24,10 @@ import time
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from conftest import EXAMPLES, subprocess_env
+from fixtures.hub import cache_dataset, qa_rows
 from mta.data.annotate import AnnotateSettings, run_annotate
 from mta.data.sources import HubDataset, input_reference
 from mta.errors import MtaError
@@ -42,38 +40,9 @@ FIELDS = {"prompt": "question", "response": "answer"}
 LINES = EXAMPLES.read_text(encoding="utf-8").splitlines()
 
 
-def qa_rows(lines: list[str]) -> list[dict]:
-    """The example rows as question/answer columns (the prompt as the Alpaca template builds it)."""
-    from mta.data.prompts import alpaca_prompt
-
-    rows = []
-    for line in lines:
-        row = json.loads(line)
-        rows.append({"question": alpaca_prompt(row["instruction"], row.get("input")), "answer": row["output"]})
-    return rows
-
-
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps({"prompt": r["question"], "response": r["answer"]}) + "\n" for r in rows))
     return path
-
-
-def cache_dataset(cache: Path, repo_id: str, commit: str, splits: dict[str, list[dict]]) -> Path:
-    """``repo_id`` at ``commit`` in the Hub cache ``cache`` as huggingface_hub lays it out: one
-    Parquet file per split under data/, stored as a blob and linked from the snapshot."""
-    root = cache / f"datasets--{repo_id.replace('/', '--')}"
-    snapshot = root / "snapshots" / commit
-    (snapshot / "data").mkdir(parents=True)
-    (root / "blobs").mkdir(exist_ok=True)
-    for split, rows in splits.items():
-        staged = root / f"{split}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), staged)
-        blob = root / "blobs" / hashlib.sha256(staged.read_bytes()).hexdigest()
-        staged.rename(blob)
-        (snapshot / "data" / f"{split}-00000-of-00001.parquet").symlink_to(Path("../../..") / "blobs" / blob.name)
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / "main").write_text(commit)
-    return snapshot
 
 
 @pytest.fixture

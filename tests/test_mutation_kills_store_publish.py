@@ -30,6 +30,8 @@ from mta.store.reuse import ReusableOutput, reusable_output
 
 # --- commit and merge -------------------------------------------------------------------------------
 
+ANNOTATE = {"kind": "test", "command": "mta test"}  # the kind the shards here name
+
 
 def test_a_shard_is_held_in_staging_until_its_set_is_complete_then_all_parts_are_published(tmp_path):
     assert commit_shard(tmp_path, stage(tmp_path, 1, 2, "k", [2, 3])) is None
@@ -188,12 +190,18 @@ def test_a_layout_1_directory_is_adopted_in_place(tmp_path):
 
 def test_writing_a_shard_makes_the_directory_and_removes_it_again_when_the_first_run_fails(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError), writing_shard(out, 0, 1, command="mta embed", warn=print):
+    with (
+        pytest.raises(RuntimeError),
+        writing_shard(out, 0, 1, command="mta embed", kind="teacher-embeddings", warn=print),
+    ):
         assert out.is_dir()
         raise RuntimeError
     assert not out.exists()
     out.mkdir()
-    with pytest.raises(RuntimeError), writing_shard(out, 0, 1, command="mta embed", warn=print):
+    with (
+        pytest.raises(RuntimeError),
+        writing_shard(out, 0, 1, command="mta embed", kind="teacher-embeddings", warn=print),
+    ):
         raise RuntimeError
     assert out.is_dir()  # not made by this call: left
 
@@ -209,7 +217,7 @@ def test_a_filesystem_without_locks_is_warned_about_naming_the_command(tmp_path,
 
     monkeypatch.setattr(locks, "exclusive_lock", no_locks)
     warnings = []
-    with writing_shard(tmp_path, 0, 1, command="mta teacher", warn=warnings.append):
+    with writing_shard(tmp_path, 0, 1, command="mta teacher", kind="teacher-outputs", warn=warnings.append):
         pass
     lock = tmp_path / META / ".lock-shard-00000-of-00001"
     assert warnings == [f"{lock}: this filesystem has no locks: make sure no other `mta teacher` writes this shard"]
@@ -219,14 +227,14 @@ def test_a_filesystem_without_locks_is_warned_about_naming_the_command(tmp_path,
 
 
 def test_a_complete_directory_of_the_same_key_is_reused_whole(tmp_path):
-    assert reusable_output(tmp_path / "absent", "k", 0, 2) is None
+    assert reusable_output(tmp_path / "absent", "k", 0, 2, **ANNOTATE) is None
     for shard in (0, 1):
         commit_shard(tmp_path, stage(tmp_path, shard, 2, "k", [shard]))
-    assert reusable_output(tmp_path, "k", 1, 2) == ReusableOutput(read_manifest(tmp_path), {})
-    assert reusable_output(tmp_path, "other", 1, 2) is None
-    assert reusable_output(tmp_path, "k", 0, 2) == ReusableOutput(read_manifest(tmp_path), {})
+    assert reusable_output(tmp_path, "k", 1, 2, **ANNOTATE) == ReusableOutput(read_manifest(tmp_path), {})
+    assert reusable_output(tmp_path, "other", 1, 2, **ANNOTATE) is None
+    assert reusable_output(tmp_path, "k", 0, 2, **ANNOTATE) == ReusableOutput(read_manifest(tmp_path), {})
     (tmp_path / part(1, 2, "k")).write_bytes(b"changed")  # neither the set nor shard 1 is intact now
-    assert reusable_output(tmp_path, "k", 1, 2) is None
+    assert reusable_output(tmp_path, "k", 1, 2, **ANNOTATE) is None
 
 
 def read_shard(out: Path, shard: int, num_shards: int) -> dict:
@@ -235,17 +243,17 @@ def read_shard(out: Path, shard: int, num_shards: int) -> dict:
 
 def test_this_shards_own_part_of_the_same_key_is_reused_and_merged_when_the_set_is_complete(tmp_path):
     commit_shard(tmp_path, stage(tmp_path, 0, 2, "k", [0]))
-    assert reusable_output(tmp_path, "k", 0, 2) == ReusableOutput(None, read_shard(tmp_path, 0, 2))
-    assert reusable_output(tmp_path, "k", 1, 2) is None  # shard 1 is not written yet
-    assert reusable_output(tmp_path, "other", 0, 2) is None
+    assert reusable_output(tmp_path, "k", 0, 2, **ANNOTATE) == ReusableOutput(None, read_shard(tmp_path, 0, 2))
+    assert reusable_output(tmp_path, "k", 1, 2, **ANNOTATE) is None  # shard 1 is not written yet
+    assert reusable_output(tmp_path, "other", 0, 2, **ANNOTATE) is None
     one = stage(tmp_path, 1, 2, "k", [1])
     (tmp_path / shard_file(1, 2)).write_text(json.dumps(one), encoding="utf-8")  # a merge cut short
-    reused = reusable_output(tmp_path, "k", 1, 2)
+    reused = reusable_output(tmp_path, "k", 1, 2, **ANNOTATE)
     assert reused == ReusableOutput(read_manifest(tmp_path), one) and reused.manifest["num_shards"] == 2
     staged = tmp_path / META / STAGING / part(0, 2, "k2")
     commit_shard(tmp_path, stage(tmp_path, 0, 2, "k2", [0]))
     staged.write_bytes(b"changed")
-    assert reusable_output(tmp_path, "k2", 0, 2) is None  # its part no longer matches its sha256
+    assert reusable_output(tmp_path, "k2", 0, 2, **ANNOTATE) is None  # its part no longer matches its sha256
 
 
 # --- row groups, syncing and the settled fast path --------------------------------------------------

@@ -123,7 +123,7 @@ def test_the_replaced_part_a_cut_short_publish_left_staged_goes_with_the_new_man
 
 def test_a_shard_another_writer_holds_is_refused_naming_this_writers_command(tmp_path):
     with shard_lock(tmp_path, 0, 1, command="mta embed"), pytest.raises(MtaError) as refused:
-        with writing_shard(tmp_path, 0, 1, command="mta embed", warn=print):
+        with writing_shard(tmp_path, 0, 1, command="mta embed", kind="teacher-embeddings", warn=print):
             pass
     assert str(refused.value).startswith(f"another `mta embed` (pid {os.getpid()} ")
 

@@ -129,6 +129,8 @@ def test_results_add_a_model_index_to_the_uploaded_card_and_leave_the_directory_
 
     from huggingface_hub import ModelCard
 
+    from mta.evaluation.model_files import checkpoint_fingerprint
+
     results = tmp_path / "eval"
     results.mkdir()
     sets = {"dolly": {"rougeL": {"mean": 24.51234}}, "vicuna": {"rougeL": {"mean": 17.2}}}
@@ -137,7 +139,7 @@ def test_results_add_a_model_index_to_the_uploaded_card_and_leave_the_directory_
         "sets": {"dolly": {"title": "Dolly"}, "vicuna": {"title": "Vicuna"}},
         "checkpoints": {
             "other": {"checkpoint": str(tmp_path / "x"), "sets": {}},
-            "s": {"checkpoint": str(export), "sets": sets},
+            "s": {"checkpoint": str(export), "fingerprint": checkpoint_fingerprint(str(export))[0], "sets": sets},
         },
     }
     (results / "results.json").write_text(json.dumps(payload))
@@ -154,5 +156,5 @@ def test_results_add_a_model_index_to_the_uploaded_card_and_leave_the_directory_
     assert (export / "README.md").read_text() == before  # its checksums still hold
     payload["checkpoints"].pop("s")
     (results / "results.json").write_text(json.dumps(payload))
-    with pytest.raises(MtaError, match="not .*final: evaluate it first"):
+    with pytest.raises(MtaError, match=r"not .*final \(sha256:[0-9a-f]+\): evaluate it first"):
         plan_push(export, "me/student", results=results)

@@ -416,6 +416,12 @@ class MTALoss(nn.Module):
             raise MtaError(f"MTALoss: {_problems(error)}") from None
         pairs = [_layer_pair(pair, index) for index, pair in enumerate(layer_pairs)] if spec.alignment_terms else []
         self.labels_shifted = labels_shifted
+        # What the HRA projectors are made for (saved with them: a resume onto another map is refused).
+        self.layout = {
+            "layers": [[pair.student, pair.teacher, pair.granularity] for pair in pairs],
+            "student_hidden_size": student_hidden_size,
+            "teacher_hidden_size": teacher_hidden_size,
+        }
         self.objective = DistillationObjective(
             spec,
             pairs,

@@ -28,6 +28,7 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -187,6 +188,90 @@ def removal_problems(path: str | Path) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------- no link followed out
+
+
+def outside_link(root: str | Path, path: str | Path) -> Path | None:
+    """The first directory between ``root`` and ``path`` (``root`` itself excluded: the user gave
+    it) that is a symbolic link resolving outside ``root``, else None. ``path`` must lie under
+    ``root`` as written."""
+    root, path = Path(os.path.abspath(root)), Path(os.path.abspath(path))
+    real_root = Path(os.path.realpath(root))
+    current = root
+    for part in path.relative_to(root).parts[:-1]:
+        current = current / part
+        if current.is_symlink() and not Path(os.path.realpath(current)).is_relative_to(real_root):
+            return current
+    return None
+
+
+def open_inside(root: str | Path, path: str | Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` for a file mta creates or appends to inside the directory ``root``
+    it was given, never following a link out of it: ``path`` itself is opened with
+    ``O_NOFOLLOW`` (a planted link there is refused, never written through), and no directory
+    between ``root`` and it may be a link leading outside ``root``. A directory (or a link) where
+    the file should be is one ``MtaError`` naming it, not a traceback."""
+    path = Path(path)
+    escaping = outside_link(root, path)
+    if escaping is not None:
+        raise MtaError(
+            f"{escaping} is a symbolic link to {os.path.realpath(escaping)}, outside {root}: mta writes only "
+            f"inside the directories it is given and never follows a link out of them; remove the link"
+        )
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as error:
+        if error.errno == errno.ELOOP or path.is_symlink():
+            raise MtaError(
+                f"{path} is a symbolic link (to {os.readlink(path)}): mta never writes through a link it did not "
+                "make; remove it and re-run"
+            ) from None
+        if error.errno == errno.EISDIR or path.is_dir():
+            raise MtaError(f"{path} is a directory where mta keeps a file; remove it and re-run") from None
+        raise
+
+
+# --------------------------------------------------------------------------- reading back mta's own artefacts
+
+
+def corrupt_artefact(path: str | Path, rebuild: str, error: BaseException | None = None) -> MtaError:
+    """The one line for an artefact mta wrote that does not read back: the file, what is wrong
+    with it in a few words, and ``rebuild`` (the command, or the step, that makes it again)."""
+    said = str(error).strip().splitlines()[0][:200] if error is not None and str(error).strip() else ""
+    why = f" ({said or type(error).__name__})" if error is not None else ""
+    return MtaError(f"{path} is corrupt{why}; {rebuild}")
+
+
+@contextmanager
+def reading_artefact(path: str | Path, rebuild: str) -> Iterator[None]:
+    """Around reading one of mta's own artefacts (a JSON or YAML file, safetensors, a tensor of a
+    known shape): any error but a missing file becomes :func:`corrupt_artefact`'s one line."""
+    try:
+        yield
+    except (MtaError, FileNotFoundError):
+        raise
+    except Exception as error:  # every parser's own kind: JSON, YAML, safetensors, torch shapes
+        raise corrupt_artefact(path, rebuild, error) from error
+
+
+def read_artefact_json(path: str | Path, rebuild: str, *, kind: type = dict) -> Any | None:
+    """The JSON of one of mta's own artefacts, or None when there is no such file; a file that is
+    not valid UTF-8 JSON of type ``kind`` (an object by default) is one line naming it and
+    ``rebuild``."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # not about its content: a directory in its place, no permission
+        raise MtaError(f"cannot read {path}: {error.strerror}") from error
+    with reading_artefact(path, rebuild):
+        content = json.loads(text.decode("utf-8"))
+    if not isinstance(content, kind):
+        raise corrupt_artefact(path, rebuild, TypeError(f"a JSON {type(content).__name__}, not {kind.__name__}"))
+    return content
+
+
 def read_jsonl_lenient(path: str | Path) -> list[dict]:
     """Every parseable object line of ``path``; an absent file and broken lines read as nothing."""
     rows = []
@@ -207,13 +292,20 @@ def read_jsonl_lenient(path: str | Path) -> list[dict]:
 class Journal:
     """Append-only JSONL, one line per finished unit of work, flushed at once.
 
-    ``fresh=True`` starts an empty journal (the previous file, if any, is replaced).
+    ``fresh=True`` starts an empty journal (the previous file, if any, is replaced). ``inside``:
+    the directory the user gave (default: the journal's own), out of which no link is followed
+    (:func:`open_inside`).
     """
 
-    def __init__(self, path: str | Path, *, fresh: bool = False):
+    def __init__(self, path: str | Path, *, fresh: bool = False, inside: str | Path | None = None):
         self.path = Path(path)
+        root = Path(inside) if inside is not None else self.path.parent
+        escaping = outside_link(root, self.path)  # before mkdir creates anything through it
+        if escaping is not None:
+            open_inside(root, self.path, os.O_RDONLY)  # raises, naming the link
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = open(self.path, "w" if fresh else "a", encoding="utf-8")
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if fresh else os.O_APPEND)
+        self._handle = os.fdopen(open_inside(root, self.path, flags), "a", encoding="utf-8")
         # A crash may have left a partial last line: start ours on a fresh one.
         if self._handle.tell() > 0:
             with open(self.path, "rb") as check:
@@ -416,25 +508,42 @@ def make_output_directory(path: Path, option: str = "-o") -> None:
 _LOCKS_UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
-def _lock_holder(handle: int) -> str:
-    """Who holds a lock, as its holder wrote it (``pid N on HOST``)."""
+def running_command() -> str | None:
+    """The mta command this process runs (``mta teacher``), from its arguments; None when it is
+    not the ``mta`` console script (or ``python -m mta_cli.main``)."""
+    argv = sys.argv
+    if len(argv) < 2 or not argv[0]:
+        return None
+    program = Path(argv[0])
+    if program.name == "mta" or (program.name == "main.py" and program.parent.name == "mta_cli"):
+        return f"mta {argv[1]}" if argv[1].isidentifier() or "-" in argv[1] else None
+    return None
+
+
+def _lock_holder(handle: int) -> tuple[str, str | None]:
+    """Who holds a lock, as its holder wrote it: ``pid N on HOST``, and the mta command it runs
+    (None when it did not say)."""
     try:
         text = os.pread(handle, 200, 0).decode("utf-8", "replace").split()
     except OSError:
         text = []
-    return f"pid {text[0]} on {text[1]}" if len(text) >= 2 else "a process that has not written its pid yet"
+    if len(text) < 2:
+        return "a process that has not written its pid yet", None
+    return f"pid {text[0]} on {text[1]}", " ".join(text[2:]) or None
 
 
 @contextmanager
-def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[str | None]:
-    """Hold ``fcntl.flock`` on ``path`` (created if needed); yield None, or why locking is
+def exclusive_lock(path: Path, *, wait_s: float, inside: str | Path | None = None) -> Iterator[str | None]:
+    """Hold ``fcntl.flock`` on ``path`` (created if needed, through :func:`open_inside`: no link
+    followed out of ``inside``, default ``path``'s directory); yield None, or why locking is
     unsupported here. Raises ``LockHeld`` with the holder's description when another process holds
-    it for longer than ``wait_s`` (0: do not wait)."""
+    it for longer than ``wait_s`` (0: do not wait). The holder writes its pid, host and, when it
+    is an mta command, which one (:func:`running_command`), for a refused second writer to name."""
     deadline = time.monotonic() + wait_s
     unsupported = None
     while True:
         try:
-            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            handle = open_inside(inside if inside is not None else path.parent, path, os.O_RDWR | os.O_CREAT)
         except PermissionError as error:
             raise MtaError(
                 f"cannot create the lock file {path}: {error.strerror}; the output must be a "
@@ -443,10 +552,10 @@ def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[str | None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _lock_holder(handle)
+            holder, command = _lock_holder(handle)
             os.close(handle)
             if time.monotonic() >= deadline:
-                raise LockHeld(holder) from None
+                raise LockHeld(holder, command) from None
             time.sleep(0.05)
             continue
         except OSError as error:
@@ -473,7 +582,9 @@ def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[str | None]:
     try:
         try:
             os.ftruncate(handle, 0)
-            os.pwrite(handle, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            os.pwrite(
+                handle, f"{os.getpid()} {socket.gethostname()} {running_command() or ''}".rstrip().encode() + b"\n", 0
+            )
         except OSError:
             pass  # the pid is for messages only (a full disk may refuse even these bytes)
         yield None
@@ -485,8 +596,10 @@ def exclusive_lock(path: Path, *, wait_s: float) -> Iterator[str | None]:
 
 
 class LockHeld(Exception):
-    """Another process holds the lock; ``holder`` says which (pid and host)."""
+    """Another process holds the lock; ``holder`` says which (pid and host), ``command`` which mta
+    command it runs (None: it did not say)."""
 
-    def __init__(self, holder: str):
+    def __init__(self, holder: str, command: str | None = None):
         super().__init__(holder)
         self.holder = holder
+        self.command = command

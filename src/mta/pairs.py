@@ -221,7 +221,10 @@ def generate_pairs(
                 )
             distributed.barrier()  # every rank has read the journals before any of them grows
             journal_path = paths.journal(rank)
-            with disk_full_is_reported(journal_path), Journal(journal_path) as journal:
+            with (
+                disk_full_is_reported(journal_path),
+                Journal(journal_path, inside=paths.output.parent) as journal,
+            ):
                 for side in SIDES:
                     pending = [row for row in rows if row.id not in done[side]]
                     mine = pending[rank::world]

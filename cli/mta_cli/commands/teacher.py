@@ -89,4 +89,15 @@ def teacher(
             str(outcome.directory),
         )
     Console().print(table)
-    Console().print(f"wrote {root}; train from it with teacher_cache.dir={root}", highlight=False, soft_wrap=True)
+    waiting = [outcome.split for outcome in outcomes if outcome.manifest is None]
+    if waiting:
+        count = shard_spec[1] if shard_spec else "N"
+        Console().print(
+            f"wrote this shard of {root}; {', '.join(waiting)} is not complete until every shard is written: run "
+            f"the others (--shard I/{count}; the last one writes the manifest), then train with "
+            f"teacher_cache.dir={root}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        Console().print(f"wrote {root}; train from it with teacher_cache.dir={root}", highlight=False, soft_wrap=True)

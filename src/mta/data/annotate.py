@@ -37,6 +37,7 @@ from mta.errors import MtaError
 from mta.files import disk_full_is_reported
 from mta.hashing import json_sha256
 from mta.reporting import Reporter, SilentReporter
+from mta.store.kinds import ANNOTATIONS
 from mta.store.layout import staged_part
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES
 from mta.store.publish import PartWriter, commit_shard, writing_shard
@@ -207,7 +208,9 @@ def run_annotate(
         if problem is not None:
             raise source.error(problem)
 
-    with writing_shard(out_dir, shard, num_shards, command="mta annotate", warn=reporter.message):
+    with writing_shard(
+        out_dir, shard, num_shards, command="mta annotate", kind=ANNOTATIONS, warn=reporter.message, force=force
+    ):
         if not force:  # the holder we would have collided with may have just written it
             reused = _reusable(out_dir, run_key, shard, num_shards)
             if reused is not None:
@@ -293,7 +296,7 @@ def annotate_run_key(description: dict[str, Any]) -> str:
 def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> AnnotateOutcome | None:
     """The outcome of an earlier run with the same key whose parts are intact (sha256), if any
     (:func:`mta.store.reuse.reusable_output`)."""
-    earlier = reusable_output(out_dir, run_key, shard, num_shards)
+    earlier = reusable_output(out_dir, run_key, shard, num_shards, kind=ANNOTATIONS, command="mta annotate")
     if earlier is None:
         return None
     return AnnotateOutcome(out_dir, earlier.shard_manifest, earlier.manifest, reused=True)

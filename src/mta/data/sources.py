@@ -36,6 +36,7 @@ those four (a commit names its files' bytes). An in-memory table's is its rows'
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -293,7 +294,21 @@ class HubSource(DatasetsSource):
         return f"{self.reference.repo_id}:{self.reference.split}"
 
     def load(self, datasets: Any) -> Any:
+        self._check_cached_copy()
+        check_snapshot_data_files(self.path)  # only files inside the snapshot are read
         return datasets.load_dataset(str(self.path), name=self.reference.subset, split=self.reference.split)
+
+    def _check_cached_copy(self) -> None:
+        """Refuse a snapshot with a file whose blob is gone (a cache cleaned by hand, a download
+        cut short) naming the file and the download that restores it, before ``datasets`` fails on
+        it in words that would blame the split."""
+        for path in sorted(self.path.rglob("*")):
+            if path.is_symlink() and not path.exists():
+                raise MtaError(
+                    f"{self.name} at commit {self.commit[:12]}: the Hugging Face cache's copy is incomplete: "
+                    f"{path} links to {os.readlink(path)}, which is missing. Download it again where the Hub is "
+                    f"reachable (`hf download --repo-type dataset {self.reference.repo_id} --revision {self.commit}`)"
+                )
 
     def unreadable(self, error: Exception) -> str:
         return (
@@ -317,6 +332,58 @@ class HubSource(DatasetsSource):
         record = super().record(summary)
         record["path"] = self.reference.repo_id
         return {**record, **self.identity()}
+
+
+DATASET_CARDS = ("README.md", ".huggingface.yaml")  # where `datasets` reads `configs[].data_files`
+
+
+def _data_file_paths(value: Any) -> Iterator[str]:
+    """Every path a ``data_files`` value names: a string, a list of them, ``{split: ...}``, or a
+    list of ``{split, path}`` entries."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list):
+        for item in value:
+            yield from _data_file_paths(item.get("path") if isinstance(item, dict) else item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _data_file_paths(item)
+    elif value is not None:
+        yield str(value)
+
+
+def check_snapshot_data_files(snapshot: Path) -> None:
+    """Refuse a Hub dataset whose card points ``datasets`` at files outside its snapshot: every
+    ``configs[].data_files`` path (``README.md``'s front matter, ``.huggingface.yaml``) must be a
+    relative path inside it (no absolute path, no ``..``, no ``~``, no URL), so a dataset's card
+    can never pull local files into the annotations that the manifest credits to its commit."""
+    import yaml
+
+    for name in DATASET_CARDS:
+        path = snapshot / name
+        if not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if name == "README.md":
+            if not text.startswith("---"):
+                continue
+            text = text.split("---", 2)[1] if text.count("---") >= 2 else ""
+        try:
+            card = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue  # `datasets` fails on it too, naming it
+        configs = card.get("configs") if isinstance(card, dict) else None
+        for config in configs if isinstance(configs, list) else []:
+            if not isinstance(config, dict):
+                continue
+            for entry in _data_file_paths(config.get("data_files")):
+                parts = Path(entry).parts
+                if Path(entry).is_absolute() or ".." in parts or entry.startswith("~") or "://" in entry:
+                    raise MtaError(
+                        f"{path}: configs[{config.get('config_name', '?')}].data_files names {entry!r}, outside the "
+                        "dataset's snapshot; mta reads only the dataset's own files, so it is refused (nothing "
+                        "was read). Use a dataset whose card names its own files"
+                    )
 
 
 class InMemorySource(DatasetsSource):

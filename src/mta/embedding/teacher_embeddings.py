@@ -357,7 +357,9 @@ def _run_shard(
         if reused is not None:
             return reused  # the teacher's weights are never loaded
     texts, ids, problems = _shard_texts(source, text_field, on_error, shard, num_shards)
-    with writing_shard(out_dir, shard, num_shards, command="mta embed", warn=reporter.message):
+    with writing_shard(
+        out_dir, shard, num_shards, command="mta embed", kind=ARTEFACT, warn=reporter.message, force=force
+    ):
         if not force:
             reused = _reusable(out_dir, run_key, shard, num_shards)
             if reused is not None:
@@ -427,7 +429,7 @@ def _run_key(description: dict) -> str:
 def _reusable(out_dir: Path, run_key: str, shard: int, num_shards: int) -> EmbedOutcome | None:
     """The outcome of an earlier run with the same key whose parts are intact (sha256), if any
     (:func:`mta.store.reuse.reusable_output`)."""
-    earlier = reusable_output(out_dir, run_key, shard, num_shards)
+    earlier = reusable_output(out_dir, run_key, shard, num_shards, kind=ARTEFACT, command="mta embed")
     return None if earlier is None else EmbedOutcome(out_dir, earlier.manifest, reused=True)
 
 

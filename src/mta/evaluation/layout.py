@@ -16,7 +16,6 @@ Every claim is checked before the first model loads.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from mta.dtypes import dtype_name
 from mta.errors import MtaError
 from mta.evaluation.model_files import describe_changes
 from mta.evaluation.settings import EvalSettings
-from mta.files import atomic_write_json, disk_full_is_reported
+from mta.files import atomic_write_json, disk_full_is_reported, read_artefact_json
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,11 @@ class CheckpointPaths:
     def of(cls, out_dir: Path, label: str) -> CheckpointPaths:
         """The directory of checkpoint ``label`` in the evaluation output ``out_dir``."""
         return cls(Path(out_dir) / "predictions" / label)
+
+    @property
+    def out_dir(self) -> Path:
+        """The evaluation's output directory (``-o``): no link out of it is followed."""
+        return self.root.parent.parent
 
     @property
     def manifest(self) -> Path:
@@ -60,15 +64,15 @@ class CheckpointPaths:
 
     def stored_manifest(self) -> dict | None:
         """generation.json's content, or None when the directory is not claimed yet."""
-        if not self.manifest.exists():
-            return None
-        return json.loads(self.manifest.read_text(encoding="utf-8"))
+        return read_artefact_json(
+            self.manifest,
+            "what made the predictions beside it cannot be told: delete that directory to regenerate them, "
+            "or write to another -o",
+        )
 
     def stored_perplexity(self) -> dict | None:
         """perplexity.json's content, or None when there is none yet."""
-        if not self.perplexity.exists():
-            return None
-        return json.loads(self.perplexity.read_text(encoding="utf-8"))
+        return read_artefact_json(self.perplexity, "delete it and re-run the same `mta evaluate` (it is scored again)")
 
 
 FINGERPRINT = "checkpoint_fingerprint"
@@ -97,13 +101,7 @@ def generation_manifest(
 def check_claim(paths: CheckpointPaths, manifest: dict) -> bool:
     """Whether ``paths`` is already claimed by ``manifest``'s generation (False: unclaimed);
     refuse, naming what changed, when it is claimed by another."""
-    try:
-        previous = paths.stored_manifest()
-    except json.JSONDecodeError as error:
-        raise MtaError(
-            f"{paths.manifest} is not valid JSON ({error.msg}), so what made the predictions beside it "
-            "cannot be told; delete that directory to regenerate them, or write to another -o."
-        ) from error
+    previous = paths.stored_manifest()
     if previous is None:
         return False
     from mta.generation.vllm_engine import UNRECORDED

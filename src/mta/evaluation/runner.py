@@ -32,8 +32,8 @@ from mta.evaluation.datasets import (
     resolve_benchmarks,
     resolve_split_file,
 )
-from mta.evaluation.layout import CheckpointPaths, check_claim, claim_directory, generation_manifest
-from mta.evaluation.model_files import checkpoint_fingerprint
+from mta.evaluation.layout import FINGERPRINT, CheckpointPaths, check_claim, claim_directory, generation_manifest
+from mta.evaluation.model_files import checkpoint_fingerprint, require_unchanged
 from mta.evaluation.models_under_test import check_checkpoint, checkpoint_names, loaded_checkpoint
 from mta.evaluation.predictions import finished_rows, is_complete, journal_record, write_predictions
 from mta.evaluation.report import results_markdown
@@ -112,7 +112,16 @@ def evaluate_checkpoints(
             paths = CheckpointPaths.of(out_dir, label)
             claim_directory(paths, manifest)
             _evaluate_checkpoint(
-                checkpoint, label, paths, sets_of[style], perplexity_of[style], settings, device, dtype, reporter
+                checkpoint,
+                manifest[FINGERPRINT],
+                label,
+                paths,
+                sets_of[style],
+                perplexity_of[style],
+                settings,
+                device,
+                dtype,
+                reporter,
             )
         distributed.barrier()
         results = collect_results(out_dir, checkpoints, labels, eval_sets, settings, data_dir, dtype_name(dtype))
@@ -144,6 +153,7 @@ def _perplexity_key(perplexity: PerplexitySet, settings: EvalSettings) -> dict:
 
 def _evaluate_checkpoint(
     checkpoint: str,
+    fingerprint: str,
     label: str,
     paths: CheckpointPaths,
     eval_sets: Sequence[EvalSet],
@@ -153,7 +163,8 @@ def _evaluate_checkpoint(
     dtype: torch.dtype,
     reporter: Reporter,
 ) -> None:
-    """Generate what this checkpoint's directory lacks; load the model only when something does."""
+    """Generate what this checkpoint's directory lacks; load the model only when something does,
+    and generate from it only when it is still the model ``fingerprint`` names."""
     todo = [(s, seed) for s in eval_sets for seed in settings.seeds if not is_complete(paths, s, seed)]
     wants_perplexity = perplexity is not None and not _perplexity_is_current(paths, perplexity, settings)
     if not todo and not wants_perplexity:
@@ -169,6 +180,7 @@ def _evaluate_checkpoint(
         with vllm_generation(
             checkpoint, tokenizer, settings.sampling(), dtype=dtype, device=device, max_model_len=length
         ) as generator:
+            require_unchanged(checkpoint, fingerprint)
             reporter.message(f"{label}: {generator.engine.version} ready in {generator.engine.startup_s:.1f} s")
             for eval_set, seed in todo:
                 _generate_set(generator, tokenizer, eval_set, seed, paths, settings, reporter, label)
@@ -176,6 +188,7 @@ def _evaluate_checkpoint(
         if not wants_perplexity:
             return
     with loaded_checkpoint(checkpoint, device, dtype) as (model, tokenizer):
+        require_unchanged(checkpoint, fingerprint)
         generator = HFGenerator(model, tokenizer, settings.sampling(), batch_size=settings.batch_size)
         for eval_set, seed in todo:
             _generate_set(generator, tokenizer, eval_set, seed, paths, settings, reporter, label)
@@ -223,7 +236,7 @@ def _generate_set(
         journal_path = paths.journal(eval_set.name, seed, distributed.rank())
         reporter.start(f"{label} · {eval_set.name} · seed {seed}", len(mine), unit="rows")
         try:
-            with disk_full_is_reported(journal_path), Journal(journal_path) as journal:
+            with disk_full_is_reported(journal_path), Journal(journal_path, inside=paths.out_dir) as journal:
                 for completions in generator.generate(prompts, seeds):
                     journal.append(
                         journal_record(

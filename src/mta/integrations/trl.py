@@ -382,15 +382,11 @@ class MTADistillationTrainer(DistillationTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        from safetensors.torch import save
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        from mta.files import atomic_write_bytes
 
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save and folder.is_dir():
-            state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.mta_loss.state_dict().items()}
-            atomic_write_bytes(folder / PROJECTORS, save(state))
+            write_projectors(folder / PROJECTORS, self.mta_loss)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -400,9 +396,48 @@ class MTADistillationTrainer(DistillationTrainer):
                 f"{resume_from_checkpoint} has no {PROJECTORS}: it was not written by MTADistillationTrainer, or its "
                 "save was cut short; resume from another checkpoint, or start without resume_from_checkpoint"
             )
-        from safetensors.torch import load_file
+        read_projectors(path, self.mta_loss)
 
-        self.mta_loss.load_state_dict(load_file(str(path)))  # copied onto the projectors' device
+
+LAYOUT_KEY = "mta_layout"  # the projectors file's metadata: the layer map and the hidden sizes
+_PROJECTORS_REBUILD = "resume from another checkpoint, or start without resume_from_checkpoint"
+
+
+def write_projectors(path: Path, loss: MTALoss) -> None:
+    """``loss``'s projectors as safetensors at ``path`` (atomically), with what they were made for
+    (``MTALoss.layout``: the layer map, both hidden sizes) in the metadata."""
+    from safetensors.torch import save
+
+    from mta.files import atomic_write_bytes
+
+    state = {name: tensor.detach().cpu().contiguous() for name, tensor in loss.state_dict().items()}
+    atomic_write_bytes(path, save(state, metadata={LAYOUT_KEY: json.dumps(loss.layout)}))
+
+
+def read_projectors(path: Path, loss: MTALoss) -> None:
+    """Load the projectors at ``path`` into ``loss`` when they were made for its layout (the layer
+    map and hidden sizes, as ``mta distill``'s resume refuses a changed ``loss.layers``); a
+    mismatch, or a file that does not read back, is one ``MtaError`` naming the file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from mta.files import reading_artefact
+
+    with reading_artefact(path, _PROJECTORS_REBUILD):
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        stored = json.loads(metadata[LAYOUT_KEY]) if LAYOUT_KEY in metadata else None
+        state = load_file(str(path))
+    now = loss.layout
+    if stored != now:
+        said = "records no layout (an older mta wrote it)" if stored is None else f"was made for {stored}"
+        raise MtaError(
+            f"{path} {said}, and this trainer's projectors are for {now}: the saved projectors would load onto "
+            "other layers. Resume with the layers (mta.layers) and models it was trained with, or start without "
+            "resume_from_checkpoint"
+        )
+    with reading_artefact(path, _PROJECTORS_REBUILD):
+        loss.load_state_dict(state)  # copied onto the projectors' device
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -462,4 +497,12 @@ def _check_same_tokenizer(tokenizer: Any, teacher: str | torch.nn.Module) -> Non
         )
 
 
-__all__ = ["MTADistillationConfig", "MTADistillationTrainer", "MTASection", "OVERRIDDEN", "TESTED_TRL"]
+__all__ = [
+    "MTADistillationConfig",
+    "MTADistillationTrainer",
+    "MTASection",
+    "OVERRIDDEN",
+    "TESTED_TRL",
+    "read_projectors",
+    "write_projectors",
+]

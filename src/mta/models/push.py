@@ -14,13 +14,14 @@ with ``HF_HUB_OFFLINE=1`` or an unreachable Hub it fails at once, naming the fix
 from __future__ import annotations
 
 import fnmatch
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mta.errors import MtaError
+from mta.files import corrupt_artefact, read_artefact_json, reading_artefact
 from mta.hashing import CHECKSUMS, checksum_differences, read_checksums
+from mta.models.fingerprint import model_fingerprint
 from mta.models.hub import endpoint, offline_mode, unreachable_reason
 from mta.models.weights import WEIGHT_PATTERNS
 
@@ -86,7 +87,10 @@ def plan_push(
             + "; ".join(differences)
             + ". It changed after it was written: re-export it (or re-run the step that wrote it)"
         )
-    card = metadata_load(directory / CARD) if (directory / CARD).is_file() else None
+    with reading_artefact(
+        directory / CARD, "its YAML front matter does not parse: re-export the model (mta distill writes the card)"
+    ):
+        card = metadata_load(directory / CARD) if (directory / CARD).is_file() else None
     if not card:
         raise MtaError(f"{directory}/{CARD}: no model card with YAML front matter (mta distill writes one)")
     files = {
@@ -109,24 +113,19 @@ def metadata_from_text(text: str) -> dict[str, Any]:
 
 def with_model_index(card_text: str, directory: Path, repo_id: str, results_dir: Path) -> str:
     """``card_text`` with a ``model-index``: the mean ROUGE-L over seeds of every set
-    ``results_dir/results.json`` scored for the checkpoint at ``directory`` (found by its path),
-    through ``huggingface_hub.EvalResult``. ``MtaError`` when the file scored another model."""
+    ``results_dir/results.json`` scored for the model at ``directory`` (found by its fingerprint,
+    :func:`scored_entry`), through ``huggingface_hub.EvalResult``. ``MtaError`` when the file
+    scored another model, or is corrupt."""
     from huggingface_hub import EvalResult, ModelCard
 
     path = results_dir / "results.json"
-    if not path.is_file():
-        raise MtaError(f"--results {results_dir}: no results.json; give the -o directory of `mta evaluate`")
-    results = json.loads(path.read_text(encoding="utf-8"))
-    wanted = directory.resolve()
-    entry = next(
-        (e for e in results.get("checkpoints", {}).values() if Path(str(e.get("checkpoint"))).resolve() == wanted),
-        None,
+    rebuild = (
+        f"re-run the `mta evaluate ... -o {results_dir}` that wrote it (it rebuilds results.json from its predictions)"
     )
-    if entry is None:
-        scored = ", ".join(str(e.get("checkpoint")) for e in results.get("checkpoints", {}).values()) or "none"
-        raise MtaError(
-            f"--results {results_dir} scored {scored}, not {directory}: evaluate it first (`mta evaluate {directory}`)"
-        )
+    results = read_artefact_json(path, rebuild)
+    if results is None:
+        raise MtaError(f"--results {results_dir}: no results.json; give the -o directory of `mta evaluate`")
+    entry = scored_entry(results, Path(directory), path, rebuild)
     seeds = len(results.get("settings", {}).get("seeds", []) or [])
     sets = results.get("sets", {})
     card = ModelCard(card_text)
@@ -146,6 +145,36 @@ def with_model_index(card_text: str, directory: Path, repo_id: str, results_dir:
         for name, summary in entry["sets"].items()
     ]
     return str(card)
+
+
+def scored_entry(results: dict[str, Any], directory: Path, path: Path, rebuild: str) -> dict[str, Any]:
+    """The checkpoint entry of ``results`` (read from ``path``) that scored the model now at
+    ``directory``: the one whose fingerprint is the model's (:func:`mta.models.fingerprint.model_fingerprint`,
+    the rule evaluation keys its predictions on), wherever it was evaluated from. Scores of the
+    same path with another fingerprint (the directory retrained or changed since) are refused,
+    naming both."""
+    runs = results.get("checkpoints")
+    if not isinstance(runs, dict) or not all(isinstance(e, dict) for e in runs.values()):
+        raise corrupt_artefact(path, rebuild, TypeError("its 'checkpoints' is not an object of checkpoint entries"))
+    fingerprint = model_fingerprint(directory)[0]
+    for entry in runs.values():
+        if entry.get("fingerprint") == fingerprint:
+            if not isinstance(entry.get("sets"), dict):
+                raise corrupt_artefact(path, rebuild, TypeError("the checkpoint's 'sets' is not an object"))
+            return entry
+    wanted = directory.resolve()
+    same_path = [e for e in runs.values() if Path(str(e.get("checkpoint"))).resolve() == wanted]
+    if same_path:
+        raise MtaError(
+            f"--results {path.parent} scored {directory} when its fingerprint was {same_path[0].get('fingerprint')}; "
+            f"it is {fingerprint} now (the model changed since, e.g. retrained): those scores are not this "
+            f"model's. Evaluate it again (`mta evaluate {directory}`) and push with that -o"
+        )
+    scored = ", ".join(f"{e.get('checkpoint')} ({e.get('fingerprint')})" for e in runs.values()) or "none"
+    raise MtaError(
+        f"--results {path.parent} scored {scored}, not {directory} ({fingerprint}): evaluate it first "
+        f"(`mta evaluate {directory}`)"
+    )
 
 
 def require_hub(what: str = "pushing") -> None:
@@ -205,4 +234,4 @@ def push_run_exports(output_dir: Path, repo_id: str) -> list[str]:
     return urls
 
 
-__all__ = ["PushPlan", "plan_push", "push", "push_run_exports", "require_hub"]
+__all__ = ["PushPlan", "plan_push", "push", "push_run_exports", "require_hub", "scored_entry"]

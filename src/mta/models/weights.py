@@ -9,7 +9,7 @@ from pathlib import Path
 from mta.hashing import file_sha256, json_sha256
 
 # The weight and config files transformers reads from a model directory (the rest of the list,
-# adapter and tokenizer files: mta.evaluation.model_files.MODEL_FILE_PATTERNS).
+# adapter and tokenizer files: mta.models.fingerprint.MODEL_FILE_PATTERNS).
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 CONFIG_PATTERNS = ("config.json", "generation_config.json")
 

@@ -71,7 +71,7 @@ class ChunkedShard:
         """``table_of`` each chunk that is not done yet, in order; each table is written and
         journalled before the next starts. Returns the rows computed by this call."""
         computed = 0
-        with Journal(self.work / "journal.jsonl") as journal:
+        with Journal(self.work / "journal.jsonl", inside=self.out_dir) as journal:
             for number, chunk in enumerate(chunks):
                 if number in self.done:
                     continue

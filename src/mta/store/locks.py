@@ -32,16 +32,17 @@ def _lock_file(out_dir: Path, name: str) -> Path:
 @contextmanager
 def shard_lock(out_dir: Path, shard: int, num_shards: int, *, command: str = "mta annotate") -> Iterator[str | None]:
     """Hold shard ``shard`` of ``num_shards`` of ``out_dir`` for writing, or refuse at once
-    (``MtaError`` naming the holder's pid and ``command``, the stage that writes the layout).
+    (``MtaError`` naming the holder's pid and the mta command it runs, or ``command``, the stage
+    that writes the layout, when it did not say).
     Yields None, or a warning when the filesystem has no locks (the run goes on unprotected)."""
     path = _lock_file(out_dir, shard_lock_name(shard, num_shards))
     try:
-        with exclusive_lock(path, wait_s=0) as unsupported:
+        with exclusive_lock(path, wait_s=0, inside=out_dir) as unsupported:
             yield unsupported
     except LockHeld as held:
         which = f"shard {shard}/{num_shards} of " if num_shards > 1 else ""
         raise MtaError(
-            f"another `{command}` ({held.holder}) is writing {which}{out_dir} (it holds {path}); "
+            f"another `{held.command or command}` ({held.holder}) is writing {which}{out_dir} (it holds {path}); "
             "wait for it to finish or stop it, then re-run. Other shards (--shard I/N) may run "
             "side by side; the same shard may not"
         ) from None
@@ -52,7 +53,7 @@ def merge_lock(out_dir: Path) -> Iterator[None]:
     """Hold ``out_dir``'s merge lock: publishing shards, ``manifest.json``, moves and deletions."""
     path = _lock_file(out_dir, MERGE_LOCK)
     try:
-        with exclusive_lock(path, wait_s=MERGE_LOCK_WAIT_S):
+        with exclusive_lock(path, wait_s=MERGE_LOCK_WAIT_S, inside=out_dir):
             yield
     except LockHeld as held:
         raise MtaError(

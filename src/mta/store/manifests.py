@@ -4,12 +4,12 @@ writes."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from mta.errors import MtaError
+from mta.files import read_artefact_json
 from mta.hashing import file_sha256
 from mta.store.layout import (
     MANIFEST,
@@ -25,6 +25,7 @@ from mta.store.layout import (
 
 __all__ = [
     "MAX_SKIPPED_EXAMPLES",
+    "REBUILD",
     "check_directory",
     "checked_manifest",
     "incomplete_message",
@@ -43,16 +44,13 @@ MAX_SKIPPED_EXAMPLES = 20  # skipped-row messages kept in the manifest, so users
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def read_manifest_json(path: Path) -> Any | None:
-    """The JSON of a manifest or shard file, unchecked; None when there is no such file."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise MtaError(f"{path} is corrupt ({error}); delete it and re-run `mta annotate`") from error
-    except OSError as error:
-        raise MtaError(f"cannot read {path}: {error.strerror}") from error
+REBUILD = "delete it and re-run `mta annotate`"  # an annotate artefact's; other stages name their own
+
+
+def read_manifest_json(path: Path, rebuild: str = REBUILD) -> Any | None:
+    """The JSON of a manifest or shard file, unchecked; None when there is no such file. A file
+    that is not JSON is one line naming it and ``rebuild`` (:func:`mta.files.read_artefact_json`)."""
+    return read_artefact_json(path, rebuild, kind=object)
 
 
 def _artefact_directory(path: Path) -> Path:
@@ -134,11 +132,12 @@ def _checked_shard(path: Path, shard: Any) -> dict[str, Any]:
     return shard
 
 
-def read_manifest(out_dir: str | Path) -> dict[str, Any] | None:
+def read_manifest(out_dir: str | Path, rebuild: str = REBUILD) -> dict[str, Any] | None:
     """The directory's ``.mta/manifest.json`` (parts checked), or None when it is not complete
-    (or is a layout 1 directory a writer has not adopted yet)."""
+    (or is a layout 1 directory a writer has not adopted yet); ``rebuild``: what a corrupt one's
+    message says to do."""
     path = manifest_path(out_dir)
-    manifest = read_manifest_json(path)
+    manifest = read_manifest_json(path, rebuild)
     return None if manifest is None else checked_manifest(path, manifest)
 
 

@@ -27,6 +27,7 @@ from mta.files import (
     temporary_beside,
 )
 from mta.hashing import file_sha256
+from mta.store.kinds import require_kind
 from mta.store.layout import (
     MANIFEST,
     META,
@@ -360,14 +361,24 @@ def merge_shards(out_dir: str | Path) -> dict[str, Any]:
 
 @contextmanager
 def writing_shard(
-    out_dir: Path, shard: int, num_shards: int, *, command: str, warn: Callable[[str], None]
+    out_dir: Path,
+    shard: int,
+    num_shards: int,
+    *,
+    command: str,
+    kind: str,
+    warn: Callable[[str], None],
+    force: bool = False,
 ) -> Iterator[None]:
     """Around a stage's work on shard ``shard``/``num_shards`` of ``out_dir`` (``mta annotate``,
     ``mta embed``, ``mta teacher``): the directory made (probed before any work, and removed again
     when this call made it and a failure leaves it empty), a full disk reported as one line, the
     shard's lock held (``command`` names the stage in a refusal; ``warn`` gets the warning of a
     filesystem without locks), and a publish an earlier writer left half done finished (a planted
-    manifest is refused there, before any work)."""
+    manifest is refused there, before any work). A directory of another artefact kind than
+    ``kind`` is refused before anything (:func:`mta.store.kinds.require_kind`; ``force``: the
+    stage's ``--force``)."""
+    require_kind(out_dir, kind, command=command, force=force)
     created = not out_dir.exists()
     make_output_directory(out_dir)
     try:

@@ -147,7 +147,7 @@ def read_stage_manifest(
     ``what``: a prefix naming where the directory was given (``"teacher_cache.dir: "``)."""
     if not directory.is_dir():
         raise MtaError(f"{what}{directory} does not exist; build it with `{build}`")
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, f"rebuild it: `{build} --force`")
     if manifest is None:
         raise MtaError(
             f"{what}{directory} has no {META}/manifest.json: it is not a finished `{command}` output (an "

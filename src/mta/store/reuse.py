@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mta.store.kinds import require_kind
 from mta.store.manifests import part_is_intact, read_manifest, read_shard_manifest
 from mta.store.publish import finish_publishing, try_merge
 
@@ -34,13 +35,17 @@ class ReusableOutput:
     shard_manifest: dict[str, Any] = field(default_factory=dict)
 
 
-def reusable_output(out_dir: Path, run_key: str, shard: int, num_shards: int) -> ReusableOutput | None:
+def reusable_output(
+    out_dir: Path, run_key: str, shard: int, num_shards: int, *, kind: str, command: str
+) -> ReusableOutput | None:
     """The output of an earlier run with ``run_key`` whose parts are intact (sha256), if any:
     the complete directory, else shard ``shard`` of ``num_shards`` (merged into the set's
     ``manifest.json`` when the set is complete). Every manifest is checked first, a layout 1
-    directory adopted and a publish cut short finished (:func:`finish_publishing`)."""
+    directory adopted and a publish cut short finished (:func:`finish_publishing`). A directory
+    of another artefact kind than ``kind`` is refused first (:func:`mta.store.kinds.require_kind`)."""
     if not out_dir.is_dir():
         return None
+    require_kind(out_dir, kind, command=command)
     finish_publishing(out_dir)
     manifest = read_manifest(out_dir)
     if (

@@ -253,6 +253,9 @@ def _describe(item: ErrorDetails, path: tuple[Any, ...], root: type[BaseModel] |
     message = item["msg"].removeprefix("Value error, ")
     if kind.endswith(("_type", "_parsing")) or kind.startswith(("greater", "less")):
         message += f" (got {given!r})"
+    if kind == "string_type" and isinstance(given, (int, float)) and not isinstance(given, bool):
+        # YAML read digits (a commit id's, a revision's) as a number: quoted, they stay a string.
+        message += f"; quote it to keep it a string: '{given}' in YAML, key='\"{given}\"' as an override"
     return message
 
 

@@ -252,7 +252,8 @@ def _lock(output_dir: Path) -> bool:
         unsupported = stack.enter_context(exclusive_lock(path, wait_s=0))
     except LockHeld as held:
         raise MtaError(
-            f"another `mta distill` ({held.holder}) is training into {output_dir} (it holds {path}): "
+            f"another `{held.command or 'mta distill'}` ({held.holder}) is training into {output_dir} "
+            f"(it holds {path}): "
             "two runs in one directory would write the same checkpoints and metrics.jsonl. Wait for "
             "it to end or stop it (a job submitted twice: cancel one), or give this run another output_dir"
         ) from None

@@ -55,6 +55,7 @@ from mta.training.model_loading import (
 )
 from mta.training.teacher import FrozenTeacher
 from mta.training.teacher_cache.content import (
+    ARTEFACT,
     SPLITS,
     TeacherIdentity,
     TeacherReads,
@@ -201,10 +202,12 @@ class TeacherStage:
         description = self.describe(split, annotations)
         run_key = content_key(description)
         if not force:
-            earlier = reusable_output(out_dir, run_key, shard, num_shards) if out_dir.is_dir() else None
+            earlier = reusable_output(out_dir, run_key, shard, num_shards, kind=ARTEFACT, command="mta teacher")
             if earlier is not None:
                 return SplitOutcome(split, out_dir, earlier.manifest, reused=True)
-        with writing_shard(out_dir, shard, num_shards, command="mta teacher", warn=self.reporter.message):
+        with writing_shard(
+            out_dir, shard, num_shards, command="mta teacher", kind=ARTEFACT, warn=self.reporter.message, force=force
+        ):
             examples = AnnotatedExamples(
                 annotations.table,
                 student_pad_id=self.student_tokenizer.pad_token_id,

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
 from mta.hashing import arrays_sha256, json_sha256
+from mta.models.fingerprint import model_fingerprint
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.models.weights import weights_fingerprint
 from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
@@ -27,12 +28,12 @@ from mta.training.model_loading import hidden_size
 from mta.versions import MTA_VERSION, package_versions
 
 ARTEFACT = "teacher-outputs"  # the manifest's ``artefact``
-CACHE_VERSION = 1  # the manifest's ``teacher_cache_version``: the columns and keys of this package
+CACHE_VERSION = 2  # the manifest's ``teacher_cache_version``: the columns and keys of this package
 SPLITS = ("train", "dev")
 # The description's keys that decide the stored values; each names the recipe key to change.
 CONTENT_KEYS = {
     "teacher_cache_version": "mta teacher (rebuild the cache with this mta)",
-    "teacher_weights": "teacher.path (other teacher weights)",
+    "teacher_weights": "teacher.path (another teacher: its weight, adapter, config or tokenizer files, or Hub commit)",
     "teacher_tokenizer": "teacher.tokenizer",
     "teacher_tokens": "data.train / data.dev (rows whose teacher tokens differ)",
     "max_length": "data.max_length",
@@ -82,10 +83,15 @@ def teacher_tokens_fingerprint(table: pa.Table) -> str:
 
 
 def teacher_weights(path: str) -> str | None:
-    """The teacher's weights fingerprint (:func:`mta.models.weights.weights_fingerprint`), ``hub:<name>``
-    for a name that is no directory, None for a directory without weight files."""
+    """The teacher's fingerprint by the rule evaluation keys predictions on
+    (:func:`mta.models.fingerprint.model_fingerprint`): every file transformers and peft read from
+    a directory (weights, adapter, config, tokenizer), by content; a Hub name with the commit its
+    snapshot resolves to (``hub:<name>@<commit>``). None for a directory without weight files
+    (deleted: the cache's record then stands for them)."""
     directory = Path(path).expanduser()
-    return weights_fingerprint(directory) if directory.is_dir() else f"hub:{path}"
+    if directory.is_dir() and weights_fingerprint(directory) is None:
+        return None
+    return model_fingerprint(directory if directory.is_dir() else path)[0]
 
 
 def teacher_precision(training_precision: str, recipe: Recipe) -> str:
