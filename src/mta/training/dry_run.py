@@ -386,9 +386,9 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
     ``data.max_length``; and which micro batches still run the teacher."""
     import pyarrow.compute as pc
 
+    from mta.data.annotations import read_annotations
     from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
     from mta.store.layout import holds_artefact
-    from mta.store.read import read_annotations
     from mta.training.teacher_cache.content import SizeEstimate, estimate_bytes, human_bytes, teacher_reads
 
     spec = recipe.teacher_cache

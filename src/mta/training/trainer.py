@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from mta import distributed, tracking
 from mta.data.annotate import AnnotateSettings
+from mta.data.annotations import Annotations
 from mta.data.artefact_schema import reannotate_command
 from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
@@ -27,7 +28,6 @@ from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
-from mta.store.read import Annotations
 from mta.training import asam, lora
 from mta.training import engine as engines
 from mta.training.batching import AnnotatedExamples, StepSchedule, TrainBatch, micro_batch_order
