@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -105,6 +106,12 @@ def _module_files() -> dict[str, Path]:
 MODULES = _module_files()
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """The syntax tree of ``path``, parsed once per session (several checks walk every module)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _outside_type_checking(tree: ast.AST) -> list[ast.AST]:
     """The nodes of ``tree`` that run: everything but the bodies of ``if TYPE_CHECKING:``."""
     skipped: set[int] = set()
@@ -127,7 +134,7 @@ def _imports(module: str | None, path: Path, *, type_checking: bool = False) -> 
     from other modules (``from m import _x``, ``m._x``)."""
     is_package = path.name == "__init__.py"
     imported, private, aliases = set(), [], {}
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = _parsed(path)
     for node in list(ast.walk(tree)) if type_checking else _outside_type_checking(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -149,7 +156,7 @@ def _imports(module: str | None, path: Path, *, type_checking: bool = False) -> 
                     private.append(f"from {source} import {alias.name}")
                 if (target := _owner(full)) is not None:
                     imported.add(target)
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
@@ -296,8 +303,7 @@ def test_the_layer_check_refuses_a_planted_upward_import_lazy_or_for_types_only(
         "def f():\n    from mta.data.artefact_schema import SCHEMA\n    from mta.store import layout\n",
         encoding="utf-8",
     )
-    graph = {module: _imports(module, path, type_checking=True)[0] for module, path in MODULES.items()}
-    graph["mta.store.planted"] = _imports("mta.store.planted", planted, type_checking=True)[0]
+    graph = {"mta.store.planted": _imports("mta.store.planted", planted, type_checking=True)[0]}
     assert _climbing(graph, LAYERS) == [
         "mta.store.planted -> mta.data.artefact_schema: mta.data (layer 8) is above mta.store (9)",
         "mta.store.planted -> mta.evaluation.results: mta.evaluation (layer 7) is above mta.store (9)",
@@ -325,8 +331,8 @@ def _declared_with_typer(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bo
     )
 
 
-def _function_lengths(source: str) -> dict[str, int]:
-    """``{qualified name: lines}`` of every function in ``source``, methods and nested functions
+def _function_lengths(tree: ast.AST) -> dict[str, int]:
+    """``{qualified name: lines}`` of every function in ``tree``, methods and nested functions
     included: from ``def`` to its last line; a Typer command (parameters declared with
     ``typer.Option`` / ``typer.Argument``) from its body's first line, without the declarations."""
     lengths = {}
@@ -342,7 +348,7 @@ def _function_lengths(source: str) -> dict[str, int]:
             else:
                 visit(child, prefix)
 
-    visit(ast.parse(source), "")
+    visit(tree, "")
     return lengths
 
 
@@ -350,7 +356,7 @@ def test_no_function_is_longer_than_100_lines():
     too_long = {
         f"{path.relative_to(REPO)}:{name}": lines
         for path in MODULES.values()
-        for name, lines in _function_lengths(path.read_text(encoding="utf-8")).items()
+        for name, lines in _function_lengths(_parsed(path)).items()
         if lines > MAX_FUNCTION_LINES
     }
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them into helpers): {too_long}"
@@ -364,8 +370,9 @@ def test_the_length_rule_sees_a_long_function_and_counts_a_command_without_its_o
         f"            return 1\n        return inner\ndef command(\n{options}) -> None:\n"
         '    """Help."""\n    return None\n'
     )
-    assert _function_lengths(source) == {"long": 101, "C.method": 4, "C.method.inner": 2, "command": 2}
-    assert {name for name, lines in _function_lengths(source).items() if lines > MAX_FUNCTION_LINES} == {"long"}
+    lengths = _function_lengths(ast.parse(source))
+    assert lengths == {"long": 101, "C.method": 4, "C.method.inner": 2, "command": 2}
+    assert {name for name, lines in lengths.items() if lines > MAX_FUNCTION_LINES} == {"long"}
 
 
 # --- ARCHITECTURE.md's module map is the tree --------------------------------------------------
