@@ -169,6 +169,33 @@ def _imports(module: str | None, path: Path, *, type_checking: bool = False) -> 
     return imported, private
 
 
+MODULE_REFERENCE = re.compile(r"^(?:mta|mta_cli)(?:\.\w+)+(?::\w+)?$")
+
+
+def _named_modules(path: Path) -> set[str]:
+    """The modules of ours ``path`` names for a deferred import: a ``"module:attribute"`` string
+    (a registry's entry), or a module's dotted name as a dict value (a lazy export's) or given to
+    ``import_module`` / ``__import__``. Docstrings and messages do not count."""
+    tree = _parsed(path)
+    candidates: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            candidates += node.values
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+            "import_module",
+            "__import__",
+        ):
+            candidates += node.args[:1]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
+            candidates.append(node)
+    named = set()
+    for node in candidates:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_REFERENCE.match(node.value):
+            if (target := node.value.partition(":")[0]) in MODULES:
+                named.add(target)
+    return named
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan, iteratively)."""
     index: dict[str, int] = {}
@@ -286,9 +313,14 @@ def test_every_module_has_a_layer_and_every_layered_name_exists():
     assert not absent, f"ARCHITECTURE.md's layers name what does not exist: {absent}"
 
 
+def _layer_graph(module: str, path: Path) -> set[str]:
+    """What ``module`` imports, for the layers: at the top, lazily inside a function, under
+    ``TYPE_CHECKING``, and by name for a deferred import (``"mta.x.y:name"``, ``import_module``)."""
+    return (_imports(module, path, type_checking=True)[0] | _named_modules(path)) - {module}
+
+
 def test_no_import_climbs_the_layers():
-    """Every import counts: at the top of a module, lazily inside a function, under ``TYPE_CHECKING``."""
-    graph = {module: _imports(module, path, type_checking=True)[0] for module, path in MODULES.items()}
+    graph = {module: _layer_graph(module, path) for module, path in MODULES.items()}
     climbing = _climbing(graph, LAYERS)
     assert not climbing, "imports against ARCHITECTURE.md's layers (move the code down):\n" + "\n".join(climbing)
 
@@ -300,13 +332,16 @@ def test_the_layer_check_refuses_a_planted_upward_import_lazy_or_for_types_only(
     planted.write_text(
         "from typing import TYPE_CHECKING\nfrom mta.errors import MtaError\n"
         "if TYPE_CHECKING:\n    from mta.evaluation.results import Results\n"
-        "def f():\n    from mta.data.artefact_schema import SCHEMA\n    from mta.store import layout\n",
+        "def f():\n    from mta.data.artefact_schema import SCHEMA\n    from mta.store import layout\n"
+        'REGISTRY = {"x": "mta.training.trainer:Trainer", "y": "mta.store.layout"}\n'
+        'def g():\n    """See mta.demo.pipeline."""\n    raise MtaError("mta.demo.pipeline")\n',
         encoding="utf-8",
     )
-    graph = {"mta.store.planted": _imports("mta.store.planted", planted, type_checking=True)[0]}
+    graph = {"mta.store.planted": _layer_graph("mta.store.planted", planted)}
     assert _climbing(graph, LAYERS) == [
         "mta.store.planted -> mta.data.artefact_schema: mta.data (layer 8) is above mta.store (9)",
         "mta.store.planted -> mta.evaluation.results: mta.evaluation (layer 7) is above mta.store (9)",
+        "mta.store.planted -> mta.training.trainer: mta.training (layer 7) is above mta.store (9)",
     ]
     sideways = {"mta.training.x": {"mta.evaluation.results", "mta.losses.kd", "mta.training.y"}}
     assert _climbing(sideways, LAYERS) == [
