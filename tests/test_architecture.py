@@ -1,7 +1,7 @@
 """The direction of imports ARCHITECTURE.md promises, checked on the code itself.
 
-- no import climbs the layers ARCHITECTURE.md declares (lazy and ``TYPE_CHECKING`` ones included),
-  and the names of one layer never import each other;
+- no import climbs the layers ARCHITECTURE.md declares (lazy, ``TYPE_CHECKING`` and by-name
+  ones included), and the names of one layer never import each other;
 - no import cycle between modules, no private name used across modules;
 - no function longer than 100 lines (a Typer command counted without its option declarations);
 - training and evaluation never import each other; both sample through ``mta.generation``
