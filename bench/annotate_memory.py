@@ -149,7 +149,7 @@ def main() -> None:
                 args.tokenizer,
                 pythonpath=f"{src / 'src'}{os.pathsep}{src / 'cli'}",
             )
-            from mta.store.read import read_annotations
+            from mta.data.annotations import read_annotations
 
             reference["same_table_as_huge_1"] = read_annotations(Path(scratch) / "out-reference").table.equals(
                 read_annotations(Path(scratch) / "out-huge_1").table

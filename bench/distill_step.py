@@ -95,6 +95,7 @@ import mta.losses.sra as sra_module
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
 from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.data.annotations import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.span_extraction import SpanExtractor, load_spacy
 from mta.data.token_ranges import token_ranges
@@ -102,7 +103,6 @@ from mta.files import atomic_write_json
 from mta.losses.span_masks import SpanBatch
 from mta.models.tiny import corpus_texts
 from mta.models.tokenizers import load_tokenizer, train_byte_level_tokenizer
-from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples, TrainBatch, micro_batch_order
 from mta.training.config.layers import auto_fdd_layers, resolve_layer_map, resolve_sra_layers
 from mta.training.config.schema import LossSpec, TrainSpec

@@ -3,7 +3,7 @@
     python bench/fingerprint.py [--mb 500] [--rounds 3]
 
 `mta evaluate` hashes every weight, tokenizer and config file of a local checkpoint on every run
-(``mta.evaluation.model_files``), so a rerun can tell whether the weights changed in place. This
+(``mta.models.weights``), so a rerun can tell whether the weights changed in place. This
 times ``mta.hashing.file_sha256`` on one file of random bytes in the temporary directory (the
 first round may read from disk, later ones from the page cache; the median of the rounds goes to
 bench/results/fingerprint.json with the machine's load, since the CPU may be shared). The file

@@ -156,7 +156,7 @@ GROUPS: dict[str, dict] = {
         "tests": ["tests/test_generation.py"],
     },
     "store": {
-        "mutate": ["src/mta/store/*.py"],
+        "mutate": ["src/mta/store/*.py", "src/mta/data/annotations.py"],
         "tests": ["tests/test_data_sources.py", "tests/test_annotate_faults.py"],
     },
     "talas": {

@@ -45,10 +45,10 @@ from distill_step import PRESETS, TRAIN, Sizes, TrainingStep, small_tokenizer, s
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
 from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.data.annotations import read_annotations
 from mta.data.online_spans import PendingSpans, SpanParser
 from mta.files import atomic_write_json
 from mta.models.tokenizers import load_tokenizer
-from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples, micro_batch_order
 from mta.training.config.layers import resolve_layer_map
 from mta.training.config.schema import LossSpec, Recipe

@@ -65,7 +65,7 @@ TARGETS_S = {"help": 0.5, "evaluate": 3.0}
 LOADING_PROBE = r"""
 import json, sys, time
 import torch
-from mta.evaluation.model_files import checkpoint_fingerprint
+from mta.models.weights import checkpoint_fingerprint
 from mta.evaluation.models_under_test import check_checkpoint, loaded_checkpoint
 checkpoint, seconds = sys.argv[1], {}
 def timed(step, call):

@@ -44,6 +44,7 @@ from transformers import AutoConfig
 from interleaving import interleaved_rounds, paired_ratio
 from machine import created, describe_machine
 from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.data.annotations import read_annotations
 from mta.demo.pipeline import DEMO_RECIPE, copy_dolly_rows
 from mta.evaluation.datasets import default_data_dir
 from mta.files import atomic_write_json
@@ -52,7 +53,6 @@ from mta.losses.teacher_topk import teacher_logits_from_top_k, top_k_log_probs
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
 from mta.reporting import SilentReporter
-from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import TeacherCacheSpec
 from mta.training.teacher_cache.build import run_teacher_stage

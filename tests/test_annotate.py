@@ -15,11 +15,11 @@ import pytest
 from conftest import EXAMPLES
 from fixtures.annotate import EDGE_ROWS, check_artefact, write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.artefact_schema import SCHEMA
 from mta.errors import MtaError
 from mta.store.layout import manifest_path
 from mta.store.publish import PartWriter, merge_shards
-from mta.store.read import read_annotations
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import yaml
 from typer.testing import CliRunner
 
 from conftest import EXAMPLES, REPO
+from mta.data.annotations import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.errors import MtaError
-from mta.store.read import read_annotations
 from mta_cli.main import app
 
 runner = CliRunner()

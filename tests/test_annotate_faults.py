@@ -23,12 +23,12 @@ from fixtures.annotate import EDGE_ROWS, write_jsonl
 from mta.data import annotate as annotate_module
 from mta.data import truncation
 from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.span_extraction import SpanExtractor
 from mta.errors import MtaError
 from mta.store import locks, publish
 from mta.store.publish import merge_shards
-from mta.store.read import read_annotations
 
 LINES = EXAMPLES.read_text(encoding="utf-8").splitlines()
 

@@ -1,5 +1,9 @@
 """The direction of imports ARCHITECTURE.md promises, checked on the code itself.
 
+- no import climbs the layers ARCHITECTURE.md declares (lazy, ``TYPE_CHECKING`` and by-name
+  ones included), and the names of one layer never import each other;
+- no import cycle between modules, no private name used across modules;
+- no function longer than 100 lines (a Typer command counted without its option declarations);
 - training and evaluation never import each other; both sample through ``mta.generation``
   and score through ``mta.scoring``;
 - ``mta.losses`` is pure tensor code: it imports nothing else from mta but ``mta.errors``;
@@ -9,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -101,6 +106,12 @@ def _module_files() -> dict[str, Path]:
 MODULES = _module_files()
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """The syntax tree of ``path``, parsed once per session (several checks walk every module)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _outside_type_checking(tree: ast.AST) -> list[ast.AST]:
     """The nodes of ``tree`` that run: everything but the bodies of ``if TYPE_CHECKING:``."""
     skipped: set[int] = set()
@@ -117,12 +128,14 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
-def _imports(module: str | None, path: Path) -> tuple[set[str], list[str]]:
-    """The modules of ours that ``path`` imports (at any depth, lazy imports included) and the
-    private names it takes from other modules (``from m import _x``, ``m._x``)."""
+def _imports(module: str | None, path: Path, *, type_checking: bool = False) -> tuple[set[str], list[str]]:
+    """The modules of ours that ``path`` imports (at any depth, lazy imports included; with
+    ``type_checking``, those of ``if TYPE_CHECKING:`` blocks too) and the private names it takes
+    from other modules (``from m import _x``, ``m._x``)."""
     is_package = path.name == "__init__.py"
     imported, private, aliases = set(), [], {}
-    for node in _outside_type_checking(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = _parsed(path)
+    for node in list(ast.walk(tree)) if type_checking else _outside_type_checking(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if (target := _owner(alias.name)) is not None:
@@ -143,7 +156,7 @@ def _imports(module: str | None, path: Path) -> tuple[set[str], list[str]]:
                     private.append(f"from {source} import {alias.name}")
                 if (target := _owner(full)) is not None:
                     imported.add(target)
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
@@ -154,6 +167,33 @@ def _imports(module: str | None, path: Path) -> tuple[set[str], list[str]]:
             private.append(f"{aliases[node.value.id]}.{node.attr}")
     imported.discard(module)
     return imported, private
+
+
+MODULE_REFERENCE = re.compile(r"^(?:mta|mta_cli)(?:\.\w+)+(?::\w+)?$")
+
+
+def _named_modules(path: Path) -> set[str]:
+    """The modules of ours ``path`` names for a deferred import: a ``"module:attribute"`` string
+    (a registry's entry), or a module's dotted name as a dict value (a lazy export's) or given to
+    ``import_module`` / ``__import__``. Docstrings and messages do not count."""
+    tree = _parsed(path)
+    candidates: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            candidates += node.values
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+            "import_module",
+            "__import__",
+        ):
+            candidates += node.args[:1]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
+            candidates.append(node)
+    named = set()
+    for node in candidates:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_REFERENCE.match(node.value):
+            if (target := node.value.partition(":")[0]) in MODULES:
+                named.add(target)
+    return named
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -219,6 +259,155 @@ def test_the_private_name_finder_sees_both_forms(tmp_path):
     path = tmp_path / "user.py"
     path.write_text("from mta.files import _x\nimport mta.hashing as h\nh._y()\nfrom mta import files\nfiles._z\n")
     assert sorted(_imports(None, path)[1]) == ["from mta.files import _x", "mta.files._z", "mta.hashing._y"]
+
+
+# --- the layers ARCHITECTURE.md declares: no import climbs them ---------------------------------
+
+LAYER_LINE = re.compile(r"^(?P<layer>\d+) +(?P<names>[\w.]+(?:, [\w.]+)*)(?: {2,}.*)?$")
+
+
+def _layers(text: str) -> dict[str, int]:
+    """The ```layers block of ARCHITECTURE.md's "Direction of imports": ``{name: layer}``, 1 on top."""
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    layers: dict[str, int] = {}
+    for line in filter(str.strip, block.splitlines()):
+        entry = LAYER_LINE.match(line)
+        assert entry, f"ARCHITECTURE.md's layers: cannot read {line!r} (LAYER, NAME, NAME  what they hold)"
+        for name in entry["names"].split(", "):
+            assert name not in layers, f"ARCHITECTURE.md's layers: {name} is listed twice"
+            layers[name] = int(entry["layer"])
+    return layers
+
+
+def _unit(module: str, layers: dict[str, int]) -> str | None:
+    """The longest name of ``layers`` that ``module`` falls under (``mta`` stands for the package's
+    ``__init__`` only, so a new top-level package must be placed)."""
+    found = [name for name in layers if module == name or (name != "mta" and module.startswith(name + "."))]
+    return max(found, key=len) if found else None
+
+
+def _climbing(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """The imports of ``graph`` (module -> the modules it imports) that go up ``layers`` or across
+    one layer, in words."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        unit = _unit(module, layers)
+        for target in sorted(targets):
+            other = _unit(target, layers)
+            if unit is None or other is None or other == unit:
+                continue
+            if layers[other] < layers[unit]:
+                found.append(f"{module} -> {target}: {other} (layer {layers[other]}) is above {unit} ({layers[unit]})")
+            elif layers[other] == layers[unit]:
+                found.append(f"{module} -> {target}: {unit} and {other} share layer {layers[unit]}")
+    return found
+
+
+LAYERS = _layers((SRC.parents[1] / "ARCHITECTURE.md").read_text(encoding="utf-8"))
+
+
+def test_every_module_has_a_layer_and_every_layered_name_exists():
+    unplaced = sorted(module for module in MODULES if _unit(module, LAYERS) is None)
+    assert not unplaced, f"not in ARCHITECTURE.md's layers (add the package to a layer): {unplaced}"
+    absent = sorted(name for name in LAYERS if name not in MODULES)
+    assert not absent, f"ARCHITECTURE.md's layers name what does not exist: {absent}"
+
+
+def _layer_graph(module: str, path: Path) -> set[str]:
+    """What ``module`` imports, for the layers: at the top, lazily inside a function, under
+    ``TYPE_CHECKING``, and by name for a deferred import (``"mta.x.y:name"``, ``import_module``)."""
+    return (_imports(module, path, type_checking=True)[0] | _named_modules(path)) - {module}
+
+
+def test_no_import_climbs_the_layers():
+    graph = {module: _layer_graph(module, path) for module, path in MODULES.items()}
+    climbing = _climbing(graph, LAYERS)
+    assert not climbing, "imports against ARCHITECTURE.md's layers (move the code down):\n" + "\n".join(climbing)
+
+
+def test_the_layer_check_refuses_a_planted_upward_import_lazy_or_for_types_only(tmp_path):
+    text = "## Direction of imports\n```layers\n1   top, side  what\n2   low.er\n3   base\n```\n"
+    assert _layers(text) == {"top": 1, "side": 1, "low.er": 2, "base": 3}
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from typing import TYPE_CHECKING\nfrom mta.errors import MtaError\n"
+        "if TYPE_CHECKING:\n    from mta.evaluation.results import Results\n"
+        "def f():\n    from mta.data.artefact_schema import SCHEMA\n    from mta.store import layout\n"
+        'REGISTRY = {"x": "mta.training.trainer:Trainer", "y": "mta.store.layout"}\n'
+        'def g():\n    """See mta.demo.pipeline."""\n    raise MtaError("mta.demo.pipeline")\n',
+        encoding="utf-8",
+    )
+    graph = {"mta.store.planted": _layer_graph("mta.store.planted", planted)}
+    assert _climbing(graph, LAYERS) == [
+        "mta.store.planted -> mta.data.artefact_schema: mta.data (layer 10) is above mta.store (11)",
+        "mta.store.planted -> mta.evaluation.results: mta.evaluation (layer 9) is above mta.store (11)",
+        "mta.store.planted -> mta.training.trainer: mta.training (layer 9) is above mta.store (11)",
+    ]
+    sideways = {"mta.training.x": {"mta.evaluation.results", "mta.losses.kd", "mta.training.y"}}
+    assert _climbing(sideways, LAYERS) == [
+        "mta.training.x -> mta.evaluation.results: mta.training and mta.evaluation share layer 9"
+    ]
+    assert _unit("mta.newpackage.x", LAYERS) is None and _unit("mta", LAYERS) == "mta"
+
+
+# --- no function longer than a screenful or two --------------------------------------------------
+
+MAX_FUNCTION_LINES = 100
+
+
+def _declared_with_typer(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    defaults = [*function.args.defaults, *(d for d in function.args.kw_defaults if d is not None)]
+    return any(
+        isinstance(d, ast.Call)
+        and isinstance(d.func, ast.Attribute)
+        and d.func.attr in ("Option", "Argument")
+        and getattr(d.func.value, "id", None) == "typer"
+        for d in defaults
+    )
+
+
+def _function_lengths(tree: ast.AST) -> dict[str, int]:
+    """``{qualified name: lines}`` of every function in ``tree``, methods and nested functions
+    included: from ``def`` to its last line; a Typer command (parameters declared with
+    ``typer.Option`` / ``typer.Argument``) from its body's first line, without the declarations."""
+    lengths = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                start = child.body[0].lineno if _declared_with_typer(child) else child.lineno
+                lengths[prefix + child.name] = child.end_lineno - start + 1
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return lengths
+
+
+def test_no_function_is_longer_than_100_lines():
+    too_long = {
+        f"{path.relative_to(REPO)}:{name}": lines
+        for path in MODULES.values()
+        for name, lines in _function_lengths(_parsed(path)).items()
+        if lines > MAX_FUNCTION_LINES
+    }
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them into helpers): {too_long}"
+
+
+def test_the_length_rule_sees_a_long_function_and_counts_a_command_without_its_options():
+    body = "".join(f"    x{i} = {i}\n" for i in range(100))
+    options = "".join(f"    o{i}: int = typer.Option({i}, help='option {i}'),\n" for i in range(60))
+    source = (
+        f"import typer\ndef long():\n{body}class C:\n    def method(self):\n        def inner():\n"
+        f"            return 1\n        return inner\ndef command(\n{options}) -> None:\n"
+        '    """Help."""\n    return None\n'
+    )
+    lengths = _function_lengths(ast.parse(source))
+    assert lengths == {"long": 101, "C.method": 4, "C.method.inner": 2, "command": 2}
+    assert {name for name, lines in lengths.items() if lines > MAX_FUNCTION_LINES} == {"long"}
 
 
 # --- ARCHITECTURE.md's module map is the tree --------------------------------------------------

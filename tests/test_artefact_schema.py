@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from conftest import EXAMPLES
 from mta.data import artefact_schema
 from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.artefact_schema import (
     SPAN_V1,
     NotDerivable,
@@ -27,7 +28,6 @@ from mta.data.artefact_schema import (
 from mta.errors import MtaError
 from mta.hashing import file_sha256
 from mta.store.publish import merge_shards
-from mta.store.read import read_annotations
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
 # Today's version, and a simulated next one: today's plus one span column.

@@ -21,12 +21,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from mta.data.annotate import run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.artefact_schema import BOUNDARY_SPAN, BOUNDARY_SPANS, SCHEMAS, reannotate_command
 from mta.data.token_ranges import boundary_spans
 from mta.errors import MtaError
 from mta.hashing import file_sha256
 from mta.models.tokenizers import load_tokenizer
-from mta.store.read import read_annotations
 from mta.training.batching import BOUNDARY, AnnotatedExamples
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from conftest import MINIMAL_RECIPE
 from fixtures.distill import weights
 from fixtures.recipes import error_of, write
-from mta.store.read import read_annotations
+from mta.data.annotations import read_annotations
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.loading import load_recipe
 from mta.training.dry_run import plan_run

@@ -28,12 +28,12 @@ from typer.testing import CliRunner
 from conftest import EXAMPLES
 from mta.data import annotate as annotate_module
 from mta.data.annotate import AnnotateSettings, run_annotate
-from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, SCHEMA, SCHEMA_VERSION
+from mta.data.annotations import read_annotations
+from mta.data.artefact_schema import SCHEMA, SCHEMA_VERSION
 from mta.data.prompts import alpaca_prompt
 from mta.errors import MtaError
 from mta.hashing import directory_checksums, json_sha256
-from mta.store.layout import META
-from mta.store.read import read_annotations
+from mta.store.layout import LAYOUT_KEY, LAYOUT_VERSION, META
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
 LINES = EXAMPLES.read_text(encoding="utf-8").splitlines()

@@ -16,10 +16,10 @@ import mta.files
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
-from mta.evaluation.model_files import check_weights, checkpoint_fingerprint
 from mta.evaluation.models_under_test import check_checkpoint
 from mta.files import Journal
 from mta.hashing import CHECKSUMS, checksum_text, directory_checksums
+from mta.models.weights import check_weights, checkpoint_fingerprint
 
 SETTINGS = EvalSettings(benchmarks=["dolly"], seeds=[10], max_new_tokens=4, max_prompt_length=48, limit=2)
 

@@ -3,7 +3,7 @@ nothing written outside the directories given, one line where a traceback was.
 
 Each test reproduces one of the issue's cases (it failed on the code before the fix) and names
 it; the rules live once each: ``mta.store.kinds`` (no cross-kind overwrite), the model
-fingerprint of ``mta.models.fingerprint`` (content keys, push, evaluate), ``mta.files``
+fingerprint of ``mta.models.weights`` (content keys, push, evaluate), ``mta.files``
 (``open_inside``: no link followed out; ``read_artefact_json`` / ``corrupt_artefact``: one line per
 corrupt artefact), ``mta.generation.vllm_engine.checked_reply`` (the worker's replies).
 """
@@ -118,8 +118,8 @@ def scores_of(checkpoint, fingerprint) -> dict:
 
 
 def test_case3_push_results_of_the_same_path_but_another_model_are_refused_naming_both(export, tmp_path):
-    from mta.evaluation.model_files import checkpoint_fingerprint
     from mta.models.push import plan_push
+    from mta.models.weights import checkpoint_fingerprint
 
     results = tmp_path / "eval"
     results.mkdir()

@@ -29,10 +29,10 @@ import pytest
 from conftest import EXAMPLES, subprocess_env
 from fixtures.hub import cache_dataset, qa_rows
 from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.sources import HubDataset, input_reference
 from mta.errors import MtaError
 from mta.models import hub
-from mta.store.read import read_annotations
 
 REPO = "acme/qa"
 COMMIT = "4c1b2d8e9f0a1b2c3d4e5f60718293a4b5c6d7e8"

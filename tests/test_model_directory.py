@@ -1,4 +1,4 @@
-"""What transformers and peft read from a model directory: one list (``mta.evaluation.model_files``)
+"""What transformers and peft read from a model directory: one list (``mta.models.weights``)
 that the fingerprint covers, file by file; an adapter in a directory under test is named in the
 log and keys its predictions; the directories transformers refuses with a traceback or advice mta
 does not follow (an adapter config without weights, a pickle the weights-only loader refuses,
@@ -21,7 +21,7 @@ from fixtures.commands import files_of, run_mta
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
-from mta.evaluation.model_files import (
+from mta.models.weights import (
     ADAPTER_CONFIG,
     MODEL_FILE_PATTERNS,
     checkpoint_fingerprint,

@@ -25,8 +25,8 @@ from torch import nn
 
 from mta import distributed
 from mta.errors import MtaError
-from mta.training.asam import ZERO3_REFUSAL, Asam, perturbation
-from mta.training.config.schema import AsamSpec
+from mta.training.asam import Asam, perturbation
+from mta.training.config.schema import ZERO3_REFUSAL, AsamSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

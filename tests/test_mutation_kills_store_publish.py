@@ -13,9 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixtures.store import ID_SCHEMA, listing, part, row_groups, shard_file, stage
-from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, VERSION_KEY
 from mta.errors import MtaError
-from mta.store.layout import META, STAGING, manifest_path, staged_part
+from mta.store.layout import LAYOUT_KEY, LAYOUT_VERSION, META, STAGING, VERSION_KEY, manifest_path, staged_part
 from mta.store.manifests import read_manifest
 from mta.store.publish import (
     PartWriter,

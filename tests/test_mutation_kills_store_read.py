@@ -1,5 +1,5 @@
-"""Reading a store directory (mta.store.read) built here from small tables of the annotate schema
-(no spaCy): rows in id order, each refusal of a missing, changed, unreadable or miscounted part,
+"""Reading a store directory (mta.data.annotations, mta.store.read) built here from small tables of
+the annotate schema (no spaCy): rows in id order, each refusal of a missing, changed, unreadable or miscounted part,
 incomplete and absent directories, the earlier layout. What mutation testing (bench/mutation.py)
 found the annotate tests leave unchecked."""
 
@@ -13,11 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixtures.store import annotate_rows
-from mta.data.artefact_schema import LAYOUT_KEY, SCHEMA, SCHEMA_VERSION, VERSION_KEY, reannotate_command
+from mta.data.annotations import read_annotations
+from mta.data.artefact_schema import SCHEMA, SCHEMA_VERSION, reannotate_command
 from mta.errors import MtaError
-from mta.store.layout import META, manifest_path, staged_part
+from mta.store.layout import LAYOUT_KEY, META, VERSION_KEY, manifest_path, staged_part
 from mta.store.publish import PartWriter, commit_shard
-from mta.store.read import read_annotations, read_stage_manifest, verified_parts
+from mta.store.read import read_stage_manifest, verified_parts
 
 INPUT = {"input": {"path": "/data/in.jsonl"}, "teacher": {"name": "t"}, "student": {"name": "s"}}
 
@@ -27,7 +28,7 @@ def publish(out: Path, shards: list[list[int]], *, run: str = "k") -> None:
     for index, ids in enumerate(shards):
         path = staged_part(out, index, len(shards), run)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with PartWriter(path) as writer:
+        with PartWriter(path, schema=SCHEMA) as writer:
             writer.write(annotate_rows(ids))
             entry = writer.commit()
         shard = {
@@ -143,7 +144,7 @@ def test_a_missing_changed_unreadable_or_miscounted_part_is_refused_naming_it_an
 
 
 def test_an_unreadable_part_is_refused_with_the_systems_reason(tmp_path, monkeypatch):
-    from mta.store import read
+    from mta.data import annotations
 
     publish(tmp_path, [[0]])
     part = part_file(tmp_path)
@@ -151,7 +152,7 @@ def test_an_unreadable_part_is_refused_with_the_systems_reason(tmp_path, monkeyp
     def unreadable(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(read, "file_sha256", unreadable)
+    monkeypatch.setattr(annotations, "file_sha256", unreadable)
     assert refusal(tmp_path).startswith(f"{part} cannot be read (Permission denied). Annotate the input again")
 
 

@@ -18,15 +18,15 @@ import pytest
 
 from fixtures.store import annotate_rows, listing, part, shard_file, stage
 from mta.data import artefact_schema
-from mta.data.artefact_schema import SCHEMA_V2, SCHEMA_VERSION, VERSION_KEY, NotDerivable
+from mta.data.annotations import read_annotations
+from mta.data.artefact_schema import SCHEMA_V2, SCHEMA_VERSION, NotDerivable
 from mta.errors import MtaError
 from mta.store import publish
 from mta.store.chunked_work import ChunkedShard
-from mta.store.layout import META, STAGING, staged_part
+from mta.store.layout import META, STAGING, VERSION_KEY, staged_part
 from mta.store.locks import shard_lock
 from mta.store.manifests import incomplete_message, read_manifest
 from mta.store.publish import PartWriter, commit_shard, finish_publishing, try_merge, writing_shard
-from mta.store.read import read_annotations
 
 STAGED = f"{META}/{STAGING}"
 

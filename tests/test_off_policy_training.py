@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import torchrun
 from fixtures.distill import weights, write_recipe
+from mta.data.annotations import read_annotations
 from mta.data.online_spans import PendingSpans
-from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics

@@ -98,7 +98,7 @@ def test_mta_annotate_skips_or_refuses_a_number_past_the_int_digit_limit(
     assert only_line(lines, "error:").startswith(f"error: {long_number_rows}:2: {PROBLEM} (fix the row, or pass")
     assert not (tmp_path / "refused").exists()
 
-    from mta.store.read import read_annotations
+    from mta.data.annotations import read_annotations
 
     code, lines = annotate(tmp_path / "skipped", "--on-error", "skip")
     assert code == 0, "\n".join(lines)

@@ -18,6 +18,7 @@ import pytest
 from conftest import EXAMPLES
 from fixtures.annotate import EDGE_ROWS, reference_range, write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.encoding import BYTE_LEVEL_CHARS, TokenizerSide
 from mta.data.online_spans import (
     GeneratedRow,
@@ -27,7 +28,6 @@ from mta.data.online_spans import (
     online_annotator,
 )
 from mta.errors import MtaError
-from mta.store.read import read_annotations
 
 MULTIBYTE = "Café crème, naïve señor: 茶是一种饮料 👋🏽 and 🎉 done."
 ROWS = (

@@ -12,8 +12,8 @@ import pytest
 from conftest import EXAMPLES
 from fixtures.annotate import write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.data.annotations import read_annotations
 from mta.errors import MtaError
-from mta.store.read import read_annotations
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"
 PAIR_COLUMNS = ("id", "pair_id", "role")

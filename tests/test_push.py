@@ -129,7 +129,7 @@ def test_results_add_a_model_index_to_the_uploaded_card_and_leave_the_directory_
 
     from huggingface_hub import ModelCard
 
-    from mta.evaluation.model_files import checkpoint_fingerprint
+    from mta.models.weights import checkpoint_fingerprint
 
     results = tmp_path / "eval"
     results.mkdir()

@@ -18,9 +18,9 @@ import mta
 from conftest import EXAMPLES
 from fixtures.batching import random_rows
 from mta.data.annotate import run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.artefact_schema import SCHEMA
 from mta.losses.kd import BASE_LOSSES
-from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.layers import resolve_layer_map
 from mta.training.config.schema import LossSpec

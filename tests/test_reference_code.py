@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from mta.data.annotate import AnnotateSettings, annotate_run_key, run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.span_extraction import VERB_PHRASE_PATTERN, SpanExtractor, load_spacy
 from mta.data.token_ranges import token_ranges
 from mta.errors import MtaError
 from mta.losses import SpanBatch, TrajectoryAlignmentLoss, token_importance
-from mta.store.read import read_annotations
 from mta.training.batching import AnnotatedExamples, StepSchedule
 from mta.training.config.schema import Recipe
 from mta.training.train_data import check_manifest

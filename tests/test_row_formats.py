@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 
 from conftest import REPO
 from fixtures.distill import write_recipe
+from mta.data.annotations import read_annotations
 from mta.data.prompts import alpaca_prompt, prompt_style, recorded_template
 from mta.data.rows import RowProblem, read_rows
 from mta.errors import MtaError
 from mta.evaluation.datasets import load_rows
-from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
 from mta.training.train_data import check_manifest
 from mta_cli.main import app

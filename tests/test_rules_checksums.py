@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import save_file
 
 from fixtures.recipes import tiny_recipe
+from mta.data.annotations import read_annotations
 from mta.errors import MtaError
 from mta.evaluation.layout import CheckpointPaths, check_claim, generation_manifest
-from mta.evaluation.model_files import check_weights, checkpoint_fingerprint
 from mta.evaluation.settings import EvalSettings
 from mta.hashing import checksum_text, directory_checksums, read_checksums
+from mta.models.weights import check_weights, checkpoint_fingerprint
 from mta.store.manifests import checked_manifest, part_is_intact
-from mta.store.read import read_annotations
 from mta.training.lifecycle import checkpointing
 
 COMMITTED_V1 = Path(__file__).parent / "data" / "annotate-v1"

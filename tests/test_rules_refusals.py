@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from fixtures.planted import Planted
+from mta.data.annotations import read_annotations
 from mta.errors import MtaError
 from mta.evaluation.layout import CheckpointPaths, check_claim, generation_manifest
 from mta.evaluation.settings import EvalSettings
 from mta.store.locks import shard_lock
 from mta.store.manifests import check_directory
-from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
 from mta.training.config.resume_rules import check_resume_length
 from mta.training.config.schema import Recipe

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from fixtures.distill import LENGTHS, write_recipe
 from fixtures.evaluate import write_jsonl
+from mta.data.annotations import read_annotations
 from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation.datasets import resolve_benchmarks
@@ -23,7 +24,6 @@ from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.hashing import directory_checksums, read_checksums
 from mta.models.tokenizers import load_tokenizer
 from mta.scoring import completion_text, rouge_l
-from mta.store.read import read_annotations
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle import checkpointing, selection
 from mta.training.lifecycle.metrics import read_metrics

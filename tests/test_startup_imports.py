@@ -137,9 +137,7 @@ def test_importing_the_evaluation_stage_loads_no_deepspeed_scorer_or_tracker():
     assert set(modules) <= loaded
     leaked = sorted(name for name in ("deepspeed", "nltk", "rouge_score", "sklearn", "mta.tracking") if name in loaded)
     assert not leaked, f"importing mta.evaluation.* loads {leaked}"
-    light = loaded_after_importing(
-        "import mta.evaluation.datasets, mta.evaluation.download, mta.evaluation.model_files"
-    )
+    light = loaded_after_importing("import mta.evaluation.datasets, mta.evaluation.download, mta.models.weights")
     assert "torch" not in light and "transformers" not in light
 
 

@@ -14,10 +14,10 @@ import torch
 
 from fixtures.distill import LENGTHS
 from mta.data.annotate import AnnotateSettings
+from mta.data.annotations import read_annotations
 from mta.data.online_spans import GeneratedRow, SpanParser, annotate_generated
 from mta.generation import Completion
 from mta.models.tokenizers import load_tokenizer
-from mta.store.read import read_annotations
 from mta.training.batching import IGNORE_INDEX, AnnotatedExamples
 from mta.training.config.schema import Recipe
 from mta.training.sampling import micro_batches

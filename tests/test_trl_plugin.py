@@ -208,7 +208,7 @@ def test_the_spans_of_completions_are_mta_annotates_of_the_decoded_rows(
     tmp_path, tiny_model_dir, teacher_dir, tokenizer
 ):
     from mta.data.annotate import AnnotateSettings, run_annotate
-    from mta.store.read import read_annotations
+    from mta.data.annotations import read_annotations
 
     trainer = trainer_of(tmp_path / "t", tiny_model_dir, teacher_dir, tokenizer)
     inputs = fixed_inputs(tokenizer, ROWS[:4])

@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 from fixtures.annotate import check_artefact, write_jsonl
 from mta.data.annotate import AnnotateSettings, run_annotate
+from mta.data.annotations import read_annotations
 from mta.data.encoding import TokenizerSide
 from mta.data.truncation import FittedText, fit_to_limits
-from mta.store.read import read_annotations
 
 PROMPT = "Question: why is the sky blue?\nAnswer: "
 RESPONSE = "Because the air scatters blue light more than red light, the sky looks blue all day. "

@@ -44,7 +44,6 @@ from mta.data.rows import INVALID_TEXT, Example, RowProblem, field_problems
 from mta.data.sources import HubDataset, InputSource, input_identity, open_source
 from mta.dtypes import DTYPES, dtype_name, resolve_dtype
 from mta.errors import MtaError
-from mta.evaluation.model_files import checkpoint_fingerprint
 from mta.evaluation.models_under_test import check_checkpoint, loaded_checkpoint
 from mta.files import (
     Journal,
@@ -59,6 +58,7 @@ from mta.files import (
 from mta.generation.generator import Generator, HFGenerator
 from mta.generation.sampling import SamplingParams, sampling_seed
 from mta.generation.vllm_engine import ENGINE_KEY, UNRECORDED, engine_name, vllm_generation
+from mta.models.weights import checkpoint_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES

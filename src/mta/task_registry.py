@@ -23,11 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mta.errors import MtaError
 
-if TYPE_CHECKING:  # the run and plan types import models and torch; the interface names them only
+if TYPE_CHECKING:
     from mta.reporting import Reporter
-    from mta.training.dry_run import RunPlan
-    from mta.training.lifecycle.model_card import CardFacts
-    from mta.training.trainer import Run
 
 
 class Task(ABC):
@@ -39,17 +36,20 @@ class Task(ABC):
     samples_dev_prompts: ClassVar[bool] = True  # each evaluation samples the student's continuations of dev prompts
     reference_padding: ClassVar[bool] = True  # loss.reference_code pads every micro batch to data.max_length
 
+    # The interface sits below the training layer, so it cannot name the types a task returns
+    # (mta.training.trainer.Run, mta.training.dry_run.RunPlan, mta.training.lifecycle.model_card.
+    # CardFacts): each task's methods declare them, and the loop's callers annotate what they get.
     @abstractmethod
-    def build_run(self, recipe: Any, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Run:
+    def build_run(self, recipe: Any, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False) -> Any:
         """The ``Run`` of ``recipe``: output directory claimed, models and data loaded, engine started."""
 
     @abstractmethod
-    def plan_run(self, recipe: Any, world_size: int = 1) -> RunPlan:
+    def plan_run(self, recipe: Any, world_size: int = 1) -> Any:
         """The ``RunPlan`` ``mta distill --dry-run`` shows for ``recipe``; no weights loaded."""
 
     @abstractmethod
-    def card(self, recipe: Any) -> CardFacts:
-        """What the model card of an exported student of ``recipe`` says for this task."""
+    def card(self, recipe: Any) -> Any:
+        """The ``CardFacts`` the model card of an exported student of ``recipe`` says for this task."""
 
 
 _LOADERS: dict[str, Callable[[], Task]] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -22,6 +23,9 @@ from mta_cli.options import (
 )
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
+
+if TYPE_CHECKING:
+    from mta.data.annotate import AnnotateSettings
 
 # `mta annotate DATA` alone: these tokenizers (a recipe's, README) and this output directory.
 DEFAULT_RECIPE = "gpt2"
@@ -141,7 +145,7 @@ def annotate(
     first line of the log names every default used. The summary goes to stdout, progress to stderr.
     """
     quiet_third_party(verbose)
-    from mta.data.annotate import AnnotateSettings, run_annotate
+    from mta.data.annotate import run_annotate
     from mta.store.layout import manifest_path
     from mta.store.publish import merge_shards
 
@@ -179,6 +183,44 @@ def annotate(
         template=template.value if template else None,
         fields=parse_fields(field),
     )
+    settings = _annotate_settings(console, data, defaults, recipe, teacher, student, options)
+    shard_index, num_shards = parse_shard(shard) if shard else (0, 1)
+
+    with make_reporter(console) as reporter:
+        outcome = run_annotate(
+            source,
+            out_dir,
+            settings,
+            force=force,
+            reporter=reporter,
+            shard=shard_index,
+            num_shards=num_shards,
+        )
+    if outcome.reused:
+        console.print(f"reused {out_dir} (same input and settings; --force recomputes)")
+    if outcome.manifest is None:
+        _print_summary(results, outcome.shard_manifest["counts"])
+        results.print(
+            f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when every shard is written"
+        )
+        return
+    _print_summary(results, outcome.manifest)
+    results.print(f"wrote {manifest_path(out_dir)}")
+
+
+def _annotate_settings(
+    console: Console,
+    data: str,
+    defaults: list[str],
+    recipe: str | None,
+    teacher: str | None,
+    student: str | None,
+    options: dict[str, Any],
+) -> AnnotateSettings:
+    """The settings from the recipe (its tokenizers and lengths, the options laid over) or from
+    --teacher and --student; announces the defaults taken first."""
+    from mta.data.annotate import AnnotateSettings
+
     if recipe is not None:
         from mta.training.config.catalog import find_recipe
         from mta.training.config.loading import load_recipe
@@ -204,28 +246,7 @@ def annotate(
             student=student,
             **{key: value for key, value in options.items() if value is not None},
         )
-    shard_index, num_shards = parse_shard(shard) if shard else (0, 1)
-
-    with make_reporter(console) as reporter:
-        outcome = run_annotate(
-            source,
-            out_dir,
-            settings,
-            force=force,
-            reporter=reporter,
-            shard=shard_index,
-            num_shards=num_shards,
-        )
-    if outcome.reused:
-        console.print(f"reused {out_dir} (same input and settings; --force recomputes)")
-    if outcome.manifest is None:
-        _print_summary(results, outcome.shard_manifest["counts"])
-        results.print(
-            f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when every shard is written"
-        )
-        return
-    _print_summary(results, outcome.manifest)
-    results.print(f"wrote {manifest_path(out_dir)}")
+    return settings
 
 
 def _announce(console: Console, data: str, defaults: list[str]) -> None:

@@ -30,7 +30,7 @@ def show(
     """
     quiet_third_party(verbose)
     row = deprecated_alias(row, row_old, old="-r", new="--row") or 0
-    from mta.store.read import read_annotations
+    from mta.data.annotations import read_annotations
 
     console = Console()
     annotations = read_annotations(out_dir)

@@ -8,6 +8,7 @@
 - ``token_ranges``       character spans -> half-open token ranges (docs/method.md §1)
 - ``example_annotator``  one chunk of examples -> one Arrow record batch (and the worker entry points)
 - ``artefact_schema``    the artefact's schema versions and their upgrades
+- ``annotations``        ``read_annotations``: a complete artefact, upgraded to today's schema
 - ``annotate``           the stage: ``AnnotateSettings``, ``annotate_file``, worker processes
 - ``online_spans``       spans of text generated during training, annotate's code in a worker pool
 

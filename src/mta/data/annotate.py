@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mta import distributed
-from mta.data.artefact_schema import SCHEMA_VERSION, VERSION_KEY
+from mta.data.artefact_schema import SCHEMA, SCHEMA_VERSION
 from mta.data.encoding import TokenizerSide
 from mta.data.example_annotator import ChunkResult, ExampleAnnotator, annotate_in_worker, init_annotator_worker
 from mta.data.prompts import PromptStyle, Template, check_template, prompt_style
@@ -38,7 +38,7 @@ from mta.files import disk_full_is_reported
 from mta.hashing import json_sha256
 from mta.reporting import Reporter, SilentReporter
 from mta.store.kinds import ANNOTATIONS
-from mta.store.layout import staged_part
+from mta.store.layout import VERSION_KEY, staged_part
 from mta.store.manifests import MAX_SKIPPED_EXAMPLES
 from mta.store.publish import PartWriter, commit_shard, writing_shard
 from mta.store.reuse import reusable_output
@@ -347,7 +347,7 @@ def _annotate_shard(
     results = closing(map_chunks(build, example_chunks(examples(), CHUNK_ROWS), workers))
     # closing(): on any error the workers stop at once, before the error is reported.
     try:
-        with disk_full_is_reported(part), results as chunk_results, PartWriter(part) as writer:
+        with disk_full_is_reported(part), results as chunk_results, PartWriter(part, schema=SCHEMA) as writer:
             for result in chunk_results:
                 writer.write(result.batch)
                 rows["written"] += result.batch.num_rows

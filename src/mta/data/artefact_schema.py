@@ -39,21 +39,11 @@ other column of theirs stays usable, and what needs the spans (``AnnotatedExampl
 boundary=True)``, the SRA objective) refuses a null with the ``mta annotate`` command that
 rebuilds the directory (:func:`reannotate_command`).
 
-Layouts. How the files of an artefact sit in its directory is versioned apart from the table:
-``LAYOUT_VERSION`` (manifest key ``layout_version``) changes when files move, ``SCHEMA_VERSION``
-when the columns do; a layout change leaves the rows as they are, so it needs no upgrade step.
-``LAYOUTS[n]`` says what layout ``n`` is (:mod:`mta.store.read` reads each one):
-
-- layout 1 (mta 0.1, schema versions 1 and 2): ``manifest.json``, the shard manifests, the lock
-  files and the parts side by side in the directory. Its manifest carries no ``layout_version``.
-- layout 2: the directory holds the published parts only, so any Parquet reader
-  (``pandas.read_parquet(DIR)``, ``pyarrow.dataset.dataset(DIR)``,
-  ``datasets.load_dataset("parquet", data_dir=DIR)``) reads exactly the artefact's rows;
-  everything else lives under ``.mta/``, which every one of them skips.
-
-Bumping the layout: describe it in ``LAYOUTS``, set ``LAYOUT_VERSION``, keep reading the older
-layouts in :mod:`mta.store` (``tests/test_data_sources.py`` reads each), and describe
-it in the changelog. An mta meeting a newer layout refuses it, naming the upgrade.
+Layouts. How the files of an artefact sit in its directory is the store's, versioned apart from
+the table (:data:`mta.store.layout.LAYOUTS`, ``LAYOUT_VERSION``, manifest key ``layout_version``):
+a layout change leaves the rows as they are, so it needs no upgrade step. :func:`stored_layout`
+refuses a layout this mta does not read, naming the ``mta annotate`` command that rebuilds it;
+:func:`mta.data.annotations.read_annotations` reads each layout.
 """
 
 from __future__ import annotations
@@ -66,10 +56,8 @@ from typing import Any
 import pyarrow as pa
 
 from mta.errors import MtaError
+from mta.store.layout import LAYOUT_KEY, LAYOUT_VERSION, LAYOUTS, VERSION_KEY
 from mta.versions import MTA_VERSION
-
-VERSION_KEY = "schema_version"  # the manifest key (shard manifests carry it too)
-LAYOUT_KEY = "layout_version"  # the manifest key of the file layout (absent: layout 1)
 
 # --------------------------------------------------------------------------- column names
 # The current version's names, for readers (mta.training.batching, mta show). Each one is
@@ -175,14 +163,6 @@ SCHEMA = SCHEMA_V3
 SPAN = SPAN_V1
 BOUNDARY_SPAN = BOUNDARY_SPAN_V3
 COLUMNS = tuple(SCHEMA.names)
-
-# --------------------------------------------------------------------------- layouts
-
-LAYOUTS: dict[int, str] = {
-    1: "manifest.json, shard-*.json, lock files and parts side by side in the directory",
-    2: "only the published parts in the directory; manifest.json, shard manifests, staged parts and locks under .mta/",
-}
-LAYOUT_VERSION = 2
 
 # --------------------------------------------------------------------------- upgrade steps
 

@@ -330,6 +330,20 @@ def run_evidence(
     cached = all((paths.teacher_cache / s / ".mta" / "manifest.json").exists() for s in ("train", "dev"))
     timed_stage(paths, "teacher stage", lambda: run_teacher_stage(recipe, reporter=reporter), done=cached)
 
+    chosen = _train_runs(settings, paths, model, recipe_path, recipe_overrides, reporter)
+    _evaluate_runs(settings, paths, {TEACHER: model, **chosen}, data_dir, reporter)
+    return summarise(settings, paths)
+
+
+def _train_runs(
+    settings: EvidenceSettings,
+    paths: EvidencePaths,
+    model: Path,
+    recipe_path: str | Path,
+    recipe_overrides: Sequence[str],
+    reporter: Reporter,
+) -> dict[str, Path]:
+    """Train (or resume, or skip when finished) every variant and seed; ``{label: its best/}``."""
     chosen: dict[str, Path] = {}
     for variant, seed in settings.runs():
         label = run_label(variant, seed)
@@ -350,8 +364,13 @@ def run_evidence(
         if not (best / "config.json").exists():
             raise MtaError(f"{paths.run(label)} has no best/ checkpoint: its dev selection never ran")
         chosen[label] = best
+    return chosen
 
-    checkpoints = {TEACHER: model, **chosen}
+
+def _evaluate_runs(
+    settings: EvidenceSettings, paths: EvidencePaths, checkpoints: dict[str, Path], data_dir: Path, reporter: Reporter
+) -> None:
+    """Evaluate ``checkpoints`` ({label: directory}) on the test sets and on dev (each skipped when done)."""
     evaluations = {
         "test": (paths.eval_test, list(settings.test_sets), settings.eval_rows),
         "dev": (paths.eval_dev, [DEV_SET], settings.select_rows),
@@ -381,7 +400,6 @@ def run_evidence(
             ),
             done=done,
         )
-    return summarise(settings, paths)
 
 
 def read_back(out_dir: str | Path) -> dict[str, Any]:

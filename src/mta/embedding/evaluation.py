@@ -28,7 +28,7 @@ fits), so they are not used: their numbers would not be the paper's. A task whos
 reachable (offline, as here) is reported as unavailable with the reason, never silently left
 out; classification also needs scikit-learn (the ``embed`` extra).
 
-Every checkpoint is fingerprinted as LLM checkpoints are (:mod:`mta.evaluation.model_files`).
+Every checkpoint is fingerprinted as LLM checkpoints are (:mod:`mta.models.weights`).
 Embedding is cheap next to generation, so nothing per checkpoint is kept between runs; rank 0
 does the work under torchrun (the others wait).
 """
@@ -51,9 +51,9 @@ from mta.embedding.encoder import load_encoder
 from mta.embedding.pooling import AUTO
 from mta.embedding.teacher_embeddings import TeacherEmbeddings, build_teacher_embeddings, read_teacher_embeddings
 from mta.errors import MtaError
-from mta.evaluation.model_files import checkpoint_fingerprint
 from mta.evaluation.models_under_test import checkpoint_names
 from mta.files import atomic_write_json, atomic_write_text, disk_full_is_reported, make_output_directory
+from mta.models.weights import checkpoint_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.tables import markdown_table
 from mta.versions import package_versions

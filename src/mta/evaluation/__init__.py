@@ -2,14 +2,14 @@
 
 Modules, in the order the data flows: ``settings`` (what to run, the protocol's sampler) ->
 ``datasets`` (set files) -> ``models_under_test`` (labels, up-front checks, load and teardown;
-``model_files``: whole weights, checksum lists, the weights' fingerprint) -> generation
+``mta.models.weights``: whole weights, checksum lists, the fingerprint) -> generation
 through ``mta.generation`` -> ``predictions`` (journals -> scored files, with ``mta.scoring``) ->
 ``results`` + ``report`` (results.json, results.md); ``perplexity`` scores references
 teacher-forced; ``layout`` names the files; ``runner`` ties them together with resume and
 torchrun sharding.
 
 The names below are imported on first use (PEP 562), so that importing one module of the package
-(``mta.evaluation.datasets``, ``download``, ``model_files``) does not import torch, transformers
+(``mta.evaluation.datasets``, ``download``) does not import torch, transformers
 and the scorer through the others.
 """
 

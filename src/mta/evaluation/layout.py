@@ -7,7 +7,7 @@
     predictions/<label>/<set>/seed-<s>.rank<r>.journal.jsonl   rows finished by rank r, while running
     predictions/<label>/perplexity.json                 teacher-forced perplexity (with --perplexity)
 
-The claim records the checkpoint, its fingerprint (``model_files``: the sha256 of its weight,
+The claim records the checkpoint, its fingerprint (``mta.models.weights``: the sha256 of its weight,
 tokenizer and config files, so weights changed in place at the same path are told apart), the
 lengths, the dtype and the sampler; a later run with any of them changed is refused, naming what
 changed, instead of reporting an old score or mixing predictions made two ways in one directory.
@@ -24,9 +24,9 @@ import torch
 from mta import distributed
 from mta.dtypes import dtype_name
 from mta.errors import MtaError
-from mta.evaluation.model_files import describe_changes
 from mta.evaluation.settings import EvalSettings
 from mta.files import atomic_write_json, disk_full_is_reported, read_artefact_json
+from mta.models.weights import describe_changes
 
 
 @dataclass(frozen=True)

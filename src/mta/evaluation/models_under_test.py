@@ -2,7 +2,7 @@
 
 A checkpoint is any Hugging Face causal-LM directory with its tokenizer, or a hub name. Every
 checkpoint is checked before the first one is loaded (config, tokenizer, and that the weight
-files are there and whole, see ``model_files``), so a typo or a truncated copy in the fifth path
+files are there and whole, see ``mta.models.weights``), so a typo or a truncated copy in the fifth path
 does not surface after four hours of generation.
 """
 
@@ -20,9 +20,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from mta.errors import MtaError
-from mta.evaluation.model_files import adapter_files, check_weights, describe_adapter
 from mta.models.hub import load_pretrained
 from mta.models.tokenizers import load_tokenizer
+from mta.models.weights import adapter_files, check_weights, describe_adapter
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=@-]+")
 RUN_OUTPUTS = ("final", "best")  # what `mta distill` writes inside a run directory

@@ -1,7 +1,7 @@
 """The whole evaluation: checkpoints x sets x seeds, resumable, shardable under torchrun.
 
 Up front, before any model loads: every checkpoint is checked (config, tokenizer, whole weights),
-fingerprinted (``model_files``; its checksum list verified) and its directory's claim compared
+fingerprinted (``mta.models.weights``; its checksum list verified) and its directory's claim compared
 (``layout``), so a changed or broken fifth checkpoint fails at once.
 For each checkpoint: claim its directory, generate what its predictions files lack
 (rows split over ranks, each finished row journalled as its batch ends, see ``predictions``),
@@ -33,7 +33,6 @@ from mta.evaluation.datasets import (
     resolve_split_file,
 )
 from mta.evaluation.layout import FINGERPRINT, CheckpointPaths, check_claim, claim_directory, generation_manifest
-from mta.evaluation.model_files import checkpoint_fingerprint, require_unchanged
 from mta.evaluation.models_under_test import check_checkpoint, checkpoint_names, loaded_checkpoint
 from mta.evaluation.predictions import finished_rows, is_complete, journal_record, write_predictions
 from mta.evaluation.report import results_markdown
@@ -41,6 +40,7 @@ from mta.evaluation.results import collect_results
 from mta.evaluation.settings import EvalSettings, evaluation_seed
 from mta.files import Journal, atomic_write_json, atomic_write_text, disk_full_is_reported, make_output_directory
 from mta.generation.generator import Generator, HFGenerator
+from mta.models.weights import checkpoint_fingerprint, require_unchanged
 from mta.reporting import Reporter, SilentReporter
 from mta.scoring import completion_text
 

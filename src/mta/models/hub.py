@@ -345,7 +345,7 @@ def load_pretrained(
         # Explicitly: left unset, transformers asks on a terminal whether to run a model's code.
         kwargs.setdefault("trust_remote_code", False)
     if _looks_for_adapters(loader) and Path(target).is_dir():
-        from mta.evaluation.model_files import adapter_files
+        from mta.models.weights import adapter_files
 
         adapter_files(target)  # an adapter_config.json without weights: refused before the load
     try:

@@ -21,9 +21,8 @@ from typing import Any
 from mta.errors import MtaError
 from mta.files import corrupt_artefact, read_artefact_json, reading_artefact
 from mta.hashing import CHECKSUMS, checksum_differences, read_checksums
-from mta.models.fingerprint import model_fingerprint
 from mta.models.hub import endpoint, offline_mode, unreachable_reason
-from mta.models.weights import WEIGHT_PATTERNS
+from mta.models.weights import WEIGHT_PATTERNS, checkpoint_fingerprint
 
 CARD = "README.md"
 
@@ -149,14 +148,14 @@ def with_model_index(card_text: str, directory: Path, repo_id: str, results_dir:
 
 def scored_entry(results: dict[str, Any], directory: Path, path: Path, rebuild: str) -> dict[str, Any]:
     """The checkpoint entry of ``results`` (read from ``path``) that scored the model now at
-    ``directory``: the one whose fingerprint is the model's (:func:`mta.models.fingerprint.model_fingerprint`,
+    ``directory``: the one whose fingerprint is the model's (:func:`mta.models.weights.checkpoint_fingerprint`,
     the rule evaluation keys its predictions on), wherever it was evaluated from. Scores of the
     same path with another fingerprint (the directory retrained or changed since) are refused,
     naming both."""
     runs = results.get("checkpoints")
     if not isinstance(runs, dict) or not all(isinstance(e, dict) for e in runs.values()):
         raise corrupt_artefact(path, rebuild, TypeError("its 'checkpoints' is not an object of checkpoint entries"))
-    fingerprint = model_fingerprint(directory)[0]
+    fingerprint = checkpoint_fingerprint(directory)[0]
     for entry in runs.values():
         if entry.get("fingerprint") == fingerprint:
             if not isinstance(entry.get("sets"), dict):

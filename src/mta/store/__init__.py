@@ -8,9 +8,12 @@ columns, into the same layout.
 - ``manifests``  ``manifest.json`` and the shard manifests, read and checked
 - ``publish``    ``PartWriter``, ``commit_shard``, ``try_merge``, ``merge_shards``, ``finish_publishing``
 - ``reuse``      whether a directory already holds a writer's output (``reusable_output``)
-- ``read``       ``read_annotations``: a complete annotate artefact, upgraded to today's schema
+- ``read``       ``read_stage_manifest``, ``verified_parts``: a complete stage output, checked
 
-Layout of an output directory (layout version 2, :mod:`mta.data.artefact_schema`)::
+Annotate's reader, ``mta.data.annotations.read_annotations``, reads the same layout and upgrades
+older schema versions (the store knows no columns).
+
+Layout of an output directory (layout version 2, :data:`mta.store.layout.LAYOUTS`)::
 
     part-00000-of-00002-<run>.parquet           the rows of shard 0 (ids 0, 2, 4, ...)
     part-00001-of-00002-<run>.parquet           ... exactly the parts manifest.json lists
@@ -29,7 +32,7 @@ shard set still being written, a superseded run's shards and the part of a run k
 shard manifest (an orphan) all stay in ``.mta/``, out of every reader's sight; the next writer of
 that shard deletes the orphan. For the few milliseconds of a publish, a reader that takes no lock
 can see the old parts, none, or some of the new ones, never old and new together;
-:func:`~mta.store.read.read_annotations` reads a part from ``.mta/staging/`` when its publish
+:func:`~mta.data.annotations.read_annotations` reads a part from ``.mta/staging/`` when its publish
 was cut short, and the next writer finishes that publish.
 
 Directories of layout 1 (mta 0.1: ``manifest.json``, ``shard-*.json`` and the parts side by side)

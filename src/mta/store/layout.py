@@ -7,10 +7,14 @@ import re
 from pathlib import Path
 
 __all__ = [
+    "LAYOUTS",
+    "LAYOUT_KEY",
+    "LAYOUT_VERSION",
     "MANIFEST",
     "MERGE_LOCK",
     "META",
     "STAGING",
+    "VERSION_KEY",
     "holds_artefact",
     "is_part_name",
     "is_shard_manifest_name",
@@ -26,6 +30,17 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+VERSION_KEY = "schema_version"  # a manifest's key for its rows' schema version (shard manifests carry it too)
+LAYOUT_KEY = "layout_version"  # the manifest key of the file layout (absent: layout 1)
+# How the files of a store directory sit in it, versioned apart from the rows' schema (a layout
+# change moves files and leaves the rows as they are). Bumping it: describe it here, set
+# LAYOUT_VERSION, keep reading the older layouts (mta.data.annotations; tests/test_data_sources.py
+# reads each) and describe it in the changelog. An mta meeting a newer layout refuses it.
+LAYOUTS: dict[int, str] = {
+    1: "manifest.json, shard-*.json, lock files and parts side by side in the directory",
+    2: "only the published parts in the directory; manifest.json, shard manifests, staged parts and locks under .mta/",
+}
+LAYOUT_VERSION = 2
 META = ".mta"  # manifests, staged parts and locks: hidden from every Parquet reader
 STAGING = "staging"
 MERGE_LOCK = ".lock-merge"

@@ -16,7 +16,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mta.data.artefact_schema import LAYOUT_KEY, LAYOUT_VERSION, SCHEMA, VERSION_KEY
 from mta.errors import MtaError
 from mta.files import (
     atomic_write_json,
@@ -29,8 +28,11 @@ from mta.files import (
 from mta.hashing import file_sha256
 from mta.store.kinds import require_kind
 from mta.store.layout import (
+    LAYOUT_KEY,
+    LAYOUT_VERSION,
     MANIFEST,
     META,
+    VERSION_KEY,
     is_part_name,
     is_shard_manifest_name,
     manifest_path,
@@ -70,12 +72,13 @@ class PartWriter:
 
     Batches are buffered into row groups of about ``row_group_rows`` rows. If the writer is
     closed without ``commit`` (an exception, Ctrl-C, a full disk), the temporary file is deleted.
-    ``schema``: the annotate schema by default; ``mta embed`` and ``mta teacher`` write their own
-    (:mod:`mta.embedding.teacher_embeddings`, :mod:`mta.training.teacher_cache`) into the same
-    layout. ``compression``: Parquet's codec (``"none"`` for values that do not compress).
+    ``schema``: the rows' Arrow schema (annotate's, :data:`mta.data.artefact_schema.SCHEMA`;
+    ``mta embed``'s and ``mta teacher``'s, :mod:`mta.embedding.teacher_embeddings`,
+    :mod:`mta.training.teacher_cache`), all in the same layout. ``compression``: Parquet's codec
+    (``"none"`` for values that do not compress).
     """
 
-    def __init__(self, path: Path, row_group_rows: int = 2048, schema: pa.Schema = SCHEMA, compression: str = "zstd"):
+    def __init__(self, path: Path, row_group_rows: int = 2048, *, schema: pa.Schema, compression: str = "zstd"):
         self.path = path
         self.rows = 0
         self._schema = schema

@@ -21,9 +21,9 @@ the step. The logged losses are the second pass's, at w + ε (as TALAS's author 
 DeepSpeed: ZeRO 0, 1 and 2 keep every weight whole on every process (ZeRO 1/2 partition the
 optimizer states and gradients, and update fp32 master copies that the perturbation never
 touches), so steps 1-4 work unchanged and every process computes the same ε from the same
-summed g. ZeRO-3 is refused (``ZERO3_REFUSAL``). Nothing of ASAM outlives a step (the copy of w
-is dropped after it), so checkpoints hold no ASAM state and a resumed run continues
-bit-identically: the dropout of both passes comes from the checkpointed RNG.
+summed g. ZeRO-3 is refused (``mta.training.config.schema.ZERO3_REFUSAL``). Nothing of ASAM
+outlives a step (the copy of w is dropped after it), so checkpoints hold no ASAM state and a
+resumed run continues bit-identically: the dropout of both passes comes from the checkpointed RNG.
 
 Cost: two forward and two backward passes per step, one copy of the trainable weights, and
 one fp32 gradient buffer while ε is formed.
@@ -49,19 +49,12 @@ from torch import nn
 
 from mta import distributed
 from mta.errors import MtaError
+from mta.training.config.schema import ZERO3_REFUSAL
 
 if TYPE_CHECKING:
     from mta.training.config.schema import AsamSpec
 
 log = logging.getLogger(__name__)
-
-ZERO3_REFUSAL = (
-    "ASAM does not run under train.zero_stage=3: ZeRO-3 keeps each weight as shards that DeepSpeed "
-    "gathers only inside its forward and backward, and reduces gradients into shards during backward, "
-    "while ASAM needs the whole gradient at w without an optimizer step and perturbs the whole weights "
-    "in place (DeepSpeed has no sharpness-aware step of its own). Use train.zero_stage 1 or 2 (ZeRO-2 "
-    "partitions gradients and optimizer states; the weights stay whole), or train.asam=null"
-)
 
 
 def perturbation(

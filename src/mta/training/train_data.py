@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mta.data.annotations import Annotations, read_annotations
 from mta.data.prompts import ChatTemplate, recorded_template
 from mta.errors import MtaError
 from mta.reporting import Reporter
-from mta.store.read import Annotations, read_annotations
 from mta.training.config.schema import Recipe
 
 

@@ -333,6 +333,16 @@ class LossSpec(Strict):
         return tuple(term for term in ("dsa", "hra") if getattr(self, f"{term}_weight"))
 
 
+# Refused by TrainSpec (train.asam with train.zero_stage=3) and again by mta.training.asam.Asam.for_engine.
+ZERO3_REFUSAL = (
+    "ASAM does not run under train.zero_stage=3: ZeRO-3 keeps each weight as shards that DeepSpeed "
+    "gathers only inside its forward and backward, and reduces gradients into shards during backward, "
+    "while ASAM needs the whole gradient at w without an optimizer step and perturbs the whole weights "
+    "in place (DeepSpeed has no sharpness-aware step of its own). Use train.zero_stage 1 or 2 (ZeRO-2 "
+    "partitions gradients and optimizer states; the weights stay whole), or train.asam=null"
+)
+
+
 class AsamSpec(Strict):
     """ASAM (Kwon et al., 2021) around the optimizer, for any recipe (``mta.training.asam``): each
     step's gradient is taken at w + ε, ε = ρ·T_w²·g / ‖T_w·g‖ with T_w = |w| + η, and applied to w."""
@@ -448,8 +458,6 @@ class TrainSpec(Strict):
     @model_validator(mode="after")
     def _asam_fits_zero(self) -> TrainSpec:
         if self.asam is not None and self.zero_stage == 3:
-            from mta.training.asam import ZERO3_REFUSAL
-
             raise PydanticCustomError("asam_setting", "{message}", {"message": ZERO3_REFUSAL, "within": ("asam",)})
         return self
 

@@ -18,13 +18,13 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from mta import distributed
 from mta.data.annotate import AnnotateSettings
+from mta.data.annotations import Annotations
 from mta.data.artefact_schema import reannotate_command
 from mta.data.online_spans import SpanParser
 from mta.errors import MtaError
 from mta.losses.sra import tokenizers_shared_vocabulary
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter
-from mta.store.read import Annotations
 from mta.task_registry import Task
 from mta.training import engine as engines
 from mta.training import lora

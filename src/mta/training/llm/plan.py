@@ -195,10 +195,10 @@ def cross_vocabulary_notes(recipe: Recipe) -> list[str]:
         return []
     import pyarrow.compute as pc
 
+    from mta.data.annotations import read_annotations
     from mta.data.artefact_schema import BOUNDARY_SPANS, PROMPT_LEN
     from mta.data.token_ranges import unit_counts
     from mta.store.layout import holds_artefact
-    from mta.store.read import read_annotations
 
     base = recipe.loss.base
     counted = _shared_tokens(recipe)
@@ -244,9 +244,9 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
     ``data.max_length``; and which micro batches still run the teacher."""
     import pyarrow.compute as pc
 
+    from mta.data.annotations import read_annotations
     from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
     from mta.store.layout import holds_artefact
-    from mta.store.read import read_annotations
     from mta.training.teacher_cache.content import SizeEstimate, estimate_bytes, human_bytes, teacher_reads
 
     spec = recipe.teacher_cache

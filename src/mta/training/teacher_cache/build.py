@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 import torch
 
 from mta import distributed
+from mta.data.annotations import Annotations
 from mta.data.artefact_schema import INPUT_IDS, reannotate_command
 from mta.errors import MtaError
 from mta.hashing import json_sha256
@@ -43,7 +44,6 @@ from mta.reporting import Reporter, SilentReporter
 from mta.store.chunked_work import ChunkedShard
 from mta.store.manifests import read_manifest
 from mta.store.publish import commit_shard, writing_shard
-from mta.store.read import Annotations
 from mta.store.reuse import reusable_output
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.schema import Recipe, teacher_cache_problem

@@ -19,9 +19,8 @@ import pyarrow.compute as pc
 
 from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
 from mta.hashing import arrays_sha256, json_sha256
-from mta.models.fingerprint import model_fingerprint
 from mta.models.tokenizers import tokenizer_fingerprint
-from mta.models.weights import weights_fingerprint
+from mta.models.weights import checkpoint_fingerprint, holds_weights
 from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
 from mta.training.config.schema import Recipe
 from mta.training.model_loading import hidden_size
@@ -84,14 +83,14 @@ def teacher_tokens_fingerprint(table: pa.Table) -> str:
 
 def teacher_weights(path: str) -> str | None:
     """The teacher's fingerprint by the rule evaluation keys predictions on
-    (:func:`mta.models.fingerprint.model_fingerprint`): every file transformers and peft read from
+    (:func:`mta.models.weights.checkpoint_fingerprint`): every file transformers and peft read from
     a directory (weights, adapter, config, tokenizer), by content; a Hub name with the commit its
     snapshot resolves to (``hub:<name>@<commit>``). None for a directory without weight files
     (deleted: the cache's record then stands for them)."""
     directory = Path(path).expanduser()
-    if directory.is_dir() and weights_fingerprint(directory) is None:
+    if directory.is_dir() and not holds_weights(directory):
         return None
-    return model_fingerprint(directory if directory.is_dir() else path)[0]
+    return checkpoint_fingerprint(directory if directory.is_dir() else path)[0]
 
 
 def teacher_precision(training_precision: str, recipe: Recipe) -> str:
