@@ -107,3 +107,26 @@ def test_a_0_2_0_teacher_cache_trains_a_run_without_the_teachers_weights(v020, m
     online = next(r for r in read_metrics(v020 / "checkpoint-run" / "metrics.jsonl") if r["step"] == 0)
     for term in ("loss/dsa", "loss/hra"):
         assert records[0][term] == pytest.approx(online[term], rel=1e-3), term
+
+
+def test_a_0_2_0_cache_key_is_read_by_its_own_rule_and_a_hub_teachers_is_refused(tmp_path):
+    """Version 1 keyed a directory teacher on its weight and config files: the cache still serves
+    that teacher (its key becomes today's), not another, and never a Hub teacher named without the
+    commit it loaded."""
+    from mta.errors import MtaError
+    from mta.training.teacher_cache.content import teacher_weights, upgraded
+
+    stored = json.loads((V020 / "teacher-cache" / "train" / ".mta" / "manifest.json").read_text(encoding="utf-8"))
+    teacher = tmp_path / "teacher"
+    shutil.copytree(V020 / "models" / "teacher", teacher)
+    expected = {"teacher": {"path": str(teacher)}, "teacher_weights": teacher_weights(str(teacher))}
+    same = upgraded(stored, expected)
+    assert same["teacher_cache_version"] == 2 and same["teacher_weights"] == expected["teacher_weights"]
+
+    config = json.loads((teacher / "config.json").read_text(encoding="utf-8"))
+    (teacher / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}), encoding="utf-8")
+    changed = {**expected, "teacher_weights": teacher_weights(str(teacher))}
+    assert upgraded(stored, changed)["teacher_weights"] == stored["teacher_weights"]  # mismatches() names it
+
+    with pytest.raises(MtaError, match="Hub teacher HuggingFaceTB/x, keyed by its name without the commit"):
+        upgraded({**stored, "teacher_weights": "hub:HuggingFaceTB/x"}, expected)

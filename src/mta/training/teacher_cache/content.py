@@ -9,6 +9,7 @@ artefact's size from the rows' token counts, before anything runs.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN
-from mta.hashing import arrays_sha256, json_sha256
+from mta.errors import MtaError
+from mta.hashing import arrays_sha256, file_sha256, json_sha256
 from mta.models.tokenizers import tokenizer_fingerprint
-from mta.models.weights import checkpoint_fingerprint, holds_weights
+from mta.models.weights import CONFIG_PATTERNS, WEIGHT_PATTERNS, checkpoint_fingerprint, holds_weights
 from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
 from mta.training.config.schema import Recipe
 from mta.training.model_loading import hidden_size
@@ -28,6 +30,9 @@ from mta.versions import MTA_VERSION, package_versions
 
 ARTEFACT = "teacher-outputs"  # the manifest's ``artefact``
 CACHE_VERSION = 2  # the manifest's ``teacher_cache_version``: the columns and keys of this package
+# Version 1 (mta 0.2.0) keyed ``teacher_weights`` on the top-level weight and config files alone, a
+# Hub teacher on its name alone; ``upgraded`` reads it (the same columns) where that key still tells.
+OLDER_VERSIONS = (1,)
 SPLITS = ("train", "dev")
 # The description's keys that decide the stored values; each names the recipe key to change.
 CONTENT_KEYS = {
@@ -148,6 +153,37 @@ def describe(
         "precision": teacher.precision,
         "versions": package_versions(),
     }
+
+
+def upgraded(manifest: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 manifest read as version 2, in memory (the files are never rewritten). Its
+    ``teacher_weights`` hashed the teacher directory's weight and config files; where the teacher's
+    directory still hashes to it by that rule, the cache was built by this teacher (a version-1 cache
+    holds the token ids it was computed on, keyed by ``teacher_tokens``, and the schema refuses a LoRA
+    teacher, so the files version 2 adds decide nothing more), and it takes version 2's key. A Hub
+    teacher's version-1 key is its name without a commit: refused, since the snapshot may have moved."""
+    if manifest.get("teacher_cache_version") != 1:
+        return manifest
+    stored, path = manifest.get("teacher_weights"), str(expected.get("teacher", {}).get("path", ""))
+    if isinstance(stored, str) and stored.startswith("hub:"):
+        raise MtaError(
+            f"this teacher cache was built by mta 0.2.0 for the Hub teacher {stored[4:]}, keyed by its name without "
+            "the commit it loaded (version 1): it cannot tell whether the snapshot moved since. Rebuild it: "
+            "`mta teacher --recipe RECIPE -o DIR --force`"
+        )
+    weights = expected.get("teacher_weights")
+    same = weights is None or (Path(path).is_dir() and _version_1_weights(Path(path)) == stored)
+    return manifest | {"teacher_cache_version": 2, "teacher_weights": weights if same else stored}
+
+
+def _version_1_weights(directory: Path) -> str:
+    """Version 1's ``teacher_weights``: ``sha256:`` of the top-level weight and config files."""
+    names = sorted(
+        path.name
+        for path in directory.iterdir()
+        if path.is_file() and any(fnmatch.fnmatch(path.name, p) for p in (*WEIGHT_PATTERNS, *CONFIG_PATTERNS))
+    )
+    return "sha256:" + json_sha256({name: file_sha256(directory / name) for name in names})
 
 
 def content_key(description: dict[str, Any]) -> str:

@@ -29,7 +29,15 @@ from mta.losses.teacher_topk import tail_fill
 from mta.store.read import read_stage_manifest, verified_parts
 from mta.training.batching import TrainBatch
 from mta.training.teacher import TeacherOutput
-from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION, TeacherIdentity, describe, mismatches
+from mta.training.teacher_cache.content import (
+    ARTEFACT,
+    CACHE_VERSION,
+    OLDER_VERSIONS,
+    TeacherIdentity,
+    describe,
+    mismatches,
+    upgraded,
+)
 
 
 def _build_hint(directory: Path) -> str:
@@ -50,7 +58,9 @@ class TeacherCache:
             command="mta teacher",
             build=f"mta teacher --recipe RECIPE -o {directory.parent}",
             what="teacher_cache.dir: ",
+            older=OLDER_VERSIONS,
         )
+        manifest = upgraded(manifest, expected)
         differ = mismatches(manifest, expected)
         if differ:
             raise MtaError(
