@@ -113,10 +113,9 @@ class CachedTeacherSide(TeacherSide):
     """The teacher layers an ``mta teacher`` cache holds, for the annotations it was built from."""
 
     def __init__(self, directory: Path, annotations: Annotations):
-        from mta.training.teacher_cache.content import CONTENT_KEYS, teacher_tokens_fingerprint
-        from mta.training.teacher_cache.read import TeacherCache
         from mta.store.read import read_stage_manifest
-        from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION
+        from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION, CONTENT_KEYS, teacher_tokens_fingerprint
+        from mta.training.teacher_cache.read import TeacherCache
 
         manifest = read_stage_manifest(
             directory,
@@ -359,10 +358,8 @@ def inspect_models(
     ]
     special = [] if settings.include_special else sorted(set(first_tokenizer.all_special_ids))
     if same_tokenizer:
-        notes.append(
-            f"token positions: real tokens{'' if settings.include_special else ' except special tokens (BOS, EOS, padding, chat markers)'}, "
-            f"at most {settings.tokens_per_row} evenly spaced per row"
-        )
+        kept = "real tokens" if settings.include_special else "real tokens but special tokens (BOS, EOS, chat markers)"
+        notes.append(f"token positions: {kept}, at most {settings.tokens_per_row} evenly spaced per row")
 
     results: dict[str, Any] = {
         "mta_version": mta.__version__,
