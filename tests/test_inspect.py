@@ -246,7 +246,8 @@ def test_mta_inspect_end_to_end_on_tiny_models(
     out = tmp_path / "inspect"
     code, lines = run_mta(
         monkeypatch, capsys, "inspect", teacher_dir, tiny_model_dir, second_student, "--data", same_data,
-        "--rows", 12, "--batch-size", 4, "--tokens-per-row", 1000, "--layers", "1:2:word,2:3:phrase,4:4:phrase", "--names", "a,b", "-o", out,
+        "--rows", 12, "--batch-size", 4, "--tokens-per-row", 1000,
+        "--layers", "1:2:word,2:3:phrase,4:4:phrase", "--names", "a,b", "-o", out,
     )  # fmt: skip
     assert code == 0, lines
     results = json.loads((out / "results.json").read_text())
@@ -299,7 +300,8 @@ def test_mta_inspect_end_to_end_on_tiny_models(
 def test_a_model_against_itself_is_one_on_the_diagonal(monkeypatch, capsys, tmp_path, teacher_dir, same_data):
     out = tmp_path / "self"
     code, lines = run_mta(
-        monkeypatch, capsys, "inspect", teacher_dir, teacher_dir, "--data", same_data, "--rows", 8, "--batch-size", 8, "-o", out
+        monkeypatch, capsys, "inspect", teacher_dir, teacher_dir, "--data", same_data,
+        "--rows", 8, "--batch-size", 8, "-o", out,
     )  # fmt: skip
     assert code == 0, lines
     student = json.loads((out / "results.json").read_text())["students"][0]

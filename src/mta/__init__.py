@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ reso
         HubDataset,
         KDLoss,
         LayerPair,
+        LinearCKA,
         MtaError,
         MTALoss,
         SpanBatch,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ reso
         TokenBatch,
         TrainBatch,
         annotate,
+        inspect,
         layer_map,
     )
 
@@ -58,6 +60,7 @@ __all__ = [
     "HubDataset",
     "KDLoss",
     "LayerPair",
+    "LinearCKA",
     "MTALoss",
     "MtaError",
     "SpanBatch",
@@ -65,6 +68,7 @@ __all__ = [
     "TokenBatch",
     "TrainBatch",
     "annotate",
+    "inspect",
     "layer_map",
 ]
 

@@ -387,6 +387,7 @@ def inspect_models(
             side: TeacherSide = CachedTeacherSide(Path(settings.teacher_cache), annotations)
             notes.append(f"teacher layers from the cache {settings.teacher_cache}: {side.layers} only")
         else:
+            assert loaded is not None  # the teacher's context yields (model, tokenizer)
             side = ModelTeacher(loaded[0], {})
         teacher_layers = side.layers
         teacher_depth = max(teacher_layers) if settings.teacher_cache is None else None
@@ -527,7 +528,7 @@ def _stream_student(
             else:
                 fits[index].measure(student_spans, teacher_spans, salience, mask)
         reporter.advance(len(rows))
-    matrices = {
+    matrices: dict[str, dict[str, Any]] = {
         name: {
             "items": accumulator.items,
             **{estimator: _listed(accumulator.matrix(estimator)) for estimator in ESTIMATORS},  # type: ignore[arg-type]
