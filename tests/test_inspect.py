@@ -397,3 +397,35 @@ def test_training_rows_and_other_tokenizers_are_refused(
     other = build_tiny_model(other_tokenizer_dir, tmp_path / "other")
     code, lines = run_mta(monkeypatch, capsys, "inspect", teacher_dir, other, "--data", same_data, "-o", tmp_path / "y")
     assert code == 2 and "not the student tokenizer" in lines[-1] and "mta annotate" in lines[-1]
+
+
+def test_the_teacher_side_from_a_teacher_cache_equals_the_teacher_at_its_layers(
+    tmp_path, tiny_run_recipe, teacher_dir, tiny_model_dir, same_data
+):
+    from mta.inspection import inspect
+    from mta.training.config.loading import load_recipe
+    from mta.training.teacher_cache.build import run_teacher_stage
+
+    recipe = load_recipe(tiny_run_recipe(tmp_path / "run", teacher_cache={"storage": "fp32"}))
+    run_teacher_stage(recipe, out_dir=tmp_path / "cache", batch_size=6)
+    layers = [(2, 2, "word"), (3, 3, "phrase"), (4, 4, "phrase")]  # the recipe's auto map: what the cache holds
+    common = {"rows": 6, "batch_size": 3, "layers": layers}
+    online = inspect(str(teacher_dir), [str(tiny_model_dir)], same_data, **common)
+    cached = inspect(None, [str(tiny_model_dir)], same_data, teacher_cache=str(tmp_path / "cache" / "dev"), **common)
+    assert cached["teacher"]["layers"] == [2, 3, 4] and cached["teacher"]["teacher_cache"].endswith("dev")
+    for granularity in ("token", "word", "phrase"):
+        full = np.array(online["students"][0]["cka"][granularity]["debiased"], dtype=float)
+        part = np.array(cached["students"][0]["cka"][granularity]["debiased"], dtype=float)
+        np.testing.assert_allclose(part, full[:, 2:], atol=1e-6)  # teacher layers 2, 3, 4 only
+    for got, expected in zip(cached["students"][0]["aligned"], online["students"][0]["aligned"], strict=True):
+        for key in ("cka", "structure_agreement", "dsa", "hra", "relative_residual"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    with pytest.raises(MtaError, match="does not hold"):
+        inspect(
+            None,
+            [str(tiny_model_dir)],
+            same_data,
+            teacher_cache=str(tmp_path / "cache" / "dev"),
+            rows=4,
+            layers=[(1, 1, "word")],
+        )
