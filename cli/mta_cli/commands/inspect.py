@@ -35,7 +35,7 @@ def inspect(
     ),
     data: Path = typer.Option(..., "--data", help="Annotated held-out rows (`mta annotate` output)."),
     out: Path = typer.Option(
-        Path("inspect"), "--out", "-o", help="Output directory: results.json, results.md, cka-*.png."
+        Path("runs/inspect"), "--out", "-o", help="Output directory: results.json, results.md, cka-*.png."
     ),
     rows: int = typer.Option(200, "--rows", help="The first N rows of --data (half fit the linear map, half measure)."),
     layers: str | None = typer.Option(
@@ -82,11 +82,12 @@ def inspect(
     and measured on the other half; and the monotone teacher layers of highest total span CKA,
     as recipe YAML beside the recipe's map.
 
-    Writes OUT/results.md, OUT/cka-<granularity>.png (students side by side on one colour scale,
+    Writes OUT/results.md, OUT/cka-GRANULARITY.png (students side by side on one colour scale,
     the difference to the first student, the recipe's map ○ and the suggested one ×) and
     OUT/results.json last (every matrix, the rows, the models' fingerprints, mta's version).
 
-    Example: mta inspect runs/demo/teacher runs/demo/runs/kd/final runs/demo/runs/mta/final
+    Example (the demo's teacher and two of its students, on its dev rows): mta inspect
+    ~/.cache/mta/models/SmolLM2-135M-Instruct runs/demo/runs/kd/final runs/demo/runs/mta/final
     --data runs/demo/annotations/dev --rows 200 -o runs/inspect
 
     The table goes to stdout; progress (rows/s, ETA) and the log to stderr.
