@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from mta.losses.pooling import pool_spans
 from mta.losses.span_masks import SpanBatch
 from mta.reporting import Reporter, SilentReporter
 from mta.store.read import Annotations, read_annotations
+from mta.versions import MTA_VERSION
 
 SPAN_GRANULARITIES = ("word", "phrase")
 RECIPE_FILE = "recipe.yaml"  # what `mta distill` saves beside final/, best/ and every checkpoint
@@ -229,6 +231,40 @@ def _same_path(a: Path, b: Path) -> bool:
         return False
 
 
+def held_out_statement(students: Sequence[str], data: Path, annotations: Annotations, *, allow: bool) -> str:
+    """What the results say about the rows: held out as far as the students' ``recipe.yaml``
+    tell, or not checkable; training rows of a student are refused unless ``allow``."""
+    problems = [p for p in (held_out_problem(s, data, annotations) for s in students) if p]
+    if problems and not allow:
+        raise MtaError(
+            "; ".join(problems) + ". Inspect on held-out rows (e.g. the dev annotations), or pass "
+            "--allow-training-rows to measure on training rows anyway"
+        )
+    if problems:
+        return "training rows, measured with --allow-training-rows: " + "; ".join(problems)
+    if any((Path(s) / RECIPE_FILE).is_file() for s in students):
+        return "held out as far as the students' recipe.yaml tell (their data.train is another set)"
+    return "not checked: no student carries a recipe.yaml naming its training rows"
+
+
+def granularities_of(annotations: Annotations, same_tokenizer: bool, notes: list[str]) -> list[str]:
+    """``token`` (one tokenizer) or ``boundary`` (two, when the annotations hold boundary spans),
+    then ``word`` and ``phrase``; a note says which across tokenizers."""
+    if same_tokenizer:
+        return ["token", *SPAN_GRANULARITIES]
+    table = annotations.table
+    boundary = "boundary_spans" in table.column_names and table.column("boundary_spans").null_count == 0
+    notes.append(
+        "the tokenizers differ: no token-level CKA; "
+        + (
+            "boundary spans (both tokenisations agree on them) instead"
+            if boundary
+            else "the annotations hold no boundary spans"
+        )
+    )
+    return (["boundary"] if boundary else []) + list(SPAN_GRANULARITIES)
+
+
 def layer_map_source(settings: InspectSettings, students: Sequence[str]) -> tuple[Any, str]:
     """The layer map (``"auto"`` or [LayerPair]) and where it came from: --layers, --recipe, the
     first student's recipe.yaml, or ``auto``."""
@@ -270,7 +306,6 @@ def inspect_models(
 ) -> dict[str, Any]:
     """Measure each student against the teacher on held-out annotated rows; returns the results
     (every matrix, the rows used, the models' fingerprints, mta's version) as plain data."""
-    import mta
     from mta.distributed import resolve_device
     from mta.dtypes import resolve_dtype
     from mta.evaluation.models_under_test import check_checkpoint, checkpoint_names, loaded_checkpoint
@@ -306,35 +341,9 @@ def inspect_models(
                 f"`mta annotate DATA.jsonl --teacher TEACHER --student STUDENT -o NEW_DIR`"
             )
     same_tokenizer = manifest["teacher"]["fingerprint"] == manifest["student"]["fingerprint"]
-    boundary = False
-    if not same_tokenizer:
-        column = (
-            annotations.table.column("boundary_spans") if "boundary_spans" in annotations.table.column_names else None
-        )
-        boundary = column is not None and column.null_count == 0
-        notes.append(
-            "the tokenizers differ: no token-level CKA; "
-            + (
-                "boundary spans (both tokenisations agree on them) instead"
-                if boundary
-                else "the annotations hold no boundary spans"
-            )
-        )
-    granularities = (["token"] if same_tokenizer else (["boundary"] if boundary else [])) + list(SPAN_GRANULARITIES)
-
-    problems = [p for p in (held_out_problem(s, data, annotations) for s in students) if p]
-    if problems and not settings.allow_training_rows:
-        raise MtaError(
-            "; ".join(problems) + ". Inspect on held-out rows (e.g. the dev annotations), or pass "
-            "--allow-training-rows to measure on training rows anyway"
-        )
-    held_out = (
-        "training rows of " + ", ".join(problems) + " (--allow-training-rows)"
-        if problems
-        else "held out as far as the students' recipe.yaml tell (data.train is another set)"
-        if any((Path(s) / RECIPE_FILE).is_file() for s in students)
-        else "not checked: no student carries a recipe.yaml naming its training rows"
-    )
+    granularities = granularities_of(annotations, same_tokenizer, notes)
+    boundary = "boundary" in granularities
+    held_out = held_out_statement(students, data, annotations, allow=settings.allow_training_rows)
 
     layer_map, map_source = layer_map_source(settings, students)
     device = resolve_device(settings.device)
@@ -362,7 +371,7 @@ def inspect_models(
         notes.append(f"token positions: {kept}, at most {settings.tokens_per_row} evenly spaced per row")
 
     results: dict[str, Any] = {
-        "mta_version": mta.__version__,
+        "mta_version": MTA_VERSION,
         "estimator": settings.estimator,
         "granularities": granularities,
         "rows": {
@@ -380,7 +389,7 @@ def inspect_models(
     }
 
     teacher_context = (
-        loaded_checkpoint(teacher, device, dtype) if teacher and settings.teacher_cache is None else _nothing()
+        loaded_checkpoint(teacher, device, dtype) if teacher and settings.teacher_cache is None else nullcontext()
     )
     with teacher_context as loaded:
         if settings.teacher_cache is not None:
@@ -435,14 +444,6 @@ def inspect_models(
             entry["layer_map"] = suggested_map(entry, teacher_layers, settings.estimator)
             results["students"].append(entry)
     return results
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _stream_student(
