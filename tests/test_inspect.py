@@ -229,6 +229,27 @@ def test_token_positions_leave_out_specials_and_keep_evenly_spaced_ones():
     assert chosen.tolist() == expected.tolist()
     assert chosen[0].sum() == 3
 
+    # the first position is left out even when it is no special token (the attention sink)
+    plain = torch.tensor([[7, 5, 6, 8]])
+    assert token_positions(plain, torch.ones(1, 4), [], per_row=10).tolist() == [[False, True, True, True]]
+    kept = token_positions(plain, torch.ones(1, 4), [], per_row=10, skip_first=False)
+    assert kept.tolist() == [[True, True, True, True]]
+
+
+def test_spans_covering_the_first_position_are_left_out_on_either_side():
+    from mta.inspection.run import off_sink
+    from mta.losses.span_masks import SpanBatch
+
+    spans = SpanBatch(
+        student_start=torch.tensor([[0, 1, 2, 0]]),
+        student_end=torch.tensor([[1, 2, 3, 0]]),
+        teacher_start=torch.tensor([[0, 0, 3, 0]]),  # span 1 starts the teacher's sequence only
+        teacher_end=torch.tensor([[2, 3, 4, 0]]),
+        mask=torch.tensor([[True, True, True, False]]),
+    )
+    assert off_sink(spans, True).tolist() == [[False, False, True, False]]
+    assert off_sink(spans, False).tolist() == [[True, True, True, False]]
+
 
 # --------------------------------------------------------------------------- end to end
 
@@ -271,8 +292,8 @@ def test_mta_inspect_end_to_end_on_tiny_models(
         assert (out / name).stat().st_size > 0
     assert any("1 → 2 word" in line for line in lines) and any("- [1, " in line for line in lines)
 
-    # the token CKA of one pair, again from the models by hand (special tokens left out, every
-    # other position kept: --tokens-per-row is above every row's length)
+    # the token CKA of one pair, again from the models by hand (special tokens and the first
+    # position left out, every other kept: --tokens-per-row is above every row's length)
     from transformers import AutoModelForCausalLM
 
     from mta.models.tokenizers import load_tokenizer
@@ -285,7 +306,7 @@ def test_mta_inspect_end_to_end_on_tiny_models(
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         rows = []
         for ids in table.column("student_input_ids").to_pylist():
-            keep = [i for i, token in enumerate(ids) if token not in specials]
+            keep = [i for i, token in enumerate(ids) if token not in specials and i > 0]  # nor the sink
             assert 0 < len(keep) < len(ids)  # an EOS at least is left out
             with torch.no_grad():
                 hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states

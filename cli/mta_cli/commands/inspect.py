@@ -59,7 +59,10 @@ def inspect(
         64, "--tokens-per-row", help="Most token positions of a row in token-level CKA."
     ),
     include_special: bool = typer.Option(
-        False, "--include-special", help="Keep special-token positions (BOS, EOS, chat markers) in token-level CKA."
+        False,
+        "--include-special",
+        help="Keep each row's first position (the attention sink) and special tokens (BOS, EOS, chat markers) "
+        "in CKA and the linear fit.",
     ),
     allow_training_rows: bool = typer.Option(
         False, "--allow-training-rows", help="Measure even when --data is a student's training set."
@@ -75,9 +78,10 @@ def inspect(
 
     For each student, on the first --rows rows of held-out annotations (rows a student's
     recipe.yaml names as data.train are refused): linear CKA between every student layer and every
-    teacher layer (0 = embeddings) on token states (one tokenizer; special tokens left out; else
-    boundary spans) and on word and phrase spans pooled as MTA pools them, float64 sums streamed
-    over the rows, debiased estimator by default; at each aligned pair the agreement of the span
+    teacher layer (0 = embeddings) on token states (one tokenizer; else boundary spans) and on word
+    and phrase spans pooled as MTA pools them, leaving out special tokens and each row's first
+    position (the attention sink, an outlier hundreds of times the others' norm), float64 sums
+    streamed over the rows, debiased estimator by default; at each aligned pair the agreement of the span
     cosine structure DSA matches and HRA's term after the best linear map fitted on half the rows
     and measured on the other half; and the monotone teacher layers of highest total span CKA,
     as recipe YAML beside the recipe's map.

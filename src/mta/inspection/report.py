@@ -117,7 +117,7 @@ def plot_heatmaps(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
         matrices = [_array(s["cka"][granularity][estimator]) for s in students]
         differences = [(s["label"], m - matrices[0]) for s, m in zip(students[1:], matrices[1:], strict=True)]
         panels = len(matrices) + len(differences)
-        figure, axes = plt.subplots(1, panels, figsize=(3.6 * panels + 0.8, 3.8), squeeze=False)
+        figure, axes = plt.subplots(1, panels, figsize=(max(3.6 * panels + 0.8, 6.0), 4.2), squeeze=False)
         finite = np.concatenate([m[np.isfinite(m)] for m in matrices]) if matrices else np.array([0.0])
         low = min(0.0, float(finite.min())) if finite.size else 0.0
         image = None
@@ -135,7 +135,7 @@ def plot_heatmaps(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
                 axis.set(title=f"{label} − {students[0]['label']}", xlabel="teacher layer", ylabel="student layer")
                 _ticks(axis, teacher_layers, len(difference))
             figure.colorbar(shown, ax=list(axes[0][len(matrices) :]), shrink=0.8, label="CKA difference")
-        figure.suptitle(f"{granularity}: student × teacher layer similarity (○ recipe map, × suggested)")
+        figure.suptitle(f"{granularity}: linear CKA of student × teacher layers\n○ the recipe's map, × the suggested one")
         path = out_dir / heatmap_name(granularity)
         with atomic_path(path) as partial:
             figure.savefig(partial, dpi=100, format="png")

@@ -181,13 +181,22 @@ def pooled_spans(
 
 
 def token_positions(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, special_ids: Sequence[int], per_row: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    special_ids: Sequence[int],
+    per_row: int,
+    *,
+    skip_first: bool = True,
 ) -> torch.Tensor:
-    """``[B, T]`` bool: the real, non-special positions of each row, at most ``per_row`` of them,
-    evenly spaced over the row (the first always kept)."""
+    """``[B, T]`` bool: the real positions of each row that are not special tokens nor (with
+    ``skip_first``) the row's first real position, at most ``per_row`` of them, evenly spaced
+    over the row (the first eligible one always kept)."""
     eligible = attention_mask.bool()
     if special_ids:
         eligible &= ~torch.isin(input_ids, torch.tensor(list(special_ids), device=input_ids.device))
+    if skip_first:  # the attention sink: BOS where the tokenizer adds one, else the first token
+        first = attention_mask.long().argmax(dim=1)
+        eligible &= torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] != first[:, None]
     rank = eligible.long().cumsum(dim=1) - 1  # the position's index among its row's eligible ones
     count = eligible.sum(dim=1, keepdim=True)
     bucket = rank * per_row // count.clamp(min=1)  # which of per_row evenly spaced slots it falls in
@@ -366,9 +375,15 @@ def inspect_models(
         for start in range(begin, end, settings.batch_size)
     ]
     special = [] if settings.include_special else sorted(set(first_tokenizer.all_special_ids))
+    if settings.include_special:
+        notes.append("CKA items include the first position and special tokens (--include-special)")
+    else:
+        notes.append(
+            "CKA and the linear fit leave out each row's first position (the attention sink) and the spans "
+            "covering it" + ("" if not same_tokenizer else ", and special-token positions (BOS, EOS, chat markers)")
+        )
     if same_tokenizer:
-        kept = "real tokens" if settings.include_special else "real tokens but special tokens (BOS, EOS, chat markers)"
-        notes.append(f"token positions: {kept}, at most {settings.tokens_per_row} evenly spaced per row")
+        notes.append(f"token positions: at most {settings.tokens_per_row} evenly spaced per row")
 
     results: dict[str, Any] = {
         "mta_version": MTA_VERSION,
@@ -446,6 +461,16 @@ def inspect_models(
     return results
 
 
+def off_sink(spans: SpanBatch, skip_first: bool) -> torch.Tensor:
+    """``[B, K]`` bool: the real spans that cover neither side's first position (the attention
+    sink, whose state is an outlier hundreds of times the others' norm in LLMs), or all real
+    spans without ``skip_first``. Rows are right-padded: the first position is 0."""
+    real = spans.mask.bool()
+    if not skip_first:
+        return real
+    return real & (spans.student_start > 0) & (spans.teacher_start > 0)
+
+
 def _stream_student(
     model: Any,
     side: TeacherSide,
@@ -498,15 +523,20 @@ def _stream_student(
             {n: s.teacher_token_mask(t_len).float() for n, s in span_batches.items()},
             settings.importance,
         )
+        kept = {name: off_sink(span_batches[name], not settings.include_special) for name in span_names}
         for name in span_names:
-            real = span_batches[name].mask.bool()
+            real = kept[name]
             cka[name].update(
                 [student_pooled[name][layer][0][real] for layer in student_layers],
                 [teacher_pooled[name][layer][0][real] for layer in teacher_layers],
             )
         if "token" in cka:
             chosen = token_positions(
-                batch.student.input_ids, batch.student.attention_mask, special, settings.tokens_per_row
+                batch.student.input_ids,
+                batch.student.attention_mask,
+                special,
+                settings.tokens_per_row,
+                skip_first=not settings.include_special,
             )
             cka["token"].update(
                 [student_states[layer][chosen] for layer in student_layers],
@@ -524,10 +554,10 @@ def _stream_student(
                 value = dynamic_structural_alignment(student_spans, teacher_spans, salience, mask)
                 dsa[index][0] += float(value) * contributing
                 dsa[index][1] += contributing
-            if phase == "fit":
-                fits[index].fit(student_spans, teacher_spans, mask)
+            if phase == "fit":  # the linear fit is least squares: without the sink's outliers
+                fits[index].fit(student_spans, teacher_spans, kept[g])
             else:
-                fits[index].measure(student_spans, teacher_spans, salience, mask)
+                fits[index].measure(student_spans, teacher_spans, salience, kept[g])
         reporter.advance(len(rows))
     matrices: dict[str, dict[str, Any]] = {
         name: {
