@@ -216,7 +216,7 @@ def test_layer_map_dp_gives_up_the_unconstrained_best_to_stay_monotone():
 
 
 def test_token_positions_leave_out_specials_and_keep_evenly_spaced_ones():
-    from mta.inspection.run import token_positions
+    from mta.inspection.items import token_positions
 
     ids = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11, 1, 2], [0, 5, 6, 1, 2, 2, 2, 2, 2, 2]])
     mask = torch.tensor([[1] * 9 + [0], [1] * 4 + [0] * 6])
@@ -237,7 +237,7 @@ def test_token_positions_leave_out_specials_and_keep_evenly_spaced_ones():
 
 
 def test_spans_covering_the_first_position_are_left_out_on_either_side():
-    from mta.inspection.run import off_sink
+    from mta.inspection.items import off_sink
     from mta.losses.span_masks import SpanBatch
 
     spans = SpanBatch(

@@ -9,11 +9,13 @@ pair's CKA (its granularity's matrix) is the largest such sum. Dynamic programmi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from mta.errors import MtaError
+from mta.inspection.structure import finite_or_none
 
 
 def monotone_choice(scores: Sequence[Sequence[float]] | np.ndarray, *, strict: bool = False) -> tuple[list[int], float]:
@@ -51,4 +53,37 @@ def monotone_choice(scores: Sequence[Sequence[float]] | np.ndarray, *, strict: b
     return choice, total
 
 
-__all__ = ["monotone_choice"]
+def suggested_map(student: Mapping[str, Any], teacher_layers: Sequence[int], estimator: str) -> dict[str, Any]:
+    """The recipe's map beside the suggestion: the same student layers and granularities, the
+    monotone teacher layers of highest total span CKA (``monotone_choice``), each pair's CKA."""
+    pairs = sorted(student["aligned"], key=lambda pair: pair["student"])
+    scores = [
+        [
+            np.nan if value is None else value
+            for value in student["cka"][pair["granularity"]][estimator][pair["student"]]
+        ]
+        for pair in pairs
+    ]
+    choice, total = monotone_choice(scores)
+    recipe_total = sum(score[teacher_layers.index(pair["teacher"])] for score, pair in zip(scores, pairs, strict=True))
+    return {
+        "recipe": [[p["student"], p["teacher"], p["granularity"]] for p in pairs],
+        "recipe_cka": [
+            finite_or_none(float(s[teacher_layers.index(p["teacher"])])) for s, p in zip(scores, pairs, strict=True)
+        ],
+        "recipe_total": finite_or_none(float(recipe_total)),
+        "suggested": [[p["student"], teacher_layers[t], p["granularity"]] for p, t in zip(pairs, choice, strict=True)],
+        "suggested_cka": [finite_or_none(float(s[t])) for s, t in zip(scores, choice, strict=True)],
+        "suggested_total": finite_or_none(total),
+    }
+
+
+def layer_map_yaml(pairs: Sequence[Sequence[Any]], cka: Sequence[float | None]) -> str:
+    """``loss.layers`` as recipe YAML, each pair's CKA as a comment."""
+    lines = ["loss:", "  layers:"]
+    for (s, t, g), value in zip(pairs, cka, strict=True):
+        lines.append(f"    - [{s}, {t}, {g}]  # CKA {'n/a' if value is None else f'{value:.3f}'}")
+    return "\n".join(lines)
+
+
+__all__ = ["layer_map_yaml", "monotone_choice", "suggested_map"]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from mta.files import atomic_path, atomic_write_json, atomic_write_text, make_output_directory
-from mta.inspection.run import layer_map_yaml
+from mta.inspection.layer_map import layer_map_yaml
 from mta.tables import markdown_table
 
 RESULTS_JSON, RESULTS_MARKDOWN = "results.json", "results.md"
@@ -135,7 +135,9 @@ def plot_heatmaps(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
                 axis.set(title=f"{label} − {students[0]['label']}", xlabel="teacher layer", ylabel="student layer")
                 _ticks(axis, teacher_layers, len(difference))
             figure.colorbar(shown, ax=list(axes[0][len(matrices) :]), shrink=0.8, label="CKA difference")
-        figure.suptitle(f"{granularity}: linear CKA of student × teacher layers\n○ the recipe's map, × the suggested one")
+        figure.suptitle(
+            f"{granularity}: linear CKA of student × teacher layers\n○ the recipe's map, × the suggested one"
+        )
         path = out_dir / heatmap_name(granularity)
         with atomic_path(path) as partial:
             figure.savefig(partial, dpi=100, format="png")

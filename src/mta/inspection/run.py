@@ -22,8 +22,7 @@ those teacher layers only. Results are data (:func:`inspect_models` returns a di
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,19 +32,18 @@ import numpy as np
 import torch
 
 from mta.errors import MtaError
+from mta.inspection.checks import SPAN_GRANULARITIES, granularities_of, held_out_statement, layer_map_source
 from mta.inspection.cka import ESTIMATORS, LinearCKA
-from mta.inspection.layer_map import monotone_choice
+from mta.inspection.items import off_sink, pooled_spans, token_positions
+from mta.inspection.layer_map import suggested_map
 from mta.inspection.structure import HeldOutLinearFit, finite_or_none, structure_agreement
+from mta.inspection.teacher_side import CachedTeacherSide, ModelTeacher, TeacherSide
 from mta.losses.dsa import dynamic_structural_alignment
 from mta.losses.importance import IMPORTANCE
-from mta.losses.pooling import pool_spans
 from mta.losses.span_masks import SpanBatch
 from mta.reporting import Reporter, SilentReporter
-from mta.store.read import Annotations, read_annotations
+from mta.store.read import read_annotations
 from mta.versions import MTA_VERSION
-
-SPAN_GRANULARITIES = ("word", "phrase")
-RECIPE_FILE = "recipe.yaml"  # what `mta distill` saves beside final/, best/ and every checkpoint
 
 
 @dataclass
@@ -78,222 +76,6 @@ class InspectSettings:
             raise MtaError(f"--tokens-per-row {self.tokens_per_row}: give at least 1")
         if self.importance not in IMPORTANCE:
             raise MtaError(f"importance '{self.importance}' is not one of {', '.join(IMPORTANCE)}")
-
-
-# --------------------------------------------------------------------------- the teacher's side
-
-
-class TeacherSide:
-    """Hidden states of the teacher for a batch: ``layers`` and ``hidden(batch)`` -> {layer: [B, T, d]}."""
-
-    layers: list[int]
-    hidden_size: int
-    description: dict[str, Any]
-
-    def hidden(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_ids: Sequence[str]
-    ) -> dict[int, torch.Tensor]:
-        raise NotImplementedError
-
-
-class ModelTeacher(TeacherSide):
-    def __init__(self, model: Any, description: dict[str, Any]):
-        self.model = model
-        self.layers = list(range(model.config.num_hidden_layers + 1))
-        self.hidden_size = int(model.config.hidden_size)
-        self.description = description
-
-    @torch.no_grad()
-    def hidden(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_ids: Sequence[str]
-    ) -> dict[int, torch.Tensor]:
-        states = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
-        return {layer: state.float() for layer, state in enumerate(states)}
-
-
-class CachedTeacherSide(TeacherSide):
-    """The teacher layers an ``mta teacher`` cache holds, for the annotations it was built from."""
-
-    def __init__(self, directory: Path, annotations: Annotations):
-        from mta.store.read import read_stage_manifest
-        from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION, CONTENT_KEYS, teacher_tokens_fingerprint
-        from mta.training.teacher_cache.read import TeacherCache
-
-        manifest = read_stage_manifest(
-            directory,
-            artefact=ARTEFACT,
-            version_key="teacher_cache_version",
-            version=CACHE_VERSION,
-            command="mta teacher",
-            build=f"mta teacher --recipe RECIPE -o {directory.parent}",
-            what="--teacher-cache: ",
-        )
-        # Everything as stored, but the teacher tokens of these annotations and no logits:
-        # a cache of other annotations is refused naming data.train / data.dev.
-        expected = {key: manifest.get(key) for key in CONTENT_KEYS}
-        expected.update(
-            teacher_weights=None, logits=False, teacher_tokens=teacher_tokens_fingerprint(annotations.table)
-        )
-        try:
-            self.cache = TeacherCache(directory, expected)
-        except MtaError as error:
-            raise MtaError(
-                f"--teacher-cache {directory} was not built from {annotations.directory} (give the split "
-                f"directory of the cache built from these annotations, e.g. DIR/dev): {error}"
-            ) from error
-        self.layers = list(self.cache.stored_layers)
-        self.cache.layers = self.layers
-        self.hidden_size = self.cache.hidden_size
-        self.description = {"teacher_cache": str(directory), "layers": self.layers, "teacher": manifest.get("teacher")}
-
-    @torch.no_grad()
-    def hidden(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, row_ids: Sequence[str]
-    ) -> dict[int, torch.Tensor]:
-        from mta.training.batching import TokenBatch, TrainBatch
-
-        side = TokenBatch(input_ids, attention_mask, input_ids)
-        output = self.cache.outputs(TrainBatch(list(row_ids), side, side, {}))
-        return dict(output.hidden_states)
-
-
-# --------------------------------------------------------------------------- features of a batch
-
-
-def pooled_spans(
-    hidden: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
-    layers: Sequence[int],
-    attention_mask: torch.Tensor,
-    span_masks: Mapping[str, torch.Tensor],
-    importance: str = "attention",
-) -> dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """``{granularity: {layer: (spans [B, K, d], salience [B, K])}}``: every layer's spans pooled
-    as MTA pools them (that layer's token importance, ``mta.losses.importance``, then
-    ``pool_spans``). span_masks: ``{granularity: [B, K, T] float}``."""
-    weigh = IMPORTANCE[importance]
-    out: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {name: {} for name in span_masks}
-    for layer in layers:
-        state = hidden[layer]
-        weights = weigh(state, attention_mask)
-        for name, mask in span_masks.items():
-            out[name][layer] = pool_spans(state, weights, mask)
-    return out
-
-
-def token_positions(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    special_ids: Sequence[int],
-    per_row: int,
-    *,
-    skip_first: bool = True,
-) -> torch.Tensor:
-    """``[B, T]`` bool: the real positions of each row that are not special tokens nor (with
-    ``skip_first``) the row's first real position, at most ``per_row`` of them, evenly spaced
-    over the row (the first eligible one always kept)."""
-    eligible = attention_mask.bool()
-    if special_ids:
-        eligible &= ~torch.isin(input_ids, torch.tensor(list(special_ids), device=input_ids.device))
-    if skip_first:  # the attention sink: BOS where the tokenizer adds one, else the first token
-        first = attention_mask.long().argmax(dim=1)
-        eligible &= torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] != first[:, None]
-    rank = eligible.long().cumsum(dim=1) - 1  # the position's index among its row's eligible ones
-    count = eligible.sum(dim=1, keepdim=True)
-    bucket = rank * per_row // count.clamp(min=1)  # which of per_row evenly spaced slots it falls in
-    previous = (rank - 1) * per_row // count.clamp(min=1)
-    first_of_bucket = (rank == 0) | (bucket != previous)
-    return eligible & ((count <= per_row) | first_of_bucket)
-
-
-# --------------------------------------------------------------------------- rows and checks
-
-
-def held_out_problem(student: str, data: Path, annotations: Annotations) -> str | None:
-    """Why ``data`` looks like rows ``student`` was trained on (from its ``recipe.yaml``), or None."""
-    recipe_path = Path(student) / RECIPE_FILE
-    if not recipe_path.is_file():
-        return None
-    from mta.training.config.loading import load_recipe
-
-    try:
-        recipe = load_recipe(recipe_path)
-    except MtaError:
-        return None  # not a recipe this mta reads: nothing to compare
-    written = recipe.data.train  # type: ignore[attr-defined]
-    train = Path(recipe.resolve(written, "data.train"))
-    same = _same_path(train, data) or _same_path(Path(recipe.output_dir) / "data" / "train", data)  # type: ignore[attr-defined]
-    if not same and train.is_dir():
-        try:
-            theirs = read_annotations(train).manifest.get("input", {}).get("sha256")
-        except MtaError:
-            theirs = None
-        same = theirs is not None and theirs == annotations.manifest.get("input", {}).get("sha256")
-    if same:
-        return f"{student} was trained on {train} (its {RECIPE_FILE}: data.train), the rows of {data}"
-    return None
-
-
-def _same_path(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def held_out_statement(students: Sequence[str], data: Path, annotations: Annotations, *, allow: bool) -> str:
-    """What the results say about the rows: held out as far as the students' ``recipe.yaml``
-    tell, or not checkable; training rows of a student are refused unless ``allow``."""
-    problems = [p for p in (held_out_problem(s, data, annotations) for s in students) if p]
-    if problems and not allow:
-        raise MtaError(
-            "; ".join(problems) + ". Inspect on held-out rows (e.g. the dev annotations), or pass "
-            "--allow-training-rows to measure on training rows anyway"
-        )
-    if problems:
-        return "training rows, measured with --allow-training-rows: " + "; ".join(problems)
-    if any((Path(s) / RECIPE_FILE).is_file() for s in students):
-        return "held out as far as the students' recipe.yaml tell (their data.train is another set)"
-    return "not checked: no student carries a recipe.yaml naming its training rows"
-
-
-def granularities_of(annotations: Annotations, same_tokenizer: bool, notes: list[str]) -> list[str]:
-    """``token`` (one tokenizer) or ``boundary`` (two, when the annotations hold boundary spans),
-    then ``word`` and ``phrase``; a note says which across tokenizers."""
-    if same_tokenizer:
-        return ["token", *SPAN_GRANULARITIES]
-    table = annotations.table
-    boundary = "boundary_spans" in table.column_names and table.column("boundary_spans").null_count == 0
-    notes.append(
-        "the tokenizers differ: no token-level CKA; "
-        + (
-            "boundary spans (both tokenisations agree on them) instead"
-            if boundary
-            else "the annotations hold no boundary spans"
-        )
-    )
-    return (["boundary"] if boundary else []) + list(SPAN_GRANULARITIES)
-
-
-def layer_map_source(settings: InspectSettings, students: Sequence[str]) -> tuple[Any, str]:
-    """The layer map (``"auto"`` or [LayerPair]) and where it came from: --layers, --recipe, the
-    first student's recipe.yaml, or ``auto``."""
-    from mta.training.config.schema import LayerPair
-
-    if settings.layers:
-        return [LayerPair(student=s, teacher=t, granularity=g) for s, t, g in settings.layers], "--layers"
-    from mta.training.config.loading import load_recipe
-
-    if settings.recipe:
-        from mta.training.config.catalog import find_recipe
-
-        recipe = load_recipe(find_recipe(settings.recipe).path)
-        return recipe.loss.layers, f"recipe {settings.recipe} (loss.layers)"  # type: ignore[attr-defined]
-    for student in students:
-        path = Path(student) / RECIPE_FILE
-        if path.is_file():
-            recipe = load_recipe(path)
-            return recipe.loss.layers, f"{path} (loss.layers)"  # type: ignore[attr-defined]
-    return "auto", "auto (no recipe: the docs/method.md §4 rule)"
 
 
 def _fingerprint(path: str) -> str:
@@ -354,7 +136,7 @@ def inspect_models(
     boundary = "boundary" in granularities
     held_out = held_out_statement(students, data, annotations, allow=settings.allow_training_rows)
 
-    layer_map, map_source = layer_map_source(settings, students)
+    layer_map, map_source = layer_map_source(settings.layers, settings.recipe, students)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     first_tokenizer = load_tokenizer(students[0])
@@ -459,16 +241,6 @@ def inspect_models(
             entry["layer_map"] = suggested_map(entry, teacher_layers, settings.estimator)
             results["students"].append(entry)
     return results
-
-
-def off_sink(spans: SpanBatch, skip_first: bool) -> torch.Tensor:
-    """``[B, K]`` bool: the real spans that cover neither side's first position (the attention
-    sink, whose state is an outlier hundreds of times the others' norm in LLMs), or all real
-    spans without ``skip_first``. Rows are right-padded: the first position is 0."""
-    real = spans.mask.bool()
-    if not skip_first:
-        return real
-    return real & (spans.student_start > 0) & (spans.teacher_start > 0)
 
 
 def _stream_student(
@@ -587,44 +359,4 @@ def _listed(matrix: np.ndarray) -> list[list[float | None]]:
     return [[finite_or_none(float(value)) for value in row] for row in matrix]
 
 
-def suggested_map(student: Mapping[str, Any], teacher_layers: Sequence[int], estimator: str) -> dict[str, Any]:
-    """The recipe's map beside the suggestion: the same student layers and granularities, the
-    monotone teacher layers of highest total span CKA (``monotone_choice``), each pair's CKA."""
-    pairs = sorted(student["aligned"], key=lambda pair: pair["student"])
-    scores = [
-        [
-            np.nan if value is None else value
-            for value in student["cka"][pair["granularity"]][estimator][pair["student"]]
-        ]
-        for pair in pairs
-    ]
-    choice, total = monotone_choice(scores)
-    recipe_total = sum(score[teacher_layers.index(pair["teacher"])] for score, pair in zip(scores, pairs, strict=True))
-    return {
-        "recipe": [[p["student"], p["teacher"], p["granularity"]] for p in pairs],
-        "recipe_cka": [
-            finite_or_none(float(s[teacher_layers.index(p["teacher"])])) for s, p in zip(scores, pairs, strict=True)
-        ],
-        "recipe_total": finite_or_none(float(recipe_total)),
-        "suggested": [[p["student"], teacher_layers[t], p["granularity"]] for p, t in zip(pairs, choice, strict=True)],
-        "suggested_cka": [finite_or_none(float(s[t])) for s, t in zip(scores, choice, strict=True)],
-        "suggested_total": finite_or_none(total),
-    }
-
-
-def layer_map_yaml(pairs: Sequence[Sequence[Any]], cka: Sequence[float | None]) -> str:
-    """``loss.layers`` as recipe YAML, each pair's CKA as a comment."""
-    lines = ["loss:", "  layers:"]
-    for (s, t, g), value in zip(pairs, cka, strict=True):
-        lines.append(f"    - [{s}, {t}, {g}]  # CKA {'n/a' if value is None else f'{value:.3f}'}")
-    return "\n".join(lines)
-
-
-__all__ = [
-    "InspectSettings",
-    "inspect_models",
-    "layer_map_yaml",
-    "pooled_spans",
-    "suggested_map",
-    "token_positions",
-]
+__all__ = ["InspectSettings", "inspect_models"]
