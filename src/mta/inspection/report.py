@@ -117,7 +117,9 @@ def plot_heatmaps(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
         matrices = [_array(s["cka"][granularity][estimator]) for s in students]
         differences = [(s["label"], m - matrices[0]) for s, m in zip(students[1:], matrices[1:], strict=True)]
         panels = len(matrices) + len(differences)
-        figure, axes = plt.subplots(1, panels, figsize=(max(3.6 * panels + 0.8, 6.0), 4.2), squeeze=False)
+        figure, axes = plt.subplots(
+            1, panels, figsize=(max(3.6 * panels + 0.8, 6.0), 4.4), squeeze=False, layout="constrained"
+        )
         finite = np.concatenate([m[np.isfinite(m)] for m in matrices]) if matrices else np.array([0.0])
         low = min(0.0, float(finite.min())) if finite.size else 0.0
         image = None
