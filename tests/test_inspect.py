@@ -173,6 +173,11 @@ def test_held_out_linear_fit_against_numpy_least_squares():
     per_row = (1 - cosines).reshape(4, 8).mean(axis=1)  # uniform weights: HRA is a row's mean 1 − cos
     assert result["hra"] == pytest.approx(per_row.mean(), abs=1e-5)
     assert (result["fitted_items"], result["measured_items"], result["measured_rows"]) == (32, 32, 4)
+    assert not result["underdetermined"]  # 32 items for 6 inputs: at least 5 per input
+    thin = HeldOutLinearFit(5, 7)
+    thin.fit(torch.tensor(x[:1]), torch.tensor(y[:1]), torch.tensor(mask[:1]))  # 8 items
+    thin.measure(torch.tensor(x[4:5]), torch.tensor(y[4:5]), weights[4:5], torch.tensor(mask[4:5]))
+    assert thin.result()["underdetermined"]
     with pytest.raises(MtaError, match="already solved"):
         fit.fit(torch.tensor(x[:1]), torch.tensor(y[:1]), torch.tensor(mask[:1]))
 

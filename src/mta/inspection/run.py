@@ -36,7 +36,7 @@ from mta.inspection.checks import SPAN_GRANULARITIES, granularities_of, held_out
 from mta.inspection.cka import ESTIMATORS, LinearCKA
 from mta.inspection.items import off_sink, pooled_spans, token_positions
 from mta.inspection.layer_map import suggested_map
-from mta.inspection.structure import HeldOutLinearFit, finite_or_none, structure_agreement
+from mta.inspection.structure import ITEMS_PER_INPUT, HeldOutLinearFit, finite_or_none, structure_agreement
 from mta.inspection.teacher_side import CachedTeacherSide, ModelTeacher, TeacherSide
 from mta.losses.dsa import dynamic_structural_alignment
 from mta.losses.importance import IMPORTANCE
@@ -240,6 +240,13 @@ def inspect_models(
             }
             entry["layer_map"] = suggested_map(entry, teacher_layers, settings.estimator)
             results["students"].append(entry)
+            thin = [f"{p['student']}→{p['teacher']}" for p in entry["aligned"] if p["underdetermined"]]
+            if thin:
+                notes.append(
+                    f"{label}: the linear fit of {', '.join(thin)} saw fewer than {ITEMS_PER_INPUT} items per input "
+                    "(the student's width + 1): it fits noise, and its HRA and 1 − R² on the other half overstate "
+                    "the residual (1 − R² can exceed 1); give more --rows"
+                )
     return results
 
 
