@@ -272,13 +272,13 @@ def test_mta_inspect_end_to_end_on_tiny_models(
     out = tmp_path / "inspect"
     code, lines = run_mta(
         monkeypatch, capsys, "inspect", teacher_dir, tiny_model_dir, second_student, "--data", same_data,
-        "--rows", 12, "--batch-size", 4, "--tokens-per-row", 1000,
+        "--rows", 8, "--batch-size", 4, "--tokens-per-row", 1000,
         "--layers", "1:2:word,2:3:phrase,4:4:phrase", "--names", "a,b", "-o", out,
     )  # fmt: skip
     assert code == 0, lines
     results = json.loads((out / "results.json").read_text())
     assert results["granularities"] == ["token", "word", "phrase"]
-    assert results["rows"]["ids"] == list(range(12)) and results["rows"]["fit"] == 6
+    assert results["rows"]["ids"] == list(range(8)) and results["rows"]["fit"] == 4
     assert results["teacher"]["layers"] == [0, 1, 2, 3, 4] and results["teacher"]["fingerprint"].startswith("sha256:")
     assert [s["label"] for s in results["students"]] == ["a", "b"]
     for student in results["students"]:
@@ -304,7 +304,7 @@ def test_mta_inspect_end_to_end_on_tiny_models(
     from mta.models.tokenizers import load_tokenizer
     from mta.store.read import read_annotations
 
-    table = read_annotations(same_data).table.slice(0, 12)
+    table = read_annotations(same_data).table.slice(0, 8)
     specials = set(load_tokenizer(teacher_dir).all_special_ids)
     states = {}
     for name, path in (("teacher", teacher_dir), ("student", tiny_model_dir)):

@@ -268,10 +268,10 @@ def _stream_student(
     teacher_layers = side.layers
     student_dim, teacher_dim = int(model.config.hidden_size), side.hidden_size
     cka = {
-        name: LinearCKA([student_dim] * len(student_layers), [teacher_dim] * len(teacher_layers))
+        name: LinearCKA([student_dim] * len(student_layers), [teacher_dim] * len(teacher_layers), device=device)
         for name in granularities
     }
-    fits = [HeldOutLinearFit(student_dim, teacher_dim) for _ in pairs]
+    fits = [HeldOutLinearFit(student_dim, teacher_dim, device=device) for _ in pairs]
     agreement = [[0.0, 0] for _ in pairs]  # Σ per-row Pearson, rows
     dsa = [[0.0, 0] for _ in pairs]  # Σ per-batch DSA × contributing rows, rows
     span_names = [name for name in granularities if name != "token"]

@@ -67,15 +67,16 @@ class HeldOutLinearFit:
     rows and measured on others, streamed: ``fit`` every batch of the first half, then
     ``measure`` every batch of the second (the map is solved at the first ``measure``)."""
 
-    def __init__(self, student_dim: int, teacher_dim: int, *, ridge: float = 1e-6):
+    def __init__(self, student_dim: int, teacher_dim: int, *, ridge: float = 1e-6, device: str | torch.device = "cpu"):
         self.ridge = ridge
-        self.gram = torch.zeros(student_dim + 1, student_dim + 1, dtype=DTYPE)  # [x 1]ᵀ[x 1]
-        self.cross = torch.zeros(student_dim + 1, teacher_dim, dtype=DTYPE)  # [x 1]ᵀ y
+        self.device = torch.device(device)
+        self.gram = torch.zeros(student_dim + 1, student_dim + 1, dtype=DTYPE, device=self.device)  # [x 1]ᵀ[x 1]
+        self.cross = torch.zeros(student_dim + 1, teacher_dim, dtype=DTYPE, device=self.device)  # [x 1]ᵀ y
         self.fitted_items = 0
         self.weight: torch.Tensor | None = None
         self.measured_items = 0
         self.squared_error = 0.0
-        self.target_sum = torch.zeros(teacher_dim, dtype=DTYPE)
+        self.target_sum = torch.zeros(teacher_dim, dtype=DTYPE, device=self.device)
         self.target_squares = 0.0
         self.cosine_sum = 0.0  # Σ over rows of HRA's per-row value
         self.cosine_rows = 0
@@ -84,7 +85,8 @@ class HeldOutLinearFit:
         """Add the masked items of a batch to the fit: ``[batch, items, d]`` each, mask ``[batch, items]``."""
         if self.weight is not None:
             raise MtaError("the linear map is already solved; fit every fitting batch before the first measure")
-        x, y = _with_bias(student[mask.bool()]), teacher[mask.bool()].to(DTYPE)
+        real = mask.bool()
+        x, y = _with_bias(student[real].to(self.device)), teacher[real].to(self.device, DTYPE)
         self.gram += x.T @ x
         self.cross += x.T @ y
         self.fitted_items += x.shape[0]
@@ -93,6 +95,8 @@ class HeldOutLinearFit:
         """Score the map on a batch it was not fitted on (weights: HRA's, e.g. span salience)."""
         if self.weight is None:
             self.weight = self._solve()
+        student, teacher = student.to(self.device), teacher.to(self.device)
+        weights, mask = weights.to(self.device), mask.to(self.device)
         batch = student.shape[0]
         projected = (_with_bias(student.reshape(-1, student.shape[-1])) @ self.weight).reshape(
             batch, -1, self.weight.shape[1]
@@ -113,7 +117,7 @@ class HeldOutLinearFit:
         if self.fitted_items == 0:
             raise MtaError("the held-out linear fit has no fitting items (no spans in the first half of the rows)")
         scale = float(torch.diagonal(self.gram).mean()) or 1.0
-        regularised = self.gram + self.ridge * scale * torch.eye(self.gram.shape[0], dtype=DTYPE)
+        regularised = self.gram + self.ridge * scale * torch.eye(self.gram.shape[0], dtype=DTYPE, device=self.device)
         return torch.linalg.solve(regularised, self.cross)
 
     def result(self) -> dict[str, float | int | None]:
