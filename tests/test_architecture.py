@@ -339,13 +339,13 @@ def test_the_layer_check_refuses_a_planted_upward_import_lazy_or_for_types_only(
     )
     graph = {"mta.store.planted": _layer_graph("mta.store.planted", planted)}
     assert _climbing(graph, LAYERS) == [
-        "mta.store.planted -> mta.data.artefact_schema: mta.data (layer 10) is above mta.store (11)",
-        "mta.store.planted -> mta.evaluation.results: mta.evaluation (layer 9) is above mta.store (11)",
-        "mta.store.planted -> mta.training.trainer: mta.training (layer 9) is above mta.store (11)",
+        "mta.store.planted -> mta.data.artefact_schema: mta.data (layer 11) is above mta.store (12)",
+        "mta.store.planted -> mta.evaluation.results: mta.evaluation (layer 10) is above mta.store (12)",
+        "mta.store.planted -> mta.training.trainer: mta.training (layer 10) is above mta.store (12)",
     ]
     sideways = {"mta.training.x": {"mta.evaluation.results", "mta.losses.kd", "mta.training.y"}}
     assert _climbing(sideways, LAYERS) == [
-        "mta.training.x -> mta.evaluation.results: mta.training and mta.evaluation share layer 9"
+        "mta.training.x -> mta.evaluation.results: mta.training and mta.evaluation share layer 10"
     ]
     assert _unit("mta.newpackage.x", LAYERS) is None and _unit("mta", LAYERS) == "mta"
 

@@ -71,11 +71,19 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
     for label in labels:
         assert f"| {label} |" in text
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # mta inspect of the students it trained, on the dev rows, shown in results.md
+    inspected = out / "inspect" / "results.json"
+    assert [s["label"] for s in json.loads(inspected.read_text())["students"]] == labels[1:]
+    assert set(results["inspect"]["aligned"]) == set(labels[1:])
+    assert "![phrase-span CKA](inspect/cka-phrase.png)" in text
+    assert (out / "inspect" / "cka-phrase.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    inspected_at = inspected.stat().st_mtime_ns
 
     # A second run finds every stage complete and trains nothing again.
     stamps = {v.name: (out / "runs" / v.name / "final" / "config.json").stat().st_mtime_ns for v in VARIANTS}
     again = run_demo(settings, out, data_dir=data, teacher=tiny_model_dir, recipe_overrides=overrides)
     assert again["training_seconds"] == results["training_seconds"]
+    assert inspected.stat().st_mtime_ns == inspected_at  # the same weights: the inspection is reused
     assert stamps == {v.name: (out / "runs" / v.name / "final" / "config.json").stat().st_mtime_ns for v in VARIANTS}
 
 

@@ -93,6 +93,7 @@ def _register() -> None:
         embed,
         evaluate,
         generate,
+        inspect,
         models,
         push,
         recipes,
@@ -107,6 +108,7 @@ def _register() -> None:
     app.command("distill")(distill.distill)
     app.command("evaluate")(evaluate.evaluate)
     app.command("generate")(generate.generate)
+    app.command("inspect")(inspect.inspect)
     app.command("push")(push.push)
     app.add_typer(models.app, name="models")
     app.add_typer(data.app, name="data")

@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ reso
         HubDataset,
         KDLoss,
         LayerPair,
+        LinearCKA,
         MtaError,
         MTALoss,
         SpanBatch,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ reso
         TokenBatch,
         TrainBatch,
         annotate,
+        inspect,
         layer_map,
     )
 
@@ -59,6 +61,7 @@ __all__ = [
     "HubDataset",
     "KDLoss",
     "LayerPair",
+    "LinearCKA",
     "MTALoss",
     "MtaError",
     "SpanBatch",
@@ -66,6 +69,7 @@ __all__ = [
     "TokenBatch",
     "TrainBatch",
     "annotate",
+    "inspect",
     "layer_map",
 ]
 

@@ -13,7 +13,9 @@ computes:
   convention (unshifted logits and labels, ``-100`` ignored), the shifted form an option;
 - :func:`layer_map`: ``auto`` or explicit layer pairs (``mta.training.config.layers``);
 - :class:`SpanParser` + :class:`GeneratedRow`: spans of generated text, in worker processes
-  (``mta.data.online_spans``).
+  (``mta.data.online_spans``);
+- :func:`inspect`: ``mta inspect``'s measures as data (``mta.inspection``), :class:`LinearCKA`
+  its streaming CKA for a loop of one's own.
 
 ``mta`` resolves these names lazily (``mta.__getattr__``), so ``import mta`` loads no torch.
 """
@@ -42,6 +44,7 @@ from mta.data.rows import Example, RowProblem, is_pair_record, map_fields, recor
 from mta.data.sources import HubDataset
 from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
+from mta.inspection import LinearCKA, inspect
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.kd import IGNORE_INDEX, UNIT_LOSSES, build_base_loss
 from mta.losses.span_masks import SpanBatch
@@ -60,6 +63,7 @@ __all__ = [
     "HubDataset",
     "KDLoss",
     "LayerPair",
+    "LinearCKA",
     "MTALoss",
     "MtaError",
     "SpanBatch",
@@ -67,6 +71,7 @@ __all__ = [
     "TokenBatch",
     "TrainBatch",
     "annotate",
+    "inspect",
     "layer_map",
 ]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mta.data.annotate import AnnotateSettings, annotate_file
+from mta.demo.inspect_students import inspect_students
 from mta.demo.settings import VARIANTS, DemoSettings, Variant
 from mta.distributed import local_device
 from mta.dtypes import auto_reason, resolve_precision
@@ -114,6 +115,10 @@ def run_demo(
     checkpoints = {"teacher": teacher, "pruned-start": paths.student_init}
     checkpoints.update({variant.label: finals[variant.name] for variant in VARIANTS})
     results = _evaluate(checkpoints, data_dir, paths, settings, reporter)
+    students = {label: Path(path) for label, path in checkpoints.items() if label != "teacher"}
+    results["inspect"] = inspect_students(
+        teacher, students, paths.annotations("dev"), paths.root, precision=settings.precision, reporter=reporter
+    )
     results["training_seconds"] = {v.label: timings[v.name] for v in VARIANTS}
     results["metrics"] = {v.label: str(paths.run(v) / "metrics.jsonl") for v in VARIANTS}
     results["settings"] = {"demo": asdict(settings), "recipe": str(recipe_path)}

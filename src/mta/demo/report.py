@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from mta import distributed
+from mta.demo.inspect_students import inspect_lines
 from mta.demo.settings import VARIANTS
 from mta.evaluation.datasets import BENCHMARKS
 from mta.evaluation.results import averages
@@ -178,6 +179,7 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
     note = perplexity_note(results)
     if note:
         lines += [note, ""]
+    lines += inspect_lines(results)
     atomic_write_text(out_dir / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
     return write_report_files(out_dir, lines, lambda picture: plot_summary(results, picture))
 
