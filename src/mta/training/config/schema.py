@@ -266,6 +266,11 @@ class LossSpec(Strict):
         "their uniform-weights ablation (importance pooling kept, pair and token weights uniform)",
     )
     chunk_size: int = Field(128, ge=1, description="sequence positions per logit-loss chunk")
+    fused_head: bool = Field(
+        True,
+        description="the base loss from the models' final hidden states and LM heads, chunk_size response "
+        "positions at a time, so the whole [batch, seq, vocab] logits never exist; false: from the whole logits",
+    )
     distillm2_beta: float = Field(
         1.0,
         ge=0,
