@@ -232,7 +232,7 @@ def test_a_frozen_head_and_no_grad_compute_no_head_gradient_and_no_token_gives_z
         assert fused("fkl", hidden, OutputHead(weight), side, labels, chosen).mean.requires_grad is False
     none = torch.full_like(labels, -100)
     empty = fused("fkl", hidden, OutputHead(weight), side, none, chosen)
-    assert empty.tokens == 0 and float(empty.mean) == 0.0
+    assert empty.tokens == 0 and float(empty.mean.detach()) == 0.0
     (grad,) = torch.autograd.grad(empty.mean, [weight])
     assert torch.count_nonzero(grad) == 0
 
@@ -253,3 +253,86 @@ def test_a_vocabulary_wider_than_a_head_and_a_head_that_is_not_linear_are_refuse
 
     with pytest.raises(MtaError, match=r"not a plain nn.Linear .*loss.fused_head=false"):
         OutputHead.of(Model())
+
+
+# --------------------------------------------------------------------------- the Python API
+
+
+@pytest.mark.parametrize("name", list(BASE_LOSSES))
+def test_kdloss_from_hidden_states_equals_kdloss_on_the_heads_logits(name):
+    """``mta.KDLoss.from_hidden`` (HF convention: unshifted hidden states and labels) against
+    ``mta.KDLoss`` on ``head(hidden)``, with the teacher as hidden states + head or as logits."""
+    import mta
+
+    labels, chosen = layout()
+    labels = torch.nn.functional.pad(labels, (1, 0), value=-100)  # unshifted: token t + 1 at t + 1
+    inputs, mixer, ids, weight, _, teacher_hidden, teacher_weight, teacher_bias = parameters(False, False)
+    hidden = torch.nn.functional.pad(student_hidden(inputs, mixer, ids, weight, False), (0, 0, 0, 1))
+    hidden = hidden.detach().requires_grad_(True)
+    teacher_hidden = torch.nn.functional.pad(teacher_hidden, (0, 0, 0, 1))
+    head = torch.nn.Linear(D_S, STUDENT_ROWS, bias=False)
+    head.weight = torch.nn.Parameter(weight.detach().clone())
+    teacher_head = torch.nn.Linear(D_T, TEACHER_ROWS)
+    teacher_head.weight, teacher_head.bias = torch.nn.Parameter(teacher_weight), torch.nn.Parameter(teacher_bias)
+    pairs = {"chosen": chosen} if name == "distillm2" else {}
+    kd = mta.KDLoss(name, temperature=TAU, vocab_size=VOCAB, chunk_size=CHUNK)
+
+    plain_hidden = hidden.detach().clone().requires_grad_(True)
+    with torch.no_grad():
+        teacher_logits = teacher_head(teacher_hidden)
+    expected = kd(head(plain_hidden), teacher_logits, labels, **pairs)
+    expected_grads = torch.autograd.grad(expected, [plain_hidden, head.weight])
+
+    teachers = [{}] if name == "ce" else [dict(teacher_hidden=teacher_hidden, teacher_head=teacher_head)]
+    teachers += [] if name == "ce" else [dict(teacher_logits=teacher_logits)]
+    for teacher in teachers:
+        got = kd.from_hidden(hidden, head, labels, **teacher, **pairs)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(got, [hidden, head.weight]), expected_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if name != "distillm2":
+        total = kd.from_hidden(hidden, head, labels, **teachers[0], reduction="sum")
+        torch.testing.assert_close(total, expected * int((labels[:, 1:] != -100).sum()), rtol=1e-5, atol=1e-5)
+    if name != "ce":
+        with pytest.raises(MtaError, match="give teacher_hidden and teacher_head, or teacher_logits"):
+            kd.from_hidden(hidden, head, labels, **pairs)
+
+
+def test_mtaloss_with_heads_equals_mtaloss_on_logits():
+    """``mta.MTALoss(..., student_head=, teacher_head=)`` on the models' bodies (no logits) equals
+    ``mta.MTALoss`` on their whole outputs: every term and the student's gradients."""
+    import mta
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def llama(hidden, rows, seed):
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            vocab_size=rows, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        )  # fmt: skip
+        return LlamaForCausalLM(config)
+
+    student, teacher = llama(16, VOCAB + 3, 1), llama(24, VOCAB + 5, 2)
+    labels, _ = layout()
+    ids = torch.where(labels == -100, 1, labels)
+    batch = mta.TrainBatch(
+        [str(i) for i in range(BATCH)],
+        mta.TokenBatch(ids, torch.ones_like(ids), torch.nn.functional.pad(labels[:, :-1], (1, 0), value=-100)),
+        mta.TokenBatch(ids, torch.ones_like(ids), labels),
+        {},
+    )
+    loss = mta.MTALoss([], student_hidden_size=16, teacher_hidden_size=24, vocab_size=VOCAB, same_tokenizer=True,
+                       base="srkl", dsa_weight=0, hra_weight=0, chunk_size=CHUNK, temperature=TAU)  # fmt: skip
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+    with torch.no_grad():
+        teacher_whole, teacher_body = teacher(**kwargs), teacher.get_decoder()(**kwargs)
+    expected = loss(student(**kwargs), teacher_whole, batch)
+    expected["total"].backward()
+    expected_grads = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad()
+    got = loss(student.get_decoder()(**kwargs), teacher_body, batch, student_head=student, teacher_head=teacher)
+    got["total"].backward()
+    assert got.keys() == expected.keys()
+    torch.testing.assert_close(got["base"], expected["base"], rtol=1e-5, atol=1e-6)
+    for name, parameter in student.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected_grads[name], rtol=1e-4, atol=1e-6)

@@ -152,6 +152,24 @@ class TopKTeacher:
 
 
 @dataclass(frozen=True)
+class LogitsTeacher:
+    """The teacher's logits as they are, ``[batch, seq, V']`` (or ``[n, V']`` once selected): for a
+    caller that has them already (its own teacher run); only the selected rows are read."""
+
+    logits: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.logits.shape[-1])
+
+    def select(self, rows: torch.Tensor, columns: torch.Tensor) -> LogitsTeacher:
+        return LogitsTeacher(self.logits.detach()[rows, columns])
+
+    def chunk_logits(self, begin: int, end: int, vocab_size: int) -> torch.Tensor:
+        return self.logits[begin:end, :vocab_size].float()
+
+
+@dataclass(frozen=True)
 class LossSum:
     """A token loss reduced to ``total`` (fp32 scalar: the sum over the response tokens, or the
     weighted sum given per-token weights) and ``tokens`` (the count of response tokens, a Python
@@ -307,6 +325,7 @@ def gathered(head: OutputHead) -> Iterator[None]:
 
 __all__ = [
     "HeadTeacher",
+    "LogitsTeacher",
     "LossSum",
     "OutputHead",
     "TeacherSide",

@@ -20,7 +20,14 @@ from transformers import PreTrainedModel
 from mta.errors import MtaError
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.fdd import FeatureDynamicsLoss
-from mta.losses.fused_head import HeadTeacher, OutputHead, gathered, is_zero3_partitioned
+from mta.losses.fused_head import (
+    HeadTeacher,
+    LogitsTeacher,
+    OutputHead,
+    TeacherSide,
+    gathered,
+    is_zero3_partitioned,
+)
 from mta.losses.importance import token_importance
 from mta.losses.kd import build_base_loss
 from mta.losses.sra import SpanRepresentationLoss, last_token_attention
@@ -231,9 +238,13 @@ class DistillationObjective(nn.Module):
             return self.base(logits[:, :-1], teacher_logits, labels, **pairs)
         hidden, head = student_final
         # The teacher's side is read at the selected [batch, seq - 1] positions of its [batch, seq] layout.
-        side = teacher.side if teacher is not None else None
+        side: TeacherSide | None = None
+        if teacher is not None:  # a teacher that gave its whole logits: their response rows are read
+            side = teacher.side if teacher.side is not None or teacher.logits is None else LogitsTeacher(teacher.logits)
         if side is None and self.base.needs_teacher:
-            raise MtaError("the fused base loss reads the teacher's side (its final hidden states and head, or its top k)")
+            raise MtaError(
+                "the fused base loss reads the teacher's side (its final hidden states and head, its top k, or its logits)"
+            )
         # A ZeRO-3 teacher's head: whole for the fused loss, once per step (it takes no gradient).
         with gathered(side.head) if isinstance(side, HeadTeacher) else contextlib.nullcontext():
             reduced = self.base.from_hidden(hidden[:, :-1], head, side, labels, **pairs)
