@@ -123,6 +123,7 @@ class DistillationObjective(nn.Module):
                 geometry_weight=spec.sra_geometry_weight,
                 logit_weight=spec.sra_logit_weight if self.sra_logits else 0.0,
                 temperature=spec.temperature,
+                chunk_size=spec.chunk_size,
             )
             if self.sra_logits and shared_vocab is not None:  # buffers: they move to the device with the module
                 self.register_buffer("sra_student_ids", shared_vocab[0].long(), persistent=False)
