@@ -42,7 +42,9 @@ def parameters(tied: bool, bias: bool, dtype=torch.float32):
     generator = torch.Generator().manual_seed(5)
     inputs = torch.randn(BATCH, SEQ, D_S, generator=generator)
     student_weight = (torch.randn(STUDENT_ROWS, D_S, generator=generator) * 0.7).to(dtype).requires_grad_(True)
-    student_bias = (torch.randn(STUDENT_ROWS, generator=generator) * 0.3).to(dtype).requires_grad_(True) if bias else None
+    student_bias = (
+        (torch.randn(STUDENT_ROWS, generator=generator) * 0.3).to(dtype).requires_grad_(True) if bias else None
+    )
     mixer = torch.randn(D_S, D_S, generator=generator) * 0.5
     teacher_hidden = torch.randn(BATCH, SEQ, D_T, generator=generator).to(dtype)
     teacher_weight = (torch.randn(TEACHER_ROWS, D_T, generator=generator)).to(dtype)
@@ -147,7 +149,9 @@ def test_every_base_loss_from_hidden_states_equals_the_materialised_loss(name, t
         fused(name, full_hidden, OutputHead(weight, None), side, labels, chosen).mean.backward()
         tied_fused = weight.grad.clone()
         weight.grad = None
-        plain_loss(name, student_hidden(inputs, mixer, ids, weight, tied), weight, None, teacher_full, labels, chosen).backward()
+        plain_loss(
+            name, student_hidden(inputs, mixer, ids, weight, tied), weight, None, teacher_full, labels, chosen
+        ).backward()
         torch.testing.assert_close(tied_fused, weight.grad, rtol=1e-4, atol=1e-6)
 
 
@@ -201,7 +205,9 @@ def test_bf16_heads_match_the_materialised_bf16_path():
     """bf16 weights and hidden states: the fused path against the materialised one in bf16 (the
     head's logits in bf16, the loss in fp32), to bf16's tolerance."""
     labels, chosen = layout()
-    inputs, mixer, ids, weight, _, teacher_hidden, teacher_weight, teacher_bias = parameters(False, False, torch.bfloat16)
+    inputs, mixer, ids, weight, _, teacher_hidden, teacher_weight, teacher_bias = parameters(
+        False, False, torch.bfloat16
+    )
     hidden = student_hidden(inputs, mixer, ids, weight, False).detach().requires_grad_(True)
     side = HeadTeacher(teacher_hidden, OutputHead(teacher_weight, teacher_bias))
     reduced = fused("srkl", hidden, OutputHead(weight), side, labels, chosen)
@@ -241,9 +247,19 @@ def test_a_vocabulary_wider_than_a_head_and_a_head_that_is_not_linear_are_refuse
     inputs, mixer, ids, weight, *_ = parameters(False, False)
     hidden = torch.randn(4, D_S)
     with pytest.raises(MtaError, match=r"vocab_size 41 exceeds the heads' rows \(40\)"):
-        fused_head_loss(lambda s, t, y: s.sum(1), hidden, OutputHead(weight), None, torch.zeros(4), vocab_size=41, chunk_size=2)
+        fused_head_loss(
+            lambda s, t, y: s.sum(1), hidden, OutputHead(weight), None, torch.zeros(4), vocab_size=41, chunk_size=2
+        )
     with pytest.raises(MtaError, match=r"do not fit the head's weight"):
-        fused_head_loss(lambda s, t, y: s.sum(1), hidden[:, :3], OutputHead(weight), None, torch.zeros(4), vocab_size=8, chunk_size=2)
+        fused_head_loss(
+            lambda s, t, y: s.sum(1),
+            hidden[:, :3],
+            OutputHead(weight),
+            None,
+            torch.zeros(4),
+            vocab_size=8,
+            chunk_size=2,
+        )
 
     class Model(torch.nn.Module):
         config = None
@@ -301,8 +317,9 @@ def test_kdloss_from_hidden_states_equals_kdloss_on_the_heads_logits(name):
 def test_mtaloss_with_heads_equals_mtaloss_on_logits():
     """``mta.MTALoss(..., student_head=, teacher_head=)`` on the models' bodies (no logits) equals
     ``mta.MTALoss`` on their whole outputs: every term and the student's gradients."""
-    import mta
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import mta
 
     def llama(hidden, rows, seed):
         torch.manual_seed(seed)

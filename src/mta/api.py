@@ -360,10 +360,13 @@ class KDLoss(nn.Module):
                 f"positions; expected {SHIFTED_CONVENTION if self.labels_shifted else HF_CONVENTION}, with the "
                 "hidden states in place of the logits"
             )
-        side = _teacher_side(teacher_hidden, teacher_head, teacher_logits, student_hidden) if self.needs_teacher else None
+        side = (
+            _teacher_side(teacher_hidden, teacher_head, teacher_logits, student_hidden) if self.needs_teacher else None
+        )
         if self.needs_teacher and side is None:
             raise MtaError(
-                f"the base loss {self.name} compares with the teacher: give teacher_hidden and teacher_head, or teacher_logits"
+                f"the base loss {self.name} compares with the teacher: give teacher_hidden and teacher_head, "
+                "or teacher_logits"
             )
         if not self.labels_shifted:  # position t predicts label t + 1; the teacher's side is read at t
             student_hidden, labels = student_hidden[:, :-1], labels[:, 1:]

@@ -29,7 +29,7 @@ from mta.losses.fused_head import (
     is_zero3_partitioned,
 )
 from mta.losses.importance import token_importance
-from mta.losses.kd import build_base_loss
+from mta.losses.kd import BaseLoss, build_base_loss
 from mta.losses.sra import SpanRepresentationLoss, last_token_attention
 from mta.losses.trajectory import HiddenStates, TrajectoryAlignmentLoss
 from mta.training.batching import TrainBatch
@@ -238,13 +238,15 @@ class DistillationObjective(nn.Module):
             teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
             return self.base(logits[:, :-1], teacher_logits, labels, **pairs)
         hidden, head = student_final
+        assert isinstance(self.base, BaseLoss | DistiLLM2Loss), "build_base_loss builds these"
         # The teacher's side is read at the selected [batch, seq - 1] positions of its [batch, seq] layout.
         side: TeacherSide | None = None
         if teacher is not None:  # a teacher that gave its whole logits: their response rows are read
             side = teacher.side if teacher.side is not None or teacher.logits is None else LogitsTeacher(teacher.logits)
         if side is None and self.base.needs_teacher:
             raise MtaError(
-                "the fused base loss reads the teacher's side (its final hidden states and head, its top k, or its logits)"
+                "the fused base loss reads the teacher's side (its final hidden states and head, its top k, "
+                "or its logits)"
             )
         # A ZeRO-3 teacher's head: whole for the fused loss, once per step (it takes no gradient).
         with gathered(side.head) if isinstance(side, HeadTeacher) else contextlib.nullcontext():

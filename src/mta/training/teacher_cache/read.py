@@ -119,12 +119,12 @@ class TeacherCache:
                 hidden[:, r, :n] = stored.view(len(self.stored_layers), n, self.hidden_size)[wanted]
             hidden = hidden.to(device)
             hidden_states = {layer: hidden[i] for i, layer in enumerate(self.layers)}
-        logits, side = None, None
+        logits, top_k = None, None
         if self.logits and self.fused:
-            side = self._top_k(rows, width, device)
+            top_k = self._top_k(rows, width, device)
         elif self.logits:
             logits = self._logits(rows, width).to(device)
-        return TeacherOutput(hidden_states, logits, side=side)
+        return TeacherOutput(hidden_states, logits, side=top_k)
 
     def _top_k(self, rows: list[dict[str, np.ndarray]], width: int, device: torch.device) -> TopKTeacher:
         """The stored top k at ``[batch, width]`` positions (``ids``, ``log_probs`` ``[batch, width, k]``,
