@@ -68,9 +68,7 @@ def render_plan(plan: RunPlan) -> Group:
         memory.add_row(label, _bytes(value))
     if estimate.logits:
         whole = (
-            "whole [batch, seq, vocab]"
-            if estimate.logit_chunk is None
-            else f"chunks of {estimate.logit_chunk} positions"
+            "every position at once" if estimate.logit_chunk is None else f"chunks of {estimate.logit_chunk} positions"
         )
         memory.add_row(f"  of which logits ({whole})", _bytes(estimate.logits))
     memory.add_row("total", _bytes(estimate.total), style="bold")
