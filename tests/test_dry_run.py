@@ -378,12 +378,12 @@ def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
         "teacher weights": 2 * teacher_count,  # bf16 teacher, not partitioned
         # Korthikanti et al.: s·b·h·(34 + 5·a·s/h) bytes per 16-bit layer; the fused base loss's
         # logits (loss.fused_head, chunks of loss.chunk_size = 128 positions): the student's chunk
-        # in bf16 and 6 fp32 buffers, the head's gradient in fp32 and bf16, the teacher's chunk in
+        # in bf16 and 6 fp32 buffers, the head's gradient summed in fp32, the teacher's chunk in
         # bf16 and fp32; the teacher's hidden states of its 3 aligned layers plus one.
         "activations (rough)": int(
             tokens * h * (34 + 5 * heads * seq / h) * layers
             + 128 * v_s * (2 + 4 * 6)
-            + v_s * h * (4 + 2)
+            + v_s * h * 4
             + 128 * v_t * (2 + 4)
             + tokens * d_t * 2 * (3 + 1)
         ),

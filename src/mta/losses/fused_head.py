@@ -240,11 +240,14 @@ class _FusedHeadLoss(torch.autograd.Function):
         return total
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        # grad_output is a 0-dim float tensor: the products keep the saved gradients' dtypes.
+        # grad_output is a 0-dim float tensor: the products keep the saved gradients' dtypes. The
+        # weight's gradient (vocab × hidden) is scaled in place, not copied: this function's
+        # backward runs once (it is not differentiable twice).
         hidden = None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype)
-        weight = None if grad_weight is None else grad_weight * grad_output.to(grad_weight.dtype)
+        weight = None if grad_weight is None else grad_weight.mul_(grad_output.to(grad_weight.dtype))
         bias = None
         if grad_bias is not None and ctx.bias_shape is not None:
             shape, dtype = ctx.bias_shape

@@ -244,7 +244,8 @@ def estimate_memory(
     student's logits in the weight's dtype and ``FUSED_FP32_BUFFERS`` fp32 ``[chunk, vocab]``
     buffers (the fp32 copy, both log-distributions, the divergence's terms, the gradient), the
     teacher's chunk in its dtype and fp32, and, when the head trains, its weight's gradient summed
-    in fp32 (``vocab × hidden``, plus its cast to the weight's dtype).
+    in fp32 (``vocab × hidden``; the gradient in the weight's dtype is among the student's
+    gradients; in fp32 a tied head's second gradient, the input embedding's, until they are added).
     """
     # A LoRA student keeps its frozen base weights, and gradients and optimizer states of its
     # adapters only.
@@ -273,8 +274,8 @@ def estimate_memory(
     else:
         chunk = min(logit_chunk, tokens)
         logits = chunk * student.vocab_rows * (weight_bytes + 4 * FUSED_FP32_BUFFERS)
-        if not lora_student:  # the head's weight gradient, summed over the chunks in fp32
-            logits += student.vocab_rows * student.hidden_size * (4 + weight_bytes)
+        if not lora_student:  # the head's gradient summed in fp32 (or a tied head's second gradient)
+            logits += student.vocab_rows * student.hidden_size * 4
 
     teacher_weights = 0
     if teacher is not None:
