@@ -218,9 +218,9 @@ def summarise(runs: dict[tuple[str, str], list[dict]]) -> dict:
                 for key in ("rss_after_load", "peak_rss", "step_bytes", "step_seconds", "step_cpu_seconds")
             }
             medians[path]["dry_run_estimate"] = samples[0]["dry_run_estimate"]
-            medians[path]["dry_run_estimate_error"] = (
-                abs(samples[0]["dry_run_estimate"] - medians[path]["step_bytes"]) / medians[path]["step_bytes"]
-            )
+            medians[path]["dry_run_estimate_error"] = abs(
+                samples[0]["dry_run_estimate"] - medians[path]["step_bytes"]
+            ) / max(medians[path]["step_bytes"], 1)
         fused, whole = medians["fused"], medians["materialized"]
         per_loss[loss] = {
             "variants": medians,
