@@ -12,6 +12,10 @@ a real batch gives it. Parts, each its own flag and time budget:
                 + MTA from a teacher cache (k = 64, compact; rebuilt each step: `mta teacher`)
     distillm2   DistiLLM-2's loss vs + MTA on pairs  (recipe gpt2-distillm2)
     fdd         FDD vs FDD + MTA                     (recipe gpt2-fdd)
+    logits      the whole logits vs the fused head + loss (loss.fused_head, issue 52) at
+                bench/logit_memory.py's shapes: a Qwen2.5-0.5B-headed student (hidden 896,
+                vocabulary 151,936, 2 layers) and a 1,536-wide 2-layer teacher, 8 × 512 tokens
+                (prompt 128), srkl and fkl; peak memory is the number to read
 
 For every variant: median step seconds, tokens/s, model FLOP/s and model-FLOPs utilisation
 (``mta.training.lifecycle.utilisation``, the numbers ``metrics.jsonl`` logs: 6·N·tokens for the
@@ -39,9 +43,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from interleaving import interleaved_rounds
+from logit_memory import FULL, QUICK, model_configs
 from machine import created, describe_machine
 from mta.distributed import local_device
 from mta.files import atomic_write_json
+from mta.losses.fused_head import TopKTeacher
 from mta.losses.span_masks import SpanBatch
 from mta.losses.teacher_topk import teacher_logits_from_top_k, top_k_log_probs
 from mta.training import engine as engines
@@ -55,7 +61,7 @@ from mta.training.objective import DistillationModel, DistillationObjective
 from mta.training.teacher import FrozenTeacher, TeacherOutput
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = {"distillm": "gpt2", "distillm2": "gpt2-distillm2", "fdd": "gpt2-fdd"}
+PARTS = {"distillm": "gpt2", "distillm2": "gpt2-distillm2", "fdd": "gpt2-fdd", "logits": "qwen"}
 MIN_ROUNDS = 3
 # --smoke keeps the recipes' depths (their layer maps name those layers) at tiny widths.
 SMOKE_SHAPES = {"teacher": dict(n_embd=32, n_head=2), "student": dict(n_embd=16, n_head=2)}
@@ -134,7 +140,10 @@ class Step:
             if objective.fdd is not None
             else None
         )
-        self.teacher = FrozenTeacher(teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens)
+        self.fused = objective.fused_head
+        self.teacher = FrozenTeacher(
+            teacher_model, objective.teacher_layers, objective.needs_teacher_logits, lens, fused=self.fused
+        )
         self.batch = batch.to(device)
         self.student_parameters = sum(p.numel() for p in student.parameters())
         self.flops = StepFlops(model, student, None if cached else self.teacher).of(
@@ -149,13 +158,16 @@ class Step:
         side = self.batch.teacher
         out = self.teacher(side.input_ids, side.attention_mask)
         stored = {"hidden": {layer: h.to("cpu", torch.float16) for layer, h in out.hidden_states.items()}}
-        if out.logits is not None:
+        if out.logits is not None or out.side is not None:
             row, position = (side.labels[:, 1:] != -100).nonzero(as_tuple=True)
-            ids, log_probs, tail = top_k_log_probs(
-                out.logits[row, position], 64, temperature=temperature, vocab_size=vocab
+            logits = (
+                out.logits[row, position]
+                if out.logits is not None
+                else out.side.select(row, position).chunk_logits(0, len(row), vocab)
             )
+            ids, log_probs, tail = top_k_log_probs(logits, 64, temperature=temperature, vocab_size=vocab)
             stored.update(row=row.cpu(), position=position.cpu(), ids=ids.int().cpu(), log_probs=log_probs.half().cpu())
-            stored.update(tail=tail.cpu(), temperature=temperature, vocab=vocab, shape=out.logits.shape[:2])
+            stored.update(tail=tail.cpu(), temperature=temperature, vocab=vocab, shape=side.input_ids.shape)
         return stored
 
     def rebuilt(self) -> TeacherOutput:
@@ -163,6 +175,17 @@ class Step:
         assert stored is not None, "rebuilt() is the cached variant's teacher"
         hidden = {layer: h.to(device).float() for layer, h in stored["hidden"].items()}
         logits = None
+        if "ids" in stored and self.fused:  # the top k itself: the fused loss rebuilds p̃ a chunk at a time
+            row, position = stored["row"].to(device), stored["position"].to(device)
+            k = stored["ids"].shape[1]
+            ids = torch.zeros(*stored["shape"], k, dtype=torch.long, device=device)
+            log_probs = torch.full((*stored["shape"], k), -1.0e4, device=device)
+            tail = torch.full(tuple(stored["shape"]), -1.0e4, device=device)
+            ids[row, position] = stored["ids"].to(device).long()
+            log_probs[row, position] = stored["log_probs"].to(device).float()
+            tail[row, position] = stored["tail"].to(device)
+            side = TopKTeacher(ids, log_probs, tail, stored["vocab"], stored["temperature"])
+            return TeacherOutput(hidden, None, side=side)
         if "ids" in stored:
             logits = torch.zeros(*stored["shape"], stored["vocab"], device=device)
             logits[stored["row"].to(device), stored["position"].to(device)] = teacher_logits_from_top_k(
@@ -268,6 +291,47 @@ def measure_part(name: str, recipe_name: str, args, device, dtype) -> dict:
     return out
 
 
+def measure_logits_part(args, device, dtype) -> dict:
+    """The whole logits vs the fused head + loss, srkl and fkl, interleaved: seconds and peak memory."""
+    shapes = QUICK if args.smoke else FULL
+    student_config, teacher_config = model_configs(shapes)
+    torch.manual_seed(0)
+    teacher_model = AutoModelForCausalLM.from_config(teacher_config).to(device=device, dtype=dtype)
+    batch = synthetic_batch(shapes.rows, shapes.length, shapes.prompt, shapes.vocab, seed=1, paired=False)
+    recipe = load_recipe(SHIPPED_DIR / "qwen.yaml", ["generation.mode=off"])
+    variants = []
+    for base in ("srkl", "fkl"):
+        for fused in (False, True):
+            loss = recipe.loss.model_copy(
+                update={"base": base, "dsa_weight": 0.0, "hra_weight": 0.0, "fused_head": fused}
+            )
+            step = Step(recipe.model_copy(update={"loss": loss}), teacher_model, student_config, batch, device, dtype)
+            variants.append(Variant(f"{base}_{'fused' if fused else 'materialized'}", step))
+    interleaved_rounds(
+        variants,
+        MIN_ROUNDS,
+        lambda v: run_variant(v, device),
+        warm_up=lambda v: v.step(),
+        describe=lambda v: f"{v.name} {v.seconds[-1]:.3f}s",
+    )
+    out: dict = {"shapes": shapes.__dict__, "rounds": MIN_ROUNDS, "variants": {}}
+    for variant in variants:
+        out["variants"][variant.name] = {
+            "seconds_per_step_median": statistics.median(variant.seconds),
+            "seconds_per_step": variant.seconds,
+            "peak_memory_gib": variant.peak_bytes / 2**30 if device.type == "cuda" else None,
+        }
+        variant.step.engine.destroy()
+    for base in ("srkl", "fkl"):
+        fused, whole = out["variants"][f"{base}_fused"], out["variants"][f"{base}_materialized"]
+        out[f"{base}_time_ratio_fused_vs_materialized"] = (
+            fused["seconds_per_step_median"] / whole["seconds_per_step_median"]
+        )
+        if device.type == "cuda":
+            out[f"{base}_peak_ratio_fused_vs_materialized"] = fused["peak_memory_gib"] / whole["peak_memory_gib"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
@@ -288,6 +352,9 @@ def main() -> None:
     results = {}
     for part in parts:
         print(f"{part}: recipe {PARTS[part]}", flush=True)
+        if part == "logits":
+            results[part] = measure_logits_part(args, device, dtype)
+            continue
         results[part] = measure_part(part, PARTS[part], args, device, dtype)
         print(f"  {part}: MTA / base {results[part]['ratio_mta_to_base']:.3f}", flush=True)
     payload = {

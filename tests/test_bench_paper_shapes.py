@@ -31,7 +31,14 @@ def test_the_paper_shapes_benchmark_runs_every_part_in_smoke_mode(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["setup"]["smoke"] is True and payload["setup"]["zero_stage"] == 1
     results = payload["results"]
-    assert sorted(results) == ["distillm", "distillm2", "fdd"]
+    assert sorted(results) == ["distillm", "distillm2", "fdd", "logits"]
+    logits = results.pop("logits")  # issue 52's shapes: the whole logits vs the fused head + loss
+    assert sorted(logits["variants"]) == ["fkl_fused", "fkl_materialized", "srkl_fused", "srkl_materialized"]
+    for base in ("srkl", "fkl"):
+        assert logits[f"{base}_time_ratio_fused_vs_materialized"] == pytest.approx(
+            logits["variants"][f"{base}_fused"]["seconds_per_step_median"]
+            / logits["variants"][f"{base}_materialized"]["seconds_per_step_median"]
+        )
     for part, result in results.items():
         assert result["rounds"] >= 3
         cached = [] if part == "fdd" else [f"{part}_mta_cached"]  # FDD needs the online teacher

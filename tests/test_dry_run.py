@@ -376,16 +376,24 @@ def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
         "student gradients": 2 * trainable,
         "optimizer states": 12 * trainable // world,  # fp32 master, momentum, variance, partitioned
         "teacher weights": 2 * teacher_count,  # bf16 teacher, not partitioned
-        # Korthikanti et al.: s·b·h·(34 + 5·a·s/h) bytes per 16-bit layer; the student's logits
-        # 16-bit + an fp32 copy, with gradients; the teacher's bf16 logits; the teacher's hidden
-        # states of its 3 aligned layers plus one.
+        # Korthikanti et al.: s·b·h·(34 + 5·a·s/h) bytes per 16-bit layer; the fused base loss's
+        # logits (loss.fused_head, chunks of loss.chunk_size = 128 positions): the student's chunk
+        # in bf16 and 6 fp32 buffers, the head's gradient summed in fp32, the teacher's chunk in
+        # bf16 and fp32; the teacher's hidden states of its 3 aligned layers plus one.
         "activations (rough)": int(
             tokens * h * (34 + 5 * heads * seq / h) * layers
-            + tokens * v_s * (2 + 4) * 2
-            + tokens * v_t * 2
+            + 128 * v_s * (2 + 4 * 6)
+            + v_s * h * 4
+            + 128 * v_t * (2 + 4)
             + tokens * d_t * 2 * (3 + 1)
         ),
     }
+    # The materialised path (loss.fused_head=false): the whole logits, 16-bit + an fp32 copy with
+    # gradients, and the teacher's bf16 logits.
+    whole = plan_run(load_recipe(path, ["train.micro_batch_size=2", "loss.fused_head=false"]), world_size=8).memory
+    assert whole.logit_chunk is None and whole.logits == tokens * v_s * (2 + 4) * 2 + tokens * v_t * 2
+    assert whole.activations - whole.logits == gpt2_plan.memory.activations - gpt2_plan.memory.logits
+    assert gpt2_plan.memory.logit_chunk == 128
     estimate = gpt2_plan.memory
     assert (
         estimate.student_weights,
@@ -400,6 +408,8 @@ def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
     for label, count in [*expected.items(), ("total", total)]:
         (line,) = [line for line in lines if line.startswith(f"│ {label} ")]
         assert line.split("│")[2].strip() == printed_bytes(count)
+    (line,) = [line for line in lines if "of which logits (chunks of 128 positions)" in line]
+    assert line.split("│")[2].strip() == printed_bytes(gpt2_plan.memory.logits)
 
 
 def test_activations_grow_with_the_micro_batch(gpt2_plan):

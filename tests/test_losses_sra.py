@@ -300,9 +300,13 @@ def test_span_and_geometry_match_the_loop_reference_values_and_gradients():
     close(geo_grads[1], ref_geo[1])
 
 
-def test_span_logit_term_matches_the_loop_reference():
+@pytest.mark.parametrize("chunk_size", [128, 1, 3])
+def test_span_logit_term_matches_the_loop_reference(chunk_size):
+    """Whatever the chunk of span centres each head sees (issue 52: the [spans, shared vocabulary]
+    logits a chunk at a time, recomputed in backward)."""
     case = make_case(seed=4, pairs=1)
-    loss = make_loss(pairs=1, temperature=2.0, logit_weight=0.5)
+    assert int(case["scope"].sum()) > 3  # several chunks of 1 and of 3
+    loss = make_loss(pairs=1, temperature=2.0, logit_weight=0.5, chunk_size=chunk_size)
     student_head, teacher_head, shared = make_heads()
     out = run(loss, case, student_head=at_ids(student_head), teacher_head=at_ids(teacher_head), shared_vocab=shared)
     student, teacher, projectors = double_leaves(case, loss)

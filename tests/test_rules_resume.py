@@ -86,6 +86,7 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "loss.importance": (FIXED, "uniform"),
     "loss.reference_code": (FIXED, True),
     "loss.chunk_size": (CHANGE, 16),
+    "loss.fused_head": (CHANGE, False),
     "loss.distillm2_beta": (FIXED, 1.5),
     "loss.fdd_weight": (FIXED, 1.0),
     "loss.fdd_layers": (FIXED, [[1, 2]]),

@@ -66,6 +66,11 @@ def render_plan(plan: RunPlan) -> Group:
         ("activations (rough)", estimate.activations),
     ):
         memory.add_row(label, _bytes(value))
+    if estimate.logits:
+        whole = (
+            "every position at once" if estimate.logit_chunk is None else f"chunks of {estimate.logit_chunk} positions"
+        )
+        memory.add_row(f"  of which logits ({whole})", _bytes(estimate.logits))
     memory.add_row("total", _bytes(estimate.total), style="bold")
     parts += [
         _heading(

@@ -46,6 +46,7 @@ from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
 from mta.inspection import LinearCKA, inspect
 from mta.losses.contrastive import DistiLLM2Loss
+from mta.losses.fused_head import HeadTeacher, LogitsTeacher, OutputHead, TeacherSide
 from mta.losses.kd import IGNORE_INDEX, UNIT_LOSSES, build_base_loss
 from mta.losses.span_masks import SpanBatch
 from mta.training.batching import AnnotatedExamples, TokenBatch, TrainBatch
@@ -339,6 +340,90 @@ class KDLoss(nn.Module):
         result: torch.Tensor = self.loss(student_logits, teacher_logits, labels)
         return result
 
+    def from_hidden(
+        self,
+        student_hidden: torch.Tensor,
+        student_head: nn.Module,
+        labels: torch.Tensor,
+        *,
+        teacher_hidden: torch.Tensor | None = None,
+        teacher_head: nn.Module | None = None,
+        teacher_logits: torch.Tensor | None = None,
+        chosen: torch.Tensor | None = None,
+        reduction: Literal["mean", "sum"] = "mean",
+    ) -> torch.Tensor:
+        """The same loss from the models' final hidden states and LM heads, the logits formed
+        ``chunk_size`` response positions at a time and never whole (``mta.losses.fused_head``):
+        the value and gradients of :meth:`forward` on ``head(hidden)``, without its memory.
+
+        student_hidden ``[B, T, d]``: the student's last hidden state (``outputs.hidden_states[-1]``
+        or ``last_hidden_state`` of its body, ``model.get_decoder()``), in this loss's convention
+        like the logits of :meth:`forward`; student_head: the model (its ``get_output_embeddings()``)
+        or its ``nn.Linear`` head (tied or not; rows past ``vocab_size`` are never read). The
+        teacher: ``teacher_hidden [B, T, d_t]`` with ``teacher_head``, or its ``teacher_logits``
+        (only the response rows are read); neither for ``ce``. reduction: ``mean`` over the target
+        tokens (:meth:`forward`'s value) or their ``sum`` (divide by your own token count, e.g. the
+        global batch's; distillm2 is per-row means, ``mean`` only)."""
+        if student_hidden.dim() != 3 or labels.dim() != 2 or student_hidden.shape[:2] != labels.shape:
+            raise MtaError(
+                f"student hidden states {_shape(student_hidden)} and labels {_shape(labels)} cover different "
+                f"positions; expected {SHIFTED_CONVENTION if self.labels_shifted else HF_CONVENTION}, with the "
+                "hidden states in place of the logits"
+            )
+        side = (
+            _teacher_side(teacher_hidden, teacher_head, teacher_logits, student_hidden) if self.needs_teacher else None
+        )
+        if self.needs_teacher and side is None:
+            raise MtaError(
+                f"the base loss {self.name} compares with the teacher: give teacher_hidden and teacher_head, "
+                "or teacher_logits"
+            )
+        if not self.labels_shifted:  # position t predicts label t + 1; the teacher's side is read at t
+            student_hidden, labels = student_hidden[:, :-1], labels[:, 1:]
+        head = _as_head(student_head, "student_head")
+        if isinstance(self.loss, DistiLLM2Loss):
+            if chosen is None:
+                raise MtaError("the base loss distillm2 reads chosen: [B] bool, True on the teacher's responses")
+            if reduction != "mean":
+                raise MtaError("distillm2 is a mean of per-row means: reduction='mean' only")
+            return self.loss.from_hidden(student_hidden, head, side, labels, chosen).mean
+        if chosen is not None:
+            raise MtaError(f"chosen is read by the base loss distillm2 only, not by {self.name}")
+        reduced = self.loss.from_hidden(student_hidden, head, side, labels)
+        return reduced.mean if reduction == "mean" else reduced.total
+
+
+def _as_head(head: nn.Module, what: str) -> OutputHead:
+    """An ``nn.Linear`` head, or a model's ``get_output_embeddings()``, as the fused loss reads it."""
+    if hasattr(head, "get_output_embeddings"):
+        return OutputHead.of(head)
+    if type(head) is not nn.Linear:
+        raise MtaError(
+            f"{what} must be the model (its get_output_embeddings()) or its nn.Linear head, got {type(head).__name__}"
+        )
+    return OutputHead(head.weight, head.bias)
+
+
+def _teacher_side(
+    hidden: torch.Tensor | None, head: nn.Module | None, logits: torch.Tensor | None, student_hidden: torch.Tensor
+) -> TeacherSide | None:
+    """The teacher's side of the fused loss: its hidden states and head, or its logits."""
+    if (hidden is None) != (head is None):
+        raise MtaError("give the teacher's hidden states and its head together (teacher_hidden, teacher_head)")
+    if hidden is not None and logits is not None:
+        raise MtaError("give the teacher's hidden states and head, or its logits, not both")
+    given = hidden if hidden is not None else logits
+    if given is None:
+        return None
+    if given.dim() != 3 or given.shape[:2] != student_hidden.shape[:2]:
+        raise MtaError(
+            f"the teacher's {'hidden states' if hidden is not None else 'logits'} {_shape(given)} and the student's "
+            f"hidden states {_shape(student_hidden)} do not cover the same positions"
+        )
+    if hidden is not None and head is not None:
+        return HeadTeacher(hidden.detach(), _as_head(head, "teacher_head"))
+    return LogitsTeacher(given.detach())
+
 
 def layer_map(
     student_layers: int,
@@ -486,6 +571,8 @@ class MTALoss(nn.Module):
         batch: TrainBatch,
         *,
         labels: torch.Tensor | None = None,
+        student_head: nn.Module | None = None,
+        teacher_head: nn.Module | None = None,
     ) -> dict[str, torch.Tensor]:
         """fp32 scalars ``{"base", "dsa", "hra", "total"}`` (the terms in use).
 
@@ -493,28 +580,47 @@ class MTALoss(nn.Module):
         ``batch.teacher`` ids and masks (``.logits``, and ``.hidden_states`` from
         ``output_hidden_states=True``), unshifted; teacher_outputs may be None when no term reads
         it. labels: default ``batch.student.labels``; others in this loss's convention.
+
+        student_head (the model, or its ``nn.Linear`` head): the base loss from the student's last
+        hidden state (``student_outputs.hidden_states[-1]``) and this head, ``chunk_size`` response
+        positions at a time, never the whole logits (``mta.losses.fused_head``): run the model's body
+        (``model.get_decoder()``) with ``output_hidden_states=True``, which computes no logits.
+        teacher_head likewise for the teacher (else its ``.logits`` are read, at the response rows only).
         """
         objective = self.objective
-        student_logits = _output(student_outputs, "logits", "the student's outputs")
         ids = batch.student.input_ids
-        if student_logits.dim() != 3 or student_logits.shape[:2] != ids.shape:
-            raise MtaError(
-                f"the student's logits {_shape(student_logits)} do not cover the batch's student tokens "
-                f"{_shape(ids)}: pass the outputs of the student run on batch.student.input_ids, as the "
-                f"model returns them ({HF_CONVENTION})"
-            )
+        student_logits, final = None, None
+        if student_head is not None:
+            states = _output(student_outputs, "hidden_states", "the student's outputs")
+            last = states[-1]
+            if last.dim() != 3 or last.shape[:2] != ids.shape:
+                raise MtaError(
+                    f"the student's last hidden state {_shape(last)} does not cover the batch's student tokens "
+                    f"{_shape(ids)}: pass the outputs of the student run on batch.student.input_ids"
+                )
+            final = (last, _as_head(student_head, "student_head"))
+        else:
+            student_logits = _output(student_outputs, "logits", "the student's outputs")
+            if student_logits.dim() != 3 or student_logits.shape[:2] != ids.shape:
+                raise MtaError(
+                    f"the student's logits {_shape(student_logits)} do not cover the batch's student tokens "
+                    f"{_shape(ids)}: pass the outputs of the student run on batch.student.input_ids, as the "
+                    f"model returns them ({HF_CONVENTION})"
+                )
         student_hidden = None
         if objective.needs_student_hidden:
             student_hidden = tuple(_output(student_outputs, "hidden_states", "the student's outputs"))
-        teacher = self._teacher(teacher_outputs, batch)
+        teacher = self._teacher(teacher_outputs, batch, teacher_head if final is not None else None)
         if labels is not None:
             _check_labels(labels, ids, self.labels_shifted)
             if self.labels_shifted:  # back to the batch's own convention: position t is token t
                 labels = torch.nn.functional.pad(labels, (1, 0), value=IGNORE_INDEX)
             batch = dataclasses.replace(batch, student=dataclasses.replace(batch.student, labels=labels))
         # fp32 from the dtypes the models give, as mta.training.objective.DistillationModel runs it.
-        with torch.autocast(student_logits.device.type, enabled=False):
-            losses: dict[str, torch.Tensor] = objective(student_logits, student_hidden, teacher, batch)
+        with torch.autocast(ids.device.type, enabled=False):
+            losses: dict[str, torch.Tensor] = objective(
+                student_logits, student_hidden, teacher, batch, student_final=final
+            )
         return losses
 
     def alignment(
@@ -545,7 +651,7 @@ class MTALoss(nn.Module):
         terms["total"] = functools.reduce(operator.add, weighted)
         return terms
 
-    def _teacher(self, outputs: Any, batch: TrainBatch) -> TeacherOutput | None:
+    def _teacher(self, outputs: Any, batch: TrainBatch, head: nn.Module | None = None) -> TeacherOutput | None:
         objective = self.objective
         layers = objective.teacher_layers
         if not layers and not objective.needs_teacher_logits:
@@ -561,17 +667,25 @@ class MTALoss(nn.Module):
                     f"{len(states)} (indices 0..{len(states) - 1}); check the layer map against the teacher"
                 )
             hidden = {layer: states[layer] for layer in layers}
-        logits = None
-        if objective.needs_teacher_logits:
+        logits, side = None, None
+        width = batch.teacher.input_ids.shape if batch.teacher is not None else batch.student.input_ids.shape
+        if objective.needs_teacher_logits and head is not None:  # fused: its last hidden state and head
+            last = _output(outputs, "hidden_states", "the teacher's outputs")[-1]
+            if last.dim() != 3 or last.shape[:2] != width:
+                raise MtaError(
+                    f"the teacher's last hidden state {_shape(last)} does not cover the batch's teacher tokens "
+                    f"[{', '.join(map(str, width))}]: pass the outputs of the teacher run on batch.teacher.input_ids"
+                )
+            side = HeadTeacher(last.detach(), _as_head(head, "teacher_head"))
+        elif objective.needs_teacher_logits:
             logits = _output(outputs, "logits", "the teacher's outputs")
-            width = batch.teacher.input_ids.shape if batch.teacher is not None else batch.student.input_ids.shape
             if logits.dim() != 3 or logits.shape[:2] != width:
                 raise MtaError(
                     f"the teacher's logits {_shape(logits)} do not cover the batch's teacher tokens "
                     f"[{', '.join(map(str, width))}]: pass the outputs of the teacher run on "
                     f"batch.teacher.input_ids, as the model returns them ({HF_CONVENTION})"
                 )
-        return TeacherOutput(hidden_states=hidden, logits=logits)
+        return TeacherOutput(hidden_states=hidden, logits=logits, side=side)
 
 
 def _check_labels(labels: torch.Tensor, ids: torch.Tensor, labels_shifted: bool) -> None:

@@ -382,10 +382,8 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
         sequence_length=recipe.data.max_length,
     )
     # An encoder has no LM head: no logits. SimCSE's second pass keeps its own activations.
-    tokens = train.micro_batch_size * recipe.data.max_length
-    logits = tokens * student.vocab_rows * ((2 if train.precision != "fp32" else 4) + 4) * 2
     passes = 2 if loss.simcse_weight else 1
-    memory = dataclasses.replace(memory, activations=int((memory.activations - logits) * passes))
+    memory = dataclasses.replace(memory, activations=int((memory.activations - memory.logits) * passes), logits=0)
     return RunPlan(
         name=recipe.name,
         student=student,

@@ -34,6 +34,7 @@ from torch import nn
 from mta.errors import MtaError
 from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
 from mta.losses.divergences import check_unit_interval, kl, log_mixture
+from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
 
 # Kind of a response position, passed to the chunked loop in place of its label.
 _CHOSEN, _REJECTED = 0, 1
@@ -106,6 +107,54 @@ class DistiLLM2Loss(nn.Module):
         response, chosen ``[batch]`` bool (True: the teacher's response, False: the student's).
         Returns an fp32 scalar; the gradient flows to ``student_logits`` only."""
         vocab_size = self._check(student_logits, teacher_logits, labels, chosen)
+        kind, weights = self._kinds_and_weights(labels, chosen)
+        return chunked_token_loss(
+            self._token_loss,
+            student_logits,
+            teacher_logits,
+            kind,
+            vocab_size=vocab_size,
+            chunk_size=self.chunk_size,
+            token_weights=weights,
+        )
+
+    def from_hidden(
+        self,
+        student_hidden: torch.Tensor,
+        head: OutputHead,
+        teacher: TeacherSide | None,
+        labels: torch.Tensor,
+        chosen: torch.Tensor,
+    ) -> LossSum:
+        """The same loss from the student's final hidden states ``[batch, seq, d]`` and LM head and
+        the teacher's side at those positions (``mta.losses.fused_head``), the logits formed a chunk
+        of response positions at a time. Returns the :class:`LossSum` (weighted: ``.mean`` is
+        :meth:`forward`'s value)."""
+        if teacher is None:
+            raise MtaError("DistiLLM2Loss compares with a teacher; the teacher's side is None")
+        if chosen.dtype != torch.bool or chosen.shape != labels.shape[:1]:
+            raise MtaError(
+                f"chosen must be a bool tensor [batch] = [{labels.shape[0]}], got {chosen.dtype} {tuple(chosen.shape)}"
+            )
+        if student_hidden.shape[:2] != labels.shape:
+            raise MtaError(
+                f"hidden states {tuple(student_hidden.shape)} do not cover the labels' positions {tuple(labels.shape)}"
+            )
+        kind, weights = self._kinds_and_weights(labels, chosen)
+        rows, columns = response_positions(kind)
+        return fused_head_loss(
+            self._token_loss,
+            student_hidden[rows, columns],
+            head,
+            teacher.select(rows, columns),
+            kind[rows, columns],
+            vocab_size=self.vocab_size or min(head.rows, teacher.rows),
+            chunk_size=self.chunk_size,
+            token_weights=weights[rows, columns],
+        )
+
+    def _kinds_and_weights(self, labels: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, seq]`` each: the kind of every position that counts (-100 elsewhere) and its weight."""
         chosen = chosen.to(labels.device)
         response = labels != IGNORE_INDEX  # [batch, seq]
         tokens = response.sum(dim=1)  # [batch]
@@ -120,15 +169,7 @@ class DistiLLM2Loss(nn.Module):
         kind = torch.where(chosen, _CHOSEN, _REJECTED).unsqueeze(1).expand_as(labels)
         kind = torch.where(visit, kind, torch.full_like(kind, IGNORE_INDEX))
         weights = row_weight.float().unsqueeze(1).expand_as(labels)
-        return chunked_token_loss(
-            self._token_loss,
-            student_logits,
-            teacher_logits,
-            kind,
-            vocab_size=vocab_size,
-            chunk_size=self.chunk_size,
-            token_weights=weights,
-        )
+        return kind, weights
 
     def _check(
         self,

@@ -23,6 +23,7 @@ from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.cross_vocabulary import SharedDivergence, SharedVocabularyHybrid, UniversalLogitDistillation
 from mta.losses.divergences import check_unit_interval, kl, log_mixture
+from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
 
 
 class BaseLoss(nn.Module):
@@ -77,6 +78,39 @@ class BaseLoss(nn.Module):
             student_logits,
             teacher_logits,
             labels,
+            vocab_size=vocab_size,
+            chunk_size=self.chunk_size,
+        )
+
+    def from_hidden(
+        self,
+        student_hidden: torch.Tensor,
+        head: OutputHead,
+        teacher: TeacherSide | None,
+        labels: torch.Tensor,
+    ) -> LossSum:
+        """The same loss from the student's final hidden states and LM head, the logits formed a
+        chunk of response positions at a time (``mta.losses.fused_head``).
+
+        student_hidden ``[batch, seq, d]`` aligned with labels ``[batch, seq]`` (position t
+        predicts ``labels[:, t]``); teacher: its side at the same ``[batch, seq]`` positions
+        (``HeadTeacher`` or ``TopKTeacher``; None for ``ce``). Only the response positions reach
+        either head. Returns the :class:`LossSum` (``.mean`` is :meth:`forward`'s value)."""
+        if self.needs_teacher and teacher is None:
+            raise MtaError(f"{type(self).__name__} compares with a teacher; the teacher's side is None")
+        side = teacher if self.needs_teacher else None
+        if student_hidden.shape[:2] != labels.shape:
+            raise MtaError(
+                f"hidden states {tuple(student_hidden.shape)} do not cover the labels' positions {tuple(labels.shape)}"
+            )
+        vocab_size = self.vocab_size or min(head.rows, *(() if side is None else (side.rows,)))
+        rows, columns = response_positions(labels)
+        return fused_head_loss(
+            self.token_loss,
+            student_hidden[rows, columns],
+            head,
+            None if side is None else side.select(rows, columns),
+            labels[rows, columns],
             vocab_size=vocab_size,
             chunk_size=self.chunk_size,
         )

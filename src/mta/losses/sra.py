@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mta.errors import MtaError
 from mta.losses.divergences import kl
@@ -173,6 +174,8 @@ class SpanRepresentationLoss(nn.Module):
     span centres of pair i to the teacher's width (the port shares one projector across pairs).
     geometry_weight, logit_weight: the terms' weights in ``sra`` (port: 50 and 1).
     temperature: of the span-logit KL (port: ``--kd-temperature``, default 1; no ``T²`` factor).
+    chunk_size: span centres per head application of the span-logit KL (``loss.chunk_size``): the
+    ``[spans, shared vocabulary]`` logits exist a chunk at a time, recomputed in backward.
     """
 
     def __init__(
@@ -184,8 +187,12 @@ class SpanRepresentationLoss(nn.Module):
         geometry_weight: float = GEOMETRY_WEIGHT,
         logit_weight: float = LOGIT_WEIGHT,
         temperature: float = 1.0,
+        chunk_size: int = 128,
     ) -> None:
         super().__init__()
+        if chunk_size < 1:
+            raise MtaError(f"chunk_size must be at least 1, got {chunk_size}")
+        self.chunk_size = chunk_size
         if num_pairs < 1:
             raise MtaError(f"SRA needs at least one (student, teacher) layer pair, got {num_pairs}")
         if temperature <= 0:
@@ -294,12 +301,28 @@ class SpanRepresentationLoss(nn.Module):
                 f"{tuple(student_ids.shape)} and {tuple(teacher_ids.shape)}"
             )
         rows = in_scope  # the LM heads run on the spans in scope only: [n, d]
-        student_logits = student_head(student[rows].to(student_dtype), student_ids).float()
-        with torch.no_grad():
-            teacher_logits = teacher_head(teacher[rows].to(teacher_dtype), teacher_ids).float()
-        per_row = kl(
-            (teacher_logits / self.temperature).log_softmax(dim=1),  # [n, k]
-            (student_logits / self.temperature).log_softmax(dim=1),
-        )  # [n]
+        temperature = self.temperature
+
+        def chunk_kl(student_rows: torch.Tensor, teacher_rows: torch.Tensor) -> torch.Tensor:
+            """``[c, d_s]``, ``[c, d_t]`` centres -> ``[c]`` KL over the shared vocabulary."""
+            student_logits = student_head(student_rows, student_ids).float()
+            with torch.no_grad():
+                teacher_logits = teacher_head(teacher_rows, teacher_ids).float()
+            return kl(
+                (teacher_logits / temperature).log_softmax(dim=1),  # [c, k]
+                (student_logits / temperature).log_softmax(dim=1),
+            )
+
+        # chunk_size centres at a time, each chunk's logits recomputed in backward (not kept).
+        pieces = zip(
+            student[rows].to(student_dtype).split(self.chunk_size),
+            teacher[rows].to(teacher_dtype).split(self.chunk_size),
+            strict=True,
+        )
+        per_chunk = [
+            checkpoint(chunk_kl, s, t, use_reentrant=False) if torch.is_grad_enabled() else chunk_kl(s, t)
+            for s, t in pieces
+        ]
+        per_row = torch.cat(per_chunk) if per_chunk else student.new_zeros(0)  # [n]
         per_span = torch.zeros_like(span_weights).masked_scatter(rows, per_row)
         return _sequence_mean(per_span, span_weights)

@@ -23,6 +23,10 @@ from mta.training.config.schema import ModelSpec, Recipe, TinyModel, unset_varia
 from mta.training.model_loading import embedding_rows
 
 GIB = 1024**3
+# fp32 [chunk, vocab] buffers live at once in a fused chunk (mta.losses.fused_head): the student's
+# fp32 logits, its and the teacher's log-distributions, the divergence's mixture and terms, the
+# gradient; measured by bench/logit_memory.py.
+FUSED_FP32_BUFFERS = 6
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,10 @@ class MemoryEstimate:
     optimizer_states: int
     teacher_weights: int
     activations: int
+    # Of the activations: the base loss's logits (whole, or one chunk of logit_chunk positions at a
+    # time on the fused path, loss.fused_head) with their gradients and the fused head's gradient.
+    logits: int = 0
+    logit_chunk: int | None = None  # None: the whole [batch, seq, vocab] logits
 
     @property
     def total(self) -> int:
@@ -218,6 +226,7 @@ def estimate_memory(
     world_size: int,
     micro_batch_size: int,
     sequence_length: int,
+    logit_chunk: int | None = None,
 ) -> MemoryEstimate:
     """Per-device bytes after the ZeRO paper's accounting (Rajbhandari et al., 2020).
 
@@ -229,6 +238,14 @@ def estimate_memory(
     ``s·b·h·(34 + 5·a·s/h)`` bytes per 16-bit layer, plus the student's logits (16-bit and an
     fp32 copy for the loss, with gradients), the teacher's logits and the teacher hidden states
     kept for the aligned layers.
+
+    logit_chunk (``loss.chunk_size`` on the fused path, ``loss.fused_head``): the logits exist one
+    chunk of positions at a time, so instead of the whole logits a step holds, per chunk, the
+    student's logits in the weight's dtype and ``FUSED_FP32_BUFFERS`` fp32 ``[chunk, vocab]``
+    buffers (the fp32 copy, both log-distributions, the divergence's terms, the gradient), the
+    teacher's chunk in its dtype and fp32, and, when the head trains, its weight's gradient summed
+    in fp32 (``vocab × hidden``; the gradient in the weight's dtype is among the student's
+    gradients; in fp32 a tied head's second gradient, the input embedding's, until they are added).
     """
     # A LoRA student keeps its frozen base weights, and gradients and optimizer states of its
     # adapters only.
@@ -252,7 +269,13 @@ def estimate_memory(
     tokens = micro_batch_size * sequence_length
     per_layer = tokens * student.hidden_size * (34 + 5 * student.num_heads * sequence_length / student.hidden_size)
     activations = per_layer * student.num_layers * (1 if mixed else 2)
-    activations += tokens * student.vocab_rows * (weight_bytes + 4) * 2
+    if logit_chunk is None:
+        logits = tokens * student.vocab_rows * (weight_bytes + 4) * 2
+    else:
+        chunk = min(logit_chunk, tokens)
+        logits = chunk * student.vocab_rows * (weight_bytes + 4 * FUSED_FP32_BUFFERS)
+        if not lora_student:  # the head's gradient summed in fp32 (or a tied head's second gradient)
+            logits += student.vocab_rows * student.hidden_size * 4
 
     teacher_weights = 0
     if teacher is not None:
@@ -260,14 +283,19 @@ def estimate_memory(
         teacher_weights = teacher.parameters * teacher_bytes
         if teacher_zero3:
             teacher_weights //= world_size
-        activations += tokens * teacher.vocab_rows * teacher_bytes
+        if logit_chunk is None:
+            logits += tokens * teacher.vocab_rows * teacher_bytes
+        else:
+            logits += min(logit_chunk, tokens) * teacher.vocab_rows * (teacher_bytes + 4)
         activations += tokens * teacher.hidden_size * teacher_bytes * (aligned_teacher_layers + 1)
     return MemoryEstimate(
         student_weights=weights,
         student_gradients=gradients,
         optimizer_states=optimizer,
         teacher_weights=teacher_weights,
-        activations=int(activations),
+        activations=int(activations + logits),
+        logits=int(logits),
+        logit_chunk=logit_chunk,
     )
 
 

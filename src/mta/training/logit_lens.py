@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from mta.errors import MtaError
+from mta.losses.fused_head import is_zero3_partitioned
 from mta.losses.trajectory import HiddenStates
 
 # Where the blocks and the final norm live in the architectures mta knows; a teacher of any
@@ -85,11 +86,6 @@ class LogitLens:
             return F.linear(hidden, head.weight.index_select(0, vocab_rows), bias)
 
         return lens
-
-
-def is_zero3_partitioned(parameter: torch.Tensor) -> bool:
-    """True for a parameter DeepSpeed ZeRO-3 partitions (its data is a shard between forwards)."""
-    return hasattr(parameter, "ds_id")
 
 
 def _final_norm_or_refuse(model: PreTrainedModel) -> nn.Module:

@@ -6,6 +6,7 @@ one DeepSpeed engine owns every trainable parameter; the frozen teacher stays ou
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
@@ -19,8 +20,16 @@ from transformers import PreTrainedModel
 from mta.errors import MtaError
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.fdd import FeatureDynamicsLoss
+from mta.losses.fused_head import (
+    HeadTeacher,
+    LogitsTeacher,
+    OutputHead,
+    TeacherSide,
+    gathered,
+    is_zero3_partitioned,
+)
 from mta.losses.importance import token_importance
-from mta.losses.kd import build_base_loss
+from mta.losses.kd import BaseLoss, build_base_loss
 from mta.losses.sra import SpanRepresentationLoss, last_token_attention
 from mta.losses.trajectory import HiddenStates, TrajectoryAlignmentLoss
 from mta.training.batching import BOUNDARY, TrainBatch
@@ -59,6 +68,9 @@ class DistillationObjective(nn.Module):
         teacher_vocab_size: int | None = None,
     ):
         super().__init__()
+        # The base loss from hidden states and heads, a chunk of response positions at a time
+        # (mta.losses.fused_head), instead of from the models' whole logits.
+        self.fused_head = spec.uses_fused_head
         # A term whose weight is 0 is neither built nor computed.
         self.base = (
             build_base_loss(
@@ -121,6 +133,7 @@ class DistillationObjective(nn.Module):
                 geometry_weight=spec.sra_geometry_weight,
                 logit_weight=spec.sra_logit_weight if self.sra_logits else 0.0,
                 temperature=spec.temperature,
+                chunk_size=spec.chunk_size,
             )
             if self.sra_logits and shared_vocab is not None:  # buffers: they move to the device with the module
                 self.register_buffer("sra_student_ids", shared_vocab[0].long(), persistent=False)
@@ -171,33 +184,24 @@ class DistillationObjective(nn.Module):
 
     def forward(
         self,
-        student_logits: torch.Tensor,
+        student_logits: torch.Tensor | None,
         student_hidden: tuple[torch.Tensor, ...] | None,
         teacher: TeacherOutput | None,
         batch: TrainBatch,
         student_lens: LogitLens | None = None,
         student_attentions: tuple[torch.Tensor, ...] | None = None,
+        student_final: tuple[torch.Tensor, OutputHead] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """student_logits ``[batch, seq, vocab]``; student_hidden: HF ``hidden_states``;
-        student_lens: the student's logit lens (FDD only).
+        """student_logits ``[batch, seq, vocab]`` (None on the fused path); student_hidden: HF
+        ``hidden_states``; student_lens: the student's logit lens (FDD only); student_final: the
+        fused path's ``(final hidden state [batch, seq, d], LM head)`` of the student, whose
+        ``teacher.side`` is the teacher's (``mta.losses.fused_head``).
 
         Returns fp32 scalars ``{"base", "dsa", "hra", "fdd", "total"}`` (only the terms in use).
         """
         losses: dict[str, torch.Tensor] = {}
         if self.base is not None:
-            # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
-            teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
-            pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch, self.training)}
-            if self.needs_units:  # across vocabularies: unshifted, each side's own tokens, the aligned units
-                losses["base"] = self.base(
-                    student_logits,
-                    _required(teacher, "the teacher's output").logits,
-                    batch.student.labels,
-                    _required(batch.teacher, "the batch's teacher tokens").labels,
-                    batch.spans[BOUNDARY],
-                )
-            else:
-                losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **pairs)
+            losses["base"] = self._base(student_logits, student_final, teacher, batch)
         if self.alignment is not None:
             losses.update(
                 self.alignment(
@@ -231,6 +235,47 @@ class DistillationObjective(nn.Module):
             )
         losses["total"] = functools.reduce(operator.add, (self.weights[name] * value for name, value in losses.items()))
         return losses
+
+    def _base(
+        self,
+        student_logits: torch.Tensor | None,
+        student_final: tuple[torch.Tensor, OutputHead] | None,
+        teacher: TeacherOutput | None,
+        batch: TrainBatch,
+    ) -> torch.Tensor:
+        """The base loss, from the whole logits or (``student_final``) a chunk at a time; the mean
+        over the micro batch's response tokens (DistiLLM-2: its per-row means)."""
+        assert self.base is not None, "the base term is computed only when it is built"
+        # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
+        labels = batch.student.labels[:, 1:]
+        pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch, self.training)}
+        if self.needs_units:  # across vocabularies: unshifted, each side's own tokens, the aligned units
+            return self.base(
+                _required(student_logits, "the student's logits"),
+                _required(teacher, "the teacher's output").logits,
+                batch.student.labels,
+                _required(batch.teacher, "the batch's teacher tokens").labels,
+                batch.spans[BOUNDARY],
+            )
+        if student_final is None:
+            logits = _required(student_logits, "the student's logits")
+            teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
+            return self.base(logits[:, :-1], teacher_logits, labels, **pairs)
+        hidden, head = student_final
+        assert isinstance(self.base, BaseLoss | DistiLLM2Loss), "build_base_loss builds these"
+        # The teacher's side is read at the selected [batch, seq - 1] positions of its [batch, seq] layout.
+        side: TeacherSide | None = None
+        if teacher is not None:  # a teacher that gave its whole logits: their response rows are read
+            side = teacher.side if teacher.side is not None or teacher.logits is None else LogitsTeacher(teacher.logits)
+        if side is None and self.base.needs_teacher:
+            raise MtaError(
+                "the fused base loss reads the teacher's side (its final hidden states and head, its top k, "
+                "or its logits)"
+            )
+        # A ZeRO-3 teacher's head: whole for the fused loss, once per step (it takes no gradient).
+        with gathered(side.head) if isinstance(side, HeadTeacher) else contextlib.nullcontext():
+            reduced = self.base.from_hidden(hidden[:, :-1], head, side, labels, **pairs)
+        return reduced.mean
 
     def _sra(
         self,
@@ -329,23 +374,44 @@ class DistillationModel(nn.Module):
     def forward(self, batch: TrainBatch, teacher: TeacherOutput | None) -> dict[str, torch.Tensor]:
         want_hidden = self.objective.needs_student_hidden
         want_attentions = bool(self.objective.attention_layers["student"])
-        out = self.student(
+        fused = self.objective.fused_head
+        # Fused: the student's body only; its head is applied by the base loss to the response
+        # positions, a chunk at a time. Otherwise the whole model and its [batch, seq, vocab] logits.
+        model = self.student.get_decoder() if fused else self.student
+        out = model(
             input_ids=batch.student.input_ids,
             attention_mask=batch.student.attention_mask,
             output_hidden_states=want_hidden,
             **({"output_attentions": True} if want_attentions else {}),
         )
+        final = (out.last_hidden_state, OutputHead.of(self.student)) if fused and self.objective.base else None
         # The losses compute in fp32 from the dtypes the models give; under a CPU bf16 run's
         # autocast (mta.training.engine.TrainingPrecision) their products would run in bf16.
-        with torch.autocast(out.logits.device.type, enabled=False):
+        with torch.autocast(batch.student.input_ids.device.type, enabled=False):
             return self.objective(
-                out.logits,
+                None if fused else out.logits,
                 out.hidden_states if want_hidden else None,
                 teacher,
                 batch,
                 self.lens,
                 out.attentions if want_attentions else None,
+                student_final=final,
             )
+
+    def register_partitioned_head(self) -> None:
+        """Under ZeRO-3 (after DeepSpeed partitioned the weights): the student's head weight, read by
+        the fused base loss outside the head's own forward, is gathered for this module's forward
+        and backward, once per step each (``deepspeed.zero.register_external_parameter``), not per
+        chunk: one all-gather of the head instead of two per chunk. A no-op otherwise."""
+        if not self.objective.fused_head:
+            return
+        head = OutputHead.of(self.student)
+        partitioned = [p for p in (head.weight, head.bias) if p is not None and is_zero3_partitioned(p)]
+        if partitioned:
+            import deepspeed
+
+            for parameter in partitioned:
+                deepspeed.zero.register_external_parameter(self, parameter)
 
     def projector_parameters(self) -> list[nn.Parameter]:
         """The projectors (MTA's HRA, SRA's span projectors): the optimizer's projector_lr group."""

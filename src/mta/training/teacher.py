@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from mta.losses.fused_head import HeadTeacher, OutputHead, TeacherSide
 from mta.training.logit_lens import BLOCKS_AND_NORM, LogitLens
 
 log = logging.getLogger(__name__)
@@ -24,12 +25,16 @@ log = logging.getLogger(__name__)
 class TeacherOutput:
     """hidden_states: ``{layer: [batch, seq, d_teacher]}`` for the layers asked for.
     logits: ``[batch, seq, vocab]`` or None when no logit loss reads them.
-    lens: the teacher's logit lens (``LogitLens``) when FDD reads intermediate layers, else None."""
+    lens: the teacher's logit lens (``LogitLens``) when FDD reads intermediate layers, else None.
+    side: on the fused path (``loss.fused_head``) what the base loss reads in place of the logits:
+    the final hidden states and head (``HeadTeacher``) or the cached top k (``TopKTeacher``),
+    ``[batch, seq, ...]``."""
 
     hidden_states: dict[int, torch.Tensor]
     logits: torch.Tensor | None
     lens: LogitLens | None = None
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_states index -> [b, heads, t, t]
+    side: TeacherSide | None = None
 
 
 class TeacherForward(Protocol):
@@ -50,6 +55,9 @@ class FrozenTeacher(nn.Module):
     truncated model must return what the full one would.
     lens: FDD's / SRA's logit lens: the blocks, final norm and head are kept (the lens applies the
     head itself, to what it needs), but without ``need_logits`` no logits are computed.
+    fused: with ``need_logits``, return the final hidden states and the head (``TeacherOutput.side``)
+    instead of the logits: the fused base loss applies the head to the response positions a chunk
+    at a time (``loss.fused_head``).
     """
 
     def __init__(
@@ -59,10 +67,13 @@ class FrozenTeacher(nn.Module):
         need_logits: bool,
         lens: LogitLens | None = None,
         attention_layers: tuple[int, ...] = (),
+        fused: bool = False,
     ):
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
+        self.fused = fused and need_logits
+        self.head = OutputHead.of(model) if self.fused else None
         self.attention_layers = tuple(attention_layers)  # hidden_states indices whose block's attention is read
         self.layers = sorted(set(layers))
         self.need_logits = need_logits
@@ -91,7 +102,14 @@ class FrozenTeacher(nn.Module):
         """input_ids, attention_mask ``[batch, seq]`` -> the aligned layers (and logits)."""
         want_hidden = bool(self.layers)
         extra = {"output_attentions": True} if self.attention_layers else {}
-        if self.need_logits:
+        side: TeacherSide | None = None
+        if self.head is not None:  # fused: the body; the loss applies the head where it reads it
+            out = self.model.get_decoder()(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hidden, **extra
+            )
+            hidden, logits = out.hidden_states, None
+            side = HeadTeacher(out.last_hidden_state, self.head)
+        elif self.need_logits:
             out = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hidden, **extra
             )
@@ -103,4 +121,4 @@ class FrozenTeacher(nn.Module):
         hidden_states = {layer: hidden[layer] for layer in self.layers} if want_hidden else {}
         # attentions[i] is block i's, the block that produces hidden_states[i + 1].
         attentions = {layer: out.attentions[layer - 1] for layer in self.attention_layers}
-        return TeacherOutput(hidden_states, logits, self.lens, attentions)
+        return TeacherOutput(hidden_states, logits, self.lens, attentions, side)

@@ -78,6 +78,7 @@ MUTABLE_KEYS: dict[str, str] = {
     "teacher.config": "read by --dry-run only",
     "student.license": "the licence the exported students' model cards name, from the next export on",
     "loss.chunk_size": "memory only: the same loss, summed in other chunks",
+    "loss.fused_head": "memory only: the same loss, from hidden states and heads a chunk at a time",
     "teacher_cache.dir": (
         "where the teacher's outputs are read from (null: the online teacher); a cache is checked against the "
         "recipe's teacher, data, layers, top_k and storage when it loads, and differs from the online teacher "

@@ -269,6 +269,12 @@ class LossSpec(Strict):
         "their uniform-weights ablation (importance pooling kept, pair and token weights uniform)",
     )
     chunk_size: int = Field(128, ge=1, description="sequence positions per logit-loss chunk")
+    fused_head: bool = Field(
+        True,
+        description="the base loss from the models' final hidden states and LM heads, chunk_size response "
+        "positions at a time, so the whole [batch, seq, vocab] logits never exist; false: from the whole logits "
+        "(uld and gold, across two vocabularies, always read the whole logits)",
+    )
     distillm2_beta: float = Field(
         1.0,
         ge=0,
@@ -331,6 +337,12 @@ class LossSpec(Strict):
         """The MTA terms with a non-zero weight, of ``("dsa", "hra")``: the one place that decides
         whether MTA is on. An empty tuple means no layer is aligned and no projector is built."""
         return tuple(term for term in ("dsa", "hra") if getattr(self, f"{term}_weight"))
+
+    @property
+    def uses_fused_head(self) -> bool:
+        """Whether the base loss runs on the fused path (``fused_head``): every base but the unit
+        bases (uld, gold), which compare each side's whole logits over its own vocabulary."""
+        return self.fused_head and self.base not in UNIT_BASES
 
 
 # Refused by TrainSpec (train.asam with train.zero_stage=3) and again by mta.training.asam.Asam.for_engine.

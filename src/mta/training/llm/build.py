@@ -127,6 +127,7 @@ def build_llm_run(
         world_size,
         precision=precision,
     )
+    model.register_partitioned_head()  # ZeRO-3: the fused loss's head, gathered once per step
     off_policy = build_off_policy(recipe, plan, sides, engine.module.student, total_steps)
     teacher = build_teacher(recipe, sides.teacher.model, objective, world_size, device) if sides.teacher else None
 
@@ -321,6 +322,7 @@ def build_teacher(
         objective.needs_teacher_logits,
         lens,
         attention_layers=objective.attention_layers["teacher"],
+        fused=objective.fused_head,
     )
     if recipe.train.teacher_zero3:
         return engines.teacher_zero3_engine(teacher, recipe.train.micro_batch_size, world_size)

@@ -76,6 +76,8 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         world_size=world_size,
         micro_batch_size=train.micro_batch_size,
         sequence_length=recipe.data.max_length,
+        # The fused base loss holds one chunk of logits at a time (loss.fused_head).
+        logit_chunk=recipe.loss.chunk_size if recipe.loss.uses_fused_head else None,
     )
     return RunPlan(
         name=recipe.name,

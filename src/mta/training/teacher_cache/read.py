@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 import torch
 
 from mta.errors import MtaError
-from mta.losses.teacher_topk import tail_fill
+from mta.losses.fused_head import TopKTeacher
+from mta.losses.teacher_topk import LOG_FLOOR, tail_fill
 from mta.store.read import read_stage_manifest, verified_parts
 from mta.training.batching import TrainBatch
 from mta.training.teacher import TeacherOutput
@@ -48,8 +49,9 @@ class TeacherCache:
     """One split's cache (``DIR/<split>``), checked against ``expected`` (the recipe's
     :func:`~mta.training.teacher_cache.content.describe`)."""
 
-    def __init__(self, directory: str | Path, expected: dict[str, Any]):
+    def __init__(self, directory: str | Path, expected: dict[str, Any], *, fused: bool = False):
         self.directory = directory = Path(directory)
+        self.fused = fused  # loss.fused_head: hand the loss the top k itself (TopKTeacher), not dense logits
         manifest = read_stage_manifest(
             directory,
             artefact=ARTEFACT,
@@ -127,10 +129,32 @@ class TeacherCache:
                 hidden[:, r, :n] = stored.view(len(self.stored_layers), n, self.hidden_size)[wanted]
             hidden = hidden.to(device)
             hidden_states = {layer: hidden[i] for i, layer in enumerate(self.layers)}
-        logits = None
-        if self.logits:
+        logits, top_k = None, None
+        if self.logits and self.fused:
+            top_k = self._top_k(rows, width, device)
+        elif self.logits:
             logits = self._logits(rows, width).to(device)
-        return TeacherOutput(hidden_states, logits)
+        return TeacherOutput(hidden_states, logits, side=top_k)
+
+    def _top_k(self, rows: list[dict[str, np.ndarray]], width: int, device: torch.device) -> TopKTeacher:
+        """The stored top k at ``[batch, width]`` positions (``ids``, ``log_probs`` ``[batch, width, k]``,
+        ``tail`` ``[batch, width]``; ``LOG_FLOOR`` and id 0 where nothing is stored, which no loss
+        reads): the fused loss rebuilds p̃ of a chunk of response positions at a time."""
+        k = int(self.manifest["top_k"])
+        counts = torch.tensor([len(row["positions"]) for row in rows], dtype=torch.long)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        position = torch.from_numpy(np.concatenate([row["positions"] for row in rows]).astype(np.int64))
+        ids = torch.zeros(len(rows), width, k, dtype=torch.long)
+        log_probs = torch.full((len(rows), width, k), LOG_FLOOR)
+        tail = torch.full((len(rows), width), LOG_FLOOR)
+        ids[row_of, position] = torch.from_numpy(
+            np.concatenate([row["top_ids"] for row in rows]).astype(np.int64)
+        ).view(-1, k)
+        log_probs[row_of, position] = torch.from_numpy(
+            np.concatenate([row["top_log_probs"] for row in rows]).astype(np.float32)
+        ).view(-1, k)
+        tail[row_of, position] = torch.from_numpy(np.concatenate([row["tail"] for row in rows]).astype(np.float32))
+        return TopKTeacher(ids.to(device), log_probs.to(device), tail.to(device), self.vocab_size, self.temperature)
 
     def _logits(self, rows: list[dict[str, np.ndarray]], width: int) -> torch.Tensor:
         """``[batch, width, V]`` logits whose softmax at τ is p̃ at each stored position (the tail
@@ -175,6 +199,7 @@ def open_teacher_caches(recipe: Any, splits: dict[str, Any], *, reads: Any, teac
         split: TeacherCache(
             root / split,
             describe(recipe, split, reads=reads, teacher=teacher, rows=rows.table, annotations_dir=rows.directory),
+            fused=recipe.loss.uses_fused_head,
         )
         for split, rows in splits.items()
         if rows is not None
