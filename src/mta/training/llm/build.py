@@ -36,7 +36,7 @@ from mta.training.dry_run import RunPlan
 from mta.training.lifecycle import checkpointing, run_directory
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
-from mta.training.llm.plan import check_plan_matches, plan_llm_run
+from mta.training.llm.plan import plan_llm_run
 from mta.training.logit_lens import LogitLens
 from mta.training.model_loading import (
     LoadedConfig,
@@ -80,10 +80,13 @@ class LoadedSides:
         return self.teacher_side.tokenizer
 
     @property
-    def configs(self) -> dict[str, PretrainedConfig]:
-        """The loaded models' configs by role (the teacher's only when there is one)."""
-        teacher = self.teacher_config
-        return {"student": self.student.model.config} | ({"teacher": teacher} if teacher is not None else {})
+    def configs(self) -> dict[str, tuple[PretrainedConfig, str]]:
+        """The loaded models' configs and where each loaded from, by role (the teacher's only when
+        there is one)."""
+        found = {"student": (self.student.model.config, self.student.path)}
+        if (teacher := self.teacher_config) is not None:
+            found["teacher"] = (teacher, self.teacher_side.path)
+        return found
 
 
 def build_llm_run(
@@ -103,8 +106,7 @@ def build_llm_run(
     resumed_with = resume_rules.check_resume(resume_from, recipe) if resume_from is not None else None
 
     sides = load_sides(recipe, reporter if rank == 0 else None)
-    plan = plan_llm_run(recipe, world_size)  # after loading: a Hub model's config is now in the cache
-    check_plan_matches(plan, sides.configs)
+    plan = plan_llm_run(recipe, world_size, sides.configs)
     if sides.teacher is not None and precision.frozen_dtype is not None and sides.teacher.model.dtype == torch.float32:
         # CPU bf16: held in bf16, its products are bf16 anyway. The ignore: transformers declares
         # PreTrainedModel.to with @wraps(nn.Module.to), which mypy reads unbound (dtype taken as self).

@@ -3,14 +3,14 @@
 models, layer pairs (MTA's, FDD's, SRA's), length checks, batch split, precision, where the
 teacher's side comes from, off-policy settings, memory estimate and notes.
 
-The configs are found offline (``mta.training.dry_run.load_model_config``); a run plans after
-its models are loaded, so a Hub model is then in the cache, and checks that the plan describes
-the models it loaded (``check_plan_matches``).
+The dry run finds the configs offline (``mta.training.dry_run.load_model_config``: a recipe's
+``<role>.config``, a tiny model's description, a local directory, the Hugging Face cache); a run
+plans once its models are loaded, from their own configs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +28,7 @@ from mta.training.config.layers import (
     resolve_layer_map,
     resolve_sra_layers,
 )
-from mta.training.config.model_checks import check_sequence_lengths, position_limit
+from mta.training.config.model_checks import check_sequence_lengths
 from mta.training.config.schema import UNIT_BASES, Recipe, unset_variables
 from mta.training.dry_run import (
     ModelPlan,
@@ -50,9 +50,12 @@ class LayerPlan:
     projector_parameters: int
 
 
-def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
+def plan_llm_run(
+    recipe: Recipe, world_size: int = 1, loaded: Mapping[str, tuple[PretrainedConfig, str]] | None = None
+) -> RunPlan:
     """``mta.training.dry_run.plan_run`` for ``task: llm``: what ``mta distill --dry-run`` prints
-    and what ``mta.training.llm.build`` builds the run from.
+    and what ``mta.training.llm.build`` builds the run from. ``loaded``: the configs (and where
+    they loaded from) of the models a run loaded, by role; the dry run finds them offline.
 
     Raises ``MtaError`` when a config cannot be found offline, ``data.max_length`` (or the dev
     samples) needs more positions than a model has, a layer pair points past a model's depth, or
@@ -62,7 +65,7 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
         raise MtaError(f"world size must be at least 1, got {world_size}")
     train = recipe.train
     accumulation = train.accumulation_steps(world_size)
-    student, teacher = plan_models(recipe)
+    student, teacher = plan_models(recipe, loaded or {})
     pairs = plan_layers(recipe, student, teacher)
     memory = estimate_memory(
         student,
@@ -103,11 +106,14 @@ def plan_llm_run(recipe: Recipe, world_size: int = 1) -> RunPlan:
     )
 
 
-def plan_models(recipe: Recipe) -> tuple[ModelPlan, ModelPlan | None]:
-    """The student and the teacher as the run builds them, from their configs found offline;
-    first of all, a length no model can take is refused."""
+def plan_models(
+    recipe: Recipe, loaded: Mapping[str, tuple[PretrainedConfig, str]]
+) -> tuple[ModelPlan, ModelPlan | None]:
+    """The student and the teacher as the run builds them, from the configs of the models loaded
+    or else found offline (a recipe's ``<role>.config`` stands in for its model there); first of
+    all, a length no model can take is refused."""
     configs = {
-        role: load_model_config(spec, recipe, role)
+        role: loaded[role] if role in loaded else load_model_config(spec, recipe, role)
         for role, spec in (("student", recipe.student), ("teacher", recipe.teacher))
         if spec is not None
     }
@@ -331,21 +337,3 @@ def layer_lines(
             + ", ".join(f"{p.student}→{p.teacher}" for p in fdd_pairs)
         )
     return lines
-
-
-def check_plan_matches(plan: RunPlan, configs: dict[str, PretrainedConfig]) -> None:
-    """The models a run loaded are the ones its plan describes (a recipe's ``<role>.config`` JSON
-    stands in for its model offline, so it must describe the same architecture)."""
-    for role, config in configs.items():
-        planned = plan.student if role == "student" else plan.teacher
-        assert planned is not None, "a run loads a teacher only when its plan has one"
-        text = config.get_text_config()
-        limit = position_limit(config)
-        loaded = (text.num_hidden_layers, text.hidden_size, limit[0] if limit else None)
-        expected = (planned.num_layers, planned.hidden_size, planned.max_positions)
-        if loaded != expected:
-            raise MtaError(
-                f"{role}: the model loaded from {planned.name} has (layers, hidden size, positions) {loaded}, "
-                f"but its plan, from {planned.config_source}, {expected}: make {role}.config describe "
-                f"the model {role}.path names, or remove {role}.config"
-            )
