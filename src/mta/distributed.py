@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,27 @@ def max_over_ranks(value: int) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=_collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s whole state on the CPU, however an engine holds it: parameters DeepSpeed
+    ZeRO-3 partitions are gathered (``GatheredParameters``), FSDP2's ``DTensor`` shards joined
+    (``full_tensor``). A collective under either engine: every rank calls it, every rank gets
+    the whole state. Elsewhere (one process, DDP, ZeRO-1/2) the module's own state, copied."""
+    from torch.distributed.tensor import DTensor
+
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]  # ZeRO-3's mark
+    gathering: ContextManager[object] = nullcontext()
+    if partitioned:
+        import deepspeed
+
+        gathering = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+    state = {}
+    with gathering:
+        for name, tensor in module.state_dict().items():
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            state[name] = whole.detach().to("cpu", copy=True).contiguous()
+    return state
 
 
 def gather_objects(value) -> list:

@@ -15,15 +15,20 @@ same forwards:
   completions right-padded): each row's spans are shifted by its prompt padding, nothing is
   copied or re-laid. The term is ``dsa_weight·DSA + hra_weight·HRA``, divided by the gradient
   accumulation steps in training (TRL's loss is already scaled for them), added to TRL's loss.
-- The HRA projectors get their own AdamW parameter group (``projector_lr``, no weight decay), are
-  saved in each checkpoint as ``mta_projectors.safetensors`` and loaded on resume; the saved
-  student is TRL's (no mta key in it: it loads with transformers alone).
+- The HRA projectors are a submodule of the trained student (``mta_projectors``, attached before
+  accelerate wraps it), so DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 reduce, partition and shard them
+  with the student; they get their own AdamW parameter group (``projector_lr``, no weight decay),
+  are saved in each checkpoint as ``mta_projectors.safetensors`` (gathered first when sharded)
+  and restored on resume (by the engine's own checkpoint when sharded; the file is still
+  required and checked); the saved student is TRL's (no mta key in it: ``_keys_to_ignore_on_save``,
+  so it loads with transformers alone).
 - ``mta/dsa``, ``mta/hra`` and ``mta/total`` join TRL's logged metrics (and so its ``report_to``).
 
 Teacher and student must share one tokenizer: TRL feeds both models the same ``input_ids``. A
 teacher whose tokenizer differs is refused, pointing to ``mta distill`` (which annotates each
-side with its own tokenizer). DeepSpeed and FSDP are refused: TRL's accelerate path would leave
-the projectors outside the sharded optimizer.
+side with its own tokenizer). FSDP1 is refused (it flattens the projectors into the student's
+flat parameters; use FSDP2), and so is ``projector_lr`` beside a DeepSpeed config with its own
+``optimizer`` section (DeepSpeed builds one group of every parameter).
 
 The config is TRL's ``DistillationConfig`` plus ``mta`` (:class:`MTASection`): a mapping (or its
 JSON text on a command line) of ``dsa_weight``, ``hra_weight``, ``layers``, ``importance``,
@@ -46,7 +51,9 @@ from transformers import TrainerCallback
 from trl import DistillationConfig, DistillationTrainer
 
 from mta.api import AnnotateSettings, Collator, GeneratedRow, LayerPair, MTALoss, SpanBatch, SpanParser
+from mta.distributed import full_state_dict
 from mta.errors import MtaError
+from mta.files import reading_artefact
 
 TESTED_TRL = ">=1.10,<1.17"  # the `trl` extra's range; 1.16 is the version the tests pin
 PROJECTORS = "mta_projectors.safetensors"  # in each checkpoint-N/ directory
@@ -87,7 +94,10 @@ OVERRIDDEN: dict[str, tuple[str, ...]] = {
     "create_optimizer": ("self", "model"),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
+    "_prepare_for_training": ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
+    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
 }
+PROJECTORS_MODULE = "mta_projectors"  # the MTALoss's name as a submodule of the trained student
 PENDING = "mta_spans"  # the key of a micro batch's parsed (pending) spans in TRL's inputs
 
 
@@ -210,28 +220,26 @@ class MTADistillationTrainer(DistillationTrainer):
             peft_config,
             tools,
         )
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise MtaError(
-                "MTADistillationTrainer does not run under DeepSpeed or FSDP yet: the HRA projectors would stay "
-                "outside the sharded optimizer. Use plain DDP (accelerate launch / torchrun), or `mta distill` "
-                "(DeepSpeed ZeRO 1-3)"
-            )
+        _check_engine(self, section)
         self.mta_section = section
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         _check_same_tokenizer(tokenizer, self.teacher_model)
         student = self.accelerator.unwrap_model(self.model)
         teacher = self.accelerator.unwrap_model(self.teacher_model)
-        self.mta_loss = MTALoss.for_models(
-            student,
-            teacher,
-            vocab_size=len(tokenizer),
-            same_tokenizer=True,
-            layers=section.layers,
-            base=None,
-            dsa_weight=section.dsa_weight,
-            hra_weight=section.hra_weight,
-            importance=section.importance,
-        ).to(self.accelerator.device)
+        with torch.random.fork_rng(devices=[]):  # the projectors' start: args.seed's, on every rank alike
+            torch.manual_seed(self.args.seed)
+            self.mta_loss = MTALoss.for_models(
+                student,
+                teacher,
+                vocab_size=len(tokenizer),
+                same_tokenizer=True,
+                layers=section.layers,
+                base=None,
+                dsa_weight=section.dsa_weight,
+                hra_weight=section.hra_weight,
+                importance=section.importance,
+            ).to(self.accelerator.device)
+        attach_projectors(self.model, self.mta_loss)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.mta_collator = Collator(student_pad_id=pad, teacher_pad_id=pad, granularities=self.mta_loss.granularities)
         self.mta_tokenizer = tokenizer
@@ -261,6 +269,15 @@ class MTADistillationTrainer(DistillationTrainer):
         if self._span_parser is not None:
             self._span_parser.close()
             self._span_parser = None
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """TRL's ``train``; this rank's span parser is closed however it ends (an error, Ctrl-C;
+        a signal that kills the process takes its workers with it: ``mta.SpanParser``'s workers
+        die with their parent)."""
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        finally:
+            self.close_span_parser()
 
     def generated_rows(self, inputs: Mapping[str, Any]) -> list[GeneratedRow]:
         """TRL's micro batch as rows for the span parser: each row's prompt ids (its padding
@@ -372,56 +389,85 @@ class MTADistillationTrainer(DistillationTrainer):
 
     # ----------------------------------------------------------------------- the projectors
 
+    @property
+    def sharded(self) -> bool:
+        """True under DeepSpeed or FSDP: the engine holds (and checkpoints) the projectors with the
+        student, as shards or partitions."""
+        return bool(self.is_deepspeed_enabled or self.is_fsdp_enabled)
+
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        projectors = [p for p in self.mta_loss.parameters() if p.requires_grad]
-        if projectors and not any(p is projectors[0] for g in optimizer.param_groups for p in g["params"]):
-            lr = self.mta_section.projector_lr or self.args.learning_rate
-            optimizer.add_param_group({"params": projectors, "lr": lr, "weight_decay": 0.0})
-        return optimizer
+        return projector_group(optimizer, self.mta_loss, self.mta_section.projector_lr or self.args.learning_rate)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        state = full_state_dict(self.mta_loss)  # every rank: a gather under ZeRO-3 / FSDP2
         if self.args.should_save and folder.is_dir():
-            write_projectors(folder / PROJECTORS, self.mta_loss)
+            write_projectors(folder / PROJECTORS, self.mta_loss, state)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        path = Path(resume_from_checkpoint) / PROJECTORS
-        if not path.is_file():
-            raise MtaError(
-                f"{resume_from_checkpoint} has no {PROJECTORS}: it was not written by MTADistillationTrainer, or its "
-                "save was cut short; resume from another checkpoint, or start without resume_from_checkpoint"
-            )
-        read_projectors(path, self.mta_loss)
+        path = projectors_file(resume_from_checkpoint)
+        if self.sharded:  # FSDP: the engine's own checkpoint, just loaded, restored them with the student
+            check_projectors(path, self.mta_loss)
+        else:
+            read_projectors(path, self.mta_loss)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if resume_from_checkpoint is not None and self.is_deepspeed_enabled:
+            # DeepSpeed's load_checkpoint (TRL never calls _load_from_checkpoint under it) restored the
+            # projectors with the student; the checkpoint must still be the plug-in's, for this layout.
+            check_projectors(projectors_file(resume_from_checkpoint), self.mta_loss)
+        return prepared
 
 
 LAYOUT_KEY = "mta_layout"  # the projectors file's metadata: the layer map and the hidden sizes
 _PROJECTORS_REBUILD = "resume from another checkpoint, or start without resume_from_checkpoint"
 
 
-def write_projectors(path: Path, loss: MTALoss) -> None:
+def write_projectors(path: Path, loss: MTALoss, state: Mapping[str, torch.Tensor] | None = None) -> None:
     """``loss``'s projectors as safetensors at ``path`` (atomically), with what they were made for
-    (``MTALoss.layout``: the layer map, both hidden sizes) in the metadata."""
+    (``MTALoss.layout``: the layer map, both hidden sizes) in the metadata. ``state``: their whole
+    values when an engine shards them (``mta.distributed.full_state_dict``, gathered by every rank)."""
     from safetensors.torch import save
 
     from mta.files import atomic_write_bytes
 
-    state = {name: tensor.detach().cpu().contiguous() for name, tensor in loss.state_dict().items()}
-    atomic_write_bytes(path, save(state, metadata={LAYOUT_KEY: json.dumps(loss.layout)}))
+    if state is None:
+        state = loss.state_dict()
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
+    atomic_write_bytes(path, save(tensors, metadata={LAYOUT_KEY: json.dumps(loss.layout)}))
+
+
+def projectors_file(checkpoint: str | Path) -> Path:
+    """``checkpoint``'s projectors file; ``MtaError`` when it has none (not the plug-in's, or cut short)."""
+    path = Path(checkpoint) / PROJECTORS
+    if not path.is_file():
+        raise MtaError(
+            f"{checkpoint} has no {PROJECTORS}: it was not written by MTADistillationTrainer, or its "
+            "save was cut short; resume from another checkpoint, or start without resume_from_checkpoint"
+        )
+    return path
 
 
 def read_projectors(path: Path, loss: MTALoss) -> None:
     """Load the projectors at ``path`` into ``loss`` when they were made for its layout (the layer
     map and hidden sizes, as ``mta distill``'s resume refuses a changed ``loss.layers``); a
     mismatch, or a file that does not read back, is one ``MtaError`` naming the file."""
+    state = check_projectors(path, loss)
+    with reading_artefact(path, _PROJECTORS_REBUILD):
+        loss.load_state_dict(state)  # copied onto the projectors' device
+
+
+def check_projectors(path: Path, loss: MTALoss) -> dict[str, torch.Tensor]:
+    """The projectors at ``path`` when they were made for ``loss``'s layout (``read_projectors``'
+    checks, without loading: under DeepSpeed and FSDP the engine's checkpoint restores them)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
-
-    from mta.files import reading_artefact
 
     with reading_artefact(path, _PROJECTORS_REBUILD):
         with safe_open(str(path), framework="pt") as handle:
@@ -436,8 +482,55 @@ def read_projectors(path: Path, loss: MTALoss) -> None:
             "other layers. Resume with the layers (mta.layers) and models it was trained with, or start without "
             "resume_from_checkpoint"
         )
-    with reading_artefact(path, _PROJECTORS_REBUILD):
-        loss.load_state_dict(state)  # copied onto the projectors' device
+    return state
+
+
+def attach_projectors(model: torch.nn.Module, loss: MTALoss) -> None:
+    """Make ``loss`` (its HRA projectors) a submodule of the trained ``model`` before the engine
+    wraps it, so DDP reduces their gradients, DeepSpeed ZeRO partitions them and FSDP2 shards them
+    with the student, in its optimizer, gradient clipping and checkpoints. The model's saved
+    weights leave them out (``_keys_to_ignore_on_save``: the keys transformers' ``save_pretrained``
+    drops; a peft model saves its adapter alone), so what TRL saves loads with transformers alone."""
+    model.add_module(PROJECTORS_MODULE, loss)
+    keys = {f"{PROJECTORS_MODULE}.{name}" for name in loss.state_dict()}
+    model._keys_to_ignore_on_save = set(getattr(model, "_keys_to_ignore_on_save", None) or ()) | keys
+
+
+def projector_group(optimizer: torch.optim.Optimizer, loss: MTALoss, lr: float) -> torch.optim.Optimizer:
+    """``optimizer`` (the Trainer's, built from the model's parameters, the projectors among them)
+    with the projectors moved into a group of their own: ``lr``, no weight decay."""
+    projectors = [p for p in loss.parameters() if p.requires_grad]
+    if not projectors:
+        return optimizer
+    mine = {id(p) for p in projectors}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in mine]
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+    optimizer.add_param_group({"params": projectors, "lr": lr, "weight_decay": 0.0})
+    return optimizer
+
+
+def _check_engine(trainer: DistillationTrainer, section: MTASection) -> None:
+    """Refuse what cannot run: a DeepSpeed config that builds its own optimizer (DeepSpeed makes
+    it from every parameter alike, so ``projector_lr`` could not apply) beside an explicit
+    ``projector_lr``; FSDP1 (it flattens the projectors into the student's flat parameters, so
+    they can have no group, nor be saved on their own; TRL recommends FSDP2)."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if trainer.is_deepspeed_enabled and plugin is not None and "optimizer" in plugin.deepspeed_config:
+        if section.projector_lr is not None:
+            raise MtaError(
+                "mta.projector_lr cannot apply: the DeepSpeed config has an `optimizer` section, so DeepSpeed builds "
+                "one parameter group of everything. Drop the section (TRL's AdamW is then used, with the projectors' "
+                "own group), or drop mta.projector_lr (the projectors then train at the student's learning rate)"
+            )
+    fsdp = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if trainer.is_fsdp_enabled and fsdp is not None and getattr(fsdp, "fsdp_version", 1) != 2:
+        raise MtaError(
+            "MTADistillationTrainer runs under FSDP2 (fsdp_version: 2), not FSDP1, which flattens the HRA projectors "
+            "into the student's flat parameters (no group of their own, no projectors file): set `fsdp_version: 2` in the "
+            "accelerate config (examples/accelerate/fsdp2.yaml), or use DeepSpeed ZeRO-3 "
+            "(examples/accelerate/zero3.yaml)"
+        )
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -502,6 +595,11 @@ __all__ = [
     "MTADistillationTrainer",
     "MTASection",
     "OVERRIDDEN",
+    "PROJECTORS_MODULE",
+    "attach_projectors",
+    "check_projectors",
+    "projector_group",
+    "projectors_file",
     "TESTED_TRL",
     "read_projectors",
     "write_projectors",
