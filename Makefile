@@ -12,7 +12,7 @@ SHARED ?= $(abspath ../shared)
 export MTA_DATA_DIR ?= $(if $(wildcard $(SHARED)/data/instruct),$(SHARED)/data/instruct,$(CURDIR)/data)
 RUNS   ?= runs
 
-.PHONY: help install install-vllm lint style test test-fast docs demo demo-quick evidence demo-embed demo-embed-quick ablation-embed bench mutate clean
+.PHONY: help install install-vllm lint style test test-fast test-sharded docs demo demo-quick evidence demo-embed demo-embed-quick ablation-embed bench mutate clean
 
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
@@ -87,10 +87,15 @@ style: $(STAMP)
 	$(VENV)/bin/ruff format $(LINTED)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not sharded"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not sharded"
+
+# The TRL plug-in under ZeRO-2, FSDP2 and LoRA, and TRL's own trainer beside it, each an
+# `accelerate launch` of two CPU ranks (the ZeRO-3 launch is in `make test`); docs/trl.md.
+test-sharded: $(STAMP)
+	$(PY) -m pytest -q -m sharded tests/test_trl_sharded.py
 
 # The recipe-key reference, generated from the schemas (tests/test_recipe_keys.py fails when stale).
 docs: $(STAMP)

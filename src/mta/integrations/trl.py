@@ -222,26 +222,32 @@ class MTADistillationTrainer(DistillationTrainer):
         )
         _check_engine(self, section)
         self.mta_section = section
+        # Both weights 0: TRL's trainer exactly (no hidden states, spans, projectors or mta/* logs;
+        # issue 48 defines this mode, the sharded tests compare it with TRL's under each engine).
+        self.mta_on = bool(section.dsa_weight or section.hra_weight)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         _check_same_tokenizer(tokenizer, self.teacher_model)
         student = self.accelerator.unwrap_model(self.model)
         teacher = self.accelerator.unwrap_model(self.teacher_model)
-        with torch.random.fork_rng(devices=[]):  # the projectors' start: args.seed's, on every rank alike
-            torch.manual_seed(self.args.seed)
-            self.mta_loss = MTALoss.for_models(
-                student,
-                teacher,
-                vocab_size=len(tokenizer),
-                same_tokenizer=True,
-                layers=section.layers,
-                base=None,
-                dsa_weight=section.dsa_weight,
-                hra_weight=section.hra_weight,
-                importance=section.importance,
-            ).to(self.accelerator.device)
-        attach_projectors(self.model, self.mta_loss)
+        self.mta_loss: MTALoss | None = None
+        if self.mta_on:
+            with torch.random.fork_rng(devices=[]):  # the projectors' start: args.seed's, on every rank alike
+                torch.manual_seed(self.args.seed)
+                self.mta_loss = MTALoss.for_models(
+                    student,
+                    teacher,
+                    vocab_size=len(tokenizer),
+                    same_tokenizer=True,
+                    layers=section.layers,
+                    base=None,
+                    dsa_weight=section.dsa_weight,
+                    hra_weight=section.hra_weight,
+                    importance=section.importance,
+                ).to(self.accelerator.device)
+            attach_projectors(self.model, self.mta_loss)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.mta_collator = Collator(student_pad_id=pad, teacher_pad_id=pad, granularities=self.mta_loss.granularities)
+        granularities = self.mta_loss.granularities if self.mta_loss is not None else ()
+        self.mta_collator = Collator(student_pad_id=pad, teacher_pad_id=pad, granularities=granularities)
         self.mta_tokenizer = tokenizer
         self.span_settings = AnnotateSettings(
             teacher=tokenizer.name_or_path,
@@ -322,7 +328,7 @@ class MTADistillationTrainer(DistillationTrainer):
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
-        if self.model.training and self._buffered_inputs is not self._mta_parsed:
+        if self.mta_on and self.model.training and self._buffered_inputs is not self._mta_parsed:
             # A new generation batch: submit every micro batch's spans now; each is awaited
             # after its own forwards (spans_of).
             for micro_batch in self._buffered_inputs:
@@ -345,6 +351,21 @@ class MTADistillationTrainer(DistillationTrainer):
         mm_token_type_ids=None,
         image_position_ids=None,
     ):
+        if not self.mta_on:
+            return super()._get_last_hidden_state(
+                unwrapped_model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                pixel_attention_mask=pixel_attention_mask,
+                spatial_shapes=spatial_shapes,
+                image_sizes=image_sizes,
+                token_type_ids=token_type_ids,
+                mm_token_type_ids=mm_token_type_ids,
+                image_position_ids=image_position_ids,
+            )
         side = "teacher" if unwrapped_model is self.accelerator.unwrap_model(self.teacher_model) else "student"
         with all_hidden_states(unwrapped_model) as captured:
             last = super()._get_last_hidden_state(
@@ -365,6 +386,8 @@ class MTADistillationTrainer(DistillationTrainer):
         return last
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        if not self.mta_on:
+            return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
         self._mta_hidden = {}
         loss, entropy_sum, valid = super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
         terms = self.mta_terms(inputs)
@@ -380,7 +403,7 @@ class MTADistillationTrainer(DistillationTrainer):
     def mta_terms(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """``{"dsa", "hra", "total"}`` of the micro batch, from the hidden states its two
         forwards left (``total`` weighted, unscaled for accumulation)."""
-        if set(self._mta_hidden) != {"student", "teacher"}:
+        if self.mta_loss is None or set(self._mta_hidden) != {"student", "teacher"}:
             raise RuntimeError("both forwards must run before MTA's terms (TRL's _compute_loss changed?)")
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         return self.mta_loss.alignment(
@@ -397,10 +420,14 @@ class MTADistillationTrainer(DistillationTrainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
+        if self.mta_loss is None:
+            return optimizer
         return projector_group(optimizer, self.mta_loss, self.mta_section.projector_lr or self.args.learning_rate)
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        if self.mta_loss is None:  # TRL's checkpoint exactly
+            return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -410,6 +437,8 @@ class MTADistillationTrainer(DistillationTrainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.mta_loss is None:
+            return
         path = projectors_file(resume_from_checkpoint)
         if self.sharded:  # FSDP: the engine's own checkpoint, just loaded, restored them with the student
             check_projectors(path, self.mta_loss)
@@ -418,7 +447,7 @@ class MTADistillationTrainer(DistillationTrainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         prepared = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        if resume_from_checkpoint is not None and self.is_deepspeed_enabled:
+        if resume_from_checkpoint is not None and self.is_deepspeed_enabled and self.mta_loss is not None:
             # DeepSpeed's load_checkpoint (TRL never calls _load_from_checkpoint under it) restored the
             # projectors with the student; the checkpoint must still be the plug-in's, for this layout.
             check_projectors(projectors_file(resume_from_checkpoint), self.mta_loss)
@@ -527,9 +556,9 @@ def _check_engine(trainer: DistillationTrainer, section: MTASection) -> None:
     if trainer.is_fsdp_enabled and fsdp is not None and getattr(fsdp, "fsdp_version", 1) != 2:
         raise MtaError(
             "MTADistillationTrainer runs under FSDP2 (fsdp_version: 2), not FSDP1, which flattens the HRA projectors "
-            "into the student's flat parameters (no group of their own, no projectors file): set `fsdp_version: 2` in the "
-            "accelerate config (examples/accelerate/fsdp2.yaml), or use DeepSpeed ZeRO-3 "
-            "(examples/accelerate/zero3.yaml)"
+            "into the student's flat parameters (no group of their own, no projectors file): set "
+            "`fsdp_version: 2` in the accelerate config (examples/accelerate/fsdp2.yaml), or use DeepSpeed "
+            "ZeRO-3 (examples/accelerate/zero3.yaml)"
         )
 
 
