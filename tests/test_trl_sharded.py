@@ -171,13 +171,12 @@ def alive(pid: int) -> bool:
 
 
 def worker(case: str, models: Path, out: Path) -> None:
+    import deepspeed.ops
     from safetensors.torch import save_file
     from transformers import TrainerCallback
 
     from mta.distributed import barrier, is_main
     from mta.errors import MtaError
-
-    import deepspeed.ops
 
     torch.set_num_threads(1)
     # DeepSpeed's CPU groups would JIT-compile a shared-memory all-reduce (minutes of g++, as
