@@ -52,6 +52,9 @@ CASES = {
 }
 
 
+STOCK_REFUSED = ("fsdp2", "plain-zero3")  # cases that first build a trainer as a CPU launch leaves it
+
+
 def equal_length_prompts(tokenizer, rows: list[dict], count: int = PROMPTS) -> list[str]:
     """``count`` instructions of the example rows cut to one token length (TRL's tokenisation), so
     a batch of them has no padding: a rank's batch of one and the one-process batch of two are
@@ -103,8 +106,13 @@ def join_on_cpu() -> None:
     * gradient_acc_step * world_size 1 != 1 * 1 * 2" (docs/trl.md). Joining the group on gloo
     first, and building the trainers with ``use_configured_state`` (``LAUNCHED``), fixes it."""
     from accelerate import PartialState
+    from accelerate.utils import DistributedType
 
-    PartialState(backend="gloo")
+    state = PartialState(backend="gloo")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false") == "true":
+        # accelerate attaches its FSDP plugin to GPU-like groups only (docs/trl.md): a CPU group
+        # is told it is one, and FSDP2 then shards on it.
+        state.distributed_type = DistributedType.MULTI_GPU
 
 
 LAUNCHED = {"accelerator_config": {"use_configured_state": True}}
@@ -116,6 +124,7 @@ def launched(kind: str, models: Path, out: Path, **options):
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=False)
+    join_on_cpu()
     return make_trainer(kind, models, out, **options, **LAUNCHED)
 
 
@@ -182,9 +191,17 @@ def worker(case: str, models: Path, out: Path) -> None:
     # DeepSpeed's CPU groups would JIT-compile a shared-memory all-reduce (minutes of g++, as
     # mta.training.engine.init_distributed avoids too): gloo's is plenty for tiny models.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    join_on_cpu()
     _, kind = CASES[case]
     result: dict = {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
+    if case in STOCK_REFUSED:  # as a user's script would run here first: the plug-in's refusal
+        try:
+            make_trainer("mta", models, out / "stock")
+        except MtaError as error:
+            result["stock"] = str(error)
+        from accelerate import PartialState
+
+        PartialState._reset_state()
+    join_on_cpu()
 
     if kind == "plain":
         plain = launched("plain", models, out / "plain")
@@ -312,6 +329,8 @@ def check_mta_case(case: str, models: Path, tmp_path: Path) -> None:
     else:
         assert result["engine"] == "DeepSpeedEngine"
     assert len(result["span_workers"]) >= 1 and result["span_workers_alive"] == []
+    if case == "fsdp2":  # without the test's fix, accelerate would train unsharded: refused
+        assert "attaches FSDP to GPU groups only" in result["stock"]
 
     trained = load_file(str(out / "trained.safetensors"))
     start = weights_of_start(kind, models, tmp_path / "start")
@@ -364,6 +383,8 @@ def test_under_zero3_the_plugin_with_both_weights_0_is_trls_trainer(models, tmp_
     accelerate_launch("plain-zero3", models, out)
     result = json.loads((out / "result.json").read_text())
     assert result["engine"] == "DeepSpeedEngine"
+    # Without the test's fix, accelerate counts one DeepSpeed process of two: refused by name.
+    assert "accelerate launched 2 DeepSpeed processes and this one counts 1" in result["stock"]
     assert len(result["plain"]) == STEPS and result["zero"] == result["plain"]
     plain, zero = load_file(str(out / "plain.safetensors")), load_file(str(out / "zero.safetensors"))
     assert set(plain) == set(zero)

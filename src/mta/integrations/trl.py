@@ -205,6 +205,8 @@ class MTADistillationTrainer(DistillationTrainer):
         tools=None,
     ):
         section = MTASection.of(getattr(args, "mta", None))
+        if args is not None:
+            check_launch(args)
         if processing_class is not None and teacher_model is not None:  # before TRL's own vocabulary check
             _check_same_tokenizer(getattr(processing_class, "tokenizer", processing_class), teacher_model)
         super().__init__(
@@ -539,6 +541,39 @@ def projector_group(optimizer: torch.optim.Optimizer, loss: MTALoss, lr: float) 
     return optimizer
 
 
+CPU_LAUNCH = 'docs/trl.md, "On a CPU"'
+
+
+def check_launch(args: Any) -> None:
+    """Refuse, before TRL loads anything, an ``accelerate launch`` whose engine this process will
+    not run: on a CPU accelerate 1.15 gives DeepSpeed no backend (TrainingArguments then counts one
+    process, and TRL's teacher engine fails on its batch-size assertion), and attaches its FSDP
+    plugin to GPU groups only (a CPU group would train unsharded: each rank alone, or as DDP)."""
+    import os
+
+    from accelerate.utils import DistributedType
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    state = getattr(args, "distributed_state", None)
+    kind = getattr(state, "distributed_type", None)
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and args.world_size != launched:
+        raise MtaError(
+            f"accelerate launched {launched} DeepSpeed processes and this one counts {args.world_size}: accelerate "
+            "gives DeepSpeed no process-group backend without a GPU. Launch on GPUs, or on a CPU join the group "
+            "on gloo first (accelerate.PartialState(backend='gloo')) and pass "
+            f"accelerator_config={{'use_configured_state': True}} ({CPU_LAUNCH})"
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and kind in (
+        DistributedType.NO,
+        DistributedType.MULTI_CPU,
+    ):
+        raise MtaError(
+            f"accelerate launched FSDP, and this process's group ({kind.value}) is one accelerate does not shard: it "
+            "attaches FSDP to GPU groups only, so the ranks would train unsharded. Launch on GPUs, or use "
+            f"examples/accelerate/zero3.yaml on a CPU ({CPU_LAUNCH})"
+        )
+
+
 def _check_engine(trainer: DistillationTrainer, section: MTASection) -> None:
     """Refuse what cannot run: a DeepSpeed config that builds its own optimizer (DeepSpeed makes
     it from every parameter alike, so ``projector_lr`` could not apply) beside an explicit
@@ -626,6 +661,7 @@ __all__ = [
     "OVERRIDDEN",
     "PROJECTORS_MODULE",
     "attach_projectors",
+    "check_launch",
     "check_projectors",
     "projector_group",
     "projectors_file",
