@@ -100,32 +100,20 @@ def lora_config():
     return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
-def join_on_cpu() -> None:
-    """On a CPU, accelerate 1.15 gives DeepSpeed no backend, and TrainingArguments then counts one
-    process: TRL's teacher engine fails with "train_batch_size is not equal to micro_batch_per_gpu
-    * gradient_acc_step * world_size 1 != 1 * 1 * 2" (docs/trl.md). Joining the group on gloo
-    first, and building the trainers with ``use_configured_state`` (``LAUNCHED``), fixes it."""
+def launched(kind: str, models: Path, out: Path, **options):
+    """A trainer of this launch on two CPU ranks. On a CPU accelerate 1.15 gives DeepSpeed no
+    backend and counts one process (refused by ``check_launch``): ``join_cpu_launch`` joins the
+    group on gloo. Under FSDP the group is also told it is a GPU one: accelerate attaches its FSDP
+    plugin to GPU-like groups only (docs/trl.md), and FSDP2 itself shards on a CPU group."""
     from accelerate import PartialState
     from accelerate.utils import DistributedType
 
-    state = PartialState(backend="gloo")
+    from mta.integrations.trl import join_cpu_launch
+
+    launch = join_cpu_launch()
     if os.environ.get("ACCELERATE_USE_FSDP", "false") == "true":
-        # accelerate attaches its FSDP plugin to GPU-like groups only (docs/trl.md): a CPU group
-        # is told it is one, and FSDP2 then shards on it.
-        state.distributed_type = DistributedType.MULTI_GPU
-
-
-LAUNCHED = {"accelerator_config": {"use_configured_state": True}}
-
-
-def launched(kind: str, models: Path, out: Path, **options):
-    """A trainer of this launch: a fresh accelerator state each (accelerate refuses a second
-    Accelerator with a DeepSpeed plugin) on the process group ``join_on_cpu`` made."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    join_on_cpu()
-    return make_trainer(kind, models, out, **options, **LAUNCHED)
+        PartialState().distributed_type = DistributedType.MULTI_GPU
+    return make_trainer(kind, models, out, **options, **launch)
 
 
 def make_trainer(kind: str, models: Path, out: Path, **options):
@@ -180,7 +168,6 @@ def alive(pid: int) -> bool:
 
 
 def worker(case: str, models: Path, out: Path) -> None:
-    import deepspeed.ops
     from safetensors.torch import save_file
     from transformers import TrainerCallback
 
@@ -188,12 +175,12 @@ def worker(case: str, models: Path, out: Path) -> None:
     from mta.errors import MtaError
 
     torch.set_num_threads(1)
-    # DeepSpeed's CPU groups would JIT-compile a shared-memory all-reduce (minutes of g++, as
-    # mta.training.engine.init_distributed avoids too): gloo's is plenty for tiny models.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     _, kind = CASES[case]
     result: dict = {"processes": int(os.environ.get("WORLD_SIZE", "1"))}
     if case in STOCK_REFUSED:  # as a user's script would run here first: the plug-in's refusal
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no g++ (join_cpu_launch)
         try:
             make_trainer("mta", models, out / "stock")
         except MtaError as error:
@@ -201,7 +188,6 @@ def worker(case: str, models: Path, out: Path) -> None:
         from accelerate import PartialState
 
         PartialState._reset_state()
-    join_on_cpu()
 
     if kind == "plain":
         plain = launched("plain", models, out / "plain")

@@ -560,8 +560,8 @@ def check_launch(args: Any) -> None:
         raise MtaError(
             f"accelerate launched {launched} DeepSpeed processes and this one counts {args.world_size}: accelerate "
             "gives DeepSpeed no process-group backend without a GPU. Launch on GPUs, or on a CPU join the group "
-            "on gloo first (accelerate.PartialState(backend='gloo')) and pass "
-            f"accelerator_config={{'use_configured_state': True}} ({CPU_LAUNCH})"
+            "on gloo first: MTADistillationConfig(..., **mta.integrations.trl.join_cpu_launch()) "
+            f"({CPU_LAUNCH})"
         )
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and kind in (
         DistributedType.NO,
@@ -572,6 +572,23 @@ def check_launch(args: Any) -> None:
             "attaches FSDP to GPU groups only, so the ranks would train unsharded. Launch on GPUs, or use "
             f"examples/accelerate/zero3.yaml on a CPU ({CPU_LAUNCH})"
         )
+
+
+def join_cpu_launch() -> dict[str, Any]:
+    """For an ``accelerate launch`` of DeepSpeed on CPUs (tests, benchmarks): the options to give
+    the config (``accelerator_config.use_configured_state``), after joining the launch's process
+    group on gloo, so accelerate counts every rank (:func:`check_launch`). Call it before each
+    trainer's config: accelerate builds its state afresh for each (it refuses a second
+    DeepSpeed Accelerator). Also keeps DeepSpeed from JIT-compiling its shared-memory all-reduce
+    (minutes of g++ on first use; gloo's all-reduce is plenty on a CPU), as ``mta distill`` does."""
+    import deepspeed.ops
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    AcceleratorState._reset_state(reset_partial_state=False)
+    PartialState(backend="gloo")
+    return {"accelerator_config": {"use_configured_state": True}}
 
 
 def _check_engine(trainer: DistillationTrainer, section: MTASection) -> None:
@@ -662,6 +679,7 @@ __all__ = [
     "PROJECTORS_MODULE",
     "attach_projectors",
     "check_launch",
+    "join_cpu_launch",
     "check_projectors",
     "projector_group",
     "projectors_file",
