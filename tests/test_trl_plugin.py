@@ -313,6 +313,81 @@ def test_a_lora_student_trains(tmp_path, tiny_model_dir, teacher_dir, tokenizer)
     assert changed, "the LoRA weights did not train"
 
 
+def test_the_span_parser_closes_when_training_raises(tmp_path, tiny_model_dir, teacher_dir, tokenizer):
+    import os
+
+    trainer = trainer_of(tmp_path / "raises", tiny_model_dir, teacher_dir, tokenizer, mta={"span_workers": 1})
+    workers: list[int] = []
+
+    def fails(inputs, *args):
+        workers.extend(trainer._span_parser._executor._processes)  # started by the generation batch
+        raise RuntimeError("planted")
+
+    trainer.mta_terms = fails
+    with pytest.raises(RuntimeError, match="planted"):
+        trainer.train()
+    assert workers and trainer._span_parser is None
+    for pid in workers:  # joined by close(): gone, not orphaned
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_the_projectors_are_a_submodule_of_the_student_in_a_group_of_their_own(
+    tmp_path, tiny_model_dir, teacher_dir, tokenizer
+):
+    from mta.integrations.trl import PROJECTORS_MODULE
+
+    trainer = trainer_of(tmp_path / "group", tiny_model_dir, teacher_dir, tokenizer, mta={"projector_lr": 0.5})
+    assert getattr(trainer.model, PROJECTORS_MODULE) is trainer.mta_loss
+    optimizer = trainer.create_optimizer()
+    projectors = {id(p) for p in trainer.mta_loss.parameters()}
+    mine = [g for g in optimizer.param_groups if any(id(p) in projectors for p in g["params"])]
+    assert len(mine) == 1 and {id(p) for p in mine[0]["params"]} == projectors
+    assert (mine[0]["lr"], mine[0]["weight_decay"]) == (0.5, 0.0)
+    student = [p for g in optimizer.param_groups if g is not mine[0] for p in g["params"]]
+    assert len(student) == len([p for p in trainer.model.parameters() if p.requires_grad]) - len(projectors)
+
+
+def test_a_launch_the_engine_would_not_run_is_refused(monkeypatch):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from mta.integrations.trl import check_engine, check_launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+
+    def args(world_size, kind):
+        return SimpleNamespace(world_size=world_size, distributed_state=SimpleNamespace(distributed_type=kind))
+
+    check_launch(args(2, DistributedType.DEEPSPEED))
+    with pytest.raises(MtaError, match="launched 2 DeepSpeed processes and this one counts 1.*join_cpu_launch"):
+        check_launch(args(1, DistributedType.DEEPSPEED))
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    check_launch(args(2, DistributedType.FSDP))
+    for kind in (DistributedType.NO, DistributedType.MULTI_CPU):
+        with pytest.raises(MtaError, match="attaches FSDP to GPU groups only"):
+            check_launch(args(2, kind))
+
+    def trainer(fsdp_version=2, ds_config=None):
+        state = SimpleNamespace(
+            deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config) if ds_config is not None else None,
+            fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version),
+        )
+        return SimpleNamespace(
+            accelerator=SimpleNamespace(state=state), is_deepspeed_enabled=ds_config is not None, is_fsdp_enabled=True
+        )
+
+    check_engine(trainer(), MTASection())
+    with pytest.raises(MtaError, match="not FSDP1, which flattens the HRA projectors"):
+        check_engine(trainer(fsdp_version=1), MTASection())
+    check_engine(trainer(ds_config={"optimizer": {}}), MTASection())  # the projectors at the student's rate
+    with pytest.raises(MtaError, match="mta.projector_lr cannot apply"):
+        check_engine(trainer(ds_config={"optimizer": {}}), MTASection(projector_lr=1e-3))
+
+
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_model_dir, other_tokenizer_dir, tokenizer):
     from mta.models.tiny import build_tiny_model
 

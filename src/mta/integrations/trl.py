@@ -222,7 +222,7 @@ class MTADistillationTrainer(DistillationTrainer):
             peft_config,
             tools,
         )
-        _check_engine(self, section)
+        check_engine(self, section)
         self.mta_section = section
         # Both weights 0: TRL's trainer exactly (no hidden states, spans, projectors or mta/* logs;
         # issue 48 defines this mode, the sharded tests compare it with TRL's under each engine).
@@ -591,7 +591,7 @@ def join_cpu_launch() -> dict[str, Any]:
     return {"accelerator_config": {"use_configured_state": True}}
 
 
-def _check_engine(trainer: DistillationTrainer, section: MTASection) -> None:
+def check_engine(trainer: DistillationTrainer, section: MTASection) -> None:
     """Refuse what cannot run: a DeepSpeed config that builds its own optimizer (DeepSpeed makes
     it from every parameter alike, so ``projector_lr`` could not apply) beside an explicit
     ``projector_lr``; FSDP1 (it flattens the projectors into the student's flat parameters, so
@@ -678,6 +678,7 @@ __all__ = [
     "OVERRIDDEN",
     "PROJECTORS_MODULE",
     "attach_projectors",
+    "check_engine",
     "check_launch",
     "join_cpu_launch",
     "check_projectors",
