@@ -142,6 +142,7 @@ bench: $(EMBED_STAMP)
 	$(PY) bench/embed_step.py
 	$(PY) bench/startup.py
 	$(PY) bench/trl_step.py
+	$(PY) bench/trl_step.py --zero3
 
 # Mutation testing (bench/mutation.py): mutmut over the losses, token ranges, truncation and the
 # rule modules (bench/mutation.py's GROUPS; the glue it leaves out is listed there with its reason)
