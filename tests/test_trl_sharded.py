@@ -338,7 +338,8 @@ def check_mta_case(case: str, models: Path, tmp_path: Path) -> None:
         assert "has no mta_projectors.safetensors" in result["refused"]
         assert (out / "run" / "checkpoint-1" / "mta_projectors.safetensors").is_file()
     else:  # a LoRA student: TRL saves the adapter; the LoRA weights and the projectors trained
-        assert (final / "adapter_model.safetensors").is_file()
+        adapter = load_file(str(final / "adapter_model.safetensors"))
+        assert adapter and all("lora_" in name for name in adapter)  # the adapter alone: no projector
         lora = [name for name in trained if "lora_B" in name]
         assert lora and any(not torch.equal(trained[name], start[name]) for name in lora)
 
