@@ -18,6 +18,7 @@ EMBEDDING_TASK = Task(
     group_factor=1,
     samples_dev_prompts=False,  # an encoder generates nothing
     reference_padding=False,  # loss.reference_code is MTA's, an LLM recipe's
+    global_reduction=False,  # SimCSE's and LASD's in-batch comparisons are per micro batch
 )
 
 

@@ -10,7 +10,9 @@ distribution at temperature τ at each response position, and sg the stop-gradie
             +   β   · mean_{rejected rows}[mean_{t in row} SRKL(t)]
 
 Each row is averaged over its own response tokens, then over the rows of its kind that have
-at least one response token (a row without one counts nowhere). For a batch of P pairs this is
+at least one response token (a row without one counts nowhere); given ``num_pairs`` (the pairs
+of the whole global batch), each kind's row sum is divided by it instead, so micro batches add
+up to the global batch's loss (a row without a response token then adds 0). For a batch of P pairs this is
 the public trainer's ``((2−β)·chosen_kl + β·rejected_kl).mean()`` over pairs, exactly.
 
 Source: ``jongwooko/distillm-2`` ``src/distillm_trainer.py`` (``loss_type == "distillm_v2"``:
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from mta.errors import MtaError
-from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
+from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss, item_count
 from mta.losses.divergences import check_unit_interval, kl, log_mixture
 
 # Kind of a response position, passed to the chunked loop in place of its label.
@@ -100,18 +102,25 @@ class DistiLLM2Loss(nn.Module):
         teacher_logits: torch.Tensor | None,
         labels: torch.Tensor,
         chosen: torch.Tensor,
+        num_pairs: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (already
         shifted: position t predicts ``labels[:, t]``), labels ``[batch, seq]`` with -100 off the
         response, chosen ``[batch]`` bool (True: the teacher's response, False: the student's).
+        num_pairs (optional, > 0): divide each kind's sum of row means by this (the global
+        batch's pairs) instead of by this batch's rows of that kind.
         Returns an fp32 scalar; the gradient flows to ``student_logits`` only."""
         vocab_size = self._check(student_logits, teacher_logits, labels, chosen)
+        pairs = item_count(num_pairs, "num_pairs")
         chosen = chosen.to(labels.device)
         response = labels != IGNORE_INDEX  # [batch, seq]
         tokens = response.sum(dim=1)  # [batch]
         has_tokens = tokens > 0
-        rows_chosen = (has_tokens & chosen).sum().clamp(min=1)
-        rows_rejected = (has_tokens & ~chosen).sum().clamp(min=1)
+        if pairs is None:
+            rows_chosen = (has_tokens & chosen).sum().clamp(min=1)
+            rows_rejected = (has_tokens & ~chosen).sum().clamp(min=1)
+        else:
+            rows_chosen = rows_rejected = torch.tensor(pairs, device=labels.device)
         row_weight = torch.where(chosen, (2.0 - self.beta) / rows_chosen, self.beta / rows_rejected) / tokens.clamp(
             min=1
         )  # [batch]

@@ -2,7 +2,10 @@
 
 docs/method.md §5, with p the teacher and q the student distribution at temperature τ (no τ² factor):
 each loss is the sum over the vocabulary per token, then the mean over every response token
-of the batch, the DistiLLM/torchtune convention (so ``ce`` is the usual causal-LM loss).
+of the batch, the DistiLLM/torchtune convention (so ``ce`` is the usual causal-LM loss). Given
+``num_items_in_batch`` (the response tokens of the whole global batch), the sum over this batch's
+tokens is divided by it instead: micro batches' losses and gradients then add up to the global
+batch's, whatever the split (Hugging Face's convention and name).
 
 Inputs are aligned: ``student_logits[b, t]`` predicts ``labels[b, t]`` (the caller shifts),
 ``-100`` marks a position that is not a response token. Only the first ``vocab_size`` logits
@@ -50,9 +53,11 @@ class BaseLoss(nn.Module):
         student_logits: torch.Tensor,
         teacher_logits: torch.Tensor | None,
         labels: torch.Tensor,
+        num_items_in_batch: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (None for
-        ``ce``), labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens."""
+        ``ce``), labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens, or their
+        sum divided by ``num_items_in_batch`` when given (> 0)."""
         widths = [student_logits.shape[-1]]
         if self.needs_teacher:
             if teacher_logits is None:
@@ -78,6 +83,7 @@ class BaseLoss(nn.Module):
             labels,
             vocab_size=vocab_size,
             chunk_size=self.chunk_size,
+            num_items_in_batch=num_items_in_batch,
         )
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from mta.errors import MtaError
 from mta.losses.divergences import kl
-from mta.losses.dsa import COS_EPS, WEIGHT_EPS, dynamic_structural_alignment
+from mta.losses.dsa import COS_EPS, WEIGHT_EPS, dynamic_structural_alignment, sequence_mean
 from mta.losses.pooling import MASS_EPS
 from mta.losses.span_masks import SpanBatch, span_token_mask
 from mta.losses.trajectory import apply_projector, projector_at
@@ -154,16 +154,18 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (F.normalize(a.float(), dim=-1, eps=COS_EPS) * F.normalize(b.float(), dim=-1, eps=COS_EPS)).sum(-1)
 
 
-def _sequence_mean(per_span: torch.Tensor, span_weights: torch.Tensor) -> torch.Tensor:
+def _sequence_mean(
+    per_span: torch.Tensor, span_weights: torch.Tensor, num_sequences: float | None = None
+) -> torch.Tensor:
     """``Σ_k w̃_k x_k`` per sequence (``w̃`` normalised over its spans), averaged over the
-    sequences with positive weight; a zero that keeps the graph when none has any.
+    sequences with positive weight, or summed over ``num_sequences`` (the global batch's
+    sequences) when given; a zero that keeps the graph when none has any.
 
     per_span, span_weights: ``[batch, spans]``.
     """
     total = span_weights.sum(dim=1, keepdim=True)
     per_sequence = (per_span * span_weights / total.clamp(min=WEIGHT_EPS)).sum(dim=1)
-    contributes = total.squeeze(1) > 0
-    return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)
+    return sequence_mean(per_sequence, total.squeeze(1) > 0, num_sequences)
 
 
 class SpanRepresentationLoss(nn.Module):
@@ -209,6 +211,7 @@ class SpanRepresentationLoss(nn.Module):
         student_head: Head | None = None,
         teacher_head: Head | None = None,
         shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_sequences: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """The SRA terms for one batch.
 
@@ -219,7 +222,9 @@ class SpanRepresentationLoss(nn.Module):
         (e.g. the response's). student_head / teacher_head: ``head(hidden [n, d], ids [k])`` -> that
         side's logits ``[n, k]`` at those vocabulary ids (:data:`Head`); shared_vocab:
         ``(student_ids [k], teacher_ids [k])`` from :func:`shared_vocabulary`, or None to switch the
-        logit term off.
+        logit term off. num_sequences: the global batch's sequences: each term's per-sequence
+        values summed over it (micro batches add up to the global batch's mean) instead of
+        averaged over this batch's contributing sequences.
         Returns fp32 scalars ``{"sra_span", "sra_geometry", "sra_logit", "sra"}``.
         """
         if len(student_states) != self.num_pairs or len(teacher_states) != self.num_pairs:
@@ -241,12 +246,12 @@ class SpanRepresentationLoss(nn.Module):
             student = torch.bmm(student_matrix, student_states[index].float())
             teacher = torch.bmm(teacher_matrix, teacher_states[index].detach().float())
             projected = apply_projector(projector_at(self.projectors, index), student)
-            span_terms.append(_sequence_mean(1.0 - _cosine(projected, teacher), span_weights))
+            span_terms.append(_sequence_mean(1.0 - _cosine(projected, teacher), span_weights, num_sequences))
         span_loss = torch.stack(span_terms).mean()
 
         # Last pair, raw student centres (no projector): DSA normalises the weights itself and
         # excludes the diagonal; sequences with fewer than two spans in scope add nothing.
-        geometry = dynamic_structural_alignment(student, teacher, span_weights, in_scope)
+        geometry = dynamic_structural_alignment(student, teacher, span_weights, in_scope, num_sequences=num_sequences)
 
         terms = {"sra_span": span_loss, "sra_geometry": geometry}
         total = span_loss + self.geometry_weight * geometry
@@ -265,6 +270,7 @@ class SpanRepresentationLoss(nn.Module):
                 student_head,
                 teacher_head,
                 shared_vocab,
+                num_sequences,
             )
             terms["sra_logit"] = logit
             total = total + self.logit_weight * logit
@@ -282,6 +288,7 @@ class SpanRepresentationLoss(nn.Module):
         student_head: Head,
         teacher_head: Head,
         shared_vocab: tuple[torch.Tensor, torch.Tensor],
+        num_sequences: float | None = None,
     ) -> torch.Tensor:
         """Weighted ``KL(teacher ‖ student)`` over the shared vocabulary, on in-scope spans only.
 
@@ -302,4 +309,4 @@ class SpanRepresentationLoss(nn.Module):
             (student_logits / self.temperature).log_softmax(dim=1),
         )  # [n]
         per_span = torch.zeros_like(span_weights).masked_scatter(rows, per_row)
-        return _sequence_mean(per_span, span_weights)
+        return _sequence_mean(per_span, span_weights, num_sequences)

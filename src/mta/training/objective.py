@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -153,6 +153,18 @@ class DistillationObjective(nn.Module):
             return {"student": (), "teacher": ()}
         return {"student": (self.sra_pairs[-1].student,), "teacher": (self.sra_pairs[-1].teacher,)}
 
+    def counts(self, batch: TrainBatch) -> dict[str, float]:
+        """What each term of ``batch`` averages over, counted from its labels and masks (no
+        forward): ``tokens`` (the base loss's response targets), ``sequences`` (rows: DSA, HRA,
+        SRA, DistiLLM-2's pairs are half of them) and ``fdd_positions``. Summed over an
+        accumulation window and the ranks, they are ``forward``'s ``divisors`` under
+        ``train.loss_reduction: global`` (docs/method.md §5)."""
+        labels = batch.student.labels
+        counts = {"tokens": float((labels[:, 1:] != -100).sum()), "sequences": float(labels.shape[0])}
+        if self.fdd is not None:
+            counts["fdd_positions"] = float(self._fdd_positions(batch).sum())
+        return counts
+
     def forward(
         self,
         student_logits: torch.Tensor,
@@ -161,18 +173,27 @@ class DistillationObjective(nn.Module):
         batch: TrainBatch,
         student_lens: LogitLens | None = None,
         student_attentions: tuple[torch.Tensor, ...] | None = None,
+        divisors: Mapping[str, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """student_logits ``[batch, seq, vocab]``; student_hidden: HF ``hidden_states``;
-        student_lens: the student's logit lens (FDD only).
+        student_lens: the student's logit lens (FDD only). divisors: None, each term the mean
+        over this micro batch (``loss_reduction: micro_batch``); or ``{"tokens", "sequences",
+        "fdd_positions"}`` as ``counts`` names them, each term then the sum over this micro
+        batch divided by its divisor (``global``: micro batches add up to the window's mean).
 
         Returns fp32 scalars ``{"base", "dsa", "hra", "fdd", "total"}`` (only the terms in use).
         """
         losses: dict[str, torch.Tensor] = {}
+        share = divisors or {}
         if self.base is not None:
             # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
             teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
-            pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch, self.training)}
-            losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **pairs)
+            if isinstance(self.base, DistiLLM2Loss):  # pairs: half the rows
+                pairs = share.get("sequences")
+                kwargs = {"chosen": _pair_roles(batch, self.training), "num_pairs": None if pairs is None else pairs / 2}
+            else:
+                kwargs = {"num_items_in_batch": share.get("tokens")}
+            losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **kwargs)
         if self.alignment is not None:
             losses.update(
                 self.alignment(
@@ -181,6 +202,7 @@ class DistillationObjective(nn.Module):
                     batch.student.attention_mask,
                     _required(batch.teacher, "the batch's teacher tokens").attention_mask,
                     batch.spans,
+                    share.get("sequences"),
                 )
             )
         if self.fdd is not None:
@@ -194,6 +216,7 @@ class DistillationObjective(nn.Module):
                 lens,
                 teacher_lens,
                 self._fdd_positions(batch),
+                share.get("fdd_positions"),
             )["fdd"]
         if self.sra is not None:
             losses["sra"] = self._sra(
@@ -203,6 +226,7 @@ class DistillationObjective(nn.Module):
                 _required(teacher, "the teacher's output"),
                 batch,
                 student_lens,
+                share.get("sequences"),
             )
         losses["total"] = functools.reduce(operator.add, (self.weights[name] * value for name, value in losses.items()))
         return losses
@@ -215,6 +239,7 @@ class DistillationObjective(nn.Module):
         teacher: TeacherOutput,
         batch: TrainBatch,
         student_lens: LogitLens | None,
+        num_sequences: float | None = None,
     ) -> torch.Tensor:
         """SRA on the spans both tokenizers agree on (``batch.spans["boundary"]``)."""
         spans = batch.spans["boundary"]
@@ -248,6 +273,7 @@ class DistillationObjective(nn.Module):
             spans,
             scope,
             **heads,
+            num_sequences=num_sequences,
         )["sra"]
 
     def _fdd_positions(self, batch: TrainBatch) -> torch.Tensor:
@@ -301,7 +327,10 @@ class DistillationModel(nn.Module):
             else None
         )
 
-    def forward(self, batch: TrainBatch, teacher: TeacherOutput | None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, batch: TrainBatch, teacher: TeacherOutput | None, divisors: Mapping[str, float] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The objective's losses on ``batch`` (``divisors``: see ``DistillationObjective.forward``)."""
         want_hidden = self.objective.needs_student_hidden
         want_attentions = bool(self.objective.attention_layers["student"])
         out = self.student(
@@ -320,6 +349,7 @@ class DistillationModel(nn.Module):
                 batch,
                 self.lens,
                 out.attentions if want_attentions else None,
+                divisors,
             )
 
     def projector_parameters(self) -> list[nn.Parameter]:

@@ -36,6 +36,9 @@ class Task:
     group_factor: int | None = None  # micro batches per length-sorted pool; None: micro_batch_order's
     samples_dev_prompts: bool = True  # each evaluation samples the student's continuations of dev prompts
     reference_padding: bool = True  # loss.reference_code pads every micro batch to data.max_length
+    # train.loss_reduction=global: the objective counts and divides by the window's units (its
+    # engine module is a DistillationModel); False: every micro batch its own mean
+    global_reduction: bool = True
 
     def build_run(self, recipe: Any, reporter: Any, *, resume: str | None = None, overwrite: bool = False) -> Any:
         """The ``Run`` of ``recipe``: output directory claimed, models and data loaded, engine started."""

@@ -349,6 +349,14 @@ class TrainSpec(Strict):
         None, ge=1, description="the run's length in optimizer steps; give exactly one of epochs and max_steps"
     )
     grad_clip: float = Field(1.0, ge=0, description="clip the gradient's global 2-norm to this; 0: no clipping")
+    loss_reduction: Literal["global", "micro_batch"] = Field(
+        "global",
+        description="global: the base loss is the mean over every response token of the global batch "
+        "(all micro batches on all processes), DSA, HRA, SRA the mean over its sequences, FDD over its "
+        "positions, so the gradient does not depend on micro_batch_size, accumulation or processes; "
+        "micro_batch: each micro batch's own mean, averaged (DistiLLM's and 0.2.0's convention; "
+        "docs/method.md §5); task: llm only",
+    )
     precision: TrainPrecision = Field(
         "fp32",
         description="auto: bf16 on a GPU with bf16 or a CPU with bf16 instructions, else fp32; "
@@ -639,6 +647,20 @@ class Recipe(RecipeChecks):
         ):
             raise ValueError(
                 "loss.base_weight, loss.dsa_weight, loss.hra_weight and loss.fdd_weight are all 0: nothing to train"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reduction_fits(self) -> Recipe:
+        if self.loss.reference_code and self.train.loss_reduction == "global":
+            raise PydanticCustomError(
+                "reduction_setting",
+                "{message}",
+                {
+                    "message": "loss.reference_code computes DSA and HRA as the authors' code does, one pool per "
+                    "micro batch, which has no global-batch form: set train.loss_reduction=micro_batch with it",
+                    "within": ("loss", "reference_code"),
+                },
             )
         return self
 
