@@ -190,7 +190,10 @@ class DistillationObjective(nn.Module):
             teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
             if isinstance(self.base, DistiLLM2Loss):  # pairs: half the rows
                 pairs = share.get("sequences")
-                kwargs = {"chosen": _pair_roles(batch, self.training), "num_pairs": None if pairs is None else pairs / 2}
+                kwargs = {
+                    "chosen": _pair_roles(batch, self.training),
+                    "num_pairs": None if pairs is None else pairs / 2,
+                }
             else:
                 kwargs = {"num_items_in_batch": share.get("tokens")}
             losses["base"] = self.base(student_logits[:, :-1], teacher_logits, batch.student.labels[:, 1:], **kwargs)
