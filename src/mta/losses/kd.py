@@ -155,7 +155,11 @@ class SkewReverseKL(_Skewed):
 
 
 class JensenShannon(DistributionLoss):
-    """Generalised JSD: ``β KL(p ‖ m) + (1−β) KL(q ‖ m)`` with ``m = βp + (1−β)q`` (β = 0.5)."""
+    """Generalised JSD: ``β KL(p ‖ m) + (1−β) KL(q ‖ m)`` with ``m = βp + (1−β)q`` (β = 0.5).
+
+    At the ends, where that formula is 0 for every q, β = 0 is the forward ``KL(p ‖ q)`` and β = 1
+    the reverse ``KL(q ‖ p)``: the limits of the JSD divided by β and by 1 − β, and what TRL's
+    ``generalized_jsd_loss`` (and its ``DistillationConfig.beta``, default 1.0) mean by them."""
 
     def __init__(self, *, jsd_beta: float = 0.5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -163,6 +167,10 @@ class JensenShannon(DistributionLoss):
         self.jsd_beta = jsd_beta
 
     def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        if self.jsd_beta == 0.0:
+            return kl(log_p, log_q)
+        if self.jsd_beta == 1.0:
+            return kl(log_q, log_p)
         log_m = log_mixture(log_p, log_q, self.jsd_beta)
         return self.jsd_beta * kl(log_p, log_m) + (1.0 - self.jsd_beta) * kl(log_q, log_m)
 

@@ -247,7 +247,13 @@ class LossSpec(Strict):
     base_weight: float = Field(1.0, ge=0, description="λ_base, the base loss's weight")
     temperature: float = Field(1.0, gt=0, description="divides the teacher's and the student's logits (no τ² factor)")
     skew_alpha: float = Field(0.1, ge=0, le=1, description="α of the skew KLs (skl, srkl, distillm2)")
-    jsd_beta: float = Field(0.5, gt=0, lt=1, description="β of jsd")
+    jsd_beta: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="β of jsd, the teacher's weight in the mixture; 0: forward KL(p‖q), 1: reverse KL(q‖p) "
+        "(TRL's meaning of its β)",
+    )
     dsa_weight: float = Field(2.0, ge=0, description="λ_DSA, MTA's span-geometry alignment; 0: off")
     hra_weight: float = Field(0.2, ge=0, description="λ_HRA, MTA's hidden-representation alignment; 0: off")
     layers: LayerMap = Field(
