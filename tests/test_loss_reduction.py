@@ -13,7 +13,6 @@ trains its own unequal micro batches of the same six rows.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
