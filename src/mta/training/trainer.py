@@ -425,13 +425,13 @@ class Trainer:
 
         With ``train.asam`` the window runs twice (``mta.training.asam``): its gradient at w sets
         ε, the window runs again at w + ε, and the optimizer applies that gradient to w."""
-        window, divisors = self.window(step)
+        window, options = self.window(step)
         if self.asam is None:
-            totals, tokens = self.run_window(window, step, divisors)
+            totals, tokens = self.run_window(window, step, options)
         else:
             replayed = list(window)  # the same micro batches, replayed at w + ε
-            with self.asam.perturbed(self.window_losses(replayed, step, divisors), step=step):
-                totals, tokens = self.run_window(replayed, step, divisors)
+            with self.asam.perturbed(self.window_losses(replayed, step, options), step=step):
+                totals, tokens = self.run_window(replayed, step, options)
         own_norm = engines.own_gradient_norm(self.run.engine)  # ZeRO-0 fp32: DeepSpeed keeps none
         self.run.engine.step()  # the window's last micro batch: the optimizer updates w
         self.stop_unless_finite_weights(step)
@@ -459,11 +459,11 @@ class Trainer:
         return window, {"divisors": engines.window_divisors(counts, run.schedule.accumulation, run.world_size)}
 
     def run_window(
-        self, window: Iterable[TrainBatch], step: int, divisors: Mapping[str, Any] | None = None
+        self, window: Iterable[TrainBatch], step: int, options: Mapping[str, Any] | None = None
     ) -> tuple[dict[str, float], int]:
         """Forward and backward of each micro batch, DeepSpeed accumulating the gradient (its step
         after every micro batch but the last, which is the caller's); the loss sums and tokens.
-        divisors: the objective's keyword arguments from ``window``."""
+        options: the objective's keyword arguments, from ``window``."""
         engine = self.run.engine
         totals: dict[str, float] = {}
         tokens = 0
@@ -473,7 +473,7 @@ class Trainer:
             with self.run.precision.context():
                 teacher_out = self.teacher_forward(batch)
                 batch = self.with_spans(batch)
-                losses = engine(batch, teacher_out, **(divisors or {}))
+                losses = engine(batch, teacher_out, **(options or {}))
             self.stop_unless_finite_loss(losses, step, batch)
             engine.backward(losses["total"])
             for name, value in losses.items():
@@ -483,7 +483,7 @@ class Trainer:
         return totals, tokens
 
     def window_losses(
-        self, window: list[TrainBatch], step: int, divisors: Mapping[str, Any] | None = None
+        self, window: list[TrainBatch], step: int, options: Mapping[str, Any] | None = None
     ) -> Iterator[torch.Tensor]:
         """ASAM's first pass: each micro batch's total loss at w, outside the engine (no
         DeepSpeed gradient bookkeeping), one at a time."""
@@ -491,7 +491,7 @@ class Trainer:
             with self.run.precision.context():
                 teacher_out = self.teacher_forward(batch)
                 batch = self.with_spans(batch)
-                losses = self.run.engine.module(batch, teacher_out, **(divisors or {}))
+                losses = self.run.engine.module(batch, teacher_out, **(options or {}))
             self.stop_unless_finite_loss(losses, step, batch)
             yield losses["total"]
 
