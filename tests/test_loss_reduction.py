@@ -65,6 +65,7 @@ def build(
         annotations=annotations,
         output_dir=out / "run",
         loss=loss or LOSS,
+        data={"dev": None},  # nothing evaluated: no dev split to load
         train={
             "batch_size": 2 * accumulation * world_size,
             "micro_batch_size": 2,
