@@ -275,6 +275,10 @@ class KDLoss(nn.Module):
 
     The value is the mean over target tokens (docs/method.md §5); ``vocab_size``: the tokenizer's
     real vocabulary (default: the narrower logits width), so padded embedding rows never count.
+    ``num_items_in_batch`` (Hugging Face's name): the target tokens of the whole global batch
+    (for ``distillm2`` its pairs); the sum over this batch is divided by it instead, so losses of
+    micro batches, each backpropagated, add up to the global batch's gradient (docs/python-api.md,
+    "Accumulating").
     """
 
     def __init__(
@@ -319,8 +323,11 @@ class KDLoss(nn.Module):
         labels: torch.Tensor,
         *,
         chosen: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """An fp32 scalar. chosen: ``[B]`` bool, distillm2 only (True: the teacher's response)."""
+        """An fp32 scalar. chosen: ``[B]`` bool, distillm2 only (True: the teacher's response).
+        num_items_in_batch: the global batch's target tokens (distillm2: pairs), or None (this
+        batch's mean)."""
         _check_positions(student_logits, labels, self.labels_shifted)
         if not self.needs_teacher:
             teacher_logits = None
@@ -334,10 +341,10 @@ class KDLoss(nn.Module):
         if isinstance(self.loss, DistiLLM2Loss):
             if chosen is None:
                 raise MtaError("the base loss distillm2 reads chosen: [B] bool, True on the teacher's responses")
-            return self.loss(student_logits, teacher_logits, labels, chosen)
+            return self.loss(student_logits, teacher_logits, labels, chosen, num_pairs=num_items_in_batch)
         if chosen is not None:
             raise MtaError(f"chosen is read by the base loss distillm2 only, not by {self.name}")
-        result: torch.Tensor = self.loss(student_logits, teacher_logits, labels)
+        result: torch.Tensor = self.loss(student_logits, teacher_logits, labels, num_items_in_batch=num_items_in_batch)
         return result
 
     def from_hidden(
@@ -564,6 +571,17 @@ class MTALoss(nn.Module):
         """Whether the base loss reads the teacher's logits (every base but ``ce``)."""
         return self.objective.needs_teacher_logits
 
+    def counts(self, batch: TrainBatch, *, labels: torch.Tensor | None = None) -> dict[str, float]:
+        """What each term of ``batch`` averages over: ``{"tokens": the base loss's targets,
+        "sequences": rows}`` (labels: as :meth:`forward` takes them). Sum them over the micro
+        batches of a global batch (and the processes) and pass the sums as ``global_counts``."""
+        if labels is not None:
+            _check_labels(labels, batch.student.input_ids, self.labels_shifted)
+            if self.labels_shifted:
+                labels = torch.nn.functional.pad(labels, (1, 0), value=IGNORE_INDEX)
+            batch = dataclasses.replace(batch, student=dataclasses.replace(batch.student, labels=labels))
+        return self.objective.counts(batch)
+
     def forward(
         self,
         student_outputs: Any,
@@ -573,6 +591,7 @@ class MTALoss(nn.Module):
         labels: torch.Tensor | None = None,
         student_head: nn.Module | None = None,
         teacher_head: nn.Module | None = None,
+        global_counts: Mapping[str, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """fp32 scalars ``{"base", "dsa", "hra", "total"}`` (the terms in use).
 
@@ -586,6 +605,11 @@ class MTALoss(nn.Module):
         positions at a time, never the whole logits (``mta.losses.fused_head``): run the model's body
         (``model.get_decoder()``) with ``output_hidden_states=True``, which computes no logits.
         teacher_head likewise for the teacher (else its ``.logits`` are read, at the response rows only).
+
+        global_counts: :meth:`counts` summed over every micro batch of the global batch: each term
+        is then this batch's sum over that count, and the micro batches' losses, each
+        backpropagated, add up to the global batch's gradient (``train.loss_reduction: global``).
+        Under DDP, which averages gradients, divide the counts by the number of processes.
         """
         objective = self.objective
         ids = batch.student.input_ids
@@ -619,7 +643,7 @@ class MTALoss(nn.Module):
         # fp32 from the dtypes the models give, as mta.training.objective.DistillationModel runs it.
         with torch.autocast(ids.device.type, enabled=False):
             losses: dict[str, torch.Tensor] = objective(
-                student_logits, student_hidden, teacher, batch, student_final=final
+                student_logits, student_hidden, teacher, batch, student_final=final, divisors=global_counts
             )
         return losses
 
@@ -630,10 +654,13 @@ class MTALoss(nn.Module):
         student_attention_mask: torch.Tensor,
         teacher_attention_mask: torch.Tensor,
         spans: Mapping[str, SpanBatch],
+        num_sequences: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """DSA and HRA alone, on hidden states of any padding layout (a trainer that left-pads
         its prompts, as TRL's do): fp32 scalars ``{"dsa", "hra", "total"}`` (the terms in use;
         ``total`` weighted by ``dsa_weight`` / ``hra_weight``), what :meth:`forward` adds to the base.
+        num_sequences: the sequences of the global batch (each term the sum over this batch's
+        sequences divided by it), or None (the mean over this batch's).
 
         student_hidden_states / teacher_hidden_states: the models' ``hidden_states`` (every index
         :attr:`student_layers` / :attr:`teacher_layers` names), ``[B, T_s, d_s]`` / ``[B, T_t, d_t]``;
@@ -645,7 +672,12 @@ class MTALoss(nn.Module):
         teacher = {layer: teacher_hidden_states[layer] for layer in objective.teacher_layers}
         with torch.autocast(student_attention_mask.device.type, enabled=False):
             terms = objective.alignment(
-                tuple(student_hidden_states), teacher, student_attention_mask, teacher_attention_mask, spans
+                tuple(student_hidden_states),
+                teacher,
+                student_attention_mask,
+                teacher_attention_mask,
+                spans,
+                num_sequences,
             )
         weighted = (objective.weights[name] * value for name, value in terms.items())
         terms["total"] = functools.reduce(operator.add, weighted)

@@ -26,6 +26,7 @@ class EmbeddingTask(Task):
     group_factor = 1
     samples_dev_prompts = False  # an encoder generates nothing
     reference_padding = False  # loss.reference_code is MTA's, an LLM recipe's
+    global_reduction = False  # SimCSE's and LASD's in-batch comparisons are per micro batch
 
     def build_run(
         self, recipe: EmbeddingRecipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False
