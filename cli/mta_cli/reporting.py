@@ -37,6 +37,7 @@ from rich.progress import (
 from rich.text import Text
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console
 
 PROGRESS_ENV = "MTA_PROGRESS"
 PROGRESS_STYLES = ("auto", "rich", "plain")
@@ -108,7 +109,7 @@ class RichReporter:
     """Use as a context manager around a command so its bars share one live display."""
 
     def __init__(self, console: Console | None = None):
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -217,7 +218,7 @@ class PlainReporter:
         every_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self.every_percent = every_percent
         self.every_s = every_s
         self.clock = clock
@@ -326,5 +327,5 @@ def progress_style(console: Console) -> str:
 
 def make_reporter(console: Console | None = None) -> RichReporter | PlainReporter:
     """The reporter a command draws with (a context manager): see ``progress_style``."""
-    console = console or Console(stderr=True)
+    console = console or stderr_console()
     return RichReporter(console) if progress_style(console) == "rich" else PlainReporter(console)

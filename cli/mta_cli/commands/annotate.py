@@ -11,6 +11,7 @@ from rich.table import Table
 
 from mta.data.sources import HubDataset
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import (
     REVISION_OPTION,
     SPLIT_OPTION,
@@ -145,8 +146,8 @@ def annotate(
     from mta.store.layout import manifest_path
     from mta.store.publish import merge_shards
 
-    console = Console(stderr=True)  # progress and logs
-    results = Console()  # the summary and the final line
+    console = stderr_console()  # progress and logs
+    results = stdout_console()  # the summary and the final line
     if merge is not None:
         manifest = merge_shards(merge)
         _print_summary(results, manifest)

@@ -8,9 +8,9 @@ import shlex
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.exit_codes import INTERRUPTED, stopped_exit_code
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
@@ -108,7 +108,7 @@ def distill(
     from mta.training.config.catalog import find_recipe
     from mta.training.config.loading import load_recipe
 
-    console = Console(stderr=True)
+    console = stderr_console()
     chosen = find_recipe(recipe)
     if int(os.environ.get("RANK", "0")) == 0:
         shipped = f"shipped {chosen.shipped.name} ({chosen.path})" if chosen.shipped else chosen.path
@@ -118,7 +118,7 @@ def distill(
         from mta.training.dry_run import plan_run
         from mta_cli.dry_run_tables import render_plan
 
-        Console().print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
+        stdout_console().print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
         return
     from mta.reporting import SilentReporter
     from mta.training.lifecycle.stopping import RunStopped
@@ -155,4 +155,4 @@ def distill(
                 + (", trust_remote_code=True" if loaded.student.pooling == "cls_attention" else "")
                 + ", or AutoModel.from_pretrained"
             )
-        Console().print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)
+        stdout_console().print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from mta_cli.consoles import stdout_console
 from mta_cli.options import deprecated_alias
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
@@ -32,7 +32,7 @@ def show(
     row = deprecated_alias(row, row_old, old="-r", new="--row") or 0
     from mta.store.read import read_annotations
 
-    console = Console()
+    console = stdout_console()
     annotations = read_annotations(out_dir)
     record = annotations.row(row)
     manifest = annotations.manifest

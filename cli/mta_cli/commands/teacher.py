@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
@@ -59,7 +59,7 @@ def teacher(
     from mta.training.config.loading import load_recipe
     from mta.training.teacher_cache.build import cache_directory, run_teacher_stage
 
-    console = Console(stderr=True)
+    console = stderr_console()
     shard_spec = parse_shard(shard) if shard else None
     if batch_size is not None and batch_size < 1:
         raise MtaError(f"--batch-size must be at least 1, got {batch_size}")
@@ -88,5 +88,6 @@ def teacher(
             str(manifest.get("storage", "-")),
             str(outcome.directory),
         )
-    Console().print(table)
-    Console().print(f"wrote {root}; train from it with teacher_cache.dir={root}", highlight=False, soft_wrap=True)
+    out = stdout_console()
+    out.print(table)
+    out.print(f"wrote {root}; train from it with teacher_cache.dir={root}", highlight=False, soft_wrap=True)
