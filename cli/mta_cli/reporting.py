@@ -105,6 +105,25 @@ def generation_summary(record: dict[str, Any]) -> str:
     return f"τ {record['generation/threshold']:.2f} · {counts}"
 
 
+PROMPT_CHARS, GENERATION_CHARS = 200, 160
+
+
+def _shortened(text: str, limit: int) -> str:
+    """``text`` on one line (whitespace runs as one space), its start kept: cut at the end with
+    "…" when longer than ``limit``."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def sample_parts(sample: dict[str, Any]) -> tuple[str, str]:
+    """A dev sample's prompt and generation as printed: each from its start, on one line, quoted,
+    "…" where cut (a prompt's template and then its instruction read in order)."""
+    return (
+        repr(_shortened(sample.get("prompt", ""), PROMPT_CHARS)),
+        repr(_shortened(sample.get("generation", ""), GENERATION_CHARS)),
+    )
+
+
 class RichReporter:
     """Use as a context manager around a command so its bars share one live display."""
 
@@ -153,9 +172,8 @@ class RichReporter:
         if record.get("split") == "dev":
             self.console.print(f"[cyan]dev @ step {record['step']}[/]: {loss_summary(record)}", highlight=False)
             for sample in record.get("samples", []):
-                self.console.print(
-                    f"  [dim]{sample['prompt'][-60:]!r}[/] → {sample['generation'][:120]!r}", highlight=False
-                )
+                prompt, generation = sample_parts(sample)
+                self.console.print(Text.assemble("  ", (prompt, "dim"), " → ", generation))
         elif self._task is not None:
             status = step_summary(record) + utilisation_summary(record)
             if "generation/gold" in record:
@@ -291,7 +309,7 @@ class PlainReporter:
                 line += f" · dev_ce {significant(record['generation/dev_ce'])}"
             self._line(line)
             for sample in record.get("samples", []):
-                self._line(f"  {sample['prompt'][-60:]!r} → {sample['generation'][:120]!r}")
+                self._line("  {} → {}".format(*sample_parts(sample)))
             return
         task = self._task
         step = record["step"]

@@ -236,7 +236,11 @@ def _announce(console: Console, data: str, defaults: list[str]) -> None:
 
 
 def _print_summary(console: Console, counts: dict) -> None:
-    table = Table(title="annotate", show_header=True)
+    table = Table(
+        title="annotate",
+        show_header=True,
+        caption="dropped: spans left out because one tokenizer has no token inside them, or the length limit cut them",
+    )
     table.add_column("rows", justify="left")
     table.add_column("count", justify="right")
     rows = counts["rows"]

@@ -97,8 +97,8 @@ def evaluate(
         "llm",
         "--task",
         help="llm (the default: generation, ROUGE-L) or embedding (sentence encoders: "
-        "teacher agreement on held-out texts and the TALAS author's nine tasks; "
-        "see mta_cli.commands.evaluate_embedding).",
+        "teacher agreement on held-out texts and the TALAS author's nine tasks: --teacher, "
+        "--held-out or --teacher-embeddings, --tasks-dir).",
     ),
     teacher: str | None = typer.Option(
         None, "--teacher", help="--task embedding: the teacher that embeds --held-out's texts."

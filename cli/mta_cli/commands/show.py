@@ -19,8 +19,12 @@ VISIBLE_WHITESPACE = str.maketrans({" ": "·", "\n": "↵", "\t": "→"})
 
 
 def show(
-    out_dir: Path = typer.Argument(..., help="An `mta annotate` output directory."),
-    row: int | None = typer.Option(None, "--row", help="Row position in the artefact (from 0).", show_default="0"),
+    directory: Path = typer.Argument(
+        ..., metavar="DIR", help="An `mta annotate` output directory (its -o).", show_default=False
+    ),
+    row: int | None = typer.Option(
+        None, "--row", help="Row position in the artefact, from 0 [default: 0].", show_default=False
+    ),
     row_old: int | None = typer.Option(None, "-r", hidden=True),  # deprecated: -r is --recipe elsewhere
     words: bool = typer.Option(False, "--words", help="Also list the word spans."),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
@@ -33,7 +37,7 @@ def show(
     from mta.store.read import read_annotations
 
     console = stdout_console()
-    annotations = read_annotations(out_dir)
+    annotations = read_annotations(directory)
     record = annotations.row(row)
     manifest = annotations.manifest
     for side in ("teacher", "student"):  # both are printed: a record that is not one is refused first
@@ -42,7 +46,7 @@ def show(
             from mta.errors import MtaError
 
             raise MtaError(
-                f"{out_dir}: its manifest's {side!r} is {described!r}, not the tokenizer record "
+                f"{directory}: its manifest's {side!r} is {described!r}, not the tokenizer record "
                 "{name, fingerprint} `mta annotate` writes; the manifest was changed by hand or by "
                 "another program: annotate the input again into a new directory"
             )
