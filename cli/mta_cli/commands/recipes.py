@@ -71,7 +71,7 @@ def keys(
     ),
 ) -> None:
     """Every key a recipe may set, from the schemas: type, default, allowed values, whether a
-    `--resume` may change it, and what it does; one table per task.
+    `mta distill --resume` may change it, and what it does; one table per task.
 
     `mta recipes keys --markdown > docs/recipe-keys.md` writes the reference in the repository.
     """

@@ -20,7 +20,7 @@ VISIBLE_WHITESPACE = str.maketrans({" ": "·", "\n": "↵", "\t": "→"})
 
 def show(
     directory: Path = typer.Argument(
-        ..., metavar="DIR", help="An `mta annotate` output directory (its -o).", show_default=False
+        ..., metavar="DIR", help="A directory `mta annotate -o DIR` wrote.", show_default=False
     ),
     row: int | None = typer.Option(
         None, "--row", help="Row position in the artefact, from 0 [default: 0].", show_default=False
