@@ -105,19 +105,18 @@ def generation_summary(record: dict[str, Any]) -> str:
     return f"τ {record['generation/threshold']:.2f} · {counts}"
 
 
-PROMPT_CHARS, GENERATION_CHARS = 200, 160
+PROMPT_CHARS, GENERATION_CHARS = 240, 160  # an Alpaca template is about 130 characters
 
 
 def _shortened(text: str, limit: int) -> str:
-    """``text`` on one line (whitespace runs as one space), its start kept: cut at the end with
-    "…" when longer than ``limit``."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+    """``text`` from its start, cut at the end with "…" when longer than ``limit``."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def sample_parts(sample: dict[str, Any]) -> tuple[str, str]:
-    """A dev sample's prompt and generation as printed: each from its start, on one line, quoted,
-    "…" where cut (a prompt's template and then its instruction read in order)."""
+    """A dev sample's prompt and generation as printed: each from its start, quoted (so a newline
+    reads ``\\n`` and the line stays one), "…" where cut: a prompt's template, then its
+    instruction, read in order."""
     return (
         repr(_shortened(sample.get("prompt", ""), PROMPT_CHARS)),
         repr(_shortened(sample.get("generation", ""), GENERATION_CHARS)),
