@@ -102,8 +102,8 @@ class AnnotateSettings:
         if self.max_prompt_length >= self.max_length:
             raise MtaError(
                 f"max_prompt_length ({self.max_prompt_length}) must be smaller than max_length "
-                f"({self.max_length}), so every prompt leaves room for a response: lower it with the "
-                "length (`mta annotate --max-prompt-length N`; data.max_prompt_length in a recipe)"
+                f"({self.max_length}), so every prompt leaves room for a response: lower max_prompt_length "
+                "too (`mta annotate --max-prompt-length N`; data.max_prompt_length in a recipe)"
             )
         if self.word_spans not in ("phrase", "all"):
             raise MtaError(f"word_spans must be 'phrase' or 'all', got '{self.word_spans}'")
