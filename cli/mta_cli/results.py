@@ -59,7 +59,10 @@ def run_demo_command(
     its report into ``out_dir`` and print its table. Ctrl-C or a stopping signal ends it with one
     line (what was saved, how to continue) and the exit code ``mta distill`` gives."""
     console = stderr_console()
-    console.print(f"[bold]{title}[/]: about {estimated_seconds / 60:.0f} min on a 2-core CPU; output in {out_dir}/")
+    console.print(
+        f"[bold]{title}[/]: estimated {estimated_seconds / 60:.0f} min on an idle 2-core CPU; output in {out_dir}/",
+        soft_wrap=True,
+    )
     from mta.training.lifecycle.stopping import RunStopped
 
     started = time.perf_counter()

@@ -14,7 +14,7 @@ from mta_cli.results import run_demo_command
 
 def demo(
     quick: bool = typer.Option(
-        False, "--quick", help="fewer steps, 8 rows per set, 1 seed (~2 min with bf16, ~5 in fp32)"
+        False, "--quick", help="a plumbing check: 4 steps, 8 rows per set, 1 seed (its time: README, Two commands)"
     ),
     evidence: bool = typer.Option(
         False,
@@ -58,7 +58,7 @@ def demo(
 
     settings = DemoSettings.quick() if quick else DemoSettings.full()
     run_demo_command(
-        f"mta demo ({settings.name})",
+        f"mta demo ({settings.name}{': a plumbing check, not a result' if quick else ''})",
         settings.estimated_seconds(),
         out_dir,
         lambda reporter: run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter),
