@@ -202,11 +202,9 @@ def test_show_argument_and_row_default_read_as_a_user_types_them():
 
 
 def test_the_annotate_summary_says_what_dropped_means():
-    from mta_cli.commands.annotate import _print_summary
+    from mta_cli.commands.annotate import print_summary
     from mta_cli.consoles import WholeConsole
 
     buffer = io.StringIO()
-    _print_summary(
-        WholeConsole(file=buffer), {"rows": {"read": 1}, "spans": {"word_spans": 3, "word_spans_dropped": 1}}
-    )
+    print_summary(WholeConsole(file=buffer), {"rows": {"read": 1}, "spans": {"word_spans": 3, "word_spans_dropped": 1}})
     assert "(+1 dropped)" in buffer.getvalue() and "dropped: spans left out because" in buffer.getvalue()

@@ -89,8 +89,8 @@ def test_dry_run_plan_whole_in_process():
 
 
 def test_the_commands_own_tables_whole_through_a_non_terminal_console():
-    from mta_cli.commands.annotate import _print_summary
-    from mta_cli.commands.show import _span_table
+    from mta_cli.commands.annotate import print_summary
+    from mta_cli.commands.show import span_table
     from mta_cli.results import comparison_table
 
     long_name = "runs/" + "very-long-directory-name/" * 6 + "final"
@@ -98,12 +98,12 @@ def test_the_commands_own_tables_whole_through_a_non_terminal_console():
     assert lines_with(text, long_name, "12.34 ± 0.56"), text
     buffer = io.StringIO()
     counts = {"rows": {"read": 1344, "written": 1344}, "spans": {"word_spans": 1344, "word_spans_dropped": 201}}
-    _print_summary(WholeConsole(file=buffer), counts)
+    print_summary(WholeConsole(file=buffer), counts)
     assert lines_with(buffer.getvalue(), "word spans", "1,344", "201"), buffer.getvalue()
     span = {"label": "NP", "char_start": 0, "char_end": len(LONG), "teacher_start": 0, "teacher_end": 2}
     span |= {"student_start": 0, "student_end": 2}
     pieces = {"teacher": ["a", "b"], "student": ["a", "b"]}
-    text = rendered(_span_table("phrase spans", [span], LONG, pieces))
+    text = rendered(span_table("phrase spans", [span], LONG, pieces))
     assert lines_with(text, LONG.strip()), text
 
 

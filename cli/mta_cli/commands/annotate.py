@@ -150,7 +150,7 @@ def annotate(
     results = stdout_console()  # the summary and the final line
     if merge is not None:
         manifest = merge_shards(merge)
-        _print_summary(results, manifest)
+        print_summary(results, manifest)
         results.print(f"merged {manifest['num_shards']} shards into {manifest_path(merge)}")
         return
     if data is None:
@@ -220,12 +220,12 @@ def annotate(
     if outcome.reused:
         console.print(f"reused {out_dir} (same input and settings; --force recomputes)")
     if outcome.manifest is None:
-        _print_summary(results, outcome.shard_manifest["counts"])
+        print_summary(results, outcome.shard_manifest["counts"])
         results.print(
             f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when every shard is written"
         )
         return
-    _print_summary(results, outcome.manifest)
+    print_summary(results, outcome.manifest)
     results.print(f"wrote {manifest_path(out_dir)}")
 
 
@@ -235,7 +235,7 @@ def _announce(console: Console, data: str, defaults: list[str]) -> None:
         console.print(f"annotate {data}: defaults {', '.join(defaults)}", highlight=False, soft_wrap=True)
 
 
-def _print_summary(console: Console, counts: dict) -> None:
+def print_summary(console: Console, counts: dict) -> None:
     table = Table(
         title="annotate",
         show_header=True,

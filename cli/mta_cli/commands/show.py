@@ -73,9 +73,9 @@ def show(
         )
         console.print(_token_line(pieces[side], record[f"{side}_prompt_len"]))
 
-    console.print(_span_table("phrase spans", record["phrase_spans"], text, pieces))
+    console.print(span_table("phrase spans", record["phrase_spans"], text, pieces))
     if words:
-        console.print(_span_table("word spans", record["word_spans"], text, pieces))
+        console.print(span_table("word spans", record["word_spans"], text, pieces))
 
 
 def _highlighted_text(record: dict) -> Text:
@@ -115,7 +115,7 @@ def _token_line(pieces: list[str], prompt_len: int) -> Text:
     return line
 
 
-def _span_table(title: str, spans: list[dict], text: str, pieces: dict[str, list[str]]) -> Table:
+def span_table(title: str, spans: list[dict], text: str, pieces: dict[str, list[str]]) -> Table:
     table = Table(title=title, show_lines=False)
     for column in ("#", "label", "chars", "text", "teacher tokens", "student tokens"):
         table.add_column(column, overflow="fold")
