@@ -112,4 +112,6 @@ def test_table_marks_a_single_seed_and_names_each_set(tiny_model_dir):
 def test_quick_is_smaller_than_full_and_both_fit_their_budget():
     quick, full = DemoSettings.quick(), DemoSettings.full()
     assert quick.train_steps < full.train_steps and len(quick.seeds) == 1
+    # Its dev passes are small: they cost as much as its steps at the full dev size (issue 50).
+    assert quick.dev_rows < full.dev_rows and quick.dev_sample_tokens is not None and full.dev_sample_tokens is None
     assert quick.estimated_seconds() < 6 * 60 < full.estimated_seconds() < 30 * 60

@@ -100,7 +100,10 @@ def run_demo(
             reporter.message(f"student: keeping {settings.student_layers} of the teacher's layers")
             init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
 
-    overrides = _path_overrides(teacher, paths) + [f"train.precision={settings.precision}"] + list(recipe_overrides)
+    overrides = _path_overrides(teacher, paths) + [f"train.precision={settings.precision}"]
+    if settings.dev_sample_tokens is not None:
+        overrides.append(f"train.sample_max_new_tokens={settings.dev_sample_tokens}")
+    overrides += list(recipe_overrides)
     with stages("data"):
         base = load_recipe(recipe_path, overrides)
         _sample_dolly(data_dir, paths, settings, base)
