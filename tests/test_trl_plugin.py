@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="the TRL plug-in's tests need trl (pip install 'mta[trl]')")
+trl = pytest.importorskip("trl", reason="the TRL plug-in's tests need trl (pip install 'mta-distill[trl]')")
 
 from conftest import EXAMPLES, REPO, subprocess_env  # noqa: E402
 from mta.errors import MtaError  # noqa: E402

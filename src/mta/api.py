@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks, run_annotate
-from mta.data.artefact_schema import INPUT_IDS, SCHEMA
+from mta.data.artefact_schema import INPUT_IDS, SCHEMA, SPAN_COLUMNS
 from mta.data.example_annotator import ChunkResult, GeneratedRow
 from mta.data.online_spans import SpanParser, load_sides, merge_results, online_annotator
 from mta.data.prompts import prompt_style
@@ -76,6 +77,11 @@ __all__ = [
     "layer_map",
 ]
 
+# Why a Hugging Face Trainer's rows reach the collator without their columns.
+TRAINER_COLUMNS = (
+    "it removes the dataset columns the model's forward does not take before the collator sees "
+    "them: TrainingArguments(remove_unused_columns=False) keeps them"
+)
 HF_CONVENTION = (
     "the Hugging Face convention: logits [B, T, V] as the model returns them and labels [B, T] "
     "(input ids, -100 where no loss), position t predicting label t + 1"
@@ -168,6 +174,13 @@ class Collator:
         with_teacher: bool = True,
         boundary: bool = False,
     ) -> None:
+        unknown = [name for name in granularities if name not in SPAN_COLUMNS]
+        if isinstance(granularities, str) or unknown:
+            raise MtaError(
+                f"Collator(granularities={granularities!r}): the span kinds are {', '.join(map(repr, SPAN_COLUMNS))} "
+                "(a tuple of them; SRA's boundary spans: boundary=True); pass MTALoss.granularities, "
+                "or () for a base loss alone"
+            )
         self.student_pad_id = student_pad_id
         self.teacher_pad_id = teacher_pad_id
         self.annotator = annotator
@@ -197,6 +210,7 @@ class Collator:
         rows = list(rows)
         annotated = [INPUT_IDS["student"] in row for row in rows]
         if all(annotated):
+            self._check_span_columns(rows)
             return pa.Table.from_pylist([dict(row) for row in rows], schema=SCHEMA)
         if any(annotated):
             raise MtaError(
@@ -205,9 +219,22 @@ class Collator:
         if self.annotator is None:
             raise MtaError(
                 f"the rows have no {INPUT_IDS['student']} (they are not annotated): annotate them with "
-                "mta.Annotator(settings).annotate(rows), or pass Collator(annotator=mta.Annotator(settings))"
+                "mta.Annotator(settings).annotate(rows), or pass Collator(annotator=mta.Annotator(settings)). "
+                f"Under a Hugging Face Trainer: {TRAINER_COLUMNS}"
             )
         return pa.Table.from_batches([self.annotator._annotate(rows).batch])
+
+    def _check_span_columns(self, rows: list[Mapping[str, Any]]) -> None:
+        """Annotated rows must carry the spans the loss reads: without them DSA and HRA would
+        see no span and give 0, the method off without a word."""
+        for name in self.granularities:
+            column = SPAN_COLUMNS[name]
+            if any(column not in row for row in rows):
+                raise MtaError(
+                    f"the rows have {INPUT_IDS['student']} but no {column} (the {name} spans DSA and HRA read): "
+                    "give the rows mta.Annotator or `mta annotate` writes, whole. Under a Hugging Face "
+                    f"Trainer: {TRAINER_COLUMNS}; for a base loss alone: Collator(granularities=())"
+                )
 
 
 # --------------------------------------------------------------------------- losses
@@ -255,6 +282,22 @@ def _check_positions(
         f"{what} {_shape(logits)} and labels {_shape(labels)} cover different positions; expected "
         f"{HF_CONVENTION}.{hint}"
     )
+
+
+def _check_label_values(labels: torch.Tensor, where: str) -> None:
+    """Labels are token ids (an integer tensor, -100 where no loss): ``MtaError`` for floats or
+    bools, a warning when no position is left to learn from (the loss is then 0)."""
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise MtaError(
+            f"{where}: labels are {labels.dtype}, not token ids: give an integer tensor (torch.long) of the "
+            "input ids with -100 where no loss is taken, e.g. input_ids.masked_fill(attention_mask == 0, -100)"
+        )
+    if labels.numel() and bool((labels == IGNORE_INDEX).all()):
+        warnings.warn(
+            f"{where}: every label is -100, so no position is learnt and the loss is 0: the labels "
+            "should hold the response tokens' ids (-100 on the prompt and padding only)",
+            stacklevel=3,
+        )
 
 
 def _check_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
@@ -329,6 +372,7 @@ class KDLoss(nn.Module):
         num_items_in_batch: the global batch's target tokens (distillm2: pairs), or None (this
         batch's mean)."""
         _check_positions(student_logits, labels, self.labels_shifted)
+        _check_label_values(labels, f"KDLoss({self.name!r})")
         if not self.needs_teacher:
             teacher_logits = None
         elif teacher_logits is None:
@@ -612,6 +656,18 @@ class MTALoss(nn.Module):
         Under DDP, which averages gradients, divide the counts by the number of processes.
         """
         objective = self.objective
+        if not isinstance(batch, TrainBatch):
+            raise MtaError(
+                f"MTALoss reads the spans and both models' tokens from a mta.TrainBatch, got a "
+                f"{type(batch).__name__}: collate the rows with mta.Collator(granularities=loss_fn.granularities) "
+                "and run the models on batch.student / batch.teacher (a tokenizer's output holds no spans)"
+            )
+        missing = [name for name in self.granularities if name not in batch.spans]
+        if missing:
+            raise MtaError(
+                f"the batch has no {', '.join(missing)} spans, which DSA and HRA read: collate with "
+                "mta.Collator(granularities=loss_fn.granularities)"
+            )
         ids = batch.student.input_ids
         student_logits, final = None, None
         if student_head is not None:
@@ -635,6 +691,7 @@ class MTALoss(nn.Module):
         if objective.needs_student_hidden:
             student_hidden = tuple(_output(student_outputs, "hidden_states", "the student's outputs"))
         teacher = self._teacher(teacher_outputs, batch, teacher_head if final is not None else None)
+        _check_label_values(batch.student.labels if labels is None else labels, "MTALoss")
         if labels is not None:
             _check_labels(labels, ids, self.labels_shifted)
             if self.labels_shifted:  # back to the batch's own convention: position t is token t

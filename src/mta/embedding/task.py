@@ -63,7 +63,7 @@ def embedding_card_facts(recipe: EmbeddingRecipe) -> CardFacts:
         "pooling is cls_attention (the module is `cls_attention_pooling.py` here); "
         "`sha256sum -c checksums.sha256` verifies its files.",
         loss=loss_terms(terms) + (" with ASAM" if recipe.train.asam is not None else ""),
-        teacher=describe_model(recipe.teacher)
+        teacher=describe_model(recipe.teacher, recipe)
         if recipe.teacher is not None
         else f"its stored embeddings in `{recipe.data.train}`",
         data_limits=f"at most {recipe.data.max_length} tokens",

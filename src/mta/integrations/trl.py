@@ -1,4 +1,4 @@
-"""MTA's terms inside TRL's ``DistillationTrainer`` (``pip install 'mta[trl]'``; docs/trl.md).
+"""MTA's terms inside TRL's ``DistillationTrainer`` (``pip install 'mta-distill[trl]'``; docs/trl.md).
 
 :class:`MTADistillationTrainer` is TRL's on-policy ``DistillationTrainer`` (its generalised JSD as
 the base loss, its generation, PEFT, accelerate) with DSA + HRA (docs/method.md §3) added on the

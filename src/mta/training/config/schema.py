@@ -458,7 +458,7 @@ class TrainSpec(Strict):
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
         description="experiment trackers that also get every metrics.jsonl record, the recipe and "
-        "the dev samples (mta.tracking): OUT/tensorboard/, W&B, MLflow; each needs pip install 'mta[NAME]'",
+        "the dev samples (mta.tracking): OUT/tensorboard/, W&B, MLflow; each needs pip install 'mta-distill[NAME]'",
     )
 
     @field_validator("report_to", mode="before")
