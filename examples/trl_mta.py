@@ -1,4 +1,4 @@
-"""MTA inside TRL's on-policy DistillationTrainer (pip install 'mta[trl]'; docs/trl.md).
+"""MTA inside TRL's on-policy DistillationTrainer (pip install 'mta-distill[trl]'; docs/trl.md).
 
 Runs as it is on a CPU: tiny random models stand in for the Hub names a real run gives, e.g.
 model="Qwen/Qwen2.5-0.5B-Instruct", teacher_model="Qwen/Qwen2.5-1.5B-Instruct" (one tokenizer).

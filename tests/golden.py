@@ -26,10 +26,20 @@ PLAN_ENVIRONMENT = {"MTA_CPU_BF16": "1"}
 UNSET_FOR_PLANS = ("MTA_DATA_DIR",)
 
 # The tiny runs: the shipped ``tiny`` recipe for a few steps, and the same with DistiLLM's
-# adaptive off-policy sampling (every micro batch generates until the buffer is full).
+# adaptive off-policy sampling (every micro batch generates until the buffer is full). Both reduce
+# each micro batch to its own mean, as every run did when they were recorded (issue 48 made the
+# global batch's mean the default later: ``train.loss_reduction``).
+REDUCTION = ("train.loss_reduction=micro_batch",)
 TINY_RUNS: dict[str, tuple[str, ...]] = {
-    "tiny": ("train.max_steps=4", "train.log_interval=1", "train.eval_interval=4", "train.save_interval=4"),
+    "tiny": (
+        *REDUCTION,
+        "train.max_steps=4",
+        "train.log_interval=1",
+        "train.eval_interval=4",
+        "train.save_interval=4",
+    ),
     "tiny-generation": (
+        *REDUCTION,
         "train.max_steps=4",
         "train.log_interval=1",
         "train.eval_interval=4",

@@ -278,7 +278,7 @@ def test_plain_train_and_dev_records_and_generation_fields():
     assert stream.getvalue().splitlines() == [
         "distill: 4/10 steps",
         "dev @ step 4: loss 2 · base 2 · dev_ce 1.5",
-        f"  {'p' * 60!r} → 'g\\nh'",
+        f"  {'p' * 70!r} → 'g\\nh'",  # the prompt from its start (issue 50), whole up to 240 characters
         "distill: step 6/10 · loss 1.235 · base 1 · dsa 0.117 · hra 1.235e-06 · lr 1.00e-04 · grad_norm 0.8312"
         " · 100 tok/s"
         " · τ 0.25 · gold 1 / generated 2 / buffer 0 · elapsed 0:00:06 · ETA 0:00:12",

@@ -66,8 +66,11 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
     assert not any("loss/dsa" in record for record in sft_metrics)
     assert any(record.get("loss/dsa", 0) > 0 for record in mta_metrics)
 
+    stages = ["teacher", "student", "data", *(f"train {v.label}" for v in VARIANTS), "evaluate"]
+    assert list(results["stage_seconds"]) == stages and all(s >= 0 for s in results["stage_seconds"].values())
     markdown, picture = write_report(results, out, elapsed_seconds=1.0)
     text = markdown.read_text(encoding="utf-8")
+    assert "| train srkl+mta |" in text and "Wall time of this session, per stage" in text
     for label in labels:
         assert f"| {label} |" in text
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -117,4 +120,6 @@ def test_table_marks_a_single_seed_and_names_each_set(tiny_model_dir):
 def test_quick_is_smaller_than_full_and_both_fit_their_budget():
     quick, full = DemoSettings.quick(), DemoSettings.full()
     assert quick.train_steps < full.train_steps and len(quick.seeds) == 1
+    # Its dev passes are small: they cost as much as its steps at the full dev size (issue 50).
+    assert quick.dev_rows < full.dev_rows and quick.dev_sample_tokens is not None and full.dev_sample_tokens is None
     assert quick.estimated_seconds() < 6 * 60 < full.estimated_seconds() < 30 * 60

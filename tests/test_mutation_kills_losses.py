@@ -144,13 +144,13 @@ def test_token_loss_gives_one_value_per_row_and_the_classes_default_to_the_paper
         ("skl", 1.0, "zero"),
         ("srkl", 0.0, "rkl"),
         ("srkl", 1.0, "zero"),
-        ("jsd", 0.0, "zero"),
-        ("jsd", 1.0, "zero"),
+        ("jsd", 0.0, "fkl"),  # TRL's meaning of β at the ends (docs/method.md §5)
+        ("jsd", 1.0, "rkl"),
     ],
 )
 def test_mixture_weights_at_the_ends_of_the_unit_interval(name, weight, equals):
     """α or β of 0 and 1 are valid: one side of the mixture has weight 0 (its log is −∞) and the
-    divergence is the plain KL or 0, finite."""
+    divergence is the plain KL or 0, finite; jsd's ends are the forward and the reverse KL."""
     generator = torch.Generator().manual_seed(12)
     student = torch.randn(2, 3, 8, generator=generator)
     teacher = torch.randn(2, 3, 8, generator=generator)

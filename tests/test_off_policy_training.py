@@ -99,6 +99,9 @@ def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
         {"mode": "always", **GENERATION},
         max_steps=2,
         save_generated=True,
+        # One micro batch generated and trained before the next: the order the events pin. Under
+        # `global` the window is generated first, each parse awaited as the next is generated.
+        loss_reduction="micro_batch",
     )
     events = []
     real_forward, real_result = Trainer.teacher_forward, PendingSpans.result

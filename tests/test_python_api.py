@@ -144,10 +144,14 @@ def other_student_dir(other_tokenizer_dir, tmp_path_factory) -> Path:
     return build_tiny_model(other_tokenizer_dir, tmp_path_factory.mktemp("other-student"))
 
 
-def test_the_documented_examples_run_as_written(teacher_dir, tiny_model_dir, other_student_dir, capsys):
+def test_the_documented_examples_run_as_written(
+    teacher_dir, tiny_model_dir, other_student_dir, capsys, tmp_path, monkeypatch
+):
     """Every ```python block of the doc, in order, in one namespace; only the assignments of
     the three model names are replaced (tiny random models: the teacher and the first student
-    share the 512-token tokenizer, the other student has its own)."""
+    share the 512-token tokenizer, the other student has its own). In a scratch directory: the
+    Trainer block's output_dir is relative."""
+    monkeypatch.chdir(tmp_path)
     names = {"TEACHER": teacher_dir, "STUDENT": tiny_model_dir, "OTHER_STUDENT": other_student_dir}
     blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(encoding="utf-8"), re.S | re.M)
     assert len(blocks) >= 6
@@ -177,3 +181,4 @@ def test_the_documented_examples_run_as_written(teacher_dir, tiny_model_dir, oth
     losses = namespace["losses"]
     assert set(losses) == {"base", "dsa", "hra", "total"} and all(value.isfinite() for value in losses.values())
     assert namespace["sampled"].student.input_ids.shape[0] == 1
+    assert namespace["trainer"].state.global_step == 2  # the Trainer block trained through mta's batch

@@ -58,7 +58,7 @@ def test_rows_carry_type_default_allowed_values_and_the_resume_rule():
     lr, stage = rows["train.lr"], rows["train.zero_stage"]
     assert (lr.type, lr.default, lr.allowed, lr.resumable) == ("float", "0.0001", "> 0", True)
     assert (stage.type, stage.default, stage.allowed, stage.resumable) == ("int", "1", "0, 1, 2, 3", False)
-    assert (rows["loss.skew_alpha"].allowed, rows["loss.jsd_beta"].allowed) == ("0 ≤ x ≤ 1", "0 < x < 1")
+    assert (rows["loss.skew_alpha"].allowed, rows["loss.jsd_beta"].allowed) == ("0 ≤ x ≤ 1", "0 ≤ x ≤ 1")
     assert (rows["loss.base"].default, rows["loss.base"].allowed.split(", ")[:2]) == ("srkl", ["ce", "fkl"])
     assert (rows["loss.layers"].type, rows["loss.layers"].allowed) == (
         "str | list[{student, teacher, granularity}]",

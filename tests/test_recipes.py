@@ -93,6 +93,8 @@ def test_paper_recipes_carry_the_published_setting(name):
     if base == "srkl":  # the published numbers' checkpoint choice: dev ROUGE-L at each epoch
         assert (train.select_by, train.select_rows) == ("rouge", 500)
     assert (train.weight_decay, train.grad_clip, train.projector_lr) == (0.01, 1.0, 5e-4)
+    # The paper's rows keep the authors' per-micro-batch means; the added setting takes the default.
+    assert train.loss_reduction == ("global" if name == "cross-tokenizer.yaml" else "micro_batch")
     assert (train.precision, train.zero_stage, recipe.seed) == ("bf16", 1, 42)
     assert (recipe.data.max_length, recipe.data.max_prompt_length) == (256, 128)
     assert "${MTA_DATA_DIR}" in recipe.data.train and recipe.data.dev.endswith("dev.jsonl")
@@ -201,6 +203,21 @@ def test_wrong_literal_lists_the_allowed_values(tmp_path):
     assert "loss.base: 'kl' is not allowed" in message
     for name in ("'ce'", "'fkl'", "'rkl'", "'skl'", "'srkl'", "'jsd'", "'tvd'"):
         assert name in message
+
+
+def test_loss_reduction_is_global_or_micro_batch_and_reference_code_needs_micro_batch(tmp_path):
+    assert load_recipe(write(tmp_path, MINIMAL)).train.loss_reduction == "global"
+    text = MINIMAL.replace("  micro_batch_size: 2\n", "  micro_batch_size: 2\n  loss_reduction: tokens\n")
+    message = error_of(write(tmp_path, text))
+    line = text.splitlines().index("  loss_reduction: tokens") + 1
+    assert f"line {line}: train.loss_reduction: 'tokens' is not allowed" in message
+    assert "'global'" in message and "'micro_batch'" in message
+    text = MINIMAL.replace("  base: fkl\n", "  base: fkl\n  reference_code: true\n")
+    message = error_of(write(tmp_path, text))
+    line = text.splitlines().index("  reference_code: true") + 1
+    assert f"line {line}: loss.reference_code" in message and "train.loss_reduction=micro_batch" in message
+    fixed = text.replace("  micro_batch_size: 2\n", "  micro_batch_size: 2\n  loss_reduction: micro_batch\n")
+    assert load_recipe(write(tmp_path, fixed)).loss.reference_code
 
 
 def test_bad_layer_triples_are_named_by_index(tmp_path):

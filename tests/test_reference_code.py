@@ -597,7 +597,7 @@ def test_reference_code_pads_every_micro_batch_to_max_length(reference_artefact,
                     "span_rule": "reference",
                 },
                 "loss": {"reference_code": reference},
-                "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 2},
+                "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 2, "loss_reduction": "micro_batch"},
             }
         )
         run = SimpleNamespace(

@@ -19,7 +19,7 @@ from pydantic_core import to_jsonable_python
 
 from mta.embedding.recipe import EmbeddingRecipe
 from mta.errors import MtaError
-from mta.training.config.resume_rules import ABSENT, MUTABLE_KEYS, ResumeChanges, resume_changes
+from mta.training.config.resume_rules import ABSENT, MUTABLE_KEYS, TRAINED_BEFORE_THE_KEY, ResumeChanges, resume_changes
 from mta.training.config.schema import Recipe, models_in
 from mta.training.engine import restart_schedule
 
@@ -111,6 +111,7 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "train.epochs": (CHANGE, 2.0),
     "train.max_steps": (CHANGE, 40),
     "train.grad_clip": (FIXED, 0.5),
+    "train.loss_reduction": (FIXED, "micro_batch"),
     "train.precision": (FIXED, "bf16"),
     "train.zero_stage": (FIXED, 2),
     "train.teacher_zero3": (CHANGE, True),
@@ -291,11 +292,25 @@ def test_a_key_an_older_checkpoint_lacks_counts_as_its_default(task):
             node = node[part]
         if not has_default or node[last] != default:
             continue
+        if task == "llm" and parents == ["train"] and last in TRAINED_BEFORE_THE_KEY:
+            continue  # counts as what it trained with (the test below)
         del node[last]  # written by an mta from before the key existed
         changes = resume_changes(older, base)
         assert changes.applied == changes.refused == [], dotted
         lacking += 1
     assert lacking > 50  # most keys are at their default in the base recipe
+
+
+def test_a_checkpoint_from_before_loss_reduction_counts_as_micro_batch():
+    """0.2.0 averaged each micro batch's own means: resuming such a run under the new default
+    (global) would change its objective, so it is refused until the recipe says micro_batch."""
+    base = Recipe.model_validate(LLM_BASE)
+    older = base.model_dump(mode="json")
+    del older["train"]["loss_reduction"]
+    refused = resume_changes(older, base).refused
+    assert [(c.key, c.old, c.new) for c in refused] == [("train.loss_reduction", "micro_batch", "global")]
+    kept = base.model_copy(update={"train": base.train.model_copy(update={"loss_reduction": "micro_batch"})})
+    assert resume_changes(older, kept).refused == []
 
 
 # --- the tables above name every key -------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="the TRL plug-in's tests need trl (pip install 'mta[trl]')")
+trl = pytest.importorskip("trl", reason="the TRL plug-in's tests need trl (pip install 'mta-distill[trl]')")
 
 from conftest import EXAMPLES, REPO, subprocess_env  # noqa: E402
 from mta.errors import MtaError  # noqa: E402
@@ -406,3 +406,120 @@ def test_the_example_runs_end_to_end(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mta/dsa" in done.stdout and (tmp_path / "example" / "final" / "model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- issue 48's edge cases
+
+
+def test_the_mta_term_is_the_generation_batchs_per_sequence_mean_however_it_is_split(
+    tmp_path, tiny_model_dir, teacher_dir, tokenizer
+):
+    """Training mode, one generation batch of four rows: as one micro batch, or as micro batches
+    of 1 and 3 rows accumulated, the loss and the gradient (student and projectors) are the same."""
+    trainer = trainer_of(tmp_path / "t", tiny_model_dir, teacher_dir, tokenizer)
+    whole = fixed_inputs(tokenizer, ROWS[:4])
+    tokens = whole["completion_mask"].sum()
+
+    def split(rows):
+        part = {name: value[rows] for name, value in whole.items()}
+        return part | {"num_items_in_batch": tokens}
+
+    params = [p for p in trainer.model.parameters() if p.requires_grad] + list(trainer.mta_loss.parameters())
+
+    def accumulated(micro_batches):
+        trainer.model.train()
+        trainer._buffered_inputs, trainer._mta_sequences = micro_batches, 4.0
+        total, grads = 0.0, [torch.zeros_like(p) for p in params]
+        for inputs in micro_batches:
+            loss = trainer.compute_loss(trainer.model, dict(inputs))
+            for grad, part in zip(grads, torch.autograd.grad(loss, params, allow_unused=True), strict=True):
+                if part is not None:
+                    grad += part
+            total += loss.item()
+        return total, grads
+
+    one, one_grads = accumulated([split([0, 1, 2, 3])])
+    two, two_grads = accumulated([split([0]), split([1, 2, 3])])
+    assert two == pytest.approx(one, rel=1e-5)
+    for a, b in zip(two_grads, one_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert trainer._metrics["train"]["mta/total"][-1] > 0
+    # Each micro batch's own mean (0.2.0: halved for two accumulation steps) is another term.
+    trainer.model.eval()
+    with torch.no_grad():
+        for rows in ([0], [1, 2, 3], [0, 1, 2, 3]):
+            trainer.compute_loss(trainer.model, dict(split(rows)))
+    first, rest, every = trainer._metrics["eval"]["mta/total"][-3:]
+    assert every == pytest.approx((first + 3 * rest) / 4, rel=1e-4)  # the per-sequence mean
+    assert abs((first + rest) / 2 - every) > 1e-3 * every
+
+
+def test_both_weights_0_is_trls_trainer_step_by_step(tmp_path, tiny_model_dir, teacher_dir, tokenizer):
+    from safetensors.torch import load_file
+    from trl import DistillationConfig, DistillationTrainer
+
+    options = dict(max_steps=2, save_strategy="steps", save_steps=2)
+    off = trainer_of(
+        tmp_path / "off", tiny_model_dir, teacher_dir, tokenizer, mta={"dsa_weight": 0, "hra_weight": 0}, **options
+    )
+    assert off.mta_loss is None
+    off.train()
+    plain = DistillationTrainer(
+        model=str(tiny_model_dir),
+        teacher_model=str(teacher_dir),
+        args=DistillationConfig(**{k: v for k, v in settings_of(tmp_path / "plain", **options).items() if k != "mta"}),
+        train_dataset=prompts(),
+        processing_class=tokenizer,
+    )
+    plain.train()
+
+    def steps(trainer):
+        timing = ("time", "runtime", "per_second", "step_time")
+        return [
+            {k: v for k, v in entry.items() if not any(word in k for word in timing)}
+            for entry in trainer.state.log_history
+        ]
+
+    assert steps(off) == steps(plain)
+    assert not any(key.startswith("mta/") for entry in steps(off) for key in entry)
+    ours, theirs = tmp_path / "off" / "checkpoint-2", tmp_path / "plain" / "checkpoint-2"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    mine, trls = load_file(str(ours / "model.safetensors")), load_file(str(theirs / "model.safetensors"))
+    assert set(mine) == set(trls)
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, trls[name]), name
+
+
+def test_a_tool_calling_completion_with_end_of_turn_tokens_inside_is_parsed_into_spans(
+    tmp_path, tiny_model_dir, teacher_dir, tokenizer
+):
+    """The completion holds the EOS (end of turn) before a tool's reply and the next turn: its
+    spans are parsed (special tokens are boundaries, no span holds one) instead of refused."""
+    from mta.api import GeneratedRow
+    from mta.data.online_spans import online_annotator
+
+    trainer = trainer_of(tmp_path / "t", tiny_model_dir, teacher_dir, tokenizer)
+    eos = tokenizer.eos_token_id
+    turn = tokenizer("The weather in Paris is sunny today.")["input_ids"]
+    reply = tokenizer("The tool says the sky is clear and the wind is calm.")["input_ids"]
+    inputs = fixed_inputs(tokenizer, ROWS[:1])
+    completion = turn + [eos] + reply + [eos]
+    inputs["completion_ids"] = torch.tensor([completion])
+    inputs["completion_mask"] = torch.ones(1, len(completion), dtype=torch.long)
+    spans = trainer.spans_of(inputs)  # parsed, not refused
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)[0]
+    eos_at = (ids == eos).nonzero().flatten().tolist()
+    width = inputs["prompt_ids"].shape[1]
+    after = 0
+    for batch in spans.values():
+        for start, end, real in zip(batch.student_start[0], batch.student_end[0], batch.mask[0], strict=True):
+            if not real:
+                continue
+            assert not any(start <= at < end for at in eos_at), (int(start), int(end))
+            after += int(start) > width + len(turn)  # a span in the tool's reply, after the first EOS
+    assert after > 0
+    # Without `turns` the guard stays: an EOS before the end is a padding mistake in mta distill.
+    annotator = online_annotator(trainer.span_settings)
+    row = trainer.generated_rows(inputs)[0]
+    with pytest.raises(ValueError, match="EOS .* before its end"):
+        annotator.annotate([GeneratedRow(row.prompt, row.prompt_ids, row.generated_ids, id=0)])

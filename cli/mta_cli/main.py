@@ -21,9 +21,10 @@ import sys
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.text import Text
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console
 
 app = typer.Typer(
     name="mta",
@@ -131,7 +132,8 @@ def main() -> None:
     try:
         app()
     except MtaError as error:
-        Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False)
+        # Text, not markup: a message quotes keys such as loss.layers[0]; one line in a log.
+        stderr_console().print(Text.assemble(("error:", "bold red"), f" {error}"), soft_wrap=True)
         sys.exit(2)
 
 

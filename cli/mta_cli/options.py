@@ -69,7 +69,7 @@ def deprecated_alias(new_value, old_value, *, old: str, new: str):
 
 # A Hugging Face Hub dataset id in place of a data file (mta.data.sources.input_reference).
 SPLIT_OPTION = typer.Option(
-    None, "--split", help="The split of a Hub dataset id (owner/name) [default: train]; ignored for no local file."
+    None, "--split", help="The split of a Hub dataset id (owner/name) [default: train]; not used for a local file."
 )
 SUBSET_OPTION = typer.Option(None, "--subset", help="The subset (datasets' config name) of a Hub dataset id.")
 REVISION_OPTION = typer.Option(

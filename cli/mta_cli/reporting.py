@@ -37,6 +37,7 @@ from rich.progress import (
 from rich.text import Text
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console
 
 PROGRESS_ENV = "MTA_PROGRESS"
 PROGRESS_STYLES = ("auto", "rich", "plain")
@@ -104,11 +105,29 @@ def generation_summary(record: dict[str, Any]) -> str:
     return f"τ {record['generation/threshold']:.2f} · {counts}"
 
 
+PROMPT_CHARS, GENERATION_CHARS = 240, 160  # an Alpaca template is about 130 characters
+
+
+def _shortened(text: str, limit: int) -> str:
+    """``text`` from its start, cut at the end with "…" when longer than ``limit``."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def sample_parts(sample: dict[str, Any]) -> tuple[str, str]:
+    """A dev sample's prompt and generation as printed: each from its start, quoted (so a newline
+    reads ``\\n`` and the line stays one), "…" where cut: a prompt's template, then its
+    instruction, read in order."""
+    return (
+        repr(_shortened(sample.get("prompt", ""), PROMPT_CHARS)),
+        repr(_shortened(sample.get("generation", ""), GENERATION_CHARS)),
+    )
+
+
 class RichReporter:
     """Use as a context manager around a command so its bars share one live display."""
 
     def __init__(self, console: Console | None = None):
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -152,9 +171,8 @@ class RichReporter:
         if record.get("split") == "dev":
             self.console.print(f"[cyan]dev @ step {record['step']}[/]: {loss_summary(record)}", highlight=False)
             for sample in record.get("samples", []):
-                self.console.print(
-                    f"  [dim]{sample['prompt'][-60:]!r}[/] → {sample['generation'][:120]!r}", highlight=False
-                )
+                prompt, generation = sample_parts(sample)
+                self.console.print(Text.assemble("  ", (prompt, "dim"), " → ", generation))
         elif self._task is not None:
             status = step_summary(record) + utilisation_summary(record)
             if "generation/gold" in record:
@@ -217,7 +235,7 @@ class PlainReporter:
         every_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self.every_percent = every_percent
         self.every_s = every_s
         self.clock = clock
@@ -290,7 +308,7 @@ class PlainReporter:
                 line += f" · dev_ce {significant(record['generation/dev_ce'])}"
             self._line(line)
             for sample in record.get("samples", []):
-                self._line(f"  {sample['prompt'][-60:]!r} → {sample['generation'][:120]!r}")
+                self._line("  {} → {}".format(*sample_parts(sample)))
             return
         task = self._task
         step = record["step"]
@@ -326,5 +344,5 @@ def progress_style(console: Console) -> str:
 
 def make_reporter(console: Console | None = None) -> RichReporter | PlainReporter:
     """The reporter a command draws with (a context manager): see ``progress_style``."""
-    console = console or Console(stderr=True)
+    console = console or stderr_console()
     return RichReporter(console) if progress_style(console) == "rich" else PlainReporter(console)

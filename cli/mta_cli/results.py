@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.exit_codes import INTERRUPTED, stopped_exit_code
 from mta_cli.reporting import make_reporter
 
@@ -43,8 +43,8 @@ def print_results(title: str, header, body, markdown, picture) -> None:
         rich.add_column(column, justify="left" if index == 0 else "right")
     for row in body:
         rich.add_row(*row)
-    Console().print(rich)
-    Console(stderr=True).print(f"[green]table:[/] {markdown}\n[green]picture:[/] {picture}")
+    stdout_console().print(rich)
+    stderr_console().print(f"[green]table:[/] {markdown}\n[green]picture:[/] {picture}")
 
 
 def run_demo_command(
@@ -58,8 +58,11 @@ def run_demo_command(
     """Say what runs and for about how long, ``run(reporter)`` it with progress on stderr, write
     its report into ``out_dir`` and print its table. Ctrl-C or a stopping signal ends it with one
     line (what was saved, how to continue) and the exit code ``mta distill`` gives."""
-    console = Console(stderr=True)
-    console.print(f"[bold]{title}[/]: about {estimated_seconds / 60:.0f} min on a 2-core CPU; output in {out_dir}/")
+    console = stderr_console()
+    console.print(
+        f"[bold]{title}[/]: estimated {estimated_seconds / 60:.0f} min on an idle 2-core CPU; output in {out_dir}/",
+        soft_wrap=True,
+    )
     from mta.training.lifecycle.stopping import RunStopped
 
     started = time.perf_counter()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks, run_annotate
-from mta.data.artefact_schema import INPUT_IDS, SCHEMA
+from mta.data.artefact_schema import INPUT_IDS, SCHEMA, SPAN_COLUMNS
 from mta.data.example_annotator import ChunkResult, GeneratedRow
 from mta.data.online_spans import SpanParser, load_sides, merge_results, online_annotator
 from mta.data.prompts import prompt_style
@@ -76,6 +77,11 @@ __all__ = [
     "layer_map",
 ]
 
+# Why a Hugging Face Trainer's rows reach the collator without their columns.
+TRAINER_COLUMNS = (
+    "it removes the dataset columns the model's forward does not take before the collator sees "
+    "them: TrainingArguments(remove_unused_columns=False) keeps them"
+)
 HF_CONVENTION = (
     "the Hugging Face convention: logits [B, T, V] as the model returns them and labels [B, T] "
     "(input ids, -100 where no loss), position t predicting label t + 1"
@@ -168,6 +174,13 @@ class Collator:
         with_teacher: bool = True,
         boundary: bool = False,
     ) -> None:
+        unknown = [name for name in granularities if name not in SPAN_COLUMNS]
+        if isinstance(granularities, str) or unknown:
+            raise MtaError(
+                f"Collator(granularities={granularities!r}): the span kinds are {', '.join(map(repr, SPAN_COLUMNS))} "
+                "(a tuple of them; SRA's boundary spans: boundary=True); pass MTALoss.granularities, "
+                "or () for a base loss alone"
+            )
         self.student_pad_id = student_pad_id
         self.teacher_pad_id = teacher_pad_id
         self.annotator = annotator
@@ -197,6 +210,7 @@ class Collator:
         rows = list(rows)
         annotated = [INPUT_IDS["student"] in row for row in rows]
         if all(annotated):
+            self._check_span_columns(rows)
             return pa.Table.from_pylist([dict(row) for row in rows], schema=SCHEMA)
         if any(annotated):
             raise MtaError(
@@ -205,9 +219,22 @@ class Collator:
         if self.annotator is None:
             raise MtaError(
                 f"the rows have no {INPUT_IDS['student']} (they are not annotated): annotate them with "
-                "mta.Annotator(settings).annotate(rows), or pass Collator(annotator=mta.Annotator(settings))"
+                "mta.Annotator(settings).annotate(rows), or pass Collator(annotator=mta.Annotator(settings)). "
+                f"Under a Hugging Face Trainer: {TRAINER_COLUMNS}"
             )
         return pa.Table.from_batches([self.annotator._annotate(rows).batch])
+
+    def _check_span_columns(self, rows: list[Mapping[str, Any]]) -> None:
+        """Annotated rows must carry the spans the loss reads: without them DSA and HRA would
+        see no span and give 0, the method off without a word."""
+        for name in self.granularities:
+            column = SPAN_COLUMNS[name]
+            if any(column not in row for row in rows):
+                raise MtaError(
+                    f"the rows have {INPUT_IDS['student']} but no {column} (the {name} spans DSA and HRA read): "
+                    "give the rows mta.Annotator or `mta annotate` writes, whole. Under a Hugging Face "
+                    f"Trainer: {TRAINER_COLUMNS}; for a base loss alone: Collator(granularities=())"
+                )
 
 
 # --------------------------------------------------------------------------- losses
@@ -257,6 +284,22 @@ def _check_positions(
     )
 
 
+def _check_label_values(labels: torch.Tensor, where: str) -> None:
+    """Labels are token ids (an integer tensor, -100 where no loss): ``MtaError`` for floats or
+    bools, a warning when no position is left to learn from (the loss is then 0)."""
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise MtaError(
+            f"{where}: labels are {labels.dtype}, not token ids: give an integer tensor (torch.long) of the "
+            "input ids with -100 where no loss is taken, e.g. input_ids.masked_fill(attention_mask == 0, -100)"
+        )
+    if labels.numel() and bool((labels == IGNORE_INDEX).all()):
+        warnings.warn(
+            f"{where}: every label is -100, so no position is learnt and the loss is 0: the labels "
+            "should hold the response tokens' ids (-100 on the prompt and padding only)",
+            stacklevel=3,
+        )
+
+
 def _check_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
     if teacher_logits.dim() != 3 or teacher_logits.shape[:2] != student_logits.shape[:2]:
         raise MtaError(
@@ -275,6 +318,10 @@ class KDLoss(nn.Module):
 
     The value is the mean over target tokens (docs/method.md §5); ``vocab_size``: the tokenizer's
     real vocabulary (default: the narrower logits width), so padded embedding rows never count.
+    ``num_items_in_batch`` (Hugging Face's name): the target tokens of the whole global batch
+    (for ``distillm2`` its pairs); the sum over this batch is divided by it instead, so losses of
+    micro batches, each backpropagated, add up to the global batch's gradient (docs/python-api.md,
+    "Accumulating").
     """
 
     def __init__(
@@ -319,9 +366,13 @@ class KDLoss(nn.Module):
         labels: torch.Tensor,
         *,
         chosen: torch.Tensor | None = None,
+        num_items_in_batch: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """An fp32 scalar. chosen: ``[B]`` bool, distillm2 only (True: the teacher's response)."""
+        """An fp32 scalar. chosen: ``[B]`` bool, distillm2 only (True: the teacher's response).
+        num_items_in_batch: the global batch's target tokens (distillm2: pairs), or None (this
+        batch's mean)."""
         _check_positions(student_logits, labels, self.labels_shifted)
+        _check_label_values(labels, f"KDLoss({self.name!r})")
         if not self.needs_teacher:
             teacher_logits = None
         elif teacher_logits is None:
@@ -334,10 +385,10 @@ class KDLoss(nn.Module):
         if isinstance(self.loss, DistiLLM2Loss):
             if chosen is None:
                 raise MtaError("the base loss distillm2 reads chosen: [B] bool, True on the teacher's responses")
-            return self.loss(student_logits, teacher_logits, labels, chosen)
+            return self.loss(student_logits, teacher_logits, labels, chosen, num_pairs=num_items_in_batch)
         if chosen is not None:
             raise MtaError(f"chosen is read by the base loss distillm2 only, not by {self.name}")
-        result: torch.Tensor = self.loss(student_logits, teacher_logits, labels)
+        result: torch.Tensor = self.loss(student_logits, teacher_logits, labels, num_items_in_batch=num_items_in_batch)
         return result
 
     def from_hidden(
@@ -564,6 +615,17 @@ class MTALoss(nn.Module):
         """Whether the base loss reads the teacher's logits (every base but ``ce``)."""
         return self.objective.needs_teacher_logits
 
+    def counts(self, batch: TrainBatch, *, labels: torch.Tensor | None = None) -> dict[str, float]:
+        """What each term of ``batch`` averages over: ``{"tokens": the base loss's targets,
+        "sequences": rows}`` (labels: as :meth:`forward` takes them). Sum them over the micro
+        batches of a global batch (and the processes) and pass the sums as ``global_counts``."""
+        if labels is not None:
+            _check_labels(labels, batch.student.input_ids, self.labels_shifted)
+            if self.labels_shifted:
+                labels = torch.nn.functional.pad(labels, (1, 0), value=IGNORE_INDEX)
+            batch = dataclasses.replace(batch, student=dataclasses.replace(batch.student, labels=labels))
+        return self.objective.counts(batch)
+
     def forward(
         self,
         student_outputs: Any,
@@ -573,6 +635,7 @@ class MTALoss(nn.Module):
         labels: torch.Tensor | None = None,
         student_head: nn.Module | None = None,
         teacher_head: nn.Module | None = None,
+        global_counts: Mapping[str, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """fp32 scalars ``{"base", "dsa", "hra", "total"}`` (the terms in use).
 
@@ -586,8 +649,25 @@ class MTALoss(nn.Module):
         positions at a time, never the whole logits (``mta.losses.fused_head``): run the model's body
         (``model.get_decoder()``) with ``output_hidden_states=True``, which computes no logits.
         teacher_head likewise for the teacher (else its ``.logits`` are read, at the response rows only).
+
+        global_counts: :meth:`counts` summed over every micro batch of the global batch: each term
+        is then this batch's sum over that count, and the micro batches' losses, each
+        backpropagated, add up to the global batch's gradient (``train.loss_reduction: global``).
+        Under DDP, which averages gradients, divide the counts by the number of processes.
         """
         objective = self.objective
+        if not isinstance(batch, TrainBatch):
+            raise MtaError(
+                f"MTALoss reads the spans and both models' tokens from a mta.TrainBatch, got a "
+                f"{type(batch).__name__}: collate the rows with mta.Collator(granularities=loss_fn.granularities) "
+                "and run the models on batch.student / batch.teacher (a tokenizer's output holds no spans)"
+            )
+        missing = [name for name in self.granularities if name not in batch.spans]
+        if missing:
+            raise MtaError(
+                f"the batch has no {', '.join(missing)} spans, which DSA and HRA read: collate with "
+                "mta.Collator(granularities=loss_fn.granularities)"
+            )
         ids = batch.student.input_ids
         student_logits, final = None, None
         if student_head is not None:
@@ -611,6 +691,7 @@ class MTALoss(nn.Module):
         if objective.needs_student_hidden:
             student_hidden = tuple(_output(student_outputs, "hidden_states", "the student's outputs"))
         teacher = self._teacher(teacher_outputs, batch, teacher_head if final is not None else None)
+        _check_label_values(batch.student.labels if labels is None else labels, "MTALoss")
         if labels is not None:
             _check_labels(labels, ids, self.labels_shifted)
             if self.labels_shifted:  # back to the batch's own convention: position t is token t
@@ -619,7 +700,7 @@ class MTALoss(nn.Module):
         # fp32 from the dtypes the models give, as mta.training.objective.DistillationModel runs it.
         with torch.autocast(ids.device.type, enabled=False):
             losses: dict[str, torch.Tensor] = objective(
-                student_logits, student_hidden, teacher, batch, student_final=final
+                student_logits, student_hidden, teacher, batch, student_final=final, divisors=global_counts
             )
         return losses
 
@@ -630,10 +711,13 @@ class MTALoss(nn.Module):
         student_attention_mask: torch.Tensor,
         teacher_attention_mask: torch.Tensor,
         spans: Mapping[str, SpanBatch],
+        num_sequences: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """DSA and HRA alone, on hidden states of any padding layout (a trainer that left-pads
         its prompts, as TRL's do): fp32 scalars ``{"dsa", "hra", "total"}`` (the terms in use;
         ``total`` weighted by ``dsa_weight`` / ``hra_weight``), what :meth:`forward` adds to the base.
+        num_sequences: the sequences of the global batch (each term the sum over this batch's
+        sequences divided by it), or None (the mean over this batch's).
 
         student_hidden_states / teacher_hidden_states: the models' ``hidden_states`` (every index
         :attr:`student_layers` / :attr:`teacher_layers` names), ``[B, T_s, d_s]`` / ``[B, T_t, d_t]``;
@@ -645,7 +729,12 @@ class MTALoss(nn.Module):
         teacher = {layer: teacher_hidden_states[layer] for layer in objective.teacher_layers}
         with torch.autocast(student_attention_mask.device.type, enabled=False):
             terms = objective.alignment(
-                tuple(student_hidden_states), teacher, student_attention_mask, teacher_attention_mask, spans
+                tuple(student_hidden_states),
+                teacher,
+                student_attention_mask,
+                teacher_attention_mask,
+                spans,
+                num_sequences,
             )
         weighted = (objective.weights[name] * value for name, value in terms.items())
         terms["total"] = functools.reduce(operator.add, weighted)

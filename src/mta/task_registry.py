@@ -35,6 +35,9 @@ class Task(ABC):
     group_factor: ClassVar[int | None] = None  # micro batches per length-sorted pool; None: micro_batch_order's
     samples_dev_prompts: ClassVar[bool] = True  # each evaluation samples the student's continuations of dev prompts
     reference_padding: ClassVar[bool] = True  # loss.reference_code pads every micro batch to data.max_length
+    # train.loss_reduction=global: the objective counts and divides by the window's units (its
+    # engine module is a DistillationModel); False: every micro batch its own mean
+    global_reduction: ClassVar[bool] = True
 
     # The interface sits below the training layer, so it cannot name the types a task returns
     # (mta.training.trainer.Run, mta.training.dry_run.RunPlan, mta.training.lifecycle.model_card.

@@ -29,7 +29,7 @@ values of such a step, and a recipe value a resume changed is added as the tag
 (``--overwrite``) replaces ``OUT/tensorboard/``'s event files and opens new W&B and MLflow runs.
 
 Backends are imported only when listed, and a listed one that is not installed is refused
-before any work (``require``) with the ``pip install 'mta[NAME]'`` that installs it, and so is an
+before any work (``require``) with the ``pip install 'mta-distill[NAME]'`` that installs it, and so is an
 MLflow tracking server (``MLFLOW_TRACKING_URI=http(s)://…``) that does not answer one request within
 seconds (MLflow's own client retries for minutes before it gives up). A backend
 that fails while training (a tracking server gone) is reported once in the log and dropped; the
@@ -317,7 +317,7 @@ def require(names: Iterable[str], source: str = "train.report_to") -> list[str]:
         except ImportError as error:
             raise MtaError(
                 f"{source} lists {name}, which is not installed ({error}); install it with "
-                f"pip install 'mta[{name}]', or remove {name} from {source}"
+                f"pip install 'mta-distill[{name}]', or remove {name} from {source}"
             ) from error
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if "mlflow" in checked and uri and urlsplit(uri).scheme in ("http", "https"):

@@ -7,6 +7,9 @@ import platform
 # mta's version, its one home: pyproject.toml reads it (``dynamic``), ``mta.__version__`` re-exports it,
 # and modules that record it import it from here rather than from the ``mta`` package.
 MTA_VERSION = "0.2.0"
+# The distribution that installs the `mta` package: "mta" on PyPI is another project that also
+# imports as `mta`, so mta's version is read from this name (artefacts record it under "mta").
+DISTRIBUTION = "mta-distill"
 
 PACKAGES = (
     "mta",
@@ -24,13 +27,14 @@ PACKAGES = (
 
 
 def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
-    """``{"python": ..., package: version or None when it is not installed}``."""
+    """``{"python": ..., package: version or None when it is not installed}``; ``"mta"`` is read
+    from its distribution, :data:`DISTRIBUTION` (never another project's ``mta``)."""
     from importlib import metadata  # here: `import mta` (and `mta --help`) stays without it
 
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in packages:
         try:
-            versions[name] = metadata.version(name)
+            versions[name] = metadata.version(DISTRIBUTION if name == "mta" else name)
         except metadata.PackageNotFoundError:
             versions[name] = None
     return versions

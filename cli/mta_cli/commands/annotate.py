@@ -12,6 +12,7 @@ from rich.table import Table
 
 from mta.data.sources import HubDataset
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import (
     REVISION_OPTION,
     SPLIT_OPTION,
@@ -149,11 +150,11 @@ def annotate(
     from mta.store.layout import manifest_path
     from mta.store.publish import merge_shards
 
-    console = Console(stderr=True)  # progress and logs
-    results = Console()  # the summary and the final line
+    console = stderr_console()  # progress and logs
+    results = stdout_console()  # the summary and the final line
     if merge is not None:
         manifest = merge_shards(merge)
-        _print_summary(results, manifest)
+        print_summary(results, manifest)
         results.print(f"merged {manifest['num_shards']} shards into {manifest_path(merge)}")
         return
     if data is None:
@@ -199,12 +200,12 @@ def annotate(
     if outcome.reused:
         console.print(f"reused {out_dir} (same input and settings; --force recomputes)")
     if outcome.manifest is None:
-        _print_summary(results, outcome.shard_manifest["counts"])
+        print_summary(results, outcome.shard_manifest["counts"])
         results.print(
             f"shard {shard_index}/{num_shards} written to {out_dir}; manifest.json appears when every shard is written"
         )
         return
-    _print_summary(results, outcome.manifest)
+    print_summary(results, outcome.manifest)
     results.print(f"wrote {manifest_path(out_dir)}")
 
 
@@ -255,8 +256,12 @@ def _announce(console: Console, data: str, defaults: list[str]) -> None:
         console.print(f"annotate {data}: defaults {', '.join(defaults)}", highlight=False, soft_wrap=True)
 
 
-def _print_summary(console: Console, counts: dict) -> None:
-    table = Table(title="annotate", show_header=True)
+def print_summary(console: Console, counts: dict) -> None:
+    table = Table(
+        title="annotate",
+        show_header=True,
+        caption="dropped: spans left out because one tokenizer has no token inside them, or the length limit cut them",
+    )
     table.add_column("rows", justify="left")
     table.add_column("count", justify="right")
     rows = counts["rows"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from mta_cli.consoles import stdout_console
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
 app = typer.Typer(help="Fetch the evaluation sets.", no_args_is_help=True)
@@ -35,4 +35,4 @@ def download(
     table.add_column("file")
     for name, path in files.items():
         table.add_row(name, str(path))
-    Console().print(table)
+    stdout_console().print(table)

@@ -7,13 +7,14 @@ from pathlib import Path
 import typer
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.results import run_demo_command
 
 
 def demo(
     quick: bool = typer.Option(
-        False, "--quick", help="fewer steps, 8 rows per set, 1 seed (~2 min with bf16, ~5 in fp32)"
+        False, "--quick", help="a plumbing check: 4 steps, 8 rows per set, 1 seed (its time: README, Two commands)"
     ),
     evidence: bool = typer.Option(
         False,
@@ -57,7 +58,7 @@ def demo(
 
     settings = DemoSettings.quick() if quick else DemoSettings.full()
     run_demo_command(
-        f"mta demo ({settings.name})",
+        f"mta demo ({settings.name}{': a plumbing check, not a result' if quick else ''})",
         settings.estimated_seconds(),
         out_dir,
         lambda reporter: run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter),
@@ -67,7 +68,6 @@ def demo(
 
 
 def _evidence(out_dir: Path, data_dir: Path | None, *, plan: bool, report: bool, quick: bool) -> None:
-    from rich.console import Console
 
     from mta.demo.evidence import EvidenceSettings, plan_lines, read_back, run_evidence
     from mta.demo.evidence_report import difference_table, write_report
@@ -80,7 +80,7 @@ def _evidence(out_dir: Path, data_dir: Path | None, *, plan: bool, report: bool,
         print_results("mta demo --evidence", *difference_table(results), *write_report(results, out_dir))
         return
     settings = EvidenceSettings.full()
-    Console(stderr=True, soft_wrap=True).print("\n".join(plan_lines(settings, out_dir)), markup=False, highlight=False)
+    stderr_console(soft_wrap=True).print("\n".join(plan_lines(settings, out_dir)), markup=False, highlight=False)
     if plan:
         return
     run_demo_command(

@@ -8,9 +8,10 @@ import shlex
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
+from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.exit_codes import INTERRUPTED, stopped_exit_code
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
@@ -57,6 +58,17 @@ def stopped_line(stopped, output_dir: Path, command: str) -> str:
     )
 
 
+def with_output_dir(overrides: list[str], out: Path | None) -> list[str]:
+    """``overrides`` with ``-o/--out DIR`` as ``output_dir=DIR`` (one spelling of the output, as
+    every command has); an ``output_dir=`` override of another value as well is an ``MtaError``."""
+    if out is None:
+        return overrides
+    given = [item.partition("=")[2] for item in overrides if item.partition("=")[0].strip() == "output_dir"]
+    if any(value != str(out) for value in given):
+        raise MtaError(f"-o {out} and the override output_dir={given[-1]} name two directories; give one of them")
+    return [*overrides, f"output_dir={out}"] if not given else overrides
+
+
 def distill(
     recipe: str = typer.Option(
         ...,
@@ -68,6 +80,14 @@ def distill(
     ),
     overrides: list[str] | None = typer.Argument(
         None, help="key=value overrides, e.g. train.lr=5e-5 train.zero_stage=3", show_default=False
+    ),
+    out: Path | None = typer.Option(
+        None,
+        "-o",
+        "--out",
+        help="Output directory: the recipe's output_dir (the same as the override output_dir=DIR) "
+        "[default: the recipe's output_dir].",
+        show_default=False,
     ),
     resume: str | None = typer.Option(
         None, "--resume", help="'auto' (newest complete checkpoint in output_dir) or a checkpoint dir"
@@ -108,7 +128,8 @@ def distill(
     from mta.training.config.catalog import find_recipe
     from mta.training.config.loading import load_recipe
 
-    console = Console(stderr=True)
+    console = stderr_console()
+    overrides = with_output_dir(list(overrides or []), out)
     chosen = find_recipe(recipe)
     if int(os.environ.get("RANK", "0")) == 0:
         shipped = f"shipped {chosen.shipped.name} ({chosen.path})" if chosen.shipped else chosen.path
@@ -118,14 +139,18 @@ def distill(
         from mta.training.dry_run import plan_run
         from mta_cli.dry_run_tables import render_plan
 
-        Console().print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
+        stdout_console().print(render_plan(plan_run(loaded, world_size=int(os.environ.get("WORLD_SIZE", 1)))))
         return
     from mta.reporting import SilentReporter
+    from mta.training.lifecycle import run_directory
     from mta.training.lifecycle.stopping import RunStopped
     from mta_cli.reporting import make_reporter
 
     is_main = int(os.environ.get("RANK", 0)) == 0
+    output_dir = loaded.resolve(loaded.output_dir, "output_dir")
     try:
+        if is_main:  # a second run into output_dir is refused now, not after the models load
+            run_directory.lock(output_dir)
         from mta.training.trainer import run_distillation
 
         with make_reporter(console) if is_main else contextlib.nullcontext(SilentReporter()) as reporter:
@@ -133,7 +158,7 @@ def distill(
     except KeyboardInterrupt:
         if is_main:
             line = interrupted_line(
-                loaded.resolve(loaded.output_dir, "output_dir"),
+                output_dir,
                 resume_command(recipe, list(overrides or []), verbose=verbose),
             )
             console.print(Text(line, style="yellow"), soft_wrap=True)
@@ -142,11 +167,13 @@ def distill(
         if is_main:
             line = stopped_line(
                 stopped,
-                loaded.resolve(loaded.output_dir, "output_dir"),
+                output_dir,
                 resume_command(recipe, list(overrides or []), verbose=verbose),
             )
             console.print(Text(line, style="yellow"), soft_wrap=True)
         raise typer.Exit(stopped_exit_code(stopped)) from None
+    finally:
+        run_directory.release(output_dir)  # a no-op once the run has released it
     if is_main:
         how = "AutoModelForCausalLM.from_pretrained"
         if loaded.task == "embedding":
@@ -155,4 +182,4 @@ def distill(
                 + (", trust_remote_code=True" if loaded.student.pooling == "cls_attention" else "")
                 + ", or AutoModel.from_pretrained"
             )
-        Console().print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)
+        stdout_console().print(f"[green]done:[/] {final}  (load it with {how})", highlight=False, soft_wrap=True)

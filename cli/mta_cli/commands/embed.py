@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import OnError, parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
@@ -81,7 +82,7 @@ def embed(
     quiet_third_party(verbose)
     from mta.embedding.teacher_embeddings import run_embed
 
-    console = Console(stderr=True)
+    console = stderr_console()
     shard_spec = parse_shard(shard) if shard else None
     if batch_size < 1:
         raise MtaError(f"--batch-size must be at least 1, got {batch_size}")
@@ -107,8 +108,8 @@ def embed(
     if outcome.manifest is None:
         console.print("this shard is written; .mta/manifest.json appears when every shard of the set is")
         return
-    _print_summary(Console(), outcome.manifest)  # the summary and the final line: stdout
-    Console().print(f"wrote {out_dir}")
+    _print_summary(stdout_console(), outcome.manifest)  # the summary and the final line: stdout
+    stdout_console().print(f"wrote {out_dir}")
 
 
 def _print_summary(console: Console, manifest: dict) -> None:

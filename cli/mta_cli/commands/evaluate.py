@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import (
     ENGINE_OPTION,
     REVISION_OPTION,
@@ -91,14 +91,14 @@ def evaluate(
         None,
         "--report-to",
         help="Also send the results to experiment trackers, comma-separated: tensorboard (OUT/tensorboard/), "
-        "wandb, mlflow (each: pip install 'mta[NAME]').",
+        "wandb, mlflow (each: pip install 'mta-distill[NAME]').",
     ),
     task: str = typer.Option(
         "llm",
         "--task",
         help="llm (the default: generation, ROUGE-L) or embedding (sentence encoders: "
-        "teacher agreement on held-out texts and the TALAS author's nine tasks; "
-        "see mta_cli.commands.evaluate_embedding).",
+        "teacher agreement on held-out texts and the TALAS author's nine tasks: --teacher, "
+        "--held-out or --teacher-embeddings, --tasks-dir).",
     ),
     teacher: str | None = typer.Option(
         None, "--teacher", help="--task embedding: the teacher that embeds --held-out's texts."
@@ -176,7 +176,7 @@ def evaluate(
         raise MtaError(f"--task '{task}': choose llm or embedding")
     from mta.evaluation import EvalSettings, evaluate_checkpoints
 
-    console = Console(stderr=True)  # progress and the log; the table and the final line: stdout
+    console = stderr_console()  # progress and the log; the table and the final line: stdout
     logger = logging.getLogger("mta.evaluation")
     if not logger.handlers:
         logger.addHandler(RichHandler(console=console, show_time=False, show_path=False))
@@ -218,5 +218,5 @@ def evaluate(
             report_to=_csv(report_to, "--report-to") if report_to is not None else (),
         )
     if int(os.environ.get("RANK", 0)) == 0:
-        Console().print(rich_table(results))
-        Console().print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+        stdout_console().print(rich_table(results))
+        stdout_console().print(f"wrote {out / 'results.json'} and {out / 'results.md'}")

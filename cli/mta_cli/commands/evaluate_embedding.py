@@ -6,9 +6,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.reporting import make_reporter
 from mta_cli.results import comparison_table
 
@@ -41,7 +41,7 @@ def evaluate_embedding(
     :mod:`mta.embedding.evaluation`); writes OUT/results.json and OUT/results.md."""
     from mta.embedding.evaluation import EmbeddingEvalSettings, evaluate_embedding_checkpoints
 
-    console = Console()
+    console = stdout_console()
     settings = EmbeddingEvalSettings(
         pooling=pooling,
         batch_size=batch_size,
@@ -52,7 +52,7 @@ def evaluate_embedding(
         tasks_dir=str(tasks_dir) if tasks_dir else None,
         limit=limit,
     )
-    with make_reporter(Console(stderr=True)) as reporter:
+    with make_reporter(stderr_console()) as reporter:
         results = evaluate_embedding_checkpoints(
             checkpoints,
             out_dir=out,

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import (
     ENGINE_OPTION,
     REVISION_OPTION,
@@ -107,7 +107,7 @@ def generate(
         fields=parse_fields(field) or {},
         engine=engine.value,
     )
-    console = Console(stderr=True)
+    console = stderr_console()
     with make_reporter(console) as reporter:
         outcome = generate_pairs(teacher, student, source, out, settings, reporter)
     if int(os.environ.get("RANK", 0)) != 0:
@@ -120,4 +120,4 @@ def generate(
                 highlight=False,
             )
     skipped = f", {outcome.skipped} bad row(s) skipped" if outcome.skipped else ""
-    Console().print(f"wrote {outcome.rows} pairs to {outcome.path}{skipped}", highlight=False)
+    stdout_console().print(f"wrote {outcome.rows} pairs to {outcome.path}{skipped}", highlight=False)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 from mta_cli.results import comparison_table
@@ -121,11 +121,11 @@ def inspect(
         dtype=dtype,
         names=[n.strip() for n in names.split(",")] if names else None,
     )
-    console = Console(stderr=True)
+    console = stderr_console()
     with make_reporter(console) as reporter:
         results = inspect_models(teacher, students, data, settings, reporter=reporter)
     written = write_inspection(results, out)
-    stdout = Console()
+    stdout = stdout_console()
     stdout.print(comparison_table("mta inspect: the aligned layer pairs", *aligned_rows(results)))
     for student in results["students"]:
         layer_map = student["layer_map"]

@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import deprecated_alias
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
 app = typer.Typer(help="Fetch, convert and build models.", no_args_is_help=True)
-console = Console()  # results: tables and final lines
-progress = Console(stderr=True)  # the spinner
+console = stdout_console()  # results: tables and final lines
+progress = stderr_console()  # the spinner
 
 OutputDir = Annotated[
     Path | None, typer.Option("-o", "--out", help="Directory to write (default: in the model cache).")

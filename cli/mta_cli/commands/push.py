@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
 
@@ -46,7 +46,7 @@ def push(
     for name, size in plan.files.items():
         table.add_row(name, f"{size:,}")
     table.add_row("total", f"{plan.total_bytes:,}")
-    out = Console()
+    out = stdout_console()
     out.print(table)
     card = ", ".join(f"{key}: {value}" for key, value in plan.card.items() if key not in ("tags", "model-index"))
     if "model-index" in plan.card:
@@ -57,5 +57,5 @@ def push(
     if dry_run:
         out.print("dry run: nothing was sent")
         return
-    Console(stderr=True).print(f"uploading {len(plan.files)} files ({plan.total_bytes / 1e6:.1f} MB)")
+    stderr_console().print(f"uploading {len(plan.files)} files ({plan.total_bytes / 1e6:.1f} MB)")
     out.print(f"pushed: {upload(plan)}", highlight=False, soft_wrap=True)

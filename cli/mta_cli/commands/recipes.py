@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from mta_cli.consoles import stdout_console
 
 app = typer.Typer(
     help="The recipes shipped with mta: `mta distill --recipe NAME` runs one by name.",
@@ -29,7 +30,7 @@ def list_recipes() -> None:
     table.add_column("description")
     for recipe in shipped_recipes():
         table.add_row(recipe.name, recipe.description)
-    Console().print(table)
+    stdout_console().print(table)
 
 
 @app.command("copy")
@@ -47,7 +48,7 @@ def copy(
     from mta.training.config.catalog import copy_recipe
 
     copied = copy_recipe(name, dest, force=force)
-    console = Console()
+    console = stdout_console()
     console.print(f"[green]copied:[/] {copied.recipe}")
     for file in copied.files:
         note = "  [dim](identical, kept)[/]" if file.unchanged else ""
@@ -70,7 +71,7 @@ def keys(
     ),
 ) -> None:
     """Every key a recipe may set, from the schemas: type, default, allowed values, whether a
-    `--resume` may change it, and what it does; one table per task.
+    `mta distill --resume` may change it, and what it does; one table per task.
 
     `mta recipes keys --markdown > docs/recipe-keys.md` writes the reference in the repository.
     """
@@ -82,7 +83,7 @@ def keys(
         sys.stdout.write(reference_markdown())
         return
     rows = select_rows(section, task)
-    console = Console()
+    console = stdout_console()
     for name in dict.fromkeys(row.task for row in rows):
         table = Table(title=f"task: {name}", title_justify="left")
         table.add_column("key", style="bold cyan", no_wrap=True)

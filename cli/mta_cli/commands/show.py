@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from mta_cli.consoles import stdout_console
 from mta_cli.options import deprecated_alias
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 
@@ -19,8 +19,12 @@ VISIBLE_WHITESPACE = str.maketrans({" ": "·", "\n": "↵", "\t": "→"})
 
 
 def show(
-    out_dir: Path = typer.Argument(..., help="An `mta annotate` output directory."),
-    row: int | None = typer.Option(None, "--row", help="Row position in the artefact (from 0).", show_default="0"),
+    directory: Path = typer.Argument(
+        ..., metavar="DIR", help="A directory `mta annotate -o DIR` wrote.", show_default=False
+    ),
+    row: int | None = typer.Option(
+        None, "--row", help="Row position in the artefact, from 0 [default: 0].", show_default=False
+    ),
     row_old: int | None = typer.Option(None, "-r", hidden=True),  # deprecated: -r is --recipe elsewhere
     words: bool = typer.Option(False, "--words", help="Also list the word spans."),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
@@ -32,8 +36,8 @@ def show(
     row = deprecated_alias(row, row_old, old="-r", new="--row") or 0
     from mta.data.annotations import read_annotations
 
-    console = Console()
-    annotations = read_annotations(out_dir)
+    console = stdout_console()
+    annotations = read_annotations(directory)
     record = annotations.row(row)
     manifest = annotations.manifest
     for side in ("teacher", "student"):  # both are printed: a record that is not one is refused first
@@ -42,7 +46,7 @@ def show(
             from mta.errors import MtaError
 
             raise MtaError(
-                f"{out_dir}: its manifest's {side!r} is {described!r}, not the tokenizer record "
+                f"{directory}: its manifest's {side!r} is {described!r}, not the tokenizer record "
                 "{name, fingerprint} `mta annotate` writes; the manifest was changed by hand or by "
                 "another program: annotate the input again into a new directory"
             )
@@ -69,9 +73,9 @@ def show(
         )
         console.print(_token_line(pieces[side], record[f"{side}_prompt_len"]))
 
-    console.print(_span_table("phrase spans", record["phrase_spans"], text, pieces))
+    console.print(span_table("phrase spans", record["phrase_spans"], text, pieces))
     if words:
-        console.print(_span_table("word spans", record["word_spans"], text, pieces))
+        console.print(span_table("word spans", record["word_spans"], text, pieces))
 
 
 def _highlighted_text(record: dict) -> Text:
@@ -111,7 +115,7 @@ def _token_line(pieces: list[str], prompt_len: int) -> Text:
     return line
 
 
-def _span_table(title: str, spans: list[dict], text: str, pieces: dict[str, list[str]]) -> Table:
+def span_table(title: str, spans: list[dict], text: str, pieces: dict[str, list[str]]) -> Table:
     table = Table(title=title, show_lines=False)
     for column in ("#", "label", "chars", "text", "teacher tokens", "student tokens"):
         table.add_column(column, overflow="fold")

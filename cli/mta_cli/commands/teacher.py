@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from mta.errors import MtaError
+from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
@@ -59,7 +59,7 @@ def teacher(
     from mta.training.config.loading import load_recipe
     from mta.training.teacher_cache.build import cache_directory, run_teacher_stage
 
-    console = Console(stderr=True)
+    console = stderr_console()
     shard_spec = parse_shard(shard) if shard else None
     if batch_size is not None and batch_size < 1:
         raise MtaError(f"--batch-size must be at least 1, got {batch_size}")
@@ -88,11 +88,12 @@ def teacher(
             str(manifest.get("storage", "-")),
             str(outcome.directory),
         )
-    Console().print(table)
+    out = stdout_console()
+    out.print(table)
     waiting = [outcome.split for outcome in outcomes if outcome.manifest is None]
     if waiting:
         count = shard_spec[1] if shard_spec else "N"
-        Console().print(
+        out.print(
             f"wrote this shard of {root}; {', '.join(waiting)} is not complete until every shard is written: run "
             f"the others (--shard I/{count}; the last one writes the manifest), then train with "
             f"teacher_cache.dir={root}",
@@ -100,4 +101,4 @@ def teacher(
             soft_wrap=True,
         )
     else:
-        Console().print(f"wrote {root}; train from it with teacher_cache.dir={root}", highlight=False, soft_wrap=True)
+        out.print(f"wrote {root}; train from it with teacher_cache.dir={root}", highlight=False, soft_wrap=True)

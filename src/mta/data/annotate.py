@@ -103,7 +103,8 @@ class AnnotateSettings:
         if self.max_prompt_length >= self.max_length:
             raise MtaError(
                 f"max_prompt_length ({self.max_prompt_length}) must be smaller than max_length "
-                f"({self.max_length}), so every prompt leaves room for a response"
+                f"({self.max_length}), so every prompt leaves room for a response: lower max_prompt_length "
+                "too (`mta annotate --max-prompt-length N`; data.max_prompt_length in a recipe)"
             )
         if self.word_spans not in ("phrase", "all"):
             raise MtaError(f"word_spans must be 'phrase' or 'all', got '{self.word_spans}'")
@@ -163,9 +164,11 @@ def annotate_file(
     *,
     force: bool = False,
     reporter: Reporter | None = None,
+    skip_hint: str | None = None,
 ) -> Path:
-    """Annotate ``input_path`` into ``out_dir`` (or reuse a matching artefact); return ``out_dir``."""
-    return run_annotate(input_path, out_dir, settings, force=force, reporter=reporter).directory
+    """Annotate ``input_path`` into ``out_dir`` (or reuse a matching artefact); return ``out_dir``.
+    skip_hint: how the caller's user skips a bad row (``run_annotate``)."""
+    return run_annotate(input_path, out_dir, settings, force=force, reporter=reporter, skip_hint=skip_hint).directory
 
 
 def run_annotate(
@@ -177,10 +180,12 @@ def run_annotate(
     reporter: Reporter | None = None,
     shard: int = 0,
     num_shards: int = 1,
+    skip_hint: str | None = None,
 ) -> AnnotateOutcome:
     """Annotate shard ``shard`` of ``num_shards`` (every ``num_shards``-th row) of an input
     (a JSONL, Parquet or CSV file, a save_to_disk directory, a :class:`~mta.data.sources.HubDataset`
-    or an in-memory ``datasets.Dataset``: :func:`mta.data.sources.open_source`)."""
+    or an in-memory ``datasets.Dataset``: :func:`mta.data.sources.open_source`). skip_hint: how the
+    calling command skips a bad row, in the error a bad row gives (default: ``--on-error skip``)."""
     out_dir = Path(out_dir)
     source = open_source(input_path, dict(settings.fields))
     if not 0 <= shard < num_shards:
@@ -206,7 +211,7 @@ def run_annotate(
     if settings.on_error == "fail":
         problem = source.first_problem(shard=shard, num_shards=num_shards, style=style)
         if problem is not None:
-            raise source.error(problem)
+            raise source.error(problem, skip_hint)
 
     with writing_shard(
         out_dir, shard, num_shards, command="mta annotate", kind=ANNOTATIONS, warn=reporter.message, force=force
@@ -227,6 +232,7 @@ def run_annotate(
             style=style,
             total=len(range(shard, summary.rows, num_shards)) * (2 if source.is_pairs() else 1),
             reporter=reporter,
+            skip_hint=skip_hint,
         )
         shard_manifest.update(
             {VERSION_KEY: SCHEMA_VERSION},
@@ -315,6 +321,7 @@ def _annotate_shard(
     total: int,
     reporter: Reporter,
     style: PromptStyle,
+    skip_hint: str | None = None,
 ) -> dict[str, Any]:
     """Stream the shard's rows through the workers into a part; return the shard manifest body.
     Prompts are built (a chat template rendered) here, in the parent: workers get strings."""
@@ -334,7 +341,7 @@ def _annotate_shard(
             rows["read"] += 1
             if isinstance(row, RowProblem):
                 if settings.on_error == "fail":
-                    raise source.error(row)
+                    raise source.error(row, skip_hint)
                 count_skip(row)
                 continue
             yield row

@@ -63,6 +63,26 @@ class Annotations:
         return row
 
 
+# What a directory that is not an annotate output holds, by the file that says so.
+_OTHER_KINDS = (
+    ("run.json", "a `mta distill` run"),
+    ("config.json", "a model (config.json)"),
+    ("journal.jsonl", "another command's output"),
+)
+
+
+def _annotate_hint(out_dir: Path) -> str:
+    """How to make the annotations: into ``out_dir`` only when it is empty (an interrupted
+    annotate's directory), never into a directory of another kind (a model, a run)."""
+    held = [kind for name, kind in _OTHER_KINDS if (out_dir / name).exists()]
+    if held or any(entry.name != META for entry in out_dir.iterdir()):
+        return (
+            f"It holds {held[0] if held else 'other files'}: give the directory `mta annotate -o DIR` "
+            "wrote, or annotate into a new one: `mta annotate DATA.jsonl -o NEW_DIR`"
+        )
+    return f"Run `mta annotate DATA.jsonl -o {out_dir}`"
+
+
 def read_annotations(out_dir: str | Path) -> Annotations:
     """Read a complete annotate artefact of any schema version and layout this mta reads,
     upgraded to the current schema (:mod:`mta.data.artefact_schema`); raise ``MtaError`` naming
@@ -91,7 +111,7 @@ def read_annotations(out_dir: str | Path) -> Annotations:
             raise MtaError(incomplete_message(out_dir, shard_sets(shards)))
         raise MtaError(
             f"{out_dir} has no {META}/{MANIFEST}: it is not a finished `mta annotate` output (an "
-            f"interrupted run leaves none). Run `mta annotate DATA.jsonl -o {out_dir}`"
+            f"interrupted run leaves none). {_annotate_hint(out_dir)}"
         )
     version = stored_version(raw, path, out_dir)
     manifest = checked_manifest(path, raw)

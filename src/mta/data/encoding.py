@@ -55,6 +55,7 @@ class TokenizerSide:
     backend_json: str
     _backend: object = field(default=None, repr=False, compare=False)
     _token_bytes: object = field(default=None, repr=False, compare=False)
+    _special_ids: object = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> TokenizerSide:
@@ -77,6 +78,7 @@ class TokenizerSide:
         state = dict(self.__dict__)
         state["_backend"] = None  # rebuilt from backend_json in the receiving process
         state["_token_bytes"] = None
+        state["_special_ids"] = None
         return state
 
     @property
@@ -127,6 +129,15 @@ class TokenizerSide:
         first = chars_before[np.minimum(starts + 1, total)] - 1  # the character of a first byte
         offsets = np.stack([np.where(lengths > 0, first, chars_before[starts]), chars_before[ends]], axis=1)
         return text, Encoding(ids=ids.astype(np.int32), offsets=offsets.astype(np.int64).reshape(-1, 2))
+
+    @property
+    def special_ids(self) -> np.ndarray:
+        """The ids of the tokenizer's special tokens (its EOS among them), sorted int64."""
+        if self._special_ids is None:
+            added = self.backend.get_added_tokens_decoder()
+            special = {int(index) for index, token in added.items() if token.special} | {self.eos_id}
+            self._special_ids = np.asarray(sorted(special), dtype=np.int64)
+        return self._special_ids  # type: ignore[return-value]
 
     @property
     def token_bytes(self) -> TokenBytes:

@@ -51,6 +51,10 @@ class GeneratedRow:
     finished: whether the last generated id is a stop token that ended the response (kept in
     the ids, not part of the text; the other side gets its own EOS instead). None: when that id
     is the generating side's EOS. id: the row's ``id`` column.
+    turns: the generated ids may hold the EOS and other special tokens inside (a tool-calling
+    conversation: end of turn, the tool's reply, the next turn). They stay in the ids and the
+    text; spaCy reads each special token's characters as a line break, so they are span
+    boundaries and no span holds one. False: an EOS before the end is refused (padding passed).
     """
 
     prompt: str
@@ -59,6 +63,7 @@ class GeneratedRow:
     finished: bool | None = None
     side: str = "student"
     id: int = 0
+    turns: bool = False
 
     def __post_init__(self) -> None:
         if self.side not in SIDES:
@@ -269,7 +274,7 @@ class ExampleAnnotator:
         if finished and len(generated) == 0:
             raise ValueError("a finished row needs its stop token as the last generated id")
         body = generated[: len(generated) - int(finished)]
-        if np.any(body == maker.eos_id):
+        if np.any(body == maker.eos_id) and not row.turns:
             at = int(np.flatnonzero(body == maker.eos_id)[0])
             raise ValueError(
                 f"generated_ids holds the {row.side}'s EOS ({maker.eos_id}) at position {at}, "
@@ -291,8 +296,25 @@ class ExampleAnnotator:
                 encoding = side.encode(text)
                 encodings.append(encoding)
                 row_ids.append(np.concatenate([encoding.ids, np.asarray([side.eos_id] if finished else [], np.int32)]))
-        fitted = FittedText(text, prompt_chars, bool(finished), False, tuple(encodings), text[prompt_chars:])
+        # What spaCy parses (FittedText.parse_text): with turns, special tokens read as line breaks.
+        parsed = special_tokens_as_breaks(text, decoded, maker.special_ids) if row.turns else text
+        fitted = FittedText(text, prompt_chars, bool(finished), False, tuple(encodings), parsed[prompt_chars:])
         return fitted, (row_ids[0], row_ids[1])
+
+
+def special_tokens_as_breaks(text: str, encoding: Encoding, special_ids: np.ndarray) -> str:
+    """``text`` with the characters of each special token of ``encoding`` (ids in
+    ``special_ids``) replaced by line breaks: the same length, so character offsets still hold."""
+    special = np.isin(encoding.ids, special_ids)
+    if not special.any():
+        return text
+    starts, ends = encoding.offsets[special, 0], encoding.offsets[special, 1]
+    lengths = ends - starts
+    # [characters of every special token] their positions, without a loop over tokens.
+    positions = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(lengths.sum())
+    chars = np.array(list(text), dtype=object)
+    chars[positions] = "\n"
+    return "".join(chars)
 
 
 # --------------------------------------------------------------------------- worker processes

@@ -88,11 +88,15 @@ class RowProblem:
     def describe(self, path: str | Path) -> str:
         return f"{path}:{self.line}: {self.message}"
 
-    def error(self, path: str | Path) -> MtaError:
-        return MtaError(f"{self.describe(path)} (fix the row, or pass --on-error skip to skip and count it)")
+    def error(self, path: str | Path, skip_hint: str | None = None) -> MtaError:
+        return MtaError(f"{self.describe(path)} (fix the row, or {skip_hint or SKIP_HINT})")
 
 
 Row = Example | RowProblem
+
+# How a command that reads rows skips the bad ones (`mta annotate`, `mta generate`, `mta embed`);
+# a caller without that option (`mta distill`) names its own way (``skip_hint``).
+SKIP_HINT = "pass --on-error skip to skip and count it"
 
 
 @dataclass(frozen=True)
@@ -260,13 +264,20 @@ def decode_line(raw: bytes) -> Any:
     try:
         record = json.loads(decoded)
     except json.JSONDecodeError as error:
-        return _Invalid(INVALID_JSON, f"malformed JSON at column {error.colno}: {error.msg}")
+        return _Invalid(INVALID_JSON, f"malformed JSON: {_json_problem(error)}")
     except ValueError as error:  # a number past Python's int digit limit (sys.get_int_max_str_digits)
         advice = " (write a number this long as a JSON string)" if "digits" in str(error) else ""
         return _Invalid(INVALID_JSON, f"unreadable JSON: {_one_line(error)}{advice}")
     if not isinstance(record, dict):
         return _Invalid(NOT_AN_OBJECT, f"expected a JSON object, got a {type(record).__name__} ({_preview(record)})")
     return record
+
+
+def _json_problem(error: json.JSONDecodeError) -> str:
+    """``Unterminated string starting at column 9`` / ``Expecting ',' delimiter at column 12``:
+    json's message (which leaves its position out) with the column, read as one sentence."""
+    where = "" if error.msg.endswith(" at") else " at"
+    return f"{error.msg}{where} column {error.colno}"
 
 
 def _one_line(error: Exception) -> str:

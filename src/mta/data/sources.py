@@ -46,6 +46,7 @@ from typing import Any
 
 from mta.data.prompts import ALPACA, PromptProblem, PromptStyle
 from mta.data.rows import (
+    SKIP_HINT,
     InputSummary,
     Row,
     RowProblem,
@@ -126,8 +127,10 @@ class InputSource:
             text += f" (columns read as: {_mapping(self.fields)})"
         return text
 
-    def error(self, problem: RowProblem) -> MtaError:
-        return MtaError(f"{self.describe(problem)} (fix the row, or pass --on-error skip to skip and count it)")
+    def error(self, problem: RowProblem, skip_hint: str | None = None) -> MtaError:
+        """The row's problem and its fix; ``skip_hint``: how the calling command skips bad rows
+        (default ``mta.data.rows.SKIP_HINT``, ``--on-error skip``)."""
+        return MtaError(f"{self.describe(problem)} (fix the row, or {skip_hint or SKIP_HINT})")
 
     def record(self, summary: InputSummary) -> dict[str, Any]:
         """The manifest's ``input``: path, sha256, rows, format (and fields, when mapped)."""

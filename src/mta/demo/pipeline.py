@@ -11,6 +11,8 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -84,23 +86,32 @@ def run_demo(
     """
     reporter = reporter or SilentReporter()
     paths = DemoPaths(Path(out_dir))
+    given = data_dir is not None
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    require_dolly(data_dir, given=given)  # before any work: the sets every later stage reads
     _claim(paths, settings, reporter)
+    stages = StageClock()
 
-    if teacher is None:
-        teacher = convert_smollm2(report=lambda line: reporter.message(f"teacher: {line}"))
-    teacher = Path(teacher)
-    if not (paths.student_init / "config.json").exists():
-        reporter.message(f"student: keeping {settings.student_layers} of the teacher's layers")
-        init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
+    with stages("teacher"):
+        if teacher is None:
+            teacher = convert_smollm2(report=lambda line: reporter.message(f"teacher: {line}"))
+        teacher = Path(teacher)
+    with stages("student"):
+        if not (paths.student_init / "config.json").exists():
+            reporter.message(f"student: keeping {settings.student_layers} of the teacher's layers")
+            init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
 
-    overrides = _path_overrides(teacher, paths) + [f"train.precision={settings.precision}"] + list(recipe_overrides)
-    base = load_recipe(recipe_path, overrides)
-    _sample_dolly(data_dir, paths, settings, base)
-    annotate = AnnotateSettings.from_recipe(base)
-    for split in ("train", "dev"):
-        reporter.message(f"annotate: Dolly {split} rows")
-        annotate_file(paths.data(split), paths.annotations(split), annotate)
+    overrides = _path_overrides(teacher, paths) + [f"train.precision={settings.precision}"]
+    if settings.dev_sample_tokens is not None:
+        overrides.append(f"train.sample_max_new_tokens={settings.dev_sample_tokens}")
+    overrides += list(recipe_overrides)
+    with stages("data"):
+        base = load_recipe(recipe_path, overrides)
+        _sample_dolly(data_dir, paths, settings, base)
+        annotate = AnnotateSettings.from_recipe(base)
+        for split in ("train", "dev"):
+            reporter.message(f"annotate: Dolly {split} rows")
+            annotate_file(paths.data(split), paths.annotations(split), annotate)
 
     finals, timings = {}, {}
     for variant in VARIANTS:
@@ -110,16 +121,21 @@ def run_demo(
             + [f"output_dir={paths.run(variant)}", f"train.max_steps={settings.train_steps}"]
             + list(variant.overrides),
         )
-        finals[variant.name], timings[variant.name] = _distill(recipe, variant, reporter)
+        with stages(f"train {variant.label}"):
+            finals[variant.name], timings[variant.name] = _distill(recipe, variant, reporter)
 
     checkpoints = {"teacher": teacher, "pruned-start": paths.student_init}
     checkpoints.update({variant.label: finals[variant.name] for variant in VARIANTS})
-    results = _evaluate(checkpoints, data_dir, paths, settings, reporter)
+    with stages("evaluate"):
+        results = _evaluate(checkpoints, data_dir, paths, settings, reporter)
     students = {label: Path(path) for label, path in checkpoints.items() if label != "teacher"}
-    results["inspect"] = inspect_students(
-        teacher, students, paths.annotations("dev"), paths.root, precision=settings.precision, reporter=reporter
-    )
+    with stages("inspect"):
+        results["inspect"] = inspect_students(
+            teacher, students, paths.annotations("dev"), paths.root, precision=settings.precision, reporter=reporter
+        )
     results["training_seconds"] = {v.label: timings[v.name] for v in VARIANTS}
+    # This session's wall time per stage (a stage reused from an earlier session: its check only).
+    results["stage_seconds"] = stages.seconds
     results["metrics"] = {v.label: str(paths.run(v) / "metrics.jsonl") for v in VARIANTS}
     results["settings"] = {"demo": asdict(settings), "recipe": str(recipe_path)}
     device = local_device()
@@ -130,6 +146,36 @@ def run_demo(
         "reason": auto_reason(device),
     }
     return results
+
+
+class StageClock:
+    """Wall seconds per stage of this session, in order: ``with clock("evaluate"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = round(self.seconds.get(stage, 0.0) + time.perf_counter() - started, 2)
+
+
+def require_dolly(data_dir: Path, *, given: bool) -> None:
+    """``MtaError`` before any work when ``data_dir`` lacks Dolly's train and dev files, naming
+    ``--data-dir`` when it was given, else ``MTA_DATA_DIR``."""
+    missing = [data_dir / "dolly" / f"{split}.jsonl" for split in ("train", "dev")]
+    missing = [path for path in missing if not path.is_file()]
+    if not missing:
+        return
+    source = f"--data-dir {data_dir}" if given else f"{data_dir} ($MTA_DATA_DIR, else ./data)"
+    raise MtaError(
+        f"the demo reads the instruction sets from {source}, which lacks {', '.join(map(str, missing))}: "
+        f"give {'another --data-dir' if given else '--data-dir DIR or set MTA_DATA_DIR'} holding dolly/, "
+        "self-inst/, vicuna/ and sinst/ (`mta data download` fetches them where the Hugging Face Hub is reachable)"
+    )
 
 
 def _claim(paths: DemoPaths, settings: DemoSettings, reporter: Reporter) -> None:

@@ -68,12 +68,32 @@ def pyplot():
     return plt
 
 
-def plot_training_losses(axes, runs: Mapping[str, Sequence[dict]], *, fontsize: int) -> None:
-    """One loss curve per run (``{label: train_records(...)}``) on ``axes``."""
+def plot_training_losses(
+    axes, runs: Mapping[str, Sequence[dict]], *, fontsize: int, colors: Mapping[str, str] | None = None
+) -> None:
+    """One loss curve per run (``{label: train_records(...)}``) on ``axes``, in the run's colour
+    (``colors``, the same in every panel). A run with one logged step is a point, not a curve, and
+    the title says so."""
+    single = all(len(train) < 2 for train in runs.values())
     for label, train in runs.items():
-        axes.plot([r["step"] for r in train], [r["loss"] for r in train], marker=".", label=label)
-    axes.set(title="training loss (each run's own objective)", xlabel="step", ylabel="loss")
+        axes.plot(
+            [r["step"] for r in train],
+            [r["loss"] for r in train],
+            marker="o" if len(train) < 2 else ".",
+            linestyle="none" if len(train) < 2 else "-",
+            label=label,
+            color=(colors or {}).get(label),
+        )
+    title = "training loss (each run's own objective)"
+    if single:
+        title += "\none logged step per run: no curve to draw"
+    axes.set(title=title, xlabel="step", ylabel="loss")
     axes.legend(fontsize=fontsize)
+
+
+def run_colors(labels: Sequence[str]) -> dict[str, str]:
+    """One colour per run, the same in every panel of a picture (matplotlib's cycle, in order)."""
+    return {label: f"C{index % 10}" for index, label in enumerate(labels)}
 
 
 def bar_positions(series: int, groups: int) -> tuple[float, list[list[float]]]:
@@ -97,9 +117,17 @@ def save_figure(figure, path: Path) -> None:
 BASE_VARIANT, MTA_VARIANT = "kd", "mta"  # the comparison that says what MTA adds to its base loss
 
 
+# Above this Dolly-dev perplexity a student has not learnt the language (the pruned start is in
+# the thousands, the teacher about 10): differences between such students are not findings.
+UNTRAINED_PERPLEXITY = 1000
+
+
 def perplexity_note(results: dict) -> str:
     """The sentence on Dolly-dev perplexity, from the figures: the teacher's and the start's, the
-    lowest of the students, and base + MTA against the base loss alone ("" without perplexity)."""
+    lowest of the students, and base + MTA against the base loss alone ("" without perplexity) —
+    a comparison only where it can mean something: not between students above
+    ``UNTRAINED_PERPLEXITY``, nor in a quick run."""
+    quick = results.get("settings", {}).get("demo", {}).get("name") == "quick"
     ppl = {
         label: run["perplexity"]["perplexity"]
         for label, run in results["checkpoints"].items()
@@ -116,11 +144,41 @@ def perplexity_note(results: dict) -> str:
         best = min(students, key=ppl.get)
         sentence += f"the lowest of the students is {best} ({ppl[best]:.2f})"
     base, mta = labels.get(BASE_VARIANT), labels.get(MTA_VARIANT)
-    if base in ppl and mta in ppl:
+    untrained = [label for label in students if ppl[label] > UNTRAINED_PERPLEXITY]
+    if untrained:
+        sentence += (
+            f". {', '.join(untrained)} {'is' if len(untrained) == 1 else 'are'} above {UNTRAINED_PERPLEXITY:,}: "
+            "such students have not learnt the language yet, so no comparison between them is drawn"
+        )
+    elif quick:
+        sentence += ". The quick run trains a few steps: its differences are not findings"
+    elif base in ppl and mta in ppl:
         change = 100 * (ppl[mta] / ppl[base] - 1)
         word = "lower" if change < 0 else "higher"
         sentence += f"; {mta} against {base}: {ppl[mta]:.2f} vs {ppl[base]:.2f} ({abs(change):.1f} % {word})"
     return sentence.rstrip("; ") + "."
+
+
+PLUMBING_CHECK = (
+    "**A plumbing check, not a result.** The quick run trains each student a few steps on a few rows "
+    "and evaluates one seed: it shows that every stage runs on this machine, not what MTA does. "
+    "`make demo` trains longer; `make evidence` asks whether MTA helps."
+)
+
+
+def stage_lines(seconds: Mapping[str, float]) -> list[str]:
+    """results.md's wall-time table: this session's seconds per stage (a stage reused from an
+    earlier session counts only its check)."""
+    if not seconds:
+        return []
+    body = [[stage, f"{value:.1f} s"] for stage, value in seconds.items()]
+    body.append(["all stages", f"{sum(seconds.values()):.1f} s"])
+    return [
+        "Wall time of this session, per stage (results.json: stage_seconds):",
+        "",
+        *markdown_table(["stage", "wall time"], body),
+        "",
+    ]
 
 
 def table(results: dict) -> tuple[list[str], list[list[str]]]:
@@ -163,6 +221,7 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
     demo = results["settings"]["demo"]
     lines = [
         *report_heading(f"mta demo ({demo['name']})", _precision(results), elapsed_seconds),
+        *([PLUMBING_CHECK, ""] if demo["name"] == "quick" else []),
         *markdown_table(header, body),
         "",
         f"ROUGE-L: F x 100, max over references, mean ± population std over seeds "
@@ -180,6 +239,7 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
     if note:
         lines += [note, ""]
     lines += inspect_lines(results)
+    lines += stage_lines(results.get("stage_seconds") or {})
     atomic_write_text(out_dir / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
     return write_report_files(out_dir, lines, lambda picture: plot_summary(results, picture))
 
@@ -187,17 +247,24 @@ def write_report(results: dict, out_dir: str | Path, elapsed_seconds: float) -> 
 def plot_summary(results: dict, path: Path) -> None:
     """Left: training loss of the three runs. Right: ROUGE-L per model and set, with std bars."""
     figure, (curves, bars) = pyplot().subplots(1, 2, figsize=(13, 4.8))
+    labels = list(results["checkpoints"])
+    colors = run_colors(labels)  # a run keeps its colour in both panels
     plot_training_losses(
-        curves, {label: train_records(metrics) for label, metrics in results["metrics"].items()}, fontsize=8
+        curves,
+        {label: train_records(metrics) for label, metrics in results["metrics"].items()},
+        fontsize=8,
+        colors=colors,
     )
 
-    labels = list(results["checkpoints"])
     set_names = list(next(iter(results["checkpoints"].values()))["sets"])
+    seeds = len(results["settings"]["demo"]["seeds"])
     width, positions = bar_positions(len(labels), len(set_names))
     for label, at in zip(labels, positions, strict=True):
         scores = [results["checkpoints"][label]["sets"][s]["rougeL"] for s in set_names]
-        bars.bar(at, [s["mean"] for s in scores], width, yerr=[s["std"] for s in scores], label=label, capsize=2)
+        spread = [s["std"] for s in scores] if seeds > 1 else None  # one seed: no spread to draw
+        bars.bar(at, [s["mean"] for s in scores], width, yerr=spread, label=label, capsize=2, color=colors[label])
     bars.set_xticks(range(len(set_names)), [BENCHMARKS[s].title for s in set_names])
-    bars.set(title="ROUGE-L (mean ± std over seeds)", ylabel="ROUGE-L")
+    title = "ROUGE-L (mean ± std over seeds)" if seeds > 1 else "ROUGE-L (one seed: no spread)"
+    bars.set(title=title, ylabel="ROUGE-L")
     bars.legend(fontsize=8)
     save_figure(figure, path)

@@ -56,7 +56,9 @@ class DemoSettings:
     name: str
     student_layers: int = 10
     train_steps: int = 32
-    dev_rows: int = 32  # dev loss during training
+    dev_rows: int = 32  # dev loss during training (at step 0 and at the end of each run)
+    # Tokens of each dev sample generation (train.sample_max_new_tokens); None: the recipe's (32).
+    dev_sample_tokens: int | None = None
     eval_limits: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int = 40
     seeds: tuple[int, ...] = (10, 20)
@@ -79,6 +81,10 @@ class DemoSettings:
         return cls(
             name="quick",
             train_steps=4,
+            # A 4-step run spent as long on its two dev passes (27 rows, both models, 2 samples of
+            # 32 tokens) as on its steps (cProfile of `mta demo --quick`, issue 50): a few rows do.
+            dev_rows=8,
+            dev_sample_tokens=16,
             eval_limits={"dolly": 8, "self-inst": 8, "vicuna": 8, "sinst": 8},
             max_new_tokens=24,
             seeds=(10,),

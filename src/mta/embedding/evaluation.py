@@ -285,7 +285,7 @@ def score_task(task: EmbeddingTask, files: dict[str, Path], encode) -> dict:
         try:
             from sklearn.linear_model import LogisticRegression
         except ImportError as error:
-            raise _Unavailable("scikit-learn is not installed (pip install 'mta[embed]')") from error
+            raise _Unavailable("scikit-learn is not installed (pip install 'mta-distill[embed]')") from error
         train, test = _read_csv(files["train"], ("text", "label")), _read_csv(files["test"], ("text", "label"))
         classifier = LogisticRegression(random_state=42, n_jobs=1, max_iter=200)
         classifier.fit(encode(train["text"]).numpy(), train["label"])

@@ -23,6 +23,7 @@ LLM_ONLY_TRAIN_KEYS = (
     "sample_max_new_tokens",
     "save_generated",
     "select_rows",
+    "loss_reduction",  # TALAS's in-batch contrastive terms are per micro batch
 )
 
 

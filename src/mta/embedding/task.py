@@ -26,6 +26,7 @@ class EmbeddingTask(Task):
     group_factor = 1
     samples_dev_prompts = False  # an encoder generates nothing
     reference_padding = False  # loss.reference_code is MTA's, an LLM recipe's
+    global_reduction = False  # SimCSE's and LASD's in-batch comparisons are per micro batch
 
     def build_run(
         self, recipe: EmbeddingRecipe, reporter: Reporter, *, resume: str | None = None, overwrite: bool = False
@@ -62,7 +63,7 @@ def embedding_card_facts(recipe: EmbeddingRecipe) -> CardFacts:
         "pooling is cls_attention (the module is `cls_attention_pooling.py` here); "
         "`sha256sum -c checksums.sha256` verifies its files.",
         loss=loss_terms(terms) + (" with ASAM" if recipe.train.asam is not None else ""),
-        teacher=describe_model(recipe.teacher)
+        teacher=describe_model(recipe.teacher, recipe)
         if recipe.teacher is not None
         else f"its stored embeddings in `{recipe.data.train}`",
         data_limits=f"at most {recipe.data.max_length} tokens",

@@ -1,4 +1,4 @@
-"""MTA's terms inside TRL's ``DistillationTrainer`` (``pip install 'mta[trl]'``; docs/trl.md).
+"""MTA's terms inside TRL's ``DistillationTrainer`` (``pip install 'mta-distill[trl]'``; docs/trl.md).
 
 :class:`MTADistillationTrainer` is TRL's on-policy ``DistillationTrainer`` (its generalised JSD as
 the base loss, its generation, PEFT, accelerate) with DSA + HRA (docs/method.md §3) added on the
@@ -13,8 +13,13 @@ same forwards:
   result is awaited only after both forwards of that micro batch, so parsing overlaps the models.
 - DSA and HRA are :meth:`mta.MTALoss.alignment` on TRL's own layout (prompts left-padded,
   completions right-padded): each row's spans are shifted by its prompt padding, nothing is
-  copied or re-laid. The term is ``dsa_weight·DSA + hra_weight·HRA``, divided by the gradient
-  accumulation steps in training (TRL's loss is already scaled for them), added to TRL's loss.
+  copied or re-laid. The term is ``dsa_weight·DSA + hra_weight·HRA`` added to TRL's loss; in
+  training each micro batch's per-sequence sums are divided by the sequences of TRL's generation
+  batch (over every process, per process), as TRL divides its token sums by that batch's tokens,
+  so the gradient is the same however the batch is split into micro batches and processes.
+- Both weights 0: TRL's trainer, step for step (no hidden states, spans, projectors or logs).
+- Completions are parsed whole, their special tokens (the end of turn and the tool's reply of a
+  tool-calling conversation) read as line breaks: span boundaries (``GeneratedRow.turns``).
 - The HRA projectors are a submodule of the trained student (``mta_projectors``, attached before
   accelerate wraps it), so DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 reduce, partition and shard them
   with the student; they get their own AdamW parameter group (``projector_lr``, no weight decay),
@@ -224,8 +229,7 @@ class MTADistillationTrainer(DistillationTrainer):
         )
         check_engine(self, section)
         self.mta_section = section
-        # Both weights 0: TRL's trainer exactly (no hidden states, spans, projectors or mta/* logs;
-        # issue 48 defines this mode, the sharded tests compare it with TRL's under each engine).
+        # Both weights 0: TRL's trainer exactly (no hidden states, spans, projectors or mta/* logs).
         self.mta_on = bool(section.dsa_weight or section.hra_weight)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         _check_same_tokenizer(tokenizer, self.teacher_model)
@@ -262,6 +266,7 @@ class MTADistillationTrainer(DistillationTrainer):
         self._span_parser: SpanParser | None = None
         self._mta_hidden: dict[str, tuple[torch.Tensor, ...]] = {}
         self._mta_parsed: object = None  # the buffered generation batch whose spans are submitted
+        self._mta_sequences: float | None = None  # that batch's rows over all processes / processes
         self.add_callback(CloseSpanParser(self))
 
     # ----------------------------------------------------------------------- spans
@@ -300,6 +305,7 @@ class MTADistillationTrainer(DistillationTrainer):
                 completion,
                 finished=bool(completion) and completion[-1] == eos,
                 id=index,
+                turns=True,  # a tool-calling completion holds end-of-turn tokens: span boundaries
             )
             for index, (prompt, completion) in enumerate(zip(prompts, completions, strict=True))
         ]
@@ -332,7 +338,11 @@ class MTADistillationTrainer(DistillationTrainer):
         inputs = super()._prepare_inputs(generation_batch)
         if self.mta_on and self.model.training and self._buffered_inputs is not self._mta_parsed:
             # A new generation batch: submit every micro batch's spans now; each is awaited
-            # after its own forwards (spans_of).
+            # after its own forwards (spans_of). Its rows over every process divide the MTA
+            # term's per-sequence sums, as its tokens divide TRL's (num_items_in_batch).
+            rows = sum(len(micro_batch["prompt_ids"]) for micro_batch in self._buffered_inputs)
+            total = self.accelerator.gather(torch.tensor([rows], device=self.accelerator.device)).sum()
+            self._mta_sequences = float(total) / self.accelerator.num_processes  # DDP averages
             for micro_batch in self._buffered_inputs:
                 micro_batch[PENDING] = self.span_parser.submit(self.generated_rows(micro_batch))
             self._mta_parsed = self._buffered_inputs
@@ -353,37 +363,21 @@ class MTADistillationTrainer(DistillationTrainer):
         mm_token_type_ids=None,
         image_position_ids=None,
     ):
+        options = dict(
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            pixel_attention_mask=pixel_attention_mask,
+            spatial_shapes=spatial_shapes,
+            image_sizes=image_sizes,
+            token_type_ids=token_type_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_position_ids=image_position_ids,
+        )
         if not self.mta_on:
-            return super()._get_last_hidden_state(
-                unwrapped_model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                pixel_values=pixel_values,
-                image_grid_thw=image_grid_thw,
-                pixel_attention_mask=pixel_attention_mask,
-                spatial_shapes=spatial_shapes,
-                image_sizes=image_sizes,
-                token_type_ids=token_type_ids,
-                mm_token_type_ids=mm_token_type_ids,
-                image_position_ids=image_position_ids,
-            )
+            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep, **options)
         side = "teacher" if unwrapped_model is self.accelerator.unwrap_model(self.teacher_model) else "student"
         with all_hidden_states(unwrapped_model) as captured:
-            last = super()._get_last_hidden_state(
-                unwrapped_model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                pixel_values=pixel_values,
-                image_grid_thw=image_grid_thw,
-                pixel_attention_mask=pixel_attention_mask,
-                spatial_shapes=spatial_shapes,
-                image_sizes=image_sizes,
-                token_type_ids=token_type_ids,
-                mm_token_type_ids=mm_token_type_ids,
-                image_position_ids=image_position_ids,
-            )
+            last = super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep, **options)
         self._mta_hidden[side] = captured["hidden_states"]
         return last
 
@@ -392,24 +386,28 @@ class MTADistillationTrainer(DistillationTrainer):
             return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
         self._mta_hidden = {}
         loss, entropy_sum, valid = super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
-        terms = self.mta_terms(inputs)
+        # Training: each term is this micro batch's per-sequence sum over the generation batch's
+        # sequences (per process), so the micro batches add up to its per-sequence mean however
+        # it is split, as TRL's token sums over num_items_in_batch add up to its token mean.
+        # Evaluation: this batch's own means.
+        sequences = self._mta_sequences if self.model.training else None
+        terms = self.mta_terms(inputs, sequences)
         mode = "train" if self.model.training else "eval"
+        # Logged per micro batch, and averaged when logged: the generation batch's mean.
+        share = len(self._buffered_inputs) if sequences is not None else 1
         for name, value in terms.items():
-            self._metrics[mode][f"mta/{name}"].append(value.item())
-        # TRL's loss is already scaled for gradient accumulation: the term is scaled alike.
-        steps = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-        scale = steps if self.model.training else 1
+            self._metrics[mode][f"mta/{name}"].append(value.item() * share)
         self._mta_hidden = {}
-        return loss + terms["total"].to(loss.dtype) / scale, entropy_sum, valid
+        return loss + terms["total"].to(loss.dtype), entropy_sum, valid
 
-    def mta_terms(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def mta_terms(self, inputs: Mapping[str, Any], num_sequences: float | None = None) -> dict[str, torch.Tensor]:
         """``{"dsa", "hra", "total"}`` of the micro batch, from the hidden states its two
-        forwards left (``total`` weighted, unscaled for accumulation)."""
+        forwards left (``total`` weighted); num_sequences: as :meth:`mta.MTALoss.alignment`'s."""
         if self.mta_loss is None or set(self._mta_hidden) != {"student", "teacher"}:
             raise RuntimeError("both forwards must run before MTA's terms (TRL's _compute_loss changed?)")
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         return self.mta_loss.alignment(
-            self._mta_hidden["student"], self._mta_hidden["teacher"], mask, mask, self.spans_of(inputs)
+            self._mta_hidden["student"], self._mta_hidden["teacher"], mask, mask, self.spans_of(inputs), num_sequences
         )
 
     # ----------------------------------------------------------------------- the projectors

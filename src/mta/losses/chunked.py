@@ -8,6 +8,9 @@ in fp32, and keeps only the gradient, in the logits' own dtype; backward just sc
 The reduction is the mean over response tokens, or, given ``token_weights`` ``[batch, seq]``,
 the weighted sum ``Σ w[b, t] · loss[b, t]`` over the response positions (a caller builds a
 per-sequence mean from it, e.g. ``w = 1 / tokens in row b / rows``). Weights are constants.
+``num_items_in_batch`` replaces the batch's own token count as the divisor (Hugging Face's name):
+given the token count of a whole accumulation window, micro batches' losses add up to the
+window's token mean (docs/method.md §5, "Reduction").
 """
 
 from __future__ import annotations
@@ -36,15 +39,19 @@ class _ChunkedTokenLoss(torch.autograd.Function):
         vocab_size: int,
         chunk_size: int,
         token_weights: torch.Tensor | None = None,
+        num_items_in_batch: float | None = None,
     ) -> torch.Tensor:
         # (row, position) of each response token. Indexing the 3-d logits directly keeps a
         # sliced, non-contiguous view (``logits[:, :-1]``) from being copied whole by a reshape.
         rows, columns = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
         num_tokens = rows.numel()
         wants_grad = ctx.needs_input_grad[0]
-        # Weighted sum (divisor 1) or plain token mean (divisor: the token count).
+        # Weighted sum (divisor 1), a sum over a count given from outside, or the token mean.
         weights = None if token_weights is None else token_weights[rows, columns].float()
-        divisor = 1 if weights is not None else max(num_tokens, 1)
+        if num_items_in_batch is not None:
+            divisor: float = num_items_in_batch
+        else:
+            divisor = 1 if weights is not None else max(num_tokens, 1)
 
         total = torch.zeros((), dtype=torch.float32, device=student_logits.device)
         grad_rows = (
@@ -82,7 +89,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             # scale is a 0-dim float tensor: the product keeps grad_rows' dtype, which is grad's.
             grad[rows, columns, : ctx.vocab_size] = grad_rows * scale
         # The teacher is a constant of the loss: no gradient flows to it.
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def chunked_token_loss(
@@ -94,6 +101,7 @@ def chunked_token_loss(
     vocab_size: int,
     chunk_size: int,
     token_weights: torch.Tensor | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean of ``token_loss`` over the positions whose label is not ``-100``.
 
@@ -105,11 +113,16 @@ def chunked_token_loss(
     token_weights ``[batch, seq]`` (optional, read only where the label is not ``-100``; no
     gradient flows to it): return ``Σ token_weights · token_loss`` over those positions
     instead of their mean. None (default) keeps the plain token mean.
+
+    num_items_in_batch (optional, > 0): divide the (weighted) sum by this instead, e.g. the
+    response tokens of the whole global batch, so that micro batches' values and gradients add
+    up to the global batch's mean.
     """
     if token_weights is not None and token_weights.shape != labels.shape:
         raise MtaError(f"token_weights {tuple(token_weights.shape)} must match labels {tuple(labels.shape)}")
+    divisor = item_count(num_items_in_batch)
     return _ChunkedTokenLoss.apply(
-        student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size, token_weights
+        student_logits, teacher_logits, labels, token_loss, vocab_size, chunk_size, token_weights, divisor
     )
 
 
@@ -266,3 +279,15 @@ def chunked_unit_loss(
         vocab_sizes,
         chunk_size,
     )
+
+
+def item_count(count: float | torch.Tensor | None, name: str = "num_items_in_batch") -> float | None:
+    """A divisor given from outside (a number, or a one-element tensor as Hugging Face's
+    ``num_items_in_batch`` is) as a float; it must be positive. None stays None (the batch's own
+    count)."""
+    if count is None:
+        return None
+    value = float(count.item()) if isinstance(count, torch.Tensor) else count
+    if not (isinstance(value, int | float) and value > 0):
+        raise MtaError(f"{name} must be a positive number (the global batch's count), got {count!r}")
+    return float(value)

@@ -10,7 +10,9 @@ distribution at temperature τ at each response position, and sg the stop-gradie
             +   β   · mean_{rejected rows}[mean_{t in row} SRKL(t)]
 
 Each row is averaged over its own response tokens, then over the rows of its kind that have
-at least one response token (a row without one counts nowhere). For a batch of P pairs this is
+at least one response token (a row without one counts nowhere); given ``num_pairs`` (the pairs
+of the whole global batch), each kind's row sum is divided by it instead, so micro batches add
+up to the global batch's loss (a row without a response token then adds 0). For a batch of P pairs this is
 the public trainer's ``((2−β)·chosen_kl + β·rejected_kl).mean()`` over pairs, exactly.
 
 Source: ``jongwooko/distillm-2`` ``src/distillm_trainer.py`` (``loss_type == "distillm_v2"``:
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from mta.errors import MtaError
-from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
+from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss, item_count
 from mta.losses.divergences import check_unit_interval, kl, log_mixture
 from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
 
@@ -101,13 +103,16 @@ class DistiLLM2Loss(nn.Module):
         teacher_logits: torch.Tensor | None,
         labels: torch.Tensor,
         chosen: torch.Tensor,
+        num_pairs: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (already
         shifted: position t predicts ``labels[:, t]``), labels ``[batch, seq]`` with -100 off the
         response, chosen ``[batch]`` bool (True: the teacher's response, False: the student's).
+        num_pairs (optional, > 0): divide each kind's sum of row means by this (the global
+        batch's pairs) instead of by this batch's rows of that kind.
         Returns an fp32 scalar; the gradient flows to ``student_logits`` only."""
         vocab_size = self._check(student_logits, teacher_logits, labels, chosen)
-        kind, weights = self._kinds_and_weights(labels, chosen)
+        kind, weights = self._kinds_and_weights(labels, chosen, num_pairs)
         return chunked_token_loss(
             self._token_loss,
             student_logits,
@@ -125,6 +130,7 @@ class DistiLLM2Loss(nn.Module):
         teacher: TeacherSide | None,
         labels: torch.Tensor,
         chosen: torch.Tensor,
+        num_pairs: float | torch.Tensor | None = None,
     ) -> LossSum:
         """The same loss from the student's final hidden states ``[batch, seq, d]`` and LM head and
         the teacher's side at those positions (``mta.losses.fused_head``), the logits formed a chunk
@@ -140,7 +146,7 @@ class DistiLLM2Loss(nn.Module):
             raise MtaError(
                 f"hidden states {tuple(student_hidden.shape)} do not cover the labels' positions {tuple(labels.shape)}"
             )
-        kind, weights = self._kinds_and_weights(labels, chosen)
+        kind, weights = self._kinds_and_weights(labels, chosen, num_pairs)
         rows, columns = response_positions(kind)
         return fused_head_loss(
             self._token_loss,
@@ -153,14 +159,21 @@ class DistiLLM2Loss(nn.Module):
             token_weights=weights[rows, columns],
         )
 
-    def _kinds_and_weights(self, labels: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[batch, seq]`` each: the kind of every position that counts (-100 elsewhere) and its weight."""
+    def _kinds_and_weights(
+        self, labels: torch.Tensor, chosen: torch.Tensor, num_pairs: float | torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, seq]`` each: the kind of every position that counts (-100 elsewhere) and its
+        weight (each kind's row means over ``num_pairs``, or this batch's rows of that kind)."""
+        pairs = item_count(num_pairs, "num_pairs")
         chosen = chosen.to(labels.device)
         response = labels != IGNORE_INDEX  # [batch, seq]
         tokens = response.sum(dim=1)  # [batch]
         has_tokens = tokens > 0
-        rows_chosen = (has_tokens & chosen).sum().clamp(min=1)
-        rows_rejected = (has_tokens & ~chosen).sum().clamp(min=1)
+        if pairs is None:
+            rows_chosen = (has_tokens & chosen).sum().clamp(min=1)
+            rows_rejected = (has_tokens & ~chosen).sum().clamp(min=1)
+        else:
+            rows_chosen = rows_rejected = torch.tensor(pairs, device=labels.device)
         row_weight = torch.where(chosen, (2.0 - self.beta) / rows_chosen, self.beta / rows_rejected) / tokens.clamp(
             min=1
         )  # [batch]

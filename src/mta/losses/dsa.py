@@ -35,6 +35,7 @@ def dynamic_structural_alignment(
     *,
     reduction: Reduction = "sequence",
     pair_weights: PairWeights = "salience",
+    num_sequences: float | None = None,
 ) -> torch.Tensor:
     """Salience-weighted squared difference of the two span similarity matrices.
 
@@ -49,9 +50,14 @@ def dynamic_structural_alignment(
     The authors' code (docs/method.md §8): ``reduction="batch"`` is one weighted mean over the
     intra-sequence pairs of the whole batch; ``pair_weights="uniform"`` (their uniform-weights
     ablation) weighs every pair of spans with positive salience 1. Other values: ValueError.
+
+    num_sequences (``reduction="sequence"`` only): divide the sum of the per-sequence values by
+    this, the sequences of the whole global batch, instead of by the contributing ones here, so
+    that micro batches add up to the global batch's mean (a sequence without a pair adds 0).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    check_sequence_count(num_sequences, reduction)
     if pair_weights not in PAIR_WEIGHTS:
         raise ValueError(f"pair_weights must be one of {PAIR_WEIGHTS}, not {pair_weights!r}")
     mask = span_mask.bool()
@@ -72,5 +78,22 @@ def dynamic_structural_alignment(
 
     # The pair weights are masked and off the diagonal: a positive sum means two masked spans.
     contributes = weight_sum > 0
-    # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.
-    return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)
+    return sequence_mean(per_sequence, contributes, num_sequences)
+
+
+def check_sequence_count(num_sequences: float | None, reduction: str) -> None:
+    """``num_sequences`` is a positive count, given only with the per-sequence reduction."""
+    if num_sequences is None:
+        return
+    if reduction != "sequence":
+        raise ValueError(f"num_sequences divides per-sequence values: it needs reduction='sequence', not {reduction!r}")
+    if not num_sequences > 0:
+        raise ValueError(f"num_sequences must be positive (the global batch's sequences), got {num_sequences}")
+
+
+def sequence_mean(per_sequence: torch.Tensor, contributes: torch.Tensor, num_sequences: float | None) -> torch.Tensor:
+    """``[batch]`` values and ``[batch]`` bool -> the mean over the contributing sequences, or
+    their sum over ``num_sequences`` when given. No host sync; with no contributor a zero that
+    keeps the graph."""
+    total = (per_sequence * contributes).sum()
+    return total / (contributes.sum().clamp(min=1) if num_sequences is None else num_sequences)

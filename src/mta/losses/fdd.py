@@ -99,6 +99,7 @@ class FeatureDynamicsLoss(nn.Module):
         student_lens: Lens,
         teacher_lens: Lens,
         mask: torch.Tensor,
+        num_positions: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """student_states: K tensors ``[batch, seq, d_s]``, the student's hidden states at the K
         pair layers in order of depth; teacher_states: K tensors ``[batch, seq, d_t]``, the same
@@ -106,13 +107,17 @@ class FeatureDynamicsLoss(nn.Module):
         side's hidden states in their own dtype, and its logits are cast to fp32 per chunk. The
         teacher lens always runs under ``no_grad``; gradients reach the student's states and the
         parameters inside ``student_lens``, never the teacher. mask: ``[batch, seq]`` bool (or 0/1
-        integers), the positions that count.
+        integers), the positions that count. num_positions (optional, > 0): divide the sums over
+        the positions by this (the masked positions of the whole global batch) instead of by this
+        batch's, so micro batches add up to the global batch's mean.
 
         Returns fp32 scalars ``{"fdd_trajectory", "fdd_dynamics", "fdd"}`` (all 0, with zero
         gradients, when the mask selects no position; ``fdd_dynamics`` is 0 when K = 1).
         """
         student_states, teacher_states = list(student_states), list(teacher_states)
         mask = self._check(student_states, teacher_states, mask)
+        if num_positions is not None and not num_positions > 0:
+            raise MtaError(f"num_positions must be positive (the global batch's positions), got {num_positions}")
         pairs = len(student_states)
 
         rows, columns = mask.nonzero(as_tuple=True)
@@ -136,7 +141,7 @@ class FeatureDynamicsLoss(nn.Module):
             trajectory = trajectory + chunk_trajectory
             dynamics = dynamics + chunk_dynamics
 
-        tokens = max(num_tokens, 1)
+        tokens = max(num_tokens, 1) if num_positions is None else num_positions
         trajectory = trajectory / (tokens * pairs)
         dynamics = dynamics / (tokens * (pairs - 1)) if pairs > 1 else dynamics
         return {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mta.losses.dsa import REDUCTIONS, Reduction
+from mta.losses.dsa import REDUCTIONS, Reduction, check_sequence_count, sequence_mean
 
 WEIGHT_EPS = 1e-12
 
@@ -17,6 +17,7 @@ def hidden_representation_alignment(
     mask: torch.Tensor,
     *,
     reduction: Reduction = "sequence",
+    num_sequences: float | None = None,
 ) -> torch.Tensor:
     """Weighted cosine distance between aligned positions.
 
@@ -29,9 +30,12 @@ def hidden_representation_alignment(
     with at least one item (and positive weight), or a graph-carrying zero when there is none.
     ``reduction="batch"``: one ``Σ w (1 − cos) / Σ w`` over the masked items of the whole batch
     (the authors' uniform-weights ablation, docs/method.md §8). Another ``reduction``: ValueError.
+    num_sequences (``"sequence"`` only): the sum of the per-sequence values over this count (the
+    global batch's sequences) instead of the mean over the contributing ones here.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    check_sequence_count(num_sequences, reduction)
     mask = mask.bool()
     weights = weights.float() * mask  # [batch, items]
     # cosine_similarity's own eps (1e-8) keeps a zero vector's distance finite.
@@ -41,5 +45,4 @@ def hidden_representation_alignment(
     weight_sum = weights.sum(dim=1)
     per_sequence = (weights * distance).sum(dim=1) / weight_sum.clamp(min=WEIGHT_EPS)
     contributes = weight_sum > 0  # the weights are masked: a positive sum means a masked item
-    # Masked mean without a host sync; with no contributor it is a zero that keeps the graph.
-    return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)
+    return sequence_mean(per_sequence, contributes, num_sequences)

@@ -2,7 +2,10 @@
 
 docs/method.md §5, with p the teacher and q the student distribution at temperature τ (no τ² factor):
 each loss is the sum over the vocabulary per token, then the mean over every response token
-of the batch, the DistiLLM/torchtune convention (so ``ce`` is the usual causal-LM loss).
+of the batch, the DistiLLM/torchtune convention (so ``ce`` is the usual causal-LM loss). Given
+``num_items_in_batch`` (the response tokens of the whole global batch), the sum over this batch's
+tokens is divided by it instead: micro batches' losses and gradients then add up to the global
+batch's, whatever the split (Hugging Face's convention and name).
 
 Inputs are aligned: ``student_logits[b, t]`` predicts ``labels[b, t]`` (the caller shifts),
 ``-100`` marks a position that is not a response token. Only the first ``vocab_size`` logits
@@ -52,9 +55,11 @@ class BaseLoss(nn.Module):
         student_logits: torch.Tensor,
         teacher_logits: torch.Tensor | None,
         labels: torch.Tensor,
+        num_items_in_batch: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (None for
-        ``ce``), labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens."""
+        ``ce``), labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens, or their
+        sum divided by ``num_items_in_batch`` when given (> 0)."""
         widths = [student_logits.shape[-1]]
         if self.needs_teacher:
             if teacher_logits is None:
@@ -80,6 +85,7 @@ class BaseLoss(nn.Module):
             labels,
             vocab_size=vocab_size,
             chunk_size=self.chunk_size,
+            num_items_in_batch=num_items_in_batch,
         )
 
     def from_hidden(
@@ -184,7 +190,11 @@ class SkewReverseKL(_Skewed):
 
 
 class JensenShannon(DistributionLoss):
-    """Generalised JSD: ``β KL(p ‖ m) + (1−β) KL(q ‖ m)`` with ``m = βp + (1−β)q`` (β = 0.5)."""
+    """Generalised JSD: ``β KL(p ‖ m) + (1−β) KL(q ‖ m)`` with ``m = βp + (1−β)q`` (β = 0.5).
+
+    At the ends, where that formula is 0 for every q, β = 0 is the forward ``KL(p ‖ q)`` and β = 1
+    the reverse ``KL(q ‖ p)``: the limits of the JSD divided by β and by 1 − β, and what TRL's
+    ``generalized_jsd_loss`` (and its ``DistillationConfig.beta``, default 1.0) mean by them."""
 
     def __init__(self, *, jsd_beta: float = 0.5, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -192,6 +202,10 @@ class JensenShannon(DistributionLoss):
         self.jsd_beta = jsd_beta
 
     def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        if self.jsd_beta == 0.0:
+            return kl(log_p, log_q)
+        if self.jsd_beta == 1.0:
+            return kl(log_q, log_p)
         log_m = log_mixture(log_p, log_q, self.jsd_beta)
         return self.jsd_beta * kl(log_p, log_m) + (1.0 - self.jsd_beta) * kl(log_q, log_m)
 

@@ -15,7 +15,7 @@ no loop over spans or tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mta.errors import MtaError
 from mta.losses.divergences import kl
-from mta.losses.dsa import COS_EPS, WEIGHT_EPS, dynamic_structural_alignment
+from mta.losses.dsa import COS_EPS, WEIGHT_EPS, dynamic_structural_alignment, sequence_mean
 from mta.losses.pooling import MASS_EPS
 from mta.losses.span_masks import SpanBatch, span_token_mask
 from mta.losses.trajectory import apply_projector, projector_at
@@ -155,16 +155,18 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (F.normalize(a.float(), dim=-1, eps=COS_EPS) * F.normalize(b.float(), dim=-1, eps=COS_EPS)).sum(-1)
 
 
-def _sequence_mean(per_span: torch.Tensor, span_weights: torch.Tensor) -> torch.Tensor:
+def _sequence_mean(
+    per_span: torch.Tensor, span_weights: torch.Tensor, num_sequences: float | None = None
+) -> torch.Tensor:
     """``Σ_k w̃_k x_k`` per sequence (``w̃`` normalised over its spans), averaged over the
-    sequences with positive weight; a zero that keeps the graph when none has any.
+    sequences with positive weight, or summed over ``num_sequences`` (the global batch's
+    sequences) when given; a zero that keeps the graph when none has any.
 
     per_span, span_weights: ``[batch, spans]``.
     """
     total = span_weights.sum(dim=1, keepdim=True)
     per_sequence = (per_span * span_weights / total.clamp(min=WEIGHT_EPS)).sum(dim=1)
-    contributes = total.squeeze(1) > 0
-    return (per_sequence * contributes).sum() / contributes.sum().clamp(min=1)
+    return sequence_mean(per_sequence, total.squeeze(1) > 0, num_sequences)
 
 
 class SpanRepresentationLoss(nn.Module):
@@ -175,7 +177,9 @@ class SpanRepresentationLoss(nn.Module):
     geometry_weight, logit_weight: the terms' weights in ``sra`` (port: 50 and 1).
     temperature: of the span-logit KL (port: ``--kd-temperature``, default 1; no ``T²`` factor).
     chunk_size: span centres per head application of the span-logit KL (``loss.chunk_size``): the
-    ``[spans, shared vocabulary]`` logits exist a chunk at a time, recomputed in backward.
+    ``[spans, shared vocabulary]`` logits exist a chunk at a time, recomputed in backward. None:
+    one application over every span, however many (a ZeRO-3-partitioned head is gathered at each
+    application, so every process must apply it equally often whatever its span count).
     """
 
     def __init__(
@@ -187,10 +191,10 @@ class SpanRepresentationLoss(nn.Module):
         geometry_weight: float = GEOMETRY_WEIGHT,
         logit_weight: float = LOGIT_WEIGHT,
         temperature: float = 1.0,
-        chunk_size: int = 128,
+        chunk_size: int | None = 128,
     ) -> None:
         super().__init__()
-        if chunk_size < 1:
+        if chunk_size is not None and chunk_size < 1:
             raise MtaError(f"chunk_size must be at least 1, got {chunk_size}")
         self.chunk_size = chunk_size
         if num_pairs < 1:
@@ -216,6 +220,7 @@ class SpanRepresentationLoss(nn.Module):
         student_head: Head | None = None,
         teacher_head: Head | None = None,
         shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_sequences: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """The SRA terms for one batch.
 
@@ -226,7 +231,9 @@ class SpanRepresentationLoss(nn.Module):
         (e.g. the response's). student_head / teacher_head: ``head(hidden [n, d], ids [k])`` -> that
         side's logits ``[n, k]`` at those vocabulary ids (:data:`Head`); shared_vocab:
         ``(student_ids [k], teacher_ids [k])`` from :func:`shared_vocabulary`, or None to switch the
-        logit term off.
+        logit term off. num_sequences: the global batch's sequences: each term's per-sequence
+        values summed over it (micro batches add up to the global batch's mean) instead of
+        averaged over this batch's contributing sequences.
         Returns fp32 scalars ``{"sra_span", "sra_geometry", "sra_logit", "sra"}``.
         """
         if len(student_states) != self.num_pairs or len(teacher_states) != self.num_pairs:
@@ -248,12 +255,12 @@ class SpanRepresentationLoss(nn.Module):
             student = torch.bmm(student_matrix, student_states[index].float())
             teacher = torch.bmm(teacher_matrix, teacher_states[index].detach().float())
             projected = apply_projector(projector_at(self.projectors, index), student)
-            span_terms.append(_sequence_mean(1.0 - _cosine(projected, teacher), span_weights))
+            span_terms.append(_sequence_mean(1.0 - _cosine(projected, teacher), span_weights, num_sequences))
         span_loss = torch.stack(span_terms).mean()
 
         # Last pair, raw student centres (no projector): DSA normalises the weights itself and
         # excludes the diagonal; sequences with fewer than two spans in scope add nothing.
-        geometry = dynamic_structural_alignment(student, teacher, span_weights, in_scope)
+        geometry = dynamic_structural_alignment(student, teacher, span_weights, in_scope, num_sequences=num_sequences)
 
         terms = {"sra_span": span_loss, "sra_geometry": geometry}
         total = span_loss + self.geometry_weight * geometry
@@ -272,6 +279,7 @@ class SpanRepresentationLoss(nn.Module):
                 student_head,
                 teacher_head,
                 shared_vocab,
+                num_sequences,
             )
             terms["sra_logit"] = logit
             total = total + self.logit_weight * logit
@@ -289,6 +297,7 @@ class SpanRepresentationLoss(nn.Module):
         student_head: Head,
         teacher_head: Head,
         shared_vocab: tuple[torch.Tensor, torch.Tensor],
+        num_sequences: float | None = None,
     ) -> torch.Tensor:
         """Weighted ``KL(teacher ‖ student)`` over the shared vocabulary, on in-scope spans only.
 
@@ -313,16 +322,17 @@ class SpanRepresentationLoss(nn.Module):
                 (student_logits / temperature).log_softmax(dim=1),
             )
 
-        # chunk_size centres at a time, each chunk's logits recomputed in backward (not kept).
-        pieces = zip(
-            student[rows].to(student_dtype).split(self.chunk_size),
-            teacher[rows].to(teacher_dtype).split(self.chunk_size),
-            strict=True,
-        )
+        # chunk_size centres at a time, each chunk's logits recomputed in backward (not kept); None:
+        # one application, also over no span, so that every process gathers a partitioned head once.
+        student_rows, teacher_rows = student[rows].to(student_dtype), teacher[rows].to(teacher_dtype)
+        if self.chunk_size is None:
+            pieces: Iterable[tuple[torch.Tensor, torch.Tensor]] = [(student_rows, teacher_rows)]
+        else:
+            pieces = zip(student_rows.split(self.chunk_size), teacher_rows.split(self.chunk_size), strict=True)
         per_chunk = [
             checkpoint(chunk_kl, s, t, use_reentrant=False) if torch.is_grad_enabled() else chunk_kl(s, t)
             for s, t in pieces
         ]
         per_row = torch.cat(per_chunk) if per_chunk else student.new_zeros(0)  # [n]
         per_span = torch.zeros_like(span_weights).masked_scatter(rows, per_row)
-        return _sequence_mean(per_span, span_weights)
+        return _sequence_mean(per_span, span_weights, num_sequences)

@@ -126,6 +126,7 @@ class TrajectoryAlignmentLoss(nn.Module):
         student_attention_mask: torch.Tensor,
         teacher_attention_mask: torch.Tensor,
         spans: Mapping[str, SpanBatch],
+        num_sequences: float | None = None,
     ) -> dict[str, torch.Tensor]:
         """Layer-mean DSA and HRA for one batch.
 
@@ -133,8 +134,17 @@ class TrajectoryAlignmentLoss(nn.Module):
         teacher_hidden_states: indexable by layer, each ``[batch, seq_t, d_teacher]``.
         student_attention_mask ``[batch, seq_s]``, teacher_attention_mask ``[batch, seq_t]``.
         spans: ``{"word": SpanBatch, "phrase": SpanBatch}`` (the granularities in use).
+        num_sequences: the sequences of the whole global batch: each term is then the sum of its
+        per-sequence values over this count (micro batches add up to the global batch's mean)
+        instead of the mean over this batch's contributing sequences. Not with ``reference_code``
+        (the authors' one pool per micro batch).
         Returns ``{"dsa": scalar, "hra": scalar}`` in fp32 (the terms asked for).
         """
+        if num_sequences is not None and self.reference_code:
+            raise MtaError(
+                "reference_code pools DSA and HRA over each micro batch as the authors' code does; it has no "
+                "global-batch form: use train.loss_reduction=micro_batch (or no num_sequences)"
+            )
         student_len = student_attention_mask.shape[1]
         teacher_len = teacher_attention_mask.shape[1]
         if self.same_tokenizer and student_len != teacher_len:
@@ -189,6 +199,7 @@ class TrajectoryAlignmentLoss(nn.Module):
                         span_mask,
                         reduction=self._dsa_reduction,
                         pair_weights=self._dsa_pair_weights,
+                        num_sequences=num_sequences,
                     )
                 )
             if "hra" in terms and self.same_tokenizer:
@@ -198,6 +209,7 @@ class TrajectoryAlignmentLoss(nn.Module):
                         teacher_hidden,
                         teacher_weights[teacher_layer],
                         span_tokens[granularity],
+                        num_sequences,
                     )
                 )
             elif "hra" in terms:
@@ -207,6 +219,7 @@ class TrajectoryAlignmentLoss(nn.Module):
                         teacher_spans,
                         salience,
                         span_mask,
+                        num_sequences,
                     )
                 )
         return {term: torch.stack(values).mean() for term, values in terms.items()}
@@ -218,13 +231,18 @@ class TrajectoryAlignmentLoss(nn.Module):
         return projector_at(self.projectors, index)
 
     def _hra(
-        self, projected: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, members: torch.Tensor
+        self,
+        projected: torch.Tensor,
+        teacher: torch.Tensor,
+        weights: torch.Tensor,
+        members: torch.Tensor,
+        num_sequences: float | None = None,
     ) -> torch.Tensor:
         """HRA over items (tokens or spans); members: ``[batch, items]`` bool, or with
         ``reference_code`` on tokens the int count of spans each token lies in (each membership
         counts once, as the authors' ``All_Indices`` does)."""
         if not self.reference_code:
-            return hidden_representation_alignment(projected, teacher, weights, members)
+            return hidden_representation_alignment(projected, teacher, weights, members, num_sequences=num_sequences)
         count = members.float()
         if self._uniform_items:  # every membership with a positive weight weighs 1
             weights = count * (weights > 0)

@@ -167,7 +167,9 @@ def init_student(
     An existing ``out_dir`` is replaced only with ``force``.
     """
     out_dir = Path(out_dir)
-    if (num_layers is None) == (keep is None):
+    if num_layers is None and keep is None:
+        raise MtaError("say how many layers to keep (--layers K) or which (--keep 0,5,9)")
+    if num_layers is not None and keep is not None:
         raise MtaError("say how many layers to keep (--layers K) or which (--keep 0,5,9), not both")
     pick = _layer_pick(pick)
     if out_dir.exists() and not force:

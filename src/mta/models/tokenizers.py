@@ -16,10 +16,24 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from mta.errors import MtaError
 from mta.models.hub import TOKENIZER_FILE, load_pretrained
 
+# The files a tokenizer directory holds, one of them at least (a fast tokenizer's, or the config
+# that names a slow one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     """Load a fast tokenizer from a local directory or a hub name (``mta.models.hub``: a hub
-    name needs the Hub or the Hugging Face cache, and fails fast naming it without either)."""
+    name needs the Hub or the Hugging Face cache, and fails fast naming it without either).
+
+    A local directory without tokenizer files (a checkpoint saved without its tokenizer) is
+    refused first, naming the fix, instead of transformers' guess at a missing package; every
+    command loads tokenizers here, so each says the same."""
+    path = Path(name_or_path)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise MtaError(
+            f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}). Save the tokenizer beside the "
+            f"weights: AutoTokenizer.from_pretrained(<base model>).save_pretrained('{path}')"
+        )
     try:
         tokenizer = load_pretrained(
             AutoTokenizer.from_pretrained, name_or_path, what="tokenizer", filename=TOKENIZER_FILE

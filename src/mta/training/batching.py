@@ -81,6 +81,16 @@ class TrainBatch:
     pending_spans: Any | None = None
     origin: str = "gold"  # "gold": annotated rows; "generated" / "buffer": the student's own (off-policy)
 
+    def __len__(self) -> int:
+        """The rows it holds."""
+        return len(self.row_ids)
+
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is one of its fields. A Hugging Face ``Trainer`` asks ``"labels" in
+        batch`` of every batch (the labels are ``batch.student.labels``): the answer lets a
+        ``TrainBatch`` pass through it whole (docs/python-api.md, "Inside a Hugging Face Trainer")."""
+        return isinstance(name, str) and name in self.__dataclass_fields__
+
     def to(self, device: torch.device | str) -> TrainBatch:
         return replace(
             self,

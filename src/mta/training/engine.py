@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import platform
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,3 +321,21 @@ def step_gradient_norm(engine: Any, own: float | None) -> float:
         return own
     norm = engine.get_global_grad_norm()
     return math.nan if norm is None else float(norm)
+
+
+def window_divisors(counts: Sequence[Mapping[str, float]], accumulation: int, world_size: int) -> dict[str, float]:
+    """``train.loss_reduction: global``: what each micro batch divides its loss sums by, so that
+    the step's gradient is that of the global batch's means (docs/method.md §5, "Reduction").
+
+    counts: one mapping per micro batch of this process's window (``DistillationObjective.counts``),
+    summed here and over every process (one all-reduce). DeepSpeed divides each micro batch's
+    loss by ``gradient_accumulation_steps`` in ``engine.backward`` and averages the gradient over
+    the data-parallel processes (ZeRO 0 to 3 alike, ``gradient_predivide_factor`` only splitting
+    that division), so the divisor of a unit is its global count / (accumulation × world_size):
+    after DeepSpeed's two divisions every micro batch's sum counts once over the global count,
+    before clipping. A unit no micro batch has (count 0) divides by 1 / (accumulation ×
+    world_size): its sums are 0 anyway.
+    """
+    names = sorted({name for micro_batch in counts for name in micro_batch})
+    totals = distributed.sum_over_ranks([sum(batch.get(name, 0.0) for batch in counts) for name in names])
+    return {name: max(total, 1.0) / (accumulation * world_size) for name, total in zip(names, totals, strict=True)}

@@ -10,7 +10,7 @@ import contextlib
 import functools
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -50,7 +50,8 @@ class DistillationObjective(nn.Module):
     ``gold`` on the aligned units (docs/method.md §5b), and HRA aligns span representations (§3).
     vocab_size: the tokenizer's real vocabulary; padded embedding rows beyond it never count.
     teacher_vocab_size: the teacher tokenizer's (``uld``, ``gold``); shared_vocab: SRA's logit
-    term's and ``gold``'s shared vocabulary.
+    term's and ``gold``'s shared vocabulary. partitioned_heads: ZeRO-3 partitions an LM head, so
+    SRA's span-logit term applies each head once per micro batch instead of a chunk at a time.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class DistillationObjective(nn.Module):
         sra_pairs: Sequence[LayerIndexPair] = (),
         shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
         teacher_vocab_size: int | None = None,
+        partitioned_heads: bool = False,
     ):
         super().__init__()
         # The base loss from hidden states and heads, a chunk of response positions at a time
@@ -133,7 +135,8 @@ class DistillationObjective(nn.Module):
                 geometry_weight=spec.sra_geometry_weight,
                 logit_weight=spec.sra_logit_weight if self.sra_logits else 0.0,
                 temperature=spec.temperature,
-                chunk_size=spec.chunk_size,
+                # ZeRO-3: one application of each (gathered) head per micro batch on every process.
+                chunk_size=None if partitioned_heads else spec.chunk_size,
             )
             if self.sra_logits and shared_vocab is not None:  # buffers: they move to the device with the module
                 self.register_buffer("sra_student_ids", shared_vocab[0].long(), persistent=False)
@@ -182,6 +185,18 @@ class DistillationObjective(nn.Module):
             return {"student": (), "teacher": ()}
         return {"student": (self.sra_pairs[-1].student,), "teacher": (self.sra_pairs[-1].teacher,)}
 
+    def counts(self, batch: TrainBatch) -> dict[str, float]:
+        """What each term of ``batch`` averages over, counted from its labels and masks (no
+        forward): ``tokens`` (the base loss's response targets), ``sequences`` (rows: DSA, HRA,
+        SRA, DistiLLM-2's pairs are half of them) and ``fdd_positions``. Summed over an
+        accumulation window and the ranks, they are ``forward``'s ``divisors`` under
+        ``train.loss_reduction: global`` (docs/method.md §5)."""
+        labels = batch.student.labels
+        counts = {"tokens": float((labels[:, 1:] != -100).sum()), "sequences": float(labels.shape[0])}
+        if self.fdd is not None:
+            counts["fdd_positions"] = float(self._fdd_positions(batch).sum())
+        return counts
+
     def forward(
         self,
         student_logits: torch.Tensor | None,
@@ -191,17 +206,23 @@ class DistillationObjective(nn.Module):
         student_lens: LogitLens | None = None,
         student_attentions: tuple[torch.Tensor, ...] | None = None,
         student_final: tuple[torch.Tensor, OutputHead] | None = None,
+        divisors: Mapping[str, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """student_logits ``[batch, seq, vocab]`` (None on the fused path); student_hidden: HF
         ``hidden_states``; student_lens: the student's logit lens (FDD only); student_final: the
         fused path's ``(final hidden state [batch, seq, d], LM head)`` of the student, whose
-        ``teacher.side`` is the teacher's (``mta.losses.fused_head``).
+        ``teacher.side`` is the teacher's (``mta.losses.fused_head``). divisors: None, each term
+        the mean over this micro batch (``loss_reduction: micro_batch``); or ``{"tokens",
+        "sequences", "fdd_positions"}`` as ``counts`` names them, each term then the sum over this
+        micro batch divided by its divisor (``global``: micro batches add up to the window's mean;
+        uld and gold, whose aligned units are not counted, stay the micro batch's mean).
 
         Returns fp32 scalars ``{"base", "dsa", "hra", "fdd", "total"}`` (only the terms in use).
         """
         losses: dict[str, torch.Tensor] = {}
+        share = divisors or {}
         if self.base is not None:
-            losses["base"] = self._base(student_logits, student_final, teacher, batch)
+            losses["base"] = self._base(student_logits, student_final, teacher, batch, share)
         if self.alignment is not None:
             losses.update(
                 self.alignment(
@@ -210,6 +231,7 @@ class DistillationObjective(nn.Module):
                     batch.student.attention_mask,
                     _required(batch.teacher, "the batch's teacher tokens").attention_mask,
                     batch.spans,
+                    share.get("sequences"),
                 )
             )
         if self.fdd is not None:
@@ -223,6 +245,7 @@ class DistillationObjective(nn.Module):
                 lens,
                 teacher_lens,
                 self._fdd_positions(batch),
+                share.get("fdd_positions"),
             )["fdd"]
         if self.sra is not None:
             losses["sra"] = self._sra(
@@ -232,6 +255,7 @@ class DistillationObjective(nn.Module):
                 _required(teacher, "the teacher's output"),
                 batch,
                 student_lens,
+                share.get("sequences"),
             )
         losses["total"] = functools.reduce(operator.add, (self.weights[name] * value for name, value in losses.items()))
         return losses
@@ -242,13 +266,23 @@ class DistillationObjective(nn.Module):
         student_final: tuple[torch.Tensor, OutputHead] | None,
         teacher: TeacherOutput | None,
         batch: TrainBatch,
+        share: Mapping[str, float],
     ) -> torch.Tensor:
-        """The base loss, from the whole logits or (``student_final``) a chunk at a time; the mean
-        over the micro batch's response tokens (DistiLLM-2: its per-row means)."""
+        """The base loss, from the whole logits or (``student_final``) a chunk at a time: the mean
+        over the micro batch's response tokens (DistiLLM-2: its per-row means), or the sum over
+        ``share["tokens"]`` (DistiLLM-2: the row means over ``share["sequences"] / 2`` pairs)."""
         assert self.base is not None, "the base term is computed only when it is built"
         # Position t predicts token t + 1: shift once here, the losses take aligned inputs.
         labels = batch.student.labels[:, 1:]
-        pairs = {} if not isinstance(self.base, DistiLLM2Loss) else {"chosen": _pair_roles(batch, self.training)}
+        if isinstance(self.base, DistiLLM2Loss):  # pairs: half the rows
+            sequences = share.get("sequences")
+            pairs: dict[str, Any] = {
+                "chosen": _pair_roles(batch, self.training),
+                "num_pairs": None if sequences is None else sequences / 2,
+            }
+            tokens = None
+        else:
+            pairs, tokens = {}, share.get("tokens")
         if self.needs_units:  # across vocabularies: unshifted, each side's own tokens, the aligned units
             return self.base(
                 _required(student_logits, "the student's logits"),
@@ -260,7 +294,8 @@ class DistillationObjective(nn.Module):
         if student_final is None:
             logits = _required(student_logits, "the student's logits")
             teacher_logits = teacher.logits[:, :-1] if teacher is not None and teacher.logits is not None else None
-            return self.base(logits[:, :-1], teacher_logits, labels, **pairs)
+            extra = pairs if pairs else {"num_items_in_batch": tokens}
+            return self.base(logits[:, :-1], teacher_logits, labels, **extra)
         hidden, head = student_final
         assert isinstance(self.base, BaseLoss | DistiLLM2Loss), "build_base_loss builds these"
         # The teacher's side is read at the selected [batch, seq - 1] positions of its [batch, seq] layout.
@@ -275,7 +310,7 @@ class DistillationObjective(nn.Module):
         # A ZeRO-3 teacher's head: whole for the fused loss, once per step (it takes no gradient).
         with gathered(side.head) if isinstance(side, HeadTeacher) else contextlib.nullcontext():
             reduced = self.base.from_hidden(hidden[:, :-1], head, side, labels, **pairs)
-        return reduced.mean
+        return reduced.mean if tokens is None else reduced.total / tokens
 
     def _sra(
         self,
@@ -285,6 +320,7 @@ class DistillationObjective(nn.Module):
         teacher: TeacherOutput,
         batch: TrainBatch,
         student_lens: LogitLens | None,
+        num_sequences: float | None = None,
     ) -> torch.Tensor:
         """SRA on the spans both tokenizers agree on (``batch.spans["boundary"]``)."""
         spans = batch.spans["boundary"]
@@ -318,6 +354,7 @@ class DistillationObjective(nn.Module):
             spans,
             scope,
             **heads,
+            num_sequences=num_sequences,
         )["sra"]
 
     def _fdd_positions(self, batch: TrainBatch) -> torch.Tensor:
@@ -371,7 +408,10 @@ class DistillationModel(nn.Module):
             else None
         )
 
-    def forward(self, batch: TrainBatch, teacher: TeacherOutput | None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, batch: TrainBatch, teacher: TeacherOutput | None, divisors: Mapping[str, float] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The objective's losses on ``batch`` (``divisors``: see ``DistillationObjective.forward``)."""
         want_hidden = self.objective.needs_student_hidden
         want_attentions = bool(self.objective.attention_layers["student"])
         fused = self.objective.fused_head
@@ -396,6 +436,7 @@ class DistillationModel(nn.Module):
                 self.lens,
                 out.attentions if want_attentions else None,
                 student_final=final,
+                divisors=divisors,
             )
 
     def register_partitioned_head(self) -> None:

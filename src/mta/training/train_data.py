@@ -59,7 +59,12 @@ def load_split(
         # under output_dir), the rest comes from the recipe's data section.
         settings = AnnotateSettings.from_recipe(recipe, teacher=teacher_tokenizer, student=student_tokenizer)
         cache = recipe.resolve(recipe.output_dir, "output_dir") / "data" / split
-        annotate_file(source, cache, settings, reporter=reporter)
+        # `mta distill` has no --on-error: a bad row is fixed, or skipped by annotating apart.
+        skip_hint = (
+            f"annotate the rows apart, skipping and counting bad ones: `mta annotate {written} --recipe RECIPE "
+            f"--on-error skip -o DIR`, then train on {key}=DIR"
+        )
+        annotate_file(source, cache, settings, reporter=reporter, skip_hint=skip_hint)
         directory = cache
     elif source.is_dir():
         directory = source

@@ -8,7 +8,7 @@ finite check -> backward -> DeepSpeed step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -171,13 +171,13 @@ class Trainer:
 
         With ``train.asam`` the window runs twice (``mta.training.asam``): its gradient at w sets
         ε, the window runs again at w + ε, and the optimizer applies that gradient to w."""
-        window = (batch.to(self.run.device) for batch in self.micro_batches(step))
+        window, options = self.window(step)
         if self.asam is None:
-            totals, tokens = self.run_window(window, step)
+            totals, tokens = self.run_window(window, step, options)
         else:
             replayed = list(window)  # the same micro batches, replayed at w + ε
-            with self.asam.perturbed(self.window_losses(replayed, step), step=step):
-                totals, tokens = self.run_window(replayed, step)
+            with self.asam.perturbed(self.window_losses(replayed, step, options), step=step):
+                totals, tokens = self.run_window(replayed, step, options)
         own_norm = engines.own_gradient_norm(self.run.engine)  # ZeRO-0 fp32: DeepSpeed keeps none
         self.run.engine.step()  # the window's last micro batch: the optimizer updates w
         self.stop_unless_finite_weights(step)
@@ -188,9 +188,28 @@ class Trainer:
             "grad_norm": engines.step_gradient_norm(self.run.engine, own_norm),
         }
 
-    def run_window(self, window: Iterable[TrainBatch], step: int) -> tuple[dict[str, float], int]:
+    def window(self, step: int) -> tuple[Iterable[TrainBatch], dict[str, Any]]:
+        """Step ``step``'s micro batches on the device, and the objective's keyword arguments.
+
+        ``train.loss_reduction: micro_batch``: one at a time (an off-policy run generates each
+        after the last trained), each its own mean. ``global``: all of them first, since their
+        counts, summed over the window and the processes, divide every micro batch's sums
+        before its backward (``mta.training.engine.window_divisors``); generating them before
+        the first backward changes no sample, the student being the same until the step."""
+        run = self.run
+        batches = (batch.to(run.device) for batch in self.micro_batches(step))
+        if run.recipe.train.loss_reduction != "global" or not run.task.global_reduction:
+            return batches, {}
+        window = list(batches)
+        counts = [run.engine.module.objective.counts(batch) for batch in window]
+        return window, {"divisors": engines.window_divisors(counts, run.schedule.accumulation, run.world_size)}
+
+    def run_window(
+        self, window: Iterable[TrainBatch], step: int, options: Mapping[str, Any] | None = None
+    ) -> tuple[dict[str, float], int]:
         """Forward and backward of each micro batch, DeepSpeed accumulating the gradient (its step
-        after every micro batch but the last, which is the caller's); the loss sums and tokens."""
+        after every micro batch but the last, which is the caller's); the loss sums and tokens.
+        options: the objective's keyword arguments, from ``window``."""
         engine = self.run.engine
         totals: dict[str, float] = {}
         tokens = 0
@@ -200,7 +219,7 @@ class Trainer:
             with self.run.precision.context():
                 teacher_out = self.teacher_forward(batch)
                 batch = self.with_spans(batch)
-                losses = engine(batch, teacher_out)
+                losses = engine(batch, teacher_out, **(options or {}))
             self.stop_unless_finite_loss(losses, step, batch)
             engine.backward(losses["total"])
             for name, value in losses.items():
@@ -209,14 +228,16 @@ class Trainer:
             self.run.flops.count(batch)
         return totals, tokens
 
-    def window_losses(self, window: list[TrainBatch], step: int) -> Iterator[torch.Tensor]:
+    def window_losses(
+        self, window: list[TrainBatch], step: int, options: Mapping[str, Any] | None = None
+    ) -> Iterator[torch.Tensor]:
         """ASAM's first pass: each micro batch's total loss at w, outside the engine (no
         DeepSpeed gradient bookkeeping), one at a time."""
         for batch in window:
             with self.run.precision.context():
                 teacher_out = self.teacher_forward(batch)
                 batch = self.with_spans(batch)
-                losses = self.run.engine.module(batch, teacher_out)
+                losses = self.run.engine.module(batch, teacher_out, **(options or {}))
             self.stop_unless_finite_loss(losses, step, batch)
             yield losses["total"]
 

@@ -223,11 +223,19 @@ def check_resume_length(step: int, total_steps: int, recipe: Recipe, checkpoint:
 # --- comparison ------------------------------------------------------------------------------
 
 
+# Keys added later whose default is not what a checkpoint without them trained with: such a
+# checkpoint's recipe counts as holding this value (an LLM recipe's).
+TRAINED_BEFORE_THE_KEY = {"loss_reduction": "micro_batch"}  # 0.2.0: each micro batch its own mean
+
+
 def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     """The saved mapping as ``model_dump(mode="json")`` would give it today: keys it lacks take
-    their defaults. Validated when it still validates (paths are not checked there); otherwise
-    (the schema has since tightened) each missing key takes its field's default as written."""
+    their defaults (``train:`` keys in ``TRAINED_BEFORE_THE_KEY`` the value they trained with).
+    Validated when it still validates (paths are not checked there); otherwise (the schema has
+    since tightened) each missing key takes its field's default as written."""
     schema = recipe_schema(saved)  # the checkpoint's task: llm (Recipe) or embedding
+    if schema is Recipe and isinstance(saved.get("train"), dict):
+        saved = {**saved, "train": TRAINED_BEFORE_THE_KEY | saved["train"]}
     try:
         return to_jsonable_python(schema.model_validate(saved))
     except ValidationError:

@@ -250,7 +250,13 @@ class LossSpec(Strict):
     base_weight: float = Field(1.0, ge=0, description="λ_base, the base loss's weight")
     temperature: float = Field(1.0, gt=0, description="divides the teacher's and the student's logits (no τ² factor)")
     skew_alpha: float = Field(0.1, ge=0, le=1, description="α of the skew KLs (skl, srkl, distillm2)")
-    jsd_beta: float = Field(0.5, gt=0, lt=1, description="β of jsd")
+    jsd_beta: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="β of jsd, the teacher's weight in the mixture; 0: forward KL(p‖q), 1: reverse KL(q‖p) "
+        "(TRL's meaning of its β)",
+    )
     dsa_weight: float = Field(2.0, ge=0, description="λ_DSA, MTA's span-geometry alignment; 0: off")
     hra_weight: float = Field(0.2, ge=0, description="λ_HRA, MTA's hidden-representation alignment; 0: off")
     layers: LayerMap = Field(
@@ -394,6 +400,14 @@ class TrainSpec(Strict):
         None, ge=1, description="the run's length in optimizer steps; give exactly one of epochs and max_steps"
     )
     grad_clip: float = Field(1.0, ge=0, description="clip the gradient's global 2-norm to this; 0: no clipping")
+    loss_reduction: Literal["global", "micro_batch"] = Field(
+        "global",
+        description="global: the base loss is the mean over every response token of the global batch "
+        "(all micro batches on all processes), DSA, HRA, SRA the mean over its sequences, FDD over its "
+        "positions, so the gradient does not depend on micro_batch_size, accumulation or processes; "
+        "micro_batch: each micro batch's own mean, averaged (DistiLLM's and 0.2.0's convention; "
+        "docs/method.md §5); task: llm only",
+    )
     precision: TrainPrecision = Field(
         "fp32",
         description="auto: bf16 on a GPU with bf16 or a CPU with bf16 instructions, else fp32; "
@@ -444,7 +458,7 @@ class TrainSpec(Strict):
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
         description="experiment trackers that also get every metrics.jsonl record, the recipe and "
-        "the dev samples (mta.tracking): OUT/tensorboard/, W&B, MLflow; each needs pip install 'mta[NAME]'",
+        "the dev samples (mta.tracking): OUT/tensorboard/, W&B, MLflow; each needs pip install 'mta-distill[NAME]'",
     )
 
     @field_validator("report_to", mode="before")
@@ -691,6 +705,20 @@ class Recipe(RecipeChecks):
         if problem is not None:
             within, message = problem
             raise PydanticCustomError("unit_base_setting", "{message}", {"message": message, "within": within})
+        return self
+
+    @model_validator(mode="after")
+    def _reduction_fits(self) -> Recipe:
+        if self.loss.reference_code and self.train.loss_reduction == "global":
+            raise PydanticCustomError(
+                "reduction_setting",
+                "{message}",
+                {
+                    "message": "loss.reference_code computes DSA and HRA as the authors' code does, one pool per "
+                    "micro batch, which has no global-batch form: set train.loss_reduction=micro_batch with it",
+                    "within": ("loss", "reference_code"),
+                },
+            )
         return self
 
     @model_validator(mode="after")

@@ -51,7 +51,10 @@ def hub_name(spec: ModelSpec | None, recipe: Recipe) -> str | None:
     return spec.path if is_hub_name(str(resolved)) and str(resolved) == spec.path else None
 
 
-def describe_model(spec: ModelSpec | None) -> str:
+def describe_model(spec: ModelSpec | None, recipe: Any = None) -> str:
+    """A model as a card names it: a Hub name as it is; a local directory by the Hub model it
+    descends from (:func:`start_origin`) where its files record one, else by its own name only,
+    never by a path of the machine that trained it (cards are meant to be pushed)."""
     if spec is None:
         return "none (plain SFT on the reference responses)"
     if spec.tiny is not None:
@@ -60,7 +63,22 @@ def describe_model(spec: ModelSpec | None) -> str:
             f"a random tiny {tiny.model_type} built by mta ({tiny.num_layers} layers, hidden size "
             f"{tiny.hidden_size}, vocabulary {tiny.vocab_size}, seed {tiny.seed})"
         )
-    return f"`{spec.path}`" + (f" (tokenizer `{spec.tokenizer}`)" if spec.tokenizer else "")
+    tokenizer = f" (tokenizer {shareable(spec.tokenizer)})" if spec.tokenizer else ""
+    if recipe is not None and hub_name(spec, recipe) is None:
+        origin = start_origin(spec, recipe).base_model
+        if origin:
+            return f"`{origin}` (a local copy, {shareable(spec.path)}){tokenizer}"
+    return shareable(spec.path) + tokenizer
+
+
+def shareable(path: str) -> str:
+    """A model or data reference a card may show: a Hub name or a relative path as it is, an
+    absolute or home path as the local directory's name only."""
+    text = str(path)
+    local = Path(text).expanduser()
+    if text.startswith("~") or local.is_absolute():
+        return f"local directory `{local.name}`"
+    return f"`{text}`"
 
 
 def _datasets(paths: Iterable[str | None]) -> list[str]:
@@ -208,20 +226,33 @@ def llm_card_facts(recipe: Recipe) -> CardFacts:
     datasets = _datasets([recipe.data.train, recipe.data.dev])
     if datasets:
         meta["datasets"] = datasets
-    meta["tags"] = ["mta", "knowledge-distillation", loss.base] + [
+    sft = is_sft(recipe)
+    meta["tags"] = ["mta", "sft" if sft else "knowledge-distillation", loss.base] + [
         name
         for name, weight in (("dsa", loss.dsa_weight), ("hra", loss.hra_weight), ("fdd", loss.fdd_weight))
         if weight
     ]
+    how = (
+        "fine-tuned on the reference responses (SFT: no teacher term) with mta, as a baseline"
+        if sft
+        else "trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment)"
+    )
     return CardFacts(
         metadata=meta,
-        intro="A student trained by knowledge distillation with mta (Multi-Granular Trajectory Alignment). "
+        intro=f"A student {how}. "
         'It is a plain Hugging Face causal LM: `AutoModelForCausalLM.from_pretrained("<this directory>")`; '
         "`sha256sum -c checksums.sha256` verifies its files.",
         loss=loss_terms(terms),
-        teacher=describe_model(recipe.teacher),
+        teacher=describe_model(recipe.teacher, recipe) if not sft or recipe.teacher is None else "not used (SFT)",
         data_limits=f"at most {recipe.data.max_length} tokens, {recipe.data.max_prompt_length} of prompt",
     )
+
+
+def is_sft(recipe: Recipe) -> bool:
+    """Whether the run learns from the reference responses alone: no teacher, or a teacher no
+    term reads (``ce`` base and no DSA, HRA or FDD), as the demo's and the reproductions' SFT runs."""
+    loss = recipe.loss
+    return recipe.teacher is None or (loss.base == "ce" and not (loss.dsa_weight or loss.hra_weight or loss.fdd_weight))
 
 
 def metadata(recipe: Recipe) -> dict[str, Any]:
@@ -250,10 +281,10 @@ def model_card(
     version = package_versions(("mta",))["mta"] or "unknown"
     facts = task_of(recipe).card(recipe)
     front = yaml.safe_dump(facts.metadata, sort_keys=False, allow_unicode=True).strip()
-    data = f"train `{recipe.data.train}`" + (f", dev `{recipe.data.dev}`" if recipe.data.dev else "")
+    data = f"train {shareable(recipe.data.train)}" + (f", dev {shareable(recipe.data.dev)}" if recipe.data.dev else "")
     rows = [
         ("teacher", facts.teacher),
-        ("student start", describe_model(recipe.student)),
+        ("student start", describe_model(recipe.student, recipe)),
         ("recipe", f"`{recipe.name}`, {recipe_hash(recipe)} (the resolved recipe: recipe.yaml beside this card)"),
         ("loss", facts.loss),
         ("data", f"{data}; {facts.data_limits}"),
@@ -288,7 +319,8 @@ def model_card(
         front,
         "---",
         "",
-        f"# {recipe.name}: distilled student ({what})",
+        f"# {recipe.name}: {'SFT baseline' if task_of(recipe).name == 'llm' and is_sft(recipe) else 'distilled'} "
+        f"student ({what})",
         "",
         facts.intro,
         "",

@@ -239,6 +239,14 @@ def _decide(
     return _start_run(output_dir, recipe_name), False
 
 
+def lock(output_dir: Path) -> None:
+    """Take ``output_dir``'s run lock now, on rank 0, before the slow part of a start (the
+    training stack's imports, the models): a second run into the directory is refused in
+    seconds. ``claim`` keeps the lock (one per process), ``release`` frees it."""
+    make_output_directory(output_dir, "output_dir")
+    _lock(output_dir)
+
+
 def _lock(output_dir: Path) -> bool:
     """Take ``output_dir``'s run lock for this process (kept until ``release``; taken once per
     process), or refuse: ``MtaError`` naming the holder. Whether a lock is held: without

@@ -224,6 +224,7 @@ def build_objective(recipe: Recipe, plan: RunPlan, sides: LoadedSides) -> Distil
         sra_pairs=plan.sra_layers,
         shared_vocab=shared_vocab,
         teacher_vocab_size=len(sides.teacher_tokenizer),
+        partitioned_heads=recipe.train.zero_stage == 3 or recipe.train.teacher_zero3,
     )
 
 
