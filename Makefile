@@ -21,7 +21,7 @@ help:
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
 	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 2 budgets x 3 seeds (~28 min); PLAN=1: the plan only"
 	@echo "make test          the test suite (what CI runs, after make lint)"
-	@echo "make test-sharded  the TRL plug-in under ZeRO-2, FSDP2, LoRA: two-rank accelerate launches (~5 min)"
+	@echo "make test-sharded  the TRL plug-in under ZeRO-2, FSDP2, LoRA: two-rank accelerate launches (~3 min)"
 	@echo "make lint          ruff (lint + format check) and mypy: the quality gate"
 	@echo "make style         apply ruff's fixes and formatting"
 	@echo "make install-vllm  the vLLM engine's environment, .venv-vllm (--engine vllm; about 3.5 GB)"

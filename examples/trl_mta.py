@@ -4,6 +4,10 @@ Runs as it is on a CPU: tiny random models stand in for the Hub names a real run
 model="Qwen/Qwen2.5-0.5B-Instruct", teacher_model="Qwen/Qwen2.5-1.5B-Instruct" (one tokenizer).
 
     python examples/trl_mta.py [OUT_DIR]
+
+The same script shards on GPUs as TRL's does (the HRA projectors go with the student):
+    accelerate launch --config_file examples/accelerate/zero3.yaml examples/trl_mta.py  (or zero2, fsdp2)
+(use_cpu=True below is for this CPU run: drop it there.)
 """
 
 import json

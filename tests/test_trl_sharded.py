@@ -1,14 +1,17 @@
 """The TRL plug-in under DeepSpeed ZeRO-2/3 and FSDP2 through ``accelerate launch`` (issue 54).
 
 Two CPU ranks on gloo (``accelerate launch --num_processes 2 --mixed_precision no --config_file
-examples/accelerate/<engine>.yaml``; accelerate leaves the backend to DeepSpeed's CPU accelerator
-(gloo without oneCCL) and to torch (gloo for a CPU FSDP2 mesh); one torch thread per rank). Each
+examples/accelerate/<engine>.yaml``, one torch thread per rank). accelerate 1.15 gives DeepSpeed
+no backend on a CPU and attaches FSDP to GPU groups only (docs/trl.md, "On a CPU"): each trainer
+here joins the group on gloo first (``mta.integrations.trl.join_cpu_launch``) and, under FSDP,
+tells accelerate's state the group is a GPU one; what a plain CPU launch gets, the plug-in's
+refusal, is checked too. Each
 case is one launch of this file as the worker:
 
 - the student's and the projectors' weights after 2 steps equal a one-process run's from the same
   start and global batch (2 prompts a step; greedy generation; prompts of one token length, so no
   rank pads differently from the one-process batch), to ``ATOL`` (fp32; only the reduction order
-  differs: measured below 1e-6);
+  differs: measured below 6e-7); a 1 % error in one rank's MTA term trips it (planted-zero2);
 - TRL's saved model has exactly the student's keys and loads with transformers alone;
 - a checkpoint written by the two ranks resumes to the same weights as the uninterrupted run,
   and a checkpoint without the projectors file is refused;
@@ -49,6 +52,7 @@ CASES = {
     "lora-zero2": ("zero2", "lora"),
     "lora-fsdp2": ("fsdp2", "lora"),
     "plain-zero3": ("zero3", "plain"),
+    "planted-zero2": ("zero2", "planted"),  # rank 1's MTA term 1 % off: the equality must trip
 }
 
 
@@ -212,7 +216,17 @@ def worker(case: str, models: Path, out: Path) -> None:
                 pids.extend(parser._executor._processes)
 
     run = out / "run"
-    trainer = launched(kind, models, run, save_strategy="steps", save_steps=1, mta={"span_workers": 1})
+    trainer = launched(
+        "mta" if kind == "planted" else kind, models, run, save_strategy="steps", save_steps=1, mta={"span_workers": 1}
+    )
+    if kind == "planted" and int(os.environ["RANK"]) == 1:
+        exact = trainer.mta_terms
+
+        def off(inputs, *args):
+            terms = exact(inputs, *args)
+            return {**terms, "total": terms["total"] * 1.01}
+
+        trainer.mta_terms = off
     trainer.add_callback(SpanWorkers())
     trainer.train()
     result["engine"] = type(trainer.model_wrapped).__name__
@@ -360,6 +374,17 @@ def test_zero3_two_ranks_train_like_one_process_save_the_student_alone_and_resum
 @pytest.mark.parametrize("case", ["zero2", "fsdp2", "lora-zero2", "lora-fsdp2"])
 def test_two_ranks_train_like_one_process_and_resume(case, models, tmp_path):
     check_mta_case(case, models, tmp_path)
+
+
+@pytest.mark.sharded
+def test_the_equality_trips_when_one_ranks_mta_term_is_1_percent_off(models, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "planted"
+    accelerate_launch("planted-zero2", models, out)
+    trained = load_file(str(out / "trained.safetensors"))
+    with pytest.raises(AssertionError):
+        assert_close(trained, one_process("mta", models, tmp_path / "one"))
 
 
 @pytest.mark.sharded
