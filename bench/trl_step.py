@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -113,6 +115,8 @@ def sharded_worker(args: argparse.Namespace) -> None:
     from mta.integrations.trl import MTADistillationConfig, MTADistillationTrainer, join_cpu_launch
 
     torch.set_num_threads(1)
+    if os.environ.get("RANK", "0") != "0":  # rank 0 prints the rounds (the group is joined later)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
     models = args.zero3_worker
     rows = [json.loads(line) for line in (REPO / "recipes" / "examples" / "tiny.jsonl").read_text().splitlines()]
     prompts = Dataset.from_list([{"prompt": row["instruction"]} for row in rows[: args.batch]] * (args.steps + 1))
@@ -194,9 +198,7 @@ def sharded_worker(args: argparse.Namespace) -> None:
 
 def sharded(args: argparse.Namespace) -> None:
     """``--zero3``: build the models, launch ``sharded_worker`` on two ranks, write the result."""
-    import os
     import subprocess
-    import sys
 
     from mta.distributed import free_port
 
