@@ -1,0 +1,193 @@
+"""The teacher's next-token distribution kept as a head and a few tokens sampled from the rest,
+and the base losses estimated from it without bias.
+
+``mta teacher`` with ``teacher_cache.logits: sampled`` stores, per response position, the k most
+probable tokens of ``p = softmax(z / τ)`` with their log-probabilities (the *head*, k may be 0),
+the log of the mass outside it (``log P_T``, the tail), and N tokens drawn with replacement from
+the tail distribution ``p_T = p / P_T`` restricted to the tokens outside the head (Sparse Logit
+Sampling, Anshumann et al., ACL 2025, with a head), kept as distinct ids with their counts and
+their log-probabilities ``log p``.
+
+**The estimator.** Every base loss is a sum over the vocabulary of a term ``f(p_v, q_v)`` of the
+teacher's and the student's probability of token v (forward and reverse KL, their skewed forms,
+JSD, TVD, DistiLLM-2's two terms: ``DistributionLoss.terms``). With ``c_v`` the count of v among
+the N draws, ::
+
+    L̂ = Σ_{v ∈ head} f(p_v, q_v) + Σ_{v drawn} (c_v / N) · (P_T / p_v) · f(p_v, q_v)
+
+is unbiased: ``E[c_v / N] = p_v / P_T``, so the second sum's expectation is ``Σ_{v ∉ head} f(p_v,
+q_v)``. The student's q is its full softmax (it is computed anyway), so q_v is exact at every
+token; the gradient with respect to the student's logits is unbiased too (the draws do not
+depend on the student). This holds for every loss above, whatever the student: the teacher's
+log-probability at a *student's* token (what reverse-KL-type losses need) is answered exactly
+on the head and, for the rest, by importance weighting over the draws (a token the student
+favours and the teacher all but excludes is rarely drawn and weighs ``P_T / (N p_v)`` when it
+is: no bias, but variance, which the head reduces). Caveats: a tail token whose fp32 ``p_v`` is
+0 is never drawn (its term is dropped: a bias that only reverse-type losses feel, on tokens
+with ``log p < −103``); log-probabilities stored in fp16 (``teacher_cache.storage: compact``)
+move each weight by their rounding (measured in ``bench/teacher_cache.py``).
+
+:class:`SampledTeacher` holds the estimator's entries at each position (ids, teacher log-probs,
+weights: 1 on the head, ``c_v / N · P_T / p_v`` on a draw, 0 on padding) and stands in for the
+teacher's logits: the base losses see it in place of ``[batch, seq, vocab]`` logits
+(``mta.losses.chunked`` hands each chunk its rows) and sum ``weight · f`` over its entries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mta.losses.teacher_topk import CHUNK_POSITIONS, LOG_FLOOR
+
+SAMPLE_CHUNK_POSITIONS = 32  # positions per fp64 [chunk, vocab] cumulative sum when drawing
+MAX_SAMPLES = 255  # draws per position: counts fit one byte
+
+# (teacher log p [n, m], student log q [n, m]) -> [n, m] per-token terms of a divergence
+TermsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TailSamples:
+    """What the cache stores for n positions: ``head_ids, head_log_probs [n, k]`` (int64, fp32),
+    ``tail [n]`` fp32 (``log P_T``, ``LOG_FLOOR`` when the head is everything), ``distinct [n]``
+    int64 (distinct drawn ids per position), and, position after position, ``ids, counts,
+    log_probs [Σ distinct]`` (int64, int64, fp32), ids ascending within a position. ``samples``: N."""
+
+    head_ids: torch.Tensor
+    head_log_probs: torch.Tensor
+    tail: torch.Tensor
+    distinct: torch.Tensor
+    ids: torch.Tensor
+    counts: torch.Tensor
+    log_probs: torch.Tensor
+    samples: int
+
+
+@torch.no_grad()
+def draw_tail_samples(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    *,
+    top_k: int,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> TailSamples:
+    """The head and N draws from the rest of ``softmax(logits / temperature)`` at n positions.
+
+    logits: ``[n, V']`` (only ``[:, :vocab_size]`` count); uniforms: ``[n, N]`` in [0, 1), the
+    position's random numbers (:func:`mta.generation.sampling.keyed_uniforms`): draw j of a
+    position is the token where the tail's cumulative mass (fp64, ids ascending) first exceeds
+    ``uniforms[i, j] · P_T``, so the same uniforms and logits give the same tokens on any batch.
+    A position whose tail has no mass (``top_k ≥ V``, or an underflow) keeps no draw.
+    """
+    vocab = vocab_size or logits.shape[1]
+    k = min(top_k, vocab)
+    n, samples = uniforms.shape
+    if logits.shape[0] != n:
+        raise ValueError(f"{logits.shape[0]} positions of logits and {n} of uniforms")
+    heads, head_values, tails, distinct, ids, counts, values = [], [], [], [], [], [], []
+    step = min(CHUNK_POSITIONS, SAMPLE_CHUNK_POSITIONS)
+    for begin in range(0, n, step):
+        # [chunk, vocab] fp32; dim 1 is the vocabulary.
+        log_p = (logits[begin : begin + step, :vocab].float() / temperature).log_softmax(dim=1)
+        rows = log_p.shape[0]
+        top_values, top_ids = log_p.topk(k, dim=1)
+        rest = log_p.scatter(1, top_ids, -math.inf)
+        tail = rest.logsumexp(dim=1)
+        cdf = rest.double().exp().cumsum(dim=1)  # [chunk, vocab] fp64: the tail's mass, ids ascending
+        total = cdf[:, -1:]
+        targets = uniforms[begin : begin + step].to(cdf.device, torch.float64) * total
+        drawn = torch.searchsorted(cdf, targets, right=True).clamp_(max=vocab - 1)  # [chunk, N]
+        has_tail = (total.squeeze(1) > 0) & (tail > LOG_FLOOR)
+        keys = (torch.arange(rows, device=drawn.device).unsqueeze(1) * vocab + drawn)[has_tail].reshape(-1)
+        unique, count = torch.unique(keys, sorted=True, return_counts=True)
+        row, token = unique // vocab, unique % vocab
+        heads.append(top_ids)
+        head_values.append(top_values.clamp(min=LOG_FLOOR))
+        tails.append(tail.clamp(min=LOG_FLOOR))
+        distinct.append(torch.bincount(row, minlength=rows))
+        ids.append(token)
+        counts.append(count)
+        values.append(log_p[row, token].clamp(min=LOG_FLOOR))
+    if not heads:
+        empty = logits.new_zeros((0, k), dtype=torch.float32)
+        nothing = torch.zeros(0, dtype=torch.long, device=logits.device)
+        return TailSamples(empty.long(), empty, empty[:, 0], nothing, nothing, nothing, empty[:, 0], samples)
+    return TailSamples(
+        torch.cat(heads),
+        torch.cat(head_values),
+        torch.cat(tails),
+        torch.cat(distinct),
+        torch.cat(ids),
+        torch.cat(counts),
+        torch.cat(values),
+        samples,
+    )
+
+
+@dataclass(frozen=True)
+class SampledTeacher:
+    """The estimator's entries in place of teacher logits ``[*lead, vocab_size]``: ``ids`` int64,
+    ``log_probs`` fp32 (the teacher's ``log p`` at τ), ``weights`` fp32, each ``[*lead, m]``
+    (m: the widest position's head + distinct draws; padding entries weigh 0). Indexing takes the
+    leading dimensions of all three (``teacher[:, :-1]``, ``teacher[rows, columns]``)."""
+
+    ids: torch.Tensor
+    log_probs: torch.Tensor
+    weights: torch.Tensor
+    vocab_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the logits it stands for: ``[*lead, vocab_size]``."""
+        return torch.Size((*self.ids.shape[:-1], self.vocab_size))
+
+    def dim(self) -> int:
+        return self.ids.dim()
+
+    def __getitem__(self, index: Any) -> SampledTeacher:
+        return SampledTeacher(self.ids[index], self.log_probs[index], self.weights[index], self.vocab_size)
+
+    def to(self, device: torch.device | str) -> SampledTeacher:
+        return SampledTeacher(self.ids.to(device), self.log_probs.to(device), self.weights.to(device), self.vocab_size)
+
+    @classmethod
+    def from_samples(cls, stored: TailSamples, vocab_size: int) -> SampledTeacher:
+        """``[n, m]`` entries of the n positions of ``stored``: the head (weight 1), then each
+        distinct draw (weight ``c / N · P_T / p``), then padding (id 0, weight 0)."""
+        n, k = stored.head_ids.shape
+        distinct = stored.distinct.long()
+        width = k + int(distinct.max()) if n and distinct.numel() else k
+        ids = torch.zeros(n, width, dtype=torch.long)
+        log_probs = torch.full((n, width), LOG_FLOOR)
+        weights = torch.zeros(n, width)
+        ids[:, :k] = stored.head_ids.long()
+        log_probs[:, :k] = stored.head_log_probs.float()
+        weights[:, :k] = 1.0
+        if stored.ids.numel():
+            position = torch.repeat_interleave(torch.arange(n), distinct)
+            starts = distinct.cumsum(0) - distinct
+            slot = k + torch.arange(stored.ids.numel()) - starts[position]
+            values = stored.log_probs.float()
+            ids[position, slot] = stored.ids.long()
+            log_probs[position, slot] = values
+            weights[position, slot] = (
+                stored.counts.float() / stored.samples * (stored.tail.float()[position] - values).exp()
+            )
+        return cls(ids, log_probs, weights, vocab_size)
+
+
+def sampled_estimate(terms: TermsFn, log_q: torch.Tensor, teacher: SampledTeacher) -> torch.Tensor:
+    """``Σ_j weights[:, j] · terms(log p_j, log q_j)``: the unbiased estimate of ``Σ_v terms`` over
+    the whole vocabulary (module docstring). ``log_q [n, vocab]`` the student's full
+    log-probabilities at τ, ``teacher`` ``[n, m]`` entries -> ``[n]``."""
+    gathered = log_q.gather(1, teacher.ids)
+    return (terms(teacher.log_probs, gathered) * teacher.weights).sum(dim=1)
+
+
+__all__ = ["MAX_SAMPLES", "SampledTeacher", "TailSamples", "TermsFn", "draw_tail_samples", "sampled_estimate"]

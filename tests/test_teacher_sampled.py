@@ -1,0 +1,117 @@
+"""The sampled teacher (mta.losses.teacher_sampled): every base loss's estimate from a head and
+N draws is unbiased, value and gradient, checked by averaging many seeded draws against the exact
+loss on a tiny vocabulary (and the check is shown to catch a biased estimator); with the head the
+whole vocabulary it is the dense loss; the draws depend on the row's key, not on the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mta.generation.sampling import keyed_uniforms
+from mta.losses.contrastive import DistiLLM2Loss
+from mta.losses.kd import build_base_loss
+from mta.losses.teacher_sampled import SampledTeacher, draw_tail_samples
+
+VOCAB, SAMPLES, DRAWS, TAU = 7, 4, 6000, 1.5
+TEACHER = torch.tensor([2.5, 1.0, 0.3, -0.5, -1.5, -3.0, 0.8])
+# A student that puts mass where the teacher has little (token 5): reverse KL's hard case.
+STUDENT = torch.tensor([0.2, -0.4, 1.1, 0.0, -0.7, 1.6, -1.2])
+
+
+def token_loss(name: str):
+    """``(student [n, V], teacher, n) -> [n]``: the base loss's per-token value (DistiLLM-2 as
+    its chosen-row SKL or rejected-row SRKL term)."""
+    if name.startswith("distillm2"):
+        loss = DistiLLM2Loss(temperature=TAU)
+        kind = 0 if name.endswith("chosen") else 1
+        return lambda student, teacher: loss._token_loss(
+            student, teacher, torch.full((student.shape[0],), kind, dtype=torch.long)
+        )
+    loss = build_base_loss(name, temperature=TAU)
+    return lambda student, teacher: loss.token_loss(student, teacher, torch.zeros(student.shape[0], dtype=torch.long))
+
+
+def draws(head: int, rows: int = DRAWS, seed: int = 0) -> SampledTeacher:
+    uniforms = keyed_uniforms(seed, "test", range(rows), [1] * rows, SAMPLES)
+    stored = draw_tail_samples(TEACHER.expand(rows, VOCAB), uniforms, top_k=head, temperature=TAU)
+    return SampledTeacher.from_samples(stored, VOCAB)
+
+
+def exact(loss) -> tuple[float, torch.Tensor]:
+    student = STUDENT.double().unsqueeze(0).requires_grad_(True)
+    value = loss(student, TEACHER.double().unsqueeze(0)).sum()
+    (grad,) = torch.autograd.grad(value, student)
+    return value.item(), grad[0]
+
+
+def per_draw(loss, teacher: SampledTeacher) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each draw's estimate and its gradient with respect to the student's logits, in fp64."""
+    double = SampledTeacher(teacher.ids, teacher.log_probs.double(), teacher.weights.double(), VOCAB)
+    student = STUDENT.double().expand(teacher.ids.shape[0], VOCAB).clone().requires_grad_(True)
+    values = loss(student, double)
+    (grads,) = torch.autograd.grad(values.sum(), student)
+    return values.detach(), grads
+
+
+def unbiased(values: torch.Tensor, want: float | torch.Tensor, sigmas: float = 5.0) -> bool:
+    """The mean of the draws within ``sigmas`` standard errors of ``want`` (every coordinate)."""
+    error = values.std(dim=0) / values.shape[0] ** 0.5 + 2e-6  # + the fp32 rounding of the stored log p
+    return bool(((values.mean(dim=0) - want).abs() <= sigmas * error).all())
+
+
+LOSSES = ["fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2_chosen", "distillm2_rejected"]
+
+
+@pytest.mark.parametrize("head", [0, 2])
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_base_loss_is_estimated_without_bias(name, head):
+    loss = token_loss(name)
+    value, grad = exact(loss)
+    values, grads = per_draw(loss, draws(head))
+    assert unbiased(values, value), (name, values.mean().item(), value)
+    assert unbiased(grads, grad), (name, grads.mean(dim=0), grad)
+    # The planted violation: the draws' empirical distribution without the importance weight
+    # P_T / p (what a plain "counts / N" cache would give) is caught by the same check.
+    naive = draws(head)
+    drawn = torch.arange(naive.ids.shape[1]) >= head  # the head's entries come first
+    plain = torch.where(drawn, naive.weights * naive.log_probs.exp(), naive.weights)  # c / N · P_T
+    if name in ("rkl", "srkl", "tvd", "distillm2_rejected"):
+        biased, biased_grads = per_draw(loss, SampledTeacher(naive.ids, naive.log_probs, plain, VOCAB))
+        assert not (unbiased(biased, value) and unbiased(biased_grads, grad)), name
+
+
+def test_with_the_whole_vocabulary_in_the_head_it_is_the_dense_loss():
+    rows, width = 2, 5
+    teacher = torch.randn(rows, width, VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    student = torch.randn(rows, width, VOCAB, generator=torch.Generator().manual_seed(4))
+    labels = torch.tensor([[1, -100, 2, 3, -100], [-100, 0, 4, -100, 6]])
+    uniforms = keyed_uniforms(0, "test", [0], [rows * width], SAMPLES)
+    stored = draw_tail_samples(teacher.view(-1, VOCAB), uniforms, top_k=VOCAB, temperature=TAU)
+    sampled = SampledTeacher.from_samples(stored, VOCAB)
+    sampled = SampledTeacher(
+        *(t.view(rows, width, -1) for t in (sampled.ids, sampled.log_probs, sampled.weights)), VOCAB
+    )
+    for name in ("fkl", "srkl", "jsd", "tvd"):
+        loss = build_base_loss(name, temperature=TAU, chunk_size=3)
+        dense_logits, cached_logits = (student.clone().requires_grad_(True) for _ in range(2))
+        dense, cached = loss(dense_logits, teacher, labels), loss(cached_logits, sampled, labels)
+        torch.testing.assert_close(cached, dense, rtol=1e-5, atol=1e-6)
+        cached.backward(), dense.backward()
+        torch.testing.assert_close(cached_logits.grad, dense_logits.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rows_draws_depend_on_its_key_not_on_the_batch():
+    alone = keyed_uniforms(7, "teacher-cache", [5], [3], SAMPLES)
+    batched = keyed_uniforms(7, "teacher-cache", [2, 5], [4, 3], SAMPLES)
+    torch.testing.assert_close(batched[4:], alone, rtol=0, atol=0)
+    assert not torch.equal(keyed_uniforms(8, "teacher-cache", [5], [3], SAMPLES), alone)
+    # The same uniforms draw the same tokens from the same logits, whichever positions come first.
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    first = draw_tail_samples(logits, alone, top_k=1)
+    both = draw_tail_samples(torch.cat([logits.flip(0), logits]), torch.cat([alone.flip(0), alone]), top_k=1)
+    tail_of_second = both.distinct[:3].sum()
+    torch.testing.assert_close(both.ids[tail_of_second:], first.ids, rtol=0, atol=0)
+    torch.testing.assert_close(both.counts[tail_of_second:], first.counts, rtol=0, atol=0)
+    position = torch.repeat_interleave(torch.arange(3), first.distinct)
+    assert int(first.counts.sum()) == 3 * SAMPLES and (first.ids != first.head_ids[position, 0]).all()
