@@ -24,6 +24,7 @@ from mta.training.lifecycle.metrics import read_metrics
 from mta.training.teacher_cache import build as stage_module
 from mta.training.teacher_cache.build import run_teacher_stage
 from mta.training.teacher_cache.content import teacher_reads
+from mta.training.teacher_cache.encoding import id_bits, unpack_ids
 from mta.training.trainer import run_distillation
 from mta_cli.main import app
 
@@ -51,10 +52,10 @@ def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
         for key in ("tokens", "positions"):
             assert row[key] == want[key], (row["id"], key)
         torch.testing.assert_close(torch.tensor(row["hidden"]), torch.tensor(want["hidden"]), rtol=2e-3, atol=2e-3)
-        k = len(row["top_ids"]) // max(len(row["positions"]), 1)
+        k = len(row["top_log_probs"]) // max(len(row["positions"]), 1)
         rebuilt = [
             dense_log_probs(
-                torch.tensor(r["top_ids"]).view(-1, k),
+                torch.from_numpy(unpack_ids(r["top_ids"], id_bits(VOCAB), len(r["top_log_probs"]))).view(-1, k),
                 torch.tensor(r["top_log_probs"]).view(-1, k),
                 torch.tensor(r["tail"]),
                 VOCAB,

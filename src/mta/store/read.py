@@ -139,9 +139,17 @@ def _read_part(out_dir: Path, manifest: dict[str, Any], part: dict[str, Any], ve
 
 
 def read_stage_manifest(
-    directory: Path, *, artefact: str, version_key: str, version: int, command: str, build: str, what: str = ""
+    directory: Path,
+    *,
+    artefact: str,
+    version_key: str,
+    version: int | tuple[int, ...],
+    command: str,
+    build: str,
+    what: str = "",
 ) -> dict[str, Any]:
-    """The manifest of a finished ``command`` output (``artefact``, ``version_key`` = ``version``),
+    """The manifest of a finished ``command`` output (``artefact``, ``version_key`` = ``version``
+    or one of ``version``'s),
     or ``MtaError`` naming the fix: no directory (``build``: the command line that makes it), no
     manifest (an interrupted or partly sharded run), another artefact, another version.
     ``what``: a prefix naming where the directory was given (``"teacher_cache.dir: "``)."""
@@ -158,10 +166,11 @@ def read_stage_manifest(
             f"{what}{manifest_path(directory)} is not a {artefact} artefact (artefact: "
             f"{manifest.get('artefact')!r}); give the -o directory of `{command}`"
         )
-    if manifest.get(version_key) != version:
+    readable = version if isinstance(version, tuple) else (version,)
+    if manifest.get(version_key) not in readable:
         raise MtaError(
             f"{what}{manifest_path(directory)} has {version_key} {manifest.get(version_key)!r}; this mta reads "
-            f"version {version}: re-run `{command}` into a new directory (or with --force)"
+            f"version {' or '.join(map(str, readable))}: re-run `{command}` into a new directory (or with --force)"
         )
     return manifest
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from mta.losses.teacher_sampled import SampledTeacher
 from mta.training.logit_lens import BLOCKS_AND_NORM, LogitLens
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class TeacherOutput:
     """hidden_states: ``{layer: [batch, seq, d_teacher]}`` for the layers asked for.
-    logits: ``[batch, seq, vocab]`` or None when no logit loss reads them.
+    logits: ``[batch, seq, vocab]`` or None when no logit loss reads them (from a sampled teacher
+    cache: a :class:`~mta.losses.teacher_sampled.SampledTeacher`, which the base losses read in their place).
     lens: the teacher's logit lens (``LogitLens``) when FDD reads intermediate layers, else None."""
 
     hidden_states: dict[int, torch.Tensor]
-    logits: torch.Tensor | None
+    logits: torch.Tensor | SampledTeacher | None
     lens: LogitLens | None = None
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_states index -> [b, heads, t, t]
 

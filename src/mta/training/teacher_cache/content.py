@@ -24,10 +24,17 @@ from mta.models.weights import weights_fingerprint
 from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
 from mta.training.config.schema import Recipe
 from mta.training.model_loading import hidden_size
+from mta.training.teacher_cache.encoding import id_bits, packed_bytes, state_bytes
 from mta.versions import MTA_VERSION, package_versions
 
 ARTEFACT = "teacher-outputs"  # the manifest's ``artefact``
-CACHE_VERSION = 1  # the manifest's ``teacher_cache_version``: the columns and keys of this package
+# The manifest's ``teacher_cache_version``: the columns and keys of this package. 2: ids packed in
+# ``id_bits`` bits, sampled logits, 8-bit states; a version-1 cache (int32 ids, top-k logits, states
+# in the storage's precision) is still read (:func:`upgraded`).
+CACHE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+# What a version-1 manifest, which predates these keys, holds.
+VERSION_1_DEFAULTS = {"sampling": None, "states": "storage"}
 SPLITS = ("train", "dev")
 # The description's keys that decide the stored values; each names the recipe key to change.
 CONTENT_KEYS = {
@@ -39,6 +46,8 @@ CONTENT_KEYS = {
     "layers": "loss.layers / loss.sra_layers (a teacher layer the cache does not hold)",
     "logits": "loss.base / loss.base_weight (a logit loss, and the cache holds no logits)",
     "top_k": "teacher_cache.top_k",
+    "sampling": "teacher_cache.logits / teacher_cache.samples / teacher_cache.seed",
+    "states": "teacher_cache.states",
     "temperature": "loss.temperature",
     "storage": "teacher_cache.storage",
     "precision": "train.precision / teacher.dtype (the teacher's compute precision)",
@@ -137,9 +146,12 @@ def describe(
         "max_length": recipe.data.max_length,
         "layers": list(reads.layers),
         "logits": reads.logits,
-        "top_k": min(spec.top_k, teacher.vocab_size) if reads.logits else None,
+        "top_k": min(spec.head, teacher.vocab_size) if reads.logits else None,
+        "sampling": {"samples": spec.samples, "seed": spec.seed} if reads.logits and spec.logits == "sampled" else None,
         "temperature": recipe.loss.temperature if reads.logits else None,
         "storage": spec.storage,
+        "states": spec.states,
+        "id_bits": id_bits(teacher.vocab_size),
         "precision": teacher.precision,
         "versions": package_versions(),
     }
@@ -157,41 +169,68 @@ def mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     ``top_k`` and ``temperature`` are then not compared). A stored ``teacher_weights`` is
     compared only when the teacher's weights are there to fingerprint (``expected`` not None)."""
     found = []
+    stored = upgraded(stored)
     for key, fix in CONTENT_KEYS.items():
         if key == "teacher_weights" and expected.get(key) is None:
             continue
+        if key == "teacher_cache_version" and stored.get(key) in READABLE_VERSIONS:
+            continue
         if key == "layers" and set(expected.get(key) or ()) <= set(stored.get(key) or ()):
             continue
-        if key == "logits" and stored.get(key) or key in ("top_k", "temperature") and not expected.get("logits"):
+        if (
+            key == "logits"
+            and stored.get(key)
+            or key in ("top_k", "sampling", "temperature")
+            and not expected.get("logits")
+        ):
             continue
         if stored.get(key) != expected.get(key):
             found.append(f"{key}: {stored.get(key)!r} in the cache, {expected.get(key)!r} for the recipe ({fix})")
     return found
 
 
-def schema(storage: str) -> pa.Schema:
-    """The columns of a cache part (the package docstring), values in ``storage``'s precision."""
+def upgraded(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest of any :data:`READABLE_VERSIONS` with today's keys (a version-1 cache's defaults)."""
+    return VERSION_1_DEFAULTS | manifest
+
+
+def schema(storage: str, states: str = "storage") -> pa.Schema:
+    """The columns of a cache part (the package docstring), values in ``storage``'s precision,
+    hidden states in ``states``' (int8 with fp32 scales, or the storage's precision)."""
     value = pa.float16() if storage == "compact" else pa.float32()
     return pa.schema(
         [
             pa.field("id", pa.int64(), nullable=False),
             pa.field("tokens", pa.int32(), nullable=False),
             pa.field("positions", pa.list_(pa.int32()), nullable=False),
-            pa.field("top_ids", pa.list_(pa.int32()), nullable=False),
+            pa.field("top_ids", pa.binary(), nullable=False),
             pa.field("top_log_probs", pa.list_(value), nullable=False),
             pa.field("tail", pa.list_(pa.float32()), nullable=False),
-            pa.field("hidden", pa.list_(value), nullable=False),
+            pa.field("sample_distinct", pa.list_(pa.uint8()), nullable=False),
+            pa.field("sample_ids", pa.binary(), nullable=False),
+            pa.field("sample_counts", pa.list_(pa.uint8()), nullable=False),
+            pa.field("sample_log_probs", pa.list_(value), nullable=False),
+            pa.field("hidden", pa.list_(value if states == "storage" else pa.int8()), nullable=False),
+            pa.field("hidden_scales", pa.list_(pa.float32()), nullable=False),
         ]
     )
 
 
+LOGIT_COLUMNS = ("positions", "top_ids", "top_log_probs", "tail", "sample_distinct", "sample_ids", "sample_counts")
+LOGIT_COLUMNS += ("sample_log_probs",)
+STATE_COLUMNS = ("hidden", "hidden_scales")
+
+
 @dataclass(frozen=True)
 class SizeEstimate:
-    """Bytes a cache takes: ``logits`` (ids, log-probs, tails) and ``hidden`` (states), over ``rows``."""
+    """Bytes a cache takes: ``logits`` (ids, log-probs, tails, draws) and ``hidden`` (states), over
+    ``rows`` rows of ``tokens`` teacher tokens with ``responses`` response positions in all."""
 
     rows: int
     logits: int
     hidden: int
+    tokens: int = 0
+    responses: int = 0
 
     @property
     def total(self) -> int:
@@ -201,18 +240,45 @@ class SizeEstimate:
     def per_row(self) -> float:
         return self.total / max(self.rows, 1)
 
+    def per_token(self) -> dict[str, float]:
+        """Bytes a teacher token (states) and a response position (logits) take."""
+        return {
+            "logits_per_response_position": self.logits / max(self.responses, 1),
+            "states_per_token": self.hidden / max(self.tokens, 1),
+        }
+
 
 def estimate_bytes(
-    reads: TeacherReads, *, top_k: int, storage: str, hidden_size: int, tokens: int, responses: int, rows: int
+    reads: TeacherReads,
+    *,
+    top_k: int,
+    storage: str,
+    hidden_size: int,
+    tokens: int,
+    responses: int,
+    rows: int,
+    samples: int = 0,
+    states: str = "storage",
+    vocab_size: int | None = None,
 ) -> SizeEstimate:
     """At most the cache's size for ``rows`` rows of ``tokens`` teacher tokens and ``responses``
-    response positions in all (Parquet's dictionary encoding stores the ids and many values in
-    fewer bytes: 0.6 of it on the demo's pair at k = 1024); each row's Parquet row group (its
-    metadata, page headers and statistics, ``ROW_GROUP_BYTES``) is counted with the logits."""
+    response positions in all: per position the head's ``top_k`` ids (``id_bits(vocab_size)``
+    bits each; 32 without a vocabulary) and log-probabilities, the tail's fp32 and the position's
+    int32, and with ``samples`` draws at most that many distinct ids with a count byte and a
+    log-probability each, plus a byte for their number; the states in ``states``
+    (:func:`~mta.training.teacher_cache.encoding.state_bytes`). Draws repeat on a peaked
+    distribution, so a sampled cache takes less. Each row's Parquet row group (its metadata, page
+    headers and statistics, ``ROW_GROUP_BYTES``) is counted with the logits."""
     value = BYTES[storage]
-    logits = responses * (top_k * (4 + value) + 4 + 4) if reads.logits else 0
-    hidden = len(reads.layers) * tokens * hidden_size * value
-    return SizeEstimate(rows, logits + rows * ROW_GROUP_BYTES, hidden)
+    bits = id_bits(vocab_size) if vocab_size else 32
+    logits = 0
+    if reads.logits:
+        per_position = top_k * value + 4 + 4 + (samples * (value + 1) + 1 if samples else 0)
+        logits = responses * per_position + packed_bytes(responses * (top_k + samples), bits)
+    hidden = state_bytes(
+        states, value_bytes=value, layers=len(reads.layers), tokens=tokens, hidden_size=hidden_size, rows=rows
+    )
+    return SizeEstimate(rows, logits + rows * ROW_GROUP_BYTES, hidden, tokens, responses)
 
 
 def human_bytes(count: float) -> str:
@@ -227,6 +293,9 @@ __all__ = [
     "ARTEFACT",
     "CACHE_VERSION",
     "CONTENT_KEYS",
+    "LOGIT_COLUMNS",
+    "READABLE_VERSIONS",
+    "STATE_COLUMNS",
     "SPLITS",
     "SizeEstimate",
     "TeacherIdentity",
@@ -241,4 +310,5 @@ __all__ = [
     "teacher_precision",
     "teacher_reads",
     "teacher_weights",
+    "upgraded",
 ]
