@@ -216,3 +216,28 @@ def test_a_version_1_cache_still_reads_as_it_did(tmp_path, tiny_run_recipe):
     )
     with pytest.raises(MtaError, match=r"teacher_cache_version 9.*reads version 1 or 2"):
         TeacherCache(tmp_path / "v1" / "train", expected)
+
+
+RECIPE = """name: t
+output_dir: out
+teacher: {path: gpt2}
+student: {path: gpt2}
+data: {train: a.jsonl}
+train: {lr: 1.0e-4, max_steps: 2}
+teacher_cache:
+  logits: top_k
+  top_k: 0
+  samples: 300
+"""
+
+
+def test_the_sampling_keys_are_checked_naming_their_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE)
+    with pytest.raises(MtaError, match=r"line 10: teacher_cache\.samples: .*less than or equal to 255"):
+        load_recipe(path)
+    with pytest.raises(MtaError, match=r"line 9: teacher_cache\.top_k: top_k=0 keeps no token with logits=top_k"):
+        load_recipe(path, ["teacher_cache.samples=8"])
+    sampled = load_recipe(path, ["teacher_cache.samples=8", "teacher_cache.logits=sampled"]).teacher_cache
+    assert sampled.head == 0 and sampled.samples == 8  # draws only: the whole distribution sampled
+    assert load_recipe(path, ["teacher_cache.samples=8", "teacher_cache.top_k=null"]).teacher_cache.head == 1024
