@@ -216,8 +216,10 @@ def schema(storage: str, states: str = "storage") -> pa.Schema:
     )
 
 
-LOGIT_COLUMNS = ("positions", "top_ids", "top_log_probs", "tail", "sample_distinct", "sample_ids", "sample_counts")
-LOGIT_COLUMNS += ("sample_log_probs",)
+LOGIT_COLUMNS = (
+    *("positions", "top_ids", "top_log_probs", "tail"),
+    *("sample_distinct", "sample_ids", "sample_counts", "sample_log_probs"),
+)
 STATE_COLUMNS = ("hidden", "hidden_scales")
 
 
@@ -281,6 +283,21 @@ def estimate_bytes(
     return SizeEstimate(rows, logits + rows * ROW_GROUP_BYTES, hidden, tokens, responses)
 
 
+def stored_per_token(manifest: dict[str, Any]) -> dict[str, float] | None:
+    """Bytes on disk per token of a finished cache, by part, from its manifest's ``bytes`` and
+    ``tokens`` counts (None for a version-1 cache, which has none): ``logits`` per response
+    position, ``states`` per teacher token, ``total`` (every byte of the parts) per teacher token."""
+    stored, tokens = manifest.get("bytes"), manifest.get("tokens")
+    if not stored or not tokens:
+        return None
+    teacher, responses = max(tokens["teacher"], 1), max(tokens["responses"], 1)
+    return {
+        "logits": stored["logits"] / responses,
+        "states": stored["states"] / teacher,
+        "total": sum(stored.values()) / teacher,
+    }
+
+
 def human_bytes(count: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if count < 1000 or unit == "TB":
@@ -307,6 +324,7 @@ __all__ = [
     "human_bytes",
     "mismatches",
     "schema",
+    "stored_per_token",
     "teacher_precision",
     "teacher_reads",
     "teacher_weights",
