@@ -166,6 +166,7 @@ def test_the_dry_run_estimates_the_cache_size_before_it_exists(tmp_path, tiny_ru
     )
     notes = [note for note in plan_run(recipe).notes if note.startswith("teacher cache")]
     assert "never loaded" in notes[-1] and "k = 512" in notes[0] and "hidden states over" in notes[0], notes
+    assert "logits per response position" in notes[0] and "states per token" in notes[0], notes
     run_teacher_stage(recipe)
     stored = sum(path.stat().st_size for path in (tmp_path / "c" / "train").glob("part-*.parquet"))
     manifest = json.loads((tmp_path / "c" / "train" / ".mta" / "manifest.json").read_text())
