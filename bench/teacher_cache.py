@@ -163,7 +163,9 @@ def laid_out(entries: SampledTeacher, shape: tuple[int, int], row, position) -> 
         entries.log_probs,
         entries.weights,
     )
-    return SampledTeacher(ids, log_probs, weights, entries.vocab_size)
+    rest = torch.full(shape, LOG_FLOOR)
+    rest[row, position] = entries.rest
+    return SampledTeacher(ids, log_probs, weights, entries.vocab_size, rest)
 
 
 def logits_accuracy(recipe, run, batches: int, draws: int, samples=SAMPLES, heads=HEADS, top_ks=TOP_KS) -> dict:

@@ -90,7 +90,9 @@ def sampled_batch(batch, logits, seed, spec, vocab) -> SampledTeacher:
         entries.log_probs,
         entries.weights,
     )
-    return SampledTeacher(ids, log_probs, weights, vocab)
+    rest = torch.full(shape[:2], -1e4)
+    rest[rows, positions] = entries.rest
+    return SampledTeacher(ids, log_probs, weights, vocab, rest)
 
 
 def test_a_run_trains_from_a_sampled_cache_without_the_teachers_weights_like_the_online_run(

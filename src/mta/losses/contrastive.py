@@ -97,8 +97,10 @@ class DistiLLM2Loss(nn.Module):
         for rows, terms in ((forward, skl), (reverse, srkl)):
             if not rows.any():
                 continue
-            if isinstance(teacher, SampledTeacher):  # a sampled cache: the unbiased estimate
+            if isinstance(teacher, SampledTeacher) and terms is skl:  # the unbiased estimate
                 value = sampled_estimate(terms, log_q[rows], teacher[rows])
+            elif isinstance(teacher, SampledTeacher):  # SRKL: the rest rule (kd.DistributionLoss)
+                value = terms(teacher[rows].dense_log_probs(), log_q[rows]).sum(dim=1)
             else:
                 value = terms((teacher[rows] / self.temperature).log_softmax(dim=1), log_q[rows]).sum(dim=1)
             loss = loss.index_put((rows,), value)

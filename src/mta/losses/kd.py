@@ -94,7 +94,16 @@ class CrossEntropy(BaseLoss):
 
 
 class DistributionLoss(BaseLoss):
-    """A divergence between teacher and student distributions at temperature τ."""
+    """A divergence between teacher and student distributions at temperature τ.
+
+    From a sampled teacher cache a loss whose terms the teacher's p weighs (``importance_weighted``:
+    forward KL, skew forward KL) is the unbiased importance-weighted estimate over the draws; the
+    others (reverse KL, skew reverse KL, JSD, TVD: terms the student's q weighs, large where the
+    teacher's p is too small to be drawn) read the rest rule's p̃, the head and draws exact and the
+    rest of the mass spread evenly (biased as the tail rule is, with the draws kept exactly;
+    docs/teacher-cache.md)."""
+
+    importance_weighted = False
 
     def __init__(self, *, temperature: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -106,8 +115,10 @@ class DistributionLoss(BaseLoss):
         if teacher is None:
             raise MtaError(f"{type(self).__name__} compares with a teacher; teacher logits are None")
         log_q = F.log_softmax(student / self.temperature, dim=-1)
-        if isinstance(teacher, SampledTeacher):  # a sampled cache: the unbiased estimate
-            return sampled_estimate(self.terms, log_q, teacher)
+        if isinstance(teacher, SampledTeacher):  # a sampled cache (mta.losses.teacher_sampled)
+            if self.importance_weighted:  # the unbiased estimate
+                return sampled_estimate(self.terms, log_q, teacher)
+            return self.divergence(teacher.dense_log_probs(), log_q)  # the rest rule
         log_p = F.log_softmax(teacher / self.temperature, dim=-1)
         return self.divergence(log_p, log_q)
 
@@ -124,6 +135,8 @@ class DistributionLoss(BaseLoss):
 
 class ForwardKL(DistributionLoss):
     """``KL(p ‖ q)``: the student covers the teacher's mass (mean-seeking)."""
+
+    importance_weighted = True
 
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_p, log_q)
@@ -147,6 +160,8 @@ class _Skewed(DistributionLoss):
 
 class SkewForwardKL(_Skewed):
     """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
+
+    importance_weighted = True
 
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_p, log_mixture(log_p, log_q, self.skew_alpha))

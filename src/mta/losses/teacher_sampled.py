@@ -141,6 +141,7 @@ class SampledTeacher:
     log_probs: torch.Tensor
     weights: torch.Tensor
     vocab_size: int
+    rest: torch.Tensor  # [*lead] log p̃ of each token neither in the head nor drawn
 
     @property
     def shape(self) -> torch.Size:
@@ -151,10 +152,29 @@ class SampledTeacher:
         return self.ids.dim()
 
     def __getitem__(self, index: Any) -> SampledTeacher:
-        return SampledTeacher(self.ids[index], self.log_probs[index], self.weights[index], self.vocab_size)
+        return SampledTeacher(
+            self.ids[index], self.log_probs[index], self.weights[index], self.vocab_size, self.rest[index]
+        )
 
     def to(self, device: torch.device | str) -> SampledTeacher:
-        return SampledTeacher(self.ids.to(device), self.log_probs.to(device), self.weights.to(device), self.vocab_size)
+        return SampledTeacher(
+            self.ids.to(device),
+            self.log_probs.to(device),
+            self.weights.to(device),
+            self.vocab_size,
+            self.rest.to(device),
+        )
+
+    def dense_log_probs(self) -> torch.Tensor:
+        """``[n, vocab_size]`` fp32 log p̃ of the rest rule (from ``[n, m]`` rows): the head and
+        every drawn token at its stored log-probability, every other token at ``rest``, the mass
+        the head and the draws leave spread evenly (the tail rule of :mod:`mta.losses.teacher_topk`
+        with the draws kept exactly)."""
+        n = self.ids.shape[0]
+        dense = self.rest.float().unsqueeze(1).expand(n, self.vocab_size).clone()
+        row, column = (self.weights > 0).nonzero(as_tuple=True)
+        dense[row, self.ids[row, column]] = self.log_probs[row, column].float()
+        return dense
 
     @classmethod
     def from_samples(cls, stored: TailSamples, vocab_size: int) -> SampledTeacher:
@@ -179,7 +199,15 @@ class SampledTeacher:
             weights[position, slot] = (
                 stored.counts.float() / stored.samples * (stored.tail.float()[position] - values).exp()
             )
-        return cls(ids, log_probs, weights, vocab_size)
+        # The rest rule's fill: the tail's mass less the draws', over the tokens not kept.
+        drawn_mass = torch.zeros(n, dtype=torch.float64)
+        if stored.ids.numel():
+            drawn_mass.index_add_(0, position, stored.log_probs.double().exp())
+        left = (stored.tail.double().exp() - drawn_mass).clamp(min=0)
+        others = (vocab_size - k - distinct).clamp(min=0)
+        rest = (left.clamp(min=1e-300).log() - others.clamp(min=1).double().log()).float()
+        rest = torch.where((others > 0) & (left > 0), rest.clamp(min=LOG_FLOOR), torch.full_like(rest, LOG_FLOOR))
+        return cls(ids, log_probs, weights, vocab_size, rest)
 
 
 def sampled_estimate(terms: TermsFn, log_q: torch.Tensor, teacher: SampledTeacher) -> torch.Tensor:

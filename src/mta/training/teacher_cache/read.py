@@ -198,8 +198,12 @@ class TeacherCache:
         log_probs = torch.full((len(rows) * width, m), LOG_FLOOR)
         weights = torch.zeros(len(rows) * width, m)
         ids[flat], log_probs[flat], weights[flat] = entries.ids, entries.log_probs, entries.weights
+        rest = torch.full((len(rows) * width,), LOG_FLOOR)
+        rest[flat] = entries.rest
         shape = (len(rows), width, m)
-        return SampledTeacher(ids.view(shape), log_probs.view(shape), weights.view(shape), self.vocab_size)
+        return SampledTeacher(
+            ids.view(shape), log_probs.view(shape), weights.view(shape), self.vocab_size, rest.view(shape[:2])
+        )
 
 
 class CachedTeacher:
