@@ -100,7 +100,7 @@ def test_a_run_trains_from_a_sampled_cache_without_the_teachers_weights_like_the
 ):
     cache = tmp_path / "cache"
     recipe_path = tiny_run_recipe(
-        tmp_path / "online", teacher_cache={"dir": str(cache), **SAMPLED}, loss={"base": "srkl"}, data={"dev": None}
+        tmp_path / "online", teacher_cache={"dir": str(cache), **SAMPLED}, loss={"base": "fkl"}, data={"dev": None}
     )
     run_teacher_stage(load_recipe(recipe_path))
     manifest = json.loads((cache / "train" / ".mta" / "manifest.json").read_text())
@@ -123,7 +123,7 @@ def test_a_run_trains_from_a_sampled_cache_without_the_teachers_weights_like_the
     # 12 seeds' draws from the online teacher at the cached run's student, each micro batch's
     # loss, averaged as a step does; and the exact loss there, with the online teacher's logits.
     vocab = len(online.tokenizer)
-    loss = build_base_loss("srkl", vocab_size=vocab)
+    loss = build_base_loss("fkl", vocab_size=vocab)
 
     def spread(step: int) -> tuple[float, float]:
         exact, variances = [], []
@@ -151,10 +151,11 @@ def test_a_run_trains_from_a_sampled_cache_without_the_teachers_weights_like_the
         losses["exact"].append(exact)
         assert abs(losses["cached"][-1] - exact) <= 4 * sigma, (step, losses, sigma)
     assert losses["online"][0] == pytest.approx(losses["exact"][0], rel=1e-4)  # the same initial student
-    # (The students then drift apart: on these tiny random models both distributions are nearly
-    # flat, so 255 draws beyond a head of 32 of 512 tokens resolve the loss but its gradient is
-    # mostly noise; with a head of 500 the runs agree step by step. bench/teacher_cache.py
-    # measures the gradient on the demo's pair.)
+    # (Forward KL reads the unbiased importance estimate; reverse-type losses read the rest rule,
+    # biased, measured in test_teacher_sampled.py and bench/teacher_cache.py. The students then
+    # drift apart: on these tiny random models both distributions are nearly flat, so 255 draws
+    # beyond a head of 32 of 512 tokens resolve the loss but its gradient is mostly noise; with a
+    # head of 500 the runs agree step by step. The bench measures the gradient on the demo's pair.)
     assert losses["cached"] != losses["online"]  # the draws, not the online teacher, gave them
     online.close()
     cached.close()
