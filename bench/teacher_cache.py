@@ -163,9 +163,9 @@ def laid_out(entries: SampledTeacher, shape: tuple[int, int], row, position) -> 
         entries.log_probs,
         entries.weights,
     )
-    rest = torch.full(shape, LOG_FLOOR)
-    rest[row, position] = entries.rest
-    return SampledTeacher(ids, log_probs, weights, entries.vocab_size, rest)
+    rest, log_mean = torch.full((2, *shape), LOG_FLOOR)
+    rest[row, position], log_mean[row, position] = entries.rest, entries.rest_log_mean
+    return SampledTeacher(ids, log_probs, weights, entries.vocab_size, rest, log_mean)
 
 
 def logits_accuracy(recipe, run, batches: int, draws: int, samples=SAMPLES, heads=HEADS, top_ks=TOP_KS) -> dict:

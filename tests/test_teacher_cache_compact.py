@@ -90,9 +90,9 @@ def sampled_batch(batch, logits, seed, spec, vocab) -> SampledTeacher:
         entries.log_probs,
         entries.weights,
     )
-    rest = torch.full(shape[:2], -1e4)
-    rest[rows, positions] = entries.rest
-    return SampledTeacher(ids, log_probs, weights, vocab, rest)
+    rest, log_mean = torch.full((2, *shape[:2]), -1e4)
+    rest[rows, positions], log_mean[rows, positions] = entries.rest, entries.rest_log_mean
+    return SampledTeacher(ids, log_probs, weights, vocab, rest, log_mean)
 
 
 def test_a_run_trains_from_a_sampled_cache_without_the_teachers_weights_like_the_online_run(

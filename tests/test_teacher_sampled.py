@@ -111,8 +111,14 @@ def test_reverse_type_losses_read_the_rest_rule_and_its_bias_is_below_the_tail_r
     value, _ = exact(loss)
     teacher = draws(2)
     values, _ = per_draw(loss, teacher)
-    rule = teacher.dense_log_probs() * TAU  # the rest rule's logits, a second path
-    expected = loss(STUDENT.expand(teacher.ids.shape[0], VOCAB), rule)
+    # A second path: the divergence on the rest rule's log p̃, built by hand from the entries.
+    fill = teacher.rest_log_mean if name in ("rkl", "srkl", "distillm2_rejected") else teacher.rest
+    by_hand = fill.unsqueeze(1).repeat(1, VOCAB)
+    for j in range(teacher.ids.shape[1]):
+        kept = teacher.weights[:, j] > 0
+        by_hand[kept, teacher.ids[kept, j]] = teacher.log_probs[kept, j]
+    divergence = build_base_loss("srkl" if name == "distillm2_rejected" else name, temperature=TAU).divergence
+    expected = divergence(by_hand, (STUDENT / TAU).log_softmax(dim=0).expand(teacher.ids.shape[0], VOCAB))
     torch.testing.assert_close(values.float(), expected.float(), rtol=1e-5, atol=1e-6)
     ids, log_probs, tail = top_k_log_probs(TEACHER.unsqueeze(0), 2, temperature=TAU)
     tail_rule, _ = exact(loss, teacher_logits_from_top_k(ids, log_probs, tail, VOCAB, TAU)[0])
@@ -132,6 +138,7 @@ def test_with_the_whole_vocabulary_in_the_head_it_is_the_dense_loss():
         *(t.view(rows, width, -1) for t in (sampled.ids, sampled.log_probs, sampled.weights)),
         VOCAB,
         sampled.rest.view(rows, width),
+        sampled.rest_log_mean.view(rows, width),
     )
     for name in ("fkl", "srkl", "jsd", "tvd"):
         loss = build_base_loss(name, temperature=TAU, chunk_size=3)

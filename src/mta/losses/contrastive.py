@@ -100,7 +100,7 @@ class DistiLLM2Loss(nn.Module):
             if isinstance(teacher, SampledTeacher) and terms is skl:  # the unbiased estimate
                 value = sampled_estimate(terms, log_q[rows], teacher[rows])
             elif isinstance(teacher, SampledTeacher):  # SRKL: the rest rule (kd.DistributionLoss)
-                value = terms(teacher[rows].dense_log_probs(), log_q[rows]).sum(dim=1)
+                value = terms(teacher[rows].dense_log_probs("log_mean"), log_q[rows]).sum(dim=1)
             else:
                 value = terms((teacher[rows] / self.temperature).log_softmax(dim=1), log_q[rows]).sum(dim=1)
             loss = loss.index_put((rows,), value)

@@ -104,6 +104,7 @@ class DistributionLoss(BaseLoss):
     docs/teacher-cache.md)."""
 
     importance_weighted = False
+    rest_fill = "mass"  # the rest rule's fill: "mass" (a distribution) or "log_mean" (reverse KLs)
 
     def __init__(self, *, temperature: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -118,7 +119,7 @@ class DistributionLoss(BaseLoss):
         if isinstance(teacher, SampledTeacher):  # a sampled cache (mta.losses.teacher_sampled)
             if self.importance_weighted:  # the unbiased estimate
                 return sampled_estimate(self.terms, log_q, teacher)
-            return self.divergence(teacher.dense_log_probs(), log_q)  # the rest rule
+            return self.divergence(teacher.dense_log_probs(self.rest_fill), log_q)  # the rest rule
         log_p = F.log_softmax(teacher / self.temperature, dim=-1)
         return self.divergence(log_p, log_q)
 
@@ -145,6 +146,8 @@ class ForwardKL(DistributionLoss):
 class ReverseKL(DistributionLoss):
     """``KL(q ‖ p)``: the student commits to the teacher's modes (MiniLLM)."""
 
+    rest_fill = "log_mean"
+
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_q, log_p)
 
@@ -169,6 +172,8 @@ class SkewForwardKL(_Skewed):
 
 class SkewReverseKL(_Skewed):
     """``KL(q ‖ αq + (1−α)p)`` (DistiLLM's skew reverse KL, α = 0.1)."""
+
+    rest_fill = "log_mean"
 
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_q, log_mixture(log_q, log_p, self.skew_alpha))

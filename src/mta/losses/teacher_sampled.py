@@ -56,7 +56,9 @@ class TailSamples:
     """What the cache stores for n positions: ``head_ids, head_log_probs [n, k]`` (int64, fp32),
     ``tail [n]`` fp32 (``log P_T``, ``LOG_FLOOR`` when the head is everything), ``distinct [n]``
     int64 (distinct drawn ids per position), and, position after position, ``ids, counts,
-    log_probs [Σ distinct]`` (int64, int64, fp32), ids ascending within a position. ``samples``: N."""
+    log_probs [Σ distinct]`` (int64, int64, fp32), ids ascending within a position. ``samples``: N.
+    ``rest_log_mean [n]`` fp32: the mean of ``log p`` over the tokens neither in the head nor
+    drawn (None: not stored; the rest rule then fills by mass)."""
 
     head_ids: torch.Tensor
     head_log_probs: torch.Tensor
@@ -66,6 +68,7 @@ class TailSamples:
     counts: torch.Tensor
     log_probs: torch.Tensor
     samples: int
+    rest_log_mean: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -90,7 +93,7 @@ def draw_tail_samples(
     n, samples = uniforms.shape
     if logits.shape[0] != n:
         raise ValueError(f"{logits.shape[0]} positions of logits and {n} of uniforms")
-    heads, head_values, tails, distinct, ids, counts, values = [], [], [], [], [], [], []
+    heads, head_values, tails, distinct, ids, counts, values, log_means = [], [], [], [], [], [], [], []
     step = min(CHUNK_POSITIONS, SAMPLE_CHUNK_POSITIONS)
     for begin in range(0, n, step):
         # [chunk, vocab] fp32; dim 1 is the vocabulary.
@@ -114,10 +117,19 @@ def draw_tail_samples(
         ids.append(token)
         counts.append(count)
         values.append(log_p[row, token].clamp(min=LOG_FLOOR))
+        # The mean log p over the tokens neither in the head nor drawn (fp64 sums).
+        drawn_sum = torch.zeros(rows, dtype=torch.float64, device=log_p.device)
+        drawn_sum.index_add_(0, row, log_p[row, token].double())
+        others = vocab - k - distinct[-1]
+        rest_sum = log_p.double().sum(dim=1) - top_values.double().sum(dim=1) - drawn_sum
+        mean = (rest_sum / others.clamp(min=1)).float().clamp(min=LOG_FLOOR)
+        log_means.append(torch.where(others > 0, mean, torch.full_like(mean, LOG_FLOOR)))
     if not heads:
         empty = logits.new_zeros((0, k), dtype=torch.float32)
         nothing = torch.zeros(0, dtype=torch.long, device=logits.device)
-        return TailSamples(empty.long(), empty, empty[:, 0], nothing, nothing, nothing, empty[:, 0], samples)
+        return TailSamples(
+            empty.long(), empty, empty[:, 0], nothing, nothing, nothing, empty[:, 0], samples, empty[:, 0]
+        )
     return TailSamples(
         torch.cat(heads),
         torch.cat(head_values),
@@ -127,6 +139,7 @@ def draw_tail_samples(
         torch.cat(counts),
         torch.cat(values),
         samples,
+        torch.cat(log_means),
     )
 
 
@@ -141,7 +154,8 @@ class SampledTeacher:
     log_probs: torch.Tensor
     weights: torch.Tensor
     vocab_size: int
-    rest: torch.Tensor  # [*lead] log p̃ of each token neither in the head nor drawn
+    rest: torch.Tensor  # [*lead] log p̃ of each token neither in the head nor drawn: the mass left, spread evenly
+    rest_log_mean: torch.Tensor  # [*lead] the mean log p over those tokens
 
     @property
     def shape(self) -> torch.Size:
@@ -153,7 +167,12 @@ class SampledTeacher:
 
     def __getitem__(self, index: Any) -> SampledTeacher:
         return SampledTeacher(
-            self.ids[index], self.log_probs[index], self.weights[index], self.vocab_size, self.rest[index]
+            self.ids[index],
+            self.log_probs[index],
+            self.weights[index],
+            self.vocab_size,
+            self.rest[index],
+            self.rest_log_mean[index],
         )
 
     def to(self, device: torch.device | str) -> SampledTeacher:
@@ -163,15 +182,19 @@ class SampledTeacher:
             self.weights.to(device),
             self.vocab_size,
             self.rest.to(device),
+            self.rest_log_mean.to(device),
         )
 
-    def dense_log_probs(self) -> torch.Tensor:
+    def dense_log_probs(self, fill: str = "mass") -> torch.Tensor:
         """``[n, vocab_size]`` fp32 log p̃ of the rest rule (from ``[n, m]`` rows): the head and
         every drawn token at its stored log-probability, every other token at ``rest``, the mass
         the head and the draws leave spread evenly (the tail rule of :mod:`mta.losses.teacher_topk`
-        with the draws kept exactly)."""
+        with the draws kept exactly). ``fill="log_mean"``: every other token at the mean of their
+        ``log p`` instead (not a distribution: what reverse-type losses read, whose terms weigh
+        ``log p`` by the student's q at tokens the teacher all but excludes)."""
         n = self.ids.shape[0]
-        dense = self.rest.float().unsqueeze(1).expand(n, self.vocab_size).clone()
+        value = self.rest if fill == "mass" else self.rest_log_mean
+        dense = value.float().unsqueeze(1).expand(n, self.vocab_size).clone()
         row, column = (self.weights > 0).nonzero(as_tuple=True)
         dense[row, self.ids[row, column]] = self.log_probs[row, column].float()
         return dense
@@ -207,7 +230,8 @@ class SampledTeacher:
         others = (vocab_size - k - distinct).clamp(min=0)
         rest = (left.clamp(min=1e-300).log() - others.clamp(min=1).double().log()).float()
         rest = torch.where((others > 0) & (left > 0), rest.clamp(min=LOG_FLOOR), torch.full_like(rest, LOG_FLOOR))
-        return cls(ids, log_probs, weights, vocab_size, rest)
+        log_mean = rest if stored.rest_log_mean is None else stored.rest_log_mean.float()
+        return cls(ids, log_probs, weights, vocab_size, rest, log_mean)
 
 
 def sampled_estimate(terms: TermsFn, log_q: torch.Tensor, teacher: SampledTeacher) -> torch.Tensor:

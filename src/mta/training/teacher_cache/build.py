@@ -354,7 +354,7 @@ class TeacherStage:
                 out.logits[row_of, position], k, temperature=temperature, vocab_size=vocab
             )
             empty = [np.zeros(0)] * len(per_row)
-            found |= {name: empty for name in LOGIT_COLUMNS if name.startswith("sample_")}
+            found |= {name: empty for name in LOGIT_COLUMNS if name.startswith(("sample_", "rest_"))}
         else:
             purpose = f"teacher-cache/{description['split']}"
             uniforms = keyed_uniforms(sampling["seed"], purpose, row_ids, per_row, sampling["samples"])
@@ -368,6 +368,8 @@ class TeacherStage:
             found["sample_ids"] = _numpy(drawn.ids.split(per_row_draws), np.int64)
             found["sample_counts"] = _numpy(drawn.counts.split(per_row_draws), np.uint8)
             found["sample_log_probs"] = _numpy(drawn.log_probs.split(per_row_draws), storage)
+            assert drawn.rest_log_mean is not None, "draw_tail_samples gives it"
+            found["rest_log_mean"] = _numpy(drawn.rest_log_mean.split(per_row), np.float32)
         found["positions"] = _numpy(position.split(per_row), np.int32)
         found["top_ids"] = _numpy(head_ids.split(per_row), np.int64)
         found["top_log_probs"] = _numpy(head_log_probs.split(per_row), storage)

@@ -210,6 +210,7 @@ def schema(storage: str, states: str = "storage") -> pa.Schema:
             pa.field("sample_ids", pa.binary(), nullable=False),
             pa.field("sample_counts", pa.list_(pa.uint8()), nullable=False),
             pa.field("sample_log_probs", pa.list_(value), nullable=False),
+            pa.field("rest_log_mean", pa.list_(pa.float32()), nullable=False),
             pa.field("hidden", pa.list_(value if states == "storage" else pa.int8()), nullable=False),
             pa.field("hidden_scales", pa.list_(pa.float32()), nullable=False),
         ]
@@ -218,7 +219,7 @@ def schema(storage: str, states: str = "storage") -> pa.Schema:
 
 LOGIT_COLUMNS = (
     *("positions", "top_ids", "top_log_probs", "tail"),
-    *("sample_distinct", "sample_ids", "sample_counts", "sample_log_probs"),
+    *("sample_distinct", "sample_ids", "sample_counts", "sample_log_probs", "rest_log_mean"),
 )
 STATE_COLUMNS = ("hidden", "hidden_scales")
 

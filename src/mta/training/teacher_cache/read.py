@@ -191,6 +191,7 @@ class TeacherCache:
             cat("sample_counts", np.int64),
             cat("sample_log_probs", np.float32),
             int(self.sampling["samples"]),
+            cat("rest_log_mean", np.float32),
         )
         entries = SampledTeacher.from_samples(stored, self.vocab_size)  # [n, m]
         m = entries.ids.shape[1]
@@ -198,11 +199,16 @@ class TeacherCache:
         log_probs = torch.full((len(rows) * width, m), LOG_FLOOR)
         weights = torch.zeros(len(rows) * width, m)
         ids[flat], log_probs[flat], weights[flat] = entries.ids, entries.log_probs, entries.weights
-        rest = torch.full((len(rows) * width,), LOG_FLOOR)
-        rest[flat] = entries.rest
+        rest, log_mean = torch.full((2, len(rows) * width), LOG_FLOOR)
+        rest[flat], log_mean[flat] = entries.rest, entries.rest_log_mean
         shape = (len(rows), width, m)
         return SampledTeacher(
-            ids.view(shape), log_probs.view(shape), weights.view(shape), self.vocab_size, rest.view(shape[:2])
+            ids.view(shape),
+            log_probs.view(shape),
+            weights.view(shape),
+            self.vocab_size,
+            rest.view(shape[:2]),
+            log_mean.view(shape[:2]),
         )
 
 
