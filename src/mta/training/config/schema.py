@@ -494,8 +494,8 @@ class GenerationSpec(Strict):
 
 
 TOP_K_DEFAULT = 1024  # teacher_cache.top_k with logits: top_k
-SAMPLED_HEAD_DEFAULT = 0  # teacher_cache.top_k with logits: sampled
-SAMPLES_DEFAULT = 32  # teacher_cache.samples
+SAMPLED_HEAD_DEFAULT = 32  # teacher_cache.top_k with logits: sampled (bench/teacher_cache.py)
+SAMPLES_DEFAULT = 32  # teacher_cache.samples (bench/teacher_cache.py)
 
 
 class TeacherCacheSpec(Strict):
@@ -511,7 +511,8 @@ class TeacherCacheSpec(Strict):
         "top_k",
         description="top_k: the teacher's top_k next tokens per response position and the tail's mass, the rest "
         "spread evenly (biased beyond k); sampled: the top_k head plus `samples` tokens drawn from the rest of the "
-        "teacher's distribution at loss.temperature, every base loss estimated without bias (docs/teacher-cache.md)",
+        "teacher's distribution at loss.temperature: forward KLs estimated without bias, reverse-type losses from the "
+        "head and draws with the rest at its mean log-probability (docs/teacher-cache.md)",
     )
     top_k: int | None = Field(
         None,
