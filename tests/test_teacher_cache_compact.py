@@ -242,5 +242,7 @@ def test_the_sampling_keys_are_checked_naming_their_line(tmp_path):
     with pytest.raises(MtaError, match=r"line 9: teacher_cache\.top_k: top_k=0 keeps no token with logits=top_k"):
         load_recipe(path, ["teacher_cache.samples=8"])
     sampled = load_recipe(path, ["teacher_cache.samples=8", "teacher_cache.logits=sampled"]).teacher_cache
-    assert sampled.head == 32 and sampled.samples == 8  # the sampled default head
+    assert sampled.head == 0 and sampled.samples == 8  # top_k 0: draws only
+    sampled = load_recipe(path, ["teacher_cache.samples=8", "teacher_cache.logits=sampled", "teacher_cache.top_k=null"])
+    assert sampled.teacher_cache.head == 32  # the sampled default head
     assert load_recipe(path, ["teacher_cache.samples=8", "teacher_cache.top_k=null"]).teacher_cache.head == 1024
