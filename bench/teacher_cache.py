@@ -4,34 +4,45 @@ The pair is `make demo`'s: SmolLM2-135M-Instruct (30 layers) teaching its 10-lay
 Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew reverse KL +
 2·DSA + 0.2·HRA, 192 tokens, micro batch 8).
 
-1. **Accuracy of the top k** (k in 8 ... 4096; the vocabulary has 49,152 tokens): on the
-   first micro batches, the base loss and its gradient with respect to the student's logits from
-   the teacher rebuilt by the tail rule (its log-probabilities rounded to fp16 as
-   `teacher_cache.storage: compact` stores them) against the online teacher's full logits:
-   relative error of the loss, cosine of the gradients; and the bytes per row of each cache. The
-   recipe's base (skew reverse KL) and, for contrast, forward KL (``top_k_fkl``).
-2. **Step time**: two runs built as `mta distill` builds them (``build_run``), one online and one
-   with ``teacher_cache.dir`` (the default k, compact; built here by ``run_teacher_stage``), trained step
-   by step interleaved (the order rotates every round), each step a whole `Trainer.step`: the
-   cache's reads are inside it. Medians of the per-round ratios; ``ratio_cached_vs_online_step``
-   is the fixed-data one (``generation.mode: off``, the DistiLLM-2 rows' case, the teacher never
-   loaded). With DistiLLM's adaptive sampling a share g of the micro batches is generated and
-   runs the teacher online either way: the JSON derives the adaptive ratio at g from the measured
-   gold step times and a measured ``generation.mode: always`` step (every micro batch generated),
+1. **Accuracy of the stored logits**, per base loss (fkl, rkl, skl, srkl, jsd, tvd, distillm2 with
+   the micro batch's rows alternately chosen and rejected) and per storage: top-k at
+   ``TOP_KS`` (the tail rule) and sampled (``teacher_cache.logits: sampled``) at N in
+   ``SAMPLES`` draws beyond a head of ``HEADS`` tokens, each over ``--draws`` seeds; the teacher's
+   log-probabilities rounded to fp16 as ``storage: compact`` stores them. Against the online
+   teacher's full logits on the first micro batches: the loss's relative error (per draw, and the
+   bias: the mean over draws), the gradient's cosine with respect to the student's logits (fp64),
+   their spread over draws, and the logits' bytes per response position on disk (ids packed in
+   16 bits; a sampled position's bytes counted from its distinct draws). The recipe's base at
+   ``KS`` is kept as before (``top_k``, ``top_k_fkl``).
+2. **Accuracy of the stored states** (fp16, bf16, int8_token, int8_channel): DSA's and HRA's loss
+   values with the teacher's hidden states rounded as stored, against the unrounded ones, and the
+   states' bytes per token.
+3. **Step time and a short training comparison**: two runs built as `mta distill` builds them
+   (``build_run``), one online and one with ``teacher_cache.dir`` (the defaults, or
+   ``--cache-logits/--cache-top-k/--cache-samples/--cache-states``; built here by
+   ``run_teacher_stage``), trained step by step interleaved (the order rotates every round), each
+   step a whole `Trainer.step`: the cache's reads are inside it. Medians of the per-round ratios;
+   ``ratio_cached_vs_online_step`` is the fixed-data one (``generation.mode: off``, the DistiLLM-2
+   rows' case, the teacher never loaded). After the same steps both students' dev loss (every
+   term, the online teacher's) on held-out Dolly dev rows. With DistiLLM's adaptive sampling a
+   share g of the micro batches is generated and runs the teacher online either way: the JSON
+   derives the adaptive ratio at g from the measured gold step times and a measured
+   ``generation.mode: always`` step (every micro batch generated),
    ``(g·T_gen + (1−g)·T_cached) / (g·T_gen + (1−g)·T_online)``, at the generated share
-   ``--generated-share`` (default 0.5: DistiLLM's threshold rises towards 1 over training and its
-   decreasing schedule spends about half of it on fresh generations).
+   ``--generated-share`` (default 0.5).
 
-    python bench/teacher_cache.py            # CPU, ~10 min -> bench/results/teacher_cache.json
-    python bench/teacher_cache.py --quick    # fewer rows and rounds
+    python bench/teacher_cache.py            # CPU, ~30 min -> bench/results/teacher_cache.json
+    python bench/teacher_cache.py --quick    # a tiny setting: checks that it runs (no figures to keep)
 
 Both runs train in the same precision (``--precision``, default the demo's ``auto``) on one
-torch thread.
+torch thread. Needs ``MTA_DATA_DIR`` with dolly/train.jsonl and dolly/dev.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import tempfile
 import time
@@ -48,26 +59,41 @@ from mta.data.annotations import read_annotations
 from mta.demo.pipeline import DEMO_RECIPE, copy_dolly_rows
 from mta.evaluation.datasets import default_data_dir
 from mta.files import atomic_write_json
+from mta.generation.sampling import keyed_uniforms
 from mta.losses.kd import build_base_loss
-from mta.losses.teacher_topk import teacher_logits_from_top_k, top_k_log_probs
+from mta.losses.teacher_sampled import SampledTeacher, draw_tail_samples
+from mta.losses.teacher_topk import LOG_FLOOR, teacher_logits_from_top_k, top_k_log_probs
 from mta.models.pruning import init_student
 from mta.models.smollm2 import convert_smollm2
 from mta.reporting import SilentReporter
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import TeacherCacheSpec
+from mta.training.teacher import TeacherOutput
 from mta.training.teacher_cache.build import run_teacher_stage
-from mta.training.teacher_cache.content import estimate_bytes, teacher_reads
+from mta.training.teacher_cache.content import estimate_bytes, stored_per_token, teacher_reads
+from mta.training.teacher_cache.encoding import dequantize_states, id_bits, quantize_states, state_bytes
 from mta.training.trainer import Trainer, build_run
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "teacher_cache.json"
 KS = (8, 32, 64, 256, 1024, 4096)
-DEFAULT_K = TeacherCacheSpec().top_k  # the timed cache's k
+DEFAULT_K = TeacherCacheSpec().head  # the top-k default
+BASES = ("fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2")
+TOP_KS = (64, 256, 1024)
+SAMPLES = (8, 16, 32, 64)
+HEADS = (0, 32)
+STATES = ("fp16", "bf16", "int8_token", "int8_channel")
+
+
+def cosine64(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine of two gradients, in fp64 (fp32 rounding reports cosines above 1)."""
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-300))
 
 
 def accuracy(recipe, run, batches: int, base: str | None = None) -> dict:
     """Per k: the base loss's (``base``, default the recipe's) relative error and the gradients'
-    cosine against the online teacher."""
+    cosine (fp64) against the online teacher, the tail rule's teacher rounded to fp16."""
     loss = build_base_loss(
         base or recipe.loss.base,
         temperature=recipe.loss.temperature,
@@ -76,6 +102,29 @@ def accuracy(recipe, run, batches: int, base: str | None = None) -> dict:
     )
     vocab = len(run.tokenizer)
     found: dict[int, dict[str, list[float]]] = {k: {"rel": [], "cos": []} for k in KS}
+    for teacher, logits, labels in first_batches(run, batches):
+        reference, reference_grad = value_and_grad(loss, logits, teacher, labels)
+        row, position = (labels != -100).nonzero(as_tuple=True)
+        for k in KS:
+            ids, log_probs, tail = top_k_log_probs(
+                teacher[row, position], k, temperature=recipe.loss.temperature, vocab_size=vocab
+            )
+            rebuilt = torch.zeros_like(teacher[..., :vocab])
+            rebuilt[row, position] = teacher_logits_from_top_k(
+                ids, log_probs.half().float(), tail, vocab, recipe.loss.temperature
+            )
+            value, grad = value_and_grad(loss, logits, rebuilt, labels)
+            found[k]["rel"].append(abs(value - reference) / abs(reference))
+            found[k]["cos"].append(cosine64(grad, reference_grad))
+    return {
+        k: {"loss_rel_error": statistics.fmean(v["rel"]), "grad_cos": statistics.fmean(v["cos"])}
+        for k, v in found.items()
+    }
+
+
+def first_batches(run, batches: int):
+    """``(teacher logits, student logits, labels)`` of the first micro batches, shifted
+    (position t predicts t + 1), fp32, no gradient."""
     trainer = Trainer(run, SilentReporter())
     student = run.engine.module.student
     for step in range(batches):
@@ -84,57 +133,229 @@ def accuracy(recipe, run, batches: int, base: str | None = None) -> dict:
             with torch.no_grad():
                 teacher = run.teacher(batch.teacher.input_ids, batch.teacher.attention_mask).logits.float()
                 logits = student(input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask).logits
-            labels = batch.student.labels[:, 1:]
-            online_logits = logits[:, :-1].float().detach().requires_grad_(True)
-            reference = loss(online_logits, teacher[:, :-1], labels)
-            (reference_grad,) = torch.autograd.grad(reference, online_logits)
-            row, position = (labels != -100).nonzero(as_tuple=True)
-            for k in KS:
-                ids, log_probs, tail = top_k_log_probs(
-                    teacher[:, :-1][row, position], k, temperature=recipe.loss.temperature, vocab_size=vocab
-                )
-                rebuilt = torch.zeros_like(teacher[:, :-1, :vocab])
-                rebuilt[row, position] = teacher_logits_from_top_k(
-                    ids, log_probs.half().float(), tail, vocab, recipe.loss.temperature
-                )
-                cached_logits = logits[:, :-1].float().detach().requires_grad_(True)
-                value = loss(cached_logits, rebuilt, labels)
-                (grad,) = torch.autograd.grad(value, cached_logits)
-                found[k]["rel"].append(abs(value.item() - reference.item()) / abs(reference.item()))
-                found[k]["cos"].append(
-                    torch.nn.functional.cosine_similarity(grad.flatten(), reference_grad.flatten(), dim=0).item()
-                )
-    return {
-        k: {"loss_rel_error": statistics.fmean(v["rel"]), "grad_cos": statistics.fmean(v["cos"])}
-        for k, v in found.items()
+            yield teacher[:, :-1], logits[:, :-1].float(), batch.student.labels[:, 1:]
+
+
+def value_and_grad(loss, logits: torch.Tensor, teacher, labels: torch.Tensor, **pairs) -> tuple[float, torch.Tensor]:
+    leaf = logits.detach().clone().requires_grad_(True)
+    value = loss(leaf, teacher, labels, **pairs)
+    (grad,) = torch.autograd.grad(value, leaf)
+    return value.item(), grad
+
+
+def rounded(samples, storage_dtype=torch.float16):
+    """The draws as ``storage: compact`` stores them: log-probabilities rounded to fp16."""
+    return dataclasses.replace(
+        samples,
+        head_log_probs=samples.head_log_probs.to(storage_dtype).float(),
+        log_probs=samples.log_probs.to(storage_dtype).float(),
+    )
+
+
+def laid_out(entries: SampledTeacher, shape: tuple[int, int], row, position) -> SampledTeacher:
+    """``[n, m]`` entries at the batch's ``[batch, seq, m]`` positions (weight 0 elsewhere)."""
+    m = entries.ids.shape[1]
+    ids = torch.zeros(*shape, m, dtype=torch.long)
+    log_probs = torch.full((*shape, m), LOG_FLOOR)
+    weights = torch.zeros(*shape, m)
+    ids[row, position], log_probs[row, position], weights[row, position] = (
+        entries.ids,
+        entries.log_probs,
+        entries.weights,
+    )
+    rest, log_mean = torch.full((2, *shape), LOG_FLOOR)
+    rest[row, position], log_mean[row, position] = entries.rest, entries.rest_log_mean
+    return SampledTeacher(ids, log_probs, weights, entries.vocab_size, rest, log_mean)
+
+
+def logits_accuracy(recipe, run, batches: int, draws: int, samples=SAMPLES, heads=HEADS, top_ks=TOP_KS) -> dict:
+    """Per base loss and storage: loss relative error (per draw; and the bias of the mean over
+    draws), gradient cosine (fp64), their spread over draws, and logits bytes per response
+    position (module docstring, 1)."""
+    vocab, tau = len(run.tokenizer), recipe.loss.temperature
+    bits = id_bits(vocab)
+    losses = {
+        base: build_base_loss(
+            base, temperature=tau, skew_alpha=recipe.loss.skew_alpha, jsd_beta=recipe.loss.jsd_beta, vocab_size=vocab
+        )
+        for base in BASES
     }
+    storages = [f"top_k={k}" for k in top_ks] + [f"sampled N={n} head={h}" for h in heads for n in samples]
+    found = {
+        base: {name: {"rel": [], "bias": [], "cos": [], "cos_spread": [], "rel_spread": []} for name in storages}
+        for base in BASES
+    }
+    position_bytes: dict[str, list[float]] = {name: [] for name in storages}
+    for teacher, logits, labels in first_batches(run, batches):
+        row, position = (labels != -100).nonzero(as_tuple=True)
+        chosen = torch.arange(labels.shape[0]) % 2 == 0
+        at = teacher[row, position]
+        variants: dict[str, list] = {}
+        for k in top_ks:
+            ids, log_probs, tail = top_k_log_probs(at, k, temperature=tau, vocab_size=vocab)
+            variants[f"top_k={k}"] = [(ids, log_probs.half().float(), tail)]  # rebuilt when read: memory
+            position_bytes[f"top_k={k}"].append(k * (bits / 8 + 2) + 8)
+        for h in heads:
+            for n in samples:
+                name = f"sampled N={n} head={h}"
+                variants[name] = []
+                for seed in range(draws):
+                    uniforms = keyed_uniforms(seed, "bench", [0], [row.numel()], n)
+                    drawn = rounded(draw_tail_samples(at, uniforms, top_k=h, temperature=tau, vocab_size=vocab))
+                    entries = SampledTeacher.from_samples(drawn, vocab)
+                    variants[name].append(laid_out(entries, tuple(labels.shape), row, position))
+                    distinct = drawn.distinct.float().mean().item()
+                    position_bytes[name].append(h * (bits / 8 + 2) + 8 + 1 + distinct * (bits / 8 + 1 + 2))
+        for base, loss in losses.items():
+            pairs = {"chosen": chosen} if base == "distillm2" else {}
+            reference, reference_grad = value_and_grad(loss, logits, teacher[..., :vocab], labels, **pairs)
+            for name, teachers in variants.items():
+                values, cosines = [], []
+                for cached in teachers:
+                    if isinstance(cached, tuple):  # top-k: the tail rule's logits
+                        rebuilt = torch.zeros_like(teacher[..., :vocab])
+                        rebuilt[row, position] = teacher_logits_from_top_k(*cached, vocab, tau)
+                        cached = rebuilt
+                    value, grad = value_and_grad(loss, logits, cached, labels, **pairs)
+                    del cached
+                    values.append(value)
+                    cosines.append(cosine64(grad, reference_grad))
+                relative = [abs(v - reference) / abs(reference) for v in values]
+                record = found[base][name]
+                record["rel"].append(statistics.fmean(relative))
+                record["bias"].append((statistics.fmean(values) - reference) / abs(reference))
+                record["cos"].append(statistics.fmean(cosines))
+                record["cos_spread"].append(statistics.pstdev(cosines))
+                record["rel_spread"].append(statistics.pstdev([(v - reference) / abs(reference) for v in values]))
+        print(f"  logits: micro batch of {labels.shape[0]} rows, {row.numel()} response positions done", flush=True)
+    return {
+        base: {
+            name: {
+                "loss_rel_error": statistics.fmean(r["rel"]),
+                "loss_rel_bias_over_draws": statistics.fmean(r["bias"]),
+                "loss_rel_spread_over_draws": statistics.fmean(r["rel_spread"]),
+                "grad_cos": statistics.fmean(r["cos"]),
+                "grad_cos_spread_over_draws": statistics.fmean(r["cos_spread"]),
+                "logits_bytes_per_response_position": statistics.fmean(position_bytes[name]),
+            }
+            for name, r in per_storage.items()
+        }
+        for base, per_storage in found.items()
+    }
+
+
+def quantized(hidden: dict[int, torch.Tensor], mask: torch.Tensor, mode: str) -> dict[int, torch.Tensor]:
+    """The teacher's states as ``mode`` stores them (each row over its real tokens)."""
+    if mode in ("fp16", "bf16"):
+        dtype = torch.float16 if mode == "fp16" else torch.bfloat16
+        return {layer: states.to(dtype).float() for layer, states in hidden.items()}
+    layers = sorted(hidden)
+    stacked = torch.stack([hidden[layer].float() for layer in layers])  # [layers, batch, seq, d]
+    out = torch.zeros_like(stacked)
+    for r in range(stacked.shape[1]):
+        n = int(mask[r].sum())
+        values, scales = quantize_states(stacked[:, r, :n], mode)
+        out[:, r, :n] = dequantize_states(values, scales, mode)
+    return {layer: out[i] for i, layer in enumerate(layers)}
+
+
+def states_accuracy(run, batches: int, hidden_size: int) -> dict:
+    """Per states storage: DSA's and HRA's relative error against the unrounded states, and the
+    states' bytes per token (module docstring, 2)."""
+    trainer = Trainer(run, SilentReporter())
+    found: dict[str, dict[str, list[float]]] = {mode: {"dsa": [], "hra": []} for mode in STATES}
+    tokens = rows = layers = 0
+    for step in range(batches):
+        for batch in trainer.micro_batches(step):
+            batch = trainer.with_spans(batch.to(run.device))
+            with torch.no_grad():
+                online = run.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+                layers = len(online.hidden_states)
+                exact = run.engine.module(
+                    batch, TeacherOutput({k: v.float() for k, v in online.hidden_states.items()}, online.logits)
+                )
+                for mode in STATES:
+                    hidden = quantized(online.hidden_states, batch.teacher.attention_mask, mode)
+                    got = run.engine.module(batch, TeacherOutput(hidden, online.logits))
+                    for term in ("dsa", "hra"):
+                        if term in exact:
+                            found[mode][term].append(
+                                abs(got[term].item() - exact[term].item()) / abs(exact[term].item())
+                            )
+            tokens += int(batch.teacher.attention_mask.sum())
+            rows += len(batch.row_ids)
+    result = {}
+    for mode, terms in found.items():
+        storage_mode = "storage" if mode in ("fp16", "bf16") else mode
+        bytes_ = state_bytes(
+            storage_mode, value_bytes=2, layers=layers, tokens=tokens, hidden_size=hidden_size, rows=rows
+        )
+        result[mode] = {
+            **{f"{term}_rel_error": statistics.fmean(v) for term, v in terms.items() if v},
+            **{f"{term}_rel_error_max": max(v) for term, v in terms.items() if v},
+            "states_bytes_per_token": bytes_ / max(tokens, 1),
+        }
+    return result
+
+
+def dev_loss(run, online_run, batches) -> dict[str, float]:
+    """Every loss term of ``run``'s student on ``batches`` with the online teacher, mean over rows."""
+    sums: dict[str, float] = {}
+    count = 0
+    run.engine.eval()
+    with torch.no_grad():
+        for batch in batches:
+            batch = batch.to(run.device)
+            out = online_run.teacher(batch.teacher.input_ids, batch.teacher.attention_mask)
+            with run.precision.context():
+                for name, value in run.engine(batch, out).items():
+                    sums[name] = sums.get(name, 0.0) + value.item() * len(batch.row_ids)
+            count += len(batch.row_ids)
+    run.engine.train()
+    return {name: value / max(count, 1) for name, value in sums.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="32 rows, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="a tiny setting that checks the bench runs")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--draws", type=int, default=8, help="seeds per sampled storage")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--generated-share", type=float, default=0.5)
+    spec = TeacherCacheSpec()
+    parser.add_argument("--cache-logits", default=spec.logits, choices=("top_k", "sampled"))
+    parser.add_argument("--cache-top-k", type=int, default=None)
+    parser.add_argument("--cache-samples", type=int, default=spec.samples)
+    parser.add_argument("--cache-states", default=spec.states)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rows, rounds = (32, 3) if args.quick else (96, args.rounds)
+    rows, dev_rows, rounds, draws = (12, 8, 2, 2) if args.quick else (96, 32, args.rounds, args.draws)
+    batches = 1 if args.quick else 4
     work = Path(tempfile.mkdtemp(prefix="mta-bench-teacher-cache-"))
     teacher = convert_smollm2()
     student = work / "student-init"
     init_student(teacher, student, num_layers=10, force=True)
-    copy_dolly_rows(
-        default_data_dir() / "dolly" / "train.jsonl", work / "train.jsonl", rows, sample=True, demo="the bench"
-    )
-    base = [f"teacher.path={teacher}", f"student.path={student}", f"train.precision={args.precision}", "data.dev=null"]
+    data = default_data_dir() / "dolly"
+    copy_dolly_rows(data / "train.jsonl", work / "train.jsonl", rows, sample=True, demo="the bench")
+    copy_dolly_rows(data / "dev.jsonl", work / "dev.jsonl", dev_rows, sample=False, demo="the bench")
+    base = [f"teacher.path={teacher}", f"student.path={student}", f"train.precision={args.precision}"]
     base += ["train.num_sample_generations=0", "train.save_interval=100000", "train.log_interval=100000"]
+    base += ["train.eval_interval=100000"]
     recipe = load_recipe(DEMO_RECIPE, base + [f"data.train={work / 'train.jsonl'}", f"output_dir={work / 'annotate'}"])
-    annotate_file(work / "train.jsonl", work / "annotations", AnnotateSettings.from_recipe(recipe, workers=1))
-    base += [f"data.train={work / 'annotations'}", "train.max_steps=1000"]
+    for split in ("train", "dev"):
+        annotate_file(
+            work / f"{split}.jsonl", work / f"annotations-{split}", AnnotateSettings.from_recipe(recipe, workers=1)
+        )
+    base += [f"data.train={work / 'annotations-train'}", f"data.dev={work / 'annotations-dev'}", "train.max_steps=1000"]
+    cache_keys = [f"teacher_cache.logits={args.cache_logits}", f"teacher_cache.samples={args.cache_samples}"]
+    cache_keys += [f"teacher_cache.states={args.cache_states}"]
+    cache_keys += [f"teacher_cache.top_k={args.cache_top_k}"] if args.cache_top_k is not None else []
     cache = work / "teacher"
     started = time.perf_counter()
-    run_teacher_stage(load_recipe(DEMO_RECIPE, base + [f"output_dir={work / 'stage'}", f"teacher_cache.dir={cache}"]))
+    run_teacher_stage(
+        load_recipe(DEMO_RECIPE, base + cache_keys + [f"output_dir={work / 'stage'}", f"teacher_cache.dir={cache}"])
+    )
     stage_seconds = time.perf_counter() - started
 
     def built(name: str, *extra: str):
@@ -143,10 +364,14 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe, online = built("online")
     precision = online.precision.name
-    print(f"accuracy of the top k against the online teacher ({precision})", flush=True)
-    topk = accuracy(recipe, online, 2 if args.quick else 4)
-    topk_fkl = accuracy(recipe, online, 2 if args.quick else 4, base="fkl")  # how much the tail matters
-    _, cached = built("cached", f"teacher_cache.dir={cache}")
+    config = AutoConfig.from_pretrained(teacher)
+    print(f"accuracy of the stored logits against the online teacher ({precision})", flush=True)
+    topk = accuracy(recipe, online, batches)
+    topk_fkl = accuracy(recipe, online, batches, base="fkl")  # how much the tail matters
+    logits = logits_accuracy(recipe, online, batches, draws)
+    print("accuracy of the stored states", flush=True)
+    states = states_accuracy(online, batches, config.hidden_size)
+    _, cached = built("cached", f"teacher_cache.dir={cache}", *cache_keys)
     assert cached.teacher is None, "generation off: the cached run loads no teacher"
     variants = {"online": Trainer(online, SilentReporter()), "cached": Trainer(cached, SilentReporter())}
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -159,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time.perf_counter() - started)
         steps[name] += 1
 
+    dev_batches = [
+        online.dev.batch(list(range(i, min(i + recipe.train.micro_batch_size, len(online.dev)))))
+        for i in range(0, len(online.dev), recipe.train.micro_batch_size)
+    ]
     print("step time, generation off: online vs cached", flush=True)
     interleaved_rounds(
         list(variants),
@@ -167,6 +396,12 @@ def main(argv: list[str] | None = None) -> int:
         warm_up=lambda name: measure(name, record=False),
         describe=lambda name: f"{name} {times[name][-1]:.2f} s",
     )
+    training = {
+        "steps": steps["online"],
+        "dev_rows": len(online.dev),
+        "dev_loss_online": dev_loss(online, online, dev_batches),
+        "dev_loss_cached": dev_loss(cached, online, dev_batches),
+    }
     online.close()
     cached.close()
     _, always = built("always", "generation.mode=always", f"generation.max_new_tokens={64}")
@@ -181,9 +416,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_online, t_cached = statistics.median(times["online"]), statistics.median(times["cached"])
     t_gen, share = statistics.median(generated_times), args.generated_share
-    config = AutoConfig.from_pretrained(teacher)
     reads = teacher_reads(recipe, 10, config.num_hidden_layers)
-    annotations = read_annotations(work / "annotations").table
+    annotations = read_annotations(work / "annotations-train").table
     tokens = int(pc.sum(pc.list_value_length(annotations.column("teacher_input_ids"))).as_py())
     responses = tokens - int(pc.sum(annotations.column("teacher_prompt_len")).as_py())
     sizes = {
@@ -195,16 +429,22 @@ def main(argv: list[str] | None = None) -> int:
             tokens=tokens,
             responses=responses,
             rows=annotations.num_rows,
+            vocab_size=config.vocab_size,
         )
         for k in KS
     }
+    manifest = json.loads((cache / "train" / ".mta" / "manifest.json").read_text())
     stored = sum(path.stat().st_size for path in (cache / "train").glob("part-*.parquet"))
     result = {
         "created": created(),
         "machine": describe_machine(online.device, precision=precision),
         "pair": "SmolLM2-135M-Instruct (30 layers) -> its 10-layer prune, recipes/smollm2-demo.yaml",
+        "quick": args.quick,
         "rows": annotations.num_rows,
+        "responses_per_row": responses / annotations.num_rows,
+        "tokens_per_row": tokens / annotations.num_rows,
         "rounds": rounds,
+        "draws": draws,
         "top_k": {
             str(k): {
                 **topk[k],
@@ -214,28 +454,37 @@ def main(argv: list[str] | None = None) -> int:
             for k in KS
         },
         "top_k_fkl": {str(k): topk_fkl[k] for k in KS},
-        "loss_rel_error_k64": topk[64]["loss_rel_error"],
-        "grad_cos_k64": topk[64]["grad_cos"],
-        "bytes_per_row_k64": sizes[64].per_row,
+        "logits": logits,
+        "states": states,
+        "cache": {
+            "settings": {key.split("=")[0]: key.split("=")[1] for key in cache_keys},
+            "manifest_bytes_per_token": stored_per_token(manifest),
+            "bytes_per_row_on_disk": stored / annotations.num_rows,
+        },
+        "training": training,
         "default_top_k": DEFAULT_K,
         "loss_rel_error_default_k": topk[DEFAULT_K]["loss_rel_error"],
         "grad_cos_default_k": topk[DEFAULT_K]["grad_cos"],
         "bytes_per_row_default_k": sizes[DEFAULT_K].per_row,
-        "bytes_per_row_on_disk": stored / annotations.num_rows,
         "step_seconds": {"online": times["online"], "cached": times["cached"], "generated": generated_times},
         "ratio_cached_vs_online_step": paired_ratio(times["cached"], times["online"]),
         "generated_share": share,
         "ratio_cached_vs_online_step_adaptive": (share * t_gen + (1 - share) * t_cached)
         / (share * t_gen + (1 - share) * t_online),
         "teacher_stage_seconds": stage_seconds,
-        "teacher_stage_rows_per_s": annotations.num_rows / stage_seconds,
+        "teacher_stage_rows_per_s": manifest["rows"]["written"] / stage_seconds,
     }
     atomic_write_json(args.out, result)
+    srkl = logits["srkl"]
     print(
-        f"cached / online step: {result['ratio_cached_vs_online_step']:.2f} (generation off), "
-        f"{result['ratio_cached_vs_online_step_adaptive']:.2f} (adaptive at {share:.0%} generated); "
-        f"k={DEFAULT_K}: loss rel. error {result['loss_rel_error_default_k']:.2e}, gradient cosine "
-        f"{result['grad_cos_default_k']:.4f}, {result['bytes_per_row_default_k'] / 1e6:.2f} MB a row -> {args.out}"
+        f"cached / online step: {result['ratio_cached_vs_online_step']:.2f} (generation off); "
+        + "; ".join(
+            f"srkl {name}: loss rel. error {r['loss_rel_error']:.2%}, gradient cosine {r['grad_cos']:.4f}, "
+            f"{r['logits_bytes_per_response_position']:.0f} B a position"
+            for name, r in srkl.items()
+        )
+        + f"; dev loss after {training['steps']} steps: online {training['dev_loss_online'].get('total', 0):.4f}, "
+        f"cached {training['dev_loss_cached'].get('total', 0):.4f} -> {args.out}"
     )
     return 0
 

@@ -43,7 +43,12 @@ def test_a_0_2_0_checkpoint_resumes_with_its_off_policy_state_and_replay_buffer(
     run_id = json.loads((v020 / "checkpoint-run" / "run.json").read_text(encoding="utf-8"))["run_id"]
     assert json.loads((old / "versions.json").read_text(encoding="utf-8"))["mta"] == "0.2.0"
 
-    resume = ("distill", "--recipe", "recipe.yaml", "train.max_steps=3", "--resume", "auto")
+    # 0.2.0 reduced every micro batch to its own mean; today's default (global) is refused on its
+    # checkpoint, naming the override that resumes it.
+    refused = ("distill", "--recipe", "recipe.yaml", "train.max_steps=3", "--resume", "auto")
+    code, lines = run_mta(monkeypatch, capsys, *refused)
+    assert code == 2 and "override train.loss_reduction=micro_batch" in "\n".join(lines)
+    resume = (*refused, "train.loss_reduction=micro_batch")
     code, lines = run_mta(monkeypatch, capsys, *resume)
     assert code == 0, "\n".join(lines[-30:])
     assert "resumed from checkpoint-run/checkpoints/step-2 at step 2" in lines
@@ -121,7 +126,7 @@ def test_a_0_2_0_cache_key_is_read_by_its_own_rule_and_a_hub_teachers_is_refused
     shutil.copytree(V020 / "models" / "teacher", teacher)
     expected = {"teacher": {"path": str(teacher)}, "teacher_weights": teacher_weights(str(teacher))}
     same = upgraded(stored, expected)
-    assert same["teacher_cache_version"] == 2 and same["teacher_weights"] == expected["teacher_weights"]
+    assert same["teacher_cache_version"] == 1 and same["teacher_weights"] == expected["teacher_weights"]
 
     config = json.loads((teacher / "config.json").read_text(encoding="utf-8"))
     (teacher / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}), encoding="utf-8")

@@ -138,7 +138,11 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "generation.max_new_tokens": (FIXED, 16),
     "generation.dev_rows": (FIXED, 100),
     "teacher_cache.dir": (CHANGE, "runs/teacher-cache"),
+    "teacher_cache.logits": (FIXED, "sampled"),
     "teacher_cache.top_k": (FIXED, 32),
+    "teacher_cache.samples": (FIXED, 16),
+    "teacher_cache.seed": (FIXED, 1),
+    "teacher_cache.states": (FIXED, "int8_token"),
     "teacher_cache.storage": (FIXED, "fp32"),
     "deepspeed": (FIXED, {"wall_clock_breakdown": True}),
 }

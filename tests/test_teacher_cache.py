@@ -24,6 +24,7 @@ from mta.training.lifecycle.metrics import read_metrics
 from mta.training.teacher_cache import build as stage_module
 from mta.training.teacher_cache.build import run_teacher_stage
 from mta.training.teacher_cache.content import teacher_reads
+from mta.training.teacher_cache.encoding import id_bits, unpack_ids
 from mta.training.trainer import run_distillation
 from mta_cli.main import app
 
@@ -51,10 +52,10 @@ def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
         for key in ("tokens", "positions"):
             assert row[key] == want[key], (row["id"], key)
         torch.testing.assert_close(torch.tensor(row["hidden"]), torch.tensor(want["hidden"]), rtol=2e-3, atol=2e-3)
-        k = len(row["top_ids"]) // max(len(row["positions"]), 1)
+        k = len(row["top_log_probs"]) // max(len(row["positions"]), 1)
         rebuilt = [
             dense_log_probs(
-                torch.tensor(r["top_ids"]).view(-1, k),
+                torch.from_numpy(unpack_ids(r["top_ids"], id_bits(VOCAB), len(r["top_log_probs"]))).view(-1, k),
                 torch.tensor(r["top_log_probs"]).view(-1, k),
                 torch.tensor(r["tail"]),
                 VOCAB,
@@ -85,8 +86,10 @@ def test_at_full_k_a_run_without_the_teachers_weights_equals_the_online_run(tmp_
         for key, value in step_expected.items():
             if key != "split":
                 assert step_got[key] == pytest.approx(value, rel=2e-4, abs=1e-6), (key, step_expected, step_got)
-    for name, tensor in weights(online).items():  # Adam magnifies float noise where a gradient is ~0
-        torch.testing.assert_close(weights(cached)[name], tensor, rtol=1e-3, atol=1e-4)
+    # Adam magnifies float noise where a gradient is ~0: the online fused loss reads the teacher's
+    # head, the cached one its top k rebuilt (one of 16,384 entries 1.2e-4 apart).
+    for name, tensor in weights(online).items():
+        torch.testing.assert_close(weights(cached)[name], tensor, rtol=1e-3, atol=3e-4)
 
 
 def test_a_cache_that_does_not_match_the_recipe_is_refused_by_key(tmp_path, tiny_run_recipe):
@@ -165,6 +168,7 @@ def test_the_dry_run_estimates_the_cache_size_before_it_exists(tmp_path, tiny_ru
     )
     notes = [note for note in plan_run(recipe).notes if note.startswith("teacher cache")]
     assert "never loaded" in notes[-1] and "k = 512" in notes[0] and "hidden states over" in notes[0], notes
+    assert "logits per response position" in notes[0] and "states per token" in notes[0], notes
     run_teacher_stage(recipe)
     stored = sum(path.stat().st_size for path in (tmp_path / "c" / "train").glob("part-*.parquet"))
     manifest = json.loads((tmp_path / "c" / "train" / ".mta" / "manifest.json").read_text())

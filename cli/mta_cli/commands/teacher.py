@@ -45,7 +45,10 @@ def teacher(
 
     Per row: the hidden states of the aligned teacher layers (MTA's DSA and HRA, SRA) at every
     token, and with a logit base loss the teacher's top-k next tokens at each response position
-    with their log-probabilities and the tail's mass (teacher_cache.top_k, teacher_cache.storage).
+    with their log-probabilities and the tail's mass (teacher_cache.top_k, teacher_cache.storage), or
+    with teacher_cache.logits=sampled a head of top_k and teacher_cache.samples tokens drawn from the
+    rest (every base loss estimated without bias); teacher_cache.states=int8_token|int8_channel keeps
+    the states in 8 bits. The table reports the bytes on disk per response position and per token.
     Writes OUT/train and OUT/dev (Parquet parts + .mta/manifest.json, written last, naming the
     teacher's weights, the annotated rows, the layers, k, τ and the precision). A killed run
     resumes where it stopped when the same command runs again; a finished cache that matches is
@@ -58,6 +61,7 @@ def teacher(
     from mta.training.config.catalog import find_recipe
     from mta.training.config.loading import load_recipe
     from mta.training.teacher_cache.build import cache_directory, run_teacher_stage
+    from mta.training.teacher_cache.content import stored_per_token
 
     console = stderr_console()
     shard_spec = parse_shard(shard) if shard else None
@@ -73,19 +77,22 @@ def teacher(
     if not is_main:
         return
     table = Table(title="teacher")
-    for column in ("split", "rows", "computed", "layers", "top k", "storage", "directory"):
-        table.add_column(column, justify="right" if column in ("rows", "computed") else "left")
+    numbers = ("rows", "computed", "logits B/response", "states B/token")
+    for column in ("split", "rows", "computed", "layers", "logits", "storage", *numbers[2:], "directory"):
+        table.add_column(column, justify="right" if column in numbers else "left")
     for outcome in outcomes:
         manifest = outcome.manifest or {}
         rows = manifest.get("rows", {}).get("written", "-") if manifest else "(other shards missing)"
         computed = "reused" if outcome.reused else str(outcome.rows)
+        per_token = stored_per_token(manifest)
         table.add_row(
             outcome.split,
             str(rows),
             computed,
             ", ".join(map(str, manifest.get("layers", []))) or "-",
-            str(manifest.get("top_k") or "-"),
-            str(manifest.get("storage", "-")),
+            _logits(manifest),
+            f"{manifest.get('storage', '-')}, states {manifest.get('states', 'storage')}",
+            *(f"{per_token[part]:,.0f}" if per_token else "-" for part in ("logits", "states")),
             str(outcome.directory),
         )
     out = stdout_console()
@@ -102,3 +109,11 @@ def teacher(
         )
     else:
         out.print(f"wrote {root}; train from it with teacher_cache.dir={root}", highlight=False, soft_wrap=True)
+
+
+def _logits(manifest: dict) -> str:
+    """What the cache keeps of the logits: ``top 1024``, ``top 32 + 64 draws``, or ``-``."""
+    if not manifest.get("top_k") and not manifest.get("sampling"):
+        return "-"
+    sampling = manifest.get("sampling")
+    return f"top {manifest.get('top_k')}" + (f" + {sampling['samples']} draws" if sampling else "")

@@ -42,6 +42,24 @@ def sampling_seed(seed: int, purpose: str, step: int, row: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+def keyed_uniforms(seed: int, purpose: str, rows: Sequence[int], positions: Sequence[int], draws: int) -> torch.Tensor:
+    """Uniform numbers in [0, 1) keyed by row: ``[Σ positions, draws]`` fp64 on the CPU, row
+    ``rows[i]``'s ``positions[i]`` positions one after another, each ``draws`` wide, from the
+    row's stream ``sampling_seed(seed, purpose, 0, rows[i])``. Position p of a row always gets
+    the p-th block of its row's stream, whatever the batch, its order or the rank
+    (``mta teacher``'s sampled logits: ``purpose`` ``teacher-cache``)."""
+    blocks = [
+        torch.rand(
+            count,
+            draws,
+            dtype=torch.float64,
+            generator=torch.Generator().manual_seed(sampling_seed(seed, purpose, 0, row)),
+        )
+        for row, count in zip(rows, positions, strict=True)
+    ]
+    return torch.cat(blocks) if blocks else torch.zeros(0, draws, dtype=torch.float64)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a completion is drawn.

@@ -46,14 +46,19 @@ class CachedTeacherSide(TeacherSide):
 
     def __init__(self, directory: Path, annotations: Annotations):
         from mta.store.read import read_stage_manifest
-        from mta.training.teacher_cache.content import ARTEFACT, CACHE_VERSION, CONTENT_KEYS, teacher_tokens_fingerprint
+        from mta.training.teacher_cache.content import (
+            ARTEFACT,
+            CONTENT_KEYS,
+            READABLE_VERSIONS,
+            teacher_tokens_fingerprint,
+        )
         from mta.training.teacher_cache.read import TeacherCache
 
         manifest = read_stage_manifest(
             directory,
             artefact=ARTEFACT,
             version_key="teacher_cache_version",
-            version=CACHE_VERSION,
+            version=READABLE_VERSIONS,
             command="mta teacher",
             build=f"mta teacher --recipe RECIPE -o {directory.parent}",
             what="--teacher-cache: ",

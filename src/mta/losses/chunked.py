@@ -21,11 +21,21 @@ from typing import Any
 import torch
 
 from mta.errors import MtaError
+from mta.losses.teacher_sampled import SampledTeacher
 
 IGNORE_INDEX = -100
 
-# (student [n, vocab] fp32, teacher [n, vocab] fp32 or None, labels [n]) -> [n] per-token loss
-TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+# The teacher's side of a logit loss: logits, or a sampled cache's entries (mta.losses.teacher_sampled).
+TeacherLogits = torch.Tensor | SampledTeacher
+# (student [n, vocab] fp32, teacher [n, vocab] fp32 / [n, m] entries or None, labels [n]) -> [n] per-token loss
+TokenLossFn = Callable[[torch.Tensor, TeacherLogits | None, torch.Tensor], torch.Tensor]
+
+
+def _teacher_rows(teacher: TeacherLogits | None, where: tuple[torch.Tensor, torch.Tensor], vocab_size: int) -> Any:
+    """The chunk's rows of the teacher's side: fp32 logits ``[n, vocab_size]``, or ``[n, m]`` entries."""
+    if teacher is None or isinstance(teacher, SampledTeacher):
+        return None if teacher is None else teacher[where]
+    return teacher[where][:, :vocab_size].float()
 
 
 class _ChunkedTokenLoss(torch.autograd.Function):
@@ -33,7 +43,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
     def forward(
         ctx: Any,  # torch's FunctionCtx, carrying the attributes this function sets on it
         student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor | None,
+        teacher_logits: TeacherLogits | None,
         labels: torch.Tensor,
         token_loss: TokenLossFn,
         vocab_size: int,
@@ -64,7 +74,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
             where = (rows[chunk], columns[chunk])
             # Indexing copies only this chunk; the fp32 cast happens per chunk.
             student = student_logits[where][:, :vocab_size].float().requires_grad_(wants_grad)
-            teacher = None if teacher_logits is None else teacher_logits[where][:, :vocab_size].float()
+            teacher = _teacher_rows(teacher_logits, where, vocab_size)
             with torch.enable_grad():
                 loss = token_loss(student, teacher, labels[where])
                 loss = loss.sum() if weights is None else (loss * weights[chunk]).sum()
@@ -95,7 +105,7 @@ class _ChunkedTokenLoss(torch.autograd.Function):
 def chunked_token_loss(
     token_loss: TokenLossFn,
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor | None,
+    teacher_logits: TeacherLogits | None,
     labels: torch.Tensor,
     *,
     vocab_size: int,
@@ -105,7 +115,8 @@ def chunked_token_loss(
 ) -> torch.Tensor:
     """Mean of ``token_loss`` over the positions whose label is not ``-100``.
 
-    student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` or None,
+    student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` or None (or a
+    sampled teacher's ``[batch, seq, m]`` entries, handed to ``token_loss`` as they are),
     labels ``[batch, seq]`` (already aligned with the logits). Only the first ``vocab_size``
     logits of each row are used. Returns an fp32 scalar (0 with a zero gradient when the
     batch has no response token).

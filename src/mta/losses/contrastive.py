@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from mta.errors import MtaError
-from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss, item_count
-from mta.losses.divergences import check_unit_interval, kl, log_mixture
+from mta.losses.chunked import IGNORE_INDEX, TeacherLogits, chunked_token_loss, item_count
+from mta.losses.divergences import check_unit_interval, kl_terms, log_mixture
 from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
+from mta.losses.teacher_sampled import SampledTeacher, sampled_estimate
 
 # Kind of a response position, passed to the chunked loop in place of its label.
 _CHOSEN, _REJECTED = 0, 1
@@ -78,29 +79,40 @@ class DistiLLM2Loss(nn.Module):
         self.vocab_size = vocab_size
         self.chunk_size = chunk_size
 
-    def _token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, kind: torch.Tensor) -> torch.Tensor:
-        """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``kind [n]`` -> ``[n]``:
+    def _token_loss(self, student: torch.Tensor, teacher: TeacherLogits | None, kind: torch.Tensor) -> torch.Tensor:
+        """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits (or a sampled teacher's
+        ``[n, m]`` entries), ``kind [n]`` -> ``[n]``:
         SKL where ``kind`` is chosen, SRKL where it is rejected."""
         if teacher is None:
             raise MtaError("DistiLLM2Loss compares with a teacher; teacher logits are None")
         log_q = (student / self.temperature).log_softmax(dim=1)
-        log_p = (teacher / self.temperature).log_softmax(dim=1)
         alpha = self.skew_alpha
         loss = torch.zeros(kind.shape[0], dtype=log_q.dtype, device=log_q.device)
         forward = kind == _CHOSEN
-        if forward.any():
-            p, q = log_p[forward], log_q[forward]
-            loss = loss.index_put((forward,), kl(p, log_mixture(p, q, alpha)))
         reverse = ~forward
-        if reverse.any():
-            p, q = log_p[reverse], log_q[reverse]
-            loss = loss.index_put((reverse,), kl(q, log_mixture(q.detach(), p, alpha)))
+
+        def skl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            return kl_terms(p, log_mixture(p, q, alpha))
+
+        def srkl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            return kl_terms(q, log_mixture(q.detach(), p, alpha))
+
+        for rows, terms in ((forward, skl), (reverse, srkl)):
+            if not rows.any():
+                continue
+            if isinstance(teacher, SampledTeacher) and terms is skl:  # the unbiased estimate
+                value = sampled_estimate(terms, log_q[rows], teacher[rows])
+            elif isinstance(teacher, SampledTeacher):  # SRKL: the rest rule (kd.DistributionLoss)
+                value = terms(teacher[rows].dense_log_probs("log_mean"), log_q[rows]).sum(dim=1)
+            else:
+                value = terms((teacher[rows] / self.temperature).log_softmax(dim=1), log_q[rows]).sum(dim=1)
+            loss = loss.index_put((rows,), value)
         return loss
 
     def forward(
         self,
         student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor | None,
+        teacher_logits: TeacherLogits | None,
         labels: torch.Tensor,
         chosen: torch.Tensor,
         num_pairs: float | torch.Tensor | None = None,
@@ -187,7 +199,7 @@ class DistiLLM2Loss(nn.Module):
     def _check(
         self,
         student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor | None,
+        teacher_logits: TeacherLogits | None,
         labels: torch.Tensor,
         chosen: torch.Tensor,
     ) -> int:

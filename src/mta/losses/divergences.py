@@ -19,9 +19,14 @@ def log_mixture(log_a: torch.Tensor, log_b: torch.Tensor, weight_a: float) -> to
     return torch.logaddexp(log_a + _log(weight_a), log_b + _log(1.0 - weight_a))
 
 
+def kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``KL(p ‖ q)``'s term at each token, ``p · (log p − log q)``: ``[n, m]`` -> ``[n, m]``."""
+    return log_p.exp() * (log_p - log_q)
+
+
 def kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     """``KL(p ‖ q)`` per row: ``[n, vocab]`` log-probabilities -> ``[n]``."""
-    return (log_p.exp() * (log_p - log_q)).sum(dim=1)
+    return kl_terms(log_p, log_q).sum(dim=1)
 
 
 def check_unit_interval(name: str, value: float) -> None:

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mta.errors import MtaError
-from mta.losses.chunked import IGNORE_INDEX, chunked_token_loss
+from mta.losses.chunked import IGNORE_INDEX, TeacherLogits, chunked_token_loss
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.cross_vocabulary import SharedDivergence, SharedVocabularyHybrid, UniversalLogitDistillation
-from mta.losses.divergences import check_unit_interval, kl, log_mixture
+from mta.losses.divergences import check_unit_interval, kl_terms, log_mixture
 from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
+from mta.losses.teacher_sampled import SampledTeacher, sampled_estimate
 
 
 class BaseLoss(nn.Module):
@@ -46,20 +47,22 @@ class BaseLoss(nn.Module):
         self.vocab_size = vocab_size
         self.chunk_size = chunk_size
 
-    def token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
-        """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits, ``labels [n]`` -> ``[n]``."""
+    def token_loss(self, student: torch.Tensor, teacher: TeacherLogits | None, labels: torch.Tensor) -> torch.Tensor:
+        """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits (or a sampled teacher's
+        ``[n, m]`` entries), ``labels [n]`` -> ``[n]``."""
         raise NotImplementedError
 
     def forward(
         self,
         student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor | None,
+        teacher_logits: TeacherLogits | None,
         labels: torch.Tensor,
         num_items_in_batch: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """student_logits ``[batch, seq, V_s]``, teacher_logits ``[batch, seq, V_t]`` (None for
-        ``ce``), labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens, or their
-        sum divided by ``num_items_in_batch`` when given (> 0)."""
+        ``ce``; a :class:`~mta.losses.teacher_sampled.SampledTeacher` from a sampled cache),
+        labels ``[batch, seq]`` -> fp32 scalar, the mean over response tokens, or their sum divided
+        by ``num_items_in_batch`` when given (> 0)."""
         widths = [student_logits.shape[-1]]
         if self.needs_teacher:
             if teacher_logits is None:
@@ -127,12 +130,22 @@ class CrossEntropy(BaseLoss):
 
     needs_teacher = False
 
-    def token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+    def token_loss(self, student: torch.Tensor, teacher: TeacherLogits | None, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(student, labels, reduction="none")
 
 
 class DistributionLoss(BaseLoss):
-    """A divergence between teacher and student distributions at temperature τ."""
+    """A divergence between teacher and student distributions at temperature τ.
+
+    From a sampled teacher cache a loss whose terms the teacher's p weighs (``importance_weighted``:
+    forward KL, skew forward KL) is the unbiased importance-weighted estimate over the draws; the
+    others (reverse KL, skew reverse KL, JSD, TVD: terms the student's q weighs, large where the
+    teacher's p is too small to be drawn) read the rest rule's p̃, the head and draws exact and the
+    rest of the mass spread evenly (biased as the tail rule is, with the draws kept exactly;
+    docs/teacher-cache.md)."""
+
+    importance_weighted = False
+    rest_fill = "mass"  # the rest rule's fill: "mass" (a distribution) or "log_mean" (reverse KLs)
 
     def __init__(self, *, temperature: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -140,30 +153,44 @@ class DistributionLoss(BaseLoss):
             raise MtaError(f"temperature must be positive, got {temperature}")
         self.temperature = temperature
 
-    def token_loss(self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+    def token_loss(self, student: torch.Tensor, teacher: TeacherLogits | None, labels: torch.Tensor) -> torch.Tensor:
         if teacher is None:
             raise MtaError(f"{type(self).__name__} compares with a teacher; teacher logits are None")
         log_q = F.log_softmax(student / self.temperature, dim=-1)
+        if isinstance(teacher, SampledTeacher):  # a sampled cache (mta.losses.teacher_sampled)
+            if self.importance_weighted:  # the unbiased estimate
+                return sampled_estimate(self.terms, log_q, teacher)
+            return self.divergence(teacher.dense_log_probs(self.rest_fill), log_q)  # the rest rule
         log_p = F.log_softmax(teacher / self.temperature, dim=-1)
         return self.divergence(log_p, log_q)
 
     def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-        """Teacher ``log_p`` and student ``log_q``, ``[n, vocab]`` -> ``[n]``."""
+        """Teacher ``log_p`` and student ``log_q``, ``[n, vocab]`` -> ``[n]``: the terms' sum."""
+        return self.terms(log_p, log_q).sum(dim=1)
+
+    def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        """The divergence's term at each token, ``f(p_v, q_v)``: ``[n, m]`` -> ``[n, m]`` (each
+        divergence here is a sum of such terms over the vocabulary, which is what lets a
+        sampled teacher estimate it: :mod:`mta.losses.teacher_sampled`)."""
         raise NotImplementedError
 
 
 class ForwardKL(DistributionLoss):
     """``KL(p ‖ q)``: the student covers the teacher's mass (mean-seeking)."""
 
-    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-        return kl(log_p, log_q)
+    importance_weighted = True
+
+    def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        return kl_terms(log_p, log_q)
 
 
 class ReverseKL(DistributionLoss):
     """``KL(q ‖ p)``: the student commits to the teacher's modes (MiniLLM)."""
 
-    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-        return kl(log_q, log_p)
+    rest_fill = "log_mean"
+
+    def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        return kl_terms(log_q, log_p)
 
 
 class _Skewed(DistributionLoss):
@@ -178,15 +205,19 @@ class _Skewed(DistributionLoss):
 class SkewForwardKL(_Skewed):
     """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
 
-    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-        return kl(log_p, log_mixture(log_p, log_q, self.skew_alpha))
+    importance_weighted = True
+
+    def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        return kl_terms(log_p, log_mixture(log_p, log_q, self.skew_alpha))
 
 
 class SkewReverseKL(_Skewed):
     """``KL(q ‖ αq + (1−α)p)`` (DistiLLM's skew reverse KL, α = 0.1)."""
 
-    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-        return kl(log_q, log_mixture(log_q, log_p, self.skew_alpha))
+    rest_fill = "log_mean"
+
+    def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        return kl_terms(log_q, log_mixture(log_q, log_p, self.skew_alpha))
 
 
 class JensenShannon(DistributionLoss):
@@ -201,20 +232,20 @@ class JensenShannon(DistributionLoss):
         check_unit_interval("jsd_beta", jsd_beta)
         self.jsd_beta = jsd_beta
 
-    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         if self.jsd_beta == 0.0:
-            return kl(log_p, log_q)
+            return kl_terms(log_p, log_q)
         if self.jsd_beta == 1.0:
-            return kl(log_q, log_p)
+            return kl_terms(log_q, log_p)
         log_m = log_mixture(log_p, log_q, self.jsd_beta)
-        return self.jsd_beta * kl(log_p, log_m) + (1.0 - self.jsd_beta) * kl(log_q, log_m)
+        return self.jsd_beta * kl_terms(log_p, log_m) + (1.0 - self.jsd_beta) * kl_terms(log_q, log_m)
 
 
 class TotalVariation(DistributionLoss):
     """``½ Σ |p − q|``."""
 
-    def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-        return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(dim=-1)
+    def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (log_p.exp() - log_q.exp()).abs()
 
 
 BASE_LOSSES: dict[str, type[nn.Module]] = {

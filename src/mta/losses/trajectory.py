@@ -154,20 +154,7 @@ class TrajectoryAlignmentLoss(nn.Module):
             )
         # Spans are pooled for DSA, and for HRA across tokenizers; token-level HRA needs none.
         pooled = "dsa" in self.terms or not self.same_tokenizer
-        # Built once per granularity and shared by every pair: [B, K, T] as 0/1 floats.
-        student_masks, teacher_masks, span_tokens = {}, {}, {}
-        for granularity in self.granularities:
-            if granularity not in spans:
-                raise MtaError(f"the batch has no '{granularity}' spans (it has {sorted(spans)})")
-            if pooled:
-                teacher_masks[granularity] = spans[granularity].teacher_token_mask(teacher_len).float()
-                student_masks[granularity] = spans[granularity].student_token_mask(student_len).float()
-            if self.same_tokenizer and "hra" in self.terms:
-                span_tokens[granularity] = (
-                    spans[granularity].teacher_token_count(teacher_len)
-                    if self.reference_code
-                    else spans[granularity].teacher_token_union(teacher_len)
-                )
+        student_masks, teacher_masks, span_tokens = self._span_masks(spans, student_len, teacher_len, pooled)
 
         student_weights = {
             layer: self._importance(_layer(student_hidden_states, layer, "student"), student_attention_mask)
@@ -223,6 +210,27 @@ class TrajectoryAlignmentLoss(nn.Module):
                     )
                 )
         return {term: torch.stack(values).mean() for term, values in terms.items()}
+
+    def _span_masks(
+        self, spans: Mapping[str, SpanBatch], student_len: int, teacher_len: int, pooled: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Per granularity, built once and shared by every pair: the student's and the teacher's
+        ``[B, K, T]`` 0/1 float span masks (when spans are pooled), and token-level HRA's span
+        tokens ``[B, T_t]`` (same tokenizer)."""
+        student_masks, teacher_masks, span_tokens = {}, {}, {}
+        for granularity in self.granularities:
+            if granularity not in spans:
+                raise MtaError(f"the batch has no '{granularity}' spans (it has {sorted(spans)})")
+            if pooled:
+                teacher_masks[granularity] = spans[granularity].teacher_token_mask(teacher_len).float()
+                student_masks[granularity] = spans[granularity].student_token_mask(student_len).float()
+            if self.same_tokenizer and "hra" in self.terms:
+                span_tokens[granularity] = (
+                    spans[granularity].teacher_token_count(teacher_len)
+                    if self.reference_code
+                    else spans[granularity].teacher_token_union(teacher_len)
+                )
+        return student_masks, teacher_masks, span_tokens
 
     def _projector(self, index: int) -> nn.Linear:
         """Pair ``index``'s projector (HRA only: without it none was built)."""

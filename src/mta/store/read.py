@@ -21,17 +21,16 @@ def read_stage_manifest(
     *,
     artefact: str,
     version_key: str,
-    version: int,
+    version: int | tuple[int, ...],
     command: str,
     build: str,
     what: str = "",
-    older: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """The manifest of a finished ``command`` output (``artefact``, ``version_key`` = ``version``, or
-    one of the ``older`` versions its reader upgrades), or ``MtaError`` naming the fix: no directory
-    (``build``: the command line that makes it), no manifest (an interrupted or partly sharded run),
-    another artefact, another version. ``what``: a prefix naming where the directory was given
-    (``"teacher_cache.dir: "``)."""
+    """The manifest of a finished ``command`` output (``artefact``, ``version_key`` = ``version``
+    or one of ``version``'s),
+    or ``MtaError`` naming the fix: no directory (``build``: the command line that makes it), no
+    manifest (an interrupted or partly sharded run), another artefact, another version.
+    ``what``: a prefix naming where the directory was given (``"teacher_cache.dir: "``)."""
     if not directory.is_dir():
         raise MtaError(f"{what}{directory} does not exist; build it with `{build}`")
     manifest = read_manifest(directory, f"rebuild it: `{build} --force`")
@@ -45,11 +44,11 @@ def read_stage_manifest(
             f"{what}{manifest_path(directory)} is not a {artefact} artefact (artefact: "
             f"{manifest.get('artefact')!r}); give the -o directory of `{command}`"
         )
-    if manifest.get(version_key) != version and manifest.get(version_key) not in older:
-        readable = " and ".join(map(str, (*older, version)))
+    readable = version if isinstance(version, tuple) else (version,)
+    if manifest.get(version_key) not in readable:
         raise MtaError(
             f"{what}{manifest_path(directory)} has {version_key} {manifest.get(version_key)!r}; this mta reads "
-            f"version{'s' if older else ''} {readable}: re-run `{command}` into a new directory (or with --force)"
+            f"version {' or '.join(map(str, readable))}: re-run `{command}` into a new directory (or with --force)"
         )
     return manifest
 

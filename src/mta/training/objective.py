@@ -52,6 +52,8 @@ class DistillationObjective(nn.Module):
     teacher_vocab_size: the teacher tokenizer's (``uld``, ``gold``); shared_vocab: SRA's logit
     term's and ``gold``'s shared vocabulary. partitioned_heads: ZeRO-3 partitions an LM head, so
     SRA's span-logit term applies each head once per micro batch instead of a chunk at a time.
+    fused_head: the base loss from hidden states and heads (default ``spec.uses_fused_head``; a
+    run passes ``Recipe.fused_head_runs``).
     """
 
     def __init__(
@@ -68,11 +70,12 @@ class DistillationObjective(nn.Module):
         shared_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
         teacher_vocab_size: int | None = None,
         partitioned_heads: bool = False,
+        fused_head: bool | None = None,
     ):
         super().__init__()
         # The base loss from hidden states and heads, a chunk of response positions at a time
         # (mta.losses.fused_head), instead of from the models' whole logits.
-        self.fused_head = spec.uses_fused_head
+        self.fused_head = spec.uses_fused_head if fused_head is None else fused_head
         # A term whose weight is 0 is neither built nor computed.
         self.base = (
             build_base_loss(

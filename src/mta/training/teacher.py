@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from mta.losses.fused_head import HeadTeacher, OutputHead, TeacherSide
+from mta.losses.teacher_sampled import SampledTeacher
 from mta.training.logit_lens import BLOCKS_AND_NORM, LogitLens
 
 log = logging.getLogger(__name__)
@@ -24,14 +25,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class TeacherOutput:
     """hidden_states: ``{layer: [batch, seq, d_teacher]}`` for the layers asked for.
-    logits: ``[batch, seq, vocab]`` or None when no logit loss reads them.
+    logits: ``[batch, seq, vocab]`` or None when no logit loss reads them (from a sampled teacher
+    cache: a :class:`~mta.losses.teacher_sampled.SampledTeacher`, which the base losses read in their place).
     lens: the teacher's logit lens (``LogitLens``) when FDD reads intermediate layers, else None.
     side: on the fused path (``loss.fused_head``) what the base loss reads in place of the logits:
     the final hidden states and head (``HeadTeacher``) or the cached top k (``TopKTeacher``),
     ``[batch, seq, ...]``."""
 
     hidden_states: dict[int, torch.Tensor]
-    logits: torch.Tensor | None
+    logits: torch.Tensor | SampledTeacher | None
     lens: LogitLens | None = None
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # hidden_states index -> [b, heads, t, t]
     side: TeacherSide | None = None

@@ -81,8 +81,8 @@ MUTABLE_KEYS: dict[str, str] = {
     "loss.fused_head": "memory only: the same loss, from hidden states and heads a chunk at a time",
     "teacher_cache.dir": (
         "where the teacher's outputs are read from (null: the online teacher); a cache is checked against the "
-        "recipe's teacher, data, layers, top_k and storage when it loads, and differs from the online teacher "
-        "only beyond its top_k tokens and by its storage precision"
+        "recipe's teacher, data, layers, logits, top_k, samples, states and storage when it loads, and differs from "
+        "the online teacher only beyond its top_k tokens (sampled: by its draws' noise) and by its storage precision"
     ),
     "train.teacher_zero3": (
         "how the frozen teacher's weights are spread over the devices; the teacher is not in the checkpoint"

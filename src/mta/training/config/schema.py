@@ -550,6 +550,11 @@ class GenerationSpec(Strict):
         return value
 
 
+TOP_K_DEFAULT = 1024  # teacher_cache.top_k with logits: top_k
+SAMPLED_HEAD_DEFAULT = 32  # teacher_cache.top_k with logits: sampled (bench/teacher_cache.py)
+SAMPLES_DEFAULT = 32  # teacher_cache.samples (bench/teacher_cache.py)
+
+
 class TeacherCacheSpec(Strict):
     """``teacher_cache:``: train from what ``mta teacher`` stored instead of running the teacher
     on the annotated rows (docs/teacher-cache.md)."""
@@ -559,16 +564,46 @@ class TeacherCacheSpec(Strict):
         description="the `mta teacher` output read for the teacher's side of every annotated micro batch "
         "(train and dev); null: the teacher runs online. With generation.mode=off the teacher is never loaded",
     )
-    top_k: int = Field(
-        1024,
+    logits: Literal["top_k", "sampled"] = Field(
+        "top_k",
+        description="top_k: the teacher's top_k next tokens per response position and the tail's mass, the rest "
+        "spread evenly (biased beyond k); sampled: the top_k head plus `samples` tokens drawn from the rest of the "
+        "teacher's distribution at loss.temperature: forward KLs estimated without bias, reverse-type losses from the "
+        "head and draws with the rest at its mean log-probability (docs/teacher-cache.md)",
+    )
+    top_k: int | None = Field(
+        None,
+        ge=0,
+        description=f"the teacher's most probable next tokens stored exactly per response position (logit losses); "
+        f"default {TOP_K_DEFAULT} with logits=top_k (bench/teacher_cache.py: skew reverse KL within 0.5 % of the "
+        f"online loss at 1024, 2.4 % at 64), {SAMPLED_HEAD_DEFAULT} with logits=sampled (the head; 0: draws only)",
+    )
+    samples: int = Field(
+        SAMPLES_DEFAULT,
         ge=1,
-        description="the teacher's most probable next tokens stored per response position (logit losses); "
-        "bench/teacher_cache.py: skew reverse KL within 0.5 % of the online loss at 1024, 2.4 % at 64",
+        le=255,
+        description="logits=sampled: tokens drawn per response position from the teacher's distribution beyond the "
+        "head, with replacement (stored as distinct ids with counts)",
+    )
+    seed: int = Field(
+        0, description="logits=sampled: the draws' seed, keyed per row (mta.generation.sampling.keyed_uniforms)"
+    )
+    states: Literal["storage", "int8_token", "int8_channel"] = Field(
+        "storage",
+        description="the hidden states' bytes: storage: in `storage`'s precision (fp16 or fp32); int8_token: 8 bits "
+        "with an fp32 scale per token and layer; int8_channel: 8 bits with a scale per channel, layer and row",
     )
     storage: Literal["compact", "fp32"] = Field(
         "compact",
         description="compact: hidden states and log-probabilities fp16 (tails fp32); fp32: all fp32 (2x the bytes)",
     )
+
+    @property
+    def head(self) -> int:
+        """``top_k`` as set, or its default for ``logits``."""
+        if self.top_k is not None:
+            return self.top_k
+        return TOP_K_DEFAULT if self.logits == "top_k" else SAMPLED_HEAD_DEFAULT
 
 
 _ENV_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
@@ -810,6 +845,13 @@ class Recipe(RecipeChecks):
         return self.train.sample_max_new_tokens
 
     @property
+    def fused_head_runs(self) -> bool:
+        """Whether the base loss runs on the fused path: ``loss.uses_fused_head``, unless a sampled
+        teacher cache feeds it (the fused head reads a teacher's head or its top k, not draws)."""
+        sampled = self.teacher_cache.dir is not None and self.teacher_cache.logits == "sampled"
+        return self.loss.uses_fused_head and not sampled
+
+    @property
     def generation_max_new_tokens(self) -> int:
         """Tokens the student may generate per training response (``generation.max_new_tokens``,
         default ``data.max_length - data.max_prompt_length``, the published ``SampleGenerator``'s
@@ -842,6 +884,12 @@ def unit_base_problem(loss: LossSpec) -> tuple[tuple[str, ...], str] | None:
 def teacher_cache_problem(recipe: Recipe) -> tuple[tuple[str, ...], str] | None:
     """Why ``recipe`` cannot train from (or build) a teacher cache, as ``(key path, message)``,
     or None: what the cache does not hold (docs/teacher-cache.md)."""
+    spec = recipe.teacher_cache
+    if spec.logits == "top_k" and spec.top_k == 0:
+        return ("teacher_cache", "top_k"), (
+            "top_k=0 keeps no token with logits=top_k (every token would get the tail's mean); set top_k >= 1, "
+            "or logits=sampled to draw tokens from the whole distribution"
+        )
     if recipe.teacher_cache.dir is None:
         return None
     online = "or set teacher_cache.dir=null to run the teacher online"

@@ -225,6 +225,7 @@ def build_objective(recipe: Recipe, plan: RunPlan, sides: LoadedSides) -> Distil
         shared_vocab=shared_vocab,
         teacher_vocab_size=len(sides.teacher_tokenizer),
         partitioned_heads=recipe.train.zero_stage == 3 or recipe.train.teacher_zero3,
+        fused_head=recipe.fused_head_runs,
     )
 
 

@@ -80,7 +80,7 @@ def plan_llm_run(
         micro_batch_size=train.micro_batch_size,
         sequence_length=recipe.data.max_length,
         # The fused base loss holds one chunk of logits at a time (loss.fused_head).
-        logit_chunk=recipe.loss.chunk_size if recipe.loss.uses_fused_head else None,
+        logit_chunk=recipe.loss.chunk_size if recipe.fused_head_runs else None,
     )
     return RunPlan(
         name=recipe.name,
@@ -259,7 +259,8 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
 
     spec = recipe.teacher_cache
     reads = teacher_reads(recipe, student.num_layers, teacher.num_layers)
-    top_k = min(spec.top_k, teacher.vocab_rows)
+    top_k = min(spec.head, teacher.vocab_rows)
+    samples = spec.samples if spec.logits == "sampled" else 0
 
     def size_of(tokens: int, responses: int, rows: int) -> SizeEstimate:
         return estimate_bytes(
@@ -270,9 +271,13 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
             tokens=tokens,
             responses=responses,
             rows=rows,
+            samples=samples,
+            states=spec.states,
+            vocab_size=teacher.vocab_rows,
         )
 
     what = f"layers {', '.join(map(str, reads.layers)) or 'none'}" + (f", k = {top_k}" if reads.logits else "")
+    what += (f" + {samples} draws" if samples and reads.logits else "") + f", states {spec.states}"
     notes = []
     for key, written in (("data.train", recipe.data.train), ("data.dev", recipe.data.dev)):
         if written is None or unset_variables(written):
@@ -289,7 +294,9 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
             notes.append(
                 f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): {human_bytes(size.logits)} logits + "
                 f"{human_bytes(size.hidden)} hidden states over {size.rows:,} rows ({human_bytes(size.per_row)} a row; "
-                "at most: Parquet's dictionary encoding stores the ids and values in less)"
+                "at most: Parquet's dictionary encoding stores the ids and values in less; "
+                + ", ".join(f"{human_bytes(v)} {k.replace('_', ' ')}" for k, v in size.per_token().items())
+                + ")"
             )
         else:
             length = recipe.data.max_length

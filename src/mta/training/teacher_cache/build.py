@@ -31,17 +31,21 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
 from mta import distributed
 from mta.data.annotations import Annotations
-from mta.data.artefact_schema import INPUT_IDS, reannotate_command
+from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN, reannotate_command
 from mta.errors import MtaError
+from mta.generation.sampling import keyed_uniforms
 from mta.hashing import json_sha256
+from mta.losses.teacher_sampled import draw_tail_samples
 from mta.losses.teacher_topk import top_k_log_probs
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.store.chunked_work import ChunkedShard
+from mta.store.layout import staging_directory
 from mta.store.manifests import read_manifest
 from mta.store.publish import commit_shard, writing_shard
 from mta.store.reuse import reusable_output
@@ -56,7 +60,9 @@ from mta.training.model_loading import (
 from mta.training.teacher import FrozenTeacher
 from mta.training.teacher_cache.content import (
     ARTEFACT,
+    LOGIT_COLUMNS,
     SPLITS,
+    STATE_COLUMNS,
     TeacherIdentity,
     TeacherReads,
     content_key,
@@ -66,6 +72,7 @@ from mta.training.teacher_cache.content import (
     teacher_precision,
     teacher_reads,
 )
+from mta.training.teacher_cache.encoding import pack_ids, quantize_states
 
 CHUNK_BYTES = 256 * 1024 * 1024  # values per journalled chunk: what a killed run may redo
 
@@ -226,7 +233,9 @@ class TeacherStage:
                     "chunks": [[b.tolist() for b in c] for c in chunks],
                 }
             )
-            work = ChunkedShard(out_dir, shard, num_shards, plan_key, schema(description["storage"]))
+            work = ChunkedShard(
+                out_dir, shard, num_shards, plan_key, schema(description["storage"], description["states"])
+            )
             label = f"teacher {split}" + (f" · shard {shard}/{num_shards}" if num_shards > 1 else "")
             resumed = work.resumed_rows
             if resumed:
@@ -242,7 +251,11 @@ class TeacherStage:
                 self.reporter.stop()
             entry = work.part(len(chunks), row_group_rows=1, compression="none")
             shard_manifest = {
-                "counts": {"rows": {"written": len(positions)}},
+                "counts": {
+                    "rows": {"written": len(positions)},
+                    "bytes": stored_bytes(staging_directory(out_dir) / entry["file"]),
+                    "tokens": _token_counts(annotations, positions, lengths),
+                },
                 "skipped_examples": [],
                 "part": entry,
                 "run_key": run_key,
@@ -274,6 +287,9 @@ class TeacherStage:
                 tokens=tokens,
                 responses=tokens,
                 rows=len(batch),
+                samples=(description["sampling"] or {}).get("samples", 0),
+                states=description["states"],
+                vocab_size=self.identity.vocab_size,
             ).total
         return chunks
 
@@ -283,9 +299,10 @@ class TeacherStage:
     ) -> pa.Table:
         teacher = self.frozen_teacher()
         storage = torch.float16 if description["storage"] == "compact" else torch.float32
-        vocab, k, temperature = description["teacher"]["vocab_size"], description["top_k"], description["temperature"]
+        states, bits = description["states"], description["id_bits"]
+        table_schema = schema(description["storage"], states)
         ids_column = annotations.table.column("id")
-        columns: dict[str, list[np.ndarray]] = {name: [] for name in schema(description["storage"]).names}
+        columns: dict[str, list[Any]] = {name: [] for name in table_schema.names}
         for rows in chunk:
             batch = examples.batch(rows).to(self.device)
             side = batch.teacher
@@ -293,51 +310,114 @@ class TeacherStage:
             with self.precision.context():
                 out = teacher(side.input_ids, side.attention_mask)
             tokens = side.attention_mask.sum(dim=1)
-            if self.reads.logits:
-                assert out.logits is not None, "FrozenTeacher(need_logits=True) returns logits"
-                predicts = side.labels[:, 1:] != -100  # position t predicts response token t + 1
-                row_of, position = predicts.nonzero(as_tuple=True)
-                top_ids, top_log_probs, tail = top_k_log_probs(
-                    out.logits[row_of, position], k, temperature=temperature, vocab_size=vocab
-                )
-                per_row = predicts.sum(dim=1).tolist()
-                splits = {
-                    "positions": position.split(per_row),
-                    "top_ids": top_ids.split(per_row),
-                    "top_log_probs": top_log_probs.split(per_row),
-                    "tail": tail.split(per_row),
-                }
-            for r, row in enumerate(rows):
+            row_ids = [int(ids_column[int(row)].as_py()) for row in rows]
+            logits = self._logit_columns(out, side.labels, row_ids, description) if self.reads.logits else None
+            for r, row_id in enumerate(row_ids):
                 n = int(tokens[r])
-                columns["id"].append(np.asarray([ids_column[int(row)].as_py()], dtype=np.int64))
+                columns["id"].append(np.asarray([row_id], dtype=np.int64))
                 columns["tokens"].append(np.asarray([n], dtype=np.int32))
                 hidden = (
-                    torch.stack([out.hidden_states[layer][r, :n] for layer in self.reads.layers]).to(storage)
+                    torch.stack([out.hidden_states[layer][r, :n] for layer in self.reads.layers]).float()
                     if self.reads.layers
-                    else torch.zeros(0, dtype=storage)
+                    else torch.zeros(0, n, 0)
                 )
-                if not torch.isfinite(hidden).all():
-                    raise MtaError(
-                        f"row {columns['id'][-1][0]}: the teacher's hidden states exceed float16's range "
-                        "(|x| > 65504); set teacher_cache.storage=fp32"
-                    )
+                scales = torch.zeros(0)
+                if states != "storage":
+                    hidden, scales = quantize_states(hidden, states)
+                else:
+                    hidden = hidden.to(storage)
+                    if not torch.isfinite(hidden).all():
+                        raise MtaError(
+                            f"row {row_id}: the teacher's hidden states exceed float16's range "
+                            "(|x| > 65504); set teacher_cache.storage=fp32 or teacher_cache.states=int8_token"
+                        )
                 columns["hidden"].append(hidden.reshape(-1).cpu().numpy())
-                for name in ("positions", "top_ids", "top_log_probs", "tail"):
-                    if self.reads.logits:
-                        dtype = storage if name == "top_log_probs" else None
-                        value = splits[name][r]
-                        value = value.to(dtype) if dtype is not None else value
-                        columns[name].append(value.reshape(-1).cpu().numpy())
-                    else:
-                        columns[name].append(np.zeros(0))
+                columns["hidden_scales"].append(scales.reshape(-1).cpu().numpy())
+                for name in LOGIT_COLUMNS:
+                    value = logits[name][r] if logits is not None else np.zeros(0)
+                    columns[name].append(pack_ids(value, bits) if name in PACKED else value)
             self.reporter.advance(len(rows))
-        return _arrow_table(columns, schema(description["storage"]))
+        return _arrow_table(columns, table_schema)
+
+    def _logit_columns(
+        self, out: Any, labels: torch.Tensor, row_ids: list[int], description: dict
+    ) -> dict[str, list[np.ndarray]]:
+        """Each row's logit columns (ids not packed yet): the head (top k) and tail at every position
+        that predicts a response token, and with sampled logits the draws beyond the head."""
+        assert out.logits is not None, "FrozenTeacher(need_logits=True) returns logits"
+        storage = np.float16 if description["storage"] == "compact" else np.float32
+        vocab, k, temperature = description["teacher"]["vocab_size"], description["top_k"], description["temperature"]
+        predicts = labels[:, 1:] != -100  # position t predicts response token t + 1
+        row_of, position = predicts.nonzero(as_tuple=True)
+        per_row = predicts.sum(dim=1).tolist()
+        found: dict[str, list[np.ndarray]] = {}
+        sampling = description["sampling"]
+        if sampling is None:
+            head_ids, head_log_probs, tail = top_k_log_probs(
+                out.logits[row_of, position], k, temperature=temperature, vocab_size=vocab
+            )
+            empty = [np.zeros(0)] * len(per_row)
+            found |= {name: empty for name in LOGIT_COLUMNS if name.startswith(("sample_", "rest_"))}
+        else:
+            purpose = f"teacher-cache/{description['split']}"
+            uniforms = keyed_uniforms(sampling["seed"], purpose, row_ids, per_row, sampling["samples"])
+            drawn = draw_tail_samples(
+                out.logits[row_of, position], uniforms, top_k=k, temperature=temperature, vocab_size=vocab
+            )
+            head_ids, head_log_probs, tail = drawn.head_ids, drawn.head_log_probs, drawn.tail
+            distinct = drawn.distinct.cpu()
+            per_row_draws = [int(part.sum()) for part in distinct.split(per_row)]
+            found["sample_distinct"] = _numpy(distinct.split(per_row), np.uint8)
+            found["sample_ids"] = _numpy(drawn.ids.split(per_row_draws), np.int64)
+            found["sample_counts"] = _numpy(drawn.counts.split(per_row_draws), np.uint8)
+            found["sample_log_probs"] = _numpy(drawn.log_probs.split(per_row_draws), storage)
+            assert drawn.rest_log_mean is not None, "draw_tail_samples gives it"
+            found["rest_log_mean"] = _numpy(drawn.rest_log_mean.split(per_row), np.float32)
+        found["positions"] = _numpy(position.split(per_row), np.int32)
+        found["top_ids"] = _numpy(head_ids.split(per_row), np.int64)
+        found["top_log_probs"] = _numpy(head_log_probs.split(per_row), storage)
+        found["tail"] = _numpy(tail.split(per_row), np.float32)
+        return found
+
+
+def _token_counts(annotations: Annotations, positions: np.ndarray, lengths: np.ndarray) -> dict[str, int]:
+    """The shard's teacher tokens and response tokens (the positions the logits are stored at)."""
+    prompts = annotations.table.column(PROMPT_LEN["teacher"]).to_numpy()[positions]
+    tokens = int(lengths[positions].sum())
+    return {"teacher": tokens, "responses": tokens - int(prompts.sum())}
+
+
+def _numpy(parts: Sequence[torch.Tensor], dtype: Any) -> list[np.ndarray]:
+    return [part.reshape(-1).cpu().numpy().astype(dtype) for part in parts]
+
+
+PACKED = ("top_ids", "sample_ids")  # id columns, packed in the cache's id_bits
+
+
+def stored_bytes(path: Path) -> dict[str, int]:
+    """Bytes of a written part on disk by what they hold: ``logits`` (the logit columns),
+    ``states`` (hidden states and their scales), ``other`` (ids, counts, Parquet's footer)."""
+    metadata = pq.ParquetFile(path).metadata
+    found = {"logits": 0, "states": 0}
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        for column in range(row_group.num_columns):
+            chunk = row_group.column(column)
+            name = chunk.path_in_schema.split(".")[0]
+            part = "logits" if name in LOGIT_COLUMNS else "states" if name in STATE_COLUMNS else None
+            if part is not None:
+                found[part] += chunk.total_compressed_size
+    found["other"] = path.stat().st_size - found["logits"] - found["states"]
+    return found
 
 
 def _arrow_table(columns: dict[str, list[np.ndarray]], table_schema: pa.Schema) -> pa.Table:
     arrays = []
     for field in table_schema:
         values = columns[field.name]
+        if pa.types.is_binary(field.type):
+            arrays.append(pa.array(values, type=field.type))
+            continue
         if not pa.types.is_list(field.type):
             arrays.append(pa.array(np.concatenate(values), type=field.type))
             continue

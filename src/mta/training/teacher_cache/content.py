@@ -26,13 +26,19 @@ from mta.models.weights import CONFIG_PATTERNS, WEIGHT_PATTERNS, checkpoint_fing
 from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
 from mta.training.config.schema import Recipe
 from mta.training.model_loading import hidden_size
+from mta.training.teacher_cache.encoding import id_bits, packed_bytes, state_bytes
 from mta.versions import MTA_VERSION, package_versions
 
 ARTEFACT = "teacher-outputs"  # the manifest's ``artefact``
-CACHE_VERSION = 2  # the manifest's ``teacher_cache_version``: the columns and keys of this package
-# Version 1 (mta 0.2.0) keyed ``teacher_weights`` on the top-level weight and config files alone, a
-# Hub teacher on its name alone; ``upgraded`` reads it (the same columns) where that key still tells.
-OLDER_VERSIONS = (1,)
+# The manifest's ``teacher_cache_version``: the columns and keys of this package. 3: ids packed in
+# ``id_bits`` bits, sampled logits, 8-bit states (issue 53). 2: the ``teacher_weights`` key of every
+# model file by content and a Hub teacher's commit (issue 51). 1 (mta 0.2.0): that key of the
+# weight and config files alone, a Hub teacher's name alone. Every version is read (:func:`upgraded`):
+# 1 and 2 hold int32 ids, top-k logits, states in the storage's precision.
+CACHE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+# What a manifest of version 1 or 2, which predate these keys, holds.
+LAYOUT_DEFAULTS = {"sampling": None, "states": "storage"}
 SPLITS = ("train", "dev")
 # The description's keys that decide the stored values; each names the recipe key to change.
 CONTENT_KEYS = {
@@ -44,6 +50,8 @@ CONTENT_KEYS = {
     "layers": "loss.layers / loss.sra_layers (a teacher layer the cache does not hold)",
     "logits": "loss.base / loss.base_weight (a logit loss, and the cache holds no logits)",
     "top_k": "teacher_cache.top_k",
+    "sampling": "teacher_cache.logits / teacher_cache.samples / teacher_cache.seed",
+    "states": "teacher_cache.states",
     "temperature": "loss.temperature",
     "storage": "teacher_cache.storage",
     "precision": "train.precision / teacher.dtype (the teacher's compute precision)",
@@ -147,21 +155,27 @@ def describe(
         "max_length": recipe.data.max_length,
         "layers": list(reads.layers),
         "logits": reads.logits,
-        "top_k": min(spec.top_k, teacher.vocab_size) if reads.logits else None,
+        "top_k": min(spec.head, teacher.vocab_size) if reads.logits else None,
+        "sampling": {"samples": spec.samples, "seed": spec.seed} if reads.logits and spec.logits == "sampled" else None,
         "temperature": recipe.loss.temperature if reads.logits else None,
         "storage": spec.storage,
+        "states": spec.states,
+        "id_bits": id_bits(teacher.vocab_size),
         "precision": teacher.precision,
         "versions": package_versions(),
     }
 
 
 def upgraded(manifest: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
-    """A version-1 manifest read as version 2, in memory (the files are never rewritten). Its
-    ``teacher_weights`` hashed the teacher directory's weight and config files; where the teacher's
+    """A manifest of any :data:`READABLE_VERSIONS` with today's keys, in memory (the files are
+    never rewritten): versions 1 and 2 take :data:`LAYOUT_DEFAULTS` (their columns are read by type).
+    Version 1's ``teacher_weights`` hashed the teacher directory's weight and config files; where the teacher's
     directory still hashes to it by that rule, the cache was built by this teacher (a version-1 cache
     holds the token ids it was computed on, keyed by ``teacher_tokens``, and the schema refuses a LoRA
     teacher, so the files version 2 adds decide nothing more), and it takes version 2's key. A Hub
     teacher's version-1 key is its name without a commit: refused, since the snapshot may have moved."""
+    if manifest.get("teacher_cache_version") in (1, 2):
+        manifest = LAYOUT_DEFAULTS | manifest
     if manifest.get("teacher_cache_version") != 1:
         return manifest
     stored, path = manifest.get("teacher_weights"), str(expected.get("teacher", {}).get("path", ""))
@@ -173,7 +187,7 @@ def upgraded(manifest: dict[str, Any], expected: dict[str, Any]) -> dict[str, An
         )
     weights = expected.get("teacher_weights")
     same = weights is None or (Path(path).is_dir() and _version_1_weights(Path(path)) == stored)
-    return manifest | {"teacher_cache_version": 2, "teacher_weights": weights if same else stored}
+    return manifest | {"teacher_weights": weights if same else stored}  # its version stays as stored
 
 
 def _version_1_weights(directory: Path) -> str:
@@ -198,41 +212,66 @@ def mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     ``top_k`` and ``temperature`` are then not compared). A stored ``teacher_weights`` is
     compared only when the teacher's weights are there to fingerprint (``expected`` not None)."""
     found = []
+    stored = upgraded(stored, expected)
     for key, fix in CONTENT_KEYS.items():
         if key == "teacher_weights" and expected.get(key) is None:
             continue
+        if key == "teacher_cache_version" and stored.get(key) in READABLE_VERSIONS:
+            continue
         if key == "layers" and set(expected.get(key) or ()) <= set(stored.get(key) or ()):
             continue
-        if key == "logits" and stored.get(key) or key in ("top_k", "temperature") and not expected.get("logits"):
+        if (
+            key == "logits"
+            and stored.get(key)
+            or key in ("top_k", "sampling", "temperature")
+            and not expected.get("logits")
+        ):
             continue
         if stored.get(key) != expected.get(key):
             found.append(f"{key}: {stored.get(key)!r} in the cache, {expected.get(key)!r} for the recipe ({fix})")
     return found
 
 
-def schema(storage: str) -> pa.Schema:
-    """The columns of a cache part (the package docstring), values in ``storage``'s precision."""
+def schema(storage: str, states: str = "storage") -> pa.Schema:
+    """The columns of a cache part (the package docstring), values in ``storage``'s precision,
+    hidden states in ``states``' (int8 with fp32 scales, or the storage's precision)."""
     value = pa.float16() if storage == "compact" else pa.float32()
     return pa.schema(
         [
             pa.field("id", pa.int64(), nullable=False),
             pa.field("tokens", pa.int32(), nullable=False),
             pa.field("positions", pa.list_(pa.int32()), nullable=False),
-            pa.field("top_ids", pa.list_(pa.int32()), nullable=False),
+            pa.field("top_ids", pa.binary(), nullable=False),
             pa.field("top_log_probs", pa.list_(value), nullable=False),
             pa.field("tail", pa.list_(pa.float32()), nullable=False),
-            pa.field("hidden", pa.list_(value), nullable=False),
+            pa.field("sample_distinct", pa.list_(pa.uint8()), nullable=False),
+            pa.field("sample_ids", pa.binary(), nullable=False),
+            pa.field("sample_counts", pa.list_(pa.uint8()), nullable=False),
+            pa.field("sample_log_probs", pa.list_(value), nullable=False),
+            pa.field("rest_log_mean", pa.list_(pa.float32()), nullable=False),
+            pa.field("hidden", pa.list_(value if states == "storage" else pa.int8()), nullable=False),
+            pa.field("hidden_scales", pa.list_(pa.float32()), nullable=False),
         ]
     )
 
 
+LOGIT_COLUMNS = (
+    *("positions", "top_ids", "top_log_probs", "tail"),
+    *("sample_distinct", "sample_ids", "sample_counts", "sample_log_probs", "rest_log_mean"),
+)
+STATE_COLUMNS = ("hidden", "hidden_scales")
+
+
 @dataclass(frozen=True)
 class SizeEstimate:
-    """Bytes a cache takes: ``logits`` (ids, log-probs, tails) and ``hidden`` (states), over ``rows``."""
+    """Bytes a cache takes: ``logits`` (ids, log-probs, tails, draws) and ``hidden`` (states), over
+    ``rows`` rows of ``tokens`` teacher tokens with ``responses`` response positions in all."""
 
     rows: int
     logits: int
     hidden: int
+    tokens: int = 0
+    responses: int = 0
 
     @property
     def total(self) -> int:
@@ -242,18 +281,60 @@ class SizeEstimate:
     def per_row(self) -> float:
         return self.total / max(self.rows, 1)
 
+    def per_token(self) -> dict[str, float]:
+        """Bytes a teacher token (states) and a response position (logits) take."""
+        return {
+            "logits_per_response_position": self.logits / max(self.responses, 1),
+            "states_per_token": self.hidden / max(self.tokens, 1),
+        }
+
 
 def estimate_bytes(
-    reads: TeacherReads, *, top_k: int, storage: str, hidden_size: int, tokens: int, responses: int, rows: int
+    reads: TeacherReads,
+    *,
+    top_k: int,
+    storage: str,
+    hidden_size: int,
+    tokens: int,
+    responses: int,
+    rows: int,
+    samples: int = 0,
+    states: str = "storage",
+    vocab_size: int | None = None,
 ) -> SizeEstimate:
     """At most the cache's size for ``rows`` rows of ``tokens`` teacher tokens and ``responses``
-    response positions in all (Parquet's dictionary encoding stores the ids and many values in
-    fewer bytes: 0.6 of it on the demo's pair at k = 1024); each row's Parquet row group (its
-    metadata, page headers and statistics, ``ROW_GROUP_BYTES``) is counted with the logits."""
+    response positions in all: per position the head's ``top_k`` ids (``id_bits(vocab_size)``
+    bits each; 32 without a vocabulary) and log-probabilities, the tail's fp32 and the position's
+    int32, and with ``samples`` draws at most that many distinct ids with a count byte and a
+    log-probability each, plus a byte for their number; the states in ``states``
+    (:func:`~mta.training.teacher_cache.encoding.state_bytes`). Draws repeat on a peaked
+    distribution, so a sampled cache takes less. Each row's Parquet row group (its metadata, page
+    headers and statistics, ``ROW_GROUP_BYTES``) is counted with the logits."""
     value = BYTES[storage]
-    logits = responses * (top_k * (4 + value) + 4 + 4) if reads.logits else 0
-    hidden = len(reads.layers) * tokens * hidden_size * value
-    return SizeEstimate(rows, logits + rows * ROW_GROUP_BYTES, hidden)
+    bits = id_bits(vocab_size) if vocab_size else 32
+    logits = 0
+    if reads.logits:
+        per_position = top_k * value + 4 + 4 + (samples * (value + 1) + 1 if samples else 0)
+        logits = responses * per_position + packed_bytes(responses * (top_k + samples), bits)
+    hidden = state_bytes(
+        states, value_bytes=value, layers=len(reads.layers), tokens=tokens, hidden_size=hidden_size, rows=rows
+    )
+    return SizeEstimate(rows, logits + rows * ROW_GROUP_BYTES, hidden, tokens, responses)
+
+
+def stored_per_token(manifest: dict[str, Any]) -> dict[str, float] | None:
+    """Bytes on disk per token of a finished cache, by part, from its manifest's ``bytes`` and
+    ``tokens`` counts (None for a version-1 cache, which has none): ``logits`` per response
+    position, ``states`` per teacher token, ``total`` (every byte of the parts) per teacher token."""
+    stored, tokens = manifest.get("bytes"), manifest.get("tokens")
+    if not stored or not tokens:
+        return None
+    teacher, responses = max(tokens["teacher"], 1), max(tokens["responses"], 1)
+    return {
+        "logits": stored["logits"] / responses,
+        "states": stored["states"] / teacher,
+        "total": sum(stored.values()) / teacher,
+    }
 
 
 def human_bytes(count: float) -> str:
@@ -268,6 +349,9 @@ __all__ = [
     "ARTEFACT",
     "CACHE_VERSION",
     "CONTENT_KEYS",
+    "LOGIT_COLUMNS",
+    "READABLE_VERSIONS",
+    "STATE_COLUMNS",
     "SPLITS",
     "SizeEstimate",
     "TeacherIdentity",
@@ -279,7 +363,9 @@ __all__ = [
     "human_bytes",
     "mismatches",
     "schema",
+    "stored_per_token",
     "teacher_precision",
     "teacher_reads",
     "teacher_weights",
+    "upgraded",
 ]

@@ -21,24 +21,26 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from mta.errors import MtaError
 from mta.losses.fused_head import TopKTeacher
+from mta.losses.teacher_sampled import SampledTeacher, TailSamples
 from mta.losses.teacher_topk import LOG_FLOOR, tail_fill
 from mta.store.read import read_stage_manifest, verified_parts
 from mta.training.batching import TrainBatch
 from mta.training.teacher import TeacherOutput
 from mta.training.teacher_cache.content import (
     ARTEFACT,
-    CACHE_VERSION,
-    OLDER_VERSIONS,
+    READABLE_VERSIONS,
     TeacherIdentity,
     describe,
     mismatches,
     upgraded,
 )
+from mta.training.teacher_cache.encoding import dequantize_states, id_bits, unpack_ids
 
 
 def _build_hint(directory: Path) -> str:
@@ -56,11 +58,10 @@ class TeacherCache:
             directory,
             artefact=ARTEFACT,
             version_key="teacher_cache_version",
-            version=CACHE_VERSION,
+            version=READABLE_VERSIONS,
             command="mta teacher",
             build=f"mta teacher --recipe RECIPE -o {directory.parent}",
             what="teacher_cache.dir: ",
-            older=OLDER_VERSIONS,
         )
         manifest = upgraded(manifest, expected)
         differ = mismatches(manifest, expected)
@@ -77,6 +78,10 @@ class TeacherCache:
         self.hidden_size = int(manifest["teacher"]["hidden_size"])
         self.vocab_size = int(manifest["teacher"]["vocab_size"])
         self.temperature = float(manifest["temperature"] or 1.0)
+        self.top_k = int(manifest["top_k"] or 0)
+        self.sampling: dict[str, int] | None = manifest["sampling"]
+        self.states: str = manifest["states"]
+        self.id_bits = int(manifest.get("id_bits") or id_bits(self.vocab_size))
         self.files: list[pq.ParquetFile] = []
         self.where: dict[int, tuple[int, int]] = {}  # row id -> (file, row group)
         for number, (path, part) in enumerate(verified_parts(directory, manifest, command="mta teacher")):
@@ -100,9 +105,20 @@ class TeacherCache:
                 f"annotations: {_build_hint(self.directory)} --force"
             ) from None
         table = self.files[number].read_row_group(group)
-        return {name: table.column(name).combine_chunks().flatten().to_numpy() for name in table.column_names[2:]} | {
-            "tokens": table.column("tokens").to_numpy()
-        }
+        found: dict[str, np.ndarray] = {}
+        for name in table.column_names:
+            column = table.column(name).combine_chunks()
+            if pa.types.is_binary(column.type):  # packed ids (version 2)
+                found[name] = np.frombuffer(column[0].as_py(), dtype=np.uint8)
+            else:
+                found[name] = (column.flatten() if pa.types.is_list(column.type) else column).to_numpy()
+        # Ids: packed in id_bits since version 2, int32 lists in version 1.
+        counts = {"top_ids": len(found["positions"]) * self.top_k, "sample_ids": len(found.get("sample_counts", ()))}
+        for name, count in counts.items():
+            if name in found:
+                raw = found[name]
+                found[name] = unpack_ids(raw, self.id_bits, count) if raw.dtype == np.uint8 else raw.astype(np.int64)
+        return found
 
     def outputs(self, batch: TrainBatch) -> TeacherOutput:
         """The teacher's output for ``batch`` (a gold micro batch of this split), on its device."""
@@ -125,8 +141,11 @@ class TeacherCache:
             wanted = [self.stored_layers.index(layer) for layer in self.layers]
             hidden = torch.zeros(len(self.layers), len(rows), width, self.hidden_size)
             for r, (row, n) in enumerate(zip(rows, tokens, strict=True)):
-                stored = torch.from_numpy(np.array(row["hidden"], dtype=np.float32))
-                hidden[:, r, :n] = stored.view(len(self.stored_layers), n, self.hidden_size)[wanted]
+                stored = torch.from_numpy(np.array(row["hidden"])).view(len(self.stored_layers), n, self.hidden_size)
+                if self.states != "storage":
+                    scales = torch.from_numpy(np.array(row["hidden_scales"], dtype=np.float32))
+                    stored = dequantize_states(stored, scales.view(len(self.stored_layers), -1), self.states)
+                hidden[:, r, :n] = stored.float()[wanted]
             hidden = hidden.to(device)
             hidden_states = {layer: hidden[i] for i, layer in enumerate(self.layers)}
         logits, top_k = None, None
@@ -140,7 +159,7 @@ class TeacherCache:
         """The stored top k at ``[batch, width]`` positions (``ids``, ``log_probs`` ``[batch, width, k]``,
         ``tail`` ``[batch, width]``; ``LOG_FLOOR`` and id 0 where nothing is stored, which no loss
         reads): the fused loss rebuilds p̃ of a chunk of response positions at a time."""
-        k = int(self.manifest["top_k"])
+        k = self.top_k
         counts = torch.tensor([len(row["positions"]) for row in rows], dtype=torch.long)
         row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
         position = torch.from_numpy(np.concatenate([row["positions"] for row in rows]).astype(np.int64))
@@ -156,11 +175,14 @@ class TeacherCache:
         tail[row_of, position] = torch.from_numpy(np.concatenate([row["tail"] for row in rows]).astype(np.float32))
         return TopKTeacher(ids.to(device), log_probs.to(device), tail.to(device), self.vocab_size, self.temperature)
 
-    def _logits(self, rows: list[dict[str, np.ndarray]], width: int) -> torch.Tensor:
-        """``[batch, width, V]`` logits whose softmax at τ is p̃ at each stored position (the tail
-        rule of :func:`~mta.losses.teacher_topk.dense_log_probs`, written in one pass: every
-        position's tail value, then the top k over it), 0 elsewhere."""
-        k = int(self.manifest["top_k"])
+    def _logits(self, rows: list[dict[str, np.ndarray]], width: int) -> torch.Tensor | SampledTeacher:
+        """With sampled logits, :meth:`_sampled`; else ``[batch, width, V]`` logits whose softmax
+        at τ is p̃ at each stored position (the tail rule of
+        :func:`~mta.losses.teacher_topk.dense_log_probs`, written in one pass: every position's tail
+        value, then the top k over it), 0 elsewhere."""
+        if self.sampling is not None:
+            return self._sampled(rows, width)
+        k = self.top_k
         counts = torch.tensor([len(row["positions"]) for row in rows], dtype=torch.long)
         row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
         position = torch.from_numpy(np.concatenate([row["positions"] for row in rows]).astype(np.int64))
@@ -173,6 +195,46 @@ class TeacherCache:
         logits = fill.unsqueeze(-1).expand(-1, self.vocab_size).contiguous()
         logits.view(-1)[(flat.unsqueeze(-1) * self.vocab_size + ids).view(-1)] = log_probs * self.temperature
         return logits.view(len(rows), width, self.vocab_size)
+
+    def _sampled(self, rows: list[dict[str, np.ndarray]], width: int) -> SampledTeacher:
+        """The estimator's entries (:class:`~mta.losses.teacher_sampled.SampledTeacher`) ``[batch,
+        width, m]`` at each stored position (the head, then the draws), weight 0 elsewhere."""
+        assert self.sampling is not None, "a sampled cache"
+
+        def cat(name: str, dtype: Any) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate([row[name] for row in rows]).astype(dtype))
+
+        counts = torch.tensor([len(row["positions"]) for row in rows], dtype=torch.long)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        flat = row_of * width + cat("positions", np.int64)  # [n] rows of the [batch · width, m] view
+        stored = TailSamples(
+            cat("top_ids", np.int64).view(-1, self.top_k),
+            cat("top_log_probs", np.float32).view(-1, self.top_k),
+            cat("tail", np.float32),
+            cat("sample_distinct", np.int64),
+            cat("sample_ids", np.int64),
+            cat("sample_counts", np.int64),
+            cat("sample_log_probs", np.float32),
+            int(self.sampling["samples"]),
+            cat("rest_log_mean", np.float32),
+        )
+        entries = SampledTeacher.from_samples(stored, self.vocab_size)  # [n, m]
+        m = entries.ids.shape[1]
+        ids = torch.zeros(len(rows) * width, m, dtype=torch.long)
+        log_probs = torch.full((len(rows) * width, m), LOG_FLOOR)
+        weights = torch.zeros(len(rows) * width, m)
+        ids[flat], log_probs[flat], weights[flat] = entries.ids, entries.log_probs, entries.weights
+        rest, log_mean = torch.full((2, len(rows) * width), LOG_FLOOR)
+        rest[flat], log_mean[flat] = entries.rest, entries.rest_log_mean
+        shape = (len(rows), width, m)
+        return SampledTeacher(
+            ids.view(shape),
+            log_probs.view(shape),
+            weights.view(shape),
+            self.vocab_size,
+            rest.view(shape[:2]),
+            log_mean.view(shape[:2]),
+        )
 
 
 class CachedTeacher:
@@ -199,7 +261,7 @@ def open_teacher_caches(recipe: Any, splits: dict[str, Any], *, reads: Any, teac
         split: TeacherCache(
             root / split,
             describe(recipe, split, reads=reads, teacher=teacher, rows=rows.table, annotations_dir=rows.directory),
-            fused=recipe.loss.uses_fused_head,
+            fused=recipe.fused_head_runs,
         )
         for split, rows in splits.items()
         if rows is not None
