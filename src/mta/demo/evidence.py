@@ -316,9 +316,10 @@ def plan_lines(
 ) -> list[str]:
     """What :func:`run_evidence` will do, and for about how long, before it does it. precision:
     what ``settings.precision`` resolved to where the runs ran (default: on this machine); vllm:
-    whether the vLLM engine is installed (default: here)."""
+    whether the vLLM engine is there for the run (default: unless ``settings.engine`` is hf, as
+    ``make evidence`` installs it before the run)."""
     precision = precision or settings.resolved_precision()
-    vllm = vllm_installed() if vllm is None else vllm
+    vllm = settings.engine != "hf" if vllm is None else vllm
     cut, cuts, fits = fit_budget(settings, precision=precision, vllm=vllm)
     estimate = cut.estimated_seconds(vllm=vllm, precision=precision)
     engines = cut.engines(vllm)
@@ -441,6 +442,7 @@ def run_evidence(
         raise MtaError(
             f"the design's estimate exceeds its budget of {design.budget_hours:g} h even after the cuts "
             f"({'; '.join(cuts) or 'none possible'}): `mta demo --evidence --plan` shows it"
+            + ("" if vllm or settings.engine == "hf" else "; the plan counts on the vLLM engine: `make install-vllm`")
         )
     stamp = {
         **asdict(design),
