@@ -196,7 +196,8 @@ class EvidenceSettings:
         """The settings a stamp or results.json recorded (JSON lists back to tuples; other keys,
         such as the stamp's recipe hash, ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in names})
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in names}
+        return cls(**values)
 
     @property
     def teacher_row_count(self) -> int:

@@ -101,7 +101,11 @@ def agreement_of_sequences(
             sums[index].index_add_(1, rows, values.cpu())
         reporter.advance(len(picked), tokens=int(attention_mask.sum()) * (1 + len(students)))
     means = (sums / counts.clamp(min=1)).numpy()
-    return [AgreementRows(*means[index], tokens=counts.numpy().copy()) for index in range(len(students))]
+    tokens = counts.numpy()
+    return [
+        AgreementRows(fkl=means[i, 0], srkl=means[i, 1], top1=means[i, 2], tokens=tokens.copy())
+        for i in range(len(students))
+    ]
 
 
 def teacher_agreement(
