@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from mta.demo.evidence_budget import cap_from_lengths, fit_budget, generated_mic
 from mta.demo.evidence_report import (
     code_source,
     difference_table,
+    mechanism_verdict,
     outcome_table,
     teacher_table,
     verdict,
@@ -219,7 +221,8 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
     for table in tables:
         for row in table[1][:1]:
             assert "| " + " | ".join(row) + " |" in text
-    assert "Trajectory agreement" in text and "structure agreement" in text
+    assert "Trajectory agreement" in text and mechanism_verdict(results) in text
+    assert "(inspect/cka-phrase.png)" in text and (out / "inspect" / "cka-phrase.png").exists()
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "results.json").read_text())["differences"] == results["differences"]
 
@@ -250,6 +253,17 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
             recipe_overrides=(*OVERRIDES, "train.lr=1e-4"),
         )
     assert stamps() == before and read_back(out)["differences"] == results["differences"]
+
+
+def test_the_mechanism_verdict_calls_for_a_bug_hunt_when_the_layers_did_not_move():
+    def trajectory(low: float, high: float) -> dict:
+        d = {AVERAGE: {"estimate": (low + high) / 2, "low": low, "high": high}}
+        return {"trajectory": {"structure_agreement": {"differences": d}, "cka": {"differences": d}}}
+
+    still = mechanism_verdict(trajectory(-0.01, 0.02))
+    assert still.startswith("MTA's terms did not measurably move") and "bug hunt" in still
+    assert mechanism_verdict(trajectory(0.01, 0.03)).startswith("MTA's terms moved the aligned layers towards")
+    assert "away from" in mechanism_verdict(trajectory(-0.03, -0.01))
 
 
 def test_verdict_states_the_sign_plainly():
@@ -320,7 +334,9 @@ def test_the_token_cap_rounds_the_quantile_up_within_its_limits():
 
 
 def test_make_n_evidence_prints_the_plan():
-    made = subprocess.run(["make", "-n", "evidence"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    # A checkout without its own .venv (a git worktree) plans with the environment running the tests.
+    venv = [] if (REPO / ".venv" / "bin" / "mta").exists() else [f"VENV={Path(sys.executable).parents[1]}"]
+    made = subprocess.run(["make", "-n", "evidence", *venv], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     printed = made.stdout + made.stderr
     assert "6 runs of 512 steps" in printed and "estimate:" in printed and "fine-tuned" in printed

@@ -23,6 +23,7 @@ from mta.demo.report import pyplot, save_figure
 from mta.evaluation.bootstrap import AVERAGE
 from mta.evaluation.datasets import BENCHMARKS
 from mta.files import atomic_write_json, atomic_write_text
+from mta.inspection.report import heatmap_name
 from mta.tables import markdown_table
 from mta.versions import source_commit
 
@@ -120,6 +121,26 @@ def teacher_table(results: dict) -> tuple[list[str], list[list[str]]]:
     return ["set", "shipped", "fine-tuned", "change"], body
 
 
+def mechanism_verdict(results: dict) -> str:
+    """The plain sentence on the trajectory outcome: did MTA's terms move the aligned layers on
+    held-out text (the average over pairs of structure agreement and of CKA)?"""
+    moved = []
+    for measure, name in (("structure_agreement", "structure agreement"), ("cka", "CKA")):
+        d = results["trajectory"][measure]["differences"][AVERAGE]
+        interval = f"{d['estimate']:+.3f} (95 % interval {d['low']:+.3f} to {d['high']:+.3f})"
+        moved.append((d["low"] > 0, d["high"] < 0, f"{name} {interval}"))
+    said = "; ".join(text for _, _, text in moved)
+    if any(up for up, _, _ in moved):
+        return f"MTA's terms moved the aligned layers towards the teacher's on held-out text: {said}."
+    if any(down for _, down, _ in moved):
+        return f"MTA's terms moved the aligned layers away from the teacher's on held-out text: {said}."
+    return (
+        f"MTA's terms did not measurably move the aligned layers on held-out text: {said}. Whatever "
+        "ROUGE-L shows, the mechanism did not act where it aims to, so the next step is a bug hunt in how "
+        "the terms reach those layers, not a retune."
+    )
+
+
 def mechanism_lines(results: dict) -> list[str]:
     """The agreement and trajectory sections of results.md."""
     sets = results["settings"]["test_sets"]
@@ -137,6 +158,14 @@ def mechanism_lines(results: dict) -> list[str]:
     for measure, title in TRAJECTORY_TITLES.items():
         pairs = list(trajectory[measure]["start"])
         lines += [f"**{title}**", "", *markdown_table(*outcome_table(trajectory[measure], pairs)), ""]
+    lines += [
+        mechanism_verdict(results),
+        "",
+        "Layer similarity of every student to the teacher (inspect/results.md has each pair's numbers):",
+        "",
+        *(f"![{g}-span CKA](inspect/{heatmap_name(g)})" for g in ("phrase", "word")),
+        "",
+    ]
     return lines
 
 
@@ -324,6 +353,7 @@ __all__ = [
     "difference_table",
     "markdown_lines",
     "mechanism_lines",
+    "mechanism_verdict",
     "outcome_table",
     "plot",
     "teacher_table",
