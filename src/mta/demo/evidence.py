@@ -487,8 +487,9 @@ def run_evidence(
 
     annotated = _annotated_rows(paths.annotations("teacher-train"))
     fine_tuned, teacher_record = fine_tune_teacher(original, paths, settings, load, reporter, timed, annotated)
-    settings, cap_record = _token_cap(settings, paths, fine_tuned, data_dir, reporter, precision=precision, vllm=vllm)
-    cuts = cuts + cap_record["cuts"]
+    # The measured cap replaces the planned one in the design as written (not as the plan cut it),
+    # and the budget's cuts are made again from there.
+    settings, cap_record = _token_cap(design, paths, fine_tuned, data_dir, reporter, precision=precision, vllm=vllm)
 
     shared = _shared_overrides(fine_tuned, paths, settings, recipe_overrides)
     recipe = _load_recipe(recipe_path, shared)
