@@ -264,6 +264,9 @@ def test_the_mechanism_verdict_calls_for_a_bug_hunt_when_the_layers_did_not_move
     assert still.startswith("MTA's terms did not measurably move") and "bug hunt" in still
     assert mechanism_verdict(trajectory(0.01, 0.03)).startswith("MTA's terms moved the aligned layers towards")
     assert "away from" in mechanism_verdict(trajectory(-0.03, -0.01))
+    mixed = trajectory(0.01, 0.03)
+    mixed["trajectory"]["cka"] = {"differences": {AVERAGE: {"estimate": -0.02, "low": -0.03, "high": -0.01}}}
+    assert "one measure towards the teacher's and one away" in mechanism_verdict(mixed)
 
 
 def test_verdict_states_the_sign_plainly():

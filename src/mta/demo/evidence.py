@@ -325,13 +325,13 @@ def plan_lines(
     estimate = cut.estimated_seconds(vllm=vllm, precision=precision)
     engines = cut.engines(vllm)
     passes = settings.train_steps // settings.eval_interval + 1
-    rows = "every" if settings.teacher_rows is None else f"{settings.teacher_rows}"
+    rows = "every Dolly train row" if settings.teacher_rows is None else f"{settings.teacher_rows} Dolly train rows"
     lrs = ", ".join(f"{lr:g}" for lr in settings.teacher_pilot_lrs)
     student_tokens = f"{settings.max_length} tokens of which <= {settings.max_prompt_length} prompt"
     lines = [
         f"mta evidence ({settings.name}, layout {EVIDENCE_LAYOUT}): DistiLLM against DistiLLM + MTA under the "
         f"paper's protocol, output in {out_dir}/",
-        f"  teacher: SmolLM2-135M-Instruct (30 layers) fine-tuned on {rows} Dolly train row(s) "
+        f"  teacher: SmolLM2-135M-Instruct (30 layers) fine-tuned on {rows} "
         f"(teacher: null, loss.base: ce, batch {settings.batch_size}, {student_tokens}); pilot: "
         f"{settings.teacher_pilot_steps} steps at each lr of [{lrs}], the lowest dev loss on the first "
         f"{settings.dev_rows} Dolly dev rows wins; then {settings.teacher_epochs:g} epoch(s) "
@@ -362,7 +362,8 @@ def plan_lines(
         f"sampling threshold's cross-entropy on the annotated ones of the first {settings.dev_rows} dev rows",
         f"  token cap: the fine-tuned teacher's outputs on those {settings.select_rows} dev rows "
         f"(<= {settings.cap_limit} new tokens, seed {settings.sampling_seeds[0]}): their "
-        f"{settings.cap_quantile:.0%} quantile rounded up to 32, within [{settings.cap_floor}, {settings.cap_limit}]; "
+        f"{settings.cap_quantile * 100:.0f} % quantile rounded up to 32, within "
+        f"[{settings.cap_floor}, {settings.cap_limit}]; "
         f"the estimate counts {settings.planned_tokens} (Dolly dev references' 90 % quantile, 175 tokens)",
         f"  ROUGE-L: the original and the fine-tuned teacher, the pruned start and the {len(settings.runs())} "
         f"chosen students on the first {cut.eval_rows} rows of {', '.join(settings.test_sets)} (Vicuna: all 80), "

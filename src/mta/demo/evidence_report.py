@@ -130,9 +130,15 @@ def mechanism_verdict(results: dict) -> str:
         interval = f"{d['estimate']:+.3f} (95 % interval {d['low']:+.3f} to {d['high']:+.3f})"
         moved.append((d["low"] > 0, d["high"] < 0, f"{name} {interval}"))
     said = "; ".join(text for _, _, text in moved)
-    if any(up for up, _, _ in moved):
+    up, down = any(u for u, _, _ in moved), any(d for _, d, _ in moved)
+    if up and down:
+        return (
+            "MTA's terms moved the aligned layers on held-out text, one measure towards the teacher's and "
+            f"one away: {said}."
+        )
+    if up:
         return f"MTA's terms moved the aligned layers towards the teacher's on held-out text: {said}."
-    if any(down for _, down, _ in moved):
+    if down:
         return f"MTA's terms moved the aligned layers away from the teacher's on held-out text: {said}."
     return (
         f"MTA's terms did not measurably move the aligned layers on held-out text: {said}. Whatever "
@@ -259,7 +265,7 @@ def markdown_lines(results: dict, elapsed_seconds: float | None) -> list[str]:
         *mechanism_lines(results),
         "## The token cap",
         "",
-        f"The fine-tuned teacher's {cap['outputs']} dev outputs: {settings.cap_quantile:.0%} quantile "
+        f"The fine-tuned teacher's {cap['outputs']} dev outputs: {settings.cap_quantile * 100:.0f} % quantile "
         f"{cap['lengths_quantile']:.0f} new tokens ({cap['reached_limit']} reached {settings.cap_limit}); "
         f"rule {cap['rule']}, used {cap['cap']}"
         + (f" after the budget's cuts ({'; '.join(cap['cuts'])})" if cap["cuts"] else "")
