@@ -24,11 +24,12 @@ MEASURED_LENGTH = 192  # the tokens per row (prompt + response) of the measureme
 # The first design's 160-step pilot (issue 33): 15-layer student, batch 8 x <= 192 tokens, srkl
 # from the teacher cache; the MTA step adds its hidden states and three DSA/HRA pairs.
 SECONDS_PER_STEP = {"distillm": 2.5, "distillm+mta": 3.2}
-# The teacher's SFT step (30 layers, cross-entropy, batch 8): the 15-layer step above times this
-# **guess**: the FLOP ratio of a 30- to a 15-layer forward + backward at 8 x 192 tokens (1,239 vs
-# 750 GFLOP with the tied 49k head: 1.65), rounded up for the deeper model's activations. A pilot
-# measurement (issue 47) was drowned by the shared machine's load (9-14 on 2 cores) and not used.
-TEACHER_STEP_RATIO = 1.9
+# The teacher's SFT step (30 layers, cross-entropy, batch 8): the 15-layer step above times the
+# ratio of a 30- to a 15-layer SmolLM2 step (forward + backward + AdamW, bf16 autocast, 8 x 192
+# tokens, 1 thread), measured for issue 47 on the shared machine under load 6.1-6.5 (2 cores): the
+# quieter of 2 interleaved rounds, 13.9 s against 6.1 s = 2.28 (the other, 50.6 against 9.8, was
+# disturbed). A noisy measurement, above the FLOP ratio (1,239 / 750 GFLOP = 1.65): kept, rounded up.
+TEACHER_STEP_RATIO = 2.3
 SECONDS_PER_TEACHER_ROW = 0.16  # a 30-layer forward per row (the teacher stage: 217 s, 1,468 rows)
 SECONDS_PER_STUDENT_ROW = 0.08  # guess: half the teacher's (15 of its 30 layers; the head is shared)
 SECONDS_PER_ANNOTATED_ROW = 0.045  # bench/results/annotate.json: 9,568 Dolly train rows in 432 s (load 5-6)
