@@ -364,7 +364,8 @@ def plan_lines(
         f"(<= {settings.cap_limit} new tokens, seed {settings.sampling_seeds[0]}): their "
         f"{settings.cap_quantile * 100:.0f} % quantile rounded up to 32, within "
         f"[{settings.cap_floor}, {settings.cap_limit}]; "
-        f"the estimate counts {settings.planned_tokens} (Dolly dev references' 90 % quantile, 175 tokens)",
+        f"planned {settings.planned_tokens} (Dolly dev references' 90 % quantile, 175 tokens, rounded up), "
+        f"{cut.planned_cap()} after the budget's cuts",
         f"  ROUGE-L: the original and the fine-tuned teacher, the pruned start and the {len(settings.runs())} "
         f"chosen students on the first {cut.eval_rows} rows of {', '.join(settings.test_sets)} (Vicuna: all 80), "
         f"sampling seeds {list(settings.sampling_seeds)}, MiniLLM protocol at the cap; the same on the first "
@@ -382,7 +383,7 @@ def plan_lines(
         f"  precision: {precision} (requested {settings.precision})",
         "  estimate: "
         + ", ".join(f"{stage} {seconds / 60:.0f} min" for stage, seconds in estimate.items())
-        + f"; total about {sum(estimate.values()) / 3600:.1f} h (finished stages are reused)",
+        + f"; total about {sum(estimate.values()) / 3600:.2f} h (finished stages are reused)",
         f"  budget: {settings.budget_hours:g} h; cut order: {BUDGET_CUTS}; "
         + (f"cuts: {'; '.join(cuts)}" if cuts else "no cut needed")
         + ("" if fits else " -- DOES NOT FIT: nothing runs"),
