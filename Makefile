@@ -17,7 +17,7 @@ RUNS   ?= runs
 help:
 	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU (time: README, Two commands)"
 	@echo "make demo-quick    the same, smaller: a plumbing check (time: README, Two commands)"
-	@echo "make evidence      does MTA help? srkl vs srkl + MTA, 8 runs, bootstrap intervals (~65 min); make -n evidence: the plan"
+	@echo "make evidence      does MTA help DistiLLM? fine-tuned teacher, 6 runs, 3 outcomes with intervals (<8 h); make -n evidence: the plan"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
 	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 2 budgets x 3 seeds (~28 min); PLAN=1: the plan only"
 	@echo "make test          the test suite (what CI runs, after make lint)"
@@ -111,12 +111,14 @@ demo: $(STAMP)
 demo-quick: $(STAMP)
 	$(MTA) demo --quick
 
-# Does MTA help? (mta.demo.evidence) srkl against srkl + MTA on a 15-layer SmolLM2 student, 4
-# training seeds each, chosen on Dolly dev ROUGE-L, a bootstrap interval per set (~65 min, resumable).
-# It prints its plan first; `make -n evidence` (or PLAN=1) prints the plan only: the `+` line runs
-# under -n, with --plan.
+# Does MTA help DistiLLM? (mta.demo.evidence, issue 47) SmolLM2-135M-Instruct fine-tuned on Dolly as
+# the teacher, its 15-layer pruned copy as every run's start, DistiLLM (srkl + adaptive sampling)
+# against DistiLLM + MTA, 3 training seeds each; ROUGE-L, teacher agreement and trajectory agreement
+# with bootstrap intervals (under 8 h with bf16, resumable; the evaluation on vLLM, installed here
+# for the run). It prints its plan first; `make -n evidence` (or PLAN=1) prints the plan only: the
+# `+` line runs under -n, with --plan.
 EVIDENCE_PLAN_ONLY := $(or $(PLAN),$(findstring n,$(firstword -$(MAKEFLAGS))))
-evidence: $(STAMP)
+evidence: $(STAMP) $(if $(EVIDENCE_PLAN_ONLY),,$(VLLM_STAMP))
 	+@if [ -x $(MTA) ] || [ -z "$(EVIDENCE_PLAN_ONLY)" ]; then \
 		$(MTA) demo --evidence$(if $(EVIDENCE_PLAN_ONLY), --plan); \
 	else echo "the plan needs mta installed: run make install (or make evidence, which installs it) first"; fi

@@ -1,9 +1,11 @@
-"""The evidence's report: ``results.md``, ``results.json`` and ``evidence.png`` (issue 33).
+"""The evidence's report: ``results.md``, ``results.json`` and ``evidence.png`` (issues 33, 47).
 
-``results.md`` holds, in order: when and from which commit, the settings (fixed before the
-runs), the per-set and average difference MTA − base with its 95 % interval and the smallest
-difference the design detects at 80 % power, the sentence that says what that means, the "writes
-text" check, every run's choice and times, every stage's wall time and the bootstrap procedure.
+``results.md`` holds, in order: when and from which commit, the teacher before and after its
+fine-tune, the per-set and average ROUGE-L difference MTA − base with its 95 % interval and the
+smallest difference the design detects at 80 % power, the sentence that says what that means, the
+same for teacher agreement (fkl, srkl, top-1) and trajectory agreement (structure agreement, CKA
+at the aligned pairs), the token cap, the "writes text" check, every run's choice and times,
+every stage's wall time, the settings (fixed before the runs) and the bootstrap procedure.
 The picture: every run's dev ROUGE-L and dev skew-reverse-KL curves (the base loss both variants
 share), and the differences with their intervals.
 """
@@ -21,6 +23,7 @@ from mta.demo.report import pyplot, save_figure
 from mta.evaluation.bootstrap import AVERAGE
 from mta.evaluation.datasets import BENCHMARKS
 from mta.files import atomic_write_json, atomic_write_text
+from mta.inspection.report import heatmap_name
 from mta.tables import markdown_table
 from mta.versions import source_commit
 
@@ -71,6 +74,105 @@ def difference_table(results: dict) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return header, body
+
+
+AGREEMENT_TITLES = {
+    "fkl": "teacher-forced forward KL (teacher → student), nats per token, lower is closer",
+    "srkl": "teacher-forced skew reverse KL (α 0.1), nats per token, lower is closer",
+    "top1": "top-1 agreement with the teacher, share of response positions, higher is closer",
+}
+TRAJECTORY_TITLES = {
+    "structure_agreement": "structure agreement (Pearson r of the span cosine matrices), higher is closer",
+    "cka": "linear CKA of the aligned layers' span states, higher is closer",
+}
+
+
+def outcome_table(outcome: dict, keys: list[str], *, digits: int = 3) -> tuple[list[str], list[list[str]]]:
+    """One measure's table: per set (or pair), then the average: the pruned start, base and MTA
+    means, the difference, its interval and the detectable difference."""
+    header = ["", "pruned start", BASE.label, MTA.label, "MTA − base", "95 % interval", "detectable (80 %)"]
+    body = []
+    means, start = outcome["means"], outcome["start"]
+    for key in [*keys, AVERAGE]:
+        if key == AVERAGE:
+            cells = [sum(v[k] for k in keys) / len(keys) for v in (start, means[BASE.label], means[MTA.label])]
+        else:
+            cells = [start[key], means[BASE.label][key], means[MTA.label][key]]
+        d = outcome["differences"][key]
+        body.append(
+            [
+                _title(key),
+                *(f"{value:.{digits}f}" for value in cells),
+                f"{d['estimate']:+.{digits}f}",
+                f"{d['low']:+.{digits}f} to {d['high']:+.{digits}f}",
+                f"{d['detectable']:.{digits}f}",
+            ]
+        )
+    return header, body
+
+
+def teacher_table(results: dict) -> tuple[list[str], list[list[str]]]:
+    """ROUGE-L of the teacher before (as shipped) and after its fine-tune, per set and on average."""
+    sets = results["settings"]["test_sets"]
+    before, after = results["teacher"]["original"], results["teacher"]["sets"]
+    body = [[_title(n), f"{before[n]:.2f}", f"{after[n]:.2f}", f"{after[n] - before[n]:+.2f}"] for n in sets]
+    mean_before, mean_after = (sum(v[n] for n in sets) / len(sets) for v in (before, after))
+    body.append(["average", f"{mean_before:.2f}", f"{mean_after:.2f}", f"{mean_after - mean_before:+.2f}"])
+    return ["set", "shipped", "fine-tuned", "change"], body
+
+
+def mechanism_verdict(results: dict) -> str:
+    """The plain sentence on the trajectory outcome: did MTA's terms move the aligned layers on
+    held-out text (the average over pairs of structure agreement and of CKA)?"""
+    moved = []
+    for measure, name in (("structure_agreement", "structure agreement"), ("cka", "CKA")):
+        d = results["trajectory"][measure]["differences"][AVERAGE]
+        interval = f"{d['estimate']:+.3f} (95 % interval {d['low']:+.3f} to {d['high']:+.3f})"
+        moved.append((d["low"] > 0, d["high"] < 0, f"{name} {interval}"))
+    said = "; ".join(text for _, _, text in moved)
+    up, down = any(u for u, _, _ in moved), any(d for _, d, _ in moved)
+    if up and down:
+        return (
+            "MTA's terms moved the aligned layers on held-out text, one measure towards the teacher's and "
+            f"one away: {said}."
+        )
+    if up:
+        return f"MTA's terms moved the aligned layers towards the teacher's on held-out text: {said}."
+    if down:
+        return f"MTA's terms moved the aligned layers away from the teacher's on held-out text: {said}."
+    return (
+        f"MTA's terms did not measurably move the aligned layers on held-out text: {said}. Whatever "
+        "ROUGE-L shows, the mechanism did not act where it aims to, so the next step is a bug hunt in how "
+        "the terms reach those layers, not a retune."
+    )
+
+
+def mechanism_lines(results: dict) -> list[str]:
+    """The agreement and trajectory sections of results.md."""
+    sets = results["settings"]["test_sets"]
+    lines = ["## Teacher agreement (held-out references, teacher-forced)", ""]
+    for measure, title in AGREEMENT_TITLES.items():
+        lines += [f"**{title}**", "", *markdown_table(*outcome_table(results["agreement"][measure], sets)), ""]
+    trajectory = results["trajectory"]
+    lines += [
+        "## Trajectory agreement at the aligned layers (`mta inspect`, held-out Dolly test rows)",
+        "",
+        f"{trajectory['rows']} rows; CKA estimator {trajectory['estimator']}. One value per student and pair: "
+        "the interval resamples the training seeds only.",
+        "",
+    ]
+    for measure, title in TRAJECTORY_TITLES.items():
+        pairs = list(trajectory[measure]["start"])
+        lines += [f"**{title}**", "", *markdown_table(*outcome_table(trajectory[measure], pairs)), ""]
+    lines += [
+        mechanism_verdict(results),
+        "",
+        "Layer similarity of every student to the teacher (inspect/results.md has each pair's numbers):",
+        "",
+        *(f"![{g}-span CKA](inspect/{heatmap_name(g)})" for g in ("phrase", "word")),
+        "",
+    ]
+    return lines
 
 
 def _runs_table(results: dict) -> list[str]:
@@ -132,8 +234,9 @@ def markdown_lines(results: dict, elapsed_seconds: float | None) -> list[str]:
     total = sum(timings.values())
     dev_teacher = results["teacher"]["dev_rouge"]
     writes = [label for label, run in results["runs"].items() if run["writes_text"]]
+    fine_tune, cap = results["teacher"]["fine_tune"], results["token_cap"]
     lines = [
-        f"# Does MTA help here? {BASE.label} against {MTA.label}",
+        f"# Does MTA help DistiLLM here? {BASE.label} against {MTA.label}",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · stages from {source}{_report_commit(results)} · "
         f"{platform.machine()}, "
@@ -144,12 +247,29 @@ def markdown_lines(results: dict, elapsed_seconds: float | None) -> list[str]:
             else ""
         ),
         "",
-        "## The difference",
+        "## The teacher, before and after its fine-tune (ROUGE-L)",
+        "",
+        *markdown_table(*teacher_table(results)),
+        "",
+        f"Fine-tuned at lr {fine_tune['pilot']['chosen_lr'] if fine_tune.get('pilot') else '?'} (the pilot's "
+        f"lowest dev loss); checkpoint of step {fine_tune['chosen_step']} chosen by dev ROUGE-L "
+        f"({fine_tune['dev_rouge_at_selection']:.2f}).",
+        "",
+        "## ROUGE-L",
         "",
         *markdown_table(*difference_table(results)),
         "",
         "ROUGE-L (F × 100), each variant's mean over its training seeds, the sampling seeds and the rows. "
         + verdict(results["differences"]),
+        "",
+        *mechanism_lines(results),
+        "## The token cap",
+        "",
+        f"The fine-tuned teacher's {cap['outputs']} dev outputs: {settings.cap_quantile * 100:.0f} % quantile "
+        f"{cap['lengths_quantile']:.0f} new tokens ({cap['reached_limit']} reached {settings.cap_limit}); "
+        f"rule {cap['rule']}, used {cap['cap']}"
+        + (f" after the budget's cuts ({'; '.join(cap['cuts'])})" if cap["cuts"] else "")
+        + f"; {cap['eval_rows']} rows per test set.",
         "",
         "## Does the student write text?",
         "",
@@ -234,4 +354,15 @@ def write_report(
     return markdown, picture
 
 
-__all__ = ["code_source", "difference_table", "markdown_lines", "plot", "verdict", "write_report"]
+__all__ = [
+    "code_source",
+    "difference_table",
+    "markdown_lines",
+    "mechanism_lines",
+    "mechanism_verdict",
+    "outcome_table",
+    "plot",
+    "teacher_table",
+    "verdict",
+    "write_report",
+]

@@ -102,7 +102,7 @@ def encode_for_scoring(
     return ScoredSequence(prompt_ids + response_ids, labels, prompt_cut, response_cut)
 
 
-def _right_pad(sequences: Sequence[ScoredSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+def right_pad(sequences: Sequence[ScoredSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
     """input_ids, attention_mask, labels: [batch, longest]."""
     width = max(len(s.input_ids) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -125,7 +125,7 @@ def response_nll(
     order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i].input_ids))
     for start in range(0, len(order), batch_size):
         batch = [sequences[i] for i in order[start : start + batch_size]]
-        input_ids, attention_mask, labels = _right_pad(batch, pad_id, model.device)
+        input_ids, attention_mask, labels = right_pad(batch, pad_id, model.device)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, t, vocab]
         targets = labels[:, 1:]
         total += F.cross_entropy(

@@ -39,6 +39,7 @@ from torch import nn
 from mta.errors import MtaError
 from mta.losses.chunked import (
     IGNORE_INDEX,
+    TeacherLogits,
     chunked_label_log_probs,
     chunked_token_loss,
     chunked_unit_loss,
@@ -299,7 +300,7 @@ class UnitLogitLoss(nn.Module):
         return given or logits.shape[-1]
 
 
-def _cross_entropy(student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+def _cross_entropy(student: torch.Tensor, teacher: TeacherLogits | None, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(student, labels, reduction="none")
 
 

@@ -31,6 +31,7 @@ from mta.losses.fused_head import (
 from mta.losses.importance import token_importance
 from mta.losses.kd import BaseLoss, build_base_loss
 from mta.losses.sra import SpanRepresentationLoss, last_token_attention
+from mta.losses.teacher_sampled import SampledTeacher
 from mta.losses.trajectory import HiddenStates, TrajectoryAlignmentLoss
 from mta.training.batching import BOUNDARY, TrainBatch
 from mta.training.config.schema import LayerIndexPair, LayerPair, LossSpec
@@ -304,6 +305,8 @@ class DistillationObjective(nn.Module):
         # The teacher's side is read at the selected [batch, seq - 1] positions of its [batch, seq] layout.
         side: TeacherSide | None = None
         if teacher is not None:  # a teacher that gave its whole logits: their response rows are read
+            if isinstance(teacher.logits, SampledTeacher):
+                raise MtaError("a sampled teacher cache feeds the base loss whole logits (Recipe.fused_head_runs)")
             side = teacher.side if teacher.side is not None or teacher.logits is None else LogitsTeacher(teacher.logits)
         if side is None and self.base.needs_teacher:
             raise MtaError(

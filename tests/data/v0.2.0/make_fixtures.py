@@ -19,7 +19,9 @@ runs ``mta distill --recipe recipe.yaml ...`` inside it, as a user would:
   sampling with a 4-row replay buffer, a checkpoint at step 2) with its exports ``final/`` and
   ``best/`` left out (a resume does not read them): ``run.json``, ``metrics.jsonl`` and
   ``checkpoints/step-2/`` (with ``off_policy_state.json``, ``replay_buffer-rank-00000.parquet``
-  and ``checksums.sha256``) as the run wrote them;
+  and ``checksums.sha256``) as the run wrote them, but for DeepSpeed's own conversion scripts,
+  which it copies into every checkpoint (``deepspeed/zero_to_*.py``: third-party code a resume never
+  reads), left out with their lines of ``checksums.sha256``;
 - ``teacher-cache/``: ``mta teacher --recipe recipe.yaml generation.mode=off -o teacher-cache``.
 """
 
@@ -133,6 +135,17 @@ def copy_out(work: Path, out: Path) -> None:
         source, target = work / "checkpoint-run" / name, out / "checkpoint-run" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if source.is_dir() else shutil.copy2)(source, target)
+    drop_deepspeed_scripts(out / "checkpoint-run")
+
+
+def drop_deepspeed_scripts(run: Path) -> None:
+    """Remove DeepSpeed's ``zero_to_*.py`` from each checkpoint and from its ``checksums.sha256``."""
+    for scripts in run.glob("checkpoints/*/deepspeed"):
+        for script in scripts.glob("zero_to_*.py"):
+            script.unlink()
+        listed = scripts.parent / "checksums.sha256"
+        lines = listed.read_text(encoding="utf-8").splitlines(keepends=True)
+        listed.write_text("".join(line for line in lines if "deepspeed/zero_to_" not in line), encoding="utf-8")
 
 
 def check_no_machine_paths(out: Path, work: Path) -> None:
