@@ -66,7 +66,7 @@ def test_demo_runs_every_stage_then_reuses_them(tmp_path, tiny_model_dir):
     assert not any("loss/dsa" in record for record in sft_metrics)
     assert any(record.get("loss/dsa", 0) > 0 for record in mta_metrics)
 
-    stages = ["teacher", "student", "data", *(f"train {v.label}" for v in VARIANTS), "evaluate"]
+    stages = ["teacher", "student", "data", *(f"train {v.label}" for v in VARIANTS), "evaluate", "inspect"]
     assert list(results["stage_seconds"]) == stages and all(s >= 0 for s in results["stage_seconds"].values())
     markdown, picture = write_report(results, out, elapsed_seconds=1.0)
     text = markdown.read_text(encoding="utf-8")

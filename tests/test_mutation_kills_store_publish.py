@@ -211,7 +211,7 @@ def test_a_filesystem_without_locks_is_warned_about_naming_the_command(tmp_path,
     from mta.store import locks
 
     @contextmanager
-    def no_locks(path, wait_s):
+    def no_locks(path, wait_s, **options):
         yield f"{path}: this filesystem has no locks"
 
     monkeypatch.setattr(locks, "exclusive_lock", no_locks)

@@ -34,6 +34,7 @@ from mta.data.span_extraction import VERB_PHRASE_PATTERN, SpanExtractor, load_sp
 from mta.data.token_ranges import token_ranges
 from mta.errors import MtaError
 from mta.losses import SpanBatch, TrajectoryAlignmentLoss, token_importance
+from mta.task_registry import task_named
 from mta.training.batching import AnnotatedExamples, StepSchedule
 from mta.training.config.schema import Recipe
 from mta.training.train_data import check_manifest
@@ -601,7 +602,12 @@ def test_reference_code_pads_every_micro_batch_to_max_length(reference_artefact,
             }
         )
         run = SimpleNamespace(
-            schedule=StepSchedule(len(examples), 2, 1, 1), train=examples, off_policy=None, rank=0, recipe=recipe
+            schedule=StepSchedule(len(examples), 2, 1, 1),
+            train=examples,
+            off_policy=None,
+            rank=0,
+            recipe=recipe,
+            task=task_named("llm"),
         )
         for batch in Trainer.micro_batches(SimpleNamespace(run=run, _orders={}), 0):  # the trainer's own loop
             real = batch.student.attention_mask.sum(dim=1)

@@ -289,7 +289,8 @@ def fake_trainer(tmp_path: Path, poison: bool) -> SimpleNamespace:
         schedule=SimpleNamespace(accumulation=1),
         flops=SimpleNamespace(take=lambda: 0.0),
     )
-    fake.run_window = lambda window, step: ({}, len(list(window)))
+    fake.window = lambda step: ([], {})
+    fake.run_window = lambda window, step, options=None: ({}, len(list(window)))
     fake.stop_unless_finite_weights = lambda step: Trainer.stop_unless_finite_weights(fake, step)
     return fake
 

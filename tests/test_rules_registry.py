@@ -131,7 +131,32 @@ RULES: dict[str, tuple[str, ...]] = {
 # Each README sentence that says "refused" / "refuses" (quoted as the README words it, whitespace
 # joined) -> the fast tests of that refusal.
 REFUSALS: dict[str, tuple[str, ...]] = {
-    "A directory of other settings is refused, never overwritten.": (
+    "FSDP1 is refused (use FSDP2).": ("test_trl_plugin.py::test_a_launch_the_engine_would_not_run_is_refused",),
+    "nor FSDP (refused: it would train unsharded)": (
+        "test_trl_plugin.py::test_a_launch_the_engine_would_not_run_is_refused",
+    ),
+    "`mta annotate`, `mta embed` and `mta teacher` refuse an output directory whose manifest (or shard "
+    "manifests) names another artefact kind, `--force` included": (
+        "test_hostile_stages.py::test_case1_teacher_into_an_annotations_directory_is_refused_even_with_force",
+    ),
+    "refuses scores of the same path made from another model, naming both.": (
+        "test_hostile_stages.py::test_case3_push_results_of_the_same_path_but_another_model_are_refused_naming_both",
+    ),
+    "a directory link leading out of that directory is refused (`mta.files.open_inside`); a planted link is "
+    "refused, never written through": (
+        "test_hostile_stages.py::test_case7_a_planted_link_at_a_lock_is_refused_and_its_target_untouched",
+        "test_hostile_stages.py::test_case7_a_journal_never_appends_through_a_link",
+    ),
+    "a card whose `data_files` name an absolute path or `../` is refused.": (
+        "test_hostile_stages.py::test_case8_a_hub_card_naming_files_outside_its_snapshot_is_refused",
+    ),
+    "(a student's `recipe.yaml` naming them as its training rows is refused)": (
+        "test_inspect.py::test_training_rows_and_other_tokenizers_are_refused",
+    ),
+    "`run_evidence` refuses a plan that does not.": (
+        "test_evidence.py::test_a_design_over_its_budget_is_refused_before_anything_is_written",
+    ),
+    "A directory of other settings, or of the first design, is refused, never overwritten.": (
         "test_evidence.py::test_a_directory_of_other_settings_is_refused_naming_them_and_left_as_it_was",
     ),
     "The manifest records it and a recipe with another template is refused.": (

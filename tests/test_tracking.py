@@ -355,11 +355,11 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tmp_path, mo
         )
     )
     with pytest.raises(
-        MtaError, match=r"train\.report_to lists wandb, which is not installed .*pip install 'mta\[wandb\]'"
+        MtaError, match=r"train\.report_to lists wandb, which is not installed .*pip install 'mta-distill\[wandb\]'"
     ):
         run_distillation(recipe)
     assert not out.exists()  # nothing claimed, loaded or written
-    with pytest.raises(MtaError, match=r"--report-to lists wandb.*pip install 'mta\[wandb\]'"):
+    with pytest.raises(MtaError, match=r"--report-to lists wandb.*pip install 'mta-distill\[wandb\]'"):
         tracking.require(["wandb"], "--report-to")
     with pytest.raises(MtaError, match="unknown tracker 'comet'; choose from tensorboard, wandb, mlflow"):
         tracking.require(["comet"], "--report-to")

@@ -56,7 +56,7 @@ def installed(tmp_path_factory) -> dict:
     _run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(root / "dist"), str(source)]
     )
-    (wheel,) = (root / "dist").glob("mta-*.whl")
+    (wheel,) = (root / "dist").glob("mta_distill-*.whl")
 
     venv = root / "venv"
     python, site = _fresh_venv(venv)

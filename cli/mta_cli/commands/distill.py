@@ -150,6 +150,9 @@ def distill(
     output_dir = loaded.resolve(loaded.output_dir, "output_dir")
     try:
         if is_main:  # a second run into output_dir is refused now, not after the models load
+            from mta import tracking
+
+            tracking.require(loaded.train.report_to)  # before the directory is made: nothing left behind
             run_directory.lock(output_dir)
         from mta.training.trainer import run_distillation
 
