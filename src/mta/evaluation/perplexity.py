@@ -102,6 +102,25 @@ def encode_for_scoring(
     return ScoredSequence(prompt_ids + response_ids, labels, prompt_cut, response_cut)
 
 
+def scoring_sequences(
+    tokenizer: PreTrainedTokenizerBase, rows: Sequence[EvalRow], max_prompt_length: int, max_response_length: int
+) -> tuple[list[ScoredSequence], int]:
+    """Each row's prompt and first reference encoded for teacher-forced scoring
+    (:func:`encode_for_scoring`), and the id that pads them (the pad token, else EOS)."""
+    sequences = [
+        encode_for_scoring(
+            tokenizer,
+            row.prompt,
+            row.references[0],
+            max_prompt_length=max_prompt_length,
+            max_response_length=max_response_length,
+        )
+        for row in rows
+    ]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return sequences, pad_id
+
+
 def right_pad(sequences: Sequence[ScoredSequence], pad_id: int, device) -> tuple[torch.Tensor, ...]:
     """input_ids, attention_mask, labels: [batch, longest]."""
     width = max(len(s.input_ids) for s in sequences)
@@ -155,17 +174,7 @@ def response_perplexity(
     """
     reporter = reporter or SilentReporter()
     mine = rows[distributed.rank() :: distributed.world_size()]
-    sequences = [
-        encode_for_scoring(
-            tokenizer,
-            row.prompt,
-            row.references[0],
-            max_prompt_length=max_prompt_length,
-            max_response_length=max_response_length,
-        )
-        for row in mine
-    ]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sequences, pad_id = scoring_sequences(tokenizer, mine, max_prompt_length, max_response_length)
     reporter.start(description, len(sequences), unit="rows")
     try:
         total, tokens = response_nll(model, sequences, pad_id, batch_size, reporter)

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mta.errors import MtaError
 from mta.evaluation.datasets import EvalRow
-from mta.evaluation.perplexity import IGNORE, ScoredSequence, encode_for_scoring, right_pad
+from mta.evaluation.perplexity import IGNORE, ScoredSequence, right_pad, scoring_sequences
 from mta.losses.kd import ForwardKL, SkewReverseKL
 from mta.reporting import Reporter, SilentReporter
 
@@ -132,17 +132,7 @@ def teacher_agreement(
             f"teacher agreement compares next-token distributions over one vocabulary; {', '.join(other)} "
             "use(s) another tokenizer than the teacher: measure students of the teacher's tokenizer only"
         )
-    sequences = [
-        encode_for_scoring(
-            tokenizer,
-            row.prompt,
-            row.references[0],
-            max_prompt_length=max_prompt_length,
-            max_response_length=max_response_length,
-        )
-        for row in rows
-    ]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sequences, pad_id = scoring_sequences(tokenizer, rows, max_prompt_length, max_response_length)
     reporter = reporter or SilentReporter()
     reporter.start(description, len(sequences), unit="rows")
     try:
