@@ -14,10 +14,11 @@ fkl and two paths:
                    (mta.losses.fused_head)
 
 Each measurement is its own process (``--child``): it builds the models and the batch, reads its
-resident set size (``VmRSS``), resets the peak (``/proc/self/clear_refs``), runs one step and reads
-the peak (``VmHWM``): the step's memory is the peak minus the resident size after imports and
-loading, the whole peak is reported too. Then two more steps, timed (CPU time of the process,
-one torch thread; wall time too); the step time is their median. Variants are interleaved
+resident set size (``VmRSS``), runs a first step (the student's gradients are allocated and kept,
+zeroed, as a training run keeps them), resets the peak (``/proc/self/clear_refs``), runs a step and
+reads the peak (``VmHWM``): the step's memory is the peak minus the resident size after imports
+and loading (the gradients included), the whole peak is reported too. Then two more steps, timed
+(CPU time of the process, one torch thread; wall time too); the step time is their median. Variants are interleaved
 (the order rotating every round); the JSON has per-variant medians and, per loss,
 ``peak_ratio_fused_vs_materialized`` (whole peaks), ``step_memory_ratio_fused_vs_materialized``,
 ``time_ratio_fused_vs_materialized`` and ``dry_run_estimate_error``: the dry run's estimate of
@@ -142,9 +143,10 @@ def child(loss: str, path: str, shapes: Shapes) -> dict:
         losses = model(batch, out)
         losses["total"].backward()
         del out, losses
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)  # kept, as a run keeps them (accumulation, DeepSpeed)
 
     loaded = _status("VmRSS")
+    step()  # the gradients are allocated
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
     step()
     peak = _status("VmHWM")
@@ -169,7 +171,7 @@ def child(loss: str, path: str, shapes: Shapes) -> dict:
 def dry_run_estimate(student, teacher, shapes: Shapes, fused: bool) -> int:
     """What ``estimate_memory`` counts of this step: the student's gradients and the activations
     (with the logits), fp32, one device, no ZeRO."""
-    from mta.training.dry_run import ModelPlan, estimate_memory, parameter_count
+    from mta.training.dry_run import ModelPlan, estimate_memory, mlp_shape, parameter_count
 
     def plan(model, role: str) -> ModelPlan:
         config = model.config
@@ -177,7 +179,7 @@ def dry_run_estimate(student, teacher, shapes: Shapes, fused: bool) -> int:
             role=role, name=role, config_source="bench", architecture=type(model).__name__,
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads, vocab_rows=config.vocab_size,
-            parameters=parameter_count(model), dtype="fp32",
+            parameters=parameter_count(model), dtype="fp32", **mlp_shape(config, model),
         )  # fmt: skip
 
     estimate = estimate_memory(
@@ -196,10 +198,44 @@ def dry_run_estimate(student, teacher, shapes: Shapes, fused: bool) -> int:
     return estimate.student_gradients + estimate.activations
 
 
+CHUNK_LOSSES = ("ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd")
+
+
+def chunk_child(loss: str, shapes: Shapes) -> dict:
+    """The fp32 ``[chunk, vocab]`` buffers one fused chunk holds at once for ``loss``: the peak of
+    two chunks of the fused head (``mta.losses.fused_head``) over the student's head, less the
+    head's fp32 gradient, in buffers (what ``FUSED_FP32_BUFFERS`` in the dry run counts)."""
+    import torch
+
+    from mta.losses.fused_head import HeadTeacher, OutputHead, fused_head_loss
+    from mta.losses.kd import build_base_loss
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    vocab, tokens = shapes.vocab, 2 * CHUNK
+    weight = torch.nn.Parameter(torch.randn(vocab, shapes.student_hidden) * 0.02)
+    hidden = torch.randn(tokens, shapes.student_hidden, requires_grad=True)
+    teacher = HeadTeacher(
+        torch.randn(tokens, shapes.teacher_hidden), OutputHead(torch.randn(vocab, shapes.teacher_hidden) * 0.02)
+    )
+    base = build_base_loss(loss)
+    targets = torch.randint(0, vocab, (tokens,))
+    loaded = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    fused_head_loss(
+        base.token_loss, hidden, OutputHead(weight), None if loss == "ce" else teacher, targets,
+        vocab_size=vocab, chunk_size=CHUNK, token_loss_and_grad=base.token_loss_and_grad,
+    )  # fmt: skip
+    buffer = CHUNK * vocab * 4
+    return {"loss": loss, "buffers": (_status("VmHWM") - loaded - weight.numel() * 4) / buffer}
+
+
 def run_child(loss: str, path: str, quick: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO / "cli"), env.get("PYTHONPATH", "")])
     command = [sys.executable, __file__, "--child", f"{loss}:{path}"] + (["--quick"] if quick else [])
+    if path == "chunk":
+        command[2:4] = ["--chunk-child", loss]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SystemExit(f"{loss}/{path} failed ({result.returncode}):\n{result.stderr[-3000:]}")
@@ -243,8 +279,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3; --quick: 1)")
     parser.add_argument("--output", type=Path, default=None, help="default bench/results/logit_memory.json")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = QUICK if args.quick else FULL
+    if args.chunk_child is not None:
+        print(json.dumps(chunk_child(args.chunk_child, shapes)))
+        return
     if args.child is not None:
         loss, path = args.child.split(":")
         print(json.dumps(child(loss, path, shapes)))
@@ -269,6 +309,7 @@ def main() -> None:
                 f"peak {sample['peak_rss'] / 2**30:.2f} GiB, {sample['step_cpu_seconds']:.2f} s",
                 flush=True,
             )
+    chunk_buffers = {loss: run_child(loss, "chunk", args.quick)["buffers"] for loss in CHUNK_LOSSES}
     output = args.output or (
         Path(tempfile.gettempdir()) / "logit_memory_quick.json"
         if args.quick
@@ -289,6 +330,7 @@ def main() -> None:
             "targets": {"peak_ratio": 0.35, "time_ratio": 1.05, "dry_run_estimate_error": 0.15},
         },
         **summarise(runs),
+        "chunk_buffers": chunk_buffers,
     }
     atomic_write_json(output, payload)
     print(json.dumps({key: payload[key] for key in list(payload)[4:7]}, indent=1))

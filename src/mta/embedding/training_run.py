@@ -37,6 +37,7 @@ from mta.training.dry_run import (
     data_notes,
     estimate_memory,
     load_model_config,
+    mlp_shape,
     parameter_count,
 )
 from mta.training.lifecycle import checkpointing, run_directory
@@ -332,6 +333,7 @@ def plan_embedding_run(recipe: EmbeddingRecipe, world_size: int = 1):
         parameters=parameter_count(model),
         dtype=recipe.student.dtype,
         max_positions=limit[0] if limit else None,
+        **mlp_shape(config, model),
     )
     notes: list[str] = []
     teacher_dim = None

@@ -5,7 +5,8 @@ step earlier, from the models' final hidden states at the response positions and
 each chunk of ``chunk_size`` positions gets its student logits ``h W[:V]ᵀ + b[:V]`` (and its
 teacher logits, from the teacher's hidden states and head, or rebuilt from its cached top k), the
 token loss, and the gradients with respect to that chunk's hidden states and the head's weight
-and bias, all in the forward pass. The chunk's logits and their gradient are then dropped: no
+and bias, all in the forward pass (the logits' gradient in closed form where the loss has one,
+``mta.losses.closed_form``, else by autograd). The chunk's logits and their gradient are then dropped: no
 tensor of more than ``chunk_size × V`` elements is ever formed besides the head's own weight and
 its gradient. Backward only scales the kept gradients.
 
@@ -41,6 +42,9 @@ from mta.losses.teacher_topk import teacher_logits_from_top_k
 
 # (student [n, vocab] fp32, teacher [n, vocab] fp32 or None, targets [n]) -> [n] per-token loss
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+# The same inputs (overwritten) -> ([n] per-token loss, [n, vocab] its gradient with respect to the
+# student's logits), or None where the loss has no closed form (mta.losses.closed_form)
+TokenLossGradFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ class TeacherSide(Protocol):
         ...
 
     def chunk_logits(self, begin: int, end: int, vocab_size: int) -> torch.Tensor:
-        """Selected positions ``begin:end`` -> fp32 teacher logits ``[end − begin, vocab_size]``."""
+        """Selected positions ``begin:end`` -> fp32 teacher logits ``[end − begin, vocab_size]``, a
+        tensor of the caller's own (the loss overwrites it)."""
         ...
 
 
@@ -166,7 +171,8 @@ class LogitsTeacher:
         return LogitsTeacher(self.logits.detach()[rows, columns])
 
     def chunk_logits(self, begin: int, end: int, vocab_size: int) -> torch.Tensor:
-        return self.logits[begin:end, :vocab_size].float()
+        chunk = self.logits[begin:end, :vocab_size]
+        return chunk.clone() if chunk.dtype == torch.float32 else chunk.float()  # the loss overwrites it
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,33 @@ class LossSum:
         return self.total if self.weighted else self.total / max(self.tokens, 1)
 
 
+def chunk_loss_and_grad(
+    token_loss: TokenLossFn,
+    token_loss_and_grad: TokenLossGradFn | None,
+    logits: torch.Tensor,
+    teacher: torch.Tensor | None,
+    targets: torch.Tensor,
+    token_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed loss and its gradient with respect to ``logits [c, V]`` (in their dtype):
+    in closed form where the loss has one, else by autograd on ``token_loss``. ``logits`` and
+    ``teacher`` are the chunk's own tensors, overwritten."""
+    student = logits.float()  # in an fp32 run the same tensor
+    closed = None if token_loss_and_grad is None else token_loss_and_grad(student, teacher, targets)
+    if closed is not None:
+        per_token, grad = closed
+        if token_weights is not None:
+            per_token = per_token * token_weights
+            grad.mul_(token_weights.unsqueeze(1))
+        return per_token.sum(), grad.to(logits.dtype)
+    student.requires_grad_(True)
+    with torch.enable_grad():
+        per_token = token_loss(student, teacher, targets)
+        loss = per_token.sum() if token_weights is None else (per_token * token_weights).sum()
+    (grad,) = torch.autograd.grad(loss, student)
+    return loss.detach(), grad.to(logits.dtype)  # as autograd hands it to a head of this dtype
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -196,6 +229,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         targets: torch.Tensor,
         token_weights: torch.Tensor | None,
         token_loss: TokenLossFn,
+        token_loss_and_grad: TokenLossGradFn | None,
         teacher: TeacherSide | None,
         vocab_size: int,
         chunk_size: int,
@@ -213,14 +247,12 @@ class _FusedHeadLoss(torch.autograd.Function):
             end = min(begin + chunk_size, num_tokens)
             rows = hidden[begin:end]
             logits = head.logits(rows, vocab_size)  # [c, V] in the weight's dtype
-            student = logits.float().requires_grad_(wants_logits)
             teacher_logits = None if teacher is None else teacher.chunk_logits(begin, end, vocab_size)
-            with torch.enable_grad():
-                loss = token_loss(student, teacher_logits, targets[begin:end])
-                loss = loss.sum() if token_weights is None else (loss * token_weights[begin:end]).sum()
+            chunk_weights = None if token_weights is None else token_weights[begin:end]
             if wants_logits:
-                (grad,) = torch.autograd.grad(loss, student)
-                grad = grad.to(logits.dtype)  # as autograd hands it to a head of this dtype
+                loss, grad = chunk_loss_and_grad(
+                    token_loss, token_loss_and_grad, logits, teacher_logits, targets[begin:end], chunk_weights
+                )
                 if grad_hidden is not None:
                     grad_hidden[begin:end] = (grad @ weight[:vocab_size]).to(hidden.dtype)
                 if grad_weight is not None:
@@ -230,6 +262,11 @@ class _FusedHeadLoss(torch.autograd.Function):
                         grad_weight[:vocab_size] += grad.t().mm(rows.to(weight.dtype)).float()
                 if grad_bias is not None:
                     grad_bias += grad.float().sum(dim=0)
+                del grad
+            else:
+                loss = token_loss(logits.float(), teacher_logits, targets[begin:end])
+                loss = loss.sum() if chunk_weights is None else (loss * chunk_weights).sum()
+            del logits, teacher_logits  # before the next chunk's are formed
             total += loss.detach()
         ctx.save_for_backward(
             grad_hidden,
@@ -253,7 +290,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             shape, dtype = ctx.bias_shape
             bias = torch.zeros(shape, dtype=dtype, device=grad_bias.device)
             bias[: grad_bias.shape[0]] = (grad_bias * grad_output).to(dtype)
-        return hidden, weight, bias, None, None, None, None, None, None, None
+        return hidden, weight, bias, None, None, None, None, None, None, None, None
 
 
 def fused_head_loss(
@@ -266,6 +303,7 @@ def fused_head_loss(
     vocab_size: int,
     chunk_size: int,
     token_weights: torch.Tensor | None = None,
+    token_loss_and_grad: TokenLossGradFn | None = None,
 ) -> LossSum:
     """``Σ token_loss`` over ``n`` selected positions, from hidden states, a chunk at a time.
 
@@ -295,7 +333,17 @@ def fused_head_loss(
     )
     weights = None if token_weights is None else token_weights.detach().float()
     total = _FusedHeadLoss.apply(
-        hidden, head.weight, head.bias, targets, weights, token_loss, teacher, vocab_size, chunk_size, wants
+        hidden,
+        head.weight,
+        head.bias,
+        targets,
+        weights,
+        token_loss,
+        token_loss_and_grad,
+        teacher,
+        vocab_size,
+        chunk_size,
+        wants,
     )
     return LossSum(total, int(hidden.shape[0]), weighted=token_weights is not None)
 

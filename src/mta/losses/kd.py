@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mta.errors import MtaError
+from mta.losses import closed_form
 from mta.losses.chunked import IGNORE_INDEX, TeacherLogits, chunked_token_loss
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.cross_vocabulary import SharedDivergence, SharedVocabularyHybrid, UniversalLogitDistillation
@@ -51,6 +52,14 @@ class BaseLoss(nn.Module):
         """``student [n, vocab]``, ``teacher [n, vocab]`` fp32 logits (or a sampled teacher's
         ``[n, m]`` entries), ``labels [n]`` -> ``[n]``."""
         raise NotImplementedError
+
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``token_loss`` and its gradient with respect to ``student`` in closed form
+        (``mta.losses.closed_form``), overwriting both fp32 ``[n, vocab]`` logits; None where this
+        loss has none (the fused head then runs autograd on ``token_loss``)."""
+        return None
 
     def forward(
         self,
@@ -122,6 +131,7 @@ class BaseLoss(nn.Module):
             labels[rows, columns],
             vocab_size=vocab_size,
             chunk_size=self.chunk_size,
+            token_loss_and_grad=self.token_loss_and_grad,
         )
 
 
@@ -132,6 +142,11 @@ class CrossEntropy(BaseLoss):
 
     def token_loss(self, student: torch.Tensor, teacher: TeacherLogits | None, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(student, labels, reduction="none")
+
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return closed_form.cross_entropy(student, labels)
 
 
 class DistributionLoss(BaseLoss):
@@ -183,6 +198,11 @@ class ForwardKL(DistributionLoss):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_p, log_q)
 
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if teacher is None else closed_form.forward_kl(student, teacher, self.temperature)
+
 
 class ReverseKL(DistributionLoss):
     """``KL(q ‖ p)``: the student commits to the teacher's modes (MiniLLM)."""
@@ -191,6 +211,11 @@ class ReverseKL(DistributionLoss):
 
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_q, log_p)
+
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if teacher is None else closed_form.reverse_kl(student, teacher, self.temperature)
 
 
 class _Skewed(DistributionLoss):
@@ -210,6 +235,13 @@ class SkewForwardKL(_Skewed):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_p, log_mixture(log_p, log_q, self.skew_alpha))
 
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if teacher is None or self.skew_alpha in (0.0, 1.0):
+            return None
+        return closed_form.skew_forward_kl(student, teacher, self.temperature, self.skew_alpha)
+
 
 class SkewReverseKL(_Skewed):
     """``KL(q ‖ αq + (1−α)p)`` (DistiLLM's skew reverse KL, α = 0.1)."""
@@ -218,6 +250,13 @@ class SkewReverseKL(_Skewed):
 
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_q, log_mixture(log_q, log_p, self.skew_alpha))
+
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if teacher is None or self.skew_alpha in (0.0, 1.0):
+            return None
+        return closed_form.skew_reverse_kl(student, teacher, self.temperature, self.skew_alpha)
 
 
 class JensenShannon(DistributionLoss):
@@ -240,12 +279,28 @@ class JensenShannon(DistributionLoss):
         log_m = log_mixture(log_p, log_q, self.jsd_beta)
         return self.jsd_beta * kl_terms(log_p, log_m) + (1.0 - self.jsd_beta) * kl_terms(log_q, log_m)
 
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if teacher is None:
+            return None
+        if self.jsd_beta == 0.0:
+            return closed_form.forward_kl(student, teacher, self.temperature)
+        if self.jsd_beta == 1.0:
+            return closed_form.reverse_kl(student, teacher, self.temperature)
+        return closed_form.jensen_shannon(student, teacher, self.temperature, self.jsd_beta)
+
 
 class TotalVariation(DistributionLoss):
     """``½ Σ |p − q|``."""
 
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return 0.5 * (log_p.exp() - log_q.exp()).abs()
+
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if teacher is None else closed_form.total_variation(student, teacher, self.temperature)
 
 
 BASE_LOSSES: dict[str, type[nn.Module]] = {

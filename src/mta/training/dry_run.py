@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -23,10 +24,12 @@ from mta.training.config.schema import ModelSpec, Recipe, TinyModel, unset_varia
 from mta.training.model_loading import embedding_rows
 
 GIB = 1024**3
-# fp32 [chunk, vocab] buffers live at once in a fused chunk (mta.losses.fused_head): the student's
-# fp32 logits, its and the teacher's log-distributions, the divergence's mixture and terms, the
-# gradient; measured by bench/logit_memory.py.
-FUSED_FP32_BUFFERS = 6
+# fp32 [chunk, vocab] buffers live at once in a fused chunk (mta.losses.fused_head), the student's
+# and the teacher's logits among them: 3 to 4 for the losses with a closed form (ce 2, fkl, rkl,
+# srkl, tvd 3, skl and jsd 4, mta.losses.closed_form), up to 15 through autograd (DistiLLM-2's
+# contrastive terms); measured by bench/logit_memory.py's chunk_buffers.
+FUSED_FP32_BUFFERS = 4
+FUSED_AUTOGRAD_FP32_BUFFERS = 15
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,20 @@ class ModelPlan:
     dtype: str
     max_positions: int | None = None  # None: the config sets no position limit
     trainable_parameters: int | None = None  # a LoRA student's adapters (None: every parameter trains)
+    intermediate_size: int | None = None  # the MLP's width (None: 4 x hidden_size)
+    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: num_heads)
+    gated_mlp: bool = False  # a gated MLP (SwiGLU: gate and up projections) keeps two more tensors
+
+    def activation_elements_per_token(self, sequence_length: int, eager_attention: bool) -> float:
+        """Elements a block keeps for the backward per token, counted on Hugging Face's blocks
+        (bench/logit_memory.py): 9 of hidden width (norms, q, attention output, residuals), the
+        keys and values, 4 (gated) or 2 of the MLP's width, and with eager attention the softmax's
+        ``heads × sequence`` scores (SDPA and flash attention keep none)."""
+        hidden = self.hidden_size
+        key_value = 2 * hidden * (self.kv_heads or self.num_heads) // self.num_heads
+        mlp = (4 if self.gated_mlp else 2) * (self.intermediate_size or 4 * hidden)
+        scores = self.num_heads * sequence_length if eager_attention else 0
+        return 9 * hidden + key_value + mlp + scores
 
 
 @dataclass(frozen=True)
@@ -211,7 +228,20 @@ def plan_from_config(spec: ModelSpec, role: str, config: PretrainedConfig, sourc
         dtype=spec.dtype,
         max_positions=limit[0] if limit else None,
         trainable_parameters=trainable,
+        **mlp_shape(config, model),
     )
+
+
+def mlp_shape(config: PretrainedConfig, model: torch.nn.Module) -> dict[str, Any]:
+    """``ModelPlan``'s block widths from a config and its (meta) model: the MLP's width, whether it
+    is gated (a ``gate_proj``), the key/value heads."""
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    gated = any(name.rsplit(".", 1)[-1] in ("gate_proj", "gate_up_proj") for name, _ in model.named_modules())
+    return {
+        "intermediate_size": intermediate,
+        "kv_heads": getattr(config, "num_key_value_heads", None),
+        "gated_mlp": gated,
+    }
 
 
 def estimate_memory(
@@ -227,6 +257,8 @@ def estimate_memory(
     micro_batch_size: int,
     sequence_length: int,
     logit_chunk: int | None = None,
+    fused_buffers: int = FUSED_FP32_BUFFERS,
+    eager_attention: bool = False,
 ) -> MemoryEstimate:
     """Per-device bytes after the ZeRO paper's accounting (Rajbhandari et al., 2020).
 
@@ -234,18 +266,19 @@ def estimate_memory(
     momentum and variance: 2 + 2 + 12 bytes per trainable parameter; fp32 keeps 4 + 4 + 8.
     ZeRO-1 partitions the optimizer states over the ``world_size`` devices, ZeRO-2 also the
     gradients, ZeRO-3 also the weights. The frozen teacher holds only its weights (partitioned
-    when ``teacher_zero3``). Activations follow Korthikanti et al. (2022) without recomputation,
-    ``s·b·h·(34 + 5·a·s/h)`` bytes per 16-bit layer, plus the student's logits (16-bit and an
-    fp32 copy for the loss, with gradients), the teacher's logits and the teacher hidden states
-    kept for the aligned layers.
+    when ``teacher_zero3``). Activations without recomputation, as in Korthikanti et al. (2022)
+    but counted on today's blocks (``ModelPlan.activation_elements_per_token``: gated MLPs,
+    grouped keys and values, the attention scores only for ``eager_attention``), in the weights'
+    dtype, plus the student's logits (16-bit and an fp32 copy for the loss, with gradients), the
+    teacher's logits and the teacher hidden states kept for the aligned layers.
 
     logit_chunk (``loss.chunk_size`` on the fused path, ``loss.fused_head``): the logits exist one
-    chunk of positions at a time, so instead of the whole logits a step holds, per chunk, the
-    student's logits in the weight's dtype and ``FUSED_FP32_BUFFERS`` fp32 ``[chunk, vocab]``
-    buffers (the fp32 copy, both log-distributions, the divergence's terms, the gradient), the
-    teacher's chunk in its dtype and fp32, and, when the head trains, its weight's gradient summed
-    in fp32 (``vocab × hidden``; the gradient in the weight's dtype is among the student's
-    gradients; in fp32 a tied head's second gradient, the input embedding's, until they are added).
+    chunk of positions at a time, so instead of the whole logits a step holds ``fused_buffers``
+    fp32 ``[chunk, vocab]`` buffers (both models' logits, log-distributions and the gradient,
+    ``FUSED_FP32_BUFFERS`` for a loss with a closed form), each model's 16-bit chunk in a 16-bit
+    run and, when the head trains, its weight's gradient summed in fp32 (``vocab × hidden``; the
+    gradient in the weight's dtype is among the student's gradients; in fp32 a tied head's second
+    gradient, the input embedding's, until they are added).
     """
     # A LoRA student keeps its frozen base weights, and gradients and optimizer states of its
     # adapters only.
@@ -267,13 +300,15 @@ def estimate_memory(
         weights //= world_size
 
     tokens = micro_batch_size * sequence_length
-    per_layer = tokens * student.hidden_size * (34 + 5 * student.num_heads * sequence_length / student.hidden_size)
-    activations = per_layer * student.num_layers * (1 if mixed else 2)
+    activation_bytes = 2 if mixed else 4
+    per_layer = student.activation_elements_per_token(sequence_length, eager_attention) * activation_bytes
+    # The blocks, and the embeddings and final norm around them.
+    activations = tokens * (per_layer * student.num_layers + 2 * student.hidden_size * activation_bytes)
     if logit_chunk is None:
         logits = tokens * student.vocab_rows * (weight_bytes + 4) * 2
     else:
         chunk = min(logit_chunk, tokens)
-        logits = chunk * student.vocab_rows * (weight_bytes + 4 * FUSED_FP32_BUFFERS)
+        logits = chunk * student.vocab_rows * (4 * fused_buffers + (weight_bytes if mixed else 0))
         if not lora_student:  # the head's gradient summed in fp32 (or a tied head's second gradient)
             logits += student.vocab_rows * student.hidden_size * 4
 
@@ -285,8 +320,8 @@ def estimate_memory(
             teacher_weights //= world_size
         if logit_chunk is None:
             logits += tokens * teacher.vocab_rows * teacher_bytes
-        else:
-            logits += min(logit_chunk, tokens) * teacher.vocab_rows * (teacher_bytes + 4)
+        elif teacher_bytes != 4:  # its 16-bit chunk (the fp32 one is among fused_buffers)
+            logits += min(logit_chunk, tokens) * teacher.vocab_rows * teacher_bytes
         activations += tokens * teacher.hidden_size * teacher_bytes * (aligned_teacher_layers + 1)
     return MemoryEstimate(
         student_weights=weights,

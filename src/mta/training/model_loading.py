@@ -172,8 +172,9 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
     With ``spec.lora`` the model comes with its LoRA adapters, all else frozen (``mta.training.lora``)."""
     model_path, tokenizer_path = model_source(spec, recipe, role)
     tokenizer = _padded_tokenizer(tokenizer_path)
-    # Eager attention: the same maths on every backend, and the tiny models gain nothing from
-    # fused kernels on CPU.
+    # Attention as transformers chooses it (SDPA where the model has it): its memory is linear in
+    # the sequence, where eager attention keeps a [heads, seq, seq] matrix a layer (at 4,096
+    # tokens, 14 heads: 0.9 GB a row in fp32). SRA's attention centres switch to eager (build).
     model = load_pretrained(
         AutoModelForCausalLM.from_pretrained,
         model_path,
@@ -181,7 +182,6 @@ def load_causal_lm(spec: ModelSpec, recipe: Recipe, role: str) -> LoadedModel:
         otherwise=f"{role}.path: cannot load a causal LM from '{model_path}' (give a local model "
         "directory or a hub name that is in the Hugging Face cache)",
         dtype=torch_dtype(spec.dtype),
-        attn_implementation="eager",
     )
     if len(tokenizer) > embedding_rows(model):
         raise MtaError(

@@ -31,6 +31,8 @@ from mta.training.config.layers import (
 from mta.training.config.model_checks import check_sequence_lengths
 from mta.training.config.schema import UNIT_BASES, Recipe, unset_variables
 from mta.training.dry_run import (
+    FUSED_AUTOGRAD_FP32_BUFFERS,
+    FUSED_FP32_BUFFERS,
     ModelPlan,
     RunPlan,
     data_notes,
@@ -81,6 +83,9 @@ def plan_llm_run(
         sequence_length=recipe.data.max_length,
         # The fused base loss holds one chunk of logits at a time (loss.fused_head).
         logit_chunk=recipe.loss.chunk_size if recipe.fused_head_runs else None,
+        fused_buffers=FUSED_AUTOGRAD_FP32_BUFFERS if recipe.loss.base == "distillm2" else FUSED_FP32_BUFFERS,
+        # SRA's attention centres read the attention rows: eager attention (build_objective)
+        eager_attention=bool(pairs.sra_layers) and recipe.loss.sra_centre == "last_token_attention",
     )
     return RunPlan(
         name=recipe.name,
