@@ -57,25 +57,8 @@ from mta.training.model_loading import hidden_size, num_layers
 from mta.training.objective import DistillationObjective
 from mta.training.teacher import TeacherOutput
 
-__all__ = [
-    "AnnotateSettings",
-    "Annotator",
-    "Collator",
-    "GeneratedRow",
-    "HubDataset",
-    "KDLoss",
-    "LayerPair",
-    "LinearCKA",
-    "MTALoss",
-    "MtaError",
-    "SpanBatch",
-    "SpanParser",
-    "TokenBatch",
-    "TrainBatch",
-    "annotate",
-    "inspect",
-    "layer_map",
-]
+# The recipe's loss defaults (LossSpec), the one place KDLoss's and MTALoss's keyword defaults come from.
+_LOSS_DEFAULTS = LossSpec()
 
 # Why a Hugging Face Trainer's rows reach the collator without their columns.
 TRAINER_COLUMNS = (
@@ -329,12 +312,12 @@ class KDLoss(nn.Module):
         name: str,
         *,
         labels_shifted: bool = False,
-        temperature: float = 1.0,
-        skew_alpha: float = 0.1,
-        jsd_beta: float = 0.5,
-        distillm2_beta: float = 1.0,
+        temperature: float = _LOSS_DEFAULTS.temperature,
+        skew_alpha: float = _LOSS_DEFAULTS.skew_alpha,
+        jsd_beta: float = _LOSS_DEFAULTS.jsd_beta,
+        distillm2_beta: float = _LOSS_DEFAULTS.distillm2_beta,
         vocab_size: int | None = None,
-        chunk_size: int = 128,
+        chunk_size: int = _LOSS_DEFAULTS.chunk_size,
     ) -> None:
         super().__init__()
         if name in UNIT_LOSSES:
@@ -526,16 +509,16 @@ class MTALoss(nn.Module):
         teacher_hidden_size: int,
         vocab_size: int,
         same_tokenizer: bool,
-        base: str | None = "srkl",
-        base_weight: float = 1.0,
-        dsa_weight: float = 2.0,
-        hra_weight: float = 0.2,
-        temperature: float = 1.0,
-        skew_alpha: float = 0.1,
-        jsd_beta: float = 0.5,
-        distillm2_beta: float = 1.0,
-        importance: Literal["attention", "uniform"] = "attention",
-        chunk_size: int = 128,
+        base: str | None = _LOSS_DEFAULTS.base,
+        base_weight: float = _LOSS_DEFAULTS.base_weight,
+        dsa_weight: float = _LOSS_DEFAULTS.dsa_weight,
+        hra_weight: float = _LOSS_DEFAULTS.hra_weight,
+        temperature: float = _LOSS_DEFAULTS.temperature,
+        skew_alpha: float = _LOSS_DEFAULTS.skew_alpha,
+        jsd_beta: float = _LOSS_DEFAULTS.jsd_beta,
+        distillm2_beta: float = _LOSS_DEFAULTS.distillm2_beta,
+        importance: Literal["attention", "uniform"] = _LOSS_DEFAULTS.importance,
+        chunk_size: int = _LOSS_DEFAULTS.chunk_size,
         labels_shifted: bool = False,
     ) -> None:
         super().__init__()
