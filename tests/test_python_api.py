@@ -1,6 +1,7 @@
-"""The public Python API's surface (issue 27): ``import mta`` stays light, ``mta.__all__`` (the one
-list of the public names) resolves from ``mta.api`` and star-imports, every name and signature docs/python-api.md states is the code's, and the
-doc's examples and README's run as written (tiny random models in place of the Hub names)."""
+"""The public Python API's surface (issue 27): ``import mta`` stays light, ``mta.__all__`` (the
+public names, listed once) resolves from ``mta.api`` and star-imports, every name and signature
+docs/python-api.md states is the code's, and the doc's examples and README's run as written (tiny
+random models in place of the Hub names)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ is ``__all__``: those names live in ``mta.api`` and are imported on first use, s
 loads neither torch nor transformers. Anything not in ``__all__`` may move between versions.
 """
 
+# ruff: noqa: F405 (the names of __all__ are star-imported for type checkers only)
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -36,21 +36,26 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+# The names of mta.__all__ are re-exported from here ("X as X"); the rest is private to the API.
 from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks, run_annotate
 from mta.data.artefact_schema import INPUT_IDS, SCHEMA, SPAN_COLUMNS
-from mta.data.example_annotator import ChunkResult, GeneratedRow
-from mta.data.online_spans import SpanParser, load_sides, merge_results, online_annotator
+from mta.data.example_annotator import ChunkResult
+from mta.data.example_annotator import GeneratedRow as GeneratedRow
+from mta.data.online_spans import SpanParser as SpanParser
+from mta.data.online_spans import load_sides, merge_results, online_annotator
 from mta.data.prompts import prompt_style
 from mta.data.rows import Example, RowProblem, is_pair_record, map_fields, record_rows
-from mta.data.sources import HubDataset
+from mta.data.sources import HubDataset as HubDataset
 from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
-from mta.inspection import LinearCKA, inspect
+from mta.inspection import LinearCKA as LinearCKA
+from mta.inspection import inspect as inspect
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.fused_head import HeadTeacher, LogitsTeacher, OutputHead, TeacherSide
 from mta.losses.kd import IGNORE_INDEX, UNIT_LOSSES, build_base_loss
 from mta.losses.span_masks import SpanBatch
-from mta.training.batching import AnnotatedExamples, TokenBatch, TrainBatch
+from mta.training.batching import AnnotatedExamples, TrainBatch
+from mta.training.batching import TokenBatch as TokenBatch
 from mta.training.config.layers import resolve_layer_map
 from mta.training.config.schema import LayerPair, LossSpec
 from mta.training.model_loading import hidden_size, num_layers
