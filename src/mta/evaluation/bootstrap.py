@@ -46,9 +46,6 @@ class Difference:
     standard_error: float
     detectable: float
 
-    def excludes_zero(self) -> bool:
-        return self.low > 0 or self.high < 0
-
 
 def t_quantile(probability: float, df: int) -> float:
     """Student's t quantile (scipy's)."""
