@@ -1,32 +1,13 @@
 """Input rows: stream a JSONL file, detect its format, and build ``prompt`` and ``response``.
 
-Five row formats are accepted, told apart by the key that carries the response:
-
-- MiniLLM / DistiLLM: ``instruction``, optional ``input``, ``output``, optional ``prompt``
-  (Vicuna rows have no ``input``);
-- raw Dolly: ``instruction``, ``context``, ``response`` (and ``category``, unused);
-- plain: ``prompt``, ``response``;
-- TRL prompt / completion: ``prompt`` and ``completion``, both strings (TRL's "standard"
-  format) or both conversations (its "conversational" one: ``prompt`` the turns before the
-  response, ``completion`` exactly one assistant turn, the response);
-- conversational: ``messages``, an array of ``{"role", "content"}`` turns (roles ``system``,
-  ``user``, ``assistant``; contents strings; other keys of a turn unused) that ends with the
-  assistant turn to learn: that turn's content is the response, the turns before it the prompt.
-  A conversation without a final assistant turn, without a turn before it, or with a turn of
-  another role or a content that is not a string is a problem naming its line.
-
-And one pair format (DistiLLM-2, what ``mta generate`` writes): ``prompt`` (or ``instruction``
-+ optional ``input``), ``chosen`` (the teacher's response), ``rejected`` (the student's),
-optional ``id``. Each pair row becomes two examples, ``chosen`` then ``rejected``, with ids
-``2·n`` and ``2·n + 1`` (n: the row's position) and ``pair_id`` n. A file holds pair rows only
-or none: the first row decides, and a row of the other kind is a problem naming its line.
-
-The prompt is built by :func:`mta.data.prompts.build_prompt` under the template of the
-:class:`~mta.data.prompts.PromptStyle` given (``alpaca`` by default: rows without a ``prompt``
-get the Alpaca prompt of docs/method.md §1; ``chat``: the tokenizer's chat template; ``none``:
-the row's ``prompt`` as given). A row that cannot be
-used becomes a :class:`RowProblem` naming its line and what is wrong, so the caller decides
-whether to stop (``--on-error fail``) or count it and go on (``skip``).
+The key that carries the response tells the formats apart: MiniLLM / DistiLLM (``instruction``,
+``input``, ``output``, ``prompt``), raw Dolly (``instruction``, ``context``, ``response``), plain
+``prompt`` / ``response``, TRL's ``prompt`` / ``completion`` (both strings, or both conversations
+with exactly one assistant turn to complete) and ``messages`` (turns ending with the assistant
+turn to learn). DistiLLM-2 pair rows (``prompt``, ``chosen``, ``rejected``) become two examples,
+ids ``2n`` and ``2n + 1``; the first row decides whether a file holds pairs. The prompt comes from
+:func:`mta.data.prompts.build_prompt`. A row that cannot be used becomes a :class:`RowProblem`
+naming its line, so the caller stops (``--on-error fail``) or counts it (``skip``).
 """
 
 from __future__ import annotations
