@@ -88,10 +88,6 @@ class AblationSettings:
     precision: str = "auto"
     max_pairs: int = 1_000_000
 
-    @property
-    def budgets(self) -> tuple[int, int]:
-        return (self.steps, self.long_steps)
-
 
 def budget_name(steps: int) -> str:
     return f"{steps}-steps"
