@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,15 +93,23 @@ class _Invalid(PromptProblem):
     ``PromptProblem`` of a prompt that cannot be built)."""
 
 
-def _field(record: dict[str, Any], key: str, *, optional: bool = False) -> str | None:
+def string_field(
+    record: dict[str, Any],
+    key: str,
+    *,
+    optional: bool = False,
+    problem: Callable[[str, str], Exception] = _Invalid,
+) -> str | None:
+    """``record[key]``, a string; a missing or null one (unless ``optional``: None) or another
+    type raises ``problem(reason, message)`` naming the key (and the JSON kind and value)."""
     value = record.get(key)
     if value is None:
         if optional:
             return None
-        raise _Invalid(MISSING_FIELD, f"field '{key}' is missing or null")
+        raise problem(MISSING_FIELD, f"field '{key}' is missing or null")
     if not isinstance(value, str):
         kind = _JSON_KINDS.get(type(value), type(value).__name__)
-        raise _Invalid(WRONG_TYPE, f"field '{key}' must be a string, got {kind}: {_preview(value)}")
+        raise problem(WRONG_TYPE, f"field '{key}' must be a string, got {kind}: {_preview(value)}")
     return value
 
 
@@ -117,14 +125,14 @@ def prompt_and_response(record: dict[str, Any], style: PromptStyle = ALPACA) -> 
     """The (prompt, response) of one decoded row, its prompt built under ``style``; raises
     ``_Invalid`` or ``PromptProblem`` when it has no usable shape."""
     if "output" in record:  # MiniLLM / DistiLLM, Vicuna
-        response = _field(record, "output")
+        response = string_field(record, "output")
         prompt = _instruction_prompt(record, style, "input")
     elif "response" in record:
-        response = _field(record, "response")
+        response = string_field(record, "response")
         if "instruction" in record:  # raw Dolly
             prompt = _instruction_prompt(record, style, "context")
         elif "prompt" in record:  # plain prompt / response
-            prompt = style.build(prompt=_field(record, "prompt"))
+            prompt = style.build(prompt=string_field(record, "prompt"))
         else:
             raise _Invalid(
                 MISSING_FIELD,
@@ -151,12 +159,12 @@ def prompt_and_response(record: dict[str, Any], style: PromptStyle = ALPACA) -> 
 def _instruction_prompt(record: dict[str, Any], style: PromptStyle, context_key: str) -> str:
     """The prompt of a MiniLLM, Dolly or pair row: its ``prompt`` under alpaca and none, the
     instruction (+ ``context_key``) when it has no prompt, and the instruction under chat."""
-    prompt = _field(record, "prompt", optional=True)
+    prompt = string_field(record, "prompt", optional=True)
     instruction = context = None
     if style.template == "chat" or (prompt is None and style.template == "alpaca"):
-        instruction = _field(record, "instruction", optional=prompt is not None)
+        instruction = string_field(record, "instruction", optional=prompt is not None)
         if instruction is not None:
-            context = _field(record, context_key, optional=True)
+            context = string_field(record, context_key, optional=True)
     return style.build(prompt=prompt, instruction=instruction, context=context)
 
 
@@ -164,7 +172,7 @@ def _trl_prompt_and_completion(record: dict[str, Any], style: PromptStyle) -> tu
     """TRL's ``prompt`` / ``completion``: two strings, or the prompt's turns and one assistant
     turn."""
     if not isinstance(record.get("completion"), list):
-        return style.build(prompt=_field(record, "prompt")), _field(record, "completion")
+        return style.build(prompt=string_field(record, "prompt")), string_field(record, "completion")
     completion = conversation(record["completion"], "completion")
     if [turn["role"] for turn in completion] != ["assistant"]:
         raise PromptProblem(
@@ -187,7 +195,7 @@ def is_pair_record(record: Any) -> bool:
 
 def pair_prompt_and_responses(record: dict[str, Any], style: PromptStyle = ALPACA) -> tuple[str, str, str]:
     """The (prompt, chosen, rejected) of a pair row; raises ``_Invalid`` when it is not one."""
-    chosen, rejected = _field(record, "chosen"), _field(record, "rejected")
+    chosen, rejected = string_field(record, "chosen"), string_field(record, "rejected")
     if record.get("prompt") is None and "instruction" not in record:
         raise _Invalid(MISSING_FIELD, "a pair row with 'chosen' and 'rejected' needs 'prompt' or 'instruction'")
     prompt = _instruction_prompt(record, style, "input")

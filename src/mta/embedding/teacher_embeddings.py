@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from mta import distributed
-from mta.data.rows import INVALID_TEXT, MISSING_FIELD, WRONG_TYPE, RowProblem
+from mta.data.rows import INVALID_TEXT, MISSING_FIELD, RowProblem, string_field
 from mta.data.sources import InputSource, input_identity, open_source
 from mta.dtypes import resolve_dtype
 from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
@@ -60,14 +60,7 @@ class _NoText(ValueError):
 
 
 def _string(record: dict, key: str, *, optional: bool = False) -> str | None:
-    value = record.get(key)
-    if value is None:
-        if optional:
-            return None
-        raise _NoText(MISSING_FIELD, f"field '{key}' is missing or null")
-    if not isinstance(value, str):
-        raise _NoText(WRONG_TYPE, f"field '{key}' must be a string, got {type(value).__name__}")
-    return value
+    return string_field(record, key, optional=optional, problem=_NoText)
 
 
 def embedding_text(record: Any, text_field: str | None = None) -> str:
