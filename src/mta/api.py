@@ -1,23 +1,7 @@
-"""The public Python API: MTA as a loss any training loop can call (docs/python-api.md).
-
-Everything here wraps the code the pipeline runs, so a custom loop computes what ``mta distill``
-computes:
-
-- :class:`Annotator`: in-memory rows -> the rows ``mta annotate`` writes (``mta.data``'s annotator);
-  :func:`annotate`: a file, a :class:`HubDataset` or a ``datasets.Dataset`` -> an ``mta annotate``
-  directory (``mta.data.annotate.run_annotate``);
-- :class:`Collator`: annotated (or raw) rows -> the :class:`TrainBatch` the losses read
-  (``mta.training.batching.AnnotatedExamples``);
-- :class:`KDLoss`: one base loss (``mta.losses.kd``), :class:`MTALoss`: base + DSA + HRA
-  (``mta.training.objective.DistillationObjective``), both on model outputs in the Hugging Face
-  convention (unshifted logits and labels, ``-100`` ignored), the shifted form an option;
-- :func:`layer_map`: ``auto`` or explicit layer pairs (``mta.training.config.layers``);
-- :class:`SpanParser` + :class:`GeneratedRow`: spans of generated text, in worker processes
-  (``mta.data.online_spans``);
-- :func:`inspect`: ``mta inspect``'s measures as data (``mta.inspection``), :class:`LinearCKA`
-  its streaming CKA for a loop of one's own.
-
-``mta`` resolves these names lazily (``mta.__getattr__``), so ``import mta`` loads no torch.
+"""The public Python API: MTA as a loss any training loop can call. Its names are ``mta.__all__``,
+each described in docs/python-api.md. Everything here wraps the code the pipeline runs, so a custom
+loop computes what ``mta distill`` computes; the losses take model outputs in the Hugging Face
+convention (unshifted logits and labels, ``-100`` ignored), the shifted form an option.
 """
 
 from __future__ import annotations
