@@ -20,7 +20,7 @@ from mta.errors import MtaError
 from mta.evaluation import EvalSettings, evaluate_checkpoints
 from mta.evaluation import runner as runner_module
 from mta.evaluation.datasets import load_rows
-from mta.evaluation.models_under_test import checkpoint_label
+from mta.evaluation.models_under_test import checkpoint_labels
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tiny import build_tiny_model
 from mta.models.tokenizers import load_tokenizer
@@ -69,7 +69,7 @@ def test_the_whole_command_twice_with_consistent_outputs(tiny_model_dir, data_di
     out = tmp_path / "eval"
     model_dir = wordy(tiny_model_dir, tmp_path / "wordy")
     result = run_cli([str(model_dir), "-o", str(out), "--data-dir", str(data_dir), *FAST, "--perplexity", "dolly-dev"])
-    label = checkpoint_label(str(model_dir))
+    (label,) = checkpoint_labels([str(model_dir)])
     assert "Dolly" in result.output and "S-NI" in result.output
     results = json.loads((out / "results.json").read_text())
     assert list(results["sets"]) == ["dolly", "sinst"]  # vicuna etc. absent: skipped

@@ -1,6 +1,7 @@
-"""The public Python API's surface (issue 27): ``import mta`` stays light, ``mta.__all__`` is
-``mta.api.__all__``, every name and signature docs/python-api.md states is the code's, and the
-doc's examples and README's run as written (tiny random models in place of the Hub names)."""
+"""The public Python API's surface (issue 27): ``import mta`` stays light, ``mta.__all__`` (the
+public names, listed once) resolves from ``mta.api`` and star-imports, every name and signature
+docs/python-api.md states is the code's, and the doc's examples and README's run as written (tiny
+random models in place of the Hub names)."""
 
 from __future__ import annotations
 
@@ -38,13 +39,15 @@ def test_import_mta_loads_neither_torch_nor_transformers():
     assert done.stdout.strip() == "[]", f"import mta loads {done.stdout.strip()}"
 
 
-def test_all_is_the_api_modules_and_every_name_resolves():
+def test_every_name_of_all_resolves_from_the_api_module_and_star_imports():
     import mta
     import mta.api
 
-    assert mta.__all__ == mta.api.__all__
     for name in mta.__all__:
         assert getattr(mta, name) is getattr(mta.api, name)
+    star: dict[str, object] = {}
+    exec("from mta import *", star)
+    assert set(star) - {"__builtins__"} == set(mta.__all__)
 
 
 # --- the reference section against the code -------------------------------------------------

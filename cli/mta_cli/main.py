@@ -62,8 +62,7 @@ def _root(
 
 
 def _flags_show_no_type() -> None:
-    """Typer's rich help shows a value type beside every option, ``<bool>`` on flags that take
-    no value (the plain-text help already leaves it out); every command's flags lose it here."""
+    """Needed: Typer's rich help (0.29) prints ``<bool>`` beside flags, which take no value."""
     from typer.core import TyperOption
 
     original = getattr(TyperOption, "display_type_rich", None)

@@ -67,6 +67,14 @@ def deprecated_alias(new_value, old_value, *, old: str, new: str):
     return old_value
 
 
+# --force of a stage whose output is a cache (annotate, embed).
+FORCE_CACHE_OPTION = typer.Option(
+    False,
+    "--force",
+    help="Recompute even if a matching artefact exists (a cache: not `mta distill --overwrite`, "
+    "which removes another run's outputs).",
+)
+
 # A Hugging Face Hub dataset id in place of a data file (mta.data.sources.input_reference).
 SPLIT_OPTION = typer.Option(
     None, "--split", help="The split of a Hub dataset id (owner/name) [default: train]; not used for a local file."

@@ -1,27 +1,11 @@
 """Other libraries' output nobody asked for, hidden unless ``--verbose``: the one place for it.
 
-Each long command (annotate, distill, evaluate, generate, demo) calls ``quiet_third_party``
-first, before torch, transformers or DeepSpeed is imported. Without ``--verbose`` it hides:
-
-- transformers' tqdm bars ("Loading weights", "Writing model shards") and its log below errors
-  (``disable_progress_bar``, ``set_verbosity_error``); Hugging Face Hub's download bars too
-  when stderr is not a terminal (their carriage returns make a log unreadable);
-- DeepSpeed's log below errors, e.g. "Setting accelerator to CPU ..." that ``import deepspeed``
-  logs on a machine without a GPU. DeepSpeed sets its logger's level (``DeepSpeed``) when it is
-  imported, so a level set before would be overwritten: a filter on the logger stays;
-- torch's C++ warnings (c10d's "[W socket.cpp] ... IPv6 ..." when a process group starts), by
-  ``TORCH_CPP_LOG_LEVEL=ERROR``: read once, when torch is imported, so only while it is not yet
-  and the variable is not set by the user;
-- plain tqdm bars that transformers' switch does not reach (its GGUF conversion's "Converting
-  and de-quantizing GGUF tensors", under ``mta models smollm2``) when stderr is not a terminal, by
-  ``TQDM_DISABLE=1``: tqdm reads it when it is imported, so only while it is not yet and the
-  variable is not set by the user (mta's own bars are rich's, not tqdm's);
-- Python warnings raised outside mta (``FutureWarning``s from torch.distributed under torchrun,
-  ``UserWarning``s of transformers, spaCy, ...).
-
-What mta itself says stays: its ``mta.*`` loggers and warnings, every error, every exception.
-``--verbose`` leaves the libraries as they are by default (and undoes an earlier call in the
-same process, as tests running several commands in one interpreter need).
+Each long command calls ``quiet_third_party`` first, before torch, transformers or DeepSpeed is
+imported, so that switches read at import (``TORCH_CPP_LOG_LEVEL``, ``TQDM_DISABLE``) still take
+effect. It hides transformers' and the Hub's bars (the Hub's when stderr is not a terminal) and
+logs below errors, DeepSpeed's log (a filter: DeepSpeed resets its level on import), torch's C++
+warnings and Python warnings raised outside mta. mta's own loggers, warnings and errors always
+show; ``--verbose`` keeps the libraries' defaults (and undoes an earlier call in the process).
 """
 
 from __future__ import annotations

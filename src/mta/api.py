@@ -1,23 +1,7 @@
-"""The public Python API: MTA as a loss any training loop can call (docs/python-api.md).
-
-Everything here wraps the code the pipeline runs, so a custom loop computes what ``mta distill``
-computes:
-
-- :class:`Annotator`: in-memory rows -> the rows ``mta annotate`` writes (``mta.data``'s annotator);
-  :func:`annotate`: a file, a :class:`HubDataset` or a ``datasets.Dataset`` -> an ``mta annotate``
-  directory (``mta.data.annotate.run_annotate``);
-- :class:`Collator`: annotated (or raw) rows -> the :class:`TrainBatch` the losses read
-  (``mta.training.batching.AnnotatedExamples``);
-- :class:`KDLoss`: one base loss (``mta.losses.kd``), :class:`MTALoss`: base + DSA + HRA
-  (``mta.training.objective.DistillationObjective``), both on model outputs in the Hugging Face
-  convention (unshifted logits and labels, ``-100`` ignored), the shifted form an option;
-- :func:`layer_map`: ``auto`` or explicit layer pairs (``mta.training.config.layers``);
-- :class:`SpanParser` + :class:`GeneratedRow`: spans of generated text, in worker processes
-  (``mta.data.online_spans``);
-- :func:`inspect`: ``mta inspect``'s measures as data (``mta.inspection``), :class:`LinearCKA`
-  its streaming CKA for a loop of one's own.
-
-``mta`` resolves these names lazily (``mta.__getattr__``), so ``import mta`` loads no torch.
+"""The public Python API: MTA as a loss any training loop can call. Its names are ``mta.__all__``,
+each described in docs/python-api.md. Everything here wraps the code the pipeline runs, so a custom
+loop computes what ``mta distill`` computes; the losses take model outputs in the Hugging Face
+convention (unshifted logits and labels, ``-100`` ignored), the shifted form an option.
 """
 
 from __future__ import annotations
@@ -36,46 +20,34 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+# The names of mta.__all__ are re-exported from here ("X as X"); the rest is private to the API.
 from mta.data.annotate import CHUNK_ROWS, AnnotateSettings, build_annotator, example_chunks, map_chunks, run_annotate
 from mta.data.artefact_schema import INPUT_IDS, SCHEMA, SPAN_COLUMNS
-from mta.data.example_annotator import ChunkResult, GeneratedRow
-from mta.data.online_spans import SpanParser, load_sides, merge_results, online_annotator
+from mta.data.example_annotator import ChunkResult
+from mta.data.example_annotator import GeneratedRow as GeneratedRow
+from mta.data.online_spans import SpanParser as SpanParser
+from mta.data.online_spans import load_sides, merge_results, online_annotator
 from mta.data.prompts import prompt_style
 from mta.data.rows import Example, RowProblem, is_pair_record, map_fields, record_rows
-from mta.data.sources import HubDataset
+from mta.data.sources import HubDataset as HubDataset
 from mta.data.span_extraction import resolve_spacy_model
 from mta.errors import MtaError
-from mta.inspection import LinearCKA, inspect
+from mta.inspection import LinearCKA as LinearCKA
+from mta.inspection import inspect as inspect
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.fused_head import HeadTeacher, LogitsTeacher, OutputHead, TeacherSide
 from mta.losses.kd import IGNORE_INDEX, UNIT_LOSSES, build_base_loss
 from mta.losses.span_masks import SpanBatch
-from mta.training.batching import AnnotatedExamples, TokenBatch, TrainBatch
+from mta.training.batching import AnnotatedExamples, TrainBatch
+from mta.training.batching import TokenBatch as TokenBatch
 from mta.training.config.layers import resolve_layer_map
 from mta.training.config.schema import LayerPair, LossSpec
 from mta.training.model_loading import hidden_size, num_layers
 from mta.training.objective import DistillationObjective
 from mta.training.teacher import TeacherOutput
 
-__all__ = [
-    "AnnotateSettings",
-    "Annotator",
-    "Collator",
-    "GeneratedRow",
-    "HubDataset",
-    "KDLoss",
-    "LayerPair",
-    "LinearCKA",
-    "MTALoss",
-    "MtaError",
-    "SpanBatch",
-    "SpanParser",
-    "TokenBatch",
-    "TrainBatch",
-    "annotate",
-    "inspect",
-    "layer_map",
-]
+# The recipe's loss defaults (LossSpec), the one place KDLoss's and MTALoss's keyword defaults come from.
+_LOSS_DEFAULTS = LossSpec()
 
 # Why a Hugging Face Trainer's rows reach the collator without their columns.
 TRAINER_COLUMNS = (
@@ -329,12 +301,12 @@ class KDLoss(nn.Module):
         name: str,
         *,
         labels_shifted: bool = False,
-        temperature: float = 1.0,
-        skew_alpha: float = 0.1,
-        jsd_beta: float = 0.5,
-        distillm2_beta: float = 1.0,
+        temperature: float = _LOSS_DEFAULTS.temperature,
+        skew_alpha: float = _LOSS_DEFAULTS.skew_alpha,
+        jsd_beta: float = _LOSS_DEFAULTS.jsd_beta,
+        distillm2_beta: float = _LOSS_DEFAULTS.distillm2_beta,
         vocab_size: int | None = None,
-        chunk_size: int = 128,
+        chunk_size: int = _LOSS_DEFAULTS.chunk_size,
     ) -> None:
         super().__init__()
         if name in UNIT_LOSSES:
@@ -526,16 +498,16 @@ class MTALoss(nn.Module):
         teacher_hidden_size: int,
         vocab_size: int,
         same_tokenizer: bool,
-        base: str | None = "srkl",
-        base_weight: float = 1.0,
-        dsa_weight: float = 2.0,
-        hra_weight: float = 0.2,
-        temperature: float = 1.0,
-        skew_alpha: float = 0.1,
-        jsd_beta: float = 0.5,
-        distillm2_beta: float = 1.0,
-        importance: Literal["attention", "uniform"] = "attention",
-        chunk_size: int = 128,
+        base: str | None = _LOSS_DEFAULTS.base,
+        base_weight: float = _LOSS_DEFAULTS.base_weight,
+        dsa_weight: float = _LOSS_DEFAULTS.dsa_weight,
+        hra_weight: float = _LOSS_DEFAULTS.hra_weight,
+        temperature: float = _LOSS_DEFAULTS.temperature,
+        skew_alpha: float = _LOSS_DEFAULTS.skew_alpha,
+        jsd_beta: float = _LOSS_DEFAULTS.jsd_beta,
+        distillm2_beta: float = _LOSS_DEFAULTS.distillm2_beta,
+        importance: Literal["attention", "uniform"] = _LOSS_DEFAULTS.importance,
+        chunk_size: int = _LOSS_DEFAULTS.chunk_size,
         labels_shifted: bool = False,
     ) -> None:
         super().__init__()

@@ -37,11 +37,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def short_name(dtype: torch.dtype) -> str:
-    """torch dtype -> ``fp32`` / ``bf16`` / ``fp16``, the names recipes and options use."""
-    return next(name for name, value in DTYPES.items() if value == dtype)
-
-
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_instructions() -> tuple[str, ...]:
     """The bf16 instruction sets this processor reports (empty when it has none): torch's own

@@ -1,30 +1,9 @@
 """`mta generate`: DistiLLM-2's training pairs, one teacher and one student response per prompt.
 
-Every prompt of an input (any format and container ``mta annotate`` reads, a Hub dataset id
-included, its columns mapped by ``fields``: :mod:`mta.data.sources`; the reference response is
-ignored) gets one response sampled from the teacher (``chosen``) and one from the student
-(``rejected``), and the output holds one row per usable input row, in input order::
-
-    {"id": <the input row's id>, "prompt": ..., "chosen": <teacher's text>, "rejected": <student's text>}
-
-Sampling goes through the one engine (``HFGenerator``): batched, length-sorted, and keyed per row,
-so row ``r``'s response is drawn from ``sampling_seed(seed, "generate/teacher", 0, r)`` (and
-``"generate/student"``) whatever the batch, the rank or a resume. Each model tokenises the prompt
-with its own tokenizer, and a prompt over ``max_prompt_length`` tokens is cut as evaluation cuts
-it (its first ``max_prompt_length`` tokens are kept). One model is in memory at a time: the
-teacher answers every pending row, then the student does.
-
-On disk, while it runs (``PAIRS.jsonl`` being the output)::
-
-    PAIRS.jsonl.journal/settings.json       what the rows are generated with (the claim)
-    PAIRS.jsonl.journal/rank-RRRRR.jsonl    one line per finished response of rank R
-    .PAIRS.jsonl.rank-RRRRR.lock            held by rank R while it runs (flock; gone after)
-
-A killed run leaves the journal; the same command resumes it (rows already answered are not
-generated again), while a journal made with other settings is refused. When every row has both
-responses rank 0 writes ``PAIRS.jsonl`` atomically and removes the journal. Under torchrun the
-pending rows are split over the ranks (each holds a full copy of each model, plain data
-parallel), each rank journals its own.
+Sampling goes through the one engine (``HFGenerator``), keyed per row; each model tokenises and
+cuts the prompt as evaluation does, and one model is in memory at a time (the teacher answers
+every pending row, then the student). Under torchrun the rows are split over the ranks, each
+journalling its own. The output, the journal and resuming: ARCHITECTURE.md, "1c. generate".
 """
 
 from __future__ import annotations

@@ -1,39 +1,8 @@
-"""Experiment tracking: the records of a run sent to TensorBoard, Weights & Biases and MLflow.
-
-``train.report_to: [tensorboard, wandb, mlflow]`` (default ``[]``) and ``mta evaluate --report-to``
-name the backends. ``metrics.jsonl`` and ``results.json`` stay the record of truth; a tracker
-gets a copy of each record as it is written:
-
-* every numeric field of a record as a scalar ``<split>/<key>`` at the record's ``step``
-  (``train/loss``, ``train/loss/base``, ``dev/generation/dev_ce``...; MLflow's file store cannot
-  hold ``train/loss`` beside ``train/loss/base``, so there the key's own ``/`` become ``.``:
-  ``train/loss.base``);
-* a record's ``samples`` (``[{prompt, generation}]``, the dev lines) as text: TensorBoard text
-  ``dev/samples``, a W&B table ``dev/samples``, an MLflow artifact ``samples/dev-step-NNNNNN.md``;
-* the resolved recipe (``log_config``): TensorBoard text ``config``, the W&B run's config,
-  MLflow params (dotted keys, ``train.lr``) plus the artifact ``config.yaml``.
-
-Where each backend writes: TensorBoard ``OUT/tensorboard/``; W&B ``OUT/wandb/`` (``WANDB_MODE``,
-``WANDB_PROJECT`` as W&B reads them; the project defaults to the recipe's name); MLflow
-``$MLFLOW_TRACKING_URI``, else a local file store ``OUT/mlruns`` (experiment
-``$MLFLOW_EXPERIMENT_NAME``, else the recipe's name). Runs are named ``<recipe name>-<run id's
-first 8 characters>`` and carry the whole run id (MLflow tag ``mta.run_id``, W&B tag
-``mta-run-<id>``). Only the main process reports.
-
-A run resumed from a checkpoint continues the same backend run: TensorBoard writes into the same
-directory with ``purge_step`` = the resumed step + 1, so what a killed run logged past its last
-checkpoint is hidden, as ``metrics.jsonl`` drops those lines; W&B and MLflow continue the run
-whose id ``OUT/tracking.json`` holds (W&B drops steps it has already seen; MLflow keeps both
-values of such a step, and a recipe value a resume changed is added as the tag
-``resume-step-N/<key>`` since MLflow params cannot change). A new run in the directory
-(``--overwrite``) replaces ``OUT/tensorboard/``'s event files and opens new W&B and MLflow runs.
-
-Backends are imported only when listed, and a listed one that is not installed is refused
-before any work (``require``) with the ``pip install 'mta-distill[NAME]'`` that installs it, and so is an
-MLflow tracking server (``MLFLOW_TRACKING_URI=http(s)://…``) that does not answer one request within
-seconds (MLflow's own client retries for minutes before it gives up). A backend
-that fails while training (a tracking server gone) is reported once in the log and dropped; the
-run goes on.
+"""Experiment tracking: the records of a run sent to TensorBoard, Weights & Biases and MLflow
+(``train.report_to``, ``mta evaluate --report-to``). ``metrics.jsonl`` and ``results.json`` stay the
+record of truth; a tracker gets a copy of each record. Where each backend writes and how a resume
+continues its run: ARCHITECTURE.md, "2. distill". A backend is imported only when listed, and a
+missing one or an MLflow server that does not answer is refused before any work (``require``).
 """
 
 from __future__ import annotations

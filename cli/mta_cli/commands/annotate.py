@@ -14,6 +14,7 @@ from mta.data.sources import HubDataset
 from mta.errors import MtaError
 from mta_cli.consoles import stderr_console, stdout_console
 from mta_cli.options import (
+    FORCE_CACHE_OPTION,
     REVISION_OPTION,
     SPLIT_OPTION,
     SUBSET_OPTION,
@@ -112,12 +113,7 @@ def annotate(
     merge: Path | None = typer.Option(
         None, help="Write manifest.json of a directory whose shards are all written, and exit."
     ),
-    force: bool = typer.Option(
-        False,
-        "--force",
-        help="Recompute even if a matching artefact exists (a cache: not `mta distill --overwrite`, "
-        "which removes another run's outputs).",
-    ),
+    force: bool = FORCE_CACHE_OPTION,
     field: list[str] | None = typer.Option(
         None,
         "--field",

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from mta.errors import MtaError
 from mta_cli.consoles import stderr_console, stdout_console
-from mta_cli.options import OnError, parse_shard
+from mta_cli.options import FORCE_CACHE_OPTION, OnError, parse_shard
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
@@ -59,12 +59,7 @@ def embed(
         help="Embed every N-th row starting at row I (I/N), for array jobs [default: under torchrun, "
         "this rank's share].",
     ),
-    force: bool = typer.Option(
-        False,
-        "--force",
-        help="Recompute even if a matching artefact exists (a cache: not `mta distill --overwrite`, "
-        "which removes another run's outputs).",
-    ),
+    force: bool = FORCE_CACHE_OPTION,
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Compute a teacher's sentence embedding of every text of DATA, once, for TALAS distillation.

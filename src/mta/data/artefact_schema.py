@@ -1,49 +1,9 @@
 """The annotate artefact's schema, versioned in one place: the columns, the version, old versions.
 
-- ``SCHEMA_VERSION`` is the version ``mta annotate`` writes; ``SCHEMA`` / ``SPAN`` its Arrow
-  schema and span struct; the column-name constants below are what readers should index with.
-- ``SCHEMAS[n]`` is the Arrow schema of version ``n``, frozen once released: an old part is
-  checked against its own version's schema before anything reads it.
-- ``UPGRADES[n]`` turns the ``(manifest, table)`` of version ``n`` into those of version
-  ``n + 1``. Reading applies the steps from the stored version up to the current one, in memory
-  only (the files are never rewritten); the current version reads with no step at all. A
-  version reads only while every step from it to the current one is registered.
-
-Bumping the version (e.g. to add a column):
-
-1. write ``SCHEMA_V2`` (and its ``SPAN`` if it changes) out in full, add ``SCHEMAS[2]``, point
-   ``SCHEMA`` at it, set ``SCHEMA_VERSION = 2``, and make the writer
-   (:mod:`mta.data.example_annotator`) fill the new columns;
-2. register ``@upgrade_step(1)``: a function that returns the version-2 manifest and table.
-   Fill what version 1 lacks with a default documented in the step's docstring, or, when the
-   values cannot be derived from what version 1 stored, ``raise NotDerivable(column, reason)``:
-   the reader then names the ``mta annotate`` command that builds it into a *new* directory;
-3. keep ``tests/data/annotate-v1`` reading (tests/test_artefact_schema.py); describe the version
-   in the changelog.
-
-Version 1, one row per example (ARCHITECTURE.md, "annotate"): ``id`` int64, ``text`` string,
-``prompt_chars`` int32, ``teacher_input_ids`` / ``student_input_ids`` list<int32>,
-``teacher_prompt_len`` / ``student_prompt_len`` int32, ``phrase_spans`` / ``word_spans``
-list<``SPAN``>, a span being half-open character and token ranges plus a label ("NP", "VP", "W").
-
-Version 2 adds ``pair_id`` int64 and ``role`` string: a DistiLLM-2 pair row (``prompt``,
-``chosen``, ``rejected``) becomes two rows, ``role`` "chosen" (the teacher's response) and
-"rejected" (the student's), sharing ``pair_id``; both null on any other row. Version 1 reads
-with both null.
-
-Version 3 adds ``boundary_spans`` list<``BOUNDARY_SPAN``> (half-open character and token ranges,
-no label): the spans both tokenisations of the whole text agree on, for SRA
-(:func:`mta.data.token_ranges.boundary_spans`). Versions 1 and 2 read with a *null* list on
-every row, meaning "not computed" (an empty list is a computed row without any span): every
-other column of theirs stays usable, and what needs the spans (``AnnotatedExamples(...,
-boundary=True)``, the SRA objective) refuses a null with the ``mta annotate`` command that
-rebuilds the directory (:func:`reannotate_command`).
-
-Layouts. How the files of an artefact sit in its directory is the store's, versioned apart from
-the table (:data:`mta.store.layout.LAYOUTS`, ``LAYOUT_VERSION``, manifest key ``layout_version``):
-a layout change leaves the rows as they are, so it needs no upgrade step. :func:`stored_layout`
-refuses a layout this mta does not read, naming the ``mta annotate`` command that rebuilds it;
-:func:`mta.data.annotations.read_annotations` reads each layout.
+``SCHEMA_VERSION`` / ``SCHEMA`` are what ``mta annotate`` writes, the column-name constants what
+readers index with; ``SCHEMAS[n]`` is version n's frozen schema, ``UPGRADES[n]`` turns version n
+into n + 1 in memory (files are never rewritten). The versions, and how to add one:
+ARCHITECTURE.md, "1. annotate".
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """Spans of responses sampled during training, parsed while the step runs (docs/method.md §1).
 
-Off-policy distillation (DistiLLM-style) trains on responses a model generates during the run,
-so their spans cannot come from ``mta annotate``. They come from the same code: a
-:class:`~mta.data.example_annotator.GeneratedRow` goes through
-:meth:`ExampleAnnotator.annotate <mta.data.example_annotator.ExampleAnnotator.annotate>` like a
-JSONL example — the same spaCy phrases, nesting rule, word spans, membership rule and
-drop-on-both-sides — and comes out as the artefact's row (``SCHEMA``: ``id``, ``text``,
-``prompt_chars``, both sides' ids and prompt lengths, ``phrase_spans``, ``word_spans``). Only how
-the text and ids are settled differs: the generating side's ids are kept exactly as generated
-(EOS included when it stopped), ``text`` is their decoded text and each id's character range is
-derived from the ids themselves (:meth:`mta.data.encoding.TokenizerSide.decode_with_offsets`,
-whose docstring states the rule for a character split between tokens or cut off at the end).
-A side that shares the tokenizer gets the same ids; another tokenizer encodes ``text``.
-
-:class:`SpanParser` runs that in a pool of worker processes built by annotate's own worker
-machinery (:func:`mta.data.example_annotator.init_annotator_worker` / ``annotate_in_worker``,
-fork where the platform has it, so the workers inherit the loaded spaCy pipeline). The trainer submits a batch
-right after generation and collects it before the loss::
-
-    settings = AnnotateSettings.from_recipe(recipe)
-    with SpanParser(settings, workers=4) as parser:     # start before the models are loaded
-        ...
-        pending = parser.submit([GeneratedRow(prompt, prompt_ids, completion_ids), ...])
-        ...                                             # teacher forward, other work
-        rows = pending.result().batch                   # pa.RecordBatch, SCHEMA
-        batch = AnnotatedExamples(pa.Table.from_batches([rows]), ...).batch(range(rows.num_rows))
-
-``workers=0`` parses synchronously in the calling process (as the published code does every
-step); the rows are the same either way.
+A :class:`~mta.data.example_annotator.GeneratedRow` goes through annotate's own
+``ExampleAnnotator`` (the same phrases, word spans and rules) into the artefact's row; only the
+text differs: the generating side's ids are kept as generated and ``text`` is their decoded text
+(:meth:`mta.data.encoding.TokenizerSide.decode_with_offsets`). :class:`SpanParser` runs it in a pool
+of annotate's worker processes (``submit`` after generation, ``result()`` before the loss;
+``workers=0``: in this process, the same rows); its use: docs/python-api.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
-"""How a row's prompt is built: the Alpaca template of the MiniLLM / DistiLLM data
-(docs/method.md §1), a tokenizer's chat template, or the row's own prompt.
-
-:func:`build_prompt` is the one place this happens; annotate (through :mod:`mta.data.rows`) and
-evaluation (:mod:`mta.evaluation.datasets`) both call it, through a :class:`PromptStyle`. The
-``template`` (recipe ``data.template``, ``mta annotate --template``, ``mta evaluate --template``)
-is one of:
-
-- ``alpaca`` (the default, and what every artefact without a recorded template was built
-  with): a row's ``prompt`` is used as given; a row without one gets the Alpaca prompt of its
-  instruction (and input / context). A conversation whose prompt turns are one user turn fills
-  the template with that turn as the instruction; any other conversation has no Alpaca form.
-- ``chat``: the tokenizer's chat template renders the conversation before the response, as
-  ``tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)`` returns
-  it. The turns: a conversation's own; for MiniLLM / Dolly rows one user turn holding the
-  instruction, then a blank line and the input / context when there is one (a MiniLLM row's
-  ``prompt``, an Alpaca text, is not used); for rows with only a ``prompt`` string, that
-  string as the user turn.
-- ``none``: the row's ``prompt`` string exactly as given; a row without one (MiniLLM / Dolly
-  rows that lack it, conversations) has no prompt.
-
-A prompt that cannot be built raises :class:`PromptProblem` (a reason and a message); rows
-turn it into a ``RowProblem`` naming the line, evaluation into an ``MtaError``.
-
-Rendering uses transformers' own ``apply_chat_template`` on a loaded tokenizer
-(:class:`ChatTemplate`), so the text is exactly what that call returns (same Jinja sandbox,
-filters and special tokens), never a re-implementation of it. It runs where the rows are
-parsed, in the process that loaded the tokenizers with ``AutoTokenizer`` anyway (annotate's
-parent, evaluation's process); ``mta.data``'s workers receive finished prompt strings, so they
-still need only the Rust ``tokenizers``. This module imports transformers only inside
-:meth:`ChatTemplate.load`.
+"""How a row's prompt is built, in one place (:func:`build_prompt`, called by annotate and evaluate
+through a :class:`PromptStyle`): ``alpaca`` (the default: the row's ``prompt``, else the Alpaca
+prompt of docs/method.md §1), ``chat`` (the tokenizer's ``apply_chat_template`` on the row's turns,
+or one user turn of instruction and input, exactly as transformers renders it) or ``none`` (the
+row's ``prompt`` as given). A prompt that cannot be built raises :class:`PromptProblem`. Chat
+templates are rendered in the process that loaded the tokenizers; annotate's workers get finished
+strings, so transformers is imported only in :meth:`ChatTemplate.load`.
 """
 
 from __future__ import annotations

@@ -1,39 +1,20 @@
 """Input rows: stream a JSONL file, detect its format, and build ``prompt`` and ``response``.
 
-Five row formats are accepted, told apart by the key that carries the response:
-
-- MiniLLM / DistiLLM: ``instruction``, optional ``input``, ``output``, optional ``prompt``
-  (Vicuna rows have no ``input``);
-- raw Dolly: ``instruction``, ``context``, ``response`` (and ``category``, unused);
-- plain: ``prompt``, ``response``;
-- TRL prompt / completion: ``prompt`` and ``completion``, both strings (TRL's "standard"
-  format) or both conversations (its "conversational" one: ``prompt`` the turns before the
-  response, ``completion`` exactly one assistant turn, the response);
-- conversational: ``messages``, an array of ``{"role", "content"}`` turns (roles ``system``,
-  ``user``, ``assistant``; contents strings; other keys of a turn unused) that ends with the
-  assistant turn to learn: that turn's content is the response, the turns before it the prompt.
-  A conversation without a final assistant turn, without a turn before it, or with a turn of
-  another role or a content that is not a string is a problem naming its line.
-
-And one pair format (DistiLLM-2, what ``mta generate`` writes): ``prompt`` (or ``instruction``
-+ optional ``input``), ``chosen`` (the teacher's response), ``rejected`` (the student's),
-optional ``id``. Each pair row becomes two examples, ``chosen`` then ``rejected``, with ids
-``2·n`` and ``2·n + 1`` (n: the row's position) and ``pair_id`` n. A file holds pair rows only
-or none: the first row decides, and a row of the other kind is a problem naming its line.
-
-The prompt is built by :func:`mta.data.prompts.build_prompt` under the template of the
-:class:`~mta.data.prompts.PromptStyle` given (``alpaca`` by default: rows without a ``prompt``
-get the Alpaca prompt of docs/method.md §1; ``chat``: the tokenizer's chat template; ``none``:
-the row's ``prompt`` as given). A row that cannot be
-used becomes a :class:`RowProblem` naming its line and what is wrong, so the caller decides
-whether to stop (``--on-error fail``) or count it and go on (``skip``).
+The key that carries the response tells the formats apart: MiniLLM / DistiLLM (``instruction``,
+``input``, ``output``, ``prompt``), raw Dolly (``instruction``, ``context``, ``response``), plain
+``prompt`` / ``response``, TRL's ``prompt`` / ``completion`` (both strings, or both conversations
+with exactly one assistant turn to complete) and ``messages`` (turns ending with the assistant
+turn to learn). DistiLLM-2 pair rows (``prompt``, ``chosen``, ``rejected``) become two examples,
+ids ``2n`` and ``2n + 1``; the first row decides whether a file holds pairs. The prompt comes from
+:func:`mta.data.prompts.build_prompt`. A row that cannot be used becomes a :class:`RowProblem`
+naming its line, so the caller stops (``--on-error fail``) or counts it (``skip``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,15 +93,23 @@ class _Invalid(PromptProblem):
     ``PromptProblem`` of a prompt that cannot be built)."""
 
 
-def _field(record: dict[str, Any], key: str, *, optional: bool = False) -> str | None:
+def string_field(
+    record: dict[str, Any],
+    key: str,
+    *,
+    optional: bool = False,
+    problem: Callable[[str, str], Exception] = _Invalid,
+) -> str | None:
+    """``record[key]``, a string; a missing or null one (unless ``optional``: None) or another
+    type raises ``problem(reason, message)`` naming the key (and the JSON kind and value)."""
     value = record.get(key)
     if value is None:
         if optional:
             return None
-        raise _Invalid(MISSING_FIELD, f"field '{key}' is missing or null")
+        raise problem(MISSING_FIELD, f"field '{key}' is missing or null")
     if not isinstance(value, str):
         kind = _JSON_KINDS.get(type(value), type(value).__name__)
-        raise _Invalid(WRONG_TYPE, f"field '{key}' must be a string, got {kind}: {_preview(value)}")
+        raise problem(WRONG_TYPE, f"field '{key}' must be a string, got {kind}: {_preview(value)}")
     return value
 
 
@@ -136,14 +125,14 @@ def prompt_and_response(record: dict[str, Any], style: PromptStyle = ALPACA) -> 
     """The (prompt, response) of one decoded row, its prompt built under ``style``; raises
     ``_Invalid`` or ``PromptProblem`` when it has no usable shape."""
     if "output" in record:  # MiniLLM / DistiLLM, Vicuna
-        response = _field(record, "output")
+        response = string_field(record, "output")
         prompt = _instruction_prompt(record, style, "input")
     elif "response" in record:
-        response = _field(record, "response")
+        response = string_field(record, "response")
         if "instruction" in record:  # raw Dolly
             prompt = _instruction_prompt(record, style, "context")
         elif "prompt" in record:  # plain prompt / response
-            prompt = style.build(prompt=_field(record, "prompt"))
+            prompt = style.build(prompt=string_field(record, "prompt"))
         else:
             raise _Invalid(
                 MISSING_FIELD,
@@ -170,12 +159,12 @@ def prompt_and_response(record: dict[str, Any], style: PromptStyle = ALPACA) -> 
 def _instruction_prompt(record: dict[str, Any], style: PromptStyle, context_key: str) -> str:
     """The prompt of a MiniLLM, Dolly or pair row: its ``prompt`` under alpaca and none, the
     instruction (+ ``context_key``) when it has no prompt, and the instruction under chat."""
-    prompt = _field(record, "prompt", optional=True)
+    prompt = string_field(record, "prompt", optional=True)
     instruction = context = None
     if style.template == "chat" or (prompt is None and style.template == "alpaca"):
-        instruction = _field(record, "instruction", optional=prompt is not None)
+        instruction = string_field(record, "instruction", optional=prompt is not None)
         if instruction is not None:
-            context = _field(record, context_key, optional=True)
+            context = string_field(record, context_key, optional=True)
     return style.build(prompt=prompt, instruction=instruction, context=context)
 
 
@@ -183,7 +172,7 @@ def _trl_prompt_and_completion(record: dict[str, Any], style: PromptStyle) -> tu
     """TRL's ``prompt`` / ``completion``: two strings, or the prompt's turns and one assistant
     turn."""
     if not isinstance(record.get("completion"), list):
-        return style.build(prompt=_field(record, "prompt")), _field(record, "completion")
+        return style.build(prompt=string_field(record, "prompt")), string_field(record, "completion")
     completion = conversation(record["completion"], "completion")
     if [turn["role"] for turn in completion] != ["assistant"]:
         raise PromptProblem(
@@ -206,7 +195,7 @@ def is_pair_record(record: Any) -> bool:
 
 def pair_prompt_and_responses(record: dict[str, Any], style: PromptStyle = ALPACA) -> tuple[str, str, str]:
     """The (prompt, chosen, rejected) of a pair row; raises ``_Invalid`` when it is not one."""
-    chosen, rejected = _field(record, "chosen"), _field(record, "rejected")
+    chosen, rejected = string_field(record, "chosen"), string_field(record, "rejected")
     if record.get("prompt") is None and "instruction" not in record:
         raise _Invalid(MISSING_FIELD, "a pair row with 'chosen' and 'rejected' needs 'prompt' or 'instruction'")
     prompt = _instruction_prompt(record, style, "input")

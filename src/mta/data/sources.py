@@ -1,36 +1,10 @@
-"""Where annotate's rows come from: a JSONL file, or a table Hugging Face ``datasets`` reads.
-
-- a JSONL file (any name not below): streamed line by line by :mod:`mta.data.rows`; a problem
-  names its line (``FILE:17: ...``);
-- a Parquet (``.parquet``) or CSV (``.csv``) file: read with ``datasets.load_dataset`` (which
-  keeps an Arrow copy in the datasets cache, ``HF_DATASETS_CACHE``). CSV cells are read as text,
-  as written: an empty cell is an empty string, ``NA`` is the two letters;
-- a directory ``Dataset.save_to_disk`` wrote (one dataset: for a ``DatasetDict``, give one
-  split's subdirectory): ``datasets.load_from_disk``;
-- a Hugging Face Hub dataset id, ``owner/name`` (:class:`HubDataset`: with a split, default
-  ``train``, a subset (``datasets``' config name) and a revision): its files at one commit come
-  through the Hugging Face cache (:func:`mta.models.hub.dataset_snapshot`: ``HF_DATASETS_OFFLINE``
-  honoured, an unreachable Hub answered within seconds) and are read with ``datasets.load_dataset``
-  on that snapshot. An existing local path always wins over an id of the same spelling;
-- an in-memory ``datasets.Dataset`` (the Python API).
-
-A ``datasets`` row is turned into the JSON object a JSONL line would hold and parsed by the same
-code (:func:`mta.data.rows.record_rows`), so the same content annotates to the same rows in any
-container. Its ``id`` is its 0-based index in the table, and a problem names it (``FILE: row 17:
-...``).
-
-``fields`` (recipe ``data.fields``, ``mta annotate --field KEY=COLUMN``) maps other column names
-onto the keys the row formats read (:data:`mta.data.rows.FIELD_NAMES`), for every kind of input:
-``{"prompt": "question", "response": "answer"}`` reads column ``question`` as the prompt. A
-``datasets`` input lacking a mapped column is refused before any work, naming its columns.
-
-What the manifest records of the input (:meth:`InputSource.record`): its path, ``sha256`` and
-``rows``, its ``format``, and the ``fields`` when there are any. A file's sha256 is its bytes'; a
-``save_to_disk`` directory's is the sha256 of its checksum list (every file in it, by relative
-path: :func:`mta.hashing.directory_checksums`). A Hub dataset also records ``hub_id``,
-``revision`` (the commit, never a branch name), ``split`` and ``subset``; its sha256 is that of
-those four (a commit names its files' bytes). An in-memory table's is its rows'
-(:func:`mta.hashing.records_sha256`).
+"""Where annotate's rows come from: a JSONL file (streamed by :mod:`mta.data.rows`, problems
+named by line), a Parquet or CSV file or a ``save_to_disk`` directory (``datasets``; CSV cells as
+text), a Hub dataset id (:class:`HubDataset`, read at one commit through the Hugging Face cache; a
+local path of the same spelling wins) or an in-memory ``datasets.Dataset``. A ``datasets`` row
+becomes the JSON object a JSONL line would hold and is parsed by the same code, so the same content
+annotates to the same rows. ``fields`` maps other column names onto the row formats' keys. What the
+manifest records of the input (:meth:`InputSource.record`): ARCHITECTURE.md, "1. annotate".
 """
 
 from __future__ import annotations

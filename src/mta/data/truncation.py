@@ -58,11 +58,6 @@ class FittedText:
         return not self.complete
 
     @property
-    def uncut_text(self) -> str:
-        """The (possibly cut) prompt and the whole response: what ``text`` was cut from."""
-        return self.text[: self.prompt_chars] + self.response
-
-    @property
     def parse_text(self) -> str:
         """What spaCy parses: ``text`` and up to ``PARSE_MARGIN_CHARS`` of what was cut after
         it, so a phrase the cut splits is seen whole (and dropped), while a multi-megabyte

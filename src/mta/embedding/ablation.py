@@ -1,38 +1,8 @@
-"""`make ablation-embed`: which of TALAS's parts matter, on `make demo-embed`'s pair, at two budgets (issue 35).
-
-Every student starts from the demo's start (all-MiniLM-L6-v2 pruned to 3 of its 6 layers) and
-learns all-mpnet-base-v2's embeddings of the same Dolly texts, with the demo's lr, batch, length
-and precision, AdamW without ASAM. ``talas`` is the demo's ``talas`` student (0.001·SimCSE +
-0.75·TAMD on the top two layers + 1·LASD, mean pooling). Beside it, two references:
-
-- ``cosine``: the demo's plain embedding distillation (1 − cos on the last layer only);
-- ``author-code``: TALAS as the author's code trains it (``loss.reference_code=true`` and his
-  CLS-query attention pooling);
-
-and one variant per part (``FACTORS``), each changing one thing of ``talas``:
-
-- ``no-simcse``: SimCSE off (λ1 = 0, one student pass a step);
-- ``tamd-top1``: TAMD on the top layer only (K = 1 instead of 2);
-- ``lasd-detached``: LASD with the upper layer's matrix detached (the guide gets no gradient);
-- ``lasd-0.1``: LASD at weight 0.1 instead of 1;
-- ``cls-attention``: the author's CLS-query attention pooling for the student instead of mean.
-
-Two budgets: ``steps`` (24, demo-embed's) runs all of them; ``long_steps`` (96, four times as
-many) runs ``cosine``, ``talas``, ``author-code`` and ``dev-choice``: ``talas`` with every part
-set as the dev split chose it at the short budget (left out when that is ``talas`` itself).
-
-Three splits of Dolly, none shared: ``train`` (``train_texts`` rows of dolly/train.jsonl drawn
-with seed 0, enough for the long budget to see each text at most once), ``dev`` (dolly/dev.jsonl
-rows ``held_out_texts`` .. ``held_out_texts + dev_texts − 1``) and ``held-out`` (its first
-``held_out_texts`` rows: the demo's held-out set). Every final student is scored on dev and on
-held-out (teacher agreement: Spearman ρ of the pairwise cosines, NN recall@k). The choices are
-made on dev only: for each factor, the setting (the full objective's or the variant's) with the
-higher mean dev ρ over the seeds; held-out numbers are reported for every variant, the dev
-choices marked, so the held-out texts choose nothing.
-
-:func:`plan_lines` prints the plan and :func:`estimated_seconds` its time (``bench/ablation_embed.py
---plan``); :func:`run_ablation` runs it (every finished stage is reused, the runs resume) and
-:func:`write_report` writes results.json and results.md.
+"""`make ablation-embed`: which of TALAS's parts matter, on `make demo-embed`'s pair, at two budgets
+(issue 35). The variants, budgets, splits and the dev-only choice: docs/method.md §9, "What the
+parts do at this project's scale". :func:`plan_lines` and :func:`estimated_seconds` give the plan
+(``bench/ablation_embed.py --plan``), :func:`run_ablation` runs it (finished stages reused, runs
+resumed) and :func:`write_report` writes results.json and results.md.
 """
 
 from __future__ import annotations
@@ -117,10 +87,6 @@ class AblationSettings:
     projector_lr: float = 1.0e-3
     precision: str = "auto"
     max_pairs: int = 1_000_000
-
-    @property
-    def budgets(self) -> tuple[int, int]:
-        return (self.steps, self.long_steps)
 
 
 def budget_name(steps: int) -> str:

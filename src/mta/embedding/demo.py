@@ -1,31 +1,11 @@
 """`make demo-embed`: TALAS on real sentence encoders, three objectives from the same start.
 
-convert (all-mpnet-base-v2, all-MiniLM-L6-v2) -> prune MiniLM to 3 of its 6 layers -> sample
-Dolly -> ``mta embed`` the texts with the mpnet teacher -> distil three ways x seeds ->
-``mta evaluate --task embedding`` (teacher agreement on held-out Dolly dev texts) -> table and
-picture. Every stage is reused when its output is complete (the runs resume), so a second
-``make demo-embed`` only reports.
-
-The three students (``VARIANTS``), every one from the same pruned start, the same rows, the same
-steps and learning rates (:class:`EmbedDemoSettings`):
-
-- ``cosine``: 1 − cos(W e_L, e_teacher) on the last layer only (TAMD with K = 1, no LASD, no
-  SimCSE, no ASAM): plain embedding distillation through a projection (384 -> 768);
-- ``talas``: TALAS's objective, 0.001·SimCSE + 0.75·TAMD (top 2 layers) + 1·LASD, AdamW;
-- ``talas+asam``: the same under ASAM (ρ 0.05, T_w = |w|: the author's setting).
-
-Choices the sources leave to us (TALAS.md): the student pools with mean, MiniLM's own pooling
-(the author's CLS-query attention pooling is the recipes' default; here the start is then
-evaluated with the pooling it was trained with, so the start row is a fair baseline); texts are
-cut at ``max_length`` tokens for teacher and student alike (CPU time); the learning rates are
-higher than the author's 2e-5 because the demo trains for a few dozen steps, not 5 epochs.
-
-Timing: each run trains in a spawned process of its own (its progress forwarded to this one),
-so no run inherits another's memory or warm caches. Its steps are timed from the trainer's
-progress (the median interval between steps after the first); its memory is that process's
-peak resident set while it trains (Linux ``VmHWM``, reset when training starts through
-``/proc/self/clear_refs``; the libraries loaded before are in it, ``memory_at_start_mib`` says
-how much) or, on a GPU, ``torch.cuda.max_memory_allocated``.
+all-mpnet-base-v2 teaches all-MiniLM-L6-v2 pruned to 3 layers on Dolly texts, three ways
+(``VARIANTS``: ``cosine``, plain 1 − cos on the last layer; ``talas``, 0.001·SimCSE + 0.75·TAMD +
+1·LASD; ``talas+asam``), scored by teacher agreement on held-out Dolly texts. The student pools
+with mean (MiniLM's own), and the learning rates are above the author's 2e-5 because the demo
+trains a few dozen steps, not 5 epochs. Every stage is reused when complete; each run trains in a
+process of its own. The directory and what is timed: ARCHITECTURE.md, "4. demo".
 """
 
 from __future__ import annotations

@@ -1,36 +1,9 @@
-"""`mta evaluate --task embedding`: sentence-embedding checkpoints, side by side.
-
-Two kinds of numbers, in one ``results.json`` / ``results.md`` (the LLM evaluation's files:
-``settings``, ``sets``, ``checkpoints.<label>.sets.<set>``, ``versions``, ``created``):
-
-**Teacher agreement** (set ``proxy``; needs no benchmark file): on held-out texts whose teacher
-embeddings ``mta embed`` wrote (``--teacher-embeddings DIR``, or ``--teacher T --held-out FILE``,
-embedded into ``OUT/teacher-embeddings/`` and reused), each checkpoint embeds the same texts and
-
-- ``spearman``: Spearman's rank correlation between the checkpoint's and the teacher's cosine
-  similarities over N pairs of distinct texts (every pair when there are at most
-  ``max_pairs``, else ``max_pairs`` pairs drawn with ``seed``): does the student order pairs as
-  the teacher does? Widths may differ (384 vs 768): only cosines are compared;
-- ``recall@k``: for each text, whether the teacher's nearest neighbour (the other text of
-  highest teacher cosine) is among the checkpoint's k nearest; the mean over texts.
-
-Both are 1.0 for the teacher itself, whatever its normalisation.
-
-**The author's nine tasks** (TALAS.md §9; [A] ``eval.py``): classification (Banking77, Emotion,
-TweetEval: logistic regression, ``max_iter`` 200, ``random_state`` 42, fitted on the train
-split's embeddings; macro-F1), pair classification (MRPC, SciTail, WiC: score (cos + 1) / 2;
-average precision), STS (SICK, STS12, STS-B: cosine against the gold score; Spearman); category
-means and their mean (``avg``). The data are the author's own CSV copies
-(``phongdq/TALAS-M-Datasets``, ``multi-data/*.csv``: the splits his numbers come from), read from
-``--tasks-dir`` or, when the Hugging Face Hub is reachable, downloaded into its cache. MTEB's
-tasks of the same names use other splits and protocols (subsampled training sets, repeated
-fits), so they are not used: their numbers would not be the paper's. A task whose files are not
-reachable (offline, as here) is reported as unavailable with the reason, never silently left
-out; classification also needs scikit-learn (the ``embed`` extra).
-
-Every checkpoint is fingerprinted as LLM checkpoints are (:mod:`mta.models.weights`).
-Embedding is cheap next to generation, so nothing per checkpoint is kept between runs; rank 0
-does the work under torchrun (the others wait).
+"""`mta evaluate --task embedding`: sentence-embedding checkpoints, side by side, in the LLM
+evaluation's ``results.json`` / ``results.md``: teacher agreement on held-out texts (set ``proxy``,
+:func:`teacher_agreement`) and the TALAS author's nine tasks (TALAS.md §9, his ``eval.py``, on his
+CSV copies ``phongdq/TALAS-M-Datasets``: MTEB's tasks of those names use other splits and
+protocols). A task whose files cannot be reached is reported unavailable with the reason, never
+left out. Checkpoints are fingerprinted as LLM checkpoints are; rank 0 does the work.
 """
 
 from __future__ import annotations
@@ -184,7 +157,10 @@ def teacher_agreement(
     ks: Sequence[int] = DEFAULT_K,
     seed: int = 0,
 ) -> dict:
-    """The proxy of one checkpoint: ``spearman`` (pairwise cosines), ``recall@k``, ``pairs``.
+    """The proxy of one checkpoint: ``spearman`` of the student's and the teacher's cosines over
+    pairs of distinct texts (all, or ``max_pairs`` drawn with ``seed``; widths may differ),
+    ``recall@k`` (is the teacher's nearest neighbour among the student's k nearest, the mean over
+    texts) and ``pairs``; both are 1.0 for the teacher itself.
 
     student ``[n, d_s]``, teacher ``[n, d_t]``: row i of both is text i."""
     if len(student) != len(teacher):

@@ -1,36 +1,12 @@
 """The sentence-transformers directory format: every file of it mta reads or writes, here only.
 
-A sentence-transformers model is a plain Hugging Face encoder directory (``config.json``,
-``model.safetensors``, tokenizer: ``AutoModel.from_pretrained`` loads it) with these files beside
-its weights:
-
-- ``modules.json``: the pipeline, Transformer (the directory itself) -> Pooling (``1_Pooling/``)
-  [-> Normalize (``2_Normalize/``)];
-- ``sentence_bert_config.json``: ``max_seq_length``;
-- ``1_Pooling/config.json``: the pooling mode;
-- ``config_sentence_transformers.json``: versions and the similarity (cosine), written for
-  trained students.
-
-**Read** (:func:`read_sentence_transformers_config`, what ``auto`` pooling follows): the pipeline
-``Transformer -> Pooling [-> Normalize]``, ``1_Pooling/config.json``'s mode, the Normalize module
-and ``sentence_bert_config.json``'s ``max_seq_length``. A pipeline with other modules (``Dense``,
-``LayerNorm``, ...) or another pooling mode (weighted mean, sqrt-length mean) is refused naming
-the module: its vectors would not be the model's.
-
-**Written**: :func:`write_sentence_transformers_modules` (the pipeline files; tiny encoders) and
-:func:`write_sentence_transformers_files` (a trained student's export: an exported directory, a
-checkpoint's or ``final/``, is then both a Hugging Face encoder and a sentence-transformers model);
-:func:`copy_sentence_transformers_files` carries the pipeline to a pruned copy.
-
-- ``mean`` / ``cls`` / ``max`` pooling is sentence-transformers' own Pooling module:
-  ``SentenceTransformer(dir)`` loads it.
-- ``cls_attention`` (TALAS's default) has no sentence-transformers module and no parameters (its
-  only setting is the mode): the directory carries ``cls_attention_pooling.py``, a module written
-  from :func:`mta.embedding.pooling.cls_attention_pool`'s own source (torch and
-  sentence-transformers only, no mta), and ``modules.json`` names it (``CLS_ATTENTION_MODULE``).
-  sentence-transformers runs a model's own code only when asked:
-  ``SentenceTransformer(dir, trust_remote_code=True)``. ``mta embed`` and ``mta evaluate`` read
-  the mode from ``modules.json`` and pool with mta's function.
+Beside a Hugging Face encoder's files: ``modules.json`` (Transformer -> Pooling [-> Normalize]),
+``sentence_bert_config.json`` (``max_seq_length``), ``1_Pooling/config.json`` (the mode) and, for
+trained students, ``config_sentence_transformers.json``. Reading refuses a pipeline with other
+modules or pooling modes (its vectors would not be the model's). ``cls_attention`` pooling, which
+sentence-transformers lacks, is shipped as ``cls_attention_pooling.py``, written from
+:func:`mta.embedding.pooling.cls_attention_pool`'s source (``trust_remote_code=True`` to load it
+there; mta pools with its own function).
 """
 
 from __future__ import annotations

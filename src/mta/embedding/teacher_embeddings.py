@@ -1,51 +1,7 @@
-"""`mta embed`: a teacher's sentence embedding of every training text, computed once.
-
-TALAS's students learn only from the teacher's final sentence embeddings, precomputed offline
-(docs: TALAS.md §1), so distillation never loads the teacher. This stage writes them.
-
-**Input** (``DATA``): a JSONL, Parquet or CSV file or a ``save_to_disk`` directory
-(:mod:`mta.data.sources`). The text of a row (:func:`embedding_text`):
-
-- ``text_field`` when given: that column, a string;
-- else ``text`` when the row has it (a plain corpus, TALAS's own ``train_full.csv``);
-- else an instruction row (MiniLLM ``instruction``/``input``/``output``, raw Dolly
-  ``instruction``/``context``/``response``): the instruction, its input/context when not
-  empty, and the response, joined by blank lines. No prompt template: the Alpaca boilerplate
-  would be the same ~30 tokens at the head of every text, the part of the text that tells the
-  embeddings least apart, and it spends a quarter of a 128-token budget;
-- else ``prompt`` and ``response`` (or ``completion``) strings, joined by a blank line.
-
-A row with none of these, or whose text is empty or blank, is a problem: ``on_error="fail"``
-stops at the first one, naming its line; ``"skip"`` counts it by reason.
-
-**Output** directory: the annotate artefact's layout (:mod:`mta.store`: parts listed
-with sha256 and rows by ``.mta/manifest.json``, written last; shards, locks, staging), so pandas,
-pyarrow and ``datasets`` read ``DIR/*.parquet`` as one table. Columns: ``id`` int64 (the input
-row's 0-based index), ``text`` string (exactly what the teacher encoded, before truncation),
-``embedding`` list<float32> (the teacher's pooled, optionally normalised vector, stored as
-float32 whatever the compute precision). The manifest names ``artefact: teacher-embeddings``,
-``embeddings_version``, the teacher (name, fingerprint, type, layers, width), its pooling (mode,
-normalize, where it was read), ``max_length``, ``precision``, ``dimension``, the input (path,
-sha256, rows, format, text rule) and the counts (read, written, skipped by reason, truncated).
-
-**Work**: a shard's rows are sorted by token length (longest first, ties by id), cut into
-batches of ``batch_size``, and the batches grouped into chunks of about ``CHUNK_ROWS`` rows.
-Each finished chunk is a Parquet file in ``.mta/work/shard-IIIII-of-NNNNN/``, published
-atomically and then journalled (``journal.jsonl``: chunk, rows, sha256). A killed run re-run
-with the same command skips the journalled chunks whose files still match, so nothing is
-computed twice and no row is written twice; a plan made with other settings (another key) is
-discarded. When every chunk is there they are streamed into the shard's one part, and the shard
-is committed as annotate commits one (the last shard of a set writes the manifest).
-
-**Ranks**: ``shard=None`` takes ``(rank, world size)`` of the launcher's process group (joined
-as ``mta evaluate`` joins it), so ``torchrun --nproc-per-node 8 mta embed ...`` splits the rows
-over eight GPUs; ``shard=(i, n)`` runs one shard by hand (another machine, a job array).
-
-**Reuse**: a complete artefact with the same key (teacher fingerprint, input sha256 and text
-rule, pooling, normalisation, length, precision) whose parts match their sha256 is returned as it
-is, unless ``force``. The teacher's fingerprint is the sha256 of every file of its directory
-(:func:`mta.hashing.directory_checksums`: weights, config, tokenizer, pooling modules), or
-``hub:<name>`` for a hub name.
+"""`mta embed`: a teacher's sentence embedding of every training text, computed once, so that
+TALAS's distillation never loads the teacher (docs: TALAS.md §1). Input, output and work layout:
+ARCHITECTURE.md, "1b. embed"; chunks and reuse through ``mta.store`` (a complete artefact with the
+same key is returned as it is unless ``force``).
 """
 
 from __future__ import annotations
@@ -64,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from mta import distributed
-from mta.data.rows import INVALID_TEXT, MISSING_FIELD, WRONG_TYPE, RowProblem
+from mta.data.rows import INVALID_TEXT, MISSING_FIELD, RowProblem, string_field
 from mta.data.sources import InputSource, input_identity, open_source
 from mta.dtypes import resolve_dtype
 from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
@@ -104,19 +60,13 @@ class _NoText(ValueError):
 
 
 def _string(record: dict, key: str, *, optional: bool = False) -> str | None:
-    value = record.get(key)
-    if value is None:
-        if optional:
-            return None
-        raise _NoText(MISSING_FIELD, f"field '{key}' is missing or null")
-    if not isinstance(value, str):
-        raise _NoText(WRONG_TYPE, f"field '{key}' must be a string, got {type(value).__name__}")
-    return value
+    return string_field(record, key, optional=optional, problem=_NoText)
 
 
 def embedding_text(record: Any, text_field: str | None = None) -> str:
-    """The text ``mta embed`` encodes for one decoded row (rules in the module docstring);
-    raises ``ValueError`` (with ``reason`` and ``message``) when the row has none."""
+    """The text ``mta embed`` encodes for one decoded row: ``text_field``, else ``text``, else an
+    instruction row's instruction, input/context and response, else prompt + response (or
+    completion); raises ``ValueError`` (with ``reason`` and ``message``) when the row has none."""
     if not isinstance(record, dict):
         raise _NoText(MISSING_FIELD, f"expected an object, got {type(record).__name__}")
     if text_field is not None:

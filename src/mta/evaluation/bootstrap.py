@@ -1,28 +1,12 @@
 """The difference between two variants' scores: a hierarchical bootstrap interval and the
 smallest difference the design can detect (issue 33's comparison of MTA with its base).
 
-A variant's scores on one set are an array ``[train_seeds, sampling_seeds, rows]`` (ROUGE-L per
-row): every training run of the variant, sampled under every sampling seed, on the same rows.
-Both variants are scored on the same rows (the same prompts), so rows are paired; their training
-runs are not (a training seed is drawn for each variant on its own).
-
-The estimate is the difference of the grand means, per set, and for the average the mean over
-sets of the per-set differences. One bootstrap replicate draws, with replacement,
-
-1. per variant, its training seeds (one draw for every set: a run is scored on all of them);
-2. within each drawn training seed, its sampling seeds (one draw for every set);
-3. per set, its rows, one draw shared by both variants (the pairing of the prompts),
-
-and computes the same differences. The standard error is the replicates' standard deviation, and
-the 95 % interval is ``estimate ± t(0.975, df) · SE`` with ``df = n_A + n_B - 2`` training seeds:
-the training runs are the scarce level. Two biases meet in that SE: the top level's draw
-understates the variance of a mean of ``n`` seeds by ``(n - 1) / n``, and the nested draws count
-the lower levels' variance once more (it is already in the seeds' means); the simulation test
-finds the second the larger, so the interval errs on the wide side (coverage there: 0.98-0.99).
-The smallest difference detectable at 80 % power (two-sided 5 %) is
-``(t(0.975, df) + t(0.80, df)) · SE``: the difference whose interval would exclude 0 four times
-in five, with the variances measured. ``tests/test_bootstrap.py`` checks the coverage and
-the power on simulated data with a planted difference.
+Scores are ``[train_seeds, sampling_seeds, rows]`` per variant and set; rows are paired across
+variants, training runs are not. A replicate redraws, with replacement, each variant's training
+seeds, within them its sampling seeds, and per set the rows (one draw shared by both variants).
+The interval is ``estimate ± t(0.975, df) · SE`` with ``df = n_A + n_B − 2`` training seeds (the
+scarce level); it errs on the wide side (simulated coverage 0.98-0.99). The detectable difference
+at 80 % power is ``(t(0.975, df) + t(0.80, df)) · SE``; tests/test_bootstrap.py checks both.
 """
 
 from __future__ import annotations
@@ -45,9 +29,6 @@ class Difference:
     high: float
     standard_error: float
     detectable: float
-
-    def excludes_zero(self) -> bool:
-        return self.low > 0 or self.high < 0
 
 
 def t_quantile(probability: float, df: int) -> float:

@@ -59,11 +59,6 @@ def _candidates(checkpoint: str) -> list[str]:
     return list(dict.fromkeys([candidates[0], *output, *candidates[1:], "--".join(parts)]))
 
 
-def checkpoint_label(checkpoint: str) -> str:
-    """The short label of one checkpoint (see ``checkpoint_labels``)."""
-    return _candidates(checkpoint)[0]
-
-
 def checkpoint_labels(checkpoints: Sequence[str]) -> list[str]:
     """Short, directory-safe labels: each checkpoint's shortest (``runs/a/final`` -> ``a``),
     lengthened with the directories above it only where two would otherwise collide

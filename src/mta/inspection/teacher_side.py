@@ -45,24 +45,10 @@ class CachedTeacherSide(TeacherSide):
     """The teacher layers an ``mta teacher`` cache holds, for the annotations it was built from."""
 
     def __init__(self, directory: Path, annotations: Annotations):
-        from mta.store.read import read_stage_manifest
-        from mta.training.teacher_cache.content import (
-            ARTEFACT,
-            CONTENT_KEYS,
-            READABLE_VERSIONS,
-            teacher_tokens_fingerprint,
-        )
-        from mta.training.teacher_cache.read import TeacherCache
+        from mta.training.teacher_cache.content import CONTENT_KEYS, teacher_tokens_fingerprint
+        from mta.training.teacher_cache.read import TeacherCache, read_cache_manifest
 
-        manifest = read_stage_manifest(
-            directory,
-            artefact=ARTEFACT,
-            version_key="teacher_cache_version",
-            version=READABLE_VERSIONS,
-            command="mta teacher",
-            build=f"mta teacher --recipe RECIPE -o {directory.parent}",
-            what="--teacher-cache: ",
-        )
+        manifest = read_cache_manifest(directory, "--teacher-cache: ")
         # Everything as stored, but the teacher tokens of these annotations and no logits:
         # a cache of other annotations is refused naming data.train / data.dev.
         expected = {key: manifest.get(key) for key in CONTENT_KEYS}

@@ -1,44 +1,12 @@
 """MTA's terms inside TRL's ``DistillationTrainer`` (``pip install 'mta-distill[trl]'``; docs/trl.md).
 
-:class:`MTADistillationTrainer` is TRL's on-policy ``DistillationTrainer`` (its generalised JSD as
-the base loss, its generation, PEFT, accelerate) with DSA + HRA (docs/method.md §3) added on the
-same forwards:
-
-- TRL runs the student and the teacher once per micro batch through ``_get_last_hidden_state``;
-  this trainer asks those same backbone calls for every layer's hidden states
-  (``output_hidden_states``), so no model runs twice.
-- The spans of the on-policy completions are parsed by mta's span parser
-  (:class:`mta.SpanParser`, worker processes, the code ``mta distill`` and ``mta annotate`` run):
-  every micro batch of a generation batch is submitted as soon as TRL has generated it, and its
-  result is awaited only after both forwards of that micro batch, so parsing overlaps the models.
-- DSA and HRA are :meth:`mta.MTALoss.alignment` on TRL's own layout (prompts left-padded,
-  completions right-padded): each row's spans are shifted by its prompt padding, nothing is
-  copied or re-laid. The term is ``dsa_weight·DSA + hra_weight·HRA`` added to TRL's loss; in
-  training each micro batch's per-sequence sums are divided by the sequences of TRL's generation
-  batch (over every process, per process), as TRL divides its token sums by that batch's tokens,
-  so the gradient is the same however the batch is split into micro batches and processes.
-- Both weights 0: TRL's trainer, step for step (no hidden states, spans, projectors or logs).
-- Completions are parsed whole, their special tokens (the end of turn and the tool's reply of a
-  tool-calling conversation) read as line breaks: span boundaries (``GeneratedRow.turns``).
-- The HRA projectors are a submodule of the trained student (``mta_projectors``, attached before
-  accelerate wraps it), so DDP, DeepSpeed ZeRO-1/2/3 and FSDP2 reduce, partition and shard them
-  with the student; they get their own AdamW parameter group (``projector_lr``, no weight decay),
-  are saved in each checkpoint as ``mta_projectors.safetensors`` (gathered first when sharded)
-  and restored on resume (by the engine's own checkpoint when sharded; the file is still
-  required and checked); the saved student is TRL's (no mta key in it: ``_keys_to_ignore_on_save``,
-  so it loads with transformers alone).
-- ``mta/dsa``, ``mta/hra`` and ``mta/total`` join TRL's logged metrics (and so its ``report_to``).
-
-Teacher and student must share one tokenizer: TRL feeds both models the same ``input_ids``. A
-teacher whose tokenizer differs is refused, pointing to ``mta distill`` (which annotates each
-side with its own tokenizer). FSDP1 is refused (it flattens the projectors into the student's
-flat parameters; use FSDP2), and so is ``projector_lr`` beside a DeepSpeed config with its own
-``optimizer`` section (DeepSpeed builds one group of every parameter).
-
-The config is TRL's ``DistillationConfig`` plus ``mta`` (:class:`MTASection`): a mapping (or its
-JSON text on a command line) of ``dsa_weight``, ``hra_weight``, ``layers``, ``importance``,
-``projector_lr``, the span settings, or ``recipe: PATH`` to take a recipe's ``loss`` and ``data``
-values (keys given beside it win).
+:class:`MTADistillationTrainer` adds ``dsa_weight·DSA + hra_weight·HRA`` (docs/method.md §3) to
+TRL's on-policy loss on the same forwards (the backbone calls also return every layer's hidden
+states), with the completions' spans parsed by :class:`mta.SpanParser` while the models run. The
+HRA projectors are the student's submodule ``mta_projectors``, so every engine shards and saves
+them with it. Both weights 0 is TRL's trainer step for step. What is refused and why (another
+tokenizer, FSDP1, ``projector_lr`` beside a DeepSpeed optimizer) and the config's ``mta``
+section: docs/trl.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """DistiLLM-2's contrastive loss over teacher-response / student-response pairs.
 
-Each prompt comes twice in the micro batch: with a response the teacher sampled ("chosen",
-y_t) and with one the student sampled ("rejected", y_s). With p the teacher and q the student
-distribution at temperature τ at each response position, and sg the stop-gradient::
+Each prompt comes twice in the micro batch: with the teacher's response ("chosen") and the
+student's ("rejected"). With p the teacher and q the student distribution at temperature τ at each
+response position, and sg the stop-gradient::
 
     SKL(t)  = KL(p ‖ α·p + (1−α)·q)                   on chosen rows (gradient through both q's)
     SRKL(t) = KL(q ‖ α·sg(q) + (1−α)·p)               on rejected rows (q in the mixture is constant)
     loss    = (2−β) · mean_{chosen rows}  [mean_{t in row} SKL(t)]
             +   β   · mean_{rejected rows}[mean_{t in row} SRKL(t)]
 
-Each row is averaged over its own response tokens, then over the rows of its kind that have
-at least one response token (a row without one counts nowhere); given ``num_pairs`` (the pairs
-of the whole global batch), each kind's row sum is divided by it instead, so micro batches add
-up to the global batch's loss (a row without a response token then adds 0). For a batch of P pairs this is
-the public trainer's ``((2−β)·chosen_kl + β·rejected_kl).mean()`` over pairs, exactly.
-
-Source: ``jongwooko/distillm-2`` ``src/distillm_trainer.py`` (``loss_type == "distillm_v2"``:
-``kd_loss`` and ``get_batch_logps`` with ``average_log_prob=True``), whose loss code is
-identical in the MTA authors' ``wind123mountain/MTA``
-``distillm-2-master/src/span_distillm_trainer.py`` (that file adds a span loss outside this
-term). There β = 1 and α = 0.1 are fixed in the trainer (its ``gradual_beta`` schedule
-1 → 1.5 and per-sequence adaptive α are present but switched off), there is no temperature
-(τ = 1 here by default) and no SFT term. The teacher's logits are the teacher's own forward
-pass on the same (prompt, response) rows, the student's response included.
-
-Memory: one pass of ``mta.losses.chunked.chunked_token_loss`` with per-token weights
-``(2−β) / n_b / R_chosen`` or ``β / n_b / R_rejected`` (n_b: tokens in row b).
+Rows without a response token count nowhere; given ``num_pairs`` (the global batch's pairs) each
+kind's row sum is divided by it instead, so micro batches add up. For P whole pairs this is the
+published trainer's loss exactly (docs/method.md §5). One pass of ``chunked_token_loss`` with
+per-token weights ``(2−β) / n_b / R_chosen`` or ``β / n_b / R_rejected`` (n_b: tokens in row b).
 """
 
 from __future__ import annotations

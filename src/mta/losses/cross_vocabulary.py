@@ -1,30 +1,17 @@
 """Logit losses across two vocabularies, on the units both tokenisations agree on (docs/method.md §5b).
 
-An **aligned unit** is a stretch of text both tokenizers cut at the same character offsets: one of
-annotate's ``boundary_spans`` (consecutive common boundaries, ``mta.data.token_ranges``), with
-``[first, end)`` tokens on each side (one or several). Every unit starts at a common boundary, so
-both models predict its first token from the same text. For unit u and a side with tokens
-``x_first … x_{end−1}`` and next-token distributions ``p_τ = softmax(z / τ)``:
+An aligned unit is one of annotate's ``boundary_spans``: ``[first, end)`` tokens on each side,
+starting at a common boundary. A side's ``P(u) = p_τ(· | x_<first) · Π_{j>first} p_τ(x_j | x_<j)``
+(unnormalised; GOLD's "observed" merge). Each loss is the mean over the units whose first token
+is a response token on both sides:
 
-- ``P(u)`` = the side's full distribution at the unit's first token, over its own vocabulary,
-  ``p_τ(· | x_<first)``, times ``c = Π_{j=first+1}^{end−1} p_τ(x_j | x_<j)``, the teacher-forced
-  probability of the unit's other tokens (``c = 1`` for a single-token unit). ``P(u)[x_first]``
-  is the side's probability of the whole unit; the vector is unnormalised (it sums to ``c``).
-  This is GOLD's "observed" merge (TRL ``GOLDTrainer``, ``token_merge_strategy="observed"``).
+- ``uld``: ``λ_ce·CE + λ_uld·Σ_i |sort↓(P_S(u))_i − sort↓(P_T(u))_i|`` (W1 of the sorted vectors,
+  the shorter padded with zeros);
+- ``gold``: ``λ_ce·CE + λ_kl·D(p̂_T ‖ p̂_S) + λ_uld·W1(unshared)``, ``p̂`` the first token's
+  distribution on the shared vocabulary, renormalised; W1 on the tokens outside it.
 
-Losses (each the mean over the batch's units whose first token is a response token on both sides):
-
-- ``uld``: ``λ_ce·CE + λ_uld·Σ_i |sort↓(P_S(u))_i − sort↓(P_T(u))_i|`` (ULD, Boizard et al. 2024:
-  the Wasserstein-1 distance of the sorted vectors, the shorter padded with zeros; CE on the
-  reference tokens as usual, its authors' weights λ_ce = 1, λ_uld = 1.5).
-- ``gold``: ``λ_ce·CE + λ_kl·D(p̂_T ‖ p̂_S) + λ_uld·W1(unshared)``: ``p̂`` is each side's
-  distribution at the unit's first token restricted to the shared vocabulary
-  (:func:`mta.losses.sra.shared_vocabulary`) and renormalised (so ``c`` cancels), D forward KL or
-  skew reverse KL; W1 is the ULD distance of the two ``P(u)`` restricted to the tokens outside the
-  shared vocabulary (GOLD's hybrid, with a KL in place of its JSD).
-
-The student's ``c`` carries a gradient (to the logits of the unit's later tokens). All maths fp32,
-a chunk of units at a time (``mta.losses.chunked``); no Python loop over tokens or units.
+The student's product carries a gradient to its later tokens' logits. fp32, a chunk of units at
+a time (``mta.losses.chunked``), no Python loop over tokens or units.
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """FDD (feature dynamics distillation) through the logit lens: a trajectory and a dynamics term.
 
-For K aligned layer pairs k = 1..K (student layer, teacher layer), in order of depth, each side's
-hidden state at a position goes through that side's own lens (its LM head, optionally after its
-final norm; the caller composes it): ``zS_k = student_lens(hS_k)``, ``zT_k = teacher_lens(hT_k)``,
-logits over the compared vocabulary ``[0, V)``. With T the temperature:
+For K layer pairs in depth order, logits ``zS_k = student_lens(hS_k)``, ``zT_k = teacher_lens(hT_k)``
+over ``[0, V)`` (the caller composes each lens), T the temperature::
 
-    trajectory = 1/K · Σ_k  mean_tokens KL(p_k ‖ q_k),
-                 p_k = softmax(zT_k / T), q_k = softmax(zS_k / T), KL summed over the vocabulary,
-                 no T² factor;
-    dynamics   = 1/(K−1) · Σ_{k=2..K}  mean_tokens [1 − cos(ΔS_k, ΔT_k)],
-                 ΔS_k = log_softmax(zS_k) − log_softmax(zS_{k−1})   (temperature 1, not T),
-                 ΔT_k likewise for the teacher, the cosine over the vocabulary with
-                 cos(a, b) = a·b / (max(|a|, ε) · max(|b|, ε)), ε = 1e-5 (torch's cosine_similarity);
-    fdd        = trajectory_weight · trajectory + dynamics_weight · dynamics.
+    trajectory = 1/K · Σ_k mean_tokens KL(softmax(zT_k / T) ‖ softmax(zS_k / T))    (no T²)
+    dynamics   = 1/(K−1) · Σ_{k≥2} mean_tokens [1 − cos(ΔS_k, ΔT_k)],
+                 Δ_k = log_softmax(z_k) − log_softmax(z_{k−1}) at temperature 1, torch's ε = 1e-5
+    fdd        = trajectory_weight · trajectory + dynamics_weight · dynamics
 
-``mean_tokens`` is the mean over every position the mask selects, pooled over the batch (not per
-sequence). K = 1 leaves no change to compare: dynamics is 0 and fdd is the weighted trajectory.
-
-This follows ``get_fdd_loss`` / ``soft_label_distill_loss`` in the MTA authors' code
-(distillm-master/fdd_finetune.py and span_fdd_finetune.py; the two functions are the same there
-except the temperature: 5.0 in fdd_finetune.py, 2.0 in span_fdd_finetune.py, the MTA script,
-whose value is the default here). Both weights are 1 there (``traj / K + der / (K − 1)``). The
-authors apply the bare LM head to ``hidden_states[layer]`` (no final norm; HF's last entry is
-already normed) and mask with the attention mask, so prompt tokens count; pass such a lens and
-mask to reproduce them. Differences kept on purpose: all maths here is fp32 (theirs runs in the
-models' dtype), only ``[0, vocab_size)`` is compared (they use the whole, resized, width), and
-K = 1 gives dynamics 0 (theirs divides by zero).
-
-Memory: logits never exist for all positions at once. The masked positions are visited
-``chunk_size`` at a time; each chunk computes both terms for all K pairs under
-``torch.utils.checkpoint`` (non-reentrant), so backward recomputes that chunk's logits instead
-of keeping them. Peak extra memory is a few fp32 ``[chunk_size, V]`` buffers per pair.
+``mean_tokens`` pools the masked positions over the batch; K = 1 gives dynamics 0. Visited
+``chunk_size`` positions at a time under ``torch.utils.checkpoint``, so peak extra memory is a few
+fp32 ``[chunk_size, V]`` buffers per pair. Against the authors' code: docs/method.md §5.
 """
 
 from __future__ import annotations

@@ -1,41 +1,16 @@
-"""The teacher's next-token distribution kept as a head and a few tokens sampled from the rest,
-and the base losses read from it (forward KLs without bias).
+"""The teacher's next-token distribution kept as a head and a few tokens sampled from the rest
+(Sparse Logit Sampling, Anshumann et al., ACL 2025, with a head), and the base losses read from it.
 
-``mta teacher`` with ``teacher_cache.logits: sampled`` stores, per response position, the k most
-probable tokens of ``p = softmax(z / τ)`` with their log-probabilities (the *head*, k may be 0),
-the log of the mass outside it (``log P_T``, the tail), and N tokens drawn with replacement from
-the tail distribution ``p_T = p / P_T`` restricted to the tokens outside the head (Sparse Logit
-Sampling, Anshumann et al., ACL 2025, with a head), kept as distinct ids with their counts and
-their log-probabilities ``log p``.
-
-**The estimator.** Every base loss is a sum over the vocabulary of a term ``f(p_v, q_v)`` of the
-teacher's and the student's probability of token v (forward and reverse KL, their skewed forms,
-JSD, TVD, DistiLLM-2's two terms: ``DistributionLoss.terms``). With ``c_v`` the count of v among
-the N draws, ::
+With a base loss ``Σ_v f(p_v, q_v)`` (``DistributionLoss.terms``), the head's k tokens, the tail
+mass ``P_T`` and ``c_v`` the count of v among N draws from the tail, ::
 
     L̂ = Σ_{v ∈ head} f(p_v, q_v) + Σ_{v drawn} (c_v / N) · (P_T / p_v) · f(p_v, q_v)
 
-is unbiased: ``E[c_v / N] = p_v / P_T``, so the second sum's expectation is ``Σ_{v ∉ head} f(p_v,
-q_v)``. The student's q is its full softmax, so q_v is exact at every token; the gradient with
-respect to the student's logits is unbiased too (the draws do not depend on the student).
-Caveats: a tail token whose fp32 ``p_v`` is 0 is never drawn; log-probabilities stored in fp16
-(``teacher_cache.storage: compact``) move each weight by their rounding.
-
-**What the losses read.** Unbiased is not enough for the losses whose terms the *student's* q
-weighs (reverse KL, skew reverse KL, the q halves of JSD and TVD): the tokens where an untrained
-student puts its mass and the teacher all but excludes are almost never drawn, and weigh
-``P_T / (N p_v)`` when they are, so a finite number of draws misses most of the loss (the demo's
-pair: −96 % at N = 64). Those losses read the *rest rule* instead (:meth:`SampledTeacher.dense_log_probs`):
-the head and the drawn tokens at their stored ``log p``, every other token at the mean ``log p``
-of those tokens (``rest_log_mean``; reverse KL and skew reverse KL, whose terms are ``q · log p``)
-or at the mass they share spread evenly (JSD, TVD): biased, as the top-k tail rule is, with more
-of the distribution exact. Forward KL and skew forward KL (the teacher's p weighs their terms)
-read the unbiased estimate (``DistributionLoss.importance_weighted``).
-
-:class:`SampledTeacher` holds the estimator's entries at each position (ids, teacher log-probs,
-weights: 1 on the head, ``c_v / N · P_T / p_v`` on a draw, 0 on padding; the rest rule's fills)
-and stands in for the teacher's logits: the base losses see it in place of ``[batch, seq, vocab]``
-logits (``mta.losses.chunked`` hands each chunk its rows).
+is unbiased, its gradient in the student's logits too; forward KL and skew forward KL read it.
+The losses the student's q weighs (reverse KLs, JSD, TVD) read the biased *rest rule* instead
+(:meth:`SampledTeacher.dense_log_probs`): a finite N misses most of their loss (docs/teacher-cache.md).
+:class:`SampledTeacher` holds, per position, ids, teacher log-probs and weights (1 on the head,
+``c_v / N · P_T / p_v`` on a draw, 0 on padding) and stands in for ``[batch, seq, vocab]`` logits.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Models and tokenizers by Hugging Face Hub name: the one place a name meets the network.
 
-``from_pretrained`` on a name that is not a local directory asks the Hub first. With the Hub
-unreachable (offline, a firewall, a wrong ``HF_ENDPOINT``) huggingface_hub retries every request
-with back-off, printing a line per retry, and transformers gives up only after about half a
-minute per file. Every loader in mta (tokenizers, the recipe's models, evaluated checkpoints,
-``mta generate``'s models) goes through :func:`load_pretrained`, which decides up front:
-
-- a local directory (or file): loaded as it is, the Hub is never asked;
-- ``HF_HUB_OFFLINE=1``: the Hugging Face cache only; a name that is not in it is an ``MtaError``
-  naming it;
-- otherwise one short request to the endpoint (``HF_ENDPOINT``, default https://huggingface.co),
-  made once per process. Reachable: loaded as usual, and a name the Hub does not know (a typo)
-  is an ``MtaError`` naming it. Unreachable: a name already in the cache loads from it (with a
-  warning); any other is an ``MtaError`` within seconds, naming ``HF_HUB_OFFLINE=1`` and the
-  local-directory alternative.
-
-Datasets by Hub id (``owner/name``) follow the same rules through :func:`dataset_snapshot`: the
-repository's files at one commit, in the Hugging Face cache (``HF_HUB_CACHE``), resolved by
-``huggingface_hub.snapshot_download``; offline when ``HF_DATASETS_OFFLINE`` says so (else
-``HF_HUB_OFFLINE``), as ``datasets`` decides.
+With the Hub unreachable, huggingface_hub retries with back-off and transformers gives up after
+about half a minute per file, so every loader goes through :func:`load_pretrained`, which decides
+up front: a local directory loads as it is; ``HF_HUB_OFFLINE=1`` reads the cache only; otherwise
+one short request per process to ``HF_ENDPOINT`` decides (reachable: a name the Hub does not know is
+an ``MtaError``; unreachable: a cached name loads with a warning, any other is an ``MtaError``
+within seconds naming the fix). Hub datasets follow the same rules (:func:`dataset_snapshot`:
+the files at one commit in the Hugging Face cache; offline per ``HF_DATASETS_OFFLINE``).
 """
 
 from __future__ import annotations

@@ -1,41 +1,8 @@
-"""The files of a model directory, their one home: which files decide what a model computes,
-are its weights whole, do they match its checksum list, their fingerprints, and what its
-safetensors hold (headers only: no tensor loads). Every stage reads it (evaluation, pairs, the
-teacher cache, the hub checks, push, the demos).
-
-**Model files** are the files of a checkpoint directory that decide what it generates: every file
-transformers (``AutoConfig``, ``AutoModelForCausalLM``, ``AutoTokenizer``, ``GenerationConfig``)
-and peft read from it, in one list (``MODEL_FILE_PATTERNS``): weights (``*.safetensors``,
-``pytorch_model*.bin`` and their ``.index.json``), a peft adapter (``adapter_config.json``,
-``adapter_model.safetensors`` / ``.bin``: with peft installed, ``from_pretrained`` applies it on
-top of the weights), config (``config.json``, ``generation_config.json``) and tokenizer
-(``tokenizer*``, ``special_tokens_map.json``, ``added_tokens.json``, the vocabulary files of
-every tokenizer class transformers ships, ``chat_template.*``,
-``additional_chat_templates/*.jinja``). Code files are not among them: mta never passes
-``trust_remote_code``, so transformers runs none. Training records beside them
-(``recipe.yaml``, ``trainer_state.json``, ``deepspeed/``, ``adapter/`` ...) are not model files.
-
-**Whole weights** (``check_weights``, cheap, no tensor is read): a safetensors file's 8-byte header
-length and JSON header parse, and the file is exactly as long as the header's largest data offset
-says; a sharded checkpoint's index names shards that are all there and whole; a
-``pytorch_model.bin`` exists and is not empty (it is not unpickled).
-
-**Fingerprint** (``checkpoint_fingerprint``): ``sha256:`` of ``{model file: its sha256}`` as
-canonical JSON (``mta.hashing.json_sha256``), so it changes whenever any weight, adapter,
-tokenizer or config byte does. Where the directory has a ``checksums.sha256`` (``mta distill`` writes one into
-every checkpoint and ``final/``), every model file it lists is verified against it first and a
-mismatch is refused naming the file; the digests are the file's bytes either way, so the
-fingerprint is the same with or without the list. The files are hashed on every run, reuse
-included: ``file_sha256`` reads about 1.6 GB/s on one core of the development machine
-(``bench/fingerprint.py``: 0.31 s for 500 MB from the page cache), so a 7B model in bf16
-(~14 GB) costs ~9 s, or the disk's read time when it is not cached.
-
-A hub name is fingerprinted as ``hub:<name>@<commit>``, the commit its config resolved to in the
-local hub cache (the one ``from_pretrained`` loads), or ``hub:<name>`` where none can be told
-(e.g. a local hub mirror without snapshots): predictions of a hub name are then keyed on the name.
-
-The same fingerprint keys ``mta teacher``'s cache (``teacher_weights``) and matches ``mta push
---results`` to a model; ``require_unchanged`` checks it again once a model under test is loaded.
+"""The files of a model directory, their one home: which files decide what a model computes
+(``MODEL_FILE_PATTERNS``), whether its weights are whole (``check_weights``: headers only, no
+tensor loads), whether they match its checksum list, and its fingerprint
+(``checkpoint_fingerprint``), which keys predictions, teacher caches and ``mta push --results``.
+The rules: ARCHITECTURE.md, "One home per mechanism".
 """
 
 from __future__ import annotations

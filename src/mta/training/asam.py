@@ -1,40 +1,13 @@
 """ASAM (Kwon et al., 2021: adaptive sharpness-aware minimisation) around any recipe's optimizer.
 
 ``train.asam: {rho, eta, scope}`` makes every optimizer step two passes over its accumulation
-window (``Trainer.step``):
-
-1. g = the window's gradient at the weights w: every micro batch forward and backward, summed
-   over the processes. It is taken with ``torch.autograd.grad``, so DeepSpeed's own gradient
-   buffers and hooks never see it.
-2. ε = ρ · T_w² · g / ‖T_w · g‖₂ with T_w = |w| + η element-wise, the norm over every trainable
-   parameter (student and projectors); ``scope: weights`` keeps T_w = 1 (plain SAM) on the
-   parameters whose name does not end in ``weight`` (biases, LayerNorm shifts), as Kwon et al.'s
-   code does.
-3. A copy of w is kept and w ← w + ε; the same micro batches then run forward and backward
-   through the engine exactly as in a step without ASAM (DeepSpeed accumulates g′ = ∇L(w + ε)).
-4. w is restored from the copy (never as w + ε − ε, which drifts in bf16), then the engine's
-   step applies g′ to w: clipping, ZeRO, loss scaling and the schedule as in any step.
-
-When ‖T_w · g‖ is 0 or not finite nothing is perturbed (step 3 runs at w) and a warning names
-the step. The logged losses are the second pass's, at w + ε (as TALAS's author logs them).
-
-DeepSpeed: ZeRO 0, 1 and 2 keep every weight whole on every process (ZeRO 1/2 partition the
-optimizer states and gradients, and update fp32 master copies that the perturbation never
-touches), so steps 1-4 work unchanged and every process computes the same ε from the same
-summed g. ZeRO-3 is refused (``mta.training.config.schema.ZERO3_REFUSAL``). Nothing of ASAM
-outlives a step (the copy of w is dropped after it), so checkpoints hold no ASAM state and a
-resumed run continues bit-identically: the dropout of both passes comes from the checkpointed RNG.
-
-Cost: two forward and two backward passes per step, one copy of the trainable weights, and
-one fp32 gradient buffer while ε is formed.
-
-The defaults are TALAS's author's ([A] ``train_asam.py``: ``pytorch_optimizer.SAM(adaptive=True,
-rho=0.05)``, i.e. T_w = |w| with no η, on every parameter). Two things [A] does differently: it
-clips the student's part of g to norm 1 before forming ε (a uniform rescale of only the student
-parameters, which shifts ε's share between student and projectors; here g is unclipped: a
-clip of the whole g would not change ε, and a task: embedding recipe's ``loss.reference_code``
-clips as he does, ``student_clip``), and it adds 1e-12 to the norm where this skips the
-perturbation.
+window: g = the window's gradient at w (``torch.autograd.grad``, so DeepSpeed never sees it);
+ε = ρ · T_w² · g / ‖T_w · g‖₂ with T_w = |w| + η (``scope: weights``: T_w = 1 on parameters not
+named ``*weight``); w ← w + ε from a kept copy; the engine's usual forward, backward and step at
+w + ε, with w restored from the copy first (never w + ε − ε, which drifts in bf16). A zero or
+non-finite norm perturbs nothing (a warning names the step). ZeRO 0-2 keep weights whole, so
+every process forms the same ε; ZeRO-3 is refused. No state outlives a step, so checkpoints hold
+none. Against TALAS's author's code: docs/method.md §9.
 """
 
 from __future__ import annotations

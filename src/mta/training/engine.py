@@ -1,26 +1,12 @@
 """DeepSpeed around the student: process group, config from the recipe, optimizer and schedule.
 
-Launch modes (one code path for all):
-
-* single process: ``mta distill --recipe R``. When no launcher set ``RANK``/``WORLD_SIZE``,
-  ``init_distributed`` sets the rendezvous variables itself (a free local port) and joins a
-  one-process group (``gloo`` on CPU, ``nccl`` on GPU).
-* several GPUs or nodes: ``torchrun --nproc-per-node 8 $(which mta) distill --recipe R`` or
-  ``deepspeed --no_local_rank --num_gpus 8 $(which mta) distill --recipe R`` (``--no_local_rank``:
-  ``LOCAL_RANK`` comes from the environment, not an extra argument). Add ``--nnodes``/
-  ``--node-rank``/``--master-addr`` (torchrun) or a hostfile (deepspeed) for several nodes. The
-  launcher sets the variables; the global batch stays ``train.batch_size`` because accumulation
-  is derived from the world size.
-
-Precision (``TrainingPrecision``): on a GPU, bf16 and fp16 are DeepSpeed's (16-bit weights, fp32
-master weights in the optimizer). On a CPU, bf16 is torch's autocast around the forwards (the
-losses stay in fp32: ``DistillationModel`` turns autocast off around the objective), over fp32
-weights, gradients and optimizer state, DeepSpeed staying in fp32. At the demo's student shape
-(bench/cpu_precision.py, 2 cores with AVX512-BF16) a step takes 1.93 s against fp32's 3.37 s, and
-DeepSpeed's own bf16 mode 1.87 s: 3 % faster, but it accumulates gradients in bf16 (ZeRO-1/2),
-keeps the residual stream in bf16 and exports a bf16 ``final/``; autocast keeps all of those in
-fp32, and a CPU checkpoint's DeepSpeed state is laid out alike in fp32 and bf16. A frozen fp32
-teacher is held in bf16 (its products are bf16 under autocast anyway). fp16 on a CPU is refused.
+One code path for every launch (README, "Several GPUs and nodes"): without a launcher ``init_distributed``
+sets the rendezvous variables itself and joins a one-process group (``gloo`` on CPU, ``nccl`` on
+GPU); accumulation follows the world size, so the global batch stays ``train.batch_size``.
+Precision (``TrainingPrecision``): on a GPU bf16 and fp16 are DeepSpeed's; on a CPU bf16 is torch
+autocast over fp32 weights, gradients and optimizer state, DeepSpeed staying in fp32 (its own bf16
+mode is 3 % faster, ``bench/cpu_precision.py``, but accumulates gradients, keeps the residual stream
+and exports ``final/`` in bf16); a frozen teacher is held in bf16; fp16 on a CPU is refused.
 """
 
 from __future__ import annotations

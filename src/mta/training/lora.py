@@ -1,28 +1,11 @@
 """LoRA students (``student.lora``): adapters through ``peft``, merged weights on every export.
 
-``wrap`` injects the adapters into the loaded student in place (``peft.inject_adapter_in_model``):
-the model stays a plain transformers model whose target ``nn.Linear`` / GPT-2 ``Conv1D`` layers
-are ``peft`` LoRA layers, and only the adapters' ``lora_A`` / ``lora_B`` require gradients (the
-HRA / SRA projectors, outside the student, train as before). The adapters' initial values follow
-the recipe's seed. Everything that reads the student (the objective, the logit lens, dev samples,
-the student's own generations) sees it as before, with the adapters applied.
-
-Every export is a plain Hugging Face model: ``merged_state_dict`` turns a state dict of the
-wrapped student (every rank's shards gathered first under ZeRO-3) into the base model's keys with
-``W + (alpha / r) · B A`` (transposed for GPT-2's ``Conv1D``, whose weight is stored
-``[in, out]``), so ``final/``, ``best/`` and each ``checkpoints/step-N/`` load with
-``AutoModelForCausalLM.from_pretrained`` with or without ``peft`` installed. No
-``adapter_config.json`` is ever written beside those weights: transformers would apply the
-adapter it names on top of weights that already hold it. The adapter alone goes to
-``checkpoints/step-N/adapter/`` (``adapter_config.json`` + ``adapter_model.safetensors``, peft's
-format: ``PeftModel.from_pretrained(<the student's start>, "step-N/adapter")``). A resume
-restores the adapter and its optimizer state from the checkpoint's DeepSpeed state, bit for bit.
-
-ZeRO: stages 1, 2 and 3 train a LoRA student to the same weights (tests/test_lora.py; ZeRO-3 in
-two processes matches one ZeRO-1 process too). ZeRO-1/2 partition the adapters' optimizer states
-(and gradients); ZeRO-3 also partitions the frozen base weights, which every export gathers onto
-the main process (``_zero3_consolidated_16bit_state_dict``: in 16 bits under bf16/fp16) before
-merging. ``peft`` is needed only to train; a LoRA student's exports never need it.
+``wrap`` injects the adapters into the loaded student in place, so it stays a plain transformers
+model whose only trainable parameters are ``lora_A`` / ``lora_B`` (seeded by the recipe).
+``merged_state_dict`` turns the wrapped student's state dict into the base model's keys with
+``W + (alpha / r) · B A`` (transposed for GPT-2's ``Conv1D``), so every export loads without peft
+and never carries an ``adapter_config.json`` (transformers would apply it twice); the adapter alone
+goes to ``step-N/adapter/``. ZeRO 1-3 train to the same weights (tests/test_lora.py).
 """
 
 from __future__ import annotations

@@ -1,39 +1,8 @@
-"""What a resumed run's recipe may change, and what it may not.
-
-``--resume`` continues a run from a checkpoint. The recipe it is given is compared with the
-resolved recipe saved beside that checkpoint (``recipe.yaml``, written by ``recipe_to_yaml``),
-key by key on ``Recipe.model_dump(mode="json")``; lists (``loss.layers``, ``train.betas``) are
-compared whole. A key an older checkpoint's recipe lacks counts as its default.
-
-* A key in ``MUTABLE_KEYS`` may change: it takes effect from the resumed step on, and each
-  change is logged with what it does.
-* Every other key is fixed for the life of a run (models, tokenizers, losses, layers, batch
-  sizes, precision, ZeRO stage, seed, data lengths, the ``deepspeed:`` passthrough...): a run
-  that changed one would no longer be the run its checkpoint continues, or could not load it
-  (DeepSpeed cannot load a ZeRO-1 optimizer state into ZeRO-3). Such a resume is refused, naming
-  each key with its old and new value.
-
-The learning-rate rule (``LR_RULE``): a changed ``train.lr`` / ``train.projector_lr`` is the new
-base rate of its parameter group from the resumed step on, under the same schedule multiplier;
-a changed ``train.max_steps`` / ``train.epochs`` re-plans the schedule for the new total: at
-every step ``s`` from the resumed step on the multiplier is
-``lr_multiplier(s, new_total, warmup_steps, schedule)`` (``mta.training.engine``), the value a
-run planned for the new total from the start has at ``s``. The rate therefore steps at the
-resume (up for a longer run, down for a shorter one); warmup is unchanged. A checkpoint already
-past the new total is refused (``check_resume_length``).
-
-Student generation (``generation:``, ``mta.training.sampling.policy``): ``mode``, ``schedule``,
-``init_threshold``, ``buffer_size``, ``max_new_tokens`` and ``dev_rows`` are fixed. They decide
-which rows the run trains on and what its saved sampling state and replay buffers mean: the
-checkpoint's threshold grew from that ``init_threshold`` under that schedule, its reference dev
-loss was measured on those dev rows, its buffers hold rows of that length, filled to that
-capacity. ``loss_eps`` and ``threshold_step`` may change: they are the
-gains of the threshold's controller (as ``train.lr`` is the optimizer's) and act from the next
-dev evaluation on, on the threshold and reference dev loss the checkpoint saved.
-``train.save_generated`` may change: it only writes copies of the generated rows.
-
-These are pure functions; the trainer reads the checkpoint's recipe, calls ``check_resume`` and
-applies the changes.
+"""What a resumed run's recipe may change (``MUTABLE_KEYS``, with the learning-rate rule
+``LR_RULE``), and what it may not: the recipe given to ``--resume`` is compared key by key with the
+checkpoint's resolved ``recipe.yaml`` (a key an older recipe lacks counts as its default), and a
+change to a fixed key is refused naming its old and new value. The table of what may change and
+why: docs/recipe-keys.md, "What a resume may change". Pure functions; the trainer applies them.
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
-"""Checkpoints a person can use without mta, and a run can resume from exactly.
-
-Layout under the run's output directory::
-
-    checkpoints/step-N/             one complete checkpoint
-        config.json, model.safetensors, tokenizer files   (plain Hugging Face format)
-        recipe.yaml, versions.json                        (what produced it)
-        deepspeed/                                        (engine, optimizer and scheduler state)
-        trainer_state.json                                (step, RNG state, run_id)
-        checksums.sha256                                  (sha256 of every file above; last)
-    final/                          the last weights, Hugging Face format + recipe + versions
-                                    + README.md (model card, mta.training.lifecycle.model_card)
-                                    + checksums.sha256
-    best/                           as final/, the weights of the best dev evaluation by
-                                    train.select_by, + selection.json (mta.training.lifecycle.selection)
-
-A LoRA student (``student.lora``) is exported with its adapters merged into the weights
-(``mta.training.lora``), never with an adapter_config.json beside them; each checkpoint also
-keeps the adapter alone under ``step-N/adapter/``.
-
-Every checkpoint is written into ``step-N.partial`` and renamed to ``step-N`` only when
-complete, so a crash at any point leaves the previous checkpoints untouched and never a
-directory that looks complete; an error while saving (a full disk included) removes the
-partial directory. ``complete_checkpoints`` lists the published ones (``step-N`` with its
-``trainer_state.json``); ``--resume auto`` takes the newest of them.
-
-Resuming refuses a checkpoint that is not what was written, before loading anything from it: a
-file whose sha256 differs from ``checksums.sha256``, a listed file that is missing, an unlisted
-one, a ``deepspeed/`` state that is absent or a state file that needs a type outside
-``mta.training.lifecycle.safe_loading``'s allow-list, an unreadable ``trainer_state.json``. The message
-names the file(s) and offers the newest other checkpoint that passes the same checks
-(``--resume <path>``). A checkpoint written before checksum lists existed (older mta) has none:
-it is resumed after the same structural checks, with a logged warning that its bytes could not
-be verified. Every ``.pt`` file is read through ``mta.training.lifecycle.safe_loading`` (no code runs
-from a checkpoint).
-
-Pruning keeps the newest ``train.keep_checkpoints`` of *this run's* checkpoints (same
-``run_id`` in ``trainer_state.json``; ``""`` for checkpoints of older mta): another run's
-checkpoints in the same directory are never removed. A checkpoint that is a symbolic link is
-pruned as a link (the link is removed, never what it points to, and the log says so).
+"""Checkpoints a person can use without mta, and a run can resume from exactly: the layout of
+``checkpoints/step-N/``, ``final/`` and ``best/``, what a resume verifies and what pruning removes
+are in ARCHITECTURE.md, "2. distill". Each checkpoint is built in ``step-N.partial`` and renamed
+when complete (a failed save removes the partial directory); ``--resume auto`` takes the newest
+of ``complete_checkpoints``.
 """
 
 from __future__ import annotations

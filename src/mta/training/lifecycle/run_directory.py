@@ -1,29 +1,8 @@
-"""Whose ``output_dir`` this is: one run per directory, never mixed with another's.
-
-A run's outputs are ``run.json`` (its identity, written when it starts), ``checkpoints/``,
-``final/``, ``best/`` and ``metrics.jsonl``. The directory also holds caches that are valid for any run,
-``data/`` (annotations made on first use, keyed by their content) and ``models/`` (tiny models
-and tokenizers, keyed by their description); they are never removed here.
-
-A run starting in a directory that holds another run's outputs is refused, unless it is told
-what to do with them: ``--resume auto`` continues that run (same ``run_id``), ``--overwrite``
-removes its outputs before the first step and starts a new one. Without either, nothing on disk
-is touched; the refusal says whether that run has a complete checkpoint. ``--overwrite`` checks
-that it can remove every output before it removes any, and removes a link as a link (never what
-it points to).
-
-A failed start is not another run: a directory whose outputs are only what a run writes before
-its first step ends (``run.json``, and a ``metrics.jsonl`` without a train record, ``tensorboard/``,
-``tracking.json``; no checkpoint, no ``final/``) is taken over by a new run, which says so in the log
-(only under the lock: without one it may be a run still loading its models).
-
-One run at a time: global rank 0 holds ``RUN_LOCK`` (``mta.files.exclusive_lock``: ``flock``,
-freed by the kernel when the process dies, even by SIGKILL) from before the claim until
-``release`` (``run_distillation`` calls it once ``final/`` is written, or the run ended
-otherwise); the other ranks wait for its decision. A second run into the directory, a fresh one
-or a ``--resume`` of the same run (a job submitted twice), is refused naming the holder's pid and
-host. Where the file system has no ``flock`` (some Lustre mounts) the run warns once and goes on
-unprotected.
+"""Whose ``output_dir`` this is: one run per directory, never mixed with another's. A run's
+outputs (``run.json``, ``checkpoints/``, ``final/``, ``best/``, ``metrics.jsonl``) are refused to
+another run unless ``--resume`` continues it or ``--overwrite`` removes them; the caches
+(``data/``, ``models/``) stay. Global rank 0 holds ``RUN_LOCK`` from the claim until ``release``.
+The rules: ARCHITECTURE.md, "2. distill".
 """
 
 from __future__ import annotations

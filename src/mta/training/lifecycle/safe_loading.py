@@ -1,37 +1,14 @@
 """Reading DeepSpeed's training state without running code from the files.
 
-DeepSpeed keeps the engine, optimizer and scheduler state of a checkpoint (``deepspeed/state/
-*.pt``) as ``torch.save`` pickles and reads them back with ``torch.load(weights_only=False)``:
-unpickling such a file can call any Python function, so a planted or swapped ``.pt`` file would
-run its code on ``--resume``. Here every one of those reads goes through :func:`load_state_file`
-instead, which
-
-1. lists the globals the file's pickle names, statically (nothing is unpickled), and refuses the
-   file when one is outside :func:`allowed_globals`, naming the file and the type;
-2. unpickles it with ``torch.load(weights_only=True)`` (torch's restricted unpickler: tensors,
-   plain containers, numbers, strings) with only :func:`allowed_globals` added, which also stops
-   what the static listing cannot see.
-
-``restricted_loading(engine)`` installs it for the duration of ``engine.load_checkpoint``, by
-wrapping the engine's checkpoint engine, the one object DeepSpeed (0.19) reads every state file
-through. ``tests/test_checkpoint_faults.py`` checks, at every ZeRO stage and in bf16, that each
-``torch.load`` of a resume is restricted and that a planted pickle runs nothing, so a DeepSpeed
-upgrade that reads files some other way fails there rather than silently.
-
-The allow-list is exactly what DeepSpeed puts into the state of an mta run beyond tensors and
-plain values, found by saving real checkpoints (``torch.serialization.
-get_unsafe_globals_in_checkpoint``):
-
-- ZeRO 0, fp32 or bf16: nothing (``mp_rank_00_model_states.pt`` holds tensors and plain values);
-- ZeRO 1 and 2, fp32 or bf16: ``ZeroStageEnum``, ``LossScaler`` and ``fragment_address`` (the
-  ``*optim_states.pt`` files);
-- ZeRO 3, fp32 or bf16: ``ZeroStageEnum`` and ``LossScaler``;
-- fp16 (GPU only: DeepSpeed refuses fp16 on CPU) keeps a ``DynamicLossScaler`` instead of the
-  ``LossScaler`` in the ZeRO optimizer state (from DeepSpeed's source, not saved here).
-
-Rule for state that mta itself adds to a checkpoint (replay buffers, thresholds, counters, ...):
-it is written as JSON or Parquet, never pickled, and never added to this allow-list. The list
-covers DeepSpeed's own bookkeeping only.
+DeepSpeed reads its ``deepspeed/state/*.pt`` pickles with ``torch.load(weights_only=False)``, so
+a planted ``.pt`` file would run its code on ``--resume``. :func:`load_state_file` instead lists
+the globals a pickle names, statically, refusing any outside :func:`allowed_globals`, then loads
+it with ``weights_only=True`` and only those added; ``restricted_loading(engine)`` routes every
+read of ``engine.load_checkpoint`` through it (tests/test_checkpoint_faults.py trips if a
+DeepSpeed upgrade reads files another way). The allow-list is DeepSpeed's own bookkeeping, found
+by saving real checkpoints (ZeRO 0: nothing; 1 and 2: ``ZeroStageEnum``, ``LossScaler``,
+``fragment_address``; 3: the first two; fp16 adds ``DynamicLossScaler``). State mta adds is JSON
+or Parquet, never pickled, never on the list.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
-"""Which student ``OUT/best/`` keeps: the best dev evaluation by ``train.select_by``.
-
-At every ``train.eval_interval`` (the step-0 evaluation is a baseline, never selected) the dev
-record of ``metrics.jsonl`` carries the metric, and when it is better than every earlier one the
-student is exported to ``OUT/best/`` (``checkpointing.save_best``: Hugging Face format, merged
-weights for a LoRA student, a model card, ``checksums.sha256``, written beside it and renamed
-into place) with ``best/selection.json``::
-
-    {"select_by": "rouge", "metric": "dev/rougeL", "goal": "highest", "value": 23.41, "step": 1196,
-     "rows": 500, "run_id": "..."}
-
-* ``select_by: loss``: the dev record's ``loss`` (the objective on the first dev rows), lowest wins.
-* ``select_by: rouge``: ``dev/rougeL``, ROUGE-L (``mta.scoring.rouge_l``, F x 100) of one sampled
-  response per row on the first ``train.select_rows`` dev rows, highest wins. Sampling is the
-  evaluation protocol's (``mta.generation``: top_k 0, top_p 1, temperature 1), one seed: row i
-  draws from ``sampling_seed(recipe.seed, "select/dev-rouge", 0, i)`` at every evaluation, so two
-  steps are compared on the same noise. The prompt is the row's prompt text tokenized as
-  ``mta evaluate`` does, its first ``data.max_prompt_length`` tokens kept, with up to
-  ``data.max_length - data.max_prompt_length`` new tokens; the reference is the row's response as
-  annotated (cut at ``data.max_length`` like the training rows). The rejected half of a DistiLLM-2
-  pair is not a reference and is skipped. The rows are split over the ranks, the scores summed.
-
-A tie keeps the earlier step. The decision is the main process's, so every rank exports together.
-
-Resume (``--resume`` at step N): the best so far is the best of the dev records at steps 1..N
-that ``metrics.jsonl`` keeps (a resume drops the lines after N). ``best/`` is kept when its
-selection.json names that step and value (and this run); a ``best/`` written after step N,
-in the part of the run the resume discards, is removed, and the next evaluation that beats the
-best so far writes it again (an unchanged recipe retrains the same steps, so it does).
+"""Which student ``OUT/best/`` keeps: the best dev evaluation by ``train.select_by`` (``loss``:
+the lowest dev loss; ``rouge``: the highest ``dev/rougeL`` of sampled responses on the first
+``train.select_rows`` dev rows, the rows split over the ranks). The rule, ``best/selection.json``
+and what a resume keeps: ARCHITECTURE.md, "2. distill". The main process decides, so every rank
+exports together.
 """
 
 from __future__ import annotations

@@ -1,82 +1,10 @@
 """DistiLLM's adaptive off-policy sampling: which micro batches train on the student's own text.
 
-The recipe's ``generation:`` section (``mta.training.config.schema.GenerationSpec``) picks a mode:
-
-- ``off`` (the default): every micro batch is the reference ("gold") micro batch.
-- ``always``: every micro batch is generated: the student samples responses for the micro
-  batch's prompts and trains on them (on-policy distillation; tests). The buffer is not used.
-- ``adaptive``: DistiLLM's adaptive student-generated-output (SGO) scheduler, below.
-
-**Adaptive.** State (``SamplingState``): a threshold τ (``init_threshold``, 0.0), the reference
-dev loss L₀ and a FIFO replay buffer of generated rows (``replay_buffer.ReplayBuffer``,
-``buffer_size`` rows, 1000). For micro batch ``k`` of optimizer step ``step`` (0-based, as
-``Trainer.step`` gets it) of
-``T`` steps, with ``t = step + 1`` (the published 1-based ``global_step``):
-
-1. draw ``r ~ U[0, 1)`` (``draw``) and take the schedule value ``s`` (``schedule_value``):
-   ``τ·(1 − t/T)`` (``decreasing``, the default), ``τ/2`` (``constant``) or ``τ·t/T``
-   (``increasing``);
-2. if ``r < s``, or ``r < τ`` while the buffer is not full: generate responses for the micro
-   batch's prompts, push them into the buffer and train on them (``"generated"``);
-3. else if ``r < τ``: train on ``micro_batch_size`` rows drawn uniformly, without replacement,
-   from the buffer (``"buffer"``);
-4. else: the reference micro batch (``"gold"``).
-
-At each dev evaluation (``update_threshold``) with dev loss L (the student's cross-entropy on the
-dev reference responses): the first evaluation sets L₀ = L; afterwards, if L ≥ L₀ + ``loss_eps``
-then τ ← min(τ + ``threshold_step``, 1) and L₀ ← L (L₀ moves only when τ is raised). So τ, and
-with it the share of generated text, grows while the student gets worse on the reference.
-
-**Ranks.** ``r`` is a pure function of ``(seed, step, k)``, the same on every rank, so under
-ZeRO-3 every rank generates in the same micro batches (a forward needs all ranks). Each rank keeps
-its own buffer (its own generated rows); a draw from it uses a stream keyed by
-``(seed, step, k, rank)`` (``buffer_generator``). ``decide``'s ``buffer_full`` / ``buffer_empty``
-must also be the same on every rank (agreed over ranks by the caller): then every rank takes the
-same branch. Everything is keyed, nothing reads a global random stream, so a resumed run makes
-exactly the decisions an uninterrupted one makes (given the saved state and buffers).
-
-**Stored state** is never pickled: ``SamplingState.to_json`` (``write_state`` / ``read_state``)
-and the buffer as a Parquet file of the annotate artefact's columns plus ``step``
-(``replay_buffer``: ``ReplayBuffer.write`` / ``read``; ``write_generated_rows`` /
-``read_generated_rows`` for any generated rows).
-
-**Where the published code differs** (``jongwooko/distillm`` ``finetune.py``,
-``distillm/buffer.py``, ``distillm/sampler.py``; ``wind123mountain/MTA``
-``distillm-master/span_finetune.py`` repeats the same loop), and what is done here:
-
-- *The draw.* Published: ``np.random.uniform(0, 1)`` from the global NumPy stream, seeded with
-  ``seed + rank`` (``utils.set_random_seed``), so ranks draw different ``r`` and may take
-  different branches in the same micro batch; the stream also depends on everything drawn
-  before. Here: keyed, the same on every rank, independent of history.
-- *The buffer condition* is "not full" (``len(replay_buffer) < args.capacity``) there and here.
-  ``buffer_empty`` is only a guard (the published rule never draws from an unfilled buffer).
-- *The buffer draw* is ``random.sample(replay_memory, k=batch_size)`` there: uniform, without
-  replacement, from Python's global stream. Here: without replacement, from the keyed stream.
-- *The buffer* holds padded tensors (ids, attention mask, position ids, labels; MTA's copy also
-  the prompt) in memory only there, so a restarted run starts with an empty buffer, τ back at
-  ``init_threshold`` and L₀ measured again. Here: annotate rows (spans included), saved with
-  each checkpoint together with τ and L₀.
-- *L₀* is the dev loss evaluated at step 0, before training, in both. It is updated only when τ
-  is raised (``prev_avg_loss = curr_avg_loss`` inside the ``if``), also when τ is already capped
-  at 1; the same here. Here the first ``update_threshold`` call sets it (the trainer's step-0 dev
-  evaluation, or the first one after a resume that added ``data.dev``).
-- *The step of τ* is hard-coded there (``adaptive_threshold += 0.1``); here ``threshold_step``
-  (default 0.1). The sum is rounded to 12 decimals so ten steps of 0.1 reach exactly 1.0
-  (floating point sums reach 0.9999999999999999).
-- *The schedule's step* is the published 1-based ``global_step``; with gradient accumulation
-  it advances one micro batch early there (``step`` starts at 1 and is incremented before the
-  accumulation check), so one micro batch per optimizer step sees the next step's ``t``. Here
-  every micro batch of optimizer step ``step`` uses ``t = step + 1``.
-- *The dev loss* there is the CE over the whole dev set (mean of per-batch token means, averaged
-  over ranks), every ``eval_interval`` steps (the scripts: once per epoch). Here it is what the
-  caller passes; it must be the same number on every rank.
-- *``mode: always``* does not exist there. The nearest is the ``mixed`` type (with probability
-  ``mixed_alpha`` generate, push, then train on a buffer draw), not implemented here. ``off`` is
-  a run without ``--student-gen`` or without ``adaptive`` in ``--type``.
-- *Sampling* there: ``do_sample``, top_k 0, top_p 1 (``--gen-top-p``), temperature 1, at most
-  ``max_length - max_prompt_length`` new tokens; the same here (``generation_params``), through
-  the keyed sampler of ``mta.generation``. The published sampler drops every pad id from the
-  response and its tokenizers use EOS as pad, so its generated responses never end in EOS.
+The recipe's ``generation:`` section picks the mode (``off``, ``always``, ``adaptive``). The rule,
+its threshold update and how it differs from the published code: docs/method.md §5 and §8. Every
+draw is keyed by ``(seed, step, k)`` (the buffer's by rank too), never a global stream, so all
+ranks take the same branch (a ZeRO-3 forward needs them all) and a resumed run makes the
+uninterrupted run's decisions. State is stored as JSON (``write_state``), never pickled.
 """
 
 from __future__ import annotations

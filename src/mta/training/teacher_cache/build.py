@@ -1,23 +1,11 @@
 """`mta teacher`: the recipe's teacher run once over the annotated rows of train and dev.
 
-For each split the recipe has, the rows are the ones ``mta distill`` would train on
-(``data.train`` / ``data.dev``, annotated on first use as distill annotates them). The teacher is
-the recipe's, loaded as ``mta distill`` loads it and run as its ``FrozenTeacher`` runs (the same
-truncation, the training precision's dtype and autocast), asked for what the recipe's losses
-read (:func:`mta.training.teacher_cache.content.teacher_reads`). Per row it stores the hidden
-states of those layers at every real token (token importance attends over the whole sequence,
-so every token is needed to recompute it exactly) and, with a logit loss, the top k of the next-
-token distribution at τ at every position that predicts a response token, with the tail's mass
-(:mod:`mta.losses.teacher_topk`).
-
-**Work**: a shard's rows sorted by teacher length (longest first), cut into batches of
-``batch_size`` (default ``train.micro_batch_size``), grouped into chunks of about
-``CHUNK_BYTES``; each chunk journalled (:mod:`mta.store.chunked_work`), so a run killed even
-by SIGKILL redoes at most one chunk when re-run with the same command. **Ranks**: ``shard=None``
-takes ``(rank, world size)`` of the launcher's group (``torchrun ... mta teacher``); ``(i, n)``
-runs one shard by hand. The last shard of a set writes ``manifest.json``. **Reuse**: a split's
-complete cache with the same content key (:data:`~mta.training.teacher_cache.content.CONTENT_KEYS`)
-whose parts match their sha256 is kept as it is (the teacher is not loaded) unless ``force``.
+The rows are the ones ``mta distill`` would train on, and the teacher is loaded and run as
+``FrozenTeacher`` runs it (truncation, dtype, autocast), asked for what the recipe's losses read
+(``content.teacher_reads``): per row the hidden states of those layers at every real token (token
+importance needs every token to recompute exactly) and, with a logit loss, the top k at τ and the
+tail's mass at every position predicting a response token. Work in journalled chunks
+(:mod:`mta.store.chunked_work`), shards and reuse as ``mta embed``'s: ARCHITECTURE.md, "2b. teacher".
 """
 
 from __future__ import annotations

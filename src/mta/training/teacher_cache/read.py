@@ -47,6 +47,19 @@ def _build_hint(directory: Path) -> str:
     return f"build it with `mta teacher --recipe RECIPE -o {directory.parent}`"
 
 
+def read_cache_manifest(directory: Path, what: str) -> dict[str, Any]:
+    """A finished split cache's manifest, as stored (``what``: how the caller's user named it)."""
+    return read_stage_manifest(
+        directory,
+        artefact=ARTEFACT,
+        version_key="teacher_cache_version",
+        version=READABLE_VERSIONS,
+        command="mta teacher",
+        build=f"mta teacher --recipe RECIPE -o {directory.parent}",
+        what=what,
+    )
+
+
 class TeacherCache:
     """One split's cache (``DIR/<split>``), checked against ``expected`` (the recipe's
     :func:`~mta.training.teacher_cache.content.describe`)."""
@@ -54,16 +67,7 @@ class TeacherCache:
     def __init__(self, directory: str | Path, expected: dict[str, Any], *, fused: bool = False):
         self.directory = directory = Path(directory)
         self.fused = fused  # loss.fused_head: hand the loss the top k itself (TopKTeacher), not dense logits
-        manifest = read_stage_manifest(
-            directory,
-            artefact=ARTEFACT,
-            version_key="teacher_cache_version",
-            version=READABLE_VERSIONS,
-            command="mta teacher",
-            build=f"mta teacher --recipe RECIPE -o {directory.parent}",
-            what="teacher_cache.dir: ",
-        )
-        manifest = upgraded(manifest, expected)
+        manifest = upgraded(read_cache_manifest(directory, "teacher_cache.dir: "), expected)
         differ = mismatches(manifest, expected)
         if differ:
             raise MtaError(
@@ -269,4 +273,4 @@ def open_teacher_caches(recipe: Any, splits: dict[str, Any], *, reads: Any, teac
     return CachedTeacher(caches)
 
 
-__all__ = ["CachedTeacher", "TeacherCache", "open_teacher_caches"]
+__all__ = ["CachedTeacher", "TeacherCache", "open_teacher_caches", "read_cache_manifest"]
