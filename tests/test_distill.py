@@ -130,11 +130,12 @@ def test_zero_stages_1_2_3_and_a_zero3_teacher_train_the_same_model(tmp_path, te
     for name, final in finals.items():
         assert final.keys() == reference.keys()
         for key, tensor in final.items():
-            # atol 3e-5: after 3 AdamW steps an embedding entry whose gradient is near 0 moves by a
-            # step-size-sized amount on float noise (under loss_reduction global one entry of
-            # ZeRO-3's differs from ZeRO-1's by 1.4e-5, the next by under 1e-6; the step-1 gradients
-            # agree to 7e-8, tests/test_loss_reduction.py compares them under ZeRO-1 and ZeRO-3).
-            torch.testing.assert_close(tensor, reference[key], rtol=1e-4, atol=3e-5, msg=f"{name} {key}")
+            # atol 1e-4: after 3 AdamW steps an embedding entry whose gradient is near 0 moves by a
+            # step-size-sized amount on float noise (with SDPA attention one entry of ZeRO-3's, of
+            # 16,384, differs from ZeRO-1's by 6.2e-5, the others by under 3e-5; the step-1
+            # gradients agree to 7e-8, tests/test_loss_reduction.py compares them under ZeRO-1 and
+            # ZeRO-3).
+            torch.testing.assert_close(tensor, reference[key], rtol=1e-4, atol=1e-4, msg=f"{name} {key}")
 
 
 @pytest.mark.slow

@@ -376,15 +376,17 @@ def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
         "student gradients": 2 * trainable,
         "optimizer states": 12 * trainable // world,  # fp32 master, momentum, variance, partitioned
         "teacher weights": 2 * teacher_count,  # bf16 teacher, not partitioned
-        # Korthikanti et al.: s·b·h·(34 + 5·a·s/h) bytes per 16-bit layer; the fused base loss's
-        # logits (loss.fused_head, chunks of loss.chunk_size = 128 positions): the student's chunk
-        # in bf16 and 6 fp32 buffers, the head's gradient summed in fp32, the teacher's chunk in
-        # bf16 and fp32; the teacher's hidden states of its 3 aligned layers plus one.
+        # Per block and token, in bf16: 9 hidden-wide tensors, keys and values (2h: GPT-2 has no
+        # grouped heads), the MLP's two of width 4h (GPT-2's is not gated), no attention scores
+        # (SDPA); the embeddings and final norm 2h. The fused base loss's logits (loss.fused_head,
+        # chunks of loss.chunk_size = 128 positions): 4 fp32 buffers and the student's bf16 chunk,
+        # the head's gradient summed in fp32, the teacher's bf16 chunk; the teacher's hidden
+        # states of its 3 aligned layers plus one.
         "activations (rough)": int(
-            tokens * h * (34 + 5 * heads * seq / h) * layers
-            + 128 * v_s * (2 + 4 * 6)
+            tokens * ((9 * h + 2 * h + 2 * 4 * h) * 2 * layers + 2 * h * 2)
+            + 128 * v_s * (4 * 4 + 2)
             + v_s * h * 4
-            + 128 * v_t * (2 + 4)
+            + 128 * v_t * 2
             + tokens * d_t * 2 * (3 + 1)
         ),
     }
@@ -473,3 +475,28 @@ def test_cli_dry_run_prints_the_plan_and_exits(monkeypatch):
     assert "6,658,473,984 (6,658.5M)" in result.output
     assert "16 = 8 per device × 1 accumulation × 2 devices" in result.output
     assert "estimated memory per device (ZeRO-3, 2 devices;" in result.output
+
+
+def test_activations_count_gated_mlps_grouped_keys_and_eager_attention_scores():
+    """qwen.yaml's student (a gated MLP; keys and values as its config groups them) per block and token, counted here
+    from its config; SRA's last-token-attention centre switches to eager attention, whose softmax
+    scores (heads × sequence per token and block, in bf16) the plan then adds."""
+    path = REPO / "recipes" / "qwen.yaml"
+    config, _, _ = independent_model(load_recipe(path).student, path)
+    h, i, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    kv = config.num_key_value_heads
+    student = plan_run(load_recipe(path)).student
+    assert (
+        student.gated_mlp and student.activation_elements_per_token(256, False) == 9 * h + 2 * h * kv // heads + 4 * i
+    )
+    assert (
+        student.activation_elements_per_token(256, True) - student.activation_elements_per_token(256, False)
+        == heads * 256
+    )
+
+    sra = REPO / "recipes" / "cross-tokenizer-sra.yaml"
+    eager = plan_run(load_recipe(sra))
+    sdpa = plan_run(load_recipe(sra, ["loss.sra_centre=importance"]))
+    tokens, seq = eager.micro_batch_size * load_recipe(sra).data.max_length, load_recipe(sra).data.max_length
+    scores = tokens * eager.student.num_heads * seq * eager.student.num_layers * 2
+    assert eager.memory.activations - sdpa.memory.activations == scores
