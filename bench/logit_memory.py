@@ -17,9 +17,9 @@ Each measurement is its own process (``--child``): it builds the models and the 
 resident set size (``VmRSS``), runs a first step (the student's gradients are allocated and kept,
 zeroed, as a training run keeps them), resets the peak (``/proc/self/clear_refs``), runs a step and
 reads the peak (``VmHWM``): the step's memory is the peak minus the resident size after imports
-and loading (the gradients included), the whole peak is reported too. Then two more steps, timed
-(CPU time of the process, one torch thread; wall time too); the step time is their median. Variants are interleaved
-(the order rotating every round); the JSON has per-variant medians and, per loss,
+and loading (the gradients included), the whole peak is reported too. That step and one more are
+timed (CPU time of the process, one torch thread; wall time too); the step time is their median.
+Variants are interleaved (the order rotating every round; the JSON is written after each round); the JSON has per-variant medians and, per loss,
 ``peak_ratio_fused_vs_materialized`` (whole peaks), ``step_memory_ratio_fused_vs_materialized``,
 ``time_ratio_fused_vs_materialized`` and ``dry_run_estimate_error``: the dry run's estimate of
 the same components (``mta.training.dry_run.estimate_memory``: the student's gradients and the
@@ -147,15 +147,16 @@ def child(loss: str, path: str, shapes: Shapes) -> dict:
 
     loaded = _status("VmRSS")
     step()  # the gradients are allocated
-    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
-    step()
-    peak = _status("VmHWM")
-    seconds, cpu_seconds = [], []
-    for _ in range(2):
+    seconds, cpu_seconds, peak = [], [], 0
+    for index in range(2):
+        if index == 0:
+            Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
         wall, cpu = time.perf_counter(), time.process_time()
         step()
         seconds.append(time.perf_counter() - wall)
         cpu_seconds.append(time.process_time() - cpu)
+        if index == 0:
+            peak = _status("VmHWM")
     return {
         "loss": loss,
         "path": path,
@@ -297,6 +298,12 @@ def main() -> None:
     from mta.files import atomic_write_json
 
     rounds = 1 if args.quick else args.rounds
+    output = args.output or (
+        Path(tempfile.gettempdir()) / "logit_memory_quick.json"
+        if args.quick
+        else REPO / "bench" / "results" / "logit_memory.json"
+    )
+    chunk_buffers = {loss: run_child(loss, "chunk", args.quick)["buffers"] for loss in CHUNK_LOSSES}
     variants = [(loss, path) for loss in LOSSES for path in PATHS]
     runs: dict[tuple[str, str], list[dict]] = {variant: [] for variant in variants}
     for index in range(rounds):  # interleaved: the order rotates every round
@@ -309,31 +316,25 @@ def main() -> None:
                 f"peak {sample['peak_rss'] / 2**30:.2f} GiB, {sample['step_cpu_seconds']:.2f} s",
                 flush=True,
             )
-    chunk_buffers = {loss: run_child(loss, "chunk", args.quick)["buffers"] for loss in CHUNK_LOSSES}
-    output = args.output or (
-        Path(tempfile.gettempdir()) / "logit_memory_quick.json"
-        if args.quick
-        else REPO / "bench" / "results" / "logit_memory.json"
-    )
-    payload = {
-        "benchmark": "bench/logit_memory.py",
-        "created": created(),
-        "machine": describe_machine(torch.device("cpu")),
-        "setup": {
-            "quick": args.quick,
-            "shapes": shapes.__dict__,
-            "dtype": "float32",
-            "chunk_size": CHUNK,
-            "rounds": rounds,
-            "step": "teacher forward + student forward + base loss + backward, no optimizer step",
-            "time": "process CPU time, one torch thread (wall time in wall_time_ratio_*)",
-            "targets": {"peak_ratio": 0.35, "time_ratio": 1.05, "dry_run_estimate_error": 0.15},
-        },
-        **summarise(runs),
-        "chunk_buffers": chunk_buffers,
-    }
-    atomic_write_json(output, payload)
-    print(json.dumps({key: payload[key] for key in list(payload)[4:7]}, indent=1))
+        payload = {  # written after every round: an interrupted run keeps the rounds it finished
+            "benchmark": "bench/logit_memory.py",
+            "created": created(),
+            "machine": describe_machine(torch.device("cpu")),
+            "setup": {
+                "quick": args.quick,
+                "shapes": shapes.__dict__,
+                "dtype": "float32",
+                "chunk_size": CHUNK,
+                "rounds": index + 1,
+                "step": "teacher forward + student forward + base loss + backward, no optimizer step",
+                "time": "process CPU time, one torch thread (wall time in wall_time_ratio_*)",
+                "targets": {"peak_ratio": 0.35, "time_ratio": 1.05, "dry_run_estimate_error": 0.15},
+            },
+            **summarise(runs),
+            "chunk_buffers": chunk_buffers,
+        }
+        atomic_write_json(output, payload)
+        print(json.dumps({key: payload[key] for key in list(payload)[4:7]}, indent=1))
     print(f"wrote {output.name if not args.quick else output}")
 
 

@@ -10,7 +10,7 @@ tail's mass at every position predicting a response token. Work in journalled ch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,8 +28,9 @@ from mta.data.artefact_schema import INPUT_IDS, PROMPT_LEN, reannotate_command
 from mta.errors import MtaError
 from mta.generation.sampling import keyed_uniforms
 from mta.hashing import json_sha256
-from mta.losses.teacher_sampled import draw_tail_samples
-from mta.losses.teacher_topk import top_k_log_probs
+from mta.losses.fused_head import HeadTeacher, OutputHead
+from mta.losses.teacher_sampled import TailSamples, draw_tail_samples
+from mta.losses.teacher_topk import CHUNK_POSITIONS, top_k_log_probs
 from mta.models.tokenizers import tokenizer_fingerprint
 from mta.reporting import Reporter, SilentReporter
 from mta.store.chunked_work import ChunkedShard
@@ -188,7 +189,12 @@ class TeacherStage:
             frozen = self.precision.frozen_dtype
             if frozen is not None and model.dtype == torch.float32:
                 model.to(frozen)  # as mta.training.llm.build holds it
-            self.model = FrozenTeacher(model, list(self.reads.layers), self.reads.logits).to(self.device)
+            try:  # the head applied to the response positions a chunk at a time (never whole logits)
+                fused = self.reads.logits and OutputHead.of(model) is not None
+            except MtaError:  # a head that transforms its logits: the model's whole logits
+                fused = False
+            self.model = FrozenTeacher(model, list(self.reads.layers), self.reads.logits, fused=fused)
+            self.model.to(self.device)
         return self.model
 
     def split(
@@ -332,7 +338,7 @@ class TeacherStage:
     ) -> dict[str, list[np.ndarray]]:
         """Each row's logit columns (ids not packed yet): the head (top k) and tail at every position
         that predicts a response token, and with sampled logits the draws beyond the head."""
-        assert out.logits is not None, "FrozenTeacher(need_logits=True) returns logits"
+        assert out.logits is not None or out.side is not None, "FrozenTeacher(need_logits=True) gives them"
         storage = np.float16 if description["storage"] == "compact" else np.float32
         vocab, k, temperature = description["teacher"]["vocab_size"], description["top_k"], description["temperature"]
         predicts = labels[:, 1:] != -100  # position t predicts response token t + 1
@@ -340,17 +346,18 @@ class TeacherStage:
         per_row = predicts.sum(dim=1).tolist()
         found: dict[str, list[np.ndarray]] = {}
         sampling = description["sampling"]
+        chunks = position_logits(out, row_of, position, vocab)  # one chunk alive at a time
+        draw = {"top_k": k, "temperature": temperature, "vocab_size": vocab}
         if sampling is None:
-            head_ids, head_log_probs, tail = top_k_log_probs(
-                out.logits[row_of, position], k, temperature=temperature, vocab_size=vocab
-            )
+            parts = [top_k_log_probs(logits, k, temperature=temperature, vocab_size=vocab) for _, logits in chunks]
+            head_ids, head_log_probs, tail = (torch.cat(column) for column in zip(*parts, strict=True))
             empty = [np.zeros(0)] * len(per_row)
             found |= {name: empty for name in LOGIT_COLUMNS if name.startswith(("sample_", "rest_"))}
         else:
             purpose = f"teacher-cache/{description['split']}"
             uniforms = keyed_uniforms(sampling["seed"], purpose, row_ids, per_row, sampling["samples"])
-            drawn = draw_tail_samples(
-                out.logits[row_of, position], uniforms, top_k=k, temperature=temperature, vocab_size=vocab
+            drawn = concatenated(
+                [draw_tail_samples(logits, uniforms[begin : begin + len(logits)], **draw) for begin, logits in chunks]
             )
             head_ids, head_log_probs, tail = drawn.head_ids, drawn.head_log_probs, drawn.tail
             distinct = drawn.distinct.cpu()
@@ -397,6 +404,34 @@ def stored_bytes(path: Path) -> dict[str, int]:
                 found[part] += chunk.total_compressed_size
     found["other"] = path.stat().st_size - found["logits"] - found["states"]
     return found
+
+
+def position_logits(
+    out: Any, rows: torch.Tensor, columns: torch.Tensor, vocab_size: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(begin, logits [c, vocab_size])`` at the positions ``(rows[i], columns[i])``,
+    ``CHUNK_POSITIONS`` at a time: from the final hidden states and the head when the teacher ran
+    fused (the whole ``[batch, seq, vocab]`` logits never exist), else from its logits."""
+    side = out.side.select(rows, columns) if isinstance(out.side, HeadTeacher) else None
+    for begin in range(0, max(len(rows), 1), CHUNK_POSITIONS):  # no position: one empty chunk
+        end = min(begin + CHUNK_POSITIONS, len(rows))
+        if side is not None:
+            yield begin, side.chunk_logits(begin, end, vocab_size)
+        else:
+            yield begin, out.logits[rows[begin:end], columns[begin:end]]
+
+
+def concatenated(parts: list[TailSamples]) -> TailSamples:
+    """One ``TailSamples`` of consecutive positions' parts."""
+    first = parts[0]
+    return TailSamples(
+        *(torch.cat([getattr(part, name) for part in parts]) for name in ("head_ids", "head_log_probs", "tail")),
+        *(torch.cat([getattr(part, name) for part in parts]) for name in ("distinct", "ids", "counts", "log_probs")),
+        samples=first.samples,
+        rest_log_mean=None
+        if first.rest_log_mean is None
+        else torch.cat([part.rest_log_mean for part in parts if part.rest_log_mean is not None]),
+    )
 
 
 def _arrow_table(columns: dict[str, list[np.ndarray]], table_schema: pa.Schema) -> pa.Table:
