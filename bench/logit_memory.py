@@ -19,7 +19,8 @@ zeroed, as a training run keeps them), resets the peak (``/proc/self/clear_refs`
 reads the peak (``VmHWM``): the step's memory is the peak minus the resident size after imports
 and loading (the gradients included), the whole peak is reported too. That step and one more are
 timed (CPU time of the process, one torch thread; wall time too); the step time is their median.
-Variants are interleaved (the order rotating every round; the JSON is written after each round); the JSON has per-variant medians and, per loss,
+Variants are interleaved (the order rotating every round; the JSON is written after each round);
+the JSON has per-variant medians and, per loss,
 ``peak_ratio_fused_vs_materialized`` (whole peaks), ``step_memory_ratio_fused_vs_materialized``,
 ``time_ratio_fused_vs_materialized`` and ``dry_run_estimate_error``: the dry run's estimate of
 the same components (``mta.training.dry_run.estimate_memory``: the student's gradients and the
