@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
+from mta.deprecation import renamed_recipe_keys
 from mta.errors import MtaError
 from mta.training.config.loading import recipe_schema
 from mta.training.config.schema import Recipe, models_in
@@ -185,7 +186,7 @@ def read_saved_recipe(checkpoint: Path) -> dict[str, Any]:
     saved = load_yaml(text, str(path))
     if not isinstance(saved, dict):
         raise MtaError(f"{path}: a recipe is a YAML mapping, got {type(saved).__name__}")
-    return saved
+    return renamed_recipe_keys(saved, source=str(path), quiet=True)  # an older mta's key names
 
 
 def resume_changes(saved: dict[str, Any], new: Recipe) -> ResumeChanges:

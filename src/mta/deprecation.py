@@ -1,0 +1,105 @@
+"""Old spellings that keep working until ``REMOVED_IN``, each with a warning naming the new one.
+
+The one home for every kind of rename (CHANGELOG's rename table lists them all): command-line
+options (``mta_cli.options.deprecated_alias``), recipe keys (``RECIPE_KEYS``, applied by the recipe
+loader to each file, each override and a checkpoint's saved recipe) and public Python names
+(``renamed_names``: a module's ``__getattr__``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+REMOVED_IN = "0.4.0"  # an old spelling still works in every release before this one
+
+# Recipe key paths renamed: old -> new (a section, or a key inside one).
+RECIPE_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+class MtaDeprecationWarning(FutureWarning):
+    """An old spelling of a recipe key or option: shown to users by default (a FutureWarning),
+    unlike Python's DeprecationWarning, which is for a library's own callers."""
+
+
+def message(old: str, new: str) -> str:
+    """The one sentence every deprecation says."""
+    return f"{old} is deprecated and goes in mta {REMOVED_IN}; use {new}"
+
+
+def warn(old: str, new: str, *, category: type[Warning] = MtaDeprecationWarning, stacklevel: int = 2) -> None:
+    """Warn that ``old`` is deprecated in favour of ``new``."""
+    warnings.warn(message(old, new), category, stacklevel=stacklevel + 1)
+
+
+def renamed_names(module: str, renames: Mapping[str, tuple[str, Callable[[], Any]]]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` (PEP 562) for public names renamed: ``renames`` maps each old
+    name to ``(new dotted name, loader of the value)``; the old name returns the value with a
+    ``DeprecationWarning`` naming the new one."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in renames:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        new, load = renames[name]
+        warn(f"{module}.{name}", new, category=DeprecationWarning)
+        return load()
+
+    return __getattr__
+
+
+def renamed_recipe_keys(raw: Any, *, source: str = "", quiet: bool = False) -> Any:
+    """``raw`` (a recipe mapping) with each old key path of ``RECIPE_KEYS`` moved to its new path,
+    a warning naming both (none when ``quiet``: a checkpoint's saved recipe). Both spellings in
+    one mapping is an error naming them."""
+    from mta.errors import MtaError  # here: the bottom layer imports nothing at load time
+
+    if not isinstance(raw, dict):
+        return raw
+    for old, new in RECIPE_KEYS.items():
+        parent = _mapping_at(raw, old[:-1])
+        if parent is None or old[-1] not in parent:
+            continue
+        old_text, new_text = ".".join(old), ".".join(new)
+        target = _mapping_at(raw, new[:-1], create=True)
+        if new[-1] in target:
+            raise MtaError(f"{source}: {old_text} is the old spelling of {new_text}: give one of them")
+        target[new[-1]] = parent.pop(old[-1])
+        if not quiet:
+            where = f"{source}: " if source else ""
+            warn(f"{where}recipe key {old_text}", new_text, stacklevel=2)
+    return raw
+
+
+def renamed_key_path(path: str, *, source: str = "") -> str:
+    """A dotted key path (an override's ``a.b.c``) with an old prefix of ``RECIPE_KEYS`` renamed,
+    with a warning; any other path as given."""
+    parts = tuple(path.split("."))
+    for old, new in RECIPE_KEYS.items():
+        if parts[: len(old)] == old:
+            renamed = ".".join(new + parts[len(old) :])
+            warn(f"{source}{path}", renamed, stacklevel=2)
+            return renamed
+    return path
+
+
+def new_key_paths(paths: Mapping[tuple[Any, ...], Any]) -> dict[tuple[Any, ...], Any]:
+    """``paths`` (keyed by key path, as written in a file) with each path under an old key also
+    under its new spelling, so an error at the new key still names the line of the old one."""
+    out = dict(paths)
+    for path, value in paths.items():
+        for old, new in RECIPE_KEYS.items():
+            if tuple(path[: len(old)]) == old:
+                out.setdefault(new + tuple(path[len(old) :]), value)
+    return out
+
+
+def _mapping_at(raw: dict[str, Any], path: tuple[str, ...], *, create: bool = False) -> dict[str, Any] | None:
+    node: Any = raw
+    for part in path:
+        if not isinstance(node, dict):
+            return None
+        if create and not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node.get(part)
+    return node if isinstance(node, dict) else None
