@@ -39,14 +39,14 @@ def test_fdd_trains_with_and_without_the_students_samples_and_reloads(
         output_dir=tmp_path / "fdd",
         data={"dev": None},
         loss={"fdd_weight": 1.0, "fdd_tokens": "response" if generation == "always" else "all"},
-        generation={"mode": generation, "max_new_tokens": 8},
+        off_policy={"mode": generation, "max_new_tokens": 8},
         train={"max_steps": 2},
     )
     final = run_distillation(load_recipe(path))
     records = _train_records(tmp_path / "fdd")
     assert all(r["loss/fdd"] > 0 for r in records)
     if generation == "always":
-        assert sum(r["generation/generated"] for r in records) == 4
+        assert sum(r["off_policy/generated"] for r in records) == 4
     reloaded = AutoModelForCausalLM.from_pretrained(final)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert any(not torch.equal(a, b) for a, b in zip(reloaded.parameters(), start.parameters(), strict=True))

@@ -17,7 +17,7 @@ from typing import get_args
 import pytest
 
 from mta.data.artefact_schema import ROLES
-from mta.training.config.schema import GenerationMode, GenerationSchedule, TrainSpec
+from mta.training.config.schema import OffPolicyMode, OffPolicySchedule, TrainSpec
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
@@ -49,7 +49,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "resume: new base rates under the schedule re-planned for the new total": (
         "test_rules_resume.py::test_a_resume_takes_the_new_base_rates_under_the_schedule_planned_for_the_new_total",
     ),
-    # off-policy sampling (src/mta/training/sampling/policy.py)
+    # off-policy sampling (src/mta/training/off_policy/policy.py)
     "schedule: decreasing": ("test_rules_sampling.py::test_each_schedule_value_is_the_restated_one",),
     "schedule: constant": ("test_rules_sampling.py::test_each_schedule_value_is_the_restated_one",),
     "schedule: increasing": ("test_rules_sampling.py::test_each_schedule_value_is_the_restated_one",),
@@ -257,8 +257,8 @@ def names_of(prefix: str) -> set[str]:
 
 
 def test_every_schedule_and_mode_names_a_fast_test():
-    assert names_of("schedule: ") == set(get_args(GenerationSchedule))
-    assert names_of("mode: ") == set(get_args(GenerationMode))
+    assert names_of("schedule: ") == set(get_args(OffPolicySchedule))
+    assert names_of("mode: ") == set(get_args(OffPolicyMode))
 
 
 def test_every_select_by_goal_names_a_fast_test():

@@ -15,7 +15,9 @@ from typing import Any
 REMOVED_IN = "0.4.0"  # an old spelling still works in every release before this one
 
 # Recipe key paths renamed: old -> new (a section, or a key inside one).
-RECIPE_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
+RECIPE_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("generation",): ("off_policy",),  # DistiLLM's off-policy sampling (0.3.0)
+}
 
 
 class MtaDeprecationWarning(FutureWarning):

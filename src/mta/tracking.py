@@ -5,7 +5,7 @@ name the backends. ``metrics.jsonl`` and ``results.json`` stay the record of tru
 gets a copy of each record as it is written:
 
 * every numeric field of a record as a scalar ``<split>/<key>`` at the record's ``step``
-  (``train/loss``, ``train/loss/base``, ``dev/generation/dev_ce``...; MLflow's file store cannot
+  (``train/loss``, ``train/loss/base``, ``dev/off_policy/dev_ce``...; MLflow's file store cannot
   hold ``train/loss`` beside ``train/loss/base``, so there the key's own ``/`` become ``.``:
   ``train/loss.base``);
 * a record's ``samples`` (``[{prompt, generation}]``, the dev lines) as text: TensorBoard text

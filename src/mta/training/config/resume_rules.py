@@ -22,7 +22,7 @@ run planned for the new total from the start has at ``s``. The rate therefore st
 resume (up for a longer run, down for a shorter one); warmup is unchanged. A checkpoint already
 past the new total is refused (``check_resume_length``).
 
-Student generation (``generation:``, ``mta.training.sampling.policy``): ``mode``, ``schedule``,
+Student generation (``off_policy:``, ``mta.training.off_policy.policy``): ``mode``, ``schedule``,
 ``init_threshold``, ``buffer_size``, ``max_new_tokens`` and ``dev_rows`` are fixed. They decide
 which rows the run trains on and what its saved sampling state and replay buffers mean: the
 checkpoint's threshold grew from that ``init_threshold`` under that schedule, its reference dev
@@ -108,11 +108,11 @@ MUTABLE_KEYS: dict[str, str] = {
         "which experiment trackers get the records from the resumed step on; one the run "
         "reported to before continues its run there (OUT/tracking.json)"
     ),
-    "generation.loss_eps": (
+    "off_policy.loss_eps": (
         "the dev-loss rise that raises the threshold, from the next dev evaluation on; the "
         "threshold and reference dev loss reached so far are kept"
     ),
-    "generation.threshold_step": (
+    "off_policy.threshold_step": (
         "what a dev-loss rise adds to the threshold, from the next dev evaluation on; the "
         "threshold reached so far is kept"
     ),

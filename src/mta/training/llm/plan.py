@@ -100,8 +100,8 @@ def plan_llm_run(
         fdd_layers=pairs.fdd_layers,
         sra_layers=pairs.sra_layers,
         teacher_source=teacher_source(recipe),
-        generation=recipe.generation.mode,
-        generation_new_tokens=recipe.generation_max_new_tokens if recipe.generation.mode != "off" else None,
+        off_policy=recipe.off_policy.mode,
+        off_policy_new_tokens=recipe.off_policy_max_new_tokens if recipe.off_policy.mode != "off" else None,
         summary=layer_lines(recipe, pairs.layers, pairs.fdd_layers),
     )
 
@@ -306,7 +306,7 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
                 f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): at most {human_bytes(size.total)} a "
                 f"row at data.max_length={length} ({key} is not annotated yet: the total follows its rows)"
             )
-    online = "generated and replayed micro batches" if recipe.generation.mode != "off" else None
+    online = "generated and replayed micro batches" if recipe.off_policy.mode != "off" else None
     notes.append(
         f"teacher cache: gold micro batches read {spec.dir}; "
         + (f"the teacher is loaded for the {online}" if online else "the teacher's weights are never loaded")
@@ -323,7 +323,7 @@ def teacher_source(recipe: Recipe) -> str | None:
         return None
     if recipe.teacher_cache.dir is None:
         return "online"
-    return "cache" if recipe.generation.mode == "off" else "cache + online"
+    return "cache" if recipe.off_policy.mode == "off" else "cache + online"
 
 
 def layer_lines(
