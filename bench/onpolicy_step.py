@@ -158,7 +158,7 @@ def build_variants(tokenizer_dir: Path, table, sizes: Sizes, count: int, new_tok
             vocab_size=rows_of_model,
         )
         model = DistillationModel(copy.deepcopy(student_model), objective).to(device)
-        granularities = tuple(sorted({pair.granularity for pair in pairs})) if spec.alignment_terms else ()
+        granularities = tuple(sorted({pair.granularity for pair in pairs})) if spec.trajectory_terms else ()
         sampled = OffPolicyBatches(
             recipe,
             table,

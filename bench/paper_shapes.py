@@ -113,7 +113,7 @@ class Step:
         student = AutoModelForCausalLM.from_config(student_config).to(device)
         s_layers, t_layers = student_config.num_hidden_layers, teacher_model.config.num_hidden_layers
         loss = recipe.loss
-        pairs = resolve_layer_map(loss.layers, s_layers, t_layers) if loss.alignment_terms else []
+        pairs = resolve_layer_map(loss.layers, s_layers, t_layers) if loss.trajectory_terms else []
         fdd_pairs = resolve_fdd_layers(loss.fdd_layers, s_layers, t_layers) if loss.fdd_weight else []
         torch.manual_seed(recipe.seed)
         objective = DistillationObjective(

@@ -3,7 +3,7 @@
 The one home for every kind of rename (CHANGELOG's rename table lists them all): command-line
 options (``mta_cli.options.deprecated_alias``), recipe keys (``RECIPE_KEYS``, applied by the recipe
 loader to each file, each override and a checkpoint's saved recipe) and public Python names
-(``renamed_names``: a module's ``__getattr__``).
+(``renamed_names``: a module's ``__getattr__``; ``renamed_attribute``: a class's method or property).
 """
 
 from __future__ import annotations
@@ -48,6 +48,22 @@ def renamed_names(module: str, renames: Mapping[str, tuple[str, Callable[[], Any
         return load()
 
     return __getattr__
+
+
+class renamed_attribute:  # noqa: N801 (used like a decorator-free ``property``)
+    """A class attribute (a method, a property) renamed: ``old = renamed_attribute("new")`` in the
+    class body returns the new attribute with a ``DeprecationWarning`` naming it."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self.old = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old, self.owner = name, owner.__name__
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        warn(f"{self.owner}.{self.old}", f"{self.owner}.{self.new}", category=DeprecationWarning)
+        return getattr(instance if instance is not None else owner, self.new)
 
 
 def renamed_recipe_keys(raw: Any, *, source: str = "", quiet: bool = False) -> Any:

@@ -11,7 +11,7 @@ same forwards:
   (:class:`mta.SpanParser`, worker processes, the code ``mta distill`` and ``mta annotate`` run):
   every micro batch of a generation batch is submitted as soon as TRL has generated it, and its
   result is awaited only after both forwards of that micro batch, so parsing overlaps the models.
-- DSA and HRA are :meth:`mta.MTALoss.alignment` on TRL's own layout (prompts left-padded,
+- DSA and HRA are :meth:`mta.MTALoss.trajectory` on TRL's own layout (prompts left-padded,
   completions right-padded): each row's spans are shifted by its prompt padding, nothing is
   copied or re-laid. The term is ``dsa_weight·DSA + hra_weight·HRA`` added to TRL's loss; in
   training each micro batch's per-sequence sums are divided by the sequences of TRL's generation
@@ -402,11 +402,11 @@ class MTADistillationTrainer(DistillationTrainer):
 
     def mta_terms(self, inputs: Mapping[str, Any], num_sequences: float | None = None) -> dict[str, torch.Tensor]:
         """``{"dsa", "hra", "total"}`` of the micro batch, from the hidden states its two
-        forwards left (``total`` weighted); num_sequences: as :meth:`mta.MTALoss.alignment`'s."""
+        forwards left (``total`` weighted); num_sequences: as :meth:`mta.MTALoss.trajectory`'s."""
         if self.mta_loss is None or set(self._mta_hidden) != {"student", "teacher"}:
             raise RuntimeError("both forwards must run before MTA's terms (TRL's _compute_loss changed?)")
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        return self.mta_loss.alignment(
+        return self.mta_loss.trajectory(
             self._mta_hidden["student"], self._mta_hidden["teacher"], mask, mask, self.spans_of(inputs), num_sequences
         )
 

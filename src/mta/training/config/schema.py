@@ -339,7 +339,7 @@ class LossSpec(Strict):
     )
 
     @property
-    def alignment_terms(self) -> tuple[str, ...]:
+    def trajectory_terms(self) -> tuple[str, ...]:
         """The MTA terms with a non-zero weight, of ``("dsa", "hra")``: the one place that decides
         whether MTA is on. An empty tuple means no layer is aligned and no projector is built."""
         return tuple(term for term in ("dsa", "hra") if getattr(self, f"{term}_weight"))
@@ -717,7 +717,7 @@ class Recipe(RecipeChecks):
     def _teacher_needed(self) -> Recipe:
         if self.teacher is None and self.loss.base != "ce":
             raise ValueError(f"loss.base={self.loss.base} needs a teacher; use 'ce' for SFT")
-        if self.teacher is None and self.loss.alignment_terms:
+        if self.teacher is None and self.loss.trajectory_terms:
             raise ValueError("dsa_weight and hra_weight must be 0 without a teacher")
         if self.teacher is None and self.loss.fdd_weight:
             raise ValueError("loss.fdd_weight must be 0 without a teacher (FDD follows the teacher's layers)")
@@ -725,7 +725,7 @@ class Recipe(RecipeChecks):
             raise ValueError("loss.sra_weight must be 0 without a teacher")
         if (
             not self.loss.base_weight
-            and not self.loss.alignment_terms
+            and not self.loss.trajectory_terms
             and not self.loss.fdd_weight
             and not self.loss.sra_weight
         ):

@@ -137,10 +137,10 @@ def plan_layers(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) -
     if teacher is None:
         return LayerPlan([], [], [], 0)
     loss, depths = recipe.loss, (student.num_layers, teacher.num_layers)
-    layers = resolve_layer_map(loss.layers, *depths) if loss.alignment_terms else []
+    layers = resolve_layer_map(loss.layers, *depths) if loss.trajectory_terms else []
     fdd_layers = resolve_fdd_layers(loss.fdd_layers, *depths) if loss.fdd_weight else []
     sra_layers = resolve_sra_layers(loss.sra_layers, *depths) if loss.sra_weight else []
-    projectors = (len(layers) if "hra" in loss.alignment_terms else 0) + len(sra_layers)
+    projectors = (len(layers) if "hra" in loss.trajectory_terms else 0) + len(sra_layers)
     return LayerPlan(layers, fdd_layers, sra_layers, projectors * (student.hidden_size + 1) * teacher.hidden_size)
 
 

@@ -73,7 +73,7 @@ def teacher_reads(recipe: Recipe, student_layers: int, teacher_layers: int) -> T
     models' depths; FDD and SRA's attention and logit terms are refused by the schema."""
     loss = recipe.loss
     layers: set[int] = set()
-    if loss.alignment_terms:
+    if loss.trajectory_terms:
         layers |= {pair.teacher for pair in resolve_layer_map(loss.layers, student_layers, teacher_layers)}
     if loss.sra_weight:
         layers |= {pair.teacher for pair in resolve_sra_layers(loss.sra_layers, student_layers, teacher_layers)}
