@@ -1,6 +1,6 @@
 """The store: a directory of sharded Parquet parts with checked manifests, written by
 ``mta annotate`` (:mod:`mta.data.annotate`: spans aligned to two tokenizers) and by ``mta embed``
-(:mod:`mta.embedding.teacher_embeddings`: a teacher's sentence embeddings), each with its own
+(:mod:`mta.embedding.embed`: a teacher's sentence embeddings), each with its own
 columns, into the same layout.
 
 - ``layout``     names and paths: parts, shard manifests, ``.mta/``, staging, lock files
