@@ -188,7 +188,7 @@ GROUPS: dict[str, dict] = {
     # alone: tests/test_generate_command.py runs the models end to end, and each mutant's session
     # builds them again (about 15 s a mutant: 568 mutants take over two hours), so what only it
     # reaches (generate_pairs, _side_generator, _generate_side) is reported as "no tests".
-    "pairs": {"mutate": ["src/mta/pairs.py"], "tests": []},
+    "pairs": {"mutate": ["src/mta/pairs/generate.py"], "tests": []},
     "hashing_scoring": {
         "mutate": ["src/mta/hashing.py", "src/mta/scoring.py"],
         "tests": ["tests/test_rouge.py", "tests/test_rules_checksums.py", "tests/test_foundation.py"],

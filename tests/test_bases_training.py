@@ -13,7 +13,7 @@ from conftest import EXAMPLES
 from fixtures.distill import LENGTHS, write_recipe
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.data.annotations import read_annotations
-from mta.pairs import PairSettings, generate_pairs
+from mta.pairs.generate import PairSettings, generate_pairs
 from mta.training import trainer as trainer_module
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
