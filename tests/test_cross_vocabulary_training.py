@@ -20,7 +20,7 @@ from mta.training.batching import AnnotatedExamples
 from mta.training.config.loading import load_recipe
 from mta.training.dry_run import plan_run
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import Trainer, run_distillation
 
 pytestmark = pytest.mark.usefixtures("one_thread")

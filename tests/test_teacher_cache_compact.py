@@ -23,7 +23,6 @@ from mta.losses.kd import build_base_loss
 from mta.losses.teacher_sampled import SampledTeacher, draw_tail_samples
 from mta.reporting import SilentReporter
 from mta.training.config.loading import load_recipe
-from mta.training.teacher_cache.build import run_teacher_stage
 from mta.training.teacher_cache.encoding import (
     dequantize_states,
     id_bits,
@@ -33,6 +32,7 @@ from mta.training.teacher_cache.encoding import (
     unpack_ids,
 )
 from mta.training.teacher_cache.read import TeacherCache
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import Trainer, build_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -92,7 +92,7 @@ from mta.training.config.schema import Recipe
 from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.lifecycle.selection import ROUGE_KEY
-from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import run_distillation
 from mta.versions import source_commit
 
