@@ -341,7 +341,7 @@ class KDLoss(nn.Module):
         if name in UNIT_LOSSES:
             raise MtaError(
                 f"KDLoss compares two models on one vocabulary; loss.base={name} compares two vocabularies on "
-                "aligned units: use mta.losses.cross_vocabulary (UniversalLogitDistillation, SharedVocabularyHybrid)"
+                "aligned units: use mta.losses.cross_tokenizer (UniversalLogitDistillation, SharedVocabularyHybrid)"
             )
         self.name = name
         self.labels_shifted = labels_shifted

@@ -47,7 +47,7 @@ from mta.training.config.deepspeed_settings import deepspeed_problem
 log = logging.getLogger(__name__)
 
 BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2", "uld", "gold"]
-# The base losses that compare logits across two vocabularies, on aligned units (mta.losses.cross_vocabulary).
+# The base losses that compare logits across two vocabularies, on aligned units (mta.losses.cross_tokenizer).
 UNIT_BASES = ("uld", "gold")
 Precision = Literal["fp32", "bf16", "fp16"]
 # train.precision: auto is bf16 where the device computes it natively (mta.dtypes), else fp32.

@@ -150,7 +150,7 @@ def plan_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) ->
     notes: list[str] = []
     if teacher is not None and recipe.loss.sra_weight:
         notes.append(_shared_vocabulary_note(recipe))
-    notes.extend(cross_vocabulary_notes(recipe))
+    notes.extend(cross_tokenizer_notes(recipe))
     logit_loss = recipe.loss.base not in ("ce", *UNIT_BASES)  # uld / gold compare their own vocabularies
     if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
         notes.append(
@@ -195,7 +195,7 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     return f"SRA: {counted[0]:,} tokens shared by the two vocabularies (its span logit term)"
 
 
-def cross_vocabulary_notes(recipe: Recipe) -> list[str]:
+def cross_tokenizer_notes(recipe: Recipe) -> list[str]:
     """``loss.base: uld / gold``: the vocabularies' overlap (when the tokenizers are at hand) and
     how the aligned units cover the responses of data.train's annotated rows (when annotated:
     an annotate directory, or the run's data/ cache of a file)."""
