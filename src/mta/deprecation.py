@@ -3,13 +3,20 @@
 The one home for every kind of rename (CHANGELOG's rename table lists them all): command-line
 options (``mta_cli.options.deprecated_alias``), recipe keys (``RECIPE_KEYS``, applied by the recipe
 loader to each file, each override and a checkpoint's saved recipe) and public Python names
-(``renamed_names``: a module's ``__getattr__``; ``renamed_attribute``: a class's method or property).
+(``renamed_names``: a module's ``__getattr__``; ``renamed_attribute``: a class's method or
+property; ``moved_modules``: a module's old import path).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
 import warnings
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
 
 REMOVED_IN = "0.4.0"  # an old spelling still works in every release before this one
@@ -35,19 +42,56 @@ def warn(old: str, new: str, *, category: type[Warning] = MtaDeprecationWarning,
     warnings.warn(message(old, new), category, stacklevel=stacklevel + 1)
 
 
-def renamed_names(module: str, renames: Mapping[str, tuple[str, Callable[[], Any]]]) -> Callable[[str], Any]:
-    """A module's ``__getattr__`` (PEP 562) for public names renamed: ``renames`` maps each old
-    name to ``(new dotted name, loader of the value)``; the old name returns the value with a
-    ``DeprecationWarning`` naming the new one."""
+def renamed_names(namespace: dict[str, Any], renames: Mapping[str, str]) -> Callable[[str], Any]:
+    """The ``__getattr__`` (PEP 562) of the module whose ``globals()`` is ``namespace``, for public
+    names renamed or moved: ``renames`` maps each old name to ``"new.module:new_name"``; the old
+    name gives the new one's value with a ``DeprecationWarning`` naming it (once: then cached)."""
+    module = namespace["__name__"]
 
     def __getattr__(name: str) -> Any:
         if name not in renames:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        new, load = renames[name]
-        warn(f"{module}.{name}", new, category=DeprecationWarning)
-        return load()
+        target, _, new = renames[name].partition(":")
+        warn(f"{module}.{name}", f"{target}.{new}", category=DeprecationWarning)
+        value = namespace[name] = getattr(importlib.import_module(target), new)
+        return value
 
     return __getattr__
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import old.module`` (and its submodules) as the module it moved to, the same object, with
+    a ``DeprecationWarning`` naming the new path (``moved_modules``)."""
+
+    def __init__(self, moves: Mapping[str, str]) -> None:
+        self.moves = dict(moves)
+
+    def new_name(self, fullname: str) -> str | None:
+        for old, new in self.moves.items():
+            if fullname == old or fullname.startswith(old + "."):
+                return new + fullname[len(old) :]
+        return None
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.util.spec_from_loader(fullname, self) if self.new_name(fullname) else None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        new = self.new_name(spec.name)
+        assert new is not None
+        warn(
+            spec.name, new, category=DeprecationWarning, stacklevel=2
+        )  # warnings skips importlib's frames: the import line
+        return importlib.import_module(new)
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # the new module ran when it was imported
+
+
+def moved_modules(moves: Mapping[str, str]) -> None:
+    """Old module paths (``moves``: old -> new dotted name) imported as their new modules until
+    ``REMOVED_IN``; installed once, by the ``mta`` package."""
+    if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModules(moves))
 
 
 class renamed_attribute:  # noqa: N801 (used like a decorator-free ``property``)
@@ -80,6 +124,7 @@ def renamed_recipe_keys(raw: Any, *, source: str = "", quiet: bool = False) -> A
             continue
         old_text, new_text = ".".join(old), ".".join(new)
         target = _mapping_at(raw, new[:-1], create=True)
+        assert target is not None  # create=True makes each mapping on the way
         if new[-1] in target:
             raise MtaError(f"{source}: {old_text} is the old spelling of {new_text}: give one of them")
         target[new[-1]] = parent.pop(old[-1])
