@@ -59,15 +59,16 @@ def renamed_names(namespace: dict[str, Any], renames: Mapping[str, str]) -> Call
     return __getattr__
 
 
+# Modules moved: old dotted path -> new (filled by the mta package through ``moved_modules``).
+MODULES_MOVED: dict[str, str] = {}
+
+
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """``import old.module`` (and its submodules) as the module it moved to, the same object, with
-    a ``DeprecationWarning`` naming the new path (``moved_modules``)."""
-
-    def __init__(self, moves: Mapping[str, str]) -> None:
-        self.moves = dict(moves)
+    a ``DeprecationWarning`` naming the new path (``MODULES_MOVED``)."""
 
     def new_name(self, fullname: str) -> str | None:
-        for old, new in self.moves.items():
+        for old, new in MODULES_MOVED.items():
             if fullname == old or fullname.startswith(old + "."):
                 return new + fullname[len(old) :]
         return None
@@ -90,8 +91,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def moved_modules(moves: Mapping[str, str]) -> None:
     """Old module paths (``moves``: old -> new dotted name) imported as their new modules until
     ``REMOVED_IN``; installed once, by the ``mta`` package."""
+    MODULES_MOVED.update(moves)
     if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _MovedModules(moves))
+        sys.meta_path.insert(0, _MovedModules())
 
 
 class renamed_attribute:  # noqa: N801 (used like a decorator-free ``property``)

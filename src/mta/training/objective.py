@@ -472,7 +472,7 @@ OLD_TRAJECTORY_PREFIX = "alignment."  # the projectors' state-dict prefix before
 
 
 def _renamed_trajectory_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    """An older checkpoint's ``objective.alignment.*`` keys loaded as ``objective.trajectory.*``."""
+    """A 0.2.0 checkpoint's ``objective.alignment.*`` keys loaded as ``objective.trajectory.*``."""
     old = prefix + OLD_TRAJECTORY_PREFIX
     for key in [key for key in state_dict if key.startswith(old)]:
         state_dict[prefix + "trajectory." + key[len(old) :]] = state_dict.pop(key)

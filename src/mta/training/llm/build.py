@@ -239,7 +239,7 @@ def build_examples(
     if recipe.loss.base == "distillm2" and train.pair_ids is None:
         raise MtaError(
             f"loss.base=distillm2 trains on pair rows, and data.train ({recipe.data.train}) holds none: "
-            "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
+            "write pairs with `mta generate PROMPTS.jsonl --teacher T --student S -o PAIRS.jsonl` "
             "and set data.train to PAIRS.jsonl (annotated on first use)"
         )
     return train, examples_of(dev_split, recipe, plan, sides) if dev_split is not None else None
