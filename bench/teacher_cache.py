@@ -69,8 +69,8 @@ from mta.reporting import SilentReporter
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import TeacherCacheSpec
 from mta.training.teacher import TeacherOutput
+from mta.training.teacher_cache.compact import dequantize_states, id_bits, quantize_states, state_bytes
 from mta.training.teacher_cache.content import estimate_bytes, stored_per_token, teacher_reads
-from mta.training.teacher_cache.encoding import dequantize_states, id_bits, quantize_states, state_bytes
 from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import Trainer, build_run
 

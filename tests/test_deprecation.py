@@ -41,6 +41,7 @@ OLD_SPELLINGS: list[tuple[str, str, tuple[str, ...]]] = [
     ("module", "mta.embedding.teacher_embeddings", (r"\bembedding\.teacher_embeddings\b", r"\bteacher_embeddings\.py")),
     ("module", "mta.training.teacher_cache.build", (r"\bteacher_cache\.build\b", r"\bteacher_cache/build\.py")),
     ("module", "mta.inspection.run", (r"\binspection\.run\b", r"\binspection/run\.py")),
+    ("module", "mta.training.teacher_cache.encoding", (r"\bteacher_cache[./]encoding\b",)),
     ("module", "mta.losses.cross_vocabulary", (r"\bcross_vocabulary\b",)),
     (
         "module",

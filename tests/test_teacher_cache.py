@@ -22,8 +22,8 @@ from mta.training.config.loading import load_recipe
 from mta.training.dry_run import plan_run
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.teacher_cache import teacher as stage_module
+from mta.training.teacher_cache.compact import id_bits, unpack_ids
 from mta.training.teacher_cache.content import teacher_reads
-from mta.training.teacher_cache.encoding import id_bits, unpack_ids
 from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import run_distillation
 from mta_cli.main import app

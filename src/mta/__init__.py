@@ -86,6 +86,7 @@ moved_modules(
         "mta.embedding.teacher_embeddings": "mta.embedding.embed",
         "mta.training.teacher_cache.build": "mta.training.teacher_cache.teacher",
         "mta.inspection.run": "mta.inspection.inspect",
+        "mta.training.teacher_cache.encoding": "mta.training.teacher_cache.compact",
         "mta.losses.cross_vocabulary": "mta.losses.cross_tokenizer",
     }
 )
