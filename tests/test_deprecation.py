@@ -207,6 +207,22 @@ def test_an_old_option_works_with_a_line_naming_the_new_one(capsys):
         deprecated_alias("a", "b", old="--data", new="--held-out")
 
 
+def test_the_cli_prints_an_old_recipe_key_as_the_same_one_line(monkeypatch, capsys):
+    from mta_cli.options import render_deprecations
+
+    others: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: others.append(str(message)))
+    render_deprecations()
+    render_deprecations()  # once: a second call wraps nothing again
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        deprecation.warn("r.yaml: recipe key generation", "off_policy")
+        warnings.warn("another library's", UserWarning, stacklevel=1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"warning: {deprecation.message('r.yaml: recipe key generation', 'off_policy')}"
+    assert len(err) == 1 and others == ["another library's"]  # any other warning shown as before
+
+
 def _recipe(tmp_path: Path, section: str, name: str = "r.yaml") -> Path:
     path = tmp_path / name
     path.write_text(TINY.read_text(encoding="utf-8") + section, encoding="utf-8")

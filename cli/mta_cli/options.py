@@ -61,6 +61,27 @@ def deprecated_alias(new_value, old_value, *, old: str, new: str):
     return old_value
 
 
+def render_deprecations() -> None:
+    """Show mta's deprecation warnings (an old recipe key) as the one line an old option prints."""
+    import sys
+    import warnings
+
+    from mta.deprecation import MtaDeprecationWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "renders_deprecations", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, MtaDeprecationWarning):
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.renders_deprecations = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+
+
 # A Hugging Face Hub dataset id in place of a data file (mta.data.sources.input_reference).
 SPLIT_OPTION = typer.Option(
     None, "--split", help="The split of a Hub dataset id (owner/name) [default: train]; not used for a local file."
