@@ -122,7 +122,7 @@ GROUPS: dict[str, dict] = {
     "stopping": {"mutate": ["src/mta/training/lifecycle/stopping.py"], "tests": ["tests/test_stop_signals.py"]},
     "sampling": {
         "mutate": ["src/mta/training/off_policy/policy.py", "src/mta/training/off_policy/replay_buffer.py"],
-        "tests": ["tests/test_rules_sampling.py", "tests/test_off_policy.py"],
+        "tests": ["tests/test_rules_off_policy.py", "tests/test_off_policy.py"],
     },
     "lora": {"mutate": ["src/mta/training/lora.py"], "tests": ["tests/test_lora.py"]},
     "checkpoints": {

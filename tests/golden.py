@@ -38,7 +38,7 @@ TINY_RUNS: dict[str, tuple[str, ...]] = {
         "train.eval_interval=4",
         "train.save_interval=4",
     ),
-    "tiny-generation": (
+    "tiny-off-policy": (
         *REDUCTION,
         "train.max_steps=4",
         "train.log_interval=1",

@@ -91,7 +91,7 @@ def test_a_tiny_run_logs_the_recorded_metrics_and_was_built_from_its_dry_run_pla
     )
     # Equal but for where each config was read: the built tiny model's directory, or its description.
     assert [_sourceless(plan) for plan in built] == [_sourceless(plan_run(recipe))]
-    assert built[0].off_policy == ("adaptive" if "generation" in name else "off")
+    assert built[0].off_policy == ("adaptive" if "off-policy" in name else "off")
     assert built[0].teacher_source == "online"
 
 
