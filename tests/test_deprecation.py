@@ -275,7 +275,12 @@ def test_a_recipe_extending_a_parent_with_the_old_key_merges_them(tmp_path):
 
 
 def test_a_checkpoints_saved_recipe_with_the_old_key_reads_silently(tmp_path):
+    from mta.training.config.loading import load_recipe
     from mta.training.config.resume_rules import read_saved_recipe
+
+    with warnings.catch_warnings():  # mta inspect reading a 0.2.0 student's recipe.yaml
+        warnings.simplefilter("error")
+        assert load_recipe(_recipe(tmp_path, "generation:\n  mode: always\n"), saved=True).off_policy.mode == "always"
 
     (tmp_path / "recipe.yaml").write_text("name: x\ngeneration:\n  mode: adaptive\n", encoding="utf-8")
     with warnings.catch_warnings():

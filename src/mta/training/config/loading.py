@@ -43,14 +43,15 @@ def recipe_schema(raw: Any) -> type[RecipeChecks]:
     return task_named(task).schema if isinstance(task, str) and task in task_names() else Recipe
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeChecks:
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, saved: bool = False) -> RecipeChecks:
     """Read (with the parents it ``extends``), override and validate a recipe (a ``Recipe``, or
     its task's schema: ``recipe_schema``); raise ``MtaError`` naming the file, line and key on any
-    problem."""
+    problem. saved: a recipe mta wrote (a checkpoint's ``recipe.yaml``): old key spellings are read
+    without a warning."""
     path = Path(path)
     chain = recipe_chain(path)
     for file in chain:  # old key spellings (mta.deprecation.RECIPE_KEYS), each with a warning
-        renamed_recipe_keys(file.raw, source=str(file.path))
+        renamed_recipe_keys(file.raw, source=str(file.path), quiet=saved)
     overrides = [_renamed_override(item) for item in overrides]
     raw = apply_overrides(merged_recipe(chain), overrides)
     raw.setdefault("source", str(path))
