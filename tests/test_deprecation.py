@@ -61,7 +61,7 @@ OLD_SPELLINGS: list[tuple[str, str, tuple[str, ...]]] = [
     ("name", "generation_problem", (r"\bgeneration_problem\b",)),
     ("name", "alignment_terms", (r"\balignment_terms\b",)),
     ("name", "DistillationObjective.alignment", (r"\bobjective\.alignment\b", r"\bself\.alignment\b")),
-    ("name", "mta.MTALoss.alignment", (r"\bMTALoss\.alignment\b", r"\b(loss|mta_loss)\.alignment\(")),
+    ("name", "mta.MTALoss.alignment", (r"\bMTALoss\.alignment\b", r"\b(loss|mta_loss)\.alignment\(", r"`alignment`")),
     ("name", "generation_summary", (r"\bgeneration_summary\b",)),
     ("name", "DEPRECATED_UNTIL", (r"\bDEPRECATED_UNTIL\b",)),
     ("option", "mta show -r", (r"\bmta show\b.*\s-r\s",)),
