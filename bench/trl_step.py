@@ -61,7 +61,7 @@ class Variant:
     def __init__(self, name: str, trainer, prompts: list[dict]):
         self.name, self.trainer, self.prompts = name, trainer, prompts
         self.steps: list[float] = []
-        self.off_policy: list[float] = []
+        self.generation: list[float] = []
         trainer.create_optimizer_and_scheduler(num_training_steps=10_000)
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets per step
@@ -86,10 +86,10 @@ class Variant:
         trainer.lr_scheduler.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         self.steps.append(time.perf_counter() - started)
-        self.off_policy.append(self._generated)
+        self.generation.append(self._generated)
 
     def after_generation(self) -> list[float]:
-        return [step - generation for step, generation in zip(self.steps, self.off_policy, strict=True)]
+        return [step - generation for step, generation in zip(self.steps, self.generation, strict=True)]
 
 
 def build(directory: Path, args: argparse.Namespace) -> tuple[Path, Path]:
@@ -138,7 +138,7 @@ def sharded_worker(args: argparse.Namespace) -> None:
         def __init__(self, name: str):
             self.name = name
             self.steps: list[float] = []
-            self.off_policy: list[float] = []
+            self.generation: list[float] = []
 
         def round(self) -> None:
             common = dict(
@@ -186,7 +186,7 @@ def sharded_worker(args: argparse.Namespace) -> None:
             trainer._generate_and_score_completions = timed
             trainer.train()
             self.steps.append(statistics.median(times.steps[1:]))
-            self.off_policy.append(statistics.median(generated[1:]))
+            self.generation.append(statistics.median(generated[1:]))
 
     variants = [ShardedVariant("plain"), ShardedVariant("mta")]
     interleaved_rounds(
