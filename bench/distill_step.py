@@ -409,7 +409,7 @@ class AlignmentTermsOnly:
     """
 
     def __init__(self, training: TrainingStep, device):
-        self.alignment = training.model.objective.alignment
+        self.trajectory = training.model.objective.trajectory
         self.weights = training.model.objective.weights
         self.mixed = training.mixed
         self.inputs = []
@@ -428,7 +428,7 @@ class AlignmentTermsOnly:
         batch, teacher_out, hidden = self.inputs[index]
         student_hidden = tuple(h.detach().requires_grad_() for h in hidden)
         with self.mixed():
-            terms = self.alignment(
+            terms = self.trajectory(
                 student_hidden,
                 teacher_out.hidden_states,
                 batch.student.attention_mask,
@@ -436,7 +436,7 @@ class AlignmentTermsOnly:
                 batch.spans,
             )
         sum(self.weights[name] * value for name, value in terms.items()).backward()
-        self.alignment.zero_grad(set_to_none=True)
+        self.trajectory.zero_grad(set_to_none=True)
 
 
 class SraTermsOnly:

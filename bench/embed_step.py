@@ -8,7 +8,7 @@
 one model already loaded (the stage's loader is handed the loaded encoder, so the figures
 compare the per-text work, not a model load every loop pays once; the load is timed apart):
 
-- ``stage``: :func:`mta.embedding.teacher_embeddings.run_embed` into a fresh directory: read
+- ``stage``: :func:`mta.embedding.embed.run_embed` into a fresh directory: read
   and hash the input, tokenise for the length plan, length-sorted batches, pooling, journalled
   Parquet chunks, the part, the manifest;
 - ``bare_input_order``: ``tokenizer(batch, padding=True, truncation=True)`` then
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from interleaving import interleaved_rounds, paired_ratio  # noqa: E402
 from machine import created, describe_machine  # noqa: E402
-from mta.embedding import teacher_embeddings as stage  # noqa: E402
+from mta.embedding import embed as stage  # noqa: E402
 from mta.embedding.encoder import load_encoder  # noqa: E402
 from mta.files import atomic_write_json  # noqa: E402
 from paths import portable  # noqa: E402

@@ -121,8 +121,8 @@ GROUPS: dict[str, dict] = {
     },
     "stopping": {"mutate": ["src/mta/training/lifecycle/stopping.py"], "tests": ["tests/test_stop_signals.py"]},
     "sampling": {
-        "mutate": ["src/mta/training/sampling/policy.py", "src/mta/training/sampling/replay_buffer.py"],
-        "tests": ["tests/test_rules_sampling.py", "tests/test_off_policy.py"],
+        "mutate": ["src/mta/training/off_policy/policy.py", "src/mta/training/off_policy/replay_buffer.py"],
+        "tests": ["tests/test_rules_off_policy.py", "tests/test_off_policy.py"],
     },
     "lora": {"mutate": ["src/mta/training/lora.py"], "tests": ["tests/test_lora.py"]},
     "checkpoints": {
@@ -188,7 +188,7 @@ GROUPS: dict[str, dict] = {
     # alone: tests/test_generate_command.py runs the models end to end, and each mutant's session
     # builds them again (about 15 s a mutant: 568 mutants take over two hours), so what only it
     # reaches (generate_pairs, _side_generator, _generate_side) is reported as "no tests".
-    "pairs": {"mutate": ["src/mta/pairs.py"], "tests": []},
+    "pairs": {"mutate": ["src/mta/pairs/generate.py"], "tests": []},
     "hashing_scoring": {
         "mutate": ["src/mta/hashing.py", "src/mta/scoring.py"],
         "tests": ["tests/test_rouge.py", "tests/test_rules_checksums.py", "tests/test_foundation.py"],

@@ -1,8 +1,8 @@
-"""Benchmark: an on-policy training step (`generation.mode: always`), and what MTA's spans of
+"""Benchmark: an on-policy training step (`off_policy.mode: always`), and what MTA's spans of
 generated text cost in it.
 
 Every step samples the student's responses to a micro batch's prompts and trains on them, with
-the pieces `mta distill` uses: `mta.training.sampling.micro_batches.OffPolicyBatches` (generation with
+the pieces `mta distill` uses: `mta.training.off_policy.micro_batches.OffPolicyBatches` (generation with
 `mta.generation`, spans with `mta.data.online_spans`), `DistillationModel`, `FrozenTeacher` and
 the optimizer of `mta.training.engine`. Four variants, the same prompts and seeds:
 
@@ -53,7 +53,7 @@ from mta.training.batching import AnnotatedExamples, micro_batch_order
 from mta.training.config.layers import resolve_layer_map
 from mta.training.config.schema import LossSpec, Recipe
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.sampling.micro_batches import OffPolicyBatches
+from mta.training.off_policy.micro_batches import OffPolicyBatches
 from mta.training.teacher import FrozenTeacher
 from paths import portable
 
@@ -132,7 +132,7 @@ def recipe_for(sizes: Sizes, new_tokens: int) -> Recipe:
                 "max_prompt_length": sizes.max_prompt_length,
             },
             "train": {"max_steps": 1, "batch_size": sizes.micro_batch, "micro_batch_size": sizes.micro_batch},
-            "generation": {"mode": "always", "max_new_tokens": new_tokens},
+            "off_policy": {"mode": "always", "max_new_tokens": new_tokens},
         }
     )
 
@@ -158,7 +158,7 @@ def build_variants(tokenizer_dir: Path, table, sizes: Sizes, count: int, new_tok
             vocab_size=rows_of_model,
         )
         model = DistillationModel(copy.deepcopy(student_model), objective).to(device)
-        granularities = tuple(sorted({pair.granularity for pair in pairs})) if spec.alignment_terms else ()
+        granularities = tuple(sorted({pair.granularity for pair in pairs})) if spec.trajectory_terms else ()
         sampled = OffPolicyBatches(
             recipe,
             table,

@@ -113,7 +113,7 @@ class Step:
         student = AutoModelForCausalLM.from_config(student_config).to(device)
         s_layers, t_layers = student_config.num_hidden_layers, teacher_model.config.num_hidden_layers
         loss = recipe.loss
-        pairs = resolve_layer_map(loss.layers, s_layers, t_layers) if loss.alignment_terms else []
+        pairs = resolve_layer_map(loss.layers, s_layers, t_layers) if loss.trajectory_terms else []
         fdd_pairs = resolve_fdd_layers(loss.fdd_layers, s_layers, t_layers) if loss.fdd_weight else []
         torch.manual_seed(recipe.seed)
         objective = DistillationObjective(
@@ -220,7 +220,7 @@ def run_variant(variant: Variant, device) -> None:
 
 def measure_part(name: str, recipe_name: str, args, device, dtype) -> dict:
     started = time.perf_counter()
-    recipe = load_recipe(SHIPPED_DIR / f"{recipe_name}.yaml", ["generation.mode=off"] if recipe_name == "gpt2" else [])
+    recipe = load_recipe(SHIPPED_DIR / f"{recipe_name}.yaml", ["off_policy.mode=off"] if recipe_name == "gpt2" else [])
     teacher_config, student_config = (model_config(recipe, role, args.smoke) for role in ("teacher", "student"))
     torch.manual_seed(0)
     teacher_model = AutoModelForCausalLM.from_config(teacher_config).to(device=device, dtype=dtype)
@@ -298,7 +298,7 @@ def measure_logits_part(args, device, dtype) -> dict:
     torch.manual_seed(0)
     teacher_model = AutoModelForCausalLM.from_config(teacher_config).to(device=device, dtype=dtype)
     batch = synthetic_batch(shapes.rows, shapes.length, shapes.prompt, shapes.vocab, seed=1, paired=False)
-    recipe = load_recipe(SHIPPED_DIR / "qwen.yaml", ["generation.mode=off"])
+    recipe = load_recipe(SHIPPED_DIR / "qwen.yaml", ["off_policy.mode=off"])
     variants = []
     for base in ("srkl", "fkl"):
         for fused in (False, True):

@@ -22,12 +22,12 @@ Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew
    ``--cache-logits/--cache-top-k/--cache-samples/--cache-states``; built here by
    ``run_teacher_stage``), trained step by step interleaved (the order rotates every round), each
    step a whole `Trainer.step`: the cache's reads are inside it. Medians of the per-round ratios;
-   ``ratio_cached_vs_online_step`` is the fixed-data one (``generation.mode: off``, the DistiLLM-2
+   ``ratio_cached_vs_online_step`` is the fixed-data one (``off_policy.mode: off``, the DistiLLM-2
    rows' case, the teacher never loaded). After the same steps both students' dev loss (every
    term, the online teacher's) on held-out Dolly dev rows. With DistiLLM's adaptive sampling a
    share g of the micro batches is generated and runs the teacher online either way: the JSON
    derives the adaptive ratio at g from the measured gold step times and a measured
-   ``generation.mode: always`` step (every micro batch generated),
+   ``off_policy.mode: always`` step (every micro batch generated),
    ``(g·T_gen + (1−g)·T_cached) / (g·T_gen + (1−g)·T_online)``, at the generated share
    ``--generated-share`` (default 0.5).
 
@@ -69,9 +69,9 @@ from mta.reporting import SilentReporter
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import TeacherCacheSpec
 from mta.training.teacher import TeacherOutput
-from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.teacher_cache.compact import dequantize_states, id_bits, quantize_states, state_bytes
 from mta.training.teacher_cache.content import estimate_bytes, stored_per_token, teacher_reads
-from mta.training.teacher_cache.encoding import dequantize_states, id_bits, quantize_states, state_bytes
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import Trainer, build_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     online.close()
     cached.close()
-    _, always = built("always", "generation.mode=always", f"generation.max_new_tokens={64}")
+    _, always = built("always", "off_policy.mode=always", f"off_policy.max_new_tokens={64}")
     generated = Trainer(always, SilentReporter())
     generated.step(0)
     generated_times = []

@@ -38,19 +38,19 @@ TINY_RUNS: dict[str, tuple[str, ...]] = {
         "train.eval_interval=4",
         "train.save_interval=4",
     ),
-    "tiny-generation": (
+    "tiny-off-policy": (
         *REDUCTION,
         "train.max_steps=4",
         "train.log_interval=1",
         "train.eval_interval=4",
         "train.save_interval=4",
-        "generation.mode=adaptive",
-        "generation.init_threshold=1.0",
-        "generation.buffer_size=4",
-        "generation.max_new_tokens=12",
+        "off_policy.mode=adaptive",
+        "off_policy.init_threshold=1.0",
+        "off_policy.buffer_size=4",
+        "off_policy.max_new_tokens=12",
     ),
 }
-MEASURED = ("tokens_per_s", "flops_per_s", "mfu", "generation/tokens_per_s", "generation/span_wait_s", "samples")
+MEASURED = ("tokens_per_s", "flops_per_s", "mfu", "off_policy/tokens_per_s", "off_policy/span_wait_s", "samples")
 
 
 def computed(record: dict[str, Any]) -> dict[str, Any]:

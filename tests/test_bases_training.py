@@ -13,7 +13,7 @@ from conftest import EXAMPLES
 from fixtures.distill import LENGTHS, write_recipe
 from mta.data.annotate import AnnotateSettings, annotate_file
 from mta.data.annotations import read_annotations
-from mta.pairs import PairSettings, generate_pairs
+from mta.pairs.generate import PairSettings, generate_pairs
 from mta.training import trainer as trainer_module
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
@@ -39,14 +39,14 @@ def test_fdd_trains_with_and_without_the_students_samples_and_reloads(
         output_dir=tmp_path / "fdd",
         data={"dev": None},
         loss={"fdd_weight": 1.0, "fdd_tokens": "response" if generation == "always" else "all"},
-        generation={"mode": generation, "max_new_tokens": 8},
+        off_policy={"mode": generation, "max_new_tokens": 8},
         train={"max_steps": 2},
     )
     final = run_distillation(load_recipe(path))
     records = _train_records(tmp_path / "fdd")
     assert all(r["loss/fdd"] > 0 for r in records)
     if generation == "always":
-        assert sum(r["generation/generated"] for r in records) == 4
+        assert sum(r["off_policy/generated"] for r in records) == 4
     reloaded = AutoModelForCausalLM.from_pretrained(final)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert any(not torch.equal(a, b) for a, b in zip(reloaded.parameters(), start.parameters(), strict=True))

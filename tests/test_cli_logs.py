@@ -250,7 +250,7 @@ def test_plain_train_and_dev_records_and_generation_fields():
             "step": 4,
             "loss": 2.0,
             "loss/base": 2.0,
-            "generation/dev_ce": 1.5,
+            "off_policy/dev_ce": 1.5,
             "samples": [{"prompt": "p" * 70, "generation": "g\nh"}],
         }
     )
@@ -268,10 +268,10 @@ def test_plain_train_and_dev_records_and_generation_fields():
             "lr": 1e-4,
             "grad_norm": 0.8312345,
             "tokens_per_s": 99.6,
-            "generation/gold": 1,
-            "generation/generated": 2,
-            "generation/buffer": 0,
-            "generation/threshold": 0.25,
+            "off_policy/gold": 1,
+            "off_policy/generated": 2,
+            "off_policy/buffer": 0,
+            "off_policy/threshold": 0.25,
         }
     )
     reporter.stop()

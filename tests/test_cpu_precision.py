@@ -196,11 +196,11 @@ def test_evaluate_with_dtype_bf16_scores_bf16_weights(tmp_path, data_dir, tiny_m
 
 
 def test_generate_with_dtype_bf16_samples_with_bf16_weights(tmp_path, tiny_model_dir, monkeypatch):
-    import mta.pairs
+    import mta.pairs.generate
     from conftest import EXAMPLES
-    from mta.pairs import PairSettings, generate_pairs
+    from mta.pairs.generate import PairSettings, generate_pairs
 
-    real, used = mta.pairs.loaded_checkpoint, []
+    real, used = mta.pairs.generate.loaded_checkpoint, []
 
     @contextlib.contextmanager
     def recording(checkpoint, device, dtype):
@@ -208,7 +208,7 @@ def test_generate_with_dtype_bf16_samples_with_bf16_weights(tmp_path, tiny_model
             used.append(next(model.parameters()).dtype)
             yield model, tokenizer
 
-    monkeypatch.setattr(mta.pairs, "loaded_checkpoint", recording)
+    monkeypatch.setattr(mta.pairs.generate, "loaded_checkpoint", recording)
     settings = PairSettings(limit=3, dtype="bf16", device="cpu", max_new_tokens=4, max_prompt_length=40, batch_size=3)
     out = generate_pairs(tiny_model_dir, tiny_model_dir, EXAMPLES, tmp_path / "pairs.jsonl", settings).path
     assert used == [torch.bfloat16, torch.bfloat16]  # teacher and student

@@ -211,14 +211,14 @@ def test_a_term_with_weight_zero_is_neither_built_nor_computed(weights, terms, p
     from mta.training.objective import DistillationObjective
 
     spec = LossSpec(base="fkl", **weights)
-    pairs = auto_layer_map(4, 4) if spec.alignment_terms else []
+    pairs = auto_layer_map(4, 4) if spec.trajectory_terms else []
     objective = DistillationObjective(
         spec, pairs, student_hidden_size=8, teacher_hidden_size=12, same_tokenizer=True, vocab_size=50
     )
-    built = objective.alignment is not None and objective.alignment.projectors is not None
+    built = objective.trajectory is not None and objective.trajectory.projectors is not None
     assert built == projectors
     assert objective.needs_teacher_logits == teacher_logits
-    assert set(spec.alignment_terms) == terms - {"base"}
+    assert set(spec.trajectory_terms) == terms - {"base"}
     assert (objective.base is not None) == ("base" in terms)
 
 

@@ -126,7 +126,7 @@ def test_dry_run_plans_every_recipe_offline(path):
 
     # The layer map: the recipe's explicit list, or the documented auto rule on the two depths.
     pairs = [(p.student, p.teacher, p.granularity) for p in plan.layers]
-    if recipe.teacher is None or not recipe.loss.alignment_terms:
+    if recipe.teacher is None or not recipe.loss.trajectory_terms:
         assert pairs == []
     elif recipe.loss.layers == "auto":
         student_layers, teacher_layers = (built[r][0].num_hidden_layers for r in ("student", "teacher"))
@@ -142,7 +142,7 @@ def test_dry_run_plans_every_recipe_offline(path):
     # nothing), the teacher's weights at its dtype's width.
     d_s = built["student"][0].hidden_size
     d_t = built["teacher"][0].hidden_size if "teacher" in built else 0
-    projectors = len(pairs) * (d_s * d_t + d_t) if "hra" in recipe.loss.alignment_terms else 0
+    projectors = len(pairs) * (d_s * d_t + d_t) if "hra" in recipe.loss.trajectory_terms else 0
     if recipe.loss.sra_weight:  # SRA: one Linear(d_S, d_T) per span pair (`last`: one)
         projectors += (d_s * d_t + d_t) * (1 if recipe.loss.sra_layers == "last" else len(recipe.loss.sra_layers))
         assert any(note.startswith("SRA: ") for note in plan.notes)

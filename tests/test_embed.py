@@ -17,16 +17,16 @@ import pytest
 import torch
 
 from fixtures.processes import sigkill_when_it_says, stalling_journal
+from mta.embedding import embed as stage
 from mta.embedding import encoder as encoder_module
-from mta.embedding import teacher_embeddings as stage
-from mta.embedding.export import read_sentence_transformers_config
-from mta.embedding.pooling import pool
-from mta.embedding.teacher_embeddings import (
+from mta.embedding.embed import (
     build_teacher_embeddings,
     embedding_text,
     read_teacher_embeddings,
     run_embed,
 )
+from mta.embedding.export import read_sentence_transformers_config
+from mta.embedding.pooling import pool
 from mta.errors import MtaError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ KILLED_RUN = (
     stalling_journal(3)
     + """
 from pathlib import Path
-from mta.embedding import teacher_embeddings as stage
+from mta.embedding import embed as stage
 
 stage.CHUNK_ROWS = 4
 stage.build_teacher_embeddings(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), batch_size=2, device="cpu")

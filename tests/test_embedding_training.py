@@ -208,7 +208,7 @@ def _line(text: str, needle: str) -> int:
 
 def test_llm_keys_in_an_embedding_recipe_are_refused_with_their_lines(tmp_path):
     text = TINY_EMBED.read_text(encoding="utf-8")
-    text = text.replace("  tamd_layers: 2", "  tamd_layers: 2\n  dsa_weight: 2.0") + "generation:\n  mode: adaptive\n"
+    text = text.replace("  tamd_layers: 2", "  tamd_layers: 2\n  dsa_weight: 2.0") + "off_policy:\n  mode: adaptive\n"
     with pytest.raises(MtaError) as caught:
         load_recipe(_write(tmp_path, text))
     message = str(caught.value)
@@ -216,7 +216,7 @@ def test_llm_keys_in_an_embedding_recipe_are_refused_with_their_lines(tmp_path):
         f"line {_line(text, 'dsa_weight')}: loss.dsa_weight: unknown key in a task: embedding recipe: "
         "dsa_weight is a key of task: llm recipes"
     ) in message
-    assert f"line {_line(text, 'generation:')}: generation: unknown key in a task: embedding recipe" in message
+    assert f"line {_line(text, 'off_policy:')}: off_policy: unknown key in a task: embedding recipe" in message
     # The shared train: section: the keys only LLM distillation reads.
     text = TINY_EMBED.read_text(encoding="utf-8").replace(
         "  max_steps: 12", "  max_steps: 12\n  num_sample_generations: 4"

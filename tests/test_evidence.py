@@ -121,7 +121,7 @@ def test_evidence_runs_every_stage_reports_it_and_reuses_it(tmp_path, tiny_model
     # DistiLLM's sampling ran in every run: some micro batches were the student's own text.
     for label in labels:
         records = [json.loads(line) for line in (out / "runs" / label / "metrics.jsonl").read_text().splitlines()]
-        assert sum(r.get("generation/generated", 0) for r in records if r.get("split") == "train") > 0, label
+        assert sum(r.get("off_policy/generated", 0) for r in records if r.get("split") == "train") > 0, label
 
     # The teacher: the pilot's lr is the one of the lowest last dev loss, read from its runs' files.
     def last_dev_loss(run_dir: Path) -> float:

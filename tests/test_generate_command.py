@@ -21,7 +21,7 @@ from mta.files import read_jsonl_lenient
 from mta.generation import HFGenerator, SamplingParams, sampling_seed
 from mta.models.tiny import build_tiny_model
 from mta.models.tokenizers import load_tokenizer
-from mta.pairs import PairSettings, PairsPaths, generate_pairs
+from mta.pairs.generate import PairSettings, PairsPaths, generate_pairs
 from mta.reporting import SilentReporter
 from mta.scoring import completion_text
 

@@ -22,7 +22,7 @@ from fixtures.hub import cache_model
 from mta.errors import MtaError
 from mta.store.layout import manifest_path
 from mta.training.config.loading import load_recipe
-from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.teacher_cache.teacher import run_teacher_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

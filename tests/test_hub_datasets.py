@@ -197,7 +197,7 @@ def test_a_recipe_reads_the_train_and_dev_splits_of_an_id(hub_cache, tmp_path, s
 
 def test_generate_and_evaluate_read_a_hub_set_and_record_its_commit(hub_cache, tmp_path, tiny_model_dir, one_thread):
     from mta.evaluation import EvalSettings, evaluate_checkpoints
-    from mta.pairs import PairSettings, generate_pairs
+    from mta.pairs.generate import PairSettings, generate_pairs
 
     few = dict(max_new_tokens=3, max_prompt_length=32, batch_size=4, device="cpu", dtype="fp32")
     outcome = generate_pairs(

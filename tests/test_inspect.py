@@ -430,7 +430,7 @@ def test_the_teacher_side_from_a_teacher_cache_equals_the_teacher_at_its_layers(
 ):
     from mta.inspection import inspect
     from mta.training.config.loading import load_recipe
-    from mta.training.teacher_cache.build import run_teacher_stage
+    from mta.training.teacher_cache.teacher import run_teacher_stage
 
     recipe = load_recipe(tiny_run_recipe(tmp_path / "run", teacher_cache={"storage": "fp32"}))
     run_teacher_stage(recipe, out_dir=tmp_path / "cache", batch_size=6)

@@ -258,7 +258,7 @@ def test_every_recipe_base_loss_is_built_and_computes_through_the_objective(name
     objective = DistillationObjective(
         spec, [], student_hidden_size=8, teacher_hidden_size=8, same_tokenizer=True, vocab_size=vocab
     )
-    assert objective.alignment is None and objective.needs_teacher_logits == (name != "ce")
+    assert objective.trajectory is None and objective.needs_teacher_logits == (name != "ce")
 
     generator = torch.Generator().manual_seed(9)
     student = torch.randn(2, 7, vocab + 3, generator=generator) * 2  # 3 padded embedding rows

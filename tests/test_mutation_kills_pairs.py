@@ -1,4 +1,4 @@
-"""`mta generate`'s rules without a model (mta.pairs): the files' names, the settings' refusals,
+"""`mta generate`'s rules without a model (mta.pairs.generate): the files' names, the settings' refusals,
 the prompts read, the claim a journal is kept under, resuming or refusing a journal, and the
 output written from the journals. What mutation testing (bench/mutation.py) found the end-to-end
 tests (tests/test_generate_command.py, tiny models) leave unchecked or reach too slowly."""
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta import pairs
 from mta.data.rows import Example
 from mta.data.sources import input_identity, open_source
 from mta.errors import MtaError
 from mta.files import exclusive_lock
-from mta.pairs import PairSettings, PairsPaths, describe_run, read_prompts
+from mta.pairs import generate as pairs
+from mta.pairs.generate import PairSettings, PairsPaths, describe_run, read_prompts
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

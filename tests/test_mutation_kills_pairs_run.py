@@ -1,4 +1,4 @@
-"""`mta generate`'s run (mta.pairs.generate_pairs) over a fake engine: what each side is asked
+"""`mta generate`'s run (mta.pairs.generate.generate_pairs) over a fake engine: what each side is asked
 (its prompts cut to the limit, its rows' seeds), what is journalled, resumed and written, and the
 messages. The fake stands in for the model loading and sampling that
 tests/test_generate_command.py runs for real on tiny models; here a run takes milliseconds, so
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mta import pairs
 from mta.data.rows import field_problems
 from mta.errors import MtaError
 from mta.generation.generator import Completion
 from mta.generation.sampling import SamplingParams, sampling_seed
-from mta.pairs import PairSettings, PairsPaths, generate_pairs, pair_seed
+from mta.pairs import generate as pairs
+from mta.pairs.generate import PairSettings, PairsPaths, generate_pairs, pair_seed
 from mta.reporting import SilentReporter
 
 

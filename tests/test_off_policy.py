@@ -15,10 +15,10 @@ from fixtures.generated_rows import make_row
 from mta.data.artefact_schema import SCHEMA_VERSION
 from mta.errors import MtaError
 from mta.training.batching import AnnotatedExamples
-from mta.training.config.schema import GenerationSpec, Recipe
-from mta.training.sampling import policy
-from mta.training.sampling.policy import (
-    SamplingState,
+from mta.training.config.schema import OffPolicySpec, Recipe
+from mta.training.off_policy import policy
+from mta.training.off_policy.policy import (
+    OffPolicyState,
     agreed_dev_loss,
     buffer_generator,
     choose,
@@ -31,7 +31,7 @@ from mta.training.sampling.policy import (
     update_threshold,
     write_state,
 )
-from mta.training.sampling.replay_buffer import (
+from mta.training.off_policy.replay_buffer import (
     ReplayBuffer,
     agreed_buffer_flags,
     buffer_file,
@@ -41,7 +41,7 @@ from mta.training.sampling.replay_buffer import (
 )
 
 SEED = 42
-ADAPTIVE = GenerationSpec(mode="adaptive")
+ADAPTIVE = OffPolicySpec(mode="adaptive")
 
 
 def restated(r: float, tau: float, step: int, total: int, schedule: str, full: bool) -> str:
@@ -60,11 +60,11 @@ def restated(r: float, tau: float, step: int, total: int, schedule: str, full: b
 
 @pytest.mark.parametrize("schedule", ["decreasing", "constant", "increasing"])
 def test_decide_is_the_stated_rule_for_every_schedule_and_reaches_every_branch(schedule):
-    spec = GenerationSpec(mode="adaptive", schedule=schedule)
+    spec = OffPolicySpec(mode="adaptive", schedule=schedule)
     total = 12
     seen = set()
     for tau, full, step, k in product((0.0, 0.35, 0.8, 1.0), (False, True), range(total), range(4)):
-        got = decide(SamplingState(tau), spec, step, total, k, full, False, SEED)
+        got = decide(OffPolicyState(tau), spec, step, total, k, full, False, SEED)
         assert got == restated(draw(SEED, step, k), tau, step, total, schedule, full)
         seen.add((got, full))
     # Generated with and without a full buffer (r < s), buffer draws only when full, gold both ways.
@@ -93,24 +93,24 @@ def test_schedule_values_follow_the_published_one_based_step():
 
 def test_off_and_always_ignore_the_draw_and_the_buffer():
     for step, k, full, empty in product(range(3), range(3), (False, True), (False, True)):
-        assert decide(SamplingState(1.0), GenerationSpec(), step, 3, k, full, empty, SEED) == "gold"
-        assert decide(SamplingState(0.0), GenerationSpec(mode="always"), step, 3, k, full, empty, SEED) == "generated"
+        assert decide(OffPolicyState(1.0), OffPolicySpec(), step, 3, k, full, empty, SEED) == "gold"
+        assert decide(OffPolicyState(0.0), OffPolicySpec(mode="always"), step, 3, k, full, empty, SEED) == "generated"
 
 
 def test_a_buffer_decision_on_an_empty_buffer_generates(monkeypatch):
     monkeypatch.setattr(policy, "draw", lambda seed, step, micro_batch: 0.9)
-    state = SamplingState(1.0)
+    state = OffPolicyState(1.0)
     assert decide(state, ADAPTIVE, 9, 10, 0, True, False, SEED) == "buffer"
     assert decide(state, ADAPTIVE, 9, 10, 0, True, True, SEED) == "generated"
 
 
 def test_the_state_machine_on_scripted_draws_and_dev_losses(monkeypatch):
     """A 4-step run, one micro batch of one row per step, a buffer of 2 rows, τ steps of 0.5."""
-    spec = GenerationSpec(mode="adaptive", threshold_step=0.5, buffer_size=2)
+    spec = OffPolicySpec(mode="adaptive", threshold_step=0.5, buffer_size=2)
     draws = iter([0.05, 0.40, 0.30, 0.70])
     dev_losses = iter([2.0, 2.15, 2.2, 2.3])  # at step 0, then after steps 1, 2 and 3
     monkeypatch.setattr(policy, "draw", lambda seed, step, micro_batch: next(draws))
-    buffer, state, trace = ReplayBuffer(spec.buffer_size), SamplingState.initial(spec), []
+    buffer, state, trace = ReplayBuffer(spec.buffer_size), OffPolicyState.initial(spec), []
     state = update_threshold(state, spec, next(dev_losses))
     assert (state.threshold, state.reference_loss) == (0.0, 2.0)
     for step in range(4):
@@ -147,7 +147,7 @@ def test_the_draw_is_keyed_pinned_and_independent_of_the_global_streams():
 
 def test_every_rank_decides_the_same_and_draws_its_own_buffer_rows():
     # decide takes no rank: ranks given the same agreed state decide the same in every micro batch.
-    state, per_rank = SamplingState(0.7), {}
+    state, per_rank = OffPolicyState(0.7), {}
     for rank in range(4):
         per_rank[rank] = [decide(state, ADAPTIVE, step, 8, k, True, False, SEED) for step in range(8) for k in range(2)]
     assert all(decisions == per_rank[0] for decisions in per_rank.values())
@@ -181,7 +181,7 @@ def test_generation_is_sampled_as_published_and_keyed_by_row():
             "student": {"path": "s"},
             "data": {"train": "x", "dev": "d", "max_length": 64, "max_prompt_length": 24},
             "train": {"max_steps": 1, "batch_size": 2, "micro_batch_size": 2},
-            "generation": {"mode": "adaptive"},
+            "off_policy": {"mode": "adaptive"},
         }
     )
     params = generation_params(recipe)
@@ -196,7 +196,7 @@ def test_generation_is_sampled_as_published_and_keyed_by_row():
 
 
 def test_the_first_dev_loss_sets_the_reference_and_later_rises_raise_the_threshold():
-    state = update_threshold(SamplingState.initial(ADAPTIVE), ADAPTIVE, 2.0)
+    state = update_threshold(OffPolicyState.initial(ADAPTIVE), ADAPTIVE, 2.0)
     assert (state.threshold, state.reference_loss, state.dev_evaluations) == (0.0, 2.0, 1)
     # Small rises do not move L₀, so they add up against the same reference.
     for loss in (2.05, 2.09, 1.5):
@@ -207,31 +207,31 @@ def test_the_first_dev_loss_sets_the_reference_and_later_rises_raise_the_thresho
 
 
 def test_the_threshold_reaches_one_exactly_and_stays_there_while_the_reference_moves():
-    state = SamplingState(0.0, reference_loss=0.0)
+    state = OffPolicyState(0.0, reference_loss=0.0)
     for rise in range(1, 13):
         state = update_threshold(state, ADAPTIVE, float(rise))
     assert state.threshold == 1.0 and state.reference_loss == 12.0 and state.threshold_raises == 12
-    bigger = GenerationSpec(mode="adaptive", threshold_step=0.3, loss_eps=0.0)
-    assert update_threshold(SamplingState(0.9, 1.0), bigger, 1.0).threshold == 1.0
+    bigger = OffPolicySpec(mode="adaptive", threshold_step=0.3, loss_eps=0.0)
+    assert update_threshold(OffPolicyState(0.9, 1.0), bigger, 1.0).threshold == 1.0
 
 
 def test_the_threshold_is_left_alone_outside_adaptive_and_never_steered_by_nan():
-    state = SamplingState(0.2, reference_loss=1.0)
-    assert update_threshold(state, GenerationSpec(), 9.0) is state
-    assert update_threshold(state, GenerationSpec(mode="always"), 9.0) is state
+    state = OffPolicyState(0.2, reference_loss=1.0)
+    assert update_threshold(state, OffPolicySpec(), 9.0) is state
+    assert update_threshold(state, OffPolicySpec(mode="always"), 9.0) is state
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="not finite"):
             update_threshold(state, ADAPTIVE, bad)
 
 
 def test_the_state_round_trips_through_json_exactly(tmp_path):
-    state = SamplingState(0.30000000000000004, reference_loss=1 / 3, dev_evaluations=7, threshold_raises=3)
+    state = OffPolicyState(0.30000000000000004, reference_loss=1 / 3, dev_evaluations=7, threshold_raises=3)
     state = state.count("buffer").count("generated").count("generated")
-    assert SamplingState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    assert OffPolicyState.from_json(json.loads(json.dumps(state.to_json()))) == state
     write_state(tmp_path / "state.json", state)
     assert read_state(tmp_path / "state.json") == state
     assert [path.name for path in tmp_path.iterdir()] == ["state.json"]  # no temporary left
-    assert SamplingState.from_json(SamplingState.initial(ADAPTIVE).to_json()).reference_loss is None
+    assert OffPolicyState.from_json(OffPolicyState.initial(ADAPTIVE).to_json()).reference_loss is None
 
 
 @pytest.mark.parametrize(
@@ -248,9 +248,9 @@ def test_the_state_round_trips_through_json_exactly(tmp_path):
     ],
 )
 def test_a_malformed_state_is_refused(tmp_path, change, message):
-    payload = SamplingState(0.5, 2.0).to_json() | change
+    payload = OffPolicyState(0.5, 2.0).to_json() | change
     with pytest.raises(ValueError, match=message):
-        SamplingState.from_json(payload)
+        OffPolicyState.from_json(payload)
     (tmp_path / "state.json").write_text(json.dumps(payload), encoding="utf-8")
     with pytest.raises(MtaError, match=f"state.json: not a readable off-policy sampling state: .*{message}"):
         read_state(tmp_path / "state.json")
@@ -341,7 +341,7 @@ def test_a_foreign_or_broken_buffer_file_is_refused(tmp_path):
     rows = [make_row(i) for i in range(3)]
     write_generated_rows(tmp_path / "rows.parquet", rows, [0, 0, 1])
     assert read_generated_rows(tmp_path / "rows.parquet") == (rows_table(rows).to_pylist(), [0, 0, 1])
-    with pytest.raises(MtaError, match="holds 3 generated rows, more than generation.buffer_size=2"):
+    with pytest.raises(MtaError, match="holds 3 generated rows, more than off_policy.buffer_size=2"):
         ReplayBuffer.read(tmp_path / "rows.parquet", capacity=2)
     pq.write_table(rows_table(rows), tmp_path / "annotations.parquet")  # no step, no version
     with pytest.raises(MtaError, match=f"not generated rows of annotate schema version {SCHEMA_VERSION}"):

@@ -1,4 +1,4 @@
-"""`mta distill` with the student's own responses (generation: adaptive / always), end to end."""
+"""`mta distill` with the student's own responses (off_policy: adaptive / always), end to end."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from mta.data.online_spans import PendingSpans
 from mta.training.batching import AnnotatedExamples
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.sampling import policy, replay_buffer
+from mta.training.off_policy import policy, replay_buffer
 from mta.training.trainer import Trainer, run_distillation
-from mta_cli.reporting import generation_summary
+from mta_cli.reporting import off_policy_summary
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,7 +39,7 @@ def _recipe(tmp_path: Path, name: str, teacher_dir, student_dir, data, generatio
         annotations=data,
         output_dir=tmp_path / name,
         data={"dev": None},
-        generation=generation,
+        off_policy=generation,
         train={"max_steps": 6, "save_interval": 2, **train},
     )
 
@@ -56,12 +56,12 @@ def test_an_interrupted_adaptive_run_resumes_to_the_uninterrupted_weights_with_i
         load_recipe(_recipe(tmp_path, "a", teacher_dir, tiny_model_dir, same_data, ADAPTIVE))
     )
     sources = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["split"] == "train"]
-    assert sum(r["generation/generated"] for r in sources) > 0 and sum(r["generation/buffer"] for r in sources) > 0
+    assert sum(r["off_policy/generated"] for r in sources) > 0 and sum(r["off_policy/buffer"] for r in sources) > 0
     # Each log line: τ, the micro batches of each source since the last line, speeds and waits.
-    assert all(r["generation/threshold"] == 1.0 and r["generation/span_wait_s"] >= 0 for r in sources)
-    assert all((r["generation/tokens_per_s"] > 0) == (r["generation/generated"] > 0) for r in sources)
-    assert sum(r["generation/gold"] + r["generation/generated"] + r["generation/buffer"] for r in sources) == 6 * 2
-    assert generation_summary(sources[0]) == "τ 1.00 · gold 0 / generated 2 / buffer 0"
+    assert all(r["off_policy/threshold"] == 1.0 and r["off_policy/span_wait_s"] >= 0 for r in sources)
+    assert all((r["off_policy/tokens_per_s"] > 0) == (r["off_policy/generated"] > 0) for r in sources)
+    assert sum(r["off_policy/gold"] + r["off_policy/generated"] + r["off_policy/buffer"] for r in sources) == 6 * 2
+    assert off_policy_summary(sources[0]) == "τ 1.00 · gold 0 / generated 2 / buffer 0"
 
     path = _recipe(tmp_path, "b", teacher_dir, tiny_model_dir, same_data, ADAPTIVE)
     real_step = Trainer.step
@@ -137,9 +137,9 @@ def test_always_mode_trains_on_generated_rows_and_saves_them_with_their_spans(
         for span in row["phrase_spans"] + row["word_spans"]:
             assert row["text"][span["char_start"] : span["char_end"]].strip()
     record = [r for r in read_metrics(out / "metrics.jsonl") if r["split"] == "train"][-1]
-    assert record["generation/generated"] == 2 and record["generation/gold"] == 0
-    assert "generation/threshold" not in record  # no threshold outside adaptive mode
-    assert generation_summary(record) == "gold 0 / generated 2 / buffer 0"
+    assert record["off_policy/generated"] == 2 and record["off_policy/gold"] == 0
+    assert "off_policy/threshold" not in record  # no threshold outside adaptive mode
+    assert off_policy_summary(record) == "gold 0 / generated 2 / buffer 0"
 
 
 @pytest.mark.slow
@@ -209,5 +209,5 @@ def test_the_threshold_reads_the_cross_entropy_of_the_first_dev_rows(tmp_path, t
     assert [r["step"] for r in dev] == [0, 2]
     rows = read_annotations(same_data).table.slice(0, 3).to_pylist()
     student = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    assert dev[0]["generation/dev_ce"] == pytest.approx(naive_cross_entropy(student, rows), rel=1e-5)
-    assert dev[0]["generation/threshold"] == 0.0  # the first evaluation sets the reference only
+    assert dev[0]["off_policy/dev_ce"] == pytest.approx(naive_cross_entropy(student, rows), rel=1e-5)
+    assert dev[0]["off_policy/threshold"] == 0.0  # the first evaluation sets the reference only

@@ -18,8 +18,8 @@ from conftest import REPO
 from fixtures.commands import run_mta
 from mta.training.config.loading import load_recipe
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.sampling import policy, replay_buffer
-from mta.training.sampling.policy import SamplingState
+from mta.training.off_policy import policy, replay_buffer
+from mta.training.off_policy.policy import OffPolicyState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,22 +69,22 @@ def test_a_0_2_0_checkpoint_resumes_with_its_off_policy_state_and_replay_buffer(
     assert state["reference_loss"] == old_state["reference_loss"] and state["threshold"] == old_state["threshold"]
     assert state["dev_evaluations"] == old_state["dev_evaluations"] + 1
     for source in ("gold", "generated", "buffer"):
-        assert state["micro_batches"][source] == old_state["micro_batches"][source] + step3[f"generation/{source}"]
+        assert state["micro_batches"][source] == old_state["micro_batches"][source] + step3[f"off_policy/{source}"]
     # Step 3's micro batches came from where the pure policy sends them with the old state and the
     # old buffer (full): this fixture's draws replay it, which an unread buffer could not.
     recipe = load_recipe(v020 / "recipe.yaml")
-    assert len(old_buffer) == recipe.generation.buffer_size
+    assert len(old_buffer) == recipe.off_policy.buffer_size
     sources = [
-        policy.decide(SamplingState.from_json(old_state), recipe.generation, 2, 3, k, True, False, recipe.seed)
+        policy.decide(OffPolicyState.from_json(old_state), recipe.off_policy, 2, 3, k, True, False, recipe.seed)
         for k in range(recipe.train.batch_size // MICRO_BATCH)
     ]
     assert "buffer" in sources
-    assert {s: int(step3[f"generation/{s}"]) for s in ("gold", "generated", "buffer")} == {
+    assert {s: int(step3[f"off_policy/{s}"]) for s in ("gold", "generated", "buffer")} == {
         s: sources.count(s) for s in ("gold", "generated", "buffer")
     }
     # The buffer went on from the old one: FIFO, the rows step 3 generated pushed after them.
     buffer, _ = replay_buffer.read_generated_rows(new / replay_buffer.buffer_file(0))
-    pushed = int(step3["generation/generated"]) * MICRO_BATCH
+    pushed = int(step3["off_policy/generated"]) * MICRO_BATCH
     kept = old_buffer[pushed:] if pushed else old_buffer
     assert len(buffer) == len(old_buffer) and buffer[: len(kept)] == kept
 
@@ -98,7 +98,7 @@ def test_a_0_2_0_teacher_cache_trains_a_run_without_the_teachers_weights(v020, m
         "--recipe",
         "recipe.yaml",
         "output_dir=cache-run",
-        "generation.mode=off",
+        "off_policy.mode=off",
         "teacher_cache.dir=teacher-cache",
         "train.max_steps=1",
     )

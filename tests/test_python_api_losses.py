@@ -191,7 +191,7 @@ def test_mta_loss_on_model_outputs_equals_mtas_distillation_model(models, case, 
         assert got[term].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-7), term
 
     # alignment(): the DSA and HRA of forward(), weighted into their own total.
-    aligned = loss.alignment(
+    aligned = loss.trajectory(
         student_out.hidden_states,
         teacher_out.hidden_states,
         batch.student.attention_mask,

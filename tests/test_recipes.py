@@ -102,17 +102,17 @@ def test_paper_recipes_carry_the_published_setting(name):
     assert recipe.resolve(recipe.teacher.config).is_file()
     # DistiLLM's adaptive off-policy sampling, as the authors' span scripts run it; across
     # tokenizers there are no teacher logits to compare on generated text.
-    generation = recipe.generation
+    off_policy = recipe.off_policy
     if base == "srkl":
-        assert (generation.mode, generation.schedule, generation.init_threshold) == ("adaptive", "decreasing", 0.0)
-        assert (generation.loss_eps, generation.threshold_step, generation.buffer_size) == (0.1, 0.1, 1000)
-        assert generation.max_new_tokens is None and recipe.generation_max_new_tokens == 128
-        assert generation.dev_rows is None  # the whole dev split: DistiLLM's --dev-num 1000
+        assert (off_policy.mode, off_policy.schedule, off_policy.init_threshold) == ("adaptive", "decreasing", 0.0)
+        assert (off_policy.loss_eps, off_policy.threshold_step, off_policy.buffer_size) == (0.1, 0.1, 1000)
+        assert off_policy.max_new_tokens is None and recipe.off_policy_max_new_tokens == 128
+        assert off_policy.dev_rows is None  # the whole dev split: DistiLLM's --dev-num 1000
         # The threshold moves at dev evaluations: once per epoch of Dolly's 9,568 rows (598 steps
         # of 16), as the scripts' --eval-interval -1.
         assert train.eval_interval == 9568 // 16 == train.save_interval
     else:
-        assert generation.mode == "off"
+        assert off_policy.mode == "off"
 
 
 # --- overrides ---------------------------------------------------------------------------
@@ -472,36 +472,36 @@ def test_paper_data_paths_match_the_shared_instruct_layout(name, shared, monkeyp
     assert recipe.resolve(recipe.data.dev, "data.dev").is_file()
 
 
-# --- student generation (generation:) ------------------------------------------------------
+# --- off-policy sampling (off_policy:) --------------------------------------------------------
 
 GENERATING = MINIMAL.replace("  train: train.jsonl\n", "  train: train.jsonl\n  dev: dev.jsonl\n") + (
-    "generation:\n  mode: adaptive\n"
+    "off_policy:\n  mode: adaptive\n"
 )
 
 
 def test_generation_is_off_by_default_and_its_defaults_are_distillms(tmp_path):
     recipe = load_recipe(write(tmp_path, MINIMAL))
-    assert recipe.generation.mode == "off" and recipe.train.save_generated is False
-    adaptive = load_recipe(write(tmp_path, GENERATING)).generation
+    assert recipe.off_policy.mode == "off" and recipe.train.save_generated is False
+    adaptive = load_recipe(write(tmp_path, GENERATING)).off_policy
     assert (adaptive.init_threshold, adaptive.threshold_step, adaptive.loss_eps) == (0.0, 0.1, 0.1)
     assert (adaptive.schedule, adaptive.buffer_size, adaptive.max_new_tokens) == ("decreasing", 1000, None)
 
 
 def test_a_bare_yaml_off_is_the_mode_off_and_round_trips(tmp_path):
     recipe = load_recipe(write(tmp_path, GENERATING.replace("mode: adaptive", "mode: off")))
-    assert recipe.generation.mode == "off"
+    assert recipe.off_policy.mode == "off"
     saved = write(tmp_path, recipe_to_yaml(recipe), "saved.yaml")
-    assert load_recipe(saved).generation == recipe.generation
+    assert load_recipe(saved).off_policy == recipe.off_policy
     message = error_of(write(tmp_path, GENERATING.replace("mode: adaptive", "mode: on")))
-    assert "generation.mode: YAML reads on / yes / true as true, which is not a mode" in message
+    assert "off_policy.mode: YAML reads on / yes / true as true, which is not a mode" in message
 
 
 def test_generation_max_new_tokens_defaults_to_the_response_budget(tmp_path):
     path = write(tmp_path, GENERATING)
-    assert load_recipe(path).generation_max_new_tokens == 256 - 128
-    assert load_recipe(path, ["generation.max_new_tokens=64"]).generation_max_new_tokens == 64
-    message = error_of(path, ("generation.max_new_tokens=129",))
-    assert "generation.max_new_tokens: 129 new tokens after a prompt of up to data.max_prompt_length=128" in message
+    assert load_recipe(path).off_policy_max_new_tokens == 256 - 128
+    assert load_recipe(path, ["off_policy.max_new_tokens=64"]).off_policy_max_new_tokens == 64
+    message = error_of(path, ("off_policy.max_new_tokens=129",))
+    assert "off_policy.max_new_tokens: 129 new tokens after a prompt of up to data.max_prompt_length=128" in message
     assert "use at most 128" in message
 
 
@@ -509,59 +509,59 @@ def test_generation_without_a_teacher_logit_loss_is_refused_saying_why(tmp_path)
     path = write(tmp_path, GENERATING)
     line = GENERATING.splitlines().index("  mode: adaptive") + 1
     message = error_of(path, ("loss.base=ce",))
-    assert f"line {line}: generation.mode: 'adaptive' needs a logit loss" in message
-    assert "no teacher signal on generated text" in message and "generation.mode=off" in message
+    assert f"line {line}: off_policy.mode: 'adaptive' needs a logit loss" in message
+    assert "no teacher signal on generated text" in message and "off_policy.mode=off" in message
     message = error_of(path, ("teacher=null", "loss.base=ce", "loss.dsa_weight=0", "loss.hra_weight=0"))
-    assert "generation.mode: 'adaptive' needs a teacher" in message
-    message = error_of(path, ("loss.base=ce", "generation.mode=always"))
-    assert "generation.mode: 'always' needs a logit loss" in message
-    assert "(from override 'generation.mode=always')" in message
-    assert load_recipe(path, ["loss.base=ce", "generation.mode=off"]).generation.mode == "off"
+    assert "off_policy.mode: 'adaptive' needs a teacher" in message
+    message = error_of(path, ("loss.base=ce", "off_policy.mode=always"))
+    assert "off_policy.mode: 'always' needs a logit loss" in message
+    assert "(from override 'off_policy.mode=always')" in message
+    assert load_recipe(path, ["loss.base=ce", "off_policy.mode=off"]).off_policy.mode == "off"
 
 
 def test_adaptive_generation_needs_a_buffer_a_micro_batch_can_be_drawn_from(tmp_path):
-    message = error_of(write(tmp_path, GENERATING), ("generation.buffer_size=1",))
-    assert "generation.buffer_size: 1 rows cannot fill a micro batch" in message
+    message = error_of(write(tmp_path, GENERATING), ("off_policy.buffer_size=1",))
+    assert "off_policy.buffer_size: 1 rows cannot fill a micro batch" in message
     assert "at least train.micro_batch_size=2" in message
 
 
 def test_adaptive_generation_without_dev_data_must_start_above_zero(tmp_path):
     path = write(tmp_path, GENERATING)
     message = error_of(path, ("data.dev=null",))
-    assert "generation.mode: 'adaptive' raises the threshold only when the dev loss rises" in message
-    assert load_recipe(path, ["data.dev=null", "generation.init_threshold=0.5"]).generation.init_threshold == 0.5
-    assert load_recipe(path, ["data.dev=null", "generation.mode=always"]).data.dev is None
+    assert "off_policy.mode: 'adaptive' raises the threshold only when the dev loss rises" in message
+    assert load_recipe(path, ["data.dev=null", "off_policy.init_threshold=0.5"]).off_policy.init_threshold == 0.5
+    assert load_recipe(path, ["data.dev=null", "off_policy.mode=always"]).data.dev is None
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("generation.init_threshold=1.5", "less than or equal to 1"),
-        ("generation.threshold_step=0", "greater than 0"),
-        ("generation.loss_eps=-0.1", "greater than or equal to 0"),
-        ("generation.loss_eps=.inf", "must be a finite number"),
-        ("generation.buffer_size=0", "greater than or equal to 1"),
-        ("generation.schedule=cyclic", "'cyclic' is not allowed; use one of 'decreasing', 'constant' or 'increasing'"),
-        ("generation.mode=sometimes", "'sometimes' is not allowed; use one of 'off', 'adaptive' or 'always'"),
-        ("generation.buffer_sise=10", "unknown key: did you mean buffer_size?"),
+        ("off_policy.init_threshold=1.5", "less than or equal to 1"),
+        ("off_policy.threshold_step=0", "greater than 0"),
+        ("off_policy.loss_eps=-0.1", "greater than or equal to 0"),
+        ("off_policy.loss_eps=.inf", "must be a finite number"),
+        ("off_policy.buffer_size=0", "greater than or equal to 1"),
+        ("off_policy.schedule=cyclic", "'cyclic' is not allowed; use one of 'decreasing', 'constant' or 'increasing'"),
+        ("off_policy.mode=sometimes", "'sometimes' is not allowed; use one of 'off', 'adaptive' or 'always'"),
+        ("off_policy.buffer_sise=10", "unknown key: did you mean buffer_size?"),
     ],
 )
-def test_bad_generation_values_name_the_key(tmp_path, override, message):
+def test_bad_off_policy_values_name_the_key(tmp_path, override, message):
     key = override.partition("=")[0]
     text = error_of(write(tmp_path, GENERATING), (override,))
     assert f"{key}: " in text and message in text
 
 
 def test_generation_that_needs_one_tokenizer_is_refused_across_tokenizers(tmp_path):
-    from mta.training.config.model_checks import check_generation_fits
+    from mta.training.config.model_checks import check_off_policy_fits
 
     recipe = load_recipe(write(tmp_path, GENERATING))
-    check_generation_fits(recipe, same_tokenizer=True)
-    check_generation_fits(load_recipe(write(tmp_path, MINIMAL)), same_tokenizer=False)  # off: no check
+    check_off_policy_fits(recipe, same_tokenizer=True)
+    check_off_policy_fits(load_recipe(write(tmp_path, MINIMAL)), same_tokenizer=False)  # off: no check
     with pytest.raises(MtaError) as caught:
-        check_generation_fits(recipe, same_tokenizer=False)
+        check_off_policy_fits(recipe, same_tokenizer=False)
     message = str(caught.value)
     assert message.startswith(
-        f"{tmp_path / 'recipe.yaml'}: generation.mode=adaptive needs the teacher and the student to share a tokenizer"
+        f"{tmp_path / 'recipe.yaml'}: off_policy.mode=adaptive needs the teacher and the student to share a tokenizer"
     )
     assert "(teacher-model vs student-model)" in message and "no teacher signal on generated text" in message

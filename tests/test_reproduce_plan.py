@@ -137,7 +137,7 @@ def test_each_rows_recipe_carries_the_authors_settings(name):
         assert [(p.student, p.teacher) for p in loss.fdd_layers] == fdd_pairs
         assert not loss.fdd_final_norm and loss.fdd_tokens == "all"  # raw states, every real token
     assert recipe.train.lr == lr and (recipe.student.lora is not None) == lora
-    assert recipe.generation.mode == ("off" if base == "distillm2" else "adaptive")
+    assert recipe.off_policy.mode == ("off" if base == "distillm2" else "adaptive")
     assert (recipe.data.max_length, recipe.data.max_prompt_length) == (256, 128)
 
 

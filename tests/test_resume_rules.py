@@ -200,14 +200,14 @@ def test_a_checkpoint_past_the_new_total_is_refused(checkpoint, recipe_path):
     )
 
 
-# --- student generation (generation:) ------------------------------------------------------
+# --- off-policy sampling (off_policy:) --------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "override, key, old, new",
     [
-        ("generation.loss_eps=0.2", "generation.loss_eps", 0.1, 0.2),
-        ("generation.threshold_step=0.05", "generation.threshold_step", 0.1, 0.05),
+        ("off_policy.loss_eps=0.2", "off_policy.loss_eps", 0.1, 0.2),
+        ("off_policy.threshold_step=0.05", "off_policy.threshold_step", 0.1, 0.05),
         ("train.save_generated=true", "train.save_generated", False, True),
     ],
 )
@@ -221,11 +221,11 @@ def test_the_threshold_gains_and_saving_generated_rows_may_change(checkpoint, re
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("generation.mode=always", "generation.mode"),
-        ("generation.schedule=constant", "generation.schedule"),
-        ("generation.init_threshold=0.5", "generation.init_threshold"),
-        ("generation.buffer_size=10", "generation.buffer_size"),
-        ("generation.max_new_tokens=16", "generation.max_new_tokens"),
+        ("off_policy.mode=always", "off_policy.mode"),
+        ("off_policy.schedule=constant", "off_policy.schedule"),
+        ("off_policy.init_threshold=0.5", "off_policy.init_threshold"),
+        ("off_policy.buffer_size=10", "off_policy.buffer_size"),
+        ("off_policy.max_new_tokens=16", "off_policy.max_new_tokens"),
     ],
 )
 def test_what_decides_the_generated_rows_is_fixed(checkpoint, recipe_path, override, key):
@@ -237,8 +237,8 @@ def test_what_decides_the_generated_rows_is_fixed(checkpoint, recipe_path, overr
 
 def test_a_checkpoint_from_before_generation_counts_as_generation_off(checkpoint, recipe_path):
     older = saved(checkpoint)
-    del older["generation"], older["train"]["save_generated"]
+    del older["off_policy"], older["train"]["save_generated"]
     (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(older), encoding="utf-8")
     assert check_resume(checkpoint, load_recipe(recipe_path)).applied == []
-    refused = resume_changes(older, load_recipe(recipe_path, ["generation.mode=always"])).refused
-    assert refused == [Change("generation.mode", "off", "always")]
+    refused = resume_changes(older, load_recipe(recipe_path, ["off_policy.mode=always"])).refused
+    assert refused == [Change("off_policy.mode", "off", "always")]

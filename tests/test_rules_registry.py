@@ -17,7 +17,7 @@ from typing import get_args
 import pytest
 
 from mta.data.artefact_schema import ROLES
-from mta.training.config.schema import GenerationMode, GenerationSchedule, TrainSpec
+from mta.training.config.schema import OffPolicyMode, OffPolicySchedule, TrainSpec
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
@@ -49,22 +49,22 @@ RULES: dict[str, tuple[str, ...]] = {
     "resume: new base rates under the schedule re-planned for the new total": (
         "test_rules_resume.py::test_a_resume_takes_the_new_base_rates_under_the_schedule_planned_for_the_new_total",
     ),
-    # off-policy sampling (src/mta/training/sampling/policy.py)
-    "schedule: decreasing": ("test_rules_sampling.py::test_each_schedule_value_is_the_restated_one",),
-    "schedule: constant": ("test_rules_sampling.py::test_each_schedule_value_is_the_restated_one",),
-    "schedule: increasing": ("test_rules_sampling.py::test_each_schedule_value_is_the_restated_one",),
-    "mode: off": ("test_rules_sampling.py::test_each_mode_and_schedule_decides_as_restated",),
-    "mode: always": ("test_rules_sampling.py::test_each_mode_and_schedule_decides_as_restated",),
-    "mode: adaptive": ("test_rules_sampling.py::test_each_mode_and_schedule_decides_as_restated",),
+    # off-policy sampling (src/mta/training/off_policy/policy.py)
+    "schedule: decreasing": ("test_rules_off_policy.py::test_each_schedule_value_is_the_restated_one",),
+    "schedule: constant": ("test_rules_off_policy.py::test_each_schedule_value_is_the_restated_one",),
+    "schedule: increasing": ("test_rules_off_policy.py::test_each_schedule_value_is_the_restated_one",),
+    "mode: off": ("test_rules_off_policy.py::test_each_mode_and_schedule_decides_as_restated",),
+    "mode: always": ("test_rules_off_policy.py::test_each_mode_and_schedule_decides_as_restated",),
+    "mode: adaptive": ("test_rules_off_policy.py::test_each_mode_and_schedule_decides_as_restated",),
     "sampling: generate / buffer / gold from r, s and tau": (
-        "test_rules_sampling.py::test_choose_is_the_restated_rule_on_a_grid_with_its_boundaries",
+        "test_rules_off_policy.py::test_choose_is_the_restated_rule_on_a_grid_with_its_boundaries",
     ),
     "sampling: the threshold update": (
-        "test_rules_sampling.py::test_the_threshold_update_is_the_restated_one_over_random_dev_losses",
-        "test_rules_sampling.py::test_ten_steps_of_a_tenth_reach_exactly_one_and_the_threshold_moves_only_in_adaptive",
+        "test_rules_off_policy.py::test_the_threshold_update_is_the_restated_one_over_random_dev_losses",
+        "test_rules_off_policy.py::test_ten_steps_of_a_tenth_reach_exactly_one_and_the_threshold_moves_only_in_adaptive",
     ),
     "sampling: the draw is keyed, the same on every rank and resume": (
-        "test_rules_sampling.py::test_the_draw_is_uniform_on_the_unit_interval_and_the_same_for_the_same_key",
+        "test_rules_off_policy.py::test_the_draw_is_uniform_on_the_unit_interval_and_the_same_for_the_same_key",
         "test_off_policy.py::test_the_draw_is_keyed_pinned_and_independent_of_the_global_streams",
     ),
     "sampling: tau, L0 and the buffer are saved and read back exactly": (
@@ -257,8 +257,8 @@ def names_of(prefix: str) -> set[str]:
 
 
 def test_every_schedule_and_mode_names_a_fast_test():
-    assert names_of("schedule: ") == set(get_args(GenerationSchedule))
-    assert names_of("mode: ") == set(get_args(GenerationMode))
+    assert names_of("schedule: ") == set(get_args(OffPolicySchedule))
+    assert names_of("mode: ") == set(get_args(OffPolicyMode))
 
 
 def test_every_select_by_goal_names_a_fast_test():

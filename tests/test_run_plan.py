@@ -91,7 +91,7 @@ def test_a_tiny_run_logs_the_recorded_metrics_and_was_built_from_its_dry_run_pla
     )
     # Equal but for where each config was read: the built tiny model's directory, or its description.
     assert [_sourceless(plan) for plan in built] == [_sourceless(plan_run(recipe))]
-    assert built[0].generation == ("adaptive" if "generation" in name else "off")
+    assert built[0].off_policy == ("adaptive" if "off-policy" in name else "off")
     assert built[0].teacher_source == "online"
 
 
@@ -129,8 +129,8 @@ def test_the_dry_run_prints_what_the_run_builds_from(tmp_path):
     overrides = [
         f"output_dir={tmp_path}",
         "loss.fdd_weight=1",
-        "generation.mode=adaptive",
-        "generation.max_new_tokens=9",
+        "off_policy.mode=adaptive",
+        "off_policy.max_new_tokens=9",
     ]
     plan = plan_run(load_recipe(golden.REPO / "recipes" / "tiny.yaml", overrides))
     console = Console(width=200, record=True, file=io.StringIO())

@@ -1,4 +1,4 @@
-"""The off-policy micro batch (mta.training.sampling.micro_batches) on scripted generations: what the
+"""The off-policy micro batch (mta.training.off_policy.micro_batches) on scripted generations: what the
 models are given, what is a target, which spans the loss reads and when they are waited for.
 
 The generator is scripted (the student's sampling is tested in test_generation and end to end
@@ -20,8 +20,8 @@ from mta.generation import Completion
 from mta.models.tokenizers import load_tokenizer
 from mta.training.batching import IGNORE_INDEX, AnnotatedExamples
 from mta.training.config.schema import Recipe
-from mta.training.sampling import micro_batches
-from mta.training.sampling.micro_batches import OffPolicyBatches
+from mta.training.off_policy import micro_batches
+from mta.training.off_policy.micro_batches import OffPolicyBatches
 
 BUDGET = 8
 GRANULARITIES = ("phrase", "word")
@@ -100,7 +100,7 @@ def off_policy(table, tokenizer, parser, *, mode="adaptive", save_generated=Fals
             "student": {"path": "s"},
             "data": {"train": "x", "dev": None, **LENGTHS},
             "train": {"max_steps": 4, "batch_size": 4, "micro_batch_size": 4, "save_generated": save_generated},
-            "generation": {"mode": mode, "init_threshold": 1.0, "buffer_size": 8, "max_new_tokens": BUDGET},
+            "off_policy": {"mode": mode, "init_threshold": 1.0, "buffer_size": 8, "max_new_tokens": BUDGET},
         }
     )
     return OffPolicyBatches(

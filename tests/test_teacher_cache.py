@@ -21,10 +21,10 @@ from mta.losses.teacher_topk import dense_log_probs
 from mta.training.config.loading import load_recipe
 from mta.training.dry_run import plan_run
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.teacher_cache import build as stage_module
-from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.teacher_cache import teacher as stage_module
+from mta.training.teacher_cache.compact import id_bits, unpack_ids
 from mta.training.teacher_cache.content import teacher_reads
-from mta.training.teacher_cache.encoding import id_bits, unpack_ids
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import run_distillation
 from mta_cli.main import app
 
@@ -116,7 +116,7 @@ KILLED_STAGE = (
     + """
 from pathlib import Path
 from mta.training.config.loading import load_recipe
-from mta.training.teacher_cache import build
+from mta.training.teacher_cache import teacher as build
 
 build.CHUNK_BYTES = 1  # one batch a chunk
 build.run_teacher_stage(load_recipe(sys.argv[1]), out_dir=Path(sys.argv[2]), batch_size=2)

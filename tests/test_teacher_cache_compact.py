@@ -1,4 +1,4 @@
-"""The teacher cache in fewer bytes (mta.training.teacher_cache.encoding, teacher_cache.logits:
+"""The teacher cache in fewer bytes (mta.training.teacher_cache.compact, teacher_cache.logits:
 sampled, teacher_cache.states): ids packed in the fewest bits over a vocabulary beyond 2**17;
 8-bit states within half a quantisation step; a run trains from a sampled cache with the
 teacher's weights deleted and its loss equals the online run's within the estimator's measured
@@ -23,8 +23,7 @@ from mta.losses.kd import build_base_loss
 from mta.losses.teacher_sampled import SampledTeacher, draw_tail_samples
 from mta.reporting import SilentReporter
 from mta.training.config.loading import load_recipe
-from mta.training.teacher_cache.build import run_teacher_stage
-from mta.training.teacher_cache.encoding import (
+from mta.training.teacher_cache.compact import (
     dequantize_states,
     id_bits,
     pack_ids,
@@ -33,6 +32,7 @@ from mta.training.teacher_cache.encoding import (
     unpack_ids,
 )
 from mta.training.teacher_cache.read import TeacherCache
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import Trainer, build_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")

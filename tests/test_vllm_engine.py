@@ -167,7 +167,7 @@ def test_smollm2_greedy_matches_and_samples_follow_the_hf_engines_distribution(s
 def test_evaluate_and_generate_run_on_vllm_record_it_and_never_mix_engines(vllm_tiny, tmp_path):
     from mta.errors import MtaError
     from mta.evaluation import EvalSettings, evaluate_checkpoints
-    from mta.pairs import PairSettings, generate_pairs
+    from mta.pairs.generate import PairSettings, generate_pairs
 
     data = tmp_path / "set.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS[:6]), encoding="utf-8")

@@ -52,8 +52,8 @@ def render_plan(plan: RunPlan) -> Group:
         batch.add_row(f"{plan.projectors} parameters", _count(plan.projector_parameters))
     if plan.teacher_source is not None:
         batch.add_row("teacher's side from", plan.teacher_source)
-    if plan.generation != "off":
-        batch.add_row("off-policy generation", f"{plan.generation}, up to {plan.generation_new_tokens} new tokens")
+    if plan.off_policy != "off":
+        batch.add_row("off-policy generation", f"{plan.off_policy}, up to {plan.off_policy_new_tokens} new tokens")
     parts += [_heading("batch and parallelism"), batch]
 
     memory = _table(("component", "size"), numeric=("size",))

@@ -25,6 +25,7 @@ from rich.text import Text
 
 from mta.errors import MtaError
 from mta_cli.consoles import stderr_console
+from mta_cli.options import render_deprecations
 
 app = typer.Typer(
     name="mta",
@@ -125,6 +126,7 @@ _FREEZE_AT_EXIT: list[bool] = []  # registered once per process
 
 
 def main() -> None:
+    render_deprecations()  # an old recipe key: the same one line as an old option
     if not _FREEZE_AT_EXIT:
         atexit.register(gc.freeze)  # runs after the handlers torch, DeepSpeed or trackers register
         _FREEZE_AT_EXIT.append(True)

@@ -45,25 +45,19 @@ def parse_shard(text: str) -> tuple[int, int]:
         raise MtaError(f"--shard '{text}' must look like I/N, e.g. 0/8 (I counts from 0)") from None
 
 
-# Old spellings of options (issue 25), accepted until this release, each with a line on stderr.
-DEPRECATED_UNTIL = "0.4.0"
-
-
 def deprecated_alias(new_value, old_value, *, old: str, new: str):
     """The value of an option given by its new spelling ``new`` or by its old one ``old``, a
-    hidden alias kept for one release: the old one prints a deprecation line on stderr. Both
-    given with different values is an ``MtaError``."""
+    hidden alias kept until ``mta.deprecation.REMOVED_IN``: the old one prints the deprecation
+    line on stderr. Both given with different values is an ``MtaError``."""
     if old_value is None:
         return new_value
     if new_value is not None and new_value != old_value:
         raise MtaError(f"{old} is the old spelling of {new}: give one of them")
     import sys
 
-    print(
-        f"warning: {old} is deprecated and goes in mta {DEPRECATED_UNTIL}; use {new}",
-        file=sys.stderr,
-        flush=True,
-    )
+    from mta.deprecation import message
+
+    print(f"warning: {message(old, new)}", file=sys.stderr, flush=True)
     return old_value
 
 
@@ -74,6 +68,27 @@ FORCE_CACHE_OPTION = typer.Option(
     help="Recompute even if a matching artefact exists (a cache: not `mta distill --overwrite`, "
     "which removes another run's outputs).",
 )
+
+def render_deprecations() -> None:
+    """Show mta's deprecation warnings (an old recipe key) as the one line an old option prints."""
+    import sys
+    import warnings
+
+    from mta.deprecation import MtaDeprecationWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "renders_deprecations", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, MtaDeprecationWarning):
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.renders_deprecations = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+
 
 # A Hugging Face Hub dataset id in place of a data file (mta.data.sources.input_reference).
 SPLIT_OPTION = typer.Option(

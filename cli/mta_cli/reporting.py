@@ -94,15 +94,15 @@ def utilisation_summary(record: dict[str, Any]) -> str:
     return text
 
 
-def generation_summary(record: dict[str, Any]) -> str:
+def off_policy_summary(record: dict[str, Any]) -> str:
     """``τ 0.20 · gold 3 / generated 1 / buffer 0`` from an off-policy run's train record (the
     micro batches of each source since the last line; τ in adaptive mode only)."""
     counts = " / ".join(
-        f"{source} {record.get(f'generation/{source}', 0):.0f}" for source in ("gold", "generated", "buffer")
+        f"{source} {record.get(f'off_policy/{source}', 0):.0f}" for source in ("gold", "generated", "buffer")
     )
-    if "generation/threshold" not in record:
+    if "off_policy/threshold" not in record:
         return counts
-    return f"τ {record['generation/threshold']:.2f} · {counts}"
+    return f"τ {record['off_policy/threshold']:.2f} · {counts}"
 
 
 PROMPT_CHARS, GENERATION_CHARS = 240, 160  # an Alpaca template is about 130 characters
@@ -175,8 +175,8 @@ class RichReporter:
                 self.console.print(Text.assemble("  ", (prompt, "dim"), " → ", generation))
         elif self._task is not None:
             status = step_summary(record) + utilisation_summary(record)
-            if "generation/gold" in record:
-                status += " · " + generation_summary(record)
+            if "off_policy/gold" in record:
+                status += " · " + off_policy_summary(record)
             self.progress.update(self._task, completed=record["step"], status=status)
 
     def stop(self) -> None:
@@ -304,8 +304,8 @@ class PlainReporter:
     def record(self, record: dict[str, Any]) -> None:
         if record.get("split") == "dev":
             line = f"dev @ step {record['step']}: {loss_summary(record)}"
-            if "generation/dev_ce" in record:
-                line += f" · dev_ce {significant(record['generation/dev_ce'])}"
+            if "off_policy/dev_ce" in record:
+                line += f" · dev_ce {significant(record['off_policy/dev_ce'])}"
             self._line(line)
             for sample in record.get("samples", []):
                 self._line("  {} → {}".format(*sample_parts(sample)))
@@ -316,8 +316,8 @@ class PlainReporter:
         if task is not None and task.total is not None:
             head += f"/{task.total}"
         line = f"{head} · {step_summary(record)}" + utilisation_summary(record)
-        if "generation/gold" in record:
-            line += " · " + generation_summary(record)
+        if "off_policy/gold" in record:
+            line += " · " + off_policy_summary(record)
         if task is not None:
             task.completed = max(task.completed, step)
             line += " · " + task.timing(self.clock())

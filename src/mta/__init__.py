@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mta import tasks  # noqa: F401 (registers the training tasks with mta.task_registry, before any lookup)
+from mta.deprecation import moved_modules
 from mta.lazy_exports import lazy_exports
 from mta.versions import MTA_VERSION as __version__  # noqa: F401 (re-exported; its one home is mta.versions)
 
@@ -40,3 +41,16 @@ __all__ = [
 ]
 
 __getattr__, __dir__ = lazy_exports(globals(), dict.fromkeys(__all__, "mta.api"))
+
+# Modules moved in 0.3.0, still imported by their old paths (with a warning) until
+# mta.deprecation.REMOVED_IN; CHANGELOG's rename table lists them.
+moved_modules(
+    {
+        "mta.training.sampling": "mta.training.off_policy",
+        "mta.embedding.teacher_embeddings": "mta.embedding.embed",
+        "mta.training.teacher_cache.build": "mta.training.teacher_cache.teacher",
+        "mta.inspection.run": "mta.inspection.inspect",
+        "mta.training.teacher_cache.encoding": "mta.training.teacher_cache.compact",
+        "mta.losses.cross_vocabulary": "mta.losses.cross_tokenizer",
+    }
+)

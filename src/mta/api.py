@@ -31,6 +31,7 @@ from mta.data.prompts import prompt_style
 from mta.data.rows import Example, RowProblem, is_pair_record, map_fields, record_rows
 from mta.data.sources import HubDataset as HubDataset
 from mta.data.span_extraction import resolve_spacy_model
+from mta.deprecation import renamed_attribute
 from mta.errors import MtaError
 from mta.inspection import LinearCKA as LinearCKA
 from mta.inspection import inspect as inspect
@@ -312,7 +313,7 @@ class KDLoss(nn.Module):
         if name in UNIT_LOSSES:
             raise MtaError(
                 f"KDLoss compares two models on one vocabulary; loss.base={name} compares two vocabularies on "
-                "aligned units: use mta.losses.cross_vocabulary (UniversalLogitDistillation, SharedVocabularyHybrid)"
+                "aligned units: use mta.losses.cross_tokenizer (UniversalLogitDistillation, SharedVocabularyHybrid)"
             )
         self.name = name
         self.labels_shifted = labels_shifted
@@ -527,7 +528,7 @@ class MTALoss(nn.Module):
             spec = LossSpec.model_validate(options)
         except pydantic.ValidationError as error:
             raise MtaError(f"MTALoss: {_problems(error)}") from None
-        pairs = [_layer_pair(pair, index) for index, pair in enumerate(layer_pairs)] if spec.alignment_terms else []
+        pairs = [_layer_pair(pair, index) for index, pair in enumerate(layer_pairs)] if spec.trajectory_terms else []
         self.labels_shifted = labels_shifted
         # What the HRA projectors are made for (saved with them: a resume onto another map is refused).
         self.layout = {
@@ -579,8 +580,8 @@ class MTALoss(nn.Module):
     @property
     def granularities(self) -> tuple[str, ...]:
         """The span kinds the batch must carry (``Collator(granularities=...)``)."""
-        alignment = self.objective.alignment
-        return tuple(alignment.granularities) if alignment is not None else ()
+        trajectory = self.objective.trajectory
+        return tuple(trajectory.granularities) if trajectory is not None else ()
 
     @property
     def needs_teacher_logits(self) -> bool:
@@ -676,7 +677,7 @@ class MTALoss(nn.Module):
             )
         return losses
 
-    def alignment(
+    def trajectory(
         self,
         student_hidden_states: Sequence[torch.Tensor],
         teacher_hidden_states: Sequence[torch.Tensor],
@@ -696,11 +697,11 @@ class MTALoss(nn.Module):
         the attention masks ``[B, T]`` 1 on real tokens; spans: ``{granularity: SpanBatch}`` as token
         ranges in those same positions."""
         objective = self.objective
-        if objective.alignment is None:
-            raise MtaError("MTALoss.alignment: dsa_weight and hra_weight are both 0; there is nothing to align")
+        if objective.trajectory is None:
+            raise MtaError("MTALoss.trajectory: dsa_weight and hra_weight are both 0; there is nothing to align")
         teacher = {layer: teacher_hidden_states[layer] for layer in objective.teacher_layers}
         with torch.autocast(student_attention_mask.device.type, enabled=False):
-            terms = objective.alignment(
+            terms = objective.trajectory(
                 tuple(student_hidden_states),
                 teacher,
                 student_attention_mask,
@@ -711,6 +712,8 @@ class MTALoss(nn.Module):
         weighted = (objective.weights[name] * value for name, value in terms.items())
         terms["total"] = functools.reduce(operator.add, weighted)
         return terms
+
+    alignment = renamed_attribute("trajectory")  # the old name, until mta.deprecation.REMOVED_IN
 
     def _teacher(self, outputs: Any, batch: TrainBatch, head: nn.Module | None = None) -> TeacherOutput | None:
         objective = self.objective

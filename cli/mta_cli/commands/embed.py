@@ -1,4 +1,4 @@
-"""`mta embed`: parse arguments, run :func:`mta.embedding.teacher_embeddings.run_embed`, report."""
+"""`mta embed`: parse arguments, run :func:`mta.embedding.embed.run_embed`, report."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def embed(
     Example: mta embed train.jsonl --teacher ~/.cache/mta/models/all-mpnet-base-v2 -o runs/emb/train
     """
     quiet_third_party(verbose)
-    from mta.embedding.teacher_embeddings import run_embed
+    from mta.embedding.embed import run_embed
 
     console = stderr_console()
     shard_spec = parse_shard(shard) if shard else None

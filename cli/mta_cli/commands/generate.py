@@ -22,7 +22,7 @@ from mta_cli.options import (
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.reporting import make_reporter
 
-# The library's defaults (mta.pairs.PairSettings), spelled out so --help needs no torch.
+# The library's defaults (mta.pairs.generate.PairSettings), spelled out so --help needs no torch.
 TEMPERATURE, TOP_P, TOP_K = 0.8, 0.95, 0
 MAX_NEW_TOKENS, MAX_PROMPT_LENGTH, BATCH_SIZE, SEED = 256, 256, 16, 42
 
@@ -88,7 +88,7 @@ def generate(
     if data is None:
         raise MtaError("give DATA, the prompts (a JSONL file or a Hub dataset id)")
     from mta.data.sources import input_reference
-    from mta.pairs import PairSettings, generate_pairs
+    from mta.pairs.generate import PairSettings, generate_pairs
 
     source = input_reference(data, split=split, subset=subset, revision=revision)
     settings = PairSettings(

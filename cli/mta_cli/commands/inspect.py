@@ -97,9 +97,9 @@ def inspect(
     The table goes to stdout; progress (rows/s, ETA) and the log to stderr.
     """
     quiet_third_party(verbose)
+    from mta.inspection.inspect import InspectSettings, inspect_models
     from mta.inspection.layer_map import layer_map_yaml
     from mta.inspection.report import aligned_rows, write_inspection
-    from mta.inspection.run import InspectSettings, inspect_models
 
     if teacher_cache is not None:
         teacher, students = None, models

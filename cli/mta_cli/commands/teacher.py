@@ -1,4 +1,4 @@
-"""`mta teacher`: parse arguments, run :func:`mta.training.teacher_cache.build.run_teacher_stage`, report."""
+"""`mta teacher`: parse arguments, run :func:`mta.training.teacher_cache.teacher.run_teacher_stage`, report."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def teacher(
     quiet_third_party(verbose)
     from mta.training.config.catalog import find_recipe
     from mta.training.config.loading import load_recipe
-    from mta.training.teacher_cache.build import cache_directory, run_teacher_stage
     from mta.training.teacher_cache.content import stored_per_token
+    from mta.training.teacher_cache.teacher import cache_directory, run_teacher_stage
 
     console = stderr_console()
     shard_spec = parse_shard(shard) if shard else None

@@ -21,7 +21,7 @@ smaller student that starts from a pretrained model. Here SmolLM2-135M-Instruct 
    the students' train and dev rows, read by every run's reference micro batches (a generated
    micro batch runs the teacher online);
 6. **training**: two variants x ``train_seeds``, ``train_steps`` of batch ``batch_size``, each with
-   DistiLLM's adaptive off-policy sampling as ``mta distill`` implements it (``generation.mode:
+   DistiLLM's adaptive off-policy sampling as ``mta distill`` implements it (``off_policy.mode:
    adaptive``, the published settings), the loss reduced per micro batch (DistiLLM's); dev loss and
    dev ROUGE-L every ``eval_interval`` steps, ``best/`` chosen on dev ROUGE-L;
 7. **evaluate** (``mta evaluate``, the MiniLLM protocol at the cap): the shipped and the fine-tuned
@@ -92,7 +92,7 @@ from mta.training.config.schema import Recipe
 from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.lifecycle.metrics import read_metrics
 from mta.training.lifecycle.selection import ROUGE_KEY
-from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import run_distillation
 from mta.versions import source_commit
 
@@ -140,7 +140,7 @@ class EvidenceSettings:
 
     The student's training settings not named here (lr 2e-4 cosine with 4 warm-up steps, AdamW,
     ZeRO-1, projectors at 5e-4) are the demo recipe's, smollm2-demo.yaml; the sampling settings
-    are the published DistiLLM scripts' (recipes/gpt2.yaml's ``generation:``).
+    are the published DistiLLM scripts' (recipes/gpt2.yaml's ``off_policy:``).
     """
 
     name: str = "full"
@@ -347,7 +347,7 @@ def plan_lines(
     ]
     lines += [f"    {variant.label}: {variant.description}" for variant in VARIANTS]
     lines.append(
-        f"    sampling (both): generation.mode adaptive, init_threshold {settings.init_threshold:g}, "
+        f"    sampling (both): off_policy.mode adaptive, init_threshold {settings.init_threshold:g}, "
         f"threshold_step {settings.threshold_step:g}, loss_eps {settings.loss_eps:g}, schedule {settings.schedule}, "
         f"buffer_size {settings.buffer_size}, new tokens data.max_length - data.max_prompt_length; the loss "
         "is reduced per micro batch (over its response tokens), as DistiLLM does"
@@ -725,13 +725,13 @@ def _shared_overrides(
         f"train.save_interval={settings.eval_interval}",
         "train.select_by=rouge",
         f"train.select_rows={settings.select_rows}",
-        "generation.mode=adaptive",
-        f"generation.init_threshold={settings.init_threshold}",
-        f"generation.threshold_step={settings.threshold_step}",
-        f"generation.loss_eps={settings.loss_eps}",
-        f"generation.schedule={settings.schedule}",
-        f"generation.buffer_size={settings.buffer_size}",
-        "generation.max_new_tokens=null",
+        "off_policy.mode=adaptive",
+        f"off_policy.init_threshold={settings.init_threshold}",
+        f"off_policy.threshold_step={settings.threshold_step}",
+        f"off_policy.loss_eps={settings.loss_eps}",
+        f"off_policy.schedule={settings.schedule}",
+        f"off_policy.buffer_size={settings.buffer_size}",
+        "off_policy.max_new_tokens=null",
         *extra,
     ]
 

@@ -62,7 +62,7 @@ def length_scale(tokens: float) -> float:
 def generated_micro_batches(settings: EvidenceSettings) -> float:
     """The most micro batches one run can generate under the adaptive schedule: τ raised by
     ``threshold_step`` at every dev evaluation (the dev loss rising each time) and the buffer never
-    full, so that a draw below τ always generates (``mta.training.sampling.policy``)."""
+    full, so that a draw below τ always generates (``mta.training.off_policy.policy``)."""
     intervals = settings.train_steps // settings.eval_interval
     tau, total = settings.init_threshold, 0.0
     for _ in range(intervals):

@@ -50,7 +50,7 @@ def teacher_overrides(original: Path, paths: EvidencePaths, settings: EvidenceSe
         f"train.precision={settings.precision}",
         f"train.batch_size={settings.batch_size}",
         f"train.micro_batch_size={settings.batch_size}",
-        "generation.mode=off",
+        "off_policy.mode=off",
         "teacher_cache.dir=null",
     ]
 

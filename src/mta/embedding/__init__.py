@@ -4,7 +4,7 @@
 - :mod:`mta.embedding.encoder`: ``load_encoder`` (``AutoModel`` + tokenizer + pooling, a
   sentence-transformers directory's own pipeline read);
 - :mod:`mta.embedding.export`: the sentence-transformers directory format, read and written;
-- :mod:`mta.embedding.teacher_embeddings`: ``build_teacher_embeddings`` (the stage: batched,
+- :mod:`mta.embedding.embed`: ``build_teacher_embeddings`` (the stage: batched,
   resumable, sharded), ``read_teacher_embeddings`` -> ``TeacherEmbeddings`` (what distillation
   reads: ids, texts, ``[n, d]`` float32 embeddings, manifest).
 
@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 from mta.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
-    from mta.embedding.pooling import POOLINGS, PoolingConfig, pool
-    from mta.embedding.teacher_embeddings import (
+    from mta.embedding.embed import (
         TeacherEmbeddings,
         build_teacher_embeddings,
         embedding_text,
         holds_teacher_embeddings,
         read_teacher_embeddings,
     )
+    from mta.embedding.encoder import EncoderPlan, SentenceEncoder, load_encoder, plan_encoder
+    from mta.embedding.pooling import POOLINGS, PoolingConfig, pool
 
 # Each public name and the module it lives in.
 EXPORTS = {
@@ -41,11 +41,11 @@ EXPORTS = {
     "POOLINGS": "mta.embedding.pooling",
     "PoolingConfig": "mta.embedding.pooling",
     "pool": "mta.embedding.pooling",
-    "TeacherEmbeddings": "mta.embedding.teacher_embeddings",
-    "build_teacher_embeddings": "mta.embedding.teacher_embeddings",
-    "embedding_text": "mta.embedding.teacher_embeddings",
-    "holds_teacher_embeddings": "mta.embedding.teacher_embeddings",
-    "read_teacher_embeddings": "mta.embedding.teacher_embeddings",
+    "TeacherEmbeddings": "mta.embedding.embed",
+    "build_teacher_embeddings": "mta.embedding.embed",
+    "embedding_text": "mta.embedding.embed",
+    "holds_teacher_embeddings": "mta.embedding.embed",
+    "read_teacher_embeddings": "mta.embedding.embed",
 }
 
 

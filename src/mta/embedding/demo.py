@@ -305,7 +305,7 @@ def pruned_start(source: Path, root: Path, settings: Any, reporter: Reporter) ->
 def embed_rows(teacher: Path, rows: dict[str, Path], root: Path, settings: Any, reporter: Reporter) -> dict[str, Path]:
     """Each split's texts embedded by ``teacher`` into ``root/embeddings/<split>`` (``mta embed``'s
     stage, reused when complete), at ``settings``' length and precision."""
-    from mta.embedding.teacher_embeddings import build_teacher_embeddings
+    from mta.embedding.embed import build_teacher_embeddings
 
     embeddings = {}
     for split, path in rows.items():

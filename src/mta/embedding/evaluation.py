@@ -20,9 +20,9 @@ import torch
 
 from mta import distributed
 from mta.dtypes import dtype_name, resolve_dtype
+from mta.embedding.embed import TeacherEmbeddings, build_teacher_embeddings, read_teacher_embeddings
 from mta.embedding.encoder import load_encoder
 from mta.embedding.pooling import AUTO
-from mta.embedding.teacher_embeddings import TeacherEmbeddings, build_teacher_embeddings, read_teacher_embeddings
 from mta.errors import MtaError
 from mta.evaluation.models_under_test import checkpoint_names
 from mta.files import atomic_write_json, atomic_write_text, disk_full_is_reported, make_output_directory

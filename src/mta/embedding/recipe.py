@@ -96,7 +96,7 @@ class EmbeddingDataSpec(Strict):
     text_field: str | None = Field(
         None,
         description="the column holding each row's text; null: text, else instruction + input + "
-        "response, else prompt + response (mta.embedding.teacher_embeddings)",
+        "response, else prompt + response (mta.embedding.embed)",
     )
 
 

@@ -3,7 +3,7 @@
 - :mod:`mta.inspection.cka`: streaming linear CKA (float64 sums; biased and debiased estimators);
 - :mod:`mta.inspection.structure`: DSA's structure agreement, HRA's held-out linear fit;
 - :mod:`mta.inspection.layer_map`: the monotone teacher-layer choice of highest total CKA;
-- :mod:`mta.inspection.run`: rows streamed through the teacher and each student;
+- :mod:`mta.inspection.inspect`: rows streamed through the teacher and each student;
 - :mod:`mta.inspection.report`: results.md, the heatmaps, results.json (written last).
 
 :func:`inspect` is the Python entry (``mta.inspect``); the command line renders the same data.
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mta.inspection.cka import LinearCKA, linear_cka
+from mta.inspection.inspect import InspectSettings, inspect_models
 from mta.inspection.layer_map import monotone_choice
-from mta.inspection.run import InspectSettings, inspect_models
 from mta.inspection.structure import HeldOutLinearFit, structure_agreement
 from mta.reporting import Reporter
 

@@ -23,7 +23,7 @@ def held_out_problem(student: str, data: Path, annotations: Annotations) -> str 
     from mta.training.config.loading import load_recipe
 
     try:
-        recipe = load_recipe(recipe_path)
+        recipe = load_recipe(recipe_path, saved=True)
     except MtaError:
         return None  # not a recipe this mta reads: nothing to compare
     written = recipe.data.train  # type: ignore[attr-defined]
@@ -100,7 +100,7 @@ def layer_map_source(
     for student in students:
         path = Path(student) / RECIPE_FILE
         if path.is_file():
-            recipe = load_recipe(path)
+            recipe = load_recipe(path, saved=True)
             return recipe.loss.layers, f"{path} (loss.layers)"  # type: ignore[attr-defined]
     return "auto", "auto (no recipe: the docs/method.md §4 rule)"
 

@@ -370,11 +370,11 @@ class MTADistillationTrainer(DistillationTrainer):
 
     def mta_terms(self, inputs: Mapping[str, Any], num_sequences: float | None = None) -> dict[str, torch.Tensor]:
         """``{"dsa", "hra", "total"}`` of the micro batch, from the hidden states its two
-        forwards left (``total`` weighted); num_sequences: as :meth:`mta.MTALoss.alignment`'s."""
+        forwards left (``total`` weighted); num_sequences: as :meth:`mta.MTALoss.trajectory`'s."""
         if self.mta_loss is None or set(self._mta_hidden) != {"student", "teacher"}:
             raise RuntimeError("both forwards must run before MTA's terms (TRL's _compute_loss changed?)")
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        return self.mta_loss.alignment(
+        return self.mta_loss.trajectory(
             self._mta_hidden["student"], self._mta_hidden["teacher"], mask, mask, self.spans_of(inputs), num_sequences
         )
 

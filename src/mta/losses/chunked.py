@@ -190,7 +190,7 @@ def chunked_label_log_probs(
 
 
 # (student rows [n, V_s] fp32, student log scale [n], teacher rows [n, V_t] fp32, teacher log
-# scale [n]) -> [n] per-unit loss (mta.losses.cross_vocabulary).
+# scale [n]) -> [n] per-unit loss (mta.losses.cross_tokenizer).
 UnitLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -25,7 +25,7 @@ from mta.errors import MtaError
 from mta.losses import closed_form
 from mta.losses.chunked import IGNORE_INDEX, TeacherLogits, chunked_token_loss
 from mta.losses.contrastive import DistiLLM2Loss
-from mta.losses.cross_vocabulary import SharedDivergence, SharedVocabularyHybrid, UniversalLogitDistillation
+from mta.losses.cross_tokenizer import SharedDivergence, SharedVocabularyHybrid, UniversalLogitDistillation
 from mta.losses.divergences import check_unit_interval, kl_terms, log_mixture
 from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
 from mta.losses.teacher_sampled import SampledTeacher, sampled_estimate
@@ -314,7 +314,7 @@ BASE_LOSSES: dict[str, type[nn.Module]] = {
     "distillm2": DistiLLM2Loss,  # pairs: needs the batch's ``chosen`` (mta.losses.contrastive)
 }
 # Across vocabularies, on aligned units: (logits, teacher logits, both sides' labels, the boundary
-# spans), unshifted (mta.losses.cross_vocabulary).
+# spans), unshifted (mta.losses.cross_tokenizer).
 UNIT_LOSSES: dict[str, type[nn.Module]] = {"uld": UniversalLogitDistillation, "gold": SharedVocabularyHybrid}
 
 

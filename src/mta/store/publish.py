@@ -73,7 +73,7 @@ class PartWriter:
     Batches are buffered into row groups of about ``row_group_rows`` rows. If the writer is
     closed without ``commit`` (an exception, Ctrl-C, a full disk), the temporary file is deleted.
     ``schema``: the rows' Arrow schema (annotate's, :data:`mta.data.artefact_schema.SCHEMA`;
-    ``mta embed``'s and ``mta teacher``'s, :mod:`mta.embedding.teacher_embeddings`,
+    ``mta embed``'s and ``mta teacher``'s, :mod:`mta.embedding.embed`,
     :mod:`mta.training.teacher_cache`), all in the same layout. ``compression``: Parquet's codec
     (``"none"`` for values that do not compress).
     """

@@ -1,7 +1,7 @@
 """Reuse or resume: whether an output directory already holds what a writer would compute.
 
 The one rule ``mta annotate`` (:mod:`mta.data.annotate`) and ``mta embed``
-(:mod:`mta.embedding.teacher_embeddings`) follow before they compute, and again once they hold
+(:mod:`mta.embedding.embed`) follow before they compute, and again once they hold
 their shard's lock (another writer may have finished it meanwhile): a complete directory of the
 same run key whose parts are intact is reused as it is; else this shard's own part, written by
 an earlier run of the same key, is reused and the set merged when it is now complete; else

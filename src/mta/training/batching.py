@@ -70,7 +70,7 @@ class TrainBatch:
     chosen: ``[batch]`` bool for pair rows (True: the teacher's response), None otherwise.
     pending_spans: set on a generated micro batch while the span workers parse its rows (its
     ``spans`` are empty until then): the handle ``OffPolicyBatches.with_spans`` (in
-    ``mta.training.sampling.micro_batches``) waits on; None otherwise. origin: where the rows
+    ``mta.training.off_policy.micro_batches``) waits on; None otherwise. origin: where the rows
     come from (a teacher cache holds the teacher's side of gold rows only)."""
 
     row_ids: list[str]

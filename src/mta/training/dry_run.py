@@ -114,8 +114,8 @@ class RunPlan:
     fdd_layers: list[LayerIndexPair] = field(default_factory=list)
     sra_layers: list[LayerIndexPair] = field(default_factory=list)
     teacher_source: str | None = None  # "online", "cache", "cache + online" (generated micro batches), None
-    generation: str = "off"  # generation.mode: the student's own responses during training
-    generation_new_tokens: int | None = None  # tokens each generated response may have
+    off_policy: str = "off"  # off_policy.mode: the student's own responses during training
+    off_policy_new_tokens: int | None = None  # tokens each generated response may have
     summary: list[str] = field(default_factory=list)  # the plan's lines of the run's log before its first step
 
 

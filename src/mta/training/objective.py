@@ -145,17 +145,18 @@ class DistillationObjective(nn.Module):
             if self.sra_logits and shared_vocab is not None:  # buffers: they move to the device with the module
                 self.register_buffer("sra_student_ids", shared_vocab[0].long(), persistent=False)
                 self.register_buffer("sra_teacher_ids", shared_vocab[1].long(), persistent=False)
-        self.alignment: TrajectoryAlignmentLoss | None = None
-        if spec.alignment_terms:
-            self.alignment = TrajectoryAlignmentLoss(
+        self.trajectory: TrajectoryAlignmentLoss | None = None
+        if spec.trajectory_terms:
+            self.trajectory = TrajectoryAlignmentLoss(
                 layer_pairs,
                 student_hidden_size,
                 _required(teacher_hidden_size, "loss.dsa_weight / loss.hra_weight > 0: the teacher's hidden size"),
                 same_tokenizer=same_tokenizer,
                 importance=spec.importance,
-                terms=spec.alignment_terms,
+                terms=spec.trajectory_terms,
                 reference_code=spec.reference_code,
             )
+        self.register_load_state_dict_pre_hook(_renamed_trajectory_keys)
 
     @property
     def needs_teacher_logits(self) -> bool:
@@ -169,17 +170,17 @@ class DistillationObjective(nn.Module):
 
     @property
     def student_layers(self) -> list[int]:
-        return self.alignment.student_layers if self.alignment else []
+        return self.trajectory.student_layers if self.trajectory else []
 
     @property
     def teacher_layers(self) -> list[int]:
         """The teacher ``hidden_states`` entries the loss reads (MTA's pairs and FDD's)."""
-        aligned = self.alignment.teacher_layers if self.alignment else []
+        aligned = self.trajectory.teacher_layers if self.trajectory else []
         return sorted({*aligned, *(pair.teacher for pair in (*self.fdd_pairs, *self.sra_pairs))})
 
     @property
     def needs_student_hidden(self) -> bool:
-        return self.alignment is not None or self.fdd is not None or self.sra is not None
+        return self.trajectory is not None or self.fdd is not None or self.sra is not None
 
     @property
     def attention_layers(self) -> dict[str, tuple[int, ...]]:
@@ -227,9 +228,9 @@ class DistillationObjective(nn.Module):
         share = divisors or {}
         if self.base is not None:
             losses["base"] = self._base(student_logits, student_final, teacher, batch, share)
-        if self.alignment is not None:
+        if self.trajectory is not None:
             losses.update(
-                self.alignment(
+                self.trajectory(
                     _required(student_hidden, "the student's hidden states"),
                     _required(teacher, "the teacher's output").hidden_states,
                     batch.student.attention_mask,
@@ -462,6 +463,16 @@ class DistillationModel(nn.Module):
 
     def projector_parameters(self) -> list[nn.Parameter]:
         """The projectors (MTA's HRA, SRA's span projectors): the optimizer's projector_lr group."""
-        alignment, sra = self.objective.alignment, self.objective.sra
+        alignment, sra = self.objective.trajectory, self.objective.sra
         found = [] if alignment is None or alignment.projectors is None else list(alignment.projectors.parameters())
         return found + ([] if sra is None else list(sra.projectors.parameters()))
+
+
+OLD_TRAJECTORY_PREFIX = "alignment."  # the projectors' state-dict prefix before 0.3.0 (checkpoints of 0.2.0)
+
+
+def _renamed_trajectory_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A 0.2.0 checkpoint's ``objective.alignment.*`` keys loaded as ``objective.trajectory.*``."""
+    old = prefix + OLD_TRAJECTORY_PREFIX
+    for key in [key for key in state_dict if key.startswith(old)]:
+        state_dict[prefix + "trajectory." + key[len(old) :]] = state_dict.pop(key)

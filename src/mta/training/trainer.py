@@ -33,7 +33,7 @@ from mta.training.lifecycle import checkpointing, run_directory, stopping, utili
 from mta.training.lifecycle.metrics import LossWindow, MetricsLog, loss_record
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
-from mta.training.sampling.micro_batches import OffPolicyBatches, dev_cross_entropy
+from mta.training.off_policy.micro_batches import OffPolicyBatches, dev_cross_entropy
 from mta.training.teacher import TeacherForward, TeacherOutput
 from mta.training.teacher_cache.read import CachedTeacher
 
@@ -82,7 +82,7 @@ class Run:
     world_size: int
     device: torch.device
     resume_from: Path | None = None  # the checkpoint to continue from, checked against the recipe
-    off_policy: OffPolicyBatches | None = None  # generation: on (the student's own samples)
+    off_policy: OffPolicyBatches | None = None  # off_policy: on (the student's own samples)
     teacher_cache: CachedTeacher | None = None  # teacher_cache.dir: the teacher's side of gold micro batches
     messages: list[str] = field(default_factory=list)
     selector: Selector | None = None  # data.dev: OUT/best/ by train.select_by
@@ -283,13 +283,13 @@ class Trainer:
             for name, value in run.engine(batch, self.teacher_forward(batch, "dev")).items():
                 sums[name] = sums.get(name, 0.0) + value.item() * len(batch.row_ids)
         record = loss_record("dev", step, {name: value / len(rows) for name, value in sums.items()})
-        if run.off_policy is not None and run.recipe.generation.mode == "adaptive":
+        if run.off_policy is not None and run.recipe.off_policy.mode == "adaptive":
             # DistiLLM's threshold follows the student's cross-entropy on the dev references.
-            ce_rows = np.arange(min(len(dev), run.recipe.generation.dev_rows or len(dev)))
+            ce_rows = np.arange(min(len(dev), run.recipe.off_policy.dev_rows or len(dev)))
             ce_batches = [dev.batch(ce_rows[i : i + size]) for i in range(0, len(ce_rows), size)]
-            record["generation/dev_ce"] = dev_cross_entropy(run.engine.module.student, ce_batches, run.device)
-            run.off_policy.update_threshold(record["generation/dev_ce"])
-            record["generation/threshold"] = run.off_policy.state.threshold
+            record["off_policy/dev_ce"] = dev_cross_entropy(run.engine.module.student, ce_batches, run.device)
+            run.off_policy.update_threshold(record["off_policy/dev_ce"])
+            record["off_policy/threshold"] = run.off_policy.state.threshold
         if run.selector is not None:  # select_by=rouge: dev/rougeL of sampled responses
             record.update(run.selector.measure(run.engine.module.student))
         record["samples"] = self.sample_generations(step)

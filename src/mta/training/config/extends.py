@@ -7,7 +7,7 @@ with the child's keys laid over it. Mappings merge key by key, all the way down;
     extends: gpt2        # the pair's common part: models, data, optimizer, layer map
     name: gpt2-1.5b-to-120m-fdd-mta
     loss: {base: fkl, fdd_weight: 1.0}   # merged into gpt2's loss: section
-    generation: null                    # gpt2's off-policy sampling, switched off
+    off_policy: null                    # gpt2's off-policy sampling, switched off
 
 ``PARENT`` is a file beside the recipe (``.yaml`` optional), else the name of a shipped recipe.
 A parent may extend another (up to ``MAX_DEPTH`` files); a cycle is refused. A parent's relative

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
+from mta.deprecation import new_key_paths, renamed_key_path, renamed_recipe_keys
 from mta.errors import MtaError, close_match
 from mta.task_registry import task_named, task_names
 from mta.training.config.extends import key_locations, merged_recipe, recipe_chain
@@ -42,12 +43,16 @@ def recipe_schema(raw: Any) -> type[RecipeChecks]:
     return task_named(task).schema if isinstance(task, str) and task in task_names() else Recipe
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RecipeChecks:
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, saved: bool = False) -> RecipeChecks:
     """Read (with the parents it ``extends``), override and validate a recipe (a ``Recipe``, or
     its task's schema: ``recipe_schema``); raise ``MtaError`` naming the file, line and key on any
-    problem."""
+    problem. saved: a recipe mta wrote (a checkpoint's ``recipe.yaml``): old key spellings are read
+    without a warning."""
     path = Path(path)
     chain = recipe_chain(path)
+    for file in chain:  # old key spellings (mta.deprecation.RECIPE_KEYS), each with a warning
+        renamed_recipe_keys(file.raw, source=str(file.path), quiet=saved)
+    overrides = [_renamed_override(item) for item in overrides]
     raw = apply_overrides(merged_recipe(chain), overrides)
     raw.setdefault("source", str(path))
     overridden = {item.partition("=")[0].strip(): item for item in overrides}
@@ -56,10 +61,16 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         _TaskOnly.model_validate(raw)
         return schema.model_validate(raw)
     except ValidationError as error:
-        locations = key_locations(chain, _key_lines)
+        locations = new_key_paths(key_locations(chain, _key_lines))
         raise MtaError(
             _format_validation_error(str(path), error, "", overridden, raw, locations, schema=schema)
         ) from error
+
+
+def _renamed_override(item: str) -> str:
+    key, sep, value = item.partition("=")
+    renamed = renamed_key_path(key.strip(), source="override ") if sep else key
+    return f"{renamed}{sep}{value}" if renamed != key.strip() else item
 
 
 def recipe_to_yaml(recipe: RecipeChecks) -> str:

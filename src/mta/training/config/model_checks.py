@@ -1,7 +1,7 @@
 """The recipe against the models: what only their configs and tokenizers can tell.
 
 ``position_limit`` reads a Hugging Face config's positions, ``check_sequence_lengths`` refuses
-``data.max_length`` (and the dev samples) beyond them, and ``check_generation_fits`` refuses
+``data.max_length`` (and the dev samples) beyond them, and ``check_off_policy_fits`` refuses
 student generation where the loaded tokenizers leave no teacher logit loss. What a recipe can
 check on its own is its schema's (``mta.training.config.schema``).
 """
@@ -69,21 +69,21 @@ def check_sequence_lengths(
         )
 
 
-def check_generation_fits(recipe: Recipe, same_tokenizer: bool) -> None:
+def check_off_policy_fits(recipe: Recipe, same_tokenizer: bool) -> None:
     """Refuse student generation where the loaded tokenizers leave no teacher logit loss.
 
     The trainer calls it once the tokenizers are loaded (``same_tokenizer``: the teacher's and the
     student's vocabulary fingerprints are equal). Across tokenizers the base loss can only be ce
     on the reference (docs/method.md §5), so generated text would have no teacher signal. Raises
-    ``MtaError`` naming the keys; passes when ``generation.mode`` is off.
+    ``MtaError`` naming the keys; passes when ``off_policy.mode`` is off.
     """
-    if recipe.generation.mode == "off" or same_tokenizer:
+    if recipe.off_policy.mode == "off" or same_tokenizer:
         return
-    assert recipe.teacher is not None, "the schema refuses generation without a teacher (generation_problem)"
+    assert recipe.teacher is not None, "the schema refuses generation without a teacher (off_policy_problem)"
     where = f"{recipe.source}: " if recipe.source else ""
     raise MtaError(
-        f"{where}generation.mode={recipe.generation.mode} needs the teacher and the student to share "
+        f"{where}off_policy.mode={recipe.off_policy.mode} needs the teacher and the student to share "
         f"a tokenizer, and these differ ({recipe.teacher.tokenizer_path} vs "
         f"{recipe.student.tokenizer_path}): across tokenizers there is no logit loss, and "
-        f"{ON_POLICY_NEEDS_LOGITS}. Set generation.mode=off, or use a teacher with the student's tokenizer"
+        f"{ON_POLICY_NEEDS_LOGITS}. Set off_policy.mode=off, or use a teacher with the student's tokenizer"
     )

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
+from mta.deprecation import RECIPE_KEYS, REMOVED_IN
 from mta.errors import MtaError
 from mta.task_registry import task_named, task_names
 from mta.training.config.resume_rules import MUTABLE_KEYS
@@ -122,6 +123,17 @@ def reference_markdown() -> str:
         "|---|---|",
     ]
     lines += [f"| `{key}` | {_cell(effect)} |" for key, effect in MUTABLE_KEYS.items()]
+    lines += [
+        "",
+        "## Renamed keys",
+        "",
+        "An old key (and every key under it, overrides included) is still read, with a warning, until",
+        f"mta {REMOVED_IN} (`mta.deprecation.RECIPE_KEYS`); a checkpoint's saved recipe with it resumes.",
+        "",
+        "| old key (deprecated) | new key |",
+        "|---|---|",
+    ]
+    lines += [f"| `{'.'.join(old)}` | `{'.'.join(new)}` |" for old, new in RECIPE_KEYS.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
+from mta.deprecation import renamed_recipe_keys
 from mta.errors import MtaError
 from mta.training.config.loading import recipe_schema
 from mta.training.config.schema import Recipe, models_in
@@ -76,11 +77,11 @@ MUTABLE_KEYS: dict[str, str] = {
         "which experiment trackers get the records from the resumed step on; one the run "
         "reported to before continues its run there (OUT/tracking.json)"
     ),
-    "generation.loss_eps": (
+    "off_policy.loss_eps": (
         "the dev-loss rise that raises the threshold, from the next dev evaluation on; the "
         "threshold and reference dev loss reached so far are kept"
     ),
-    "generation.threshold_step": (
+    "off_policy.threshold_step": (
         "what a dev-loss rise adds to the threshold, from the next dev evaluation on; the "
         "threshold reached so far is kept"
     ),
@@ -154,7 +155,7 @@ def read_saved_recipe(checkpoint: Path) -> dict[str, Any]:
     saved = load_yaml(text, str(path))
     if not isinstance(saved, dict):
         raise MtaError(f"{path}: a recipe is a YAML mapping, got {type(saved).__name__}")
-    return saved
+    return renamed_recipe_keys(saved, source=str(path), quiet=True)  # an older mta's key names
 
 
 def resume_changes(saved: dict[str, Any], new: Recipe) -> ResumeChanges:

@@ -47,7 +47,7 @@ from mta.training.config.deepspeed_settings import deepspeed_problem
 log = logging.getLogger(__name__)
 
 BaseLossName = Literal["ce", "fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2", "uld", "gold"]
-# The base losses that compare logits across two vocabularies, on aligned units (mta.losses.cross_vocabulary).
+# The base losses that compare logits across two vocabularies, on aligned units (mta.losses.cross_tokenizer).
 UNIT_BASES = ("uld", "gold")
 Precision = Literal["fp32", "bf16", "fp16"]
 # train.precision: auto is bf16 where the device computes it natively (mta.dtypes), else fp32.
@@ -339,7 +339,7 @@ class LossSpec(Strict):
     )
 
     @property
-    def alignment_terms(self) -> tuple[str, ...]:
+    def trajectory_terms(self) -> tuple[str, ...]:
         """The MTA terms with a non-zero weight, of ``("dsa", "hra")``: the one place that decides
         whether MTA is on. An empty tuple means no layer is aligned and no projector is built."""
         return tuple(term for term in ("dsa", "hra") if getattr(self, f"{term}_weight"))
@@ -502,19 +502,19 @@ class TrainSpec(Strict):
         return self.batch_size // per_step
 
 
-GenerationMode = Literal["off", "adaptive", "always"]
-GenerationSchedule = Literal["decreasing", "constant", "increasing"]
+OffPolicyMode = Literal["off", "adaptive", "always"]
+OffPolicySchedule = Literal["decreasing", "constant", "increasing"]
 
 
-class GenerationSpec(Strict):
+class OffPolicySpec(Strict):
     """Student-generated responses during training (DistiLLM's adaptive off-policy sampling).
 
-    What each mode does, and how the threshold moves, is ``mta.training.sampling.policy``'s docstring;
+    What each mode does, and how the threshold moves, is ``mta.training.off_policy.policy``'s docstring;
     which base losses and tokenizers it works with is checked by ``Recipe`` (here) and by
-    ``mta.training.config.model_checks.check_generation_fits`` (once the tokenizers are loaded).
+    ``mta.training.config.model_checks.check_off_policy_fits`` (once the tokenizers are loaded).
     """
 
-    mode: GenerationMode = Field(
+    mode: OffPolicyMode = Field(
         "off",
         description="off: the reference responses only; adaptive: DistiLLM's adaptive "
         "off-policy sampling with a replay buffer; always: every micro batch generated (on-policy)",
@@ -522,7 +522,7 @@ class GenerationSpec(Strict):
     init_threshold: float = Field(0.0, ge=0, le=1, description="the threshold τ at step 0")
     threshold_step: float = Field(0.1, gt=0, le=1, description="what τ grows by when the dev loss rises by loss_eps")
     loss_eps: float = Field(0.1, ge=0, description="the dev-loss rise (over the last reference) that raises τ")
-    schedule: GenerationSchedule = Field(
+    schedule: OffPolicySchedule = Field(
         "decreasing",
         description="the share of τ that generates fresh rows: τ·(1 − t/T), τ/2 or τ·t/T",
     )
@@ -562,7 +562,7 @@ class TeacherCacheSpec(Strict):
     dir: str | None = Field(
         None,
         description="the `mta teacher` output read for the teacher's side of every annotated micro batch "
-        "(train and dev); null: the teacher runs online. With generation.mode=off the teacher is never loaded",
+        "(train and dev); null: the teacher runs online. With off_policy.mode=off the teacher is never loaded",
     )
     logits: Literal["top_k", "sampled"] = Field(
         "top_k",
@@ -695,8 +695,8 @@ class Recipe(RecipeChecks):
         LossSpec(), description="the objective: the base loss, MTA's DSA and HRA, FDD, SRA (docs/method.md)"
     )
     train: TrainSpec = Field(description="optimizer, schedule, length, precision, ZeRO, intervals")
-    generation: GenerationSpec = Field(
-        GenerationSpec(), description="student-generated responses during training (DistiLLM); off by default"
+    off_policy: OffPolicySpec = Field(
+        OffPolicySpec(), description="student-generated responses during training (DistiLLM); off by default"
     )
     teacher_cache: TeacherCacheSpec = Field(
         TeacherCacheSpec(), description="the teacher's outputs read from `mta teacher`'s artefact; off by default"
@@ -717,7 +717,7 @@ class Recipe(RecipeChecks):
     def _teacher_needed(self) -> Recipe:
         if self.teacher is None and self.loss.base != "ce":
             raise ValueError(f"loss.base={self.loss.base} needs a teacher; use 'ce' for SFT")
-        if self.teacher is None and self.loss.alignment_terms:
+        if self.teacher is None and self.loss.trajectory_terms:
             raise ValueError("dsa_weight and hra_weight must be 0 without a teacher")
         if self.teacher is None and self.loss.fdd_weight:
             raise ValueError("loss.fdd_weight must be 0 without a teacher (FDD follows the teacher's layers)")
@@ -725,7 +725,7 @@ class Recipe(RecipeChecks):
             raise ValueError("loss.sra_weight must be 0 without a teacher")
         if (
             not self.loss.base_weight
-            and not self.loss.alignment_terms
+            and not self.loss.trajectory_terms
             and not self.loss.fdd_weight
             and not self.loss.sra_weight
         ):
@@ -770,12 +770,12 @@ class Recipe(RecipeChecks):
                     f"{self.train.micro_batch_size}"
                 ),
             )
-        elif self.generation.mode != "off":
+        elif self.off_policy.mode != "off":
             problem = (
-                ("generation", "mode"),
+                ("off_policy", "mode"),
                 (
                     "loss.base=distillm2 trains on the pairs `mta generate` wrote (each round: generate, "
-                    "annotate, distill); it does not sample during training: use generation.mode=off"
+                    "annotate, distill); it does not sample during training: use off_policy.mode=off"
                 ),
             )
         if problem is not None:
@@ -822,7 +822,7 @@ class Recipe(RecipeChecks):
 
     @model_validator(mode="after")
     def _generation_fits(self) -> Recipe:
-        problem = generation_problem(self)
+        problem = off_policy_problem(self)
         if problem is not None:
             within, message = problem
             # `within` is the key the problem is about, for the error's line number.
@@ -852,12 +852,12 @@ class Recipe(RecipeChecks):
         return self.loss.uses_fused_head and not sampled
 
     @property
-    def generation_max_new_tokens(self) -> int:
-        """Tokens the student may generate per training response (``generation.max_new_tokens``,
+    def off_policy_max_new_tokens(self) -> int:
+        """Tokens the student may generate per training response (``off_policy.max_new_tokens``,
         default ``data.max_length - data.max_prompt_length``, the published ``SampleGenerator``'s
         budget): a generated row of the longest prompt still fits ``data.max_length``."""
-        if self.generation.max_new_tokens is not None:
-            return self.generation.max_new_tokens
+        if self.off_policy.max_new_tokens is not None:
+            return self.off_policy.max_new_tokens
         return self.data.max_length - self.data.max_prompt_length
 
 
@@ -929,47 +929,47 @@ ON_POLICY_NEEDS_LOGITS = (
 )
 
 
-def generation_problem(recipe: Recipe) -> tuple[tuple[str, ...], str] | None:
-    """The first way ``recipe.generation`` does not fit the rest of the recipe, as ``(key path,
+def off_policy_problem(recipe: Recipe) -> tuple[tuple[str, ...], str] | None:
+    """The first way ``recipe.off_policy`` does not fit the rest of the recipe, as ``(key path,
     message)``, or None. Checked when the recipe validates; what needs the tokenizers is
-    ``mta.training.config.model_checks.check_generation_fits``."""
-    spec = recipe.generation
+    ``mta.training.config.model_checks.check_off_policy_fits``."""
+    spec = recipe.off_policy
     if spec.mode == "off":
         return None
     if recipe.teacher is None:
-        return ("generation", "mode"), (
+        return ("off_policy", "mode"), (
             f"{spec.mode!r} needs a teacher: {ON_POLICY_NEEDS_LOGITS}. Plain SFT (teacher: null) "
-            "trains on the reference responses only; use generation.mode=off"
+            "trains on the reference responses only; use off_policy.mode=off"
         )
     if recipe.loss.base == "ce":
-        return ("generation", "mode"), (
+        return ("off_policy", "mode"), (
             f"{spec.mode!r} needs a logit loss (loss.base srkl as DistiLLM, or fkl, rkl, skl, jsd, "
-            f"tvd): {ON_POLICY_NEEDS_LOGITS}. Set loss.base, or generation.mode=off"
+            f"tvd): {ON_POLICY_NEEDS_LOGITS}. Set loss.base, or off_policy.mode=off"
         )
     if recipe.loss.base in UNIT_BASES:
-        return ("generation", "mode"), (
+        return ("off_policy", "mode"), (
             f"loss.base={recipe.loss.base} compares the two models on the units both tokenisations agree on "
-            "(annotate's boundary_spans), and generated rows carry no such units; use generation.mode=off"
+            "(annotate's boundary_spans), and generated rows carry no such units; use off_policy.mode=off"
         )
     budget = recipe.data.max_length - recipe.data.max_prompt_length
     if spec.max_new_tokens is not None and spec.max_new_tokens > budget:
-        return ("generation", "max_new_tokens"), (
+        return ("off_policy", "max_new_tokens"), (
             f"{spec.max_new_tokens} new tokens after a prompt of up to data.max_prompt_length="
             f"{recipe.data.max_prompt_length} do not fit data.max_length={recipe.data.max_length}; "
             f"use at most {budget} (or null for exactly that)"
         )
     if spec.mode == "adaptive":
         if spec.buffer_size < recipe.train.micro_batch_size:
-            return ("generation", "buffer_size"), (
+            return ("off_policy", "buffer_size"), (
                 f"{spec.buffer_size} rows cannot fill a micro batch drawn from the replay buffer; "
                 f"use at least train.micro_batch_size={recipe.train.micro_batch_size} "
                 "(DistiLLM uses 1000)"
             )
         if recipe.data.dev is None and spec.init_threshold == 0:
-            return ("generation", "mode"), (
+            return ("off_policy", "mode"), (
                 "'adaptive' raises the threshold only when the dev loss rises, and there is no "
-                "data.dev: with generation.init_threshold=0 it would never generate. Set data.dev, "
-                "or a fixed generation.init_threshold above 0"
+                "data.dev: with off_policy.init_threshold=0 it would never generate. Set data.dev, "
+                "or a fixed off_policy.init_threshold above 0"
             )
     return None
 

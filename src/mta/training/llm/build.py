@@ -30,7 +30,7 @@ from mta.training import engine as engines
 from mta.training import lora
 from mta.training.batching import AnnotatedExamples, StepSchedule
 from mta.training.config import resume_rules
-from mta.training.config.model_checks import check_generation_fits
+from mta.training.config.model_checks import check_off_policy_fits
 from mta.training.config.schema import UNIT_BASES, Recipe
 from mta.training.dry_run import RunPlan
 from mta.training.lifecycle import checkpointing, run_directory
@@ -47,7 +47,7 @@ from mta.training.model_loading import (
     num_layers,
 )
 from mta.training.objective import DistillationModel, DistillationObjective
-from mta.training.sampling.micro_batches import OffPolicyBatches
+from mta.training.off_policy.micro_batches import OffPolicyBatches
 from mta.training.teacher import FrozenTeacher
 from mta.training.teacher_cache.content import TeacherIdentity, TeacherReads, teacher_precision
 from mta.training.teacher_cache.read import CachedTeacher, open_teacher_caches
@@ -111,7 +111,7 @@ def build_llm_run(
         # CPU bf16: held in bf16, its products are bf16 anyway. The ignore: transformers declares
         # PreTrainedModel.to with @wraps(nn.Module.to), which mypy reads unbound (dtype taken as self).
         sides.teacher.model.to(precision.frozen_dtype)  # type: ignore[arg-type]
-    check_generation_fits(recipe, sides.same_tokenizer)
+    check_off_policy_fits(recipe, sides.same_tokenizer)
 
     objective = build_objective(recipe, plan, sides)
     train, dev = build_examples(recipe, plan, sides)
@@ -171,7 +171,7 @@ def load_sides(recipe: Recipe, reporter: Reporter | None) -> LoadedSides:
     use for these tokenizers). Rank 0 builds tiny models and annotates data first; the others then
     find them cached. With a teacher cache and no generated micro batches the teacher's weights
     are never loaded: its config and tokenizer are."""
-    teacher_runs = recipe.teacher is not None and (recipe.teacher_cache.dir is None or recipe.generation.mode != "off")
+    teacher_runs = recipe.teacher is not None and (recipe.teacher_cache.dir is None or recipe.off_policy.mode != "off")
     with distributed.main_process_first():
         student = load_causal_lm(recipe.student, recipe, "student")
         teacher = load_causal_lm(recipe.teacher, recipe, "teacher") if recipe.teacher and teacher_runs else None
@@ -239,7 +239,7 @@ def build_examples(
     if recipe.loss.base == "distillm2" and train.pair_ids is None:
         raise MtaError(
             f"loss.base=distillm2 trains on pair rows, and data.train ({recipe.data.train}) holds none: "
-            "write pairs with `mta generate --teacher T --student S --data PROMPTS.jsonl -o PAIRS.jsonl` "
+            "write pairs with `mta generate PROMPTS.jsonl --teacher T --student S -o PAIRS.jsonl` "
             "and set data.train to PAIRS.jsonl (annotated on first use)"
         )
     return train, examples_of(dev_split, recipe, plan, sides) if dev_split is not None else None
@@ -287,8 +287,8 @@ def open_cache(
 def build_off_policy(
     recipe: Recipe, plan: RunPlan, sides: LoadedSides, student: PreTrainedModel, total_steps: int
 ) -> OffPolicyBatches | None:
-    """DistiLLM's off-policy sampler (``generation:``), its span parser started; None when off."""
-    if plan.generation == "off":
+    """DistiLLM's off-policy sampler (``off_policy:``), its span parser started; None when off."""
+    if plan.off_policy == "off":
         return None
     train_split = sides.splits["train"]
     assert train_split is not None, "data.train is a required recipe key"

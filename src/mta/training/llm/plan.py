@@ -105,8 +105,8 @@ def plan_llm_run(
         fdd_layers=pairs.fdd_layers,
         sra_layers=pairs.sra_layers,
         teacher_source=teacher_source(recipe),
-        generation=recipe.generation.mode,
-        generation_new_tokens=recipe.generation_max_new_tokens if recipe.generation.mode != "off" else None,
+        off_policy=recipe.off_policy.mode,
+        off_policy_new_tokens=recipe.off_policy_max_new_tokens if recipe.off_policy.mode != "off" else None,
         summary=layer_lines(recipe, pairs.layers, pairs.fdd_layers),
     )
 
@@ -142,10 +142,10 @@ def plan_layers(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) -
     if teacher is None:
         return LayerPlan([], [], [], 0)
     loss, depths = recipe.loss, (student.num_layers, teacher.num_layers)
-    layers = resolve_layer_map(loss.layers, *depths) if loss.alignment_terms else []
+    layers = resolve_layer_map(loss.layers, *depths) if loss.trajectory_terms else []
     fdd_layers = resolve_fdd_layers(loss.fdd_layers, *depths) if loss.fdd_weight else []
     sra_layers = resolve_sra_layers(loss.sra_layers, *depths) if loss.sra_weight else []
-    projectors = (len(layers) if "hra" in loss.alignment_terms else 0) + len(sra_layers)
+    projectors = (len(layers) if "hra" in loss.trajectory_terms else 0) + len(sra_layers)
     return LayerPlan(layers, fdd_layers, sra_layers, projectors * (student.hidden_size + 1) * teacher.hidden_size)
 
 
@@ -155,7 +155,7 @@ def plan_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan | None) ->
     notes: list[str] = []
     if teacher is not None and recipe.loss.sra_weight:
         notes.append(_shared_vocabulary_note(recipe))
-    notes.extend(cross_vocabulary_notes(recipe))
+    notes.extend(cross_tokenizer_notes(recipe))
     logit_loss = recipe.loss.base not in ("ce", *UNIT_BASES)  # uld / gold compare their own vocabularies
     if teacher is not None and logit_loss and teacher.vocab_rows != student.vocab_rows:
         notes.append(
@@ -200,7 +200,7 @@ def _shared_vocabulary_note(recipe: Recipe) -> str:
     return f"SRA: {counted[0]:,} tokens shared by the two vocabularies (its span logit term)"
 
 
-def cross_vocabulary_notes(recipe: Recipe) -> list[str]:
+def cross_tokenizer_notes(recipe: Recipe) -> list[str]:
     """``loss.base: uld / gold``: the vocabularies' overlap (when the tokenizers are at hand) and
     how the aligned units cover the responses of data.train's annotated rows (when annotated:
     an annotate directory, or the run's data/ cache of a file)."""
@@ -311,7 +311,7 @@ def teacher_cache_notes(recipe: Recipe, student: ModelPlan, teacher: ModelPlan) 
                 f"teacher cache, {key} ({teacher.name}, {what}, {spec.storage}): at most {human_bytes(size.total)} a "
                 f"row at data.max_length={length} ({key} is not annotated yet: the total follows its rows)"
             )
-    online = "generated and replayed micro batches" if recipe.generation.mode != "off" else None
+    online = "generated and replayed micro batches" if recipe.off_policy.mode != "off" else None
     notes.append(
         f"teacher cache: gold micro batches read {spec.dir}; "
         + (f"the teacher is loaded for the {online}" if online else "the teacher's weights are never loaded")
@@ -328,7 +328,7 @@ def teacher_source(recipe: Recipe) -> str | None:
         return None
     if recipe.teacher_cache.dir is None:
         return "online"
-    return "cache" if recipe.generation.mode == "off" else "cache + online"
+    return "cache" if recipe.off_policy.mode == "off" else "cache + online"
 
 
 def layer_lines(

@@ -26,7 +26,7 @@ from mta.models.weights import CONFIG_PATTERNS, WEIGHT_PATTERNS, checkpoint_fing
 from mta.training.config.layers import resolve_layer_map, resolve_sra_layers
 from mta.training.config.schema import Recipe
 from mta.training.model_loading import hidden_size
-from mta.training.teacher_cache.encoding import id_bits, packed_bytes, state_bytes
+from mta.training.teacher_cache.compact import id_bits, packed_bytes, state_bytes
 from mta.versions import MTA_VERSION, package_versions
 
 ARTEFACT = "teacher-outputs"  # the manifest's ``artefact``
@@ -73,7 +73,7 @@ def teacher_reads(recipe: Recipe, student_layers: int, teacher_layers: int) -> T
     models' depths; FDD and SRA's attention and logit terms are refused by the schema."""
     loss = recipe.loss
     layers: set[int] = set()
-    if loss.alignment_terms:
+    if loss.trajectory_terms:
         layers |= {pair.teacher for pair in resolve_layer_map(loss.layers, student_layers, teacher_layers)}
     if loss.sra_weight:
         layers |= {pair.teacher for pair in resolve_sra_layers(loss.sra_layers, student_layers, teacher_layers)}
@@ -307,7 +307,7 @@ def estimate_bytes(
     bits each; 32 without a vocabulary) and log-probabilities, the tail's fp32 and the position's
     int32, and with ``samples`` draws at most that many distinct ids with a count byte and a
     log-probability each, plus a byte for their number; the states in ``states``
-    (:func:`~mta.training.teacher_cache.encoding.state_bytes`). Draws repeat on a peaked
+    (:func:`~mta.training.teacher_cache.compact.state_bytes`). Draws repeat on a peaked
     distribution, so a sampled cache takes less. Each row's Parquet row group (its metadata, page
     headers and statistics, ``ROW_GROUP_BYTES``) is counted with the logits."""
     value = BYTES[storage]

@@ -32,6 +32,7 @@ from mta.losses.teacher_topk import LOG_FLOOR, tail_fill
 from mta.store.read import read_stage_manifest, verified_parts
 from mta.training.batching import TrainBatch
 from mta.training.teacher import TeacherOutput
+from mta.training.teacher_cache.compact import dequantize_states, id_bits, unpack_ids
 from mta.training.teacher_cache.content import (
     ARTEFACT,
     READABLE_VERSIONS,
@@ -40,7 +41,6 @@ from mta.training.teacher_cache.content import (
     mismatches,
     upgraded,
 )
-from mta.training.teacher_cache.encoding import dequantize_states, id_bits, unpack_ids
 
 
 def _build_hint(directory: Path) -> str:

@@ -17,16 +17,16 @@ import pytest
 from fixtures.generated_rows import make_row
 from mta.errors import MtaError
 from mta.generation import sampling_seed
-from mta.training.config.schema import GenerationSpec
-from mta.training.sampling.policy import (
-    SamplingState,
+from mta.training.config.schema import OffPolicySpec
+from mta.training.off_policy.policy import (
+    OffPolicyState,
     buffer_generator,
     generation_seeds,
     read_state,
     schedule_value,
     update_threshold,
 )
-from mta.training.sampling.replay_buffer import (
+from mta.training.off_policy.replay_buffer import (
     ROWS_METADATA,
     ReplayBuffer,
     read_generated_rows,
@@ -38,10 +38,10 @@ SEED = 97
 
 
 def test_unknown_schedules_and_sources_are_named():
-    with pytest.raises(ValueError, match="unknown generation schedule 'sideways'"):
+    with pytest.raises(ValueError, match="unknown off_policy.schedule 'sideways'"):
         schedule_value("sideways", 0.5, 0, 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"unknown source 'teacher'; one of \('gold'"):
-        SamplingState(0.0).count("teacher")  # type: ignore[arg-type]
+        OffPolicyState(0.0).count("teacher")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_unknown_schedules_and_sources_are_named():
 )
 def test_a_state_of_another_format_says_what_it_found(payload, found):
     with pytest.raises(ValueError, match=rf"\(found {found}\)$"):
-        SamplingState.from_json(payload)
+        OffPolicyState.from_json(payload)
 
 
 @pytest.mark.parametrize(
@@ -63,28 +63,28 @@ def test_a_state_of_another_format_says_what_it_found(payload, found):
     ],
 )
 def test_each_malformed_field_is_named_in_the_message(field, value, name):
-    payload = SamplingState(0.5, 2.0).to_json() | {field: value}
+    payload = OffPolicyState(0.5, 2.0).to_json() | {field: value}
     with pytest.raises(ValueError, match=rf"^{name} must be a"):
-        SamplingState.from_json(payload)
+        OffPolicyState.from_json(payload)
 
 
 def test_each_malformed_micro_batch_count_is_named():
     for source in ("gold", "generated", "buffer"):
-        payload = SamplingState(0.5).to_json()
+        payload = OffPolicyState(0.5).to_json()
         payload["micro_batches"] = {"gold": 0, "generated": 0, "buffer": 0} | {source: -1}
         with pytest.raises(ValueError, match=rf"^micro_batches\.{source} must be a count"):
-            SamplingState.from_json(payload)
+            OffPolicyState.from_json(payload)
 
 
 def test_a_threshold_of_exactly_zero_or_one_reads_back():
     for threshold in (0.0, 1.0):
-        state = SamplingState(threshold, 3.0)
-        assert SamplingState.from_json(state.to_json()) == state
+        state = OffPolicyState(threshold, 3.0)
+        assert OffPolicyState.from_json(state.to_json()) == state
 
 
 def test_the_raised_threshold_is_rounded_to_twelve_decimals():
-    spec = GenerationSpec(mode="adaptive", threshold_step=4e-13, loss_eps=0.0)
-    state = update_threshold(update_threshold(SamplingState(0.25), spec, 1.0), spec, 2.0)
+    spec = OffPolicySpec(mode="adaptive", threshold_step=4e-13, loss_eps=0.0)
+    state = update_threshold(update_threshold(OffPolicyState(0.25), spec, 1.0), spec, 2.0)
     assert state.threshold == 0.25 and state.threshold_raises == 1 and state.reference_loss == 2.0
 
 

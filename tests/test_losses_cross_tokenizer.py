@@ -1,4 +1,4 @@
-"""The cross-vocabulary base losses (mta.losses.cross_vocabulary) against plain loop references.
+"""The cross-vocabulary base losses (mta.losses.cross_tokenizer) against plain loop references.
 
 The references loop over rows, units and tokens in float64 with scalar maths (Python sorting,
 products of conditional probabilities, dict lookups for the shared vocabulary) and share no code
@@ -17,7 +17,7 @@ import torch
 
 from mta.data.token_ranges import boundary_spans
 from mta.errors import MtaError
-from mta.losses.cross_vocabulary import (
+from mta.losses.cross_tokenizer import (
     SharedVocabularyHybrid,
     UniversalLogitDistillation,
     aligned_units,

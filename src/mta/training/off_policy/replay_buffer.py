@@ -156,7 +156,7 @@ class ReplayBuffer:
         """The buffer ``write`` saved; ``MtaError`` if it holds more than ``capacity`` rows."""
         rows, steps = read_generated_rows(path)
         if len(rows) > capacity:
-            raise MtaError(f"{path} holds {len(rows)} generated rows, more than generation.buffer_size={capacity}")
+            raise MtaError(f"{path} holds {len(rows)} generated rows, more than off_policy.buffer_size={capacity}")
         buffer = cls(capacity)
         buffer._rows.extend(rows)
         buffer._steps.extend(steps)

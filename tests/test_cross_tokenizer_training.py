@@ -20,7 +20,7 @@ from mta.training.batching import AnnotatedExamples
 from mta.training.config.loading import load_recipe
 from mta.training.dry_run import plan_run
 from mta.training.lifecycle.metrics import read_metrics
-from mta.training.teacher_cache.build import run_teacher_stage
+from mta.training.teacher_cache.teacher import run_teacher_stage
 from mta.training.trainer import Trainer, run_distillation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -159,8 +159,8 @@ def test_a_unit_base_that_compares_nothing_is_refused_at_its_line(tmp_path):
 
 
 def test_generation_with_a_unit_base_is_refused_saying_why(tmp_path):
-    text = UNIT_RECIPE.replace("  uld_weight: 0\n  uld_ce_weight: 0\n", "") + "generation:\n  mode: always\n"
+    text = UNIT_RECIPE.replace("  uld_weight: 0\n  uld_ce_weight: 0\n", "") + "off_policy:\n  mode: always\n"
     line = text.splitlines().index("  mode: always") + 1
     message = error_of(write(tmp_path, text))
-    assert f"line {line}: generation.mode: loss.base=uld compares the two models on the units" in message
-    assert "generated rows carry no such units; use generation.mode=off" in message
+    assert f"line {line}: off_policy.mode: loss.base=uld compares the two models on the units" in message
+    assert "generated rows carry no such units; use off_policy.mode=off" in message

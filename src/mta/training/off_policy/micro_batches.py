@@ -1,5 +1,5 @@
 """Where each micro batch of an off-policy run comes from: the gold rows, the student's own
-samples of their prompts, or the replay buffer (``mta.training.sampling.policy`` decides which).
+samples of their prompts, or the replay buffer (``mta.training.off_policy.policy`` decides which).
 
 ``OffPolicyBatches.batch(step, k, rows, gold)`` returns the micro batch to train on. For a
 *generated* one, the student (possibly in the middle of a ZeRO-3 step, see ``mta.generation``)
@@ -39,8 +39,8 @@ from mta.generation import HFGenerator
 from mta.losses.span_masks import SpanBatch
 from mta.training.batching import AnnotatedExamples, TrainBatch
 from mta.training.config.schema import Recipe
-from mta.training.sampling import policy
-from mta.training.sampling.replay_buffer import (
+from mta.training.off_policy import policy
+from mta.training.off_policy.replay_buffer import (
     ReplayBuffer,
     agreed_buffer_flags,
     buffer_file,
@@ -75,7 +75,7 @@ class GeneratedMicroBatch:
 class OffPolicyBatches:
     """The off-policy part of a run: decisions, generation, spans, buffer, their checkpoints.
 
-    recipe: the run's recipe (``generation:`` is on); table: the training artefact's rows (for
+    recipe: the run's recipe (``off_policy:`` is on); table: the training artefact's rows (for
     each row's prompt text and ids); model: the student being trained (the engine's module);
     pad_ids: ``{"student": id, "teacher": id}``; granularities: the span kinds the loss reads;
     parser: a started ``SpanParser``; total_steps: the run's length.
@@ -96,8 +96,8 @@ class OffPolicyBatches:
     ):
         self.recipe = recipe
         self.model = model
-        self.spec = recipe.generation
-        self.state = policy.SamplingState.initial(self.spec)
+        self.spec = recipe.off_policy
+        self.state = policy.OffPolicyState.initial(self.spec)
         self.buffer = ReplayBuffer(self.spec.buffer_size) if self.spec.mode == "adaptive" else None
         self.parser = parser
         self.tokenizer = tokenizer
@@ -135,7 +135,7 @@ class OffPolicyBatches:
             return gold, source
         if source == "buffer":
             # policy.decide draws from the buffer only when every rank has one that is not empty.
-            assert self.buffer is not None, "a buffer source without a replay buffer (generation.mode is not adaptive)"
+            assert self.buffer is not None, "a buffer source without a replay buffer (off_policy.mode is not adaptive)"
             generator = policy.buffer_generator(self.recipe.seed, step, micro_batch, distributed.rank())
             sampled = self.buffer.sample(len(rows), generator)
             if self.recipe.train.save_generated:
@@ -236,10 +236,10 @@ class OffPolicyBatches:
         self.settle()
         counts = self.state.micro_batches
         fields = {
-            **({"generation/threshold": self.state.threshold} if self.spec.mode == "adaptive" else {}),
-            **{f"generation/{source}": float(counts[source] - self._counted[source]) for source in counts},
-            "generation/tokens_per_s": self.window["generated_tokens"] / max(self.window["generation_s"], 1e-9),
-            "generation/span_wait_s": self.window["span_wait_s"],
+            **({"off_policy/threshold": self.state.threshold} if self.spec.mode == "adaptive" else {}),
+            **{f"off_policy/{source}": float(counts[source] - self._counted[source]) for source in counts},
+            "off_policy/tokens_per_s": self.window["generated_tokens"] / max(self.window["generation_s"], 1e-9),
+            "off_policy/span_wait_s": self.window["span_wait_s"],
         }
         self._counted = dict(counts)
         self.window = {"generated_tokens": 0, "generation_s": 0.0, "span_wait_s": 0.0}

@@ -47,6 +47,7 @@ from mta.training.model_loading import (
     num_layers,
 )
 from mta.training.teacher import FrozenTeacher
+from mta.training.teacher_cache.compact import pack_ids, quantize_states
 from mta.training.teacher_cache.content import (
     ARTEFACT,
     LOGIT_COLUMNS,
@@ -61,7 +62,6 @@ from mta.training.teacher_cache.content import (
     teacher_precision,
     teacher_reads,
 )
-from mta.training.teacher_cache.encoding import pack_ids, quantize_states
 
 CHUNK_BYTES = 256 * 1024 * 1024  # values per journalled chunk: what a killed run may redo
 

@@ -1,10 +1,10 @@
-"""Sampling during training: DistiLLM's adaptive off-policy sampling (the recipe's ``generation:``).
+"""Sampling during training: DistiLLM's adaptive off-policy sampling (the recipe's ``off_policy:``).
 
 Three modules, one job each:
 
 - ``policy``: the pure adaptive policy. Which source a micro batch trains on (``decide``: gold,
   generated or buffer), the threshold update after a dev evaluation (``update_threshold``), the
-  schedules, the keyed draws and seeds, the sampling parameters, and the ``SamplingState`` saved
+  schedules, the keyed draws and seeds, the sampling parameters, and the ``OffPolicyState`` saved
   as JSON with each checkpoint. No tensors, no I/O but the state file.
 - ``replay_buffer``: a rank's FIFO ``ReplayBuffer`` of generated rows (annotate columns), its
   Parquet file in a checkpoint, and the generated-rows files (``write_generated_rows`` /

@@ -1,6 +1,6 @@
 """DistiLLM's adaptive off-policy sampling: which micro batches train on the student's own text.
 
-The recipe's ``generation:`` section picks the mode (``off``, ``always``, ``adaptive``). The rule,
+The recipe's ``off_policy:`` section picks the mode (``off``, ``always``, ``adaptive``). The rule,
 its threshold update and how it differs from the published code: docs/method.md §5 and §8. Every
 draw is keyed by ``(seed, step, k)`` (the buffer's by rank too), never a global stream, so all
 ranks take the same branch (a ZeRO-3 forward needs them all) and a resumed run makes the
@@ -22,7 +22,7 @@ from mta import distributed
 from mta.errors import MtaError
 from mta.files import atomic_write_json
 from mta.generation.sampling import SamplingParams, sampling_seed
-from mta.training.config.schema import GenerationSchedule, GenerationSpec, Recipe
+from mta.training.config.schema import OffPolicySchedule, OffPolicySpec, Recipe
 
 Source = Literal["gold", "generated", "buffer"]
 SOURCES: tuple[str, ...] = get_args(Source)
@@ -52,7 +52,7 @@ def draw(seed: int, step: int, micro_batch: int) -> float:
     return (sampling_seed(seed, DRAW_PURPOSE, step, micro_batch) >> 10) * _UNIT
 
 
-def schedule_value(schedule: GenerationSchedule, threshold: float, step: int, total_steps: int) -> float:
+def schedule_value(schedule: OffPolicySchedule, threshold: float, step: int, total_steps: int) -> float:
     """``s``: the part of ``threshold`` below which a draw generates even with a full buffer.
 
     ``t = step + 1`` (the optimizer step being trained, 1-based as the published ``global_step``)
@@ -67,7 +67,7 @@ def schedule_value(schedule: GenerationSchedule, threshold: float, step: int, to
         return threshold * 0.5
     if schedule == "increasing":
         return threshold * progress
-    raise ValueError(f"unknown generation schedule {schedule!r}")
+    raise ValueError(f"unknown off_policy.schedule {schedule!r}")
 
 
 def choose(r: float, threshold: float, generate_below: float, buffer_full: bool) -> Source:
@@ -82,8 +82,8 @@ def choose(r: float, threshold: float, generate_below: float, buffer_full: bool)
 
 
 def decide(
-    state: SamplingState,
-    spec: GenerationSpec,
+    state: OffPolicyState,
+    spec: OffPolicySpec,
     step: int,
     total_steps: int,
     micro_batch: int,
@@ -119,7 +119,7 @@ def decide(
 
 
 @dataclass(frozen=True)
-class SamplingState:
+class OffPolicyState:
     """What the adaptive scheduler carries from step to step (the same on every rank).
 
     threshold: τ. reference_loss: L₀, None until the first dev loss. dev_evaluations: dev losses
@@ -134,11 +134,11 @@ class SamplingState:
     micro_batches: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0), hash=False)
 
     @classmethod
-    def initial(cls, spec: GenerationSpec) -> SamplingState:
+    def initial(cls, spec: OffPolicySpec) -> OffPolicyState:
         """The state at step 0: τ = ``init_threshold``, no L₀ yet."""
         return cls(threshold=spec.init_threshold)
 
-    def count(self, source: Source) -> SamplingState:
+    def count(self, source: Source) -> OffPolicyState:
         """This state with one more micro batch trained on ``source``."""
         if source not in SOURCES:
             raise ValueError(f"unknown source {source!r}; one of {SOURCES}")
@@ -158,7 +158,7 @@ class SamplingState:
         }
 
     @classmethod
-    def from_json(cls, payload: Any) -> SamplingState:
+    def from_json(cls, payload: Any) -> OffPolicyState:
         """The state ``to_json`` wrote; ``ValueError`` naming the first thing that is not."""
         if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
             found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
@@ -182,7 +182,7 @@ class SamplingState:
         )
 
 
-def update_threshold(state: SamplingState, spec: GenerationSpec, dev_loss: float) -> SamplingState:
+def update_threshold(state: OffPolicyState, spec: OffPolicySpec, dev_loss: float) -> OffPolicyState:
     """The state after a dev evaluation with loss ``dev_loss`` (the same value on every rank).
 
     The first call sets L₀; later, ``dev_loss >= L₀ + loss_eps`` raises τ by ``threshold_step``
@@ -207,16 +207,16 @@ def update_threshold(state: SamplingState, spec: GenerationSpec, dev_loss: float
     return seen
 
 
-def write_state(path: str | Path, state: SamplingState) -> None:
+def write_state(path: str | Path, state: OffPolicyState) -> None:
     """Write ``state`` as JSON, atomically (``mta.files``)."""
     atomic_write_json(path, state.to_json())
 
 
-def read_state(path: str | Path) -> SamplingState:
+def read_state(path: str | Path) -> OffPolicyState:
     """The state ``write_state`` wrote; ``MtaError`` naming the file if it is not one."""
     try:
         payload = json.loads(Path(path).read_text(encoding="utf-8"))
-        return SamplingState.from_json(payload)
+        return OffPolicyState.from_json(payload)
     except FileNotFoundError as error:
         raise MtaError(f"{path}: the off-policy sampling state is missing") from error
     except (ValueError, UnicodeDecodeError) as error:
@@ -252,8 +252,8 @@ def generation_seeds(seed: int, step: int, row_ids: Iterable[int | str]) -> list
 
 def generation_params(recipe: Recipe) -> SamplingParams:
     """How training responses are sampled: temperature 1, top_k 0, top_p 1 (the published
-    ``SampleGenerator`` with the published scripts' flags), ``Recipe.generation_max_new_tokens``."""
-    return SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=recipe.generation_max_new_tokens)
+    ``SampleGenerator`` with the published scripts' flags), ``Recipe.off_policy_max_new_tokens``."""
+    return SamplingParams(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=recipe.off_policy_max_new_tokens)
 
 
 # --------------------------------------------------------------------------- agreement over ranks

@@ -1,5 +1,5 @@
 """DistiLLM's adaptive off-policy sampling against a plain restatement of docs/method.md §5 (and
-``mta.training.sampling.policy``'s docstring): each schedule, the choice of a micro batch's
+``mta.training.off_policy.policy``'s docstring): each schedule, the choice of a micro batch's
 source, each mode, and the threshold update. The last tests fail when the schema gains a
 schedule or a mode these tables do not restate."""
 
@@ -11,9 +11,9 @@ from typing import get_args
 import numpy as np
 import pytest
 
-from mta.training.config.schema import GenerationMode, GenerationSchedule, GenerationSpec
-from mta.training.sampling.policy import (
-    SamplingState,
+from mta.training.config.schema import OffPolicyMode, OffPolicySchedule, OffPolicySpec
+from mta.training.off_policy.policy import (
+    OffPolicyState,
     choose,
     decide,
     draw,
@@ -72,14 +72,14 @@ def test_choose_is_the_restated_rule_on_a_grid_with_its_boundaries():
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_each_mode_and_schedule_decides_as_restated(mode, schedule):
-    spec = GenerationSpec(mode=mode, schedule=schedule)
+    spec = OffPolicySpec(mode=mode, schedule=schedule)
     total = 9
     for tau, step, k, full, empty in product(
         (0.0, 0.4, 0.9, 1.0), range(total), range(3), (False, True), (False, True)
     ):
         if full and empty:
             continue
-        got = decide(SamplingState(tau), spec, step, total, k, full, empty, SEED)
+        got = decide(OffPolicyState(tau), spec, step, total, k, full, empty, SEED)
         assert got == restated_decision(mode, schedule, tau, step, total, k, full, empty)
 
 
@@ -100,9 +100,9 @@ def restated_update(tau, reference, eps, step, dev_loss):
 
 @pytest.mark.parametrize("eps, step", [(0.1, 0.1), (0.0, 0.3), (0.05, 0.25), (1.0, 1.0)])
 def test_the_threshold_update_is_the_restated_one_over_random_dev_losses(eps, step):
-    spec = GenerationSpec(mode="adaptive", loss_eps=eps, threshold_step=step, init_threshold=0.0)
+    spec = OffPolicySpec(mode="adaptive", loss_eps=eps, threshold_step=step, init_threshold=0.0)
     rng = np.random.default_rng(7)
-    state, tau, reference = SamplingState.initial(spec), 0.0, None
+    state, tau, reference = OffPolicyState.initial(spec), 0.0, None
     for evaluation, loss in enumerate(2.0 + 0.06 * np.arange(60) + rng.normal(0, 0.3, 60), start=1):
         state = update_threshold(state, spec, float(loss))
         tau, reference = restated_update(tau, reference, eps, step, float(loss))
@@ -111,8 +111,8 @@ def test_the_threshold_update_is_the_restated_one_over_random_dev_losses(eps, st
 
 
 def test_a_dev_loss_of_exactly_the_reference_plus_eps_raises_the_threshold():
-    spec = GenerationSpec(mode="adaptive", loss_eps=0.5, threshold_step=0.25)
-    state = update_threshold(SamplingState.initial(spec), spec, 2.0)
+    spec = OffPolicySpec(mode="adaptive", loss_eps=0.5, threshold_step=0.25)
+    state = update_threshold(OffPolicyState.initial(spec), spec, 2.0)
     tau, reference = 0.0, 2.0
     for loss in (2.25, 2.5, 2.75, 3.0, 1.0, 3.5):  # exactly representable: 2.5 = 2.0 + 0.5 is a tie
         state = update_threshold(state, spec, loss)
@@ -122,22 +122,22 @@ def test_a_dev_loss_of_exactly_the_reference_plus_eps_raises_the_threshold():
 
 
 def test_ten_steps_of_a_tenth_reach_exactly_one_and_the_threshold_moves_only_in_adaptive():
-    spec = GenerationSpec(mode="adaptive")
-    state = update_threshold(SamplingState.initial(spec), spec, 0.0)
+    spec = OffPolicySpec(mode="adaptive")
+    state = update_threshold(OffPolicyState.initial(spec), spec, 0.0)
     for loss in range(1, 11):
         state = update_threshold(state, spec, float(loss))
     assert state.threshold == 1.0 and state.threshold_raises == 10
     for mode in MODES - {"adaptive"}:
-        other = GenerationSpec(mode=mode)
-        assert update_threshold(SamplingState(0.3, 1.0), other, 9.0) == SamplingState(0.3, 1.0)
+        other = OffPolicySpec(mode=mode)
+        assert update_threshold(OffPolicyState(0.3, 1.0), other, 9.0) == OffPolicyState(0.3, 1.0)
 
 
 # --- the tables above name every schedule and mode -----------------------------------------
 
 
 def test_every_schedule_of_the_schema_is_restated():
-    assert set(get_args(GenerationSchedule)) == set(SCHEDULES)
+    assert set(get_args(OffPolicySchedule)) == set(SCHEDULES)
 
 
 def test_every_mode_of_the_schema_is_restated():
-    assert set(get_args(GenerationMode)) == MODES
+    assert set(get_args(OffPolicyMode)) == MODES
