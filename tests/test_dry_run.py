@@ -364,7 +364,7 @@ def test_the_printed_memory_plan_is_the_documented_formula(gpt2_plan):
     recipe = load_recipe(path)
     student_config, student_model, student_count = independent_model(recipe.student, path)
     teacher_config, teacher_model, teacher_count = independent_model(recipe.teacher, path)
-    h, layers, heads = student_config.hidden_size, student_config.num_hidden_layers, student_config.num_attention_heads
+    h, layers = student_config.hidden_size, student_config.num_hidden_layers
     d_t, world, micro, seq = teacher_config.hidden_size, 8, 2, recipe.data.max_length
     projectors = 3 * (h * d_t + d_t)  # three aligned pairs, each Linear(768, 1600) with bias
     trainable = student_count + projectors

@@ -69,6 +69,7 @@ FORCE_CACHE_OPTION = typer.Option(
     "which removes another run's outputs).",
 )
 
+
 def render_deprecations() -> None:
     """Show mta's deprecation warnings (an old recipe key) as the one line an old option prints."""
     import sys

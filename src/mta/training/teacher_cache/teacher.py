@@ -423,14 +423,21 @@ def position_logits(
 
 def concatenated(parts: list[TailSamples]) -> TailSamples:
     """One ``TailSamples`` of consecutive positions' parts."""
+
+    def joined(name: str) -> torch.Tensor:
+        return torch.cat([getattr(part, name) for part in parts])
+
     first = parts[0]
     return TailSamples(
-        *(torch.cat([getattr(part, name) for part in parts]) for name in ("head_ids", "head_log_probs", "tail")),
-        *(torch.cat([getattr(part, name) for part in parts]) for name in ("distinct", "ids", "counts", "log_probs")),
+        head_ids=joined("head_ids"),
+        head_log_probs=joined("head_log_probs"),
+        tail=joined("tail"),
+        distinct=joined("distinct"),
+        ids=joined("ids"),
+        counts=joined("counts"),
+        log_probs=joined("log_probs"),
         samples=first.samples,
-        rest_log_mean=None
-        if first.rest_log_mean is None
-        else torch.cat([part.rest_log_mean for part in parts if part.rest_log_mean is not None]),
+        rest_log_mean=None if first.rest_log_mean is None else joined("rest_log_mean"),
     )
 
 
