@@ -34,7 +34,8 @@ Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew
     python bench/teacher_cache.py            # CPU, ~30 min -> bench/results/teacher_cache.json
     python bench/teacher_cache.py --quick    # a tiny setting: checks that it runs (no figures to keep)
 
-Both runs train in the same precision (``--precision``, default the demo's ``auto``) on one
+Both runs read whole logits (``loss.fused_head=false``: the accuracy part compares the online
+teacher's logits) and train in the same precision (``--precision``, default the demo's ``auto``) on one
 torch thread. Needs ``MTA_DATA_DIR`` with dolly/train.jsonl and dolly/dev.jsonl.
 """
 
@@ -341,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_dolly_rows(data / "dev.jsonl", work / "dev.jsonl", dev_rows, sample=False, demo="the bench")
     base = [f"teacher.path={teacher}", f"student.path={student}", f"train.precision={args.precision}"]
     base += ["train.num_sample_generations=0", "train.save_interval=100000", "train.log_interval=100000"]
-    base += ["train.eval_interval=100000"]
+    # Whole logits (not the fused head): the accuracy part compares the teacher's logits themselves.
+    base += ["train.eval_interval=100000", "loss.fused_head=false"]
     recipe = load_recipe(DEMO_RECIPE, base + [f"data.train={work / 'train.jsonl'}", f"output_dir={work / 'annotate'}"])
     for split in ("train", "dev"):
         annotate_file(
