@@ -59,11 +59,18 @@ class DemoSettings:
     dev_rows: int = 32  # dev loss during training (at step 0 and at the end of each run)
     # Tokens of each dev sample generation (train.sample_max_new_tokens); None: the recipe's (32).
     dev_sample_tokens: int | None = None
+    # Dev prompts sampled at each dev pass (train.num_sample_generations); None: the recipe's (2).
+    dev_samples: int | None = None
+    # Rows per step (train.batch_size = micro_batch_size); None: the recipe's (8).
+    batch_size: int | None = None
     eval_limits: dict[str, int] = field(default_factory=dict)
     max_new_tokens: int = 40
     seeds: tuple[int, ...] = (10, 20)
     perplexity_rows: int = 200
     eval_batch_size: int = 16
+    # The first dev rows `mta inspect` streams through the teacher and each student (half fit HRA's
+    # linear map, half measure it); None: every dev row.
+    inspect_rows: int | None = None
     # train.precision and evaluate's dtype: auto is bf16 where the processor has bf16
     # instructions (mta.dtypes), fp32 elsewhere; the results say which it was.
     precision: str = "auto"
@@ -80,16 +87,32 @@ class DemoSettings:
     def quick(cls) -> DemoSettings:
         return cls(
             name="quick",
+            # A plumbing check: every stage runs on a few rows. cProfile of the earlier size (4
+            # steps of 8 rows, 8 dev rows, 8 rows x 24 tokens a set, 50 perplexity rows, every dev
+            # row inspected; issue 50): 32 % of its time evaluating, 32 % inspecting, 32 % training,
+            # of which the dev passes and the final checkpoint were half; these sizes cut each.
             train_steps=4,
-            # A 4-step run spent as long on its two dev passes (27 rows, both models, 2 samples of
-            # 32 tokens) as on its steps (cProfile of `mta demo --quick`, issue 50): a few rows do.
-            dev_rows=8,
-            dev_sample_tokens=16,
-            eval_limits={"dolly": 8, "self-inst": 8, "vicuna": 8, "sinst": 8},
-            max_new_tokens=24,
+            batch_size=2,
+            dev_rows=4,
+            dev_sample_tokens=8,
+            dev_samples=1,
+            eval_limits={"dolly": 2, "self-inst": 2, "vicuna": 2, "sinst": 2},
+            max_new_tokens=8,
             seeds=(10,),
-            perplexity_rows=50,
+            perplexity_rows=4,
+            inspect_rows=2,
         )
+
+    def recipe_overrides(self) -> list[str]:
+        """The recipe keys these sizes set on every run (besides paths and steps)."""
+        overrides = [f"train.precision={self.precision}"]
+        if self.dev_sample_tokens is not None:
+            overrides.append(f"train.sample_max_new_tokens={self.dev_sample_tokens}")
+        if self.dev_samples is not None:
+            overrides.append(f"train.num_sample_generations={self.dev_samples}")
+        if self.batch_size is not None:
+            overrides += [f"train.batch_size={self.batch_size}", f"train.micro_batch_size={self.batch_size}"]
+        return overrides
 
     def estimated_seconds(self) -> float:
         steps = self.train_steps * len(VARIANTS)
