@@ -78,15 +78,15 @@ class LinearCKA:
             self._left_shift, self._right_shift = x.mean(dim=0), y.mean(dim=0)
         x, y = x - self._left_shift, y - self._right_shift
         self.items += x.shape[0]
-        self.cross += x.T @ y
+        self.cross.addmm_(x.T, y)  # in place: no second every-width-by-every-width matrix
         self.left_sum += x.sum(dim=0)
         self.right_sum += y.sum(dim=0)
         a = _set_norms(x, self.left_dims)  # [n, sets]
         b = _set_norms(y, self.right_dims)
         for gram, block in zip(self.left_gram, _blocks(x, self.left_dims), strict=True):
-            gram += block.T @ block
+            gram.addmm_(block.T, block)
         for gram, block in zip(self.right_gram, _blocks(y, self.right_dims), strict=True):
-            gram += block.T @ block
+            gram.addmm_(block.T, block)
         self.norm_products += a.T @ b
         self.left_by_right_norms += x.T @ b
         self.right_by_left_norms += y.T @ a
