@@ -71,6 +71,9 @@ class DemoSettings:
     # The first dev rows `mta inspect` streams through the teacher and each student (half fit HRA's
     # linear map, half measure it); None: every dev row.
     inspect_rows: int | None = None
+    # Each run's last DeepSpeed checkpoint (checkpoints/step-N/, which could continue it); the
+    # quick run deletes it once final/ is written.
+    keep_checkpoints: bool = True
     # train.precision and evaluate's dtype: auto is bf16 where the processor has bf16
     # instructions (mta.dtypes), fp32 elsewhere; the results say which it was.
     precision: str = "auto"
@@ -101,6 +104,7 @@ class DemoSettings:
             seeds=(10,),
             perplexity_rows=4,
             inspect_rows=2,
+            keep_checkpoints=False,
         )
 
     def recipe_overrides(self) -> list[str]:
