@@ -109,7 +109,13 @@ class DemoSettings:
 
     def recipe_overrides(self) -> list[str]:
         """The recipe keys these sizes set on every run (besides paths and steps)."""
-        overrides = [f"train.precision={self.precision}"]
+        # A dev pass at step 0 and at the end (the recipe's 30 would add one two steps before the
+        # end of a 32-step run), one checkpoint at the end (30 would add a second 1 GB one).
+        overrides = [
+            f"train.precision={self.precision}",
+            f"train.eval_interval={self.train_steps}",
+            f"train.save_interval={self.train_steps}",
+        ]
         if self.dev_sample_tokens is not None:
             overrides.append(f"train.sample_max_new_tokens={self.dev_sample_tokens}")
         if self.dev_samples is not None:
