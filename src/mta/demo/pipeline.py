@@ -33,7 +33,7 @@ from mta.training.config.catalog import SHIPPED_DIR
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import Recipe
 from mta.training.engine import resolve_training_precision
-from mta.training.lifecycle.checkpointing import checkpoints_dir, latest_checkpoint
+from mta.training.lifecycle.checkpointing import latest_checkpoint
 from mta.training.trainer import run_distillation
 
 DEMO_RECIPE = SHIPPED_DIR / "smollm2-demo.yaml"
@@ -120,10 +120,6 @@ def run_demo(
         )
         with stages(f"train {variant.label}"):
             finals[variant.name], timings[variant.name] = _distill(recipe, variant, reporter)
-        if not settings.keep_checkpoints:
-            # final/ (and best/) are what every later stage reads; the last step's DeepSpeed
-            # checkpoint (optimizer state: 1 GB of the run's 1.7) would only continue training.
-            shutil.rmtree(checkpoints_dir(paths.run(variant)), ignore_errors=True)
 
     checkpoints = {"teacher": teacher, "pruned-start": paths.student_init}
     checkpoints.update({variant.label: finals[variant.name] for variant in VARIANTS})

@@ -71,9 +71,9 @@ class DemoSettings:
     # The first dev rows `mta inspect` streams through the teacher and each student (half fit HRA's
     # linear map, half measure it); None: every dev row.
     inspect_rows: int | None = None
-    # Each run's last DeepSpeed checkpoint (checkpoints/step-N/, which could continue it); the
-    # quick run deletes it once final/ is written.
-    keep_checkpoints: bool = True
+    # train.checkpoint_at_end: each run's last DeepSpeed checkpoint (checkpoints/step-N/, 1 GB of
+    # optimizer state a run, which could continue it) besides final/; the quick run writes none.
+    checkpoint_at_end: bool = True
     # train.precision and evaluate's dtype: auto is bf16 where the processor has bf16
     # instructions (mta.dtypes), fp32 elsewhere; the results say which it was.
     precision: str = "auto"
@@ -104,7 +104,7 @@ class DemoSettings:
             seeds=(10,),
             perplexity_rows=4,
             inspect_rows=2,
-            keep_checkpoints=False,
+            checkpoint_at_end=False,
         )
 
     def recipe_overrides(self) -> list[str]:
@@ -115,6 +115,7 @@ class DemoSettings:
             f"train.precision={self.precision}",
             f"train.eval_interval={self.train_steps}",
             f"train.save_interval={self.train_steps}",
+            f"train.checkpoint_at_end={str(self.checkpoint_at_end).lower()}",
         ]
         if self.dev_sample_tokens is not None:
             overrides.append(f"train.sample_max_new_tokens={self.dev_sample_tokens}")

@@ -388,7 +388,8 @@ class Trainer:
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)
                 self.stop_if_requested(done)
-            self.save(run.total_steps)
+            if recipe.train.checkpoint_at_end:
+                self.save(run.total_steps)
             if run.selector is not None and (note := run.selector.closing_note()) is not None:
                 log.warning(note)
                 reporter.message(note)
