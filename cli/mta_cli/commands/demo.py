@@ -11,7 +11,6 @@ from mta_cli.consoles import stderr_console
 from mta_cli.quiet import VERBOSE_HELP, quiet_third_party
 from mta_cli.results import run_demo_command
 
-
 # The demo's wall times as measured, each with the load average it ran under (the machine is
 # shared): the one source of `mta demo --help`, the demo's first line, `make help` and the README,
 # which state them word for word (tests/test_demo_output.py).
