@@ -71,14 +71,39 @@ def demo(
     from mta.demo.settings import DemoSettings
 
     settings = DemoSettings.quick() if quick else DemoSettings.full()
+
+    def run(reporter):
+        _use_idle_cores(reporter)
+        return run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter)
+
     run_demo_command(
         f"mta demo ({settings.name}{': a plumbing check, not a result' if quick else ''}; {MEASURED[settings.name]})",
         settings.estimated_seconds(),
         out_dir,
-        lambda reporter: run_demo(settings, out_dir, data_dir=data_dir, reporter=reporter),
+        run,
         write_report,
         table,
     )
+
+
+def _use_idle_cores(reporter) -> None:
+    """torch's threads: the cores other work leaves idle (``mta.distributed.idle_cores``), unless
+    OMP_NUM_THREADS says otherwise; ``reporter`` says so when fewer than every core."""
+    import os
+
+    import torch
+
+    from mta.distributed import available_cores, idle_cores
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = idle_cores()
+    torch.set_num_threads(threads)
+    if threads < available_cores():
+        reporter.message(
+            f"torch threads: {threads} of {available_cores()} cores (load average {os.getloadavg()[0]:.1f}: "
+            "the others are busy; OMP_NUM_THREADS=N chooses)"
+        )
 
 
 # The docstring is the --help: it states the measured time from MEASURED, not a copy of it.
