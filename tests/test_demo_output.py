@@ -129,3 +129,12 @@ def test_every_place_states_the_same_measured_demo_times():
         planted = figure.replace(f"{minutes} min", f"{float(minutes) + 1:g} min", 1)
         assert planted not in readme and planted not in makefile
     assert MEASURED["full"] in (demo.__doc__ or "")
+
+
+@pytest.mark.parametrize(("load", "cores", "threads"), [(0.2, 2, 2), (1.4, 2, 1), (4.3, 2, 1), (2.6, 8, 5)])
+def test_idle_cores_leave_out_the_load_of_other_work(monkeypatch, load, cores, threads):
+    from mta import distributed
+
+    monkeypatch.setattr(distributed.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(distributed, "available_cores", lambda: cores)
+    assert distributed.idle_cores() == threads

@@ -7,14 +7,23 @@ from dataclasses import dataclass, field
 from mta.distributed import local_device
 from mta.dtypes import resolve_precision
 
-# Seconds per unit, measured with `make demo-quick` on the 2-core development machine (fp32),
-# for the estimate printed at the start; in bf16 training and sampling take 1 / BF16_SPEEDUP of
-# them (bench/cpu_precision.py).
-SECONDS_PER_SFT_STEP = 5.0  # 10-layer student, batch 8 x <=192 tokens, forward + backward
-SECONDS_PER_KD_STEP_EXTRA = 5.0  # + the 30-layer teacher's forward and the 49k-vocabulary loss
-SECONDS_PER_GENERATED_TOKEN = 0.024  # per row and new token, batch 16, loading and perplexity included
-FIXED_SECONDS = 120  # pruning, annotation, model loading (conversion: once, ~2 min more)
+# Seconds per unit for the estimate printed at the start, fitted to the stage times
+# (results.json's stage_seconds) of one `mta demo` and one `mta demo --quick` on the shared 2-core
+# development machine (bf16, torch on the idle cores; issue 50; the load of each run: README, Two
+# commands): each stage = its fixed cost + its units, two sizes giving both. Without bf16,
+# training and sampling take BF16_SPEEDUP times them (bench/cpu_precision.py).
+FIXED_SECONDS = 13  # start-up, pruning, sampling and annotating Dolly, the report
+SECONDS_PER_RUN = 10.2  # each student run: models, DeepSpeed, dev passes at start and end, final/ and best/
+SECONDS_PER_SFT_ROW = 0.37  # a training row (steps x batch) of the 10-layer student, <=192 tokens
+SECONDS_PER_KD_ROW_EXTRA = 0.16  # + the 30-layer teacher's forward and the 49k-vocabulary loss
+SECONDS_PER_EVALUATED_MODEL = 3.1  # loading, fingerprint, perplexity's fixed part
+SECONDS_PER_GENERATED_TOKEN = 0.0065  # per row and new token, its prompt and perplexity rows included
+SECONDS_PER_INSPECTED_STUDENT = 6.3  # its CKA accumulators and matrices
+SECONDS_PER_INSPECTED_ROW = 0.70  # a dev row through the teacher and one student
 BF16_SPEEDUP = 1.8  # training x1.75-1.95, sampling x1.75-2.1 (bench/cpu_precision.py)
+
+
+RECIPE_BATCH_SIZE = 8  # smollm2-demo.yaml's train.batch_size
 
 
 @dataclass(frozen=True)
@@ -126,13 +135,16 @@ class DemoSettings:
         return overrides
 
     def estimated_seconds(self) -> float:
-        steps = self.train_steps * len(VARIANTS)
-        training = steps * SECONDS_PER_SFT_STEP + self.train_steps * 2 * SECONDS_PER_KD_STEP_EXTRA
-        rows = sum(self.eval_limits.values()) * len(self.seeds)
+        batch = self.batch_size or RECIPE_BATCH_SIZE
+        rows = self.train_steps * batch  # per run
+        training = len(VARIANTS) * (SECONDS_PER_RUN + rows * SECONDS_PER_SFT_ROW) + 2 * rows * SECONDS_PER_KD_ROW_EXTRA
         models = len(VARIANTS) + 2
-        generation = models * rows * self.max_new_tokens * SECONDS_PER_GENERATED_TOKEN
-        speedup = BF16_SPEEDUP if self.resolved_precision() == "bf16" else 1.0
-        return FIXED_SECONDS + (training + generation) / speedup
+        tokens = sum(self.eval_limits.values()) * len(self.seeds) * self.max_new_tokens
+        evaluation = models * (SECONDS_PER_EVALUATED_MODEL + tokens * SECONDS_PER_GENERATED_TOKEN)
+        inspected = self.inspect_rows if self.inspect_rows is not None else self.dev_rows
+        inspection = (models - 1) * (SECONDS_PER_INSPECTED_STUDENT + inspected * SECONDS_PER_INSPECTED_ROW)
+        slower = 1.0 if self.resolved_precision() == "bf16" else BF16_SPEEDUP
+        return FIXED_SECONDS + (training + evaluation + inspection) * slower
 
     def resolved_precision(self) -> str:
         """``fp32`` / ``bf16``: what ``precision`` means on this machine."""
