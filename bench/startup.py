@@ -8,6 +8,7 @@ on recipes/examples/tiny.jsonl), a random 4-layer Llama (d 32) on it, and the fi
 file:
 
 - ``help``: ``mta --help``;
+- ``recipes_list``: ``mta recipes list`` (reads the shipped recipes: no torch);
 - ``dry_run``: ``mta distill --recipe tiny --dry-run``;
 - ``evaluate``: ``mta evaluate TINY -o OUT --benchmarks ONE_ROW.jsonl --limit 1 --seeds 10`` (one
   row, one seed, the protocol's 256 new tokens at most; a new OUT each run, so it generates);
@@ -57,7 +58,7 @@ from mta.files import atomic_write_json  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "recipes" / "examples" / "tiny.jsonl"
 RESULTS = REPO / "bench" / "results" / "startup.json"
-COMMANDS = ("help", "dry_run", "evaluate", "annotate", "show")
+COMMANDS = ("help", "recipes_list", "dry_run", "evaluate", "annotate", "show")
 FLOOR = "floor"
 FLOOR_IMPORTS = "import transformers.modeling_utils, transformers.models.llama.modeling_llama; import gc; gc.freeze()"
 TARGETS_S = {"help": 0.5, "evaluate": 3.0}
@@ -117,6 +118,8 @@ class Inputs:
     def mta_argv(self, command: str) -> list[str]:
         if command == "help":
             return ["--help"]
+        if command == "recipes_list":
+            return ["recipes", "list"]
         if command == "dry_run":
             return ["distill", "--recipe", "tiny", "--dry-run"]
         if command == "evaluate":
@@ -137,6 +140,7 @@ def described(command: str) -> str:
     """The command line as the JSON records it: placeholders for the scratch paths."""
     return {
         "help": "mta --help",
+        "recipes_list": "mta recipes list",
         "dry_run": "mta distill --recipe tiny --dry-run",
         "evaluate": "mta evaluate TINY_LLAMA -o NEW_DIR --benchmarks ONE_ROW.jsonl --limit 1 --seeds 10",
         "annotate": "mta annotate ONE_ROW.jsonl --teacher TINY_TOKENIZER --student TINY_TOKENIZER -o NEW_DIR",

@@ -83,3 +83,14 @@ def test_crash_while_saving_keeps_the_previous_checkpoints(tmp_path, monkeypatch
     assert final.name == "final"
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step-7", "step-8"]
+
+
+def test_checkpoint_at_end_false_writes_final_but_no_last_step_checkpoint(tmp_path, tiny_run_recipe):
+    """train.checkpoint_at_end=false (the quick demo): the interval's checkpoint is written as
+    usual, the last step's is not, final/ is."""
+    out = tmp_path / "run"
+    recipe = load_recipe(
+        tiny_run_recipe(out, data={"dev": None}, train={"max_steps": 2, "save_interval": 1, "checkpoint_at_end": False})
+    )
+    assert run_distillation(recipe) == out / "final" and (out / "final" / "config.json").is_file()
+    assert [path.name for _, path in complete_checkpoints(out)] == ["step-1"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -123,3 +124,8 @@ def test_quick_is_smaller_than_full_and_both_fit_their_budget():
     # Its dev passes are small: they cost as much as its steps at the full dev size (issue 50).
     assert quick.dev_rows < full.dev_rows and quick.dev_sample_tokens is not None and full.dev_sample_tokens is None
     assert quick.estimated_seconds() < 6 * 60 < full.estimated_seconds() < 30 * 60
+    # Fitted to stage times measured in bf16 (issue 50): there the quick run is within 2 minutes,
+    # and fp32 (the suite's, MTA_CPU_BF16=0) takes BF16_SPEEDUP times its compute.
+    quick_bf16, quick_fp32 = (dataclasses.replace(quick, precision=p).estimated_seconds() for p in ("bf16", "fp32"))
+    assert quick_bf16 < 2 * 60 < quick_fp32
+    assert quick.batch_size is not None and not quick.checkpoint_at_end and full.checkpoint_at_end

@@ -111,3 +111,30 @@ def test_the_sft_card_says_sft_and_cards_name_no_machine_path(tmp_path):
     parsed = ModelCard(sft)
     assert "# tiny: SFT baseline student (final)" in sft and "knowledge-distillation" not in sft
     assert "sft" in parsed.data.tags and "fine-tuned on the reference responses" in sft
+
+
+def test_every_place_states_the_same_measured_demo_times():
+    """`mta demo --help`, its first line (both from MEASURED), `make help` and the README state
+    each measured time word for word; a figure one minute off is found nowhere (the check can fail)."""
+    from pathlib import Path
+
+    from mta_cli.commands.demo import MEASURED, demo
+
+    root = Path(__file__).resolve().parents[1]
+    readme, makefile = (root / "README.md").read_text(), (root / "Makefile").read_text()
+    assert set(MEASURED) == {"quick", "full"}
+    for figure in MEASURED.values():
+        assert figure in readme and figure in makefile, figure
+        minutes = figure.split(" min", 1)[0].split()[-1]
+        planted = figure.replace(f"{minutes} min", f"{float(minutes) + 1:g} min", 1)
+        assert planted not in readme and planted not in makefile
+    assert MEASURED["full"] in (demo.__doc__ or "")
+
+
+@pytest.mark.parametrize(("load", "cores", "threads"), [(0.2, 2, 2), (1.4, 2, 1), (4.3, 2, 1), (2.6, 8, 5)])
+def test_idle_cores_leave_out_the_load_of_other_work(monkeypatch, load, cores, threads):
+    from mta import distributed
+
+    monkeypatch.setattr(distributed.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(distributed, "available_cores", lambda: cores)
+    assert distributed.idle_cores() == threads

@@ -60,7 +60,7 @@ def run_demo_command(
     line (what was saved, how to continue) and the exit code ``mta distill`` gives."""
     console = stderr_console()
     console.print(
-        f"[bold]{title}[/]: estimated {estimated_seconds / 60:.0f} min on an idle 2-core CPU; output in {out_dir}/",
+        f"[bold]{title}[/]: estimated {estimated_seconds / 60:.0f} min on a 2-core CPU; output in {out_dir}/",
         soft_wrap=True,
     )
     from mta.training.lifecycle.stopping import RunStopped

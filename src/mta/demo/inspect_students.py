@@ -26,10 +26,12 @@ def inspect_students(
     root: Path,
     *,
     precision: str,
+    rows: int | None = None,
     reporter: Reporter,
 ) -> dict[str, Any]:
-    """``mta inspect`` of ``students`` ({label: directory}) against ``teacher`` on ``annotations``,
-    written to ``root/inspect``; returns what the demo's results record of it."""
+    """``mta inspect`` of ``students`` ({label: directory}) against ``teacher`` on the first
+    ``rows`` of ``annotations`` (None: every row), written to ``root/inspect``; returns what the
+    demo's results record of it."""
     from mta.inspection import InspectSettings, inspect_models
     from mta.inspection.report import RESULTS_JSON, heatmap_name, write_inspection
     from mta.models.weights import checkpoint_fingerprint
@@ -38,9 +40,14 @@ def inspect_students(
     fingerprints = [checkpoint_fingerprint(str(path))[0] for path in students.values()]
     previous = out / RESULTS_JSON
     results = json.loads(previous.read_text()) if previous.is_file() else None
-    if results is None or [s["fingerprint"] for s in results["students"]] != fingerprints:
+    wanted = rows if rows is not None else 1_000_000  # None: every dev row
+    if (
+        results is None
+        or [s["fingerprint"] for s in results["students"]] != fingerprints
+        or results["settings"]["rows"] != wanted
+    ):
         reporter.message("inspect: the students' layers against the teacher's, on the dev rows")
-        settings = InspectSettings(rows=1_000_000, dtype=precision, names=list(students))  # every dev row
+        settings = InspectSettings(rows=wanted, dtype=precision, names=list(students))
         results = inspect_models(
             str(teacher), [str(p) for p in students.values()], annotations, settings, reporter=reporter
         )

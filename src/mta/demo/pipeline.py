@@ -101,10 +101,7 @@ def run_demo(
             reporter.message(f"student: keeping {settings.student_layers} of the teacher's layers")
             init_student(teacher, paths.student_init, num_layers=settings.student_layers, force=True)
 
-    overrides = _path_overrides(teacher, paths) + [f"train.precision={settings.precision}"]
-    if settings.dev_sample_tokens is not None:
-        overrides.append(f"train.sample_max_new_tokens={settings.dev_sample_tokens}")
-    overrides += list(recipe_overrides)
+    overrides = _path_overrides(teacher, paths) + settings.recipe_overrides() + list(recipe_overrides)
     with stages("data"):
         base = load_recipe(recipe_path, overrides)
         _sample_dolly(data_dir, paths, settings, base)
@@ -131,7 +128,13 @@ def run_demo(
     students = {label: Path(path) for label, path in checkpoints.items() if label != "teacher"}
     with stages("inspect"):
         results["inspect"] = inspect_students(
-            teacher, students, paths.annotations("dev"), paths.root, precision=settings.precision, reporter=reporter
+            teacher,
+            students,
+            paths.annotations("dev"),
+            paths.root,
+            precision=settings.precision,
+            rows=settings.inspect_rows,
+            reporter=reporter,
         )
     results["training_seconds"] = {v.label: timings[v.name] for v in VARIANTS}
     # This session's wall time per stage (a stage reused from an earlier session: its check only).

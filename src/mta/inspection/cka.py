@@ -21,7 +21,8 @@ centring subtracts small numbers instead of large ones).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Literal, get_args
 
 import numpy as np
@@ -78,15 +79,15 @@ class LinearCKA:
             self._left_shift, self._right_shift = x.mean(dim=0), y.mean(dim=0)
         x, y = x - self._left_shift, y - self._right_shift
         self.items += x.shape[0]
-        self.cross += x.T @ y
+        self.cross.addmm_(x.T, y)  # in place: no second every-width-by-every-width matrix
         self.left_sum += x.sum(dim=0)
         self.right_sum += y.sum(dim=0)
         a = _set_norms(x, self.left_dims)  # [n, sets]
         b = _set_norms(y, self.right_dims)
         for gram, block in zip(self.left_gram, _blocks(x, self.left_dims), strict=True):
-            gram += block.T @ block
+            gram.addmm_(block.T, block)
         for gram, block in zip(self.right_gram, _blocks(y, self.right_dims), strict=True):
-            gram += block.T @ block
+            gram.addmm_(block.T, block)
         self.norm_products += a.T @ b
         self.left_by_right_norms += x.T @ b
         self.right_by_left_norms += y.T @ a
@@ -108,6 +109,10 @@ class LinearCKA:
         out = np.full((len(self.left_dims), len(self.right_dims)), np.nan)
         if n < (4 if estimator == "debiased" else 2):
             return out
+        with _one_thread():
+            return self._matrix(n, out, estimator)
+
+    def _matrix(self, n: int, out: np.ndarray, estimator: Estimator) -> np.ndarray:
         left_self = [self._self_hsic("left", i, estimator) for i in range(len(self.left_dims))]
         right_self = [self._self_hsic("right", j, estimator) for j in range(len(self.right_dims))]
         left_slices, right_slices = _slices(self.left_dims), _slices(self.right_dims)
@@ -162,6 +167,19 @@ class LinearCKA:
             if tensor.dim() != 2 or tensor.shape[1] != dim:
                 raise MtaError(f"CKA: {side} feature set {number} is {tuple(tensor.shape)}, expected [items, {dim}]")
         return torch.cat([tensor.to(device=self.device, dtype=DTYPE) for tensor in features], dim=1)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread meanwhile: ``matrix`` runs thousands of small ops on 576 x 576 blocks,
+    which a second thread does not speed up and which wait for it whenever another process holds
+    the other core (5 s instead of 0.3 s a matrix on the shared 2-core machine, issue 50)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _unbiased_hsic(

@@ -259,7 +259,10 @@ class Trainer:
         non-finite weights, which are never saved. Checks each process's own shard (ZeRO-3
         keeps a partition in ``ds_tensor``), one reduction for all of them."""
         local = [getattr(p, "ds_tensor", p) for p in self.run.engine.module.parameters()]
-        finite = bool(torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all())
+        local = [t for t in local if t.numel()]
+        # Each tensor's largest magnitude, in one fused call (one op per tensor cost ~1.5 s a step
+        # on a loaded 2-core CPU): NaN or inf exactly where the tensor holds one, never an overflow.
+        finite = bool(torch.stack(torch._foreach_norm(local, float("inf"))).isfinite().all()) if local else True
         if distributed.all_ranks_agree(finite):
             return
         raise NonFiniteWeights(
@@ -385,7 +388,8 @@ class Trainer:
                 if done % recipe.train.save_interval == 0 and done < run.total_steps:
                     self.save(done)
                 self.stop_if_requested(done)
-            self.save(run.total_steps)
+            if recipe.train.checkpoint_at_end:
+                self.save(run.total_steps)
             if run.selector is not None and (note := run.selector.closing_note()) is not None:
                 log.warning(note)
                 reporter.message(note)

@@ -67,6 +67,7 @@ MUTABLE_KEYS: dict[str, str] = {
     "train.eval_interval": "from the resumed step on",
     "train.save_interval": "from the resumed step on",
     "train.keep_checkpoints": "at the next save, which keeps this many of the newest checkpoints",
+    "train.checkpoint_at_end": "whether the run's last step is checkpointed besides final/",
     "train.num_sample_generations": "dev samples only",
     "train.sample_max_new_tokens": "dev samples only",
     "train.save_generated": (

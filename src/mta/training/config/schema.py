@@ -431,6 +431,11 @@ class TrainSpec(Strict):
         500, ge=1, description="steps between checkpoints (checkpoints/step-N/); the last step is saved"
     )
     keep_checkpoints: int = Field(2, ge=1, description="the newest checkpoints kept; this run's older ones are pruned")
+    checkpoint_at_end: bool = Field(
+        True,
+        description="also checkpoint the last step (checkpoints/step-N/, to continue training from); false: "
+        "final/ only, no optimizer state written at the end (the quick demo)",
+    )
     num_sample_generations: int = Field(
         2, ge=0, le=8, description="dev prompts whose sampled continuation each evaluation logs (samples)"
     )
