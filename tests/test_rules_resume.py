@@ -123,6 +123,7 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "train.eval_interval": (CHANGE, 5),
     "train.save_interval": (CHANGE, 5),
     "train.keep_checkpoints": (CHANGE, 4),
+    "train.checkpoint_at_end": (CHANGE, False),
     "train.num_sample_generations": (CHANGE, 0),
     "train.sample_max_new_tokens": (CHANGE, 16),
     "train.select_by": (FIXED, "rouge"),
