@@ -15,8 +15,8 @@ RUNS   ?= runs
 .PHONY: help install install-vllm lint style test test-fast test-sharded docs demo demo-quick evidence demo-embed demo-embed-quick ablation-embed bench mutate clean
 
 help:
-	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU: 12.4 min measured at load average 2.0-3.0 (2-core CPU, torch on the 1 idle core, teacher converted, install excluded)"
-	@echo "make demo-quick    the same, smaller, a plumbing check: 1.6 min measured at load average 2.7-3.2 (2-core CPU, torch on the 1 idle core, teacher converted, install excluded)"
+	@echo "make demo          the whole pipeline on SmolLM2-135M-Instruct, this CPU: 8.0 min measured on an idle machine (load average 0.4 before it; 2-core CPU, torch on both cores, teacher converted, install excluded)"
+	@echo "make demo-quick    the same, smaller, a plumbing check: 1.2 min measured on an idle machine (load average 0.4 before it; 2-core CPU, torch on both cores, teacher converted, install excluded)"
 	@echo "make evidence      does MTA help DistiLLM? fine-tuned teacher, 6 runs, 3 outcomes with intervals (<8 h); make -n evidence: the plan"
 	@echo "make demo-embed    TALAS: all-mpnet-base-v2 -> 3-layer MiniLM, three objectives, this CPU (~15 min)"
 	@echo "make ablation-embed  TALAS's parts on demo-embed's pair, 2 budgets x 3 seeds (~28 min); PLAN=1: the plan only"

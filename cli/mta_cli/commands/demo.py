@@ -15,10 +15,10 @@ from mta_cli.results import run_demo_command
 # shared): the one source of `mta demo --help`, the demo's first line, `make help` and the README,
 # which state them word for word (tests/test_demo_output.py).
 MEASURED = {
-    "quick": "1.6 min measured at load average 2.7-3.2 (2-core CPU, torch on the 1 idle core, teacher converted, "
-    "install excluded)",
-    "full": "12.4 min measured at load average 2.0-3.0 (2-core CPU, torch on the 1 idle core, teacher converted, "
-    "install excluded)",
+    "quick": "1.2 min measured on an idle machine (load average 0.4 before it; 2-core CPU, torch on both cores, "
+    "teacher converted, install excluded)",
+    "full": "8.0 min measured on an idle machine (load average 0.4 before it; 2-core CPU, torch on both cores, "
+    "teacher converted, install excluded)",
 }
 
 
