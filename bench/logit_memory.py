@@ -173,16 +173,11 @@ def child(loss: str, path: str, shapes: Shapes) -> dict:
 def dry_run_estimate(student, teacher, shapes: Shapes, fused: bool) -> int:
     """What ``estimate_memory`` counts of this step: the student's gradients and the activations
     (with the logits), fp32, one device, no ZeRO."""
-    from mta.training.dry_run import ModelPlan, estimate_memory, mlp_shape, parameter_count
+    from mta.training.config.schema import ModelSpec
+    from mta.training.dry_run import ModelPlan, estimate_memory, plan_from_config
 
-    def plan(model, role: str) -> ModelPlan:
-        config = model.config
-        return ModelPlan(
-            role=role, name=role, config_source="bench", architecture=type(model).__name__,
-            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads, vocab_rows=config.vocab_size,
-            parameters=parameter_count(model), dtype="fp32", **mlp_shape(config, model),
-        )  # fmt: skip
+    def plan(model, role: str) -> ModelPlan:  # as the dry run plans a model from its config
+        return plan_from_config(ModelSpec(path=role, dtype="fp32"), role, model.config, "bench")
 
     estimate = estimate_memory(
         plan(student, "student"),

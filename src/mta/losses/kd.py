@@ -30,6 +30,9 @@ from mta.losses.divergences import check_unit_interval, kl_terms, log_mixture
 from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
 from mta.losses.teacher_sampled import SampledTeacher, sampled_estimate
 
+# A token loss and its gradient with respect to the student's logits, or None (no closed form).
+ClosedForm = tuple[torch.Tensor, torch.Tensor] | None
+
 
 class BaseLoss(nn.Module):
     """Shared plumbing: vocabulary range, chunking, reduction. Subclasses define ``token_loss``.
@@ -55,7 +58,7 @@ class BaseLoss(nn.Module):
 
     def token_loss_and_grad(
         self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> ClosedForm:
         """``token_loss`` and its gradient with respect to ``student`` in closed form
         (``mta.losses.closed_form``), overwriting both fp32 ``[n, vocab]`` logits; None where this
         loss has none (the fused head then runs autograd on ``token_loss``)."""
@@ -145,7 +148,7 @@ class CrossEntropy(BaseLoss):
 
     def token_loss_and_grad(
         self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> ClosedForm:
         return closed_form.cross_entropy(student, labels)
 
 
@@ -179,6 +182,15 @@ class DistributionLoss(BaseLoss):
         log_p = F.log_softmax(teacher / self.temperature, dim=-1)
         return self.divergence(log_p, log_q)
 
+    def token_loss_and_grad(
+        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
+    ) -> ClosedForm:
+        return None if teacher is None else self.closed(student, teacher)
+
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
+        """This divergence at τ in closed form (``mta.losses.closed_form``), or None: autograd."""
+        return None
+
     def divergence(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         """Teacher ``log_p`` and student ``log_q``, ``[n, vocab]`` -> ``[n]``: the terms' sum."""
         return self.terms(log_p, log_q).sum(dim=1)
@@ -198,10 +210,8 @@ class ForwardKL(DistributionLoss):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_p, log_q)
 
-    def token_loss_and_grad(
-        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if teacher is None else closed_form.forward_kl(student, teacher, self.temperature)
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
+        return closed_form.forward_kl(student, teacher, self.temperature)
 
 
 class ReverseKL(DistributionLoss):
@@ -212,10 +222,8 @@ class ReverseKL(DistributionLoss):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_q, log_p)
 
-    def token_loss_and_grad(
-        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if teacher is None else closed_form.reverse_kl(student, teacher, self.temperature)
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
+        return closed_form.reverse_kl(student, teacher, self.temperature)
 
 
 class _Skewed(DistributionLoss):
@@ -235,10 +243,8 @@ class SkewForwardKL(_Skewed):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_p, log_mixture(log_p, log_q, self.skew_alpha))
 
-    def token_loss_and_grad(
-        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if teacher is None or self.skew_alpha in (0.0, 1.0):
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
+        if self.skew_alpha in (0.0, 1.0):  # the ends: forward KL and 0, through autograd
             return None
         return closed_form.skew_forward_kl(student, teacher, self.temperature, self.skew_alpha)
 
@@ -251,10 +257,8 @@ class SkewReverseKL(_Skewed):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_q, log_mixture(log_q, log_p, self.skew_alpha))
 
-    def token_loss_and_grad(
-        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if teacher is None or self.skew_alpha in (0.0, 1.0):
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
+        if self.skew_alpha in (0.0, 1.0):  # the ends: reverse KL and 0, through autograd
             return None
         return closed_form.skew_reverse_kl(student, teacher, self.temperature, self.skew_alpha)
 
@@ -279,11 +283,7 @@ class JensenShannon(DistributionLoss):
         log_m = log_mixture(log_p, log_q, self.jsd_beta)
         return self.jsd_beta * kl_terms(log_p, log_m) + (1.0 - self.jsd_beta) * kl_terms(log_q, log_m)
 
-    def token_loss_and_grad(
-        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if teacher is None:
-            return None
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
         if self.jsd_beta == 0.0:
             return closed_form.forward_kl(student, teacher, self.temperature)
         if self.jsd_beta == 1.0:
@@ -297,10 +297,8 @@ class TotalVariation(DistributionLoss):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return 0.5 * (log_p.exp() - log_q.exp()).abs()
 
-    def token_loss_and_grad(
-        self, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if teacher is None else closed_form.total_variation(student, teacher, self.temperature)
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
+        return closed_form.total_variation(student, teacher, self.temperature)
 
 
 BASE_LOSSES: dict[str, type[nn.Module]] = {

@@ -189,9 +189,12 @@ class TeacherStage:
             frozen = self.precision.frozen_dtype
             if frozen is not None and model.dtype == torch.float32:
                 model.to(frozen)  # as mta.training.llm.build holds it
-            try:  # the head applied to the response positions a chunk at a time (never whole logits)
-                fused = self.reads.logits and OutputHead.of(model) is not None
-            except MtaError:  # a head that transforms its logits: the model's whole logits
+            # The head applied to the response positions a chunk at a time (never whole logits);
+            # a head that transforms its logits (OutputHead.of refuses it) gives the model's.
+            fused = self.reads.logits
+            try:
+                OutputHead.of(model)
+            except MtaError:
                 fused = False
             self.model = FrozenTeacher(model, list(self.reads.layers), self.reads.logits, fused=fused)
             self.model.to(self.device)
