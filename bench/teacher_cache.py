@@ -16,7 +16,8 @@ Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew
    ``KS`` is kept as before (``top_k``, ``top_k_fkl``).
 2. **Accuracy of the stored states** (fp16, bf16, int8_token, int8_channel): DSA's and HRA's loss
    values with the teacher's hidden states rounded as stored, against the unrounded ones, and the
-   states' bytes per token.
+   states' bytes per token; on disk, the built cache's against a cache of fp16 states, as written
+   (zstd) and uncompressed (as ``teacher_cache_version`` 3 first wrote it).
 3. **Step time and a short training comparison**: two runs built as `mta distill` builds them
    (``build_run``), one online and one with ``teacher_cache.dir`` (the defaults, or
    ``--cache-logits/--cache-top-k/--cache-samples/--cache-states``; built here by
@@ -24,7 +25,9 @@ Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew
    step a whole `Trainer.step`: the cache's reads are inside it. Medians of the per-round ratios;
    ``ratio_cached_vs_online_step`` is the fixed-data one (``off_policy.mode: off``, the DistiLLM-2
    rows' case, the teacher never loaded). After the same steps both students' dev loss (every
-   term, the online teacher's) on held-out Dolly dev rows. With DistiLLM's adaptive sampling a
+   term, the online teacher's) on held-out Dolly dev rows, for ``--seeds`` training seeds (data
+   order, the projectors' init; the timed pair is seed 0): the cached − online difference against
+   the online runs' spread over seeds. With DistiLLM's adaptive sampling a
    share g of the micro batches is generated and runs the teacher online either way: the JSON
    derives the adaptive ratio at g from the measured gold step times and a measured
    ``off_policy.mode: always`` step (every micro batch generated),
@@ -50,6 +53,7 @@ import time
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 from transformers import AutoConfig
 
@@ -72,7 +76,7 @@ from mta.training.config.schema import TeacherCacheSpec
 from mta.training.teacher import TeacherOutput
 from mta.training.teacher_cache.compact import dequantize_states, id_bits, quantize_states, state_bytes
 from mta.training.teacher_cache.content import estimate_bytes, stored_per_token, teacher_reads
-from mta.training.teacher_cache.teacher import run_teacher_stage
+from mta.training.teacher_cache.teacher import run_teacher_stage, stored_bytes
 from mta.training.trainer import Trainer, build_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -316,6 +320,46 @@ def dev_loss(run, online_run, batches) -> dict[str, float]:
     return {name: value / max(count, 1) for name, value in sums.items()}
 
 
+def states_bytes_on_disk(cache: Path, states: str, build, work: Path) -> dict[str, float]:
+    """The train cache's states bytes per teacher token on disk: as built (``states``), and, to
+    compare, a cache of the same rows with fp16 states (``build``: the stage with extra keys),
+    as written (zstd) and as ``teacher_cache_version`` 3 wrote it before (uncompressed)."""
+
+    def per_token(path: Path) -> float:
+        manifest = json.loads((path / ".mta" / "manifest.json").read_text())
+        return stored_per_token(manifest)["states"]
+
+    found = {states: per_token(cache / "train")}
+    fp16 = cache if states == "storage" else work / "teacher-fp16-states"
+    if states != "storage":
+        build(f"teacher_cache.dir={fp16}", "teacher_cache.states=storage")
+        found["storage"] = per_token(fp16 / "train")
+    part = next((fp16 / "train").glob("part-*.parquet"))
+    uncompressed = work / "uncompressed.parquet"
+    pq.write_table(pq.read_table(part), uncompressed, row_group_size=1, compression="none")
+    manifest = json.loads((fp16 / "train" / ".mta" / "manifest.json").read_text())
+    found["storage, uncompressed (before)"] = stored_bytes(uncompressed)["states"] / manifest["tokens"]["teacher"]
+    return found
+
+
+def compared_training(by_seed: dict[int, tuple[dict, dict]], steps: int, dev_rows: int) -> dict:
+    """Per seed the dev losses of the online and the cached run, the cached − online difference
+    of the total (mean over seeds), and the online total's spread over seeds (the run's noise)."""
+    online = [pair[0]["total"] for pair in by_seed.values()]
+    differences = [pair[1]["total"] - pair[0]["total"] for pair in by_seed.values()]
+    return {
+        "steps": steps,
+        "dev_rows": dev_rows,
+        "seeds": list(by_seed),
+        "dev_loss_online": [pair[0] for pair in by_seed.values()],
+        "dev_loss_cached": [pair[1] for pair in by_seed.values()],
+        "total_difference_per_seed": differences,
+        "total_difference_mean": statistics.fmean(differences),
+        "total_difference_stdev": statistics.stdev(differences) if len(differences) > 1 else 0.0,
+        "online_total_stdev": statistics.stdev(online) if len(online) > 1 else 0.0,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny setting that checks the bench runs")
@@ -323,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draws", type=int, default=8, help="seeds per sampled storage")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--generated-share", type=float, default=0.5)
+    parser.add_argument("--seeds", type=int, default=4, help="training seeds of the dev-loss comparison")
     spec = TeacherCacheSpec()
     parser.add_argument("--cache-logits", default=spec.logits, choices=("top_k", "sampled"))
     parser.add_argument("--cache-top-k", type=int, default=None)
@@ -332,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows, dev_rows, rounds, draws = (12, 8, 2, 2) if args.quick else (96, 32, args.rounds, args.draws)
+    seeds = 2 if args.quick else args.seeds
     batches = 1 if args.quick else 4
     work = Path(tempfile.mkdtemp(prefix="mta-bench-teacher-cache-"))
     teacher = convert_smollm2()
@@ -359,6 +405,14 @@ def main(argv: list[str] | None = None) -> int:
         load_recipe(DEMO_RECIPE, base + cache_keys + [f"output_dir={work / 'stage'}", f"teacher_cache.dir={cache}"])
     )
     stage_seconds = time.perf_counter() - started
+    states_on_disk = states_bytes_on_disk(
+        cache,
+        args.cache_states,
+        lambda *keys: run_teacher_stage(
+            load_recipe(DEMO_RECIPE, base + cache_keys + [*keys, f"output_dir={work / 'stage'}"])
+        ),
+        work,
+    )
 
     def built(name: str, *extra: str):
         recipe = load_recipe(DEMO_RECIPE, base + [f"output_dir={work / name}", *extra])
@@ -398,14 +452,24 @@ def main(argv: list[str] | None = None) -> int:
         warm_up=lambda name: measure(name, record=False),
         describe=lambda name: f"{name} {times[name][-1]:.2f} s",
     )
-    training = {
-        "steps": steps["online"],
-        "dev_rows": len(online.dev),
-        "dev_loss_online": dev_loss(online, online, dev_batches),
-        "dev_loss_cached": dev_loss(cached, online, dev_batches),
-    }
+    by_seed = {0: (dev_loss(online, online, dev_batches), dev_loss(cached, online, dev_batches))}
+    dev_rows_held = len(online.dev)
     online.close()
     cached.close()
+    for seed in range(1, seeds):  # the run's own noise: data order and the projectors' init
+        print(f"training comparison, seed {seed}", flush=True)
+        pair = {
+            name: built(f"{name}-{seed}", f"seed={seed}", *extra)[1]
+            for name, extra in (("online", ()), ("cached", (f"teacher_cache.dir={cache}", *cache_keys)))
+        }
+        for run in pair.values():
+            trainer = Trainer(run, SilentReporter())
+            for step in range(steps["online"]):
+                trainer.step(step)
+        by_seed[seed] = tuple(dev_loss(pair[name], pair["online"], dev_batches) for name in ("online", "cached"))
+        for run in pair.values():
+            run.close()
+    training = compared_training(by_seed, steps["online"], dev_rows_held)
     _, always = built("always", "off_policy.mode=always", f"off_policy.max_new_tokens={64}")
     generated = Trainer(always, SilentReporter())
     generated.step(0)
@@ -462,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {key.split("=")[0]: key.split("=")[1] for key in cache_keys},
             "manifest_bytes_per_token": stored_per_token(manifest),
             "bytes_per_row_on_disk": stored / annotations.num_rows,
+            "states_bytes_per_token_on_disk": states_on_disk,
         },
         "training": training,
         "default_top_k": DEFAULT_K,
@@ -485,8 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['logits_bytes_per_response_position']:.0f} B a position"
             for name, r in srkl.items()
         )
-        + f"; dev loss after {training['steps']} steps: online {training['dev_loss_online'].get('total', 0):.4f}, "
-        f"cached {training['dev_loss_cached'].get('total', 0):.4f} -> {args.out}"
+        + f"; dev loss after {training['steps']} steps, cached - online: {training['total_difference_mean']:+.4f} "
+        f"(online's spread over {seeds} seeds {training['online_total_stdev']:.4f}) -> {args.out}"
     )
     return 0
 

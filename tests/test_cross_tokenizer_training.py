@@ -124,6 +124,7 @@ def test_uld_from_a_teacher_cache_at_full_k_equals_the_online_run(tmp_path):
         f"teacher_cache.dir={cache}",
         "teacher_cache.top_k=320",
         "teacher_cache.storage=fp32",
+        "teacher_cache.states=storage",
     )
     run_teacher_stage(cached_recipe)
     online = run_distillation(_recipe(tmp_path / "online", *settings))

@@ -432,7 +432,7 @@ def test_the_teacher_side_from_a_teacher_cache_equals_the_teacher_at_its_layers(
     from mta.training.config.loading import load_recipe
     from mta.training.teacher_cache.teacher import run_teacher_stage
 
-    recipe = load_recipe(tiny_run_recipe(tmp_path / "run", teacher_cache={"storage": "fp32"}))
+    recipe = load_recipe(tiny_run_recipe(tmp_path / "run", teacher_cache={"storage": "fp32", "states": "storage"}))
     run_teacher_stage(recipe, out_dir=tmp_path / "cache", batch_size=6)
     layers = [(2, 2, "word"), (3, 3, "phrase"), (4, 4, "phrase")]  # the recipe's auto map: what the cache holds
     common = {"rows": 6, "batch_size": 3, "layers": layers}

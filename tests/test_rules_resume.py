@@ -147,7 +147,7 @@ LLM_RULES: dict[str, tuple[str, Any]] = {
     "teacher_cache.top_k": (FIXED, 32),
     "teacher_cache.samples": (FIXED, 16),
     "teacher_cache.seed": (FIXED, 1),
-    "teacher_cache.states": (FIXED, "int8_token"),
+    "teacher_cache.states": (CHANGE, "storage"),
     "teacher_cache.storage": (FIXED, "fp32"),
     "deepspeed": (FIXED, {"wall_clock_breakdown": True}),
 }

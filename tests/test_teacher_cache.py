@@ -31,7 +31,7 @@ from mta_cli.main import app
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 512  # the tiny tokenizer's: k = V keeps the whole distribution
-EXACT = {"top_k": VOCAB, "storage": "fp32"}
+EXACT = {"top_k": VOCAB, "storage": "fp32", "states": "storage"}
 
 
 def losses(out) -> list[dict]:
@@ -43,15 +43,23 @@ def table(directory) -> list[dict]:
     return pq.read_table(sorted(directory.glob("part-*.parquet"))).sort_by("id").to_pylist()
 
 
+def states_of(row: dict) -> torch.Tensor:
+    """A stored row's hidden states as values: int8 ones times their per-token scales."""
+    hidden, scales = torch.tensor(row["hidden"], dtype=torch.float32), torch.tensor(row["hidden_scales"])
+    return (hidden.view(len(scales), -1) * scales.unsqueeze(1)).view(-1) if len(scales) else hidden
+
+
 def assert_same_rows(got: list[dict], expected: list[dict]) -> None:
-    """Ids, token counts and positions equal; hidden states and each position's rebuilt teacher
-    distribution to fp16's rounding (other batches pad rows to other widths, which moves the last
+    """Ids, token counts and positions equal; hidden states (to an 8-bit step) and each position's
+    rebuilt teacher distribution to fp16's rounding (other batches pad rows to other widths, which moves the last
     bits, and may swap two near-tied tokens at the k-th place)."""
     assert [row["id"] for row in got] == [row["id"] for row in expected]
     for row, want in zip(got, expected, strict=True):
         for key in ("tokens", "positions"):
             assert row[key] == want[key], (row["id"], key)
-        torch.testing.assert_close(torch.tensor(row["hidden"]), torch.tensor(want["hidden"]), rtol=2e-3, atol=2e-3)
+        got_states, want_states = (states_of(r) for r in (row, want))
+        step = max(max(row["hidden_scales"], default=0.0), max(want["hidden_scales"], default=0.0))  # int8: a step
+        torch.testing.assert_close(got_states, want_states, rtol=2e-3, atol=2e-3 + step)
         k = len(row["top_log_probs"]) // max(len(row["positions"]), 1)
         rebuilt = [
             dense_log_probs(
@@ -78,7 +86,9 @@ def test_at_full_k_a_run_without_the_teachers_weights_equals_the_online_run(tmp_
     weightless = tmp_path / "teacher-without-weights"
     shutil.copytree(teacher_dir, weightless)
     (weightless / "model.safetensors").unlink()
-    cached = run_distillation(load_recipe(recipe, [f"output_dir={tmp_path / 'cached'}", f"teacher.path={weightless}"]))
+    # Exact states serve a recipe asking for 8 bits: the cached run reads them as stored.
+    overrides = [f"output_dir={tmp_path / 'cached'}", f"teacher.path={weightless}", "teacher_cache.states=int8_token"]
+    cached = run_distillation(load_recipe(recipe, overrides))
 
     expected, got = losses(tmp_path / "online"), losses(tmp_path / "cached")
     assert [r["split"] for r in got] == [r["split"] for r in expected] and "dev" in [r["split"] for r in got]
@@ -101,6 +111,7 @@ def test_a_cache_that_does_not_match_the_recipe_is_refused_by_key(tmp_path, tiny
         ("loss.temperature=2.0", "temperature"),
         ("loss.layers=[[1, 1, word], [4, 4, phrase]]", "layers"),
         ("teacher_cache.storage=fp32", "storage"),
+        ("teacher_cache.states=storage", "states"),  # 8-bit states do not serve a recipe asking for exact ones
     ):
         with pytest.raises(MtaError, match=rf"was built for another run.*\b{key}\b"):
             run_distillation(load_recipe(recipe, [override, f"output_dir={tmp_path / key}"]))

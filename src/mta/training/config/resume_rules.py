@@ -54,6 +54,10 @@ MUTABLE_KEYS: dict[str, str] = {
         "recipe's teacher, data, layers, logits, top_k, samples, states and storage when it loads, and differs from "
         "the online teacher only beyond its top_k tokens (sampled: by its draws' noise) and by its storage precision"
     ),
+    "teacher_cache.states": (
+        "the bytes of the states a cache is built with; a cache of the states in the storage's precision serves "
+        "every choice, so a run resumed on the same cache reads the same states"
+    ),
     "train.teacher_zero3": (
         "how the frozen teacher's weights are spread over the devices; the teacher is not in the checkpoint"
     ),

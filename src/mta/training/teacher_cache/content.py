@@ -208,8 +208,9 @@ def content_key(description: dict[str, Any]) -> str:
 def mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     """The content keys on which a stored cache does not serve the recipe, each as ``key: stored,
     expected (what to change)``. A cache serves a recipe that reads less of it: ``layers`` may be
-    a superset of the recipe's, and a cache with logits serves a recipe without a logit loss (its
-    ``top_k`` and ``temperature`` are then not compared). A stored ``teacher_weights`` is
+    a superset of the recipe's, a cache with logits serves a recipe without a logit loss (its
+    ``top_k`` and ``temperature`` are then not compared), and states in the storage's precision
+    serve a recipe asking for 8 bits (they are what 8 bits approximate). A stored ``teacher_weights`` is
     compared only when the teacher's weights are there to fingerprint (``expected`` not None)."""
     found = []
     stored = upgraded(stored, expected)
@@ -219,6 +220,8 @@ def mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[str]:
         if key == "teacher_cache_version" and stored.get(key) in READABLE_VERSIONS:
             continue
         if key == "layers" and set(expected.get(key) or ()) <= set(stored.get(key) or ()):
+            continue
+        if key == "states" and stored.get(key) == "storage":
             continue
         if (
             key == "logits"
