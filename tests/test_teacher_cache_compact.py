@@ -111,7 +111,7 @@ def test_a_run_trains_from_a_sampled_cache_without_the_teachers_weights_like_the
     on_disk = sum(path.stat().st_size for path in (cache / "train").glob("part-*.parquet"))
     assert manifest["teacher_cache_version"] == 3 and manifest["sampling"] == {"samples": 255, "seed": 5}
     assert sum(manifest["bytes"].values()) == on_disk and manifest["bytes"]["logits"] > 0
-    # zstd: 8-bit states take about 0.6 of their bytes on disk, which is what brings them under half of fp16's.
+    # Every part in zstd: it stores 8-bit states in about 0.6 of their bytes, under half of fp16 states (the bench).
     metadata = pq.ParquetFile(next((cache / "train").glob("part-*.parquet"))).metadata
     assert {metadata.row_group(0).column(i).compression for i in range(metadata.num_columns)} == {"ZSTD"}
     assert manifest["tokens"]["teacher"] > manifest["tokens"]["responses"] > 0
