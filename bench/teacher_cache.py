@@ -34,7 +34,13 @@ Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew
    ``(g·T_gen + (1−g)·T_cached) / (g·T_gen + (1−g)·T_online)``, at the generated share
    ``--generated-share`` (default 0.5).
 
-    python bench/teacher_cache.py            # CPU, ~30 min -> bench/results/teacher_cache.json
+4. **A storage not built, `--head-states`** (its own JSON): the teacher's logits rebuilt from its
+   final hidden state (after the final norm), stored as fp16 or ``int8_token``, through its own
+   head kept once, per base loss against the online teacher's logits (loss error, gradient cosine
+   in fp64) on the same micro batches as 1, with the state's bytes a response position.
+
+    python bench/teacher_cache.py            # CPU, ~40 min -> bench/results/teacher_cache.json
+    python bench/teacher_cache.py --head-states   # part 4 alone, ~5 min -> teacher_cache_head_states.json
     python bench/teacher_cache.py --quick    # a tiny setting: checks that it runs (no figures to keep)
 
 Both runs read whole logits (``loss.fused_head=false``: the accuracy part compares the online
@@ -65,6 +71,7 @@ from mta.demo.pipeline import DEMO_RECIPE, copy_dolly_rows
 from mta.evaluation.datasets import default_data_dir
 from mta.files import atomic_write_json
 from mta.generation.sampling import keyed_uniforms
+from mta.losses.fused_head import OutputHead
 from mta.losses.kd import build_base_loss
 from mta.losses.teacher_sampled import SampledTeacher, draw_tail_samples
 from mta.losses.teacher_topk import LOG_FLOOR, teacher_logits_from_top_k, top_k_log_probs
@@ -74,13 +81,15 @@ from mta.reporting import SilentReporter
 from mta.training.config.loading import load_recipe
 from mta.training.config.schema import TeacherCacheSpec
 from mta.training.teacher import TeacherOutput
-from mta.training.teacher_cache.compact import dequantize_states, id_bits, quantize_states, state_bytes
+from mta.training.teacher_cache.compact import SCALE_BYTES, dequantize_states, id_bits, quantize_states, state_bytes
 from mta.training.teacher_cache.content import estimate_bytes, stored_per_token, teacher_reads
 from mta.training.teacher_cache.teacher import run_teacher_stage, stored_bytes
 from mta.training.trainer import Trainer, build_run
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "teacher_cache.json"
+HEAD_OUT = REPO / "bench" / "results" / "teacher_cache_head_states.json"
+PAIR = "SmolLM2-135M-Instruct (30 layers) -> its 10-layer prune, recipes/smollm2-demo.yaml"
 KS = (8, 32, 64, 256, 1024, 4096)
 DEFAULT_K = TeacherCacheSpec().head  # the top-k default
 BASES = ("fkl", "rkl", "skl", "srkl", "jsd", "tvd", "distillm2")
@@ -88,6 +97,7 @@ TOP_KS = (64, 256, 1024)
 SAMPLES = (8, 16, 32, 64)
 HEADS = (0, 32)
 STATES = ("fp16", "bf16", "int8_token", "int8_channel")
+HEAD_STATES = ("fp16", "int8_token")
 
 
 def cosine64(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -249,6 +259,71 @@ def logits_accuracy(recipe, run, batches: int, draws: int, samples=SAMPLES, head
     }
 
 
+def head_states_accuracy(recipe, run, batches: int) -> dict:
+    """Per base loss, the teacher's logits rebuilt from its final hidden state (after the final
+    norm: Hugging Face's last ``hidden_states`` entry) stored as fp16 or ``int8_token``, through the
+    teacher's own head (:class:`OutputHead`, kept once): the loss's relative error and the
+    gradient's cosine (fp64) against the online teacher's logits, and the state's bytes a response
+    position (module docstring, 4). A storage not built: this measures whether it would pay."""
+    vocab, tau = len(run.tokenizer), recipe.loss.temperature
+    model = run.teacher.model
+    head = OutputHead.of(model)
+    losses = {
+        base: build_base_loss(
+            base, temperature=tau, skew_alpha=recipe.loss.skew_alpha, jsd_beta=recipe.loss.jsd_beta, vocab_size=vocab
+        )
+        for base in BASES
+    }
+    found = {base: {mode: {"rel": [], "cos": []} for mode in HEAD_STATES} for base in BASES}
+    trainer = Trainer(run, SilentReporter())
+    student = run.engine.module.student
+    for step in range(batches):
+        for batch in trainer.micro_batches(step):
+            batch = batch.to(run.device)
+            with torch.no_grad(), run.precision.context():
+                out = model(
+                    input_ids=batch.teacher.input_ids,
+                    attention_mask=batch.teacher.attention_mask,
+                    output_hidden_states=True,
+                )
+                logits = student(input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask).logits
+            teacher, final = out.logits.float()[:, :-1, :vocab], out.hidden_states[-1][:, :-1]
+            logits, labels = logits[:, :-1].float(), batch.student.labels[:, 1:]
+            chosen = torch.arange(labels.shape[0]) % 2 == 0
+            row, position = (labels != -100).nonzero(as_tuple=True)
+            at = final[row, position].float()  # [n, d]
+            stored = {
+                "fp16": at.half().float(),
+                "int8_token": dequantize_states(*quantize_states(at[None], "int8_token"), "int8_token")[0],
+            }
+            rebuilt = {}
+            for mode, states in stored.items():
+                with torch.no_grad():
+                    rebuilt[mode] = teacher.clone()
+                    rebuilt[mode][row, position] = head.logits(states, vocab).float()
+            for base, loss in losses.items():
+                pairs = {"chosen": chosen} if base == "distillm2" else {}
+                reference, reference_grad = value_and_grad(loss, logits, teacher, labels, **pairs)
+                for mode, cached in rebuilt.items():
+                    value, grad = value_and_grad(loss, logits, cached, labels, **pairs)
+                    found[base][mode]["rel"].append(abs(value - reference) / abs(reference))
+                    found[base][mode]["cos"].append(cosine64(grad, reference_grad))
+            print(f"  head states: micro batch of {labels.shape[0]} rows done", flush=True)
+    hidden = int(final.shape[-1])
+    position_bytes = {"fp16": 2 * hidden, "int8_token": hidden + SCALE_BYTES}
+    return {
+        base: {
+            mode: {
+                "loss_rel_error": statistics.fmean(r["rel"]),
+                "grad_cos": statistics.fmean(r["cos"]),
+                "bytes_per_response_position": position_bytes[mode],
+            }
+            for mode, r in per_mode.items()
+        }
+        for base, per_mode in found.items()
+    }
+
+
 def quantized(hidden: dict[int, torch.Tensor], mask: torch.Tensor, mode: str) -> dict[int, torch.Tensor]:
     """The teacher's states as ``mode`` stores them (each row over its real tokens)."""
     if mode in ("fp16", "bf16"):
@@ -373,8 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-top-k", type=int, default=None)
     parser.add_argument("--cache-samples", type=int, default=spec.samples)
     parser.add_argument("--cache-states", default=spec.states)
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"default {OUT.name} ({HEAD_OUT.name} with --head-states)"
+    )
+    parser.add_argument(
+        "--head-states", action="store_true", help="only part 4, the logits from the final hidden state and the head"
+    )
     args = parser.parse_args(argv)
+    args.out = args.out or (HEAD_OUT if args.head_states else OUT)
     torch.set_num_threads(1)
     rows, dev_rows, rounds, draws = (12, 8, 2, 2) if args.quick else (96, 32, args.rounds, args.draws)
     seeds = 2 if args.quick else args.seeds
@@ -399,6 +480,27 @@ def main(argv: list[str] | None = None) -> int:
     cache_keys = [f"teacher_cache.logits={args.cache_logits}", f"teacher_cache.samples={args.cache_samples}"]
     cache_keys += [f"teacher_cache.states={args.cache_states}"]
     cache_keys += [f"teacher_cache.top_k={args.cache_top_k}"] if args.cache_top_k is not None else []
+
+    def built(name: str, *extra: str):
+        recipe = load_recipe(DEMO_RECIPE, base + [f"output_dir={work / name}", *extra])
+        return recipe, build_run(recipe, SilentReporter())
+
+    recipe, online = built("online")
+    precision = online.precision.name
+    if args.head_states:
+        print(f"logits from the final hidden state and the head ({precision})", flush=True)
+        found = {
+            "created": created(),
+            "machine": describe_machine(online.device, precision=precision),
+            "pair": PAIR,
+            "quick": args.quick,
+            "steps": batches,  # their micro batches: the accuracy part's
+            "head_states": head_states_accuracy(recipe, online, batches),
+        }
+        atomic_write_json(args.out, found)
+        srkl = found["head_states"]["srkl"]
+        print("; ".join(f"srkl {m}: {r['loss_rel_error']:.4%}, {r['grad_cos']:.5f}" for m, r in srkl.items()))
+        return 0
     cache = work / "teacher"
     started = time.perf_counter()
     run_teacher_stage(
@@ -414,12 +516,6 @@ def main(argv: list[str] | None = None) -> int:
         work,
     )
 
-    def built(name: str, *extra: str):
-        recipe = load_recipe(DEMO_RECIPE, base + [f"output_dir={work / name}", *extra])
-        return recipe, build_run(recipe, SilentReporter())
-
-    recipe, online = built("online")
-    precision = online.precision.name
     config = AutoConfig.from_pretrained(teacher)
     print(f"accuracy of the stored logits against the online teacher ({precision})", flush=True)
     topk = accuracy(recipe, online, batches)
@@ -504,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "created": created(),
         "machine": describe_machine(online.device, precision=precision),
-        "pair": "SmolLM2-135M-Instruct (30 layers) -> its 10-layer prune, recipes/smollm2-demo.yaml",
+        "pair": PAIR,
         "quick": args.quick,
         "rows": annotations.num_rows,
         "responses_per_row": responses / annotations.num_rows,
