@@ -480,6 +480,21 @@ def main(argv: list[str] | None = None) -> int:
     cache_keys = [f"teacher_cache.logits={args.cache_logits}", f"teacher_cache.samples={args.cache_samples}"]
     cache_keys += [f"teacher_cache.states={args.cache_states}"]
     cache_keys += [f"teacher_cache.top_k={args.cache_top_k}"] if args.cache_top_k is not None else []
+    cache = work / "teacher"
+    if not args.head_states:
+        started = time.perf_counter()
+        run_teacher_stage(
+            load_recipe(DEMO_RECIPE, base + cache_keys + [f"output_dir={work / 'stage'}", f"teacher_cache.dir={cache}"])
+        )
+        stage_seconds = time.perf_counter() - started
+        states_on_disk = states_bytes_on_disk(
+            cache,
+            args.cache_states,
+            lambda *keys: run_teacher_stage(
+                load_recipe(DEMO_RECIPE, base + cache_keys + [*keys, f"output_dir={work / 'stage'}"])
+            ),
+            work,
+        )
 
     def built(name: str, *extra: str):
         recipe = load_recipe(DEMO_RECIPE, base + [f"output_dir={work / name}", *extra])
@@ -501,21 +516,6 @@ def main(argv: list[str] | None = None) -> int:
         srkl = found["head_states"]["srkl"]
         print("; ".join(f"srkl {m}: {r['loss_rel_error']:.4%}, {r['grad_cos']:.5f}" for m, r in srkl.items()))
         return 0
-    cache = work / "teacher"
-    started = time.perf_counter()
-    run_teacher_stage(
-        load_recipe(DEMO_RECIPE, base + cache_keys + [f"output_dir={work / 'stage'}", f"teacher_cache.dir={cache}"])
-    )
-    stage_seconds = time.perf_counter() - started
-    states_on_disk = states_bytes_on_disk(
-        cache,
-        args.cache_states,
-        lambda *keys: run_teacher_stage(
-            load_recipe(DEMO_RECIPE, base + cache_keys + [*keys, f"output_dir={work / 'stage'}"])
-        ),
-        work,
-    )
-
     config = AutoConfig.from_pretrained(teacher)
     print(f"accuracy of the stored logits against the online teacher ({precision})", flush=True)
     topk = accuracy(recipe, online, batches)
