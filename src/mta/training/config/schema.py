@@ -602,7 +602,8 @@ class TeacherCacheSpec(Strict):
     )
     storage: Literal["compact", "fp32"] = Field(
         "compact",
-        description="compact: hidden states and log-probabilities fp16 (tails fp32); fp32: all fp32 (2x the bytes)",
+        description="compact: log-probabilities and hidden states kept at storage precision (states=storage) in fp16 "
+        "(tails fp32); fp32: all fp32 (2x the bytes)",
     )
 
     @property
