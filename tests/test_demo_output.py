@@ -131,10 +131,36 @@ def test_every_place_states_the_same_measured_demo_times():
     assert MEASURED["full"] in (demo.__doc__ or "")
 
 
-@pytest.mark.parametrize(("load", "cores", "threads"), [(0.2, 2, 2), (1.4, 2, 1), (4.3, 2, 1), (2.6, 8, 5)])
-def test_idle_cores_leave_out_the_load_of_other_work(monkeypatch, load, cores, threads):
+@pytest.mark.parametrize(
+    ("load", "now", "cores", "threads"),
+    [
+        (0.2, None, 2, 2),
+        (1.4, None, 2, 1),
+        (4.3, None, 2, 1),
+        (2.6, None, 8, 5),
+        (0.94, 0, 2, 2),  # the average lags a job that has just ended: nothing runs now
+        (1.4, 1, 2, 1),
+        (0.2, 3, 2, 2),  # a job just started: the average, lower, still decides
+    ],
+)
+def test_idle_cores_leave_out_the_load_of_other_work(monkeypatch, load, now, cores, threads):
     from mta import distributed
 
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(distributed, "runnable_now", lambda: now)
     monkeypatch.setattr(distributed, "available_cores", lambda: cores)
     assert distributed.idle_cores() == threads
+
+
+@pytest.mark.parametrize(
+    ("text", "runnable"),
+    [("0.94 0.80 0.70 1/345 12345\n", 0), ("3.10 2.00 1.00 4/201 77\n", 3), ("0.1 0.1\n", None), (None, None)],
+)
+def test_the_threads_runnable_now_are_read_from_proc_loadavg_less_the_reader(tmp_path, monkeypatch, text, runnable):
+    from mta import distributed
+
+    path = tmp_path / "loadavg"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(distributed, "LOADAVG", path)
+    assert distributed.runnable_now(readings=2, interval=0) == runnable
