@@ -26,9 +26,9 @@ Dolly train rows annotated with the demo recipe (recipes/smollm2-demo.yaml: skew
    ``ratio_cached_vs_online_step`` is the fixed-data one (``off_policy.mode: off``, the DistiLLM-2
    rows' case, the teacher never loaded). After the same steps both students' dev loss (every
    term, the online teacher's) on held-out Dolly dev rows, for ``--seeds`` training seeds (data
-   order, the projectors' init; the timed pair is seed 0): the cached − online difference against
-   the online runs' spread over seeds. With DistiLLM's adaptive sampling a
-   share g of the micro batches is generated and runs the teacher online either way: the JSON
+   order, the projectors' init; the timed pair is the recipe's seed, the others 1, 2, ...): the
+   cached − online difference against the online runs' spread over seeds. With DistiLLM's adaptive
+   sampling a share g of the micro batches is generated and runs the teacher online either way: the JSON
    derives the adaptive ratio at g from the measured gold step times and a measured
    ``off_policy.mode: always`` step (every micro batch generated),
    ``(g·T_gen + (1−g)·T_cached) / (g·T_gen + (1−g)·T_online)``, at the generated share
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import tempfile
 import time
@@ -83,6 +82,7 @@ from mta.training.config.schema import TeacherCacheSpec
 from mta.training.teacher import TeacherOutput
 from mta.training.teacher_cache.compact import SCALE_BYTES, dequantize_states, id_bits, quantize_states, state_bytes
 from mta.training.teacher_cache.content import estimate_bytes, stored_per_token, teacher_reads
+from mta.training.teacher_cache.read import read_cache_manifest
 from mta.training.teacher_cache.teacher import run_teacher_stage, stored_bytes
 from mta.training.trainer import Trainer, build_run
 
@@ -117,7 +117,7 @@ def accuracy(recipe, run, batches: int, base: str | None = None) -> dict:
     )
     vocab = len(run.tokenizer)
     found: dict[int, dict[str, list[float]]] = {k: {"rel": [], "cos": []} for k in KS}
-    for teacher, logits, labels in first_batches(run, batches):
+    for teacher, logits, labels, _ in first_batches(run, batches):
         reference, reference_grad = value_and_grad(loss, logits, teacher, labels)
         row, position = (labels != -100).nonzero(as_tuple=True)
         for k in KS:
@@ -137,18 +137,24 @@ def accuracy(recipe, run, batches: int, base: str | None = None) -> dict:
     }
 
 
-def first_batches(run, batches: int):
-    """``(teacher logits, student logits, labels)`` of the first micro batches, shifted
-    (position t predicts t + 1), fp32, no gradient."""
+def first_batches(run, batches: int, final_states: bool = False):
+    """``(teacher logits, student logits, labels, final)`` of the first micro batches, shifted
+    (position t predicts t + 1), fp32, no gradient; ``final``: with ``final_states`` the teacher's
+    last hidden states (after the final norm, the model's dtype), else None."""
     trainer = Trainer(run, SilentReporter())
     student = run.engine.module.student
     for step in range(batches):
         for batch in trainer.micro_batches(step):
             batch = batch.to(run.device)
+            ids, mask = batch.teacher.input_ids, batch.teacher.attention_mask
             with torch.no_grad():
-                teacher = run.teacher(batch.teacher.input_ids, batch.teacher.attention_mask).logits.float()
+                if final_states:
+                    out = run.teacher.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+                    teacher, final = out.logits.float(), out.hidden_states[-1][:, :-1]
+                else:
+                    teacher, final = run.teacher(ids, mask).logits.float(), None
                 logits = student(input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask).logits
-            yield teacher[:, :-1], logits[:, :-1].float(), batch.student.labels[:, 1:]
+            yield teacher[:, :-1], logits[:, :-1].float(), batch.student.labels[:, 1:], final
 
 
 def value_and_grad(loss, logits: torch.Tensor, teacher, labels: torch.Tensor, **pairs) -> tuple[float, torch.Tensor]:
@@ -201,7 +207,7 @@ def logits_accuracy(recipe, run, batches: int, draws: int, samples=SAMPLES, head
         for base in BASES
     }
     position_bytes: dict[str, list[float]] = {name: [] for name in storages}
-    for teacher, logits, labels in first_batches(run, batches):
+    for teacher, logits, labels, _ in first_batches(run, batches):
         row, position = (labels != -100).nonzero(as_tuple=True)
         chosen = torch.arange(labels.shape[0]) % 2 == 0
         at = teacher[row, position]
@@ -275,41 +281,28 @@ def head_states_accuracy(recipe, run, batches: int) -> dict:
         for base in BASES
     }
     found = {base: {mode: {"rel": [], "cos": []} for mode in HEAD_STATES} for base in BASES}
-    trainer = Trainer(run, SilentReporter())
-    student = run.engine.module.student
-    for step in range(batches):
-        for batch in trainer.micro_batches(step):
-            batch = batch.to(run.device)
-            with torch.no_grad(), run.precision.context():
-                out = model(
-                    input_ids=batch.teacher.input_ids,
-                    attention_mask=batch.teacher.attention_mask,
-                    output_hidden_states=True,
-                )
-                logits = student(input_ids=batch.student.input_ids, attention_mask=batch.student.attention_mask).logits
-            teacher, final = out.logits.float()[:, :-1, :vocab], out.hidden_states[-1][:, :-1]
-            logits, labels = logits[:, :-1].float(), batch.student.labels[:, 1:]
-            chosen = torch.arange(labels.shape[0]) % 2 == 0
-            row, position = (labels != -100).nonzero(as_tuple=True)
-            at = final[row, position].float()  # [n, d]
-            stored = {
-                "fp16": at.half().float(),
-                "int8_token": dequantize_states(*quantize_states(at[None], "int8_token"), "int8_token")[0],
-            }
-            rebuilt = {}
-            for mode, states in stored.items():
-                with torch.no_grad():
-                    rebuilt[mode] = teacher.clone()
-                    rebuilt[mode][row, position] = head.logits(states, vocab).float()
-            for base, loss in losses.items():
-                pairs = {"chosen": chosen} if base == "distillm2" else {}
-                reference, reference_grad = value_and_grad(loss, logits, teacher, labels, **pairs)
-                for mode, cached in rebuilt.items():
-                    value, grad = value_and_grad(loss, logits, cached, labels, **pairs)
-                    found[base][mode]["rel"].append(abs(value - reference) / abs(reference))
-                    found[base][mode]["cos"].append(cosine64(grad, reference_grad))
-            print(f"  head states: micro batch of {labels.shape[0]} rows done", flush=True)
-    hidden = int(final.shape[-1])
+    for teacher, logits, labels, final in first_batches(run, batches, final_states=True):
+        teacher = teacher[..., :vocab]
+        chosen = torch.arange(labels.shape[0]) % 2 == 0
+        row, position = (labels != -100).nonzero(as_tuple=True)
+        at = final[row, position].float()  # [n, d]
+        stored = {
+            "fp16": at.half().float(),
+            "int8_token": dequantize_states(*quantize_states(at[None], "int8_token"), "int8_token")[0],
+        }
+        rebuilt = {}
+        for mode, states in stored.items():
+            rebuilt[mode] = teacher.clone()
+            rebuilt[mode][row, position] = head.logits(states, vocab).float()
+        for base, loss in losses.items():
+            pairs = {"chosen": chosen} if base == "distillm2" else {}
+            reference, reference_grad = value_and_grad(loss, logits, teacher, labels, **pairs)
+            for mode, cached in rebuilt.items():
+                value, grad = value_and_grad(loss, logits, cached, labels, **pairs)
+                found[base][mode]["rel"].append(abs(value - reference) / abs(reference))
+                found[base][mode]["cos"].append(cosine64(grad, reference_grad))
+        print(f"  head states: micro batch of {labels.shape[0]} rows done", flush=True)
+    hidden = int(model.config.hidden_size)
     position_bytes = {"fp16": 2 * hidden, "int8_token": hidden + SCALE_BYTES}
     return {
         base: {
@@ -400,19 +393,16 @@ def states_bytes_on_disk(cache: Path, states: str, build, work: Path) -> dict[st
     compare, a cache of the same rows with fp16 states (``build``: the stage with extra keys),
     as written (zstd) and as ``teacher_cache_version`` 3 wrote it before (uncompressed)."""
 
-    def per_token(path: Path) -> float:
-        manifest = json.loads((path / ".mta" / "manifest.json").read_text())
-        return stored_per_token(manifest)["states"]
-
-    found = {states: per_token(cache / "train")}
     fp16 = cache if states == "storage" else work / "teacher-fp16-states"
     if states != "storage":
         build(f"teacher_cache.dir={fp16}", "teacher_cache.states=storage")
-        found["storage"] = per_token(fp16 / "train")
+    manifest = read_cache_manifest(fp16 / "train", "bench: ")
+    found = {states: stored_per_token(read_cache_manifest(cache / "train", "bench: "))["states"]}
+    if states != "storage":
+        found["storage"] = stored_per_token(manifest)["states"]
     part = next((fp16 / "train").glob("part-*.parquet"))
     uncompressed = work / "uncompressed.parquet"
     pq.write_table(pq.read_table(part), uncompressed, row_group_size=1, compression="none")
-    manifest = json.loads((fp16 / "train" / ".mta" / "manifest.json").read_text())
     found["storage, uncompressed (before)"] = stored_bytes(uncompressed)["states"] / manifest["tokens"]["teacher"]
     return found
 
@@ -523,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     logits = logits_accuracy(recipe, online, batches, draws)
     print("accuracy of the stored states", flush=True)
     states = states_accuracy(online, batches, config.hidden_size)
-    _, cached = built("cached", f"teacher_cache.dir={cache}", *cache_keys)
+    from_cache = (f"teacher_cache.dir={cache}", *cache_keys)
+    _, cached = built("cached", *from_cache)
     assert cached.teacher is None, "generation off: the cached run loads no teacher"
     variants = {"online": Trainer(online, SilentReporter()), "cached": Trainer(cached, SilentReporter())}
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -548,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up=lambda name: measure(name, record=False),
         describe=lambda name: f"{name} {times[name][-1]:.2f} s",
     )
-    by_seed = {0: (dev_loss(online, online, dev_batches), dev_loss(cached, online, dev_batches))}
+    by_seed = {recipe.seed: (dev_loss(online, online, dev_batches), dev_loss(cached, online, dev_batches))}
     dev_rows_held = len(online.dev)
     online.close()
     cached.close()
@@ -556,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training comparison, seed {seed}", flush=True)
         pair = {
             name: built(f"{name}-{seed}", f"seed={seed}", *extra)[1]
-            for name, extra in (("online", ()), ("cached", (f"teacher_cache.dir={cache}", *cache_keys)))
+            for name, extra in (("online", ()), ("cached", from_cache))
         }
         for run in pair.values():
             trainer = Trainer(run, SilentReporter())
@@ -595,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for k in KS
     }
-    manifest = json.loads((cache / "train" / ".mta" / "manifest.json").read_text())
+    manifest = read_cache_manifest(cache / "train", "bench: ")
     stored = sum(path.stat().st_size for path in (cache / "train").glob("part-*.parquet"))
     result = {
         "created": created(),

@@ -196,14 +196,12 @@ def eos_2_tokenizer_dir(tmp_path_factory) -> Path:
 def one_thread():
     """One torch thread for the whole module that asks for it, with
     ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    import torch
+    from mta.distributed import torch_threads
 
     # Several test runs and engineers share two cores: OpenMP threads spinning against each
     # other make a tiny model's step 20x slower, and one thread is what a subprocess gets too.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

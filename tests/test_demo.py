@@ -129,3 +129,11 @@ def test_quick_is_smaller_than_full_and_both_fit_their_budget():
     quick_bf16, quick_fp32 = (dataclasses.replace(quick, precision=p).estimated_seconds() for p in ("bf16", "fp32"))
     assert quick_bf16 < 2 * 60 < quick_fp32
     assert quick.batch_size is not None and not quick.checkpoint_at_end and full.checkpoint_at_end
+
+
+def test_the_estimate_reads_the_demo_recipes_batch_size():
+    from mta.demo import settings
+    from mta.demo.pipeline import DEMO_RECIPE
+    from mta.training.config.loading import load_recipe
+
+    assert settings.RECIPE_BATCH_SIZE == load_recipe(DEMO_RECIPE).train.batch_size

@@ -260,3 +260,30 @@ def test_the_sampling_keys_are_checked_naming_their_line(tmp_path):
     sampled = load_recipe(path, ["teacher_cache.samples=8", "teacher_cache.logits=sampled", "teacher_cache.top_k=null"])
     assert sampled.teacher_cache.head == 32  # the sampled default head
     assert load_recipe(path, ["teacher_cache.samples=8", "teacher_cache.top_k=null"]).teacher_cache.head == 1024
+
+
+@pytest.mark.parametrize("logits", ["top_k", "sampled"])
+def test_the_stage_stores_the_same_rows_whatever_its_chunk_of_positions(tmp_path, tiny_run_recipe, monkeypatch, logits):
+    """The stage applies the head and draws a chunk of positions at a time (``CHUNK_POSITIONS``):
+    with 3-position chunks, boundaries inside every batch, it stores the same ids, positions,
+    draws and states as with one chunk, and the same log-probabilities to fp32's rounding."""
+    from mta.training.teacher_cache import teacher as stage
+
+    spec = {"logits": logits, "top_k": 8, "samples": 16, "storage": "fp32", "states": "storage"}
+    recipe = load_recipe(tiny_run_recipe(tmp_path / "out", teacher_cache=spec, data={"dev": None}))
+    run_teacher_stage(recipe, out_dir=tmp_path / "whole", batch_size=4)
+    monkeypatch.setattr(stage, "CHUNK_POSITIONS", 3)
+    run_teacher_stage(recipe, out_dir=tmp_path / "chunked", batch_size=4)
+    whole, chunked = (
+        pq.read_table(sorted((tmp_path / name / "train").glob("part-*.parquet"))).sort_by("id")
+        for name in ("whole", "chunked")
+    )
+    assert whole.num_rows > 1 and whole.column_names == chunked.column_names
+    for name in whole.column_names:  # the head's matmul in other shapes moves a log-prob by an ulp
+        if name in ("top_log_probs", "tail", "sample_log_probs", "rest_log_mean"):
+            got, want = (
+                np.concatenate([np.asarray(r, dtype=np.float64) for r in t[name].to_pylist()]) for t in (chunked, whole)
+            )
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=name)
+        else:
+            assert chunked[name].equals(whole[name]), name

@@ -71,6 +71,17 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch on ``threads`` threads meanwhile, its own number restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def runnable_now(readings: int = 10, interval: float = 0.01) -> int | None:
     """Threads of other work runnable now: the most of ``readings`` reads of ``LOADAVG``'s
     runnable count (``R`` of its ``R/T`` field), less this reader; None where it cannot be read."""

@@ -99,12 +99,12 @@ def _use_idle_cores(reporter) -> None:
 
     if "OMP_NUM_THREADS" in os.environ:
         return
-    threads = idle_cores()
+    threads, cores = idle_cores(), available_cores()
     torch.set_num_threads(threads)
-    if threads < available_cores():
+    if threads < cores:
         reporter.message(
-            f"torch threads: {threads} of {available_cores()} cores (load average {os.getloadavg()[0]:.1f}: "
-            "the others are busy; OMP_NUM_THREADS=N chooses)"
+            f"torch threads: {threads} of {cores} cores (the others are busy with other work; "
+            "OMP_NUM_THREADS=N chooses)"
         )
 
 

@@ -21,13 +21,13 @@ centring subtracts small numbers instead of large ones).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import numpy as np
 import torch
 
+from mta.distributed import torch_threads
 from mta.errors import MtaError
 
 Estimator = Literal["debiased", "biased"]
@@ -109,7 +109,10 @@ class LinearCKA:
         out = np.full((len(self.left_dims), len(self.right_dims)), np.nan)
         if n < (4 if estimator == "debiased" else 2):
             return out
-        with _one_thread():
+        # One thread: thousands of small ops on 576 x 576 blocks, which a second thread does not
+        # speed up and which wait for it whenever another process holds the other core (5 s
+        # instead of 0.3 s a matrix on the shared 2-core machine, issue 50).
+        with torch_threads(1):
             return self._matrix(n, out, estimator)
 
     def _matrix(self, n: int, out: np.ndarray, estimator: Estimator) -> np.ndarray:
@@ -167,19 +170,6 @@ class LinearCKA:
             if tensor.dim() != 2 or tensor.shape[1] != dim:
                 raise MtaError(f"CKA: {side} feature set {number} is {tuple(tensor.shape)}, expected [items, {dim}]")
         return torch.cat([tensor.to(device=self.device, dtype=DTYPE) for tensor in features], dim=1)
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch on one thread meanwhile: ``matrix`` runs thousands of small ops on 576 x 576 blocks,
-    which a second thread does not speed up and which wait for it whenever another process holds
-    the other core (5 s instead of 0.3 s a matrix on the shared 2-core machine, issue 50)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _unbiased_hsic(

@@ -7,7 +7,7 @@ for the backward: 5 (ce) to 15 (jsd) fp32 buffers a chunk, 74 MiB each at 128 po
 and the teacher's logits overwritten by their log-probabilities. Every function takes ``student``
 and ``teacher`` fp32 logits ``[n, V]`` that it may overwrite (the caller's own chunk) and returns
 the per-token loss ``[n]`` and ``∂loss/∂student`` ``[n, V]``, the same values as autograd through
-``mta.losses.kd``'s formulas (tests/test_fused_head.py compares them).
+``mta.losses.kd``'s formulas (tests/test_closed_form.py compares them).
 
 With ``log q = log_softmax(s / τ)``, a loss ``L(log q)`` has ``∂L/∂s = (g − q · Σ_v g_v) / τ``
 where ``g = ∂L/∂log q`` taken elementwise; each function below forms its ``g`` (docs/method.md §5
@@ -26,6 +26,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+# A token loss and its gradient with respect to the student's logits, or None (no closed form).
+ClosedForm = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def log_softmax_(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -60,9 +63,7 @@ def forward_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float)
     log_q, log_p = log_softmax_(student, temperature), log_softmax_(teacher, temperature)
     p = log_p.exp()
     loss = row_dot(p, log_p.sub_(log_q))
-    q = log_q.exp_()
-    grad = q.mul_(p.sum(dim=-1, keepdim=True)).sub_(p)  # −p − q·Σ(−p)
-    return loss, grad.div_(temperature) if temperature != 1.0 else grad
+    return loss, softmax_backward_(p.neg_(), log_q.exp_(), temperature)
 
 
 def reverse_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +84,6 @@ def skew_forward_kl(
     torch.logaddexp(log_m, log_p.add_(math.log(alpha)), out=log_m)
     loss = row_dot(p, log_p.sub_(log_m).sub_(math.log(alpha)))  # p (log p − log m)
     grad = torch.sub(log_q, log_m, out=log_p).exp_().mul_(p).mul_(alpha - 1.0)  # −(1−α) p q/m
-    del p, log_m
     return loss, softmax_backward_(grad, log_q.exp_(), temperature)
 
 
@@ -98,7 +98,6 @@ def skew_reverse_kl(
     q = torch.exp(log_q, out=log_p)
     loss = row_dot(q, difference)
     grad = torch.exp(difference, out=log_q).mul_(-alpha).add_(difference).add_(1.0).mul_(q)
-    del difference
     return loss, softmax_backward_(grad, q, temperature)
 
 
@@ -113,7 +112,6 @@ def jensen_shannon(
     torch.sub(log_p, log_m, out=scratch)  # log p − log m
     teacher_part = row_dot(log_p.exp_(), scratch)
     difference = torch.sub(log_q, log_m, out=scratch)  # log q − log m
-    del log_m
     q = log_q.exp_()
     loss = beta * teacher_part + (1.0 - beta) * row_dot(q, difference)
     return loss, softmax_backward_(difference.mul_(q).mul_(1.0 - beta), q, temperature)

@@ -38,13 +38,14 @@ from torch import nn
 
 from mta.errors import MtaError
 from mta.losses.chunked import IGNORE_INDEX
+from mta.losses.closed_form import ClosedForm
 from mta.losses.teacher_topk import teacher_logits_from_top_k
 
 # (student [n, vocab] fp32, teacher [n, vocab] fp32 or None, targets [n]) -> [n] per-token loss
 TokenLossFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 # The same inputs (overwritten) -> ([n] per-token loss, [n, vocab] its gradient with respect to the
 # student's logits), or None where the loss has no closed form (mta.losses.closed_form)
-TokenLossGradFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
+TokenLossGradFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], ClosedForm]
 
 
 @dataclass(frozen=True)

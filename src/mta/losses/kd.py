@@ -24,14 +24,12 @@ from torch import nn
 from mta.errors import MtaError
 from mta.losses import closed_form
 from mta.losses.chunked import IGNORE_INDEX, TeacherLogits, chunked_token_loss
+from mta.losses.closed_form import ClosedForm
 from mta.losses.contrastive import DistiLLM2Loss
 from mta.losses.cross_tokenizer import SharedDivergence, SharedVocabularyHybrid, UniversalLogitDistillation
 from mta.losses.divergences import check_unit_interval, kl_terms, log_mixture
 from mta.losses.fused_head import LossSum, OutputHead, TeacherSide, fused_head_loss, response_positions
 from mta.losses.teacher_sampled import SampledTeacher, sampled_estimate
-
-# A token loss and its gradient with respect to the student's logits, or None (no closed form).
-ClosedForm = tuple[torch.Tensor, torch.Tensor] | None
 
 
 class BaseLoss(nn.Module):
@@ -234,6 +232,15 @@ class _Skewed(DistributionLoss):
         check_unit_interval("skew_alpha", skew_alpha)
         self.skew_alpha = skew_alpha
 
+    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
+        if self.skew_alpha in (0.0, 1.0):  # the ends (a plain KL, or 0): through autograd
+            return None
+        return self.between_the_ends(student, teacher)
+
+    def between_the_ends(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The closed form for 0 < α < 1."""
+        raise NotImplementedError
+
 
 class SkewForwardKL(_Skewed):
     """``KL(p ‖ αp + (1−α)q)`` (DistiLLM's skew KL, α = 0.1)."""
@@ -243,9 +250,7 @@ class SkewForwardKL(_Skewed):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_p, log_mixture(log_p, log_q, self.skew_alpha))
 
-    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
-        if self.skew_alpha in (0.0, 1.0):  # the ends: forward KL and 0, through autograd
-            return None
+    def between_the_ends(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return closed_form.skew_forward_kl(student, teacher, self.temperature, self.skew_alpha)
 
 
@@ -257,9 +262,7 @@ class SkewReverseKL(_Skewed):
     def terms(self, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
         return kl_terms(log_q, log_mixture(log_q, log_p, self.skew_alpha))
 
-    def closed(self, student: torch.Tensor, teacher: torch.Tensor) -> ClosedForm:
-        if self.skew_alpha in (0.0, 1.0):  # the ends: reverse KL and 0, through autograd
-            return None
+    def between_the_ends(self, student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return closed_form.skew_reverse_kl(student, teacher, self.temperature, self.skew_alpha)
 
 

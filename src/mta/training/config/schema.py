@@ -596,7 +596,7 @@ class TeacherCacheSpec(Strict):
     states: Literal["storage", "int8_token", "int8_channel"] = Field(
         "int8_token",
         description="the hidden states' bytes: int8_token: 8 bits with an fp32 scale per token and layer (0.4x of "
-        "fp16's bytes on disk, DSA within 0.2 %: bench/teacher_cache.py); storage: in `storage`'s precision (fp16 or "
+        "fp16's bytes on disk, DSA within 0.15 %: bench/teacher_cache.py); storage: in `storage`'s precision (fp16 or "
         "fp32); int8_channel: 8 bits with a scale per channel, layer and row. A cache of storage states serves "
         "every choice",
     )

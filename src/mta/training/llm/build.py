@@ -36,7 +36,7 @@ from mta.training.dry_run import RunPlan
 from mta.training.lifecycle import checkpointing, run_directory
 from mta.training.lifecycle.selection import Selector
 from mta.training.lifecycle.utilisation import StepFlops
-from mta.training.llm.plan import plan_llm_run
+from mta.training.llm.plan import eager_attention, plan_llm_run
 from mta.training.logit_lens import LogitLens
 from mta.training.model_loading import (
     LoadedConfig,
@@ -204,11 +204,10 @@ def build_objective(recipe: Recipe, plan: RunPlan, sides: LoadedSides) -> Distil
     shared_vocab = None
     if plan.sra_layers:
         shared_vocab = shared_vocabulary(sides.student.tokenizer, sides.teacher_tokenizer, recipe.loss.sra_logit_weight)
-        if recipe.loss.sra_centre == "last_token_attention":
-            # The port's centre weights are the models' own attention rows: computed eagerly.
-            for side in (sides.student, sides.teacher):
-                if side is not None:  # a cached teacher refuses this centre (the schema)
-                    side.model.set_attn_implementation("eager")
+    if eager_attention(recipe, plan.sra_layers):  # the port's centre weights: the models' attention rows
+        for side in (sides.student, sides.teacher):
+            if side is not None:  # a cached teacher refuses this centre (the schema)
+                side.model.set_attn_implementation("eager")
     if recipe.loss.base == "gold" and shared_vocab is None:  # the hybrid's shared tokens (docs/method.md §5b)
         shared_vocab = tokenizers_shared_vocabulary(sides.student.tokenizer, sides.teacher_tokenizer)
     # Projector initialisation (nn.Linear defaults) follows the recipe's seed.

@@ -84,8 +84,7 @@ def plan_llm_run(
         # The fused base loss holds one chunk of logits at a time (loss.fused_head).
         logit_chunk=recipe.loss.chunk_size if recipe.fused_head_runs else None,
         fused_buffers=FUSED_AUTOGRAD_FP32_BUFFERS if recipe.loss.base == "distillm2" else FUSED_FP32_BUFFERS,
-        # SRA's attention centres read the attention rows: eager attention (build_objective)
-        eager_attention=bool(pairs.sra_layers) and recipe.loss.sra_centre == "last_token_attention",
+        eager_attention=eager_attention(recipe, pairs.sra_layers),
     )
     return RunPlan(
         name=recipe.name,
@@ -109,6 +108,12 @@ def plan_llm_run(
         off_policy_new_tokens=recipe.off_policy_max_new_tokens if recipe.off_policy.mode != "off" else None,
         summary=layer_lines(recipe, pairs.layers, pairs.fdd_layers),
     )
+
+
+def eager_attention(recipe: Recipe, sra_layers: list[LayerIndexPair]) -> bool:
+    """Whether both models run eager attention: SRA's last-token-attention centre reads their
+    attention rows (``build_objective`` switches them; the plan counts the scores)."""
+    return bool(sra_layers) and recipe.loss.sra_centre == "last_token_attention"
 
 
 def plan_models(
